@@ -1,0 +1,37 @@
+# pipeplan: every target does its own set-up (virtual env in .venv, torch==2.13.0, editable install).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash examples/demo.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check pipeplan tests benchmarks examples
+	$(BIN)/ruff format --check pipeplan tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix pipeplan tests benchmarks examples
+	$(BIN)/ruff format pipeplan tests benchmarks examples
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

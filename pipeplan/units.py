@@ -1,0 +1,48 @@
+"""Parsing and printing sizes and counts: `80GiB`, `1.5e9`, `1T` tokens."""
+
+from __future__ import annotations
+
+import re
+
+from pipeplan.errors import ConfigError
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int | float, *, option: str = "size") -> int:
+    """`"80GiB"` -> bytes; bare numbers are bytes; `G`/`GB` are 2**30 / 10**9."""
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER.match(text)
+        if not match or match.group(2).lower() not in _BYTE_UNITS:
+            raise ConfigError(f"{option} {text!r} is not a size; use e.g. 80GiB, 16GB or 512MiB")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = int(value * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{option} must be positive, got {text!r}")
+    return size
+
+
+def parse_count(text: str | int | float, *, option: str = "count") -> float:
+    """`"1T"` -> 1e12, `"300B"` -> 3e11, `"2.5M"` -> 2.5e6."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = _NUMBER.match(text)
+    if not match or match.group(2).lower() not in _COUNT_UNITS:
+        raise ConfigError(f"{option} {text!r} is not a count; use e.g. 1T, 300B or 2.5e9")
+    return float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
+
+
+def format_bytes(num: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num) >= scale:
+            return f"{num / scale:.2f} {unit}"
+    return f"{int(num)} B"

@@ -1,0 +1,1 @@
+"""Cost model and dynamic program: stage cuts, replication, chunk placement, memory check."""

@@ -1,0 +1,1 @@
+"""Search over (pipeline depth, replicas, microbatches, schedule); Plan read/write; launch scripts; capacity."""

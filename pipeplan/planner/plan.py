@@ -1,0 +1,183 @@
+"""Plan: everything `pipeplan run` needs to execute a chosen pipeline layout, as versioned JSON (plan.json).
+
+Layout vocabulary:
+- a *pipeline* is one copy of the model split into `stages`; `training.data_parallel` identical pipelines run side
+  by side on disjoint ranks and all-reduce gradients stage by stage;
+- a *stage* is a contiguous range of layers (and the FX nodes in them); a stage may be replicated inside a pipeline
+  (PipeDream's non-uniform replication): its replicas split the microbatches between them;
+- a *rank* is one process/device; it holds one or more stages (chunks: interleaved, zbv, dualpipev) of one pipeline.
+`rank_ops[rank]` is the ordered op list that rank executes (`{stage}{kind}{microbatch}`, microbatches numbered per
+pipeline); which rank handles (stage, microbatch) is read off these lists — they are the single source of truth.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeplan.errors import FormatError
+from pipeplan.jsonio import read_json, require_fields, write_json
+from pipeplan.partition.cluster import Cluster
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    ref: str  # built-in name, path/to/file.py:factory or package.module:factory
+    options: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""  # of the traced LayerGraph; the runtime refuses a model that does not match
+    granularity: int | None = None  # layer grouping used when tracing
+    tokens_per_sample: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    global_batch_size: int
+    microbatch_size: int
+    num_microbatches: int  # per pipeline per step
+    data_parallel: int = 1  # identical pipelines
+    optimizer: str = "adamw"
+    optimizer_bytes_per_param: float = 16.0  # memory accounting (weights + grads + optimizer state)
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel"):
+            if getattr(self, name) < 1:
+                raise FormatError(f"training.{name} must be >= 1")
+        expected = self.microbatch_size * self.num_microbatches * self.data_parallel
+        if expected != self.global_batch_size:
+            raise FormatError(
+                f"training.global_batch_size ({self.global_batch_size}) must equal microbatch_size x "
+                f"num_microbatches x data_parallel ({expected})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    index: int
+    first_layer: int
+    last_layer: int  # inclusive
+    layer_names: tuple[str, ...]
+    node_names: tuple[str, ...]  # FX node names this stage computes
+    replicas: int = 1  # inside one pipeline
+    forward_ms: float = 0.0  # predicted per microbatch
+    input_grad_ms: float = 0.0
+    weight_grad_ms: float = 0.0
+    param_count: int = 0
+    memory_bytes: int = 0  # predicted peak on one device holding this stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    rank: int
+    node: int
+    pipeline: int  # data-parallel index
+    stages: tuple[int, ...]  # stages (chunks) this rank holds, in chunk order
+    stage_replica: int = 0  # index inside the stage's replica group
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    step_ms: float
+    samples_per_s: float
+    tokens_per_s: float | None = None
+    bubble_rate: float = 0.0
+    peak_memory_bytes: tuple[int, ...] = ()  # per rank
+    memory_limit_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelRef
+    cluster: Cluster
+    training: TrainingConfig
+    schedule: str
+    chunks: int  # stages per pipeline device (1, or v for interleaved / zbv / dualpipev)
+    stages: tuple[StagePlan, ...]
+    ranks: tuple[RankInfo, ...]
+    rank_ops: tuple[tuple[str, ...], ...]
+    predicted: Prediction
+    alternatives: tuple[dict[str, Any], ...] = ()
+    rationale: str = ""
+    pipeplan_version: str = ""
+    torch_version: str = ""
+
+    def __post_init__(self) -> None:
+        _check_plan(self)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": PLAN_SCHEMA_VERSION, **asdict(self)}
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "plan") -> Plan:
+        top = ["model", "cluster", "training", "schedule", "chunks", "stages", "ranks", "rank_ops", "predicted"]
+        require_fields(data, top, where=where)
+        try:
+            return cls(
+                model=ModelRef(**data["model"]),
+                cluster=Cluster(**data["cluster"]),
+                training=TrainingConfig(**data["training"]),
+                schedule=data["schedule"],
+                chunks=int(data["chunks"]),
+                stages=tuple(_stage_from_dict(s) for s in data["stages"]),
+                ranks=tuple(RankInfo(**{**r, "stages": tuple(r["stages"])}) for r in data["ranks"]),
+                rank_ops=tuple(tuple(ops) for ops in data["rank_ops"]),
+                predicted=_prediction_from_dict(data["predicted"]),
+                alternatives=tuple(data.get("alternatives", ())),
+                rationale=data.get("rationale", ""),
+                pipeplan_version=data.get("pipeplan_version", ""),
+                torch_version=data.get("torch_version", ""),
+            )
+        except TypeError as exc:  # a missing or unknown field inside a section
+            raise FormatError(f"{where}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        data = read_json(path, kind="plan", schema_version=PLAN_SCHEMA_VERSION)
+        return cls.from_dict(data, where=f"plan file {str(path)!r}")
+
+
+def _stage_from_dict(data: dict[str, Any]) -> StagePlan:
+    return StagePlan(**{**data, "layer_names": tuple(data["layer_names"]), "node_names": tuple(data["node_names"])})
+
+
+def _prediction_from_dict(data: dict[str, Any]) -> Prediction:
+    return Prediction(**{**data, "peak_memory_bytes": tuple(data.get("peak_memory_bytes", ()))})
+
+
+def _check_plan(plan: Plan) -> None:
+    """One clear FormatError per inconsistency a hand-edited or truncated plan.json could have."""
+    if not plan.stages:
+        raise FormatError("plan has no stages")
+    if [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        raise FormatError("plan stages must be numbered 0..S-1 in order")
+    for prev, nxt in zip(plan.stages, plan.stages[1:], strict=False):
+        if nxt.first_layer != prev.last_layer + 1:
+            raise FormatError(f"plan stage {nxt.index} must start at layer {prev.last_layer + 1}")
+    if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
+        raise FormatError("plan ranks must be numbered 0..N-1 in order")
+    if len(plan.rank_ops) != len(plan.ranks):
+        raise FormatError(f"plan has {len(plan.ranks)} ranks but {len(plan.rank_ops)} rank_ops lists")
+    if len(plan.ranks) > plan.cluster.num_devices:
+        raise FormatError(f"plan uses {len(plan.ranks)} ranks but its cluster has {plan.cluster.num_devices} devices")
+    num_stages = len(plan.stages)
+    for info in plan.ranks:
+        bad = [s for s in info.stages if not 0 <= s < num_stages]
+        if bad or not info.stages:
+            raise FormatError(f"plan rank {info.rank} holds invalid stages {list(info.stages)}")
+        if not 0 <= info.pipeline < plan.training.data_parallel:
+            raise FormatError(f"plan rank {info.rank} has pipeline {info.pipeline} >= data_parallel")
+    if plan.chunks < 1:
+        raise FormatError("plan chunks must be >= 1")

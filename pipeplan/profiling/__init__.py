@@ -1,0 +1,1 @@
+"""Tracing (torch.fx -> LayerGraph), measured and analytic profiling, Profile read/write."""

@@ -1,0 +1,1 @@
+"""Executes a Plan on torch.distributed: stage building, per-rank executor, split backward, training loop."""

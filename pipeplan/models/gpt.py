@@ -154,4 +154,5 @@ def gpt(
         loss_fn=lm_loss,
         options=options,
         tokens_per_sample=seq,
+        init_module=_init_weights,
     )

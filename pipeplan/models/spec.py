@@ -23,6 +23,9 @@ class ModelSpec:
     - `data(batch_size, seed)` optionally yields real `(inputs, target)` batches for training (default: synthetic
       batches from `sample_batch`).
     - `leaf_modules`: module classes torch.fx must not trace into (e.g. one with data-dependent control flow).
+    - `init_module(module)` initializes one submodule's own parameters in place (default: its
+      `reset_parameters()`); applied submodule by submodule after materializing from the meta device, so a rank
+      that owns only some layers initializes them exactly as a whole-model build would with the same seeds.
     """
 
     name: str
@@ -33,6 +36,7 @@ class ModelSpec:
     tokens_per_sample: int | None = None
     leaf_modules: tuple[type[nn.Module], ...] = ()
     data: Callable[[int, int], Iterator[Batch]] | None = None
+    init_module: Callable[[nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -24,7 +24,9 @@ app = typer.Typer(
 )
 
 # (command name, "module:function"); every function's docstring ends with an example.
-_COMMANDS: list[tuple[str, str]] = []
+_COMMANDS: list[tuple[str, str]] = [
+    ("simulate", "pipeplan.schedules.commands:simulate"),
+]
 
 
 def _one_line_errors(func: Callable) -> Callable:

@@ -1,0 +1,135 @@
+"""`pipeplan simulate`: generate a schedule, simulate it and show metrics, a Gantt chart or a ranking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from pipeplan.console import out, print_json
+from pipeplan.errors import ScheduleError
+from pipeplan.jsonio import write_json
+from pipeplan.schedules.memory import inflight_per_stage
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import SCHEDULE_NAMES, generate
+from pipeplan.schedules.render import gantt, timeline_to_chrome_trace
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
+from pipeplan.schedules.simulate import simulate as simulate_schedule
+
+
+def _run(
+    name: str,
+    *,
+    devices: int,
+    microbatches: int,
+    chunks: int | None,
+    f: float,
+    b: float,
+    w: float,
+    comm: float,
+    memory_limit: int | None,
+) -> tuple[Schedule, Timeline]:
+    """Generate with per-device-slice costs split evenly over the chunks each device holds."""
+    plain = generate(name, num_devices=devices, num_microbatches=microbatches, chunks=chunks)
+    v = plain.num_chunks
+    costs = StageCosts(forward_ms=f / v, input_grad_ms=b / v, weight_grad_ms=w / v, comm_ms=comm)
+    schedule = generate(
+        name,
+        num_devices=devices,
+        num_microbatches=microbatches,
+        chunks=chunks,
+        costs=costs,
+        memory_limit=memory_limit,
+    )
+    return schedule, simulate_schedule(schedule, costs, MemoryCosts(activation_bytes=1.0 / v))
+
+
+def _metrics(schedule: Schedule, timeline: Timeline) -> dict[str, Any]:
+    data = timeline.metrics()
+    data["peak_activations"] = max(timeline.peak_memory_bytes)
+    data["peak_memory_bytes"] = data.pop("peak_memory_bytes")
+    data["inflight_per_stage"] = list(inflight_per_stage(schedule))
+    data["num_stages"] = schedule.num_stages
+    data["num_microbatches"] = schedule.num_microbatches
+    return data
+
+
+def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("schedule", "stages", "makespan", "max span", "bubble rate", "ZB bubble", "peak act."):
+        table.add_column(column, justify="left" if column == "schedule" else "right")
+    for row in rows:
+        table.add_row(
+            row["schedule"],
+            str(row["num_stages"]),
+            f"{row['makespan_ms']:.3f}",
+            f"{row['max_span_ms']:.3f}",
+            f"{row['bubble_rate']:.1%}",
+            f"{row['zb_bubble_ms']:.3f} ({row['zb_bubble_rate']:.1%})",
+            f"{row['peak_activations']:.2f}",
+        )
+    return table
+
+
+def simulate(
+    schedule: str = typer.Option(None, "--schedule", "-s", help=f"One of: {', '.join(SCHEDULE_NAMES)}."),
+    stages: int = typer.Option(..., "--stages", "-p", help="Pipeline devices P."),
+    microbatches: int = typer.Option(..., "--microbatches", "-m", help="Microbatches per step M."),
+    chunks: int = typer.Option(None, "--chunks", "-v", help="Stages per device (interleaved; default per schedule)."),
+    f: float = typer.Option(1.0, "--f", help="Forward ms of one device's model slice."),
+    b: float = typer.Option(1.0, "--b", help="Input-gradient (I) ms of one device's slice; full B = I + W."),
+    w: float = typer.Option(1.0, "--w", help="Weight-gradient (W) ms of one device's slice."),
+    comm: float = typer.Option(0.0, "--comm", help="Transfer ms across each device boundary."),
+    memory_limit: int = typer.Option(None, "--memory-limit", help="Max microbatches in flight per stage."),
+    compare: bool = typer.Option(False, "--compare", help="Simulate every schedule and rank by makespan."),
+    json_output: bool = typer.Option(False, "--json", help="Print only JSON (metrics + op lists)."),
+    trace: Path = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
+) -> None:
+    """Simulate a pipeline schedule: makespan, bubbles, peak activations and a Gantt chart.
+
+    Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches.
+
+    Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
+    """
+    options = dict(
+        devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit
+    )
+    if compare:
+        _compare(options, json_output=json_output, highlight=schedule)
+        return
+    if schedule is None:
+        raise typer.BadParameter("pass --schedule NAME (or --compare)", param_hint="--schedule")
+    plan, timeline = _run(schedule, **options)
+    if trace is not None:
+        write_json(trace, timeline_to_chrome_trace(timeline.rows()))
+    metrics = _metrics(plan, timeline)
+    if json_output:
+        print_json({**metrics, "stage_device": list(plan.stage_device), "device_ops": plan.op_strings()})
+        return
+    out.print(_metrics_table([metrics], title=f"{schedule}: {stages} devices, {microbatches} microbatches"))
+    out.print(gantt(timeline, width=out.width))
+    if trace is not None:
+        out.print(f"wrote Chrome trace {trace}")
+
+
+def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | None) -> None:
+    results, skipped = [], []
+    for name in SCHEDULE_NAMES:
+        try:
+            plan, timeline = _run(name, **{**options, "chunks": options["chunks"] if name == "interleaved" else None})
+        except ScheduleError as exc:
+            skipped.append({"schedule": name, "reason": str(exc)})
+            continue
+        results.append(_metrics(plan, timeline))
+    results.sort(key=lambda row: (row["makespan_ms"], row["peak_activations"]))
+    if json_output:
+        print_json({"results": results, "skipped": skipped})
+        return
+    title = f"{options['devices']} devices, {options['microbatches']} microbatches, ranked by makespan"
+    out.print(_metrics_table(results, title=title))
+    for row in skipped:
+        out.print(f"[dim]skipped {row['schedule']}: {row['reason']}[/]", highlight=False)
+    if highlight and highlight not in {row["schedule"] for row in results} | {r["schedule"] for r in skipped}:
+        raise ScheduleError(f"unknown schedule {highlight!r}; choose --schedule from: {', '.join(SCHEDULE_NAMES)}")

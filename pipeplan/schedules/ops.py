@@ -1,0 +1,170 @@
+"""Ops and schedules as plain data: `Op(kind, stage, microbatch)` with the text form `{stage}{kind}{mb}` used by
+torch.distributed.pipelining (`2F0`, `1I3`, `0W2`), and `Schedule`, one ordered op list per device.
+
+Kinds: F forward, B full backward (input + weight gradients), I input-gradient backward, W weight-gradient backward.
+(The zero-bubble papers call I "B".) A schedule's CSV form has one row per device, one op string per cell — the
+"compute_only" format torch's `PipelineScheduleMulti._load_csv` reads.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pipeplan.errors import FormatError, ScheduleError
+
+KINDS = ("F", "B", "I", "W")
+SCHEMA_VERSION = 1
+_OP_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One compute op: `kind` on global stage `stage` for microbatch `microbatch` (positional: `Op("F", 2, 0)`)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ScheduleError(f"op kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(f"op {self.stage}{self.kind}{self.microbatch} has a negative index")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        """Parse `2F0` / `1I3` / `0W2` (surrounding whitespace ignored)."""
+        match = _OP_RE.match(text.strip())
+        if match is None:
+            raise FormatError(f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0")
+        stage, kind, microbatch = match.groups()
+        return cls(kind=kind, stage=int(stage), microbatch=int(microbatch))
+
+
+@dataclass(kw_only=True, frozen=True)
+class Schedule:
+    """One ordered op list per device. `stage_device[s]` is the device global stage `s` runs on; microbatches
+    flow stage 0 -> 1 -> ... -> num_stages - 1 forward and back again for the backward."""
+
+    name: str
+    num_devices: int
+    num_stages: int
+    num_microbatches: int
+    stage_device: tuple[int, ...]
+    device_ops: tuple[tuple[Op, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1 or self.num_stages < 1 or self.num_microbatches < 1:
+            raise ScheduleError(
+                f"schedule {self.name!r} needs >= 1 device, stage and microbatch; got devices="
+                f"{self.num_devices}, stages={self.num_stages}, microbatches={self.num_microbatches}"
+            )
+        if len(self.stage_device) != self.num_stages:
+            raise ScheduleError(
+                f"schedule {self.name!r}: stage_device has {len(self.stage_device)} entries for "
+                f"{self.num_stages} stages"
+            )
+        if any(not 0 <= d < self.num_devices for d in self.stage_device):
+            raise ScheduleError(f"schedule {self.name!r}: stage_device {self.stage_device} names a missing device")
+        if len(self.device_ops) != self.num_devices:
+            raise ScheduleError(
+                f"schedule {self.name!r}: {len(self.device_ops)} op lists for {self.num_devices} devices"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages per device (v); 1 for gpipe/1f1b/zb-h*, 2 for zbv/dualpipev."""
+        return self.num_stages // self.num_devices
+
+    def op_strings(self) -> list[list[str]]:
+        return [[str(o) for o in ops] for ops in self.device_ops]
+
+    # ---- CSV (torch.distributed.pipelining "compute_only" format) ----
+    def to_csv(self) -> str:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        for row in self.op_strings():
+            writer.writerow(row)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str, *, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
+        """Read one row per device. Stage placement is inferred from where each stage's ops appear; the
+        microbatch count is inferred (max index + 1) unless given."""
+        rows = [[cell for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
+        while rows and not rows[-1]:
+            rows.pop()
+        if not rows:
+            raise FormatError("schedule CSV is empty: expected one row of op strings per device")
+        device_ops = tuple(tuple(Op.parse(cell) for cell in row) for row in rows)
+        return _from_device_ops(name, device_ops, num_microbatches)
+
+    # ---- JSON ----
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "stage_device": list(self.stage_device),
+            "device_ops": self.op_strings(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
+        fields = ["name", "num_devices", "num_stages", "num_microbatches", "stage_device", "device_ops"]
+        missing = [f for f in fields if f not in data]
+        if missing:
+            raise FormatError(f"schedule JSON is missing field(s): {', '.join(missing)}")
+        return cls(
+            name=str(data["name"]),
+            num_devices=int(data["num_devices"]),
+            num_stages=int(data["num_stages"]),
+            num_microbatches=int(data["num_microbatches"]),
+            stage_device=tuple(int(d) for d in data["stage_device"]),
+            device_ops=tuple(tuple(Op.parse(s) for s in row) for row in data["device_ops"]),
+        )
+
+
+def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...], num_microbatches: int | None) -> Schedule:
+    placement: dict[int, int] = {}
+    max_mb = -1
+    for device, ops in enumerate(device_ops):
+        for o in ops:
+            if placement.setdefault(o.stage, device) != device:
+                raise FormatError(f"schedule CSV puts stage {o.stage} on devices {placement[o.stage]} and {device}")
+            max_mb = max(max_mb, o.microbatch)
+    num_stages = max(placement, default=-1) + 1
+    absent = [s for s in range(num_stages) if s not in placement]
+    if absent or num_stages == 0:
+        raise FormatError(f"schedule CSV has no ops for stage(s) {absent or [0]}")
+    return Schedule(
+        name=name,
+        num_devices=len(device_ops),
+        num_stages=num_stages,
+        num_microbatches=num_microbatches if num_microbatches is not None else max_mb + 1,
+        stage_device=tuple(placement[s] for s in range(num_stages)),
+        device_ops=device_ops,
+    )
+
+
+def make_schedule(
+    name: str, num_microbatches: int, stage_device: tuple[int, ...], device_ops: list[list[Op]]
+) -> Schedule:
+    """Build a Schedule from a generator's lists (num_devices/num_stages derived)."""
+    return Schedule(
+        name=name,
+        num_devices=len(device_ops),
+        num_stages=len(stage_device),
+        num_microbatches=num_microbatches,
+        stage_device=tuple(stage_device),
+        device_ops=tuple(tuple(ops) for ops in device_ops),
+    )

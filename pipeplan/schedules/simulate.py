@@ -1,0 +1,209 @@
+"""One `simulate()`: time a Schedule's op lists under per-stage costs, comm and memory.
+
+An op starts when its device is free (each device runs its list in order) and its dependencies are done, plus
+the stage-boundary comm time when the producing stage sits on another device (a same-device hand-off is free).
+Deterministic: the result is the longest-path timing of the op DAG, independent of processing order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pipeplan.errors import ConfigError
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.validate import validated_order
+
+Number = float | int
+PerStage = Number | Sequence[Number]
+
+
+def _broadcast(value: PerStage | None, length: int, *, option: str) -> tuple[float, ...]:
+    if isinstance(value, int | float):
+        values = (float(value),) * length
+    else:
+        values = tuple(float(v) for v in value)
+        if len(values) != length:
+            raise ConfigError(f"{option} has {len(values)} values; expected {length} (or one scalar)")
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ConfigError(f"{option} must be finite and >= 0, got {values}")
+    return values
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageCosts:
+    """Per-stage op times in ms (scalars broadcast to every stage). `backward_ms` (full B) defaults to I + W.
+    `comm_ms[s]` is the transfer time across the boundary s -> s+1, the same for activations forward and
+    gradients backward, charged only when the two stages are on different devices."""
+
+    forward_ms: PerStage = 1.0
+    input_grad_ms: PerStage = 1.0
+    weight_grad_ms: PerStage = 1.0
+    backward_ms: PerStage | None = None
+    comm_ms: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "comm_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
+
+    def per_stage(self, num_stages: int) -> StageCosts:
+        """A copy with every field a tuple: num_stages entries (num_stages - 1 for comm_ms)."""
+        fwd = _broadcast(self.forward_ms, num_stages, option="forward_ms")
+        igrad = _broadcast(self.input_grad_ms, num_stages, option="input_grad_ms")
+        wgrad = _broadcast(self.weight_grad_ms, num_stages, option="weight_grad_ms")
+        if self.backward_ms is None:
+            bwd = tuple(i + w for i, w in zip(igrad, wgrad))
+        else:
+            bwd = _broadcast(self.backward_ms, num_stages, option="backward_ms")
+        comm = _broadcast(self.comm_ms, num_stages - 1, option="comm_ms")
+        return StageCosts(forward_ms=fwd, input_grad_ms=igrad, weight_grad_ms=wgrad, backward_ms=bwd, comm_ms=comm)
+
+    def op_ms(self, o: Op) -> float:
+        """Duration of `o`; call on a `per_stage()` copy."""
+        table = {"F": self.forward_ms, "I": self.input_grad_ms, "W": self.weight_grad_ms, "B": self.backward_ms}
+        return table[o.kind][o.stage]  # type: ignore[index]
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryCosts:
+    """Activation bytes per microbatch per stage (allocated when F starts), the part of them freed when I ends
+    (the rest when W ends; B frees all), and static bytes per device (weights, optimizer state)."""
+
+    activation_bytes: PerStage = 1.0
+    input_grad_freed_bytes: PerStage = 0.0
+    static_bytes: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("activation_bytes", "input_grad_freed_bytes", "static_bytes"):
+            value = getattr(self, name)
+            _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
+
+
+class TimelineEntry(NamedTuple):
+    device: int
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class Timeline:
+    """Simulated timing of every op plus metrics.
+
+    - makespan: last op end (the first op starts at 0).
+    - device_span[d]: first op start to last op end on device d; max_span their max.
+    - bubble_rate: 1 - sum(busy) / (num_devices * makespan).
+    - zb_bubble_ms: the zero-bubble papers' bubble: max over devices d with span_d == max_span (float ties
+      allowed) of (max_span - busy_d), where busy_d is the compute time of d's ops (= m * sum(F + I + W) over
+      d's stages when B = I + W); zb_bubble_rate = zb_bubble_ms / max_span.
+    - peak_memory_bytes[d]: static bytes + max live activation bytes on device d.
+    """
+
+    schedule_name: str
+    num_devices: int
+    entries: tuple[TimelineEntry, ...]
+    makespan: float
+    device_span: tuple[float, ...]
+    device_busy: tuple[float, ...]
+    max_span: float
+    bubble_rate: float
+    zb_bubble_ms: float
+    zb_bubble_rate: float
+    peak_memory_bytes: tuple[float, ...]
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule_name,
+            "num_devices": self.num_devices,
+            "makespan_ms": self.makespan,
+            "max_span_ms": self.max_span,
+            "bubble_rate": self.bubble_rate,
+            "zb_bubble_ms": self.zb_bubble_ms,
+            "zb_bubble_rate": self.zb_bubble_rate,
+            "device_span_ms": list(self.device_span),
+            "device_busy_ms": list(self.device_busy),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+        }
+
+    def rows(self) -> list[tuple[int, str, float, float]]:
+        """Plain (device, op string, start_ms, end_ms) rows, the input of `timeline_to_chrome_trace`."""
+        return [(e.device, str(e.op), e.start, e.end) for e in self.entries]
+
+
+def simulate(schedule: Schedule, costs: StageCosts | None = None, memory: MemoryCosts | None = None) -> Timeline:
+    """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default)."""
+    num_stages = schedule.num_stages
+    cost = (costs or StageCosts()).per_stage(num_stages)
+    placement = schedule.stage_device
+    comm = cost.comm_ms
+    durations = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
+    end_of: dict[tuple[str, int, int], float] = {}
+    free_at = [0.0] * schedule.num_devices
+    placed: list[list[TimelineEntry]] = [[] for _ in range(schedule.num_devices)]
+    for device, o, deps in validated_order(schedule):
+        start = free_at[device]
+        for dep in deps:
+            ready = end_of[dep]
+            if placement[dep[1]] != device:
+                ready += comm[min(dep[1], o.stage)]
+            if ready > start:
+                start = ready
+        end = start + durations[o.kind][o.stage]  # type: ignore[index]
+        end_of[(o.kind, o.stage, o.microbatch)] = end
+        free_at[device] = end
+        placed[device].append(TimelineEntry(device, o, start, end))
+    return _timeline(schedule, placed, memory or MemoryCosts())
+
+
+def _timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> Timeline:
+    num_devices = schedule.num_devices
+    makespan = max((row[-1].end for row in placed if row), default=0.0)
+    span = tuple(row[-1].end - row[0].start if row else 0.0 for row in placed)
+    busy = tuple(sum(e.end - e.start for e in row) for row in placed)
+    max_span = max(span)
+    zb_bubble = max(s - b for s, b in zip(span, busy) if s >= max_span - 1e-9 * max(1.0, max_span))
+    return Timeline(
+        schedule_name=schedule.name,
+        num_devices=num_devices,
+        entries=tuple(e for row in placed for e in row),
+        makespan=makespan,
+        device_span=span,
+        device_busy=busy,
+        max_span=max_span,
+        bubble_rate=1.0 - sum(busy) / (num_devices * makespan) if makespan > 0 else 0.0,
+        zb_bubble_ms=zb_bubble,
+        zb_bubble_rate=zb_bubble / max_span if max_span > 0 else 0.0,
+        peak_memory_bytes=_peak_memory(schedule, placed, memory),
+    )
+
+
+def _peak_memory(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> tuple[float, ...]:
+    act = _broadcast(memory.activation_bytes, schedule.num_stages, option="activation_bytes")
+    freed_by_i = _broadcast(memory.input_grad_freed_bytes, schedule.num_stages, option="input_grad_freed_bytes")
+    static = _broadcast(memory.static_bytes, schedule.num_devices, option="static_bytes")
+    if any(f > a for f, a in zip(freed_by_i, act)):
+        raise ConfigError("input_grad_freed_bytes must not exceed activation_bytes for any stage")
+    peaks = []
+    for device, row in enumerate(placed):
+        events: list[tuple[float, float]] = []
+        for e in row:
+            s = e.op.stage
+            if e.op.kind == "F":
+                events.append((e.start, act[s]))
+            elif e.op.kind == "I":
+                events.append((e.end, -freed_by_i[s]))
+            elif e.op.kind == "W":
+                events.append((e.end, -(act[s] - freed_by_i[s])))
+            else:
+                events.append((e.end, -act[s]))
+        events.sort()
+        live = peak = 0.0
+        for _, delta in events:
+            live += delta
+            peak = max(peak, live)
+        peaks.append(static[device] + peak)
+    return tuple(peaks)

@@ -1,0 +1,55 @@
+"""ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6 / "ZB-V"): two chunks per device in
+a V: device d holds stages d and 2p-1-d, so the first and last stage share device 0. With F = I = W the schedule
+has no bubble in the paper's sense (each device's span is its work) at the memory of 1F1B: 2p half-size chunk
+activations. Built for max(m, 2p-1) microbatches; with fewer the extra ops are dropped (still valid, with bubbles).
+"""
+
+from __future__ import annotations
+
+from pipeplan.schedules.ops import Op, Schedule, make_schedule
+
+
+def _device_ops(p: int, device: int, n: int) -> list[Op]:
+    s0, s1 = device, 2 * p - 1 - device  # chunk 0 (down the V) and chunk 1 (back up)
+    f0 = f1 = b0 = b1 = 0
+    ops: list[Op] = []
+    for _ in range(2 * (p - device) - 1):  # warm-up 1: forwards of chunk 0
+        ops.append(Op("F", s0, f0))
+        f0 += 1
+    for _ in range(device):  # warm-up 2: alternate chunk 1 and chunk 0 forwards
+        ops += [Op("F", s1, f1), Op("F", s0, f0)]
+        f1 += 1
+        f0 += 1
+    for _ in range(p - device):  # warm-up 3: chunk 1 forward + its backward (I, W)
+        ops += [Op("F", s1, f1), Op("I", s1, b1), Op("W", s1, b1)]
+        f1 += 1
+        b1 += 1
+    while f1 < f0 or f0 < n:  # steady: F0 I0 W0 F1 I1 W1
+        if f0 < n:
+            ops.append(Op("F", s0, f0))
+            f0 += 1
+        ops += [Op("I", s0, b0), Op("W", s0, b0), Op("F", s1, f1), Op("I", s1, b1), Op("W", s1, b1)]
+        f1 += 1
+        b0 += 1
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(device):  # cool-down 1: input gradients of both chunks, weights deferred
+        ops += [Op("I", s0, b0), Op("I", s1, b1)]
+        b0 += 1
+        b1 += 1
+    for _ in range(p - device):  # cool-down 2: chunk 0 input gradient + one deferred weight gradient
+        ops += [Op("I", s0, b0), Op("W", s0, w0)]
+        b0 += 1
+        w0 += 1
+    ops += [Op("W", s1, mb) for mb in range(w1, b1)]  # drain: remaining weight gradients
+    ops += [Op("W", s0, mb) for mb in range(w0, b0)]
+    assert f0 == b0 == n and f1 == b1 == n, (f0, b0, f1, b1, n)
+    return ops
+
+
+def zbv(num_devices: int, num_microbatches: int) -> Schedule:
+    p, m = num_devices, num_microbatches
+    n = max(m, 2 * p - 1)
+    device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]
+    stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return make_schedule("zbv", m, stage_device, device_ops)

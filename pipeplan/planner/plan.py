@@ -16,9 +16,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeplan.errors import FormatError
+from pipeplan.errors import FormatError, PipeplanError, RunError
 from pipeplan.jsonio import read_json, require_fields, write_json
 from pipeplan.partition.cluster import Cluster
+from pipeplan.schedules.ops import Op
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -114,6 +115,19 @@ class Plan:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def runnable(self) -> bool:
+        """False for plans made from a profile file alone (no model to trace, so no FX node names per stage)."""
+        return all(stage.node_names for stage in self.stages)
+
+    def require_runnable(self) -> None:
+        """Raise RunError unless `pipeplan run` can execute this plan."""
+        if not self.runnable:
+            raise RunError(
+                "this plan was made from a profile without a model, so its stages name no FX nodes; re-plan with "
+                "MODEL (e.g. `pipeplan plan gpt ...`) instead of --profile to get a runnable plan"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": PLAN_SCHEMA_VERSION, **asdict(self)}
 
@@ -181,3 +195,56 @@ def _check_plan(plan: Plan) -> None:
             raise FormatError(f"plan rank {info.rank} has pipeline {info.pipeline} >= data_parallel")
     if plan.chunks < 1:
         raise FormatError("plan chunks must be >= 1")
+    for info in plan.ranks:
+        if info.node != info.rank // plan.cluster.devices_per_node:
+            raise FormatError(f"plan rank {info.rank} is on node {info.node}; expected rank // devices_per_node")
+    _check_replicas(plan)
+    _check_rank_ops(plan)
+
+
+def _check_replicas(plan: Plan) -> None:
+    """Every pipeline holds each stage on exactly `replicas` ranks, numbered 0..replicas-1."""
+    for pipeline in range(plan.training.data_parallel):
+        holders: dict[int, list[int]] = {}
+        for info in plan.ranks:
+            if info.pipeline == pipeline:
+                for stage in info.stages:
+                    holders.setdefault(stage, []).append(info.stage_replica)
+        for stage in plan.stages:
+            found = sorted(holders.get(stage.index, []))
+            if found != list(range(stage.replicas)):
+                raise FormatError(
+                    f"plan pipeline {pipeline} holds stage {stage.index} on {len(found)} rank(s) with replica "
+                    f"indices {found}; stage {stage.index} declares {stage.replicas} replica(s)"
+                )
+
+
+def _check_rank_ops(plan: Plan) -> None:
+    """Each rank runs only its own stages; in each pipeline every (stage, microbatch) runs F once and B or I+W
+    once. (Deadlock freedom is the generator's invariant; the runtime checks it again before running.)"""
+    num_mb = plan.training.num_microbatches
+    seen: list[dict[tuple[int, int], str]] = [{} for _ in range(plan.training.data_parallel)]
+    for info, ops in zip(plan.ranks, plan.rank_ops):
+        for text in ops:
+            try:
+                op = Op.parse(text)
+            except PipeplanError as exc:
+                raise FormatError(f"plan rank {info.rank}: {exc}") from None
+            stage, kind, mb = op.stage, op.kind, op.microbatch
+            if stage not in info.stages:
+                raise FormatError(f"plan rank {info.rank} runs op {text} of stage {stage}, which it does not hold")
+            if mb >= num_mb:
+                raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
+            kinds = seen[info.pipeline].setdefault((stage, mb), "")
+            if kind in kinds:
+                raise FormatError(f"plan pipeline {info.pipeline} runs op {text} twice")
+            seen[info.pipeline][(stage, mb)] = kinds + kind
+    for pipeline, kinds_of in enumerate(seen):
+        for stage in range(len(plan.stages)):
+            for mb in range(num_mb):
+                kinds = "".join(sorted(kinds_of.get((stage, mb), "")))
+                if kinds not in ("BF", "FIW"):
+                    raise FormatError(
+                        f"plan pipeline {pipeline} runs ops {kinds or 'none'} for stage {stage} microbatch {mb}; "
+                        "each needs F and either B or I and W"
+                    )

@@ -1,0 +1,90 @@
+"""Stage replication inside one pipeline (PipeDream's non-uniform replication; Narayanan et al., "PipeDream:
+Generalized Pipeline Parallelism for DNN Training", SOSP 2019): a stage with `r` replicas runs on `r` devices, and
+replica `j` handles the microbatches with `mb % r == j` (PipeDream's round-robin).
+
+`replicate(schedule, replicas)` expands a one-stage-per-device schedule (gpipe, 1f1b, zb-h1, ...) into per-device op
+lists: the lists of stage `s`'s replicas are that stage's list filtered to their microbatches. Each list is a
+subsequence of the original, so any execution order of the original restricted to the new lists is still valid —
+the expansion is deadlock-free whenever the original is.
+
+Timing: `simulate()` places each stage on one device, so the planner times a replicated pipeline on the original
+schedule with stage `s`'s op times divided by `r_s` (the replicas together drain `r_s` microbatches per op time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeplan.errors import ScheduleError
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.validate import execution_order
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReplicatedSchedule:
+    """`device_ops[d]` runs on pipeline device `d`, which holds replica `device_replica[d]` of `device_stage[d]`."""
+
+    name: str
+    num_microbatches: int
+    replicas: tuple[int, ...]  # per stage
+    device_stage: tuple[int, ...]
+    device_replica: tuple[int, ...]
+    device_ops: tuple[tuple[Op, ...], ...]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ops)
+
+    def op_strings(self) -> list[list[str]]:
+        return [[str(o) for o in ops] for ops in self.device_ops]
+
+
+def replicate(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule:
+    """Expand `schedule` (one stage per device) so stage `s` runs on `replicas[s]` consecutive devices."""
+    replicas = tuple(int(r) for r in replicas)
+    if schedule.num_stages != schedule.num_devices:
+        raise ScheduleError(f"replicated stages need one stage per device; {schedule.name} has chunks > 1")
+    if len(replicas) != schedule.num_stages or any(r < 1 for r in replicas):
+        raise ScheduleError(f"replicas {list(replicas)} must give >= 1 replica to each of {schedule.num_stages} stages")
+    if any(r > schedule.num_microbatches for r in replicas):
+        raise ScheduleError(
+            f"a stage with {max(replicas)} replicas needs at least that many microbatches; "
+            f"got {schedule.num_microbatches} (raise the global batch size or lower the replicas)"
+        )
+    device_stage: list[int] = []
+    device_replica: list[int] = []
+    device_ops: list[tuple[Op, ...]] = []
+    for stage, count in enumerate(replicas):
+        ops = schedule.device_ops[schedule.stage_device[stage]]
+        for replica in range(count):
+            device_stage.append(stage)
+            device_replica.append(replica)
+            device_ops.append(tuple(o for o in ops if o.microbatch % count == replica))
+    expanded = ReplicatedSchedule(
+        name=schedule.name,
+        num_microbatches=schedule.num_microbatches,
+        replicas=replicas,
+        device_stage=tuple(device_stage),
+        device_replica=tuple(device_replica),
+        device_ops=tuple(device_ops),
+    )
+    check_deadlock_free(expanded)
+    return expanded
+
+
+def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
+    """Raise ScheduleError if the expanded lists deadlock (they never should; this guards the invariant).
+
+    `execution_order` only walks the lists and their dependencies, so the `stage_device` given to it (each stage's
+    first replica) is never used for placement here."""
+    first_device = {s: d for d, s in reversed(list(enumerate(expanded.device_stage)))}
+    probe = Schedule(
+        name=expanded.name,
+        num_devices=expanded.num_devices,
+        num_stages=len(expanded.replicas),
+        num_microbatches=expanded.num_microbatches,
+        stage_device=tuple(first_device[s] for s in range(len(expanded.replicas))),
+        device_ops=expanded.device_ops,
+    )
+    execution_order(probe)

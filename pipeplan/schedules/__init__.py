@@ -2,7 +2,7 @@
 dualpipev), validate, the activation-memory model, simulate, and rendering (terminal Gantt, Chrome trace).
 No torch import anywhere in this package."""
 
-from pipeplan.schedules.memory import inflight_per_stage, memory_model
+from pipeplan.schedules.memory import inflight_per_device, inflight_per_stage, memory_model
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, generate, stage_device
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, simulate
@@ -18,6 +18,7 @@ __all__ = [
     "TimelineEntry",
     "default_chunks",
     "generate",
+    "inflight_per_device",
     "inflight_per_stage",
     "memory_model",
     "simulate",

@@ -27,6 +27,23 @@ def inflight_per_stage(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def inflight_per_device(schedule: Schedule) -> tuple[int, ...]:
+    """Per device, the max number of (stage, microbatch) activations alive at once over all its stages. Exact
+    from the op order too: a device runs its list in order. (With V placement this is less than the sum of its
+    stages' `inflight_per_stage` peaks, which need not coincide.)"""
+    peaks = []
+    for ops in schedule.device_ops:
+        alive = peak = 0
+        for o in ops:
+            if o.kind == "F":
+                alive += 1
+                peak = max(peak, alive)
+            elif o.kind == "B" or o.kind == "W":
+                alive -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 @functools.lru_cache(maxsize=1024)
 def memory_model(
     name: str,

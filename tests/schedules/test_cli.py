@@ -1,0 +1,74 @@
+"""`pipeplan simulate` through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
+
+runner = CliRunner()
+
+
+def test_simulate_table_and_gantt():
+    result = runner.invoke(app, ["simulate", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8"])
+    assert result.exit_code == 0, result.output
+    assert "zb-h1" in result.output and "dev 3" in result.output
+
+
+def test_simulate_json():
+    args = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--f", "2", "--b", "1",
+            "--w", "1", "--comm", "0.5", "--json"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    # by hand: dev1 B2 ends at 15.5, +0.5 hop, dev0 B2 [16, 18]
+    assert data["makespan_ms"] == 18.0
+    assert data["device_ops"][1][:2] == ["1F0", "1B0"]
+    assert data["schedule"] == "1f1b"
+
+
+def test_simulate_trace_file(tmp_path):
+    path = tmp_path / "trace.json"
+    args = ["simulate", "-s", "zbv", "--stages", "2", "--microbatches", "4", "--trace", str(path), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert any(e["ph"] == "X" for e in json.loads(path.read_text())["traceEvents"])
+
+
+def test_compare_ranks_all():
+    args = ["simulate", "--compare", "--stages", "4", "--microbatches", "8", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    spans = [row["makespan_ms"] for row in data["results"]]
+    assert spans == sorted(spans)
+    assert {row["schedule"] for row in data["results"]} | {row["schedule"] for row in data["skipped"]} >= {
+        "gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev", "interleaved"
+    }  # fmt: skip
+    plain = runner.invoke(app, ["simulate", "--compare", "--stages", "4", "--microbatches", "8"])
+    assert plain.exit_code == 0 and "ranked by makespan" in plain.output
+
+
+def test_unknown_schedule_exits_1_with_one_line():
+    result = runner.invoke(app, ["simulate", "--schedule", "nope", "--stages", "2", "--microbatches", "2"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown schedule" in lines[0] and "zb-h1" in lines[0]
+
+
+def test_unsupported_combination_exits_1():
+    args = ["simulate", "--schedule", "dualpipev", "--stages", "4", "--microbatches", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "--microbatches" in result.output
+
+
+def test_missing_schedule_is_usage_error():
+    result = runner.invoke(app, ["simulate", "--stages", "2", "--microbatches", "2"])
+    assert result.exit_code == 2
+
+
+def test_help_ends_with_example():
+    result = runner.invoke(app, ["simulate", "--help"])
+    assert result.exit_code == 0 and "Example: pipeplan simulate" in result.output

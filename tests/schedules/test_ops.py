@@ -1,0 +1,85 @@
+"""Op text form, Schedule CSV / JSON round trips, and torch's CSV loader accepting our CSV."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeplan.errors import FormatError, ScheduleError
+from pipeplan.schedules import SCHEDULE_NAMES, Op, Schedule, generate
+
+
+def _examples() -> list[Schedule]:
+    return [generate(name, num_devices=3, num_microbatches=6) for name in SCHEDULE_NAMES if name != "interleaved"] + [
+        generate("interleaved", num_devices=3, num_microbatches=6, chunks=3)
+    ]
+
+
+@pytest.mark.parametrize("text", ["2F0", "1I3", "0W2", "12B105"])
+def test_op_text_round_trip(text):
+    assert str(Op.parse(text)) == text
+    assert Op.parse(f"  {text} ") == Op.parse(text)
+
+
+def test_op_positional_and_fields():
+    o = Op("I", 1, 3)
+    assert (o.kind, o.stage, o.microbatch) == ("I", 1, 3) and str(o) == "1I3"
+
+
+@pytest.mark.parametrize("bad", ["", "F0", "1X0", "1F", "-1F0", "1UNSHARD", "1F0x"])
+def test_op_parse_rejects(bad):
+    with pytest.raises(FormatError, match="bad op"):
+        Op.parse(bad)
+
+
+def test_op_rejects_bad_kind():
+    with pytest.raises(ScheduleError):
+        Op("Q", 0, 0)
+
+
+@pytest.mark.parametrize("schedule", _examples(), ids=lambda s: s.name)
+def test_csv_round_trip(schedule):
+    text = schedule.to_csv()
+    assert len(text.splitlines()) == schedule.num_devices
+    back = Schedule.from_csv(text, name=schedule.name)
+    assert back == schedule
+
+
+@pytest.mark.parametrize("schedule", _examples(), ids=lambda s: s.name)
+def test_json_round_trip(schedule):
+    data = json.loads(json.dumps(schedule.to_dict()))
+    assert data["schema_version"] == 1
+    assert Schedule.from_dict(data) == schedule
+
+
+def test_from_csv_errors():
+    with pytest.raises(FormatError, match="empty"):
+        Schedule.from_csv("")
+    with pytest.raises(FormatError, match="devices 0 and 1"):
+        Schedule.from_csv("0F0,0B0\n0F1\n")
+    with pytest.raises(FormatError, match="missing field"):
+        Schedule.from_dict({"name": "x"})
+
+
+def test_schedule_checks_shape():
+    with pytest.raises(ScheduleError, match="stage_device"):
+        Schedule(name="x", num_devices=1, num_stages=2, num_microbatches=1, stage_device=(0,), device_ops=((),))
+
+
+@pytest.mark.parametrize("schedule", _examples(), ids=lambda s: s.name)
+def test_torch_csv_loader_accepts_our_csv(schedule, tmp_path):
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action
+
+    path = tmp_path / "schedule.csv"
+    path.write_text(schedule.to_csv())
+    loader = PipelineScheduleMulti.__new__(PipelineScheduleMulti)  # no process group needed to parse
+    loader.pipeline_order = {}
+    loader.pp_group_size = schedule.num_devices
+    loader._num_stages = schedule.num_stages
+    loader._n_microbatches = schedule.num_microbatches
+    loader._stages = []
+    loader._load_csv(str(path))
+    assert loader.stage_index_to_group_rank == dict(enumerate(schedule.stage_device))
+    assert [[str(a) for a in row] for row in loader.pipeline_order.values()] == schedule.op_strings()
+    assert all(isinstance(a, _Action) for row in loader.pipeline_order.values() for a in row)

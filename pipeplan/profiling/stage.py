@@ -1,0 +1,81 @@
+"""Stage modules: a runnable nn.Module for any set of FX nodes of a traced model (one layer for the profiler, a
+union of layers for a pipeline stage in the runtime).
+
+The stage references, never copies, the original submodules and Parameters it uses (tied weights stay one
+Parameter object) and holds only those, so a rank can build the model on the meta device and materialize just its
+own part. Parameter names are the original qualified names (`blocks.0.attn.qkv.weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from pipeplan.profiling.trace import TracedModel
+
+
+class StageModule(fx.GraphModule):
+    """`forward(*values)` takes `inputs` in order and returns a tuple in `outputs` order."""
+
+    inputs: tuple[str, ...]  # values consumed but produced elsewhere (other stages or model placeholders)
+    outputs: tuple[str, ...]  # values produced here and needed later (the model output included)
+    node_names: tuple[str, ...]  # the original FX nodes this stage runs, in graph order
+
+    def __init__(self, root, graph: fx.Graph, *, inputs, outputs, node_names) -> None:
+        super().__init__(root, graph, class_name="StageModule")
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.node_names = tuple(node_names)
+
+
+def stage_boundary(traced: TracedModel, node_names: Iterable[str]) -> tuple[list[fx.Node], list[str], list[str]]:
+    """(nodes in graph order, input value names, output value names) for a set of node names."""
+    wanted = set(node_names)
+    graph_nodes = list(traced.graph_module.graph.nodes)
+    known = {n.name for n in graph_nodes}
+    unknown = sorted(wanted - known)
+    assert not unknown, f"unknown FX nodes: {unknown[:5]}"
+    nodes = [n for n in graph_nodes if n.name in wanted and n.op != "output"]
+    members = {n.name for n in nodes}
+    inputs: list[str] = []
+    for node in nodes:
+        if node.op == "placeholder":
+            inputs.append(node.name)
+            continue
+        for arg in node.all_input_nodes:
+            if arg.name not in members and arg.name not in inputs:
+                inputs.append(arg.name)
+    outputs = [
+        n.name
+        for n in nodes
+        if n.op != "placeholder" and any(u.op == "output" or u.name not in members for u in n.users)
+    ]
+    return nodes, inputs, outputs
+
+
+def build_stage_module(
+    traced: TracedModel, node_names: Iterable[str], *, outputs: Iterable[str] | None = None
+) -> StageModule:
+    """A StageModule computing the given FX nodes of `traced.graph_module`.
+
+    `outputs` overrides which values it returns (default: everything it produces that a later node needs); a name
+    it does not produce is passed through from its inputs, so an adjacent-stage pipeline can return exactly the
+    values of the next cut (`[t.producer for t in layer_graph.cuts[i]]`), skip connections included.
+    """
+    nodes, inputs, default_outputs = stage_boundary(traced, node_names)
+    assert nodes, "a stage needs at least one node"
+    produced = {n.name for n in nodes if n.op != "placeholder"}
+    outputs = default_outputs if outputs is None else list(outputs)
+    inputs += [name for name in outputs if name not in produced and name not in inputs]
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in inputs:
+        env[name] = graph.placeholder(name)
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
+    graph.output(tuple(env[name] for name in outputs))
+    graph.lint()
+    return StageModule(traced.graph_module, graph, inputs=inputs, outputs=outputs, node_names=[n.name for n in nodes])

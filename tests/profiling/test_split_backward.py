@@ -1,0 +1,176 @@
+"""I + W must give exactly the gradients of one plain backward, for many module shapes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from pipeplan.models.gpt import Block, Embedding
+from pipeplan.models.mlp import LinearAct
+from pipeplan.models.resnet import ResidualBlock
+from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
+
+
+class TwiceLinear(nn.Module):
+    """The same Linear applied twice: its weight and bias are reached along two input-side paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class SharedScale(nn.Module):
+    """One parameter used in two places of different kinds (elementwise scale and a weight-only branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x * self.scale) + self.scale.exp().sum()
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(torch.relu(h))
+
+
+def _reference(module, inputs, grad_outputs):
+    module.zero_grad(set_to_none=True)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    outs = module(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, grad_outputs)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return [t.grad for t in leaves], grads
+
+
+def _split(module, inputs, grad_outputs):
+    module.zero_grad(set_to_none=True)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    outs = module(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    params = list(module.parameters())
+    input_grads, state = backward_input(outs, grad_outputs, leaves, params)
+    assert all(p.grad is None for p in params), "I must not touch parameter gradients"
+    backward_weight(state)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return list(input_grads), grads
+
+
+def _check(module, inputs, *, out_shapes=None):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        probe = module(*inputs)
+    probe = probe if isinstance(probe, tuple) else (probe,)
+    grad_outputs = [torch.randn_like(p) for p in probe]
+    ref_inputs, ref_params = _reference(module, inputs, grad_outputs)
+    got_inputs, got_params = _split(module, inputs, grad_outputs)
+    for ref, got in zip(ref_inputs, got_inputs):
+        if ref is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert set(got_params) == set(ref_params)
+    for name in ref_params:
+        torch.testing.assert_close(got_params[name], ref_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_block():
+    _check(Block(32, 4, 0.0), [torch.randn(2, 16, 32)])
+
+
+def test_resnet_block():
+    _check(ResidualBlock(8), [torch.randn(2, 8, 6, 6)])
+
+
+def test_mlp_layer():
+    _check(LinearAct(16, "gelu"), [torch.randn(4, 16)])
+
+
+def test_parameter_used_in_two_places():
+    _check(SharedScale(), [torch.randn(4, 8)])
+
+
+def test_module_applied_twice_is_correct_and_warns():
+    with pytest.warns(RuntimeWarning, match="applied twice"):
+        _check(TwiceLinear(), [torch.randn(4, 8)])
+
+
+def test_first_stage_with_integer_inputs():
+    module = Embedding(50, 16, 10, 0.0)
+    _check(module, [torch.randint(0, 50, (3, 10))])
+    leaves = [torch.randint(0, 50, (3, 10))]
+    outs = (module(*leaves),)
+    info = analyze(outs, leaves, list(module.parameters()))
+    assert not info.input_side and info.weight_roots == [0], "without float inputs everything is W"
+
+
+def test_multiple_outputs_and_unused_grad_output():
+    module = TwoOutputs()
+    _check(module, [torch.randn(4, 8)])
+    x = torch.randn(4, 8, requires_grad=True)
+    h, y = module(x)
+    input_grads, state = backward_input((h, y), (None, torch.ones_like(y)), (x,), list(module.parameters()))
+    backward_weight(state)
+    assert input_grads[0].shape == x.shape
+
+
+def test_weight_grad_is_not_recomputed_by_input_grad():
+    """On a Linear chain the frontier is the matmul nodes: I does not produce any weight gradient."""
+    module = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = module(x)
+    info = analyze([out], [x], list(module.parameters()))
+    assert len(info.frontier) == 2 and not info.conflict
+    names = {type(n).__name__ for n in info.weight_side}
+    assert names <= {"AccumulateGrad", "TBackward0"}, names
+
+
+def test_backward_full_matches_reference():
+    module = Block(32, 4, 0.0)
+    inputs = [torch.randn(2, 8, 32)]
+    grad_out = [torch.randn(2, 8, 32)]
+    ref_inputs, ref_params = _reference(module, inputs, grad_out)
+    module.zero_grad(set_to_none=True)
+    x = inputs[0].clone().requires_grad_()
+    (dx,) = backward_full([module(x)], grad_out, [x], list(module.parameters()))
+    torch.testing.assert_close(dx, ref_inputs[0])
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name])
+
+
+def test_grads_accumulate_across_microbatches():
+    module = LinearAct(8, "relu")
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
+    g = torch.randn(4, 8)
+    module.zero_grad(set_to_none=True)
+    (module(x1).mul(g).sum() + module(x2).mul(g).sum()).backward()
+    expected = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    for x in (x1, x2):
+        xx = x.clone().requires_grad_()
+        _, state = backward_input([module(xx)], [g], [xx], list(module.parameters()))
+        backward_weight(state)
+    for p, e in zip(module.parameters(), expected):
+        torch.testing.assert_close(p.grad, e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xx = x1.clone().requires_grad_()
+        _, state = backward_input([module(xx)], [g], [xx], list(module.parameters()))
+        backward_weight(state)
+        with pytest.raises(AssertionError):
+            backward_weight(state)

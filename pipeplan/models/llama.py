@@ -1,0 +1,198 @@
+"""A LLaMA-style decoder in plain torch, written so torch.fx can trace it.
+
+Differences from `gpt`: RMSNorm instead of LayerNorm, rotary position embeddings (no position table),
+grouped-query attention (`kv_heads` key/value heads shared by `heads // kv_heads` query heads), a SwiGLU MLP
+(`down(silu(gate(x)) * up(x))`), no biases, untied LM head. Same top-level layout as `gpt` (`embed`,
+`blocks.{i}`, `head`) so layer grouping and partitioning treat both alike. Shapes follow Touvron et al.,
+"LLaMA" (2023) and "Llama 2" (2023).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeplan.models.gpt import lm_loss
+from pipeplan.models.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed * self.weight
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.kv_heads = kv_heads
+        self.head_dim = hidden // heads
+        self.rope_theta = rope_theta
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def _rotary(self, x: torch.Tensor, seq: int) -> torch.Tensor:
+        """Rotate pairs (i, i + d/2) of each head by position * theta^(-2i/d); angles computed in float32."""
+        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
+        positions = torch.arange(seq, device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.rope_theta**-exponents)
+        angles = torch.cat((angles, angles), dim=-1)
+        return x * angles.cos().to(x.dtype) + _rotate_half(x) * angles.sin().to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        # (b, s, heads * d) -> (b, heads, s, d)
+        q = self.q(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        q, k = self._rotary(q, seq), self._rotary(k, seq)
+        if self.kv_heads != self.heads:
+            groups = self.heads // self.kv_heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn = Attention(hidden, heads, kv_heads, theta)
+        self.mlp_norm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    def __init__(self, hidden: int, vocab: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(
+        self,
+        *,
+        layers: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        intermediate: int,
+        vocab: int,
+        norm_eps: float,
+        rope_theta: float,
+    ) -> None:
+        super().__init__()
+        self.embed = Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            Block(hidden, heads, kv_heads, intermediate, norm_eps, rope_theta) for _ in range(layers)
+        )
+        self.head = Head(hidden, vocab, norm_eps)
+        self.apply(init_llama_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def init_llama_weights(module: nn.Module) -> None:
+    """Initialize one submodule's own parameters, so per-submodule init matches a whole-model build."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, RMSNorm):
+        module.reset_parameters()
+
+
+def llama(
+    layers: int = 4,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 4,
+    intermediate: int = 344,
+    seq: int = 64,
+    vocab: int = 512,
+    norm_eps: float = 1e-5,
+    rope_theta: float = 10000.0,
+) -> ModelSpec:
+    """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, untied LM head."""
+    if min(layers, hidden, heads, kv_heads, intermediate, seq, vocab) < 1:
+        raise ValueError("layers, hidden, heads, kv_heads, intermediate, seq and vocab must be positive")
+    if hidden % heads or (hidden // heads) % 2:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}) into an even head size")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if norm_eps <= 0 or rope_theta <= 0:
+        raise ValueError("norm_eps and rope_theta must be positive")
+    options = dict(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        seq=seq,
+        vocab=vocab,
+        norm_eps=norm_eps,
+        rope_theta=rope_theta,
+    )
+    module_options = {key: value for key, value in options.items() if key != "seq"}
+
+    def sample_batch(batch_size: int, generator: torch.Generator | None = None):
+        tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator)
+        return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
+
+    return ModelSpec(
+        name="llama",
+        build=lambda: Llama(**module_options),
+        sample_batch=sample_batch,
+        loss_fn=lm_loss,
+        options=options,
+        tokens_per_sample=seq,
+        init_module=init_llama_weights,
+    )

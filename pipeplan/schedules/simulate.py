@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from pipeplan.errors import ConfigError
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.validate import validated_order
+from pipeplan.schedules.validate import run_in_order
 
 Number = float | int
 PerStage = Number | Sequence[Number]
@@ -136,26 +136,13 @@ class Timeline:
 
 def simulate(schedule: Schedule, costs: StageCosts | None = None, memory: MemoryCosts | None = None) -> Timeline:
     """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default)."""
-    num_stages = schedule.num_stages
-    cost = (costs or StageCosts()).per_stage(num_stages)
-    placement = schedule.stage_device
-    comm = cost.comm_ms
-    durations = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    end_of: dict[tuple[str, int, int], float] = {}
-    free_at = [0.0] * schedule.num_devices
-    placed: list[list[TimelineEntry]] = [[] for _ in range(schedule.num_devices)]
-    for device, o, deps in validated_order(schedule):
-        start = free_at[device]
-        for dep in deps:
-            ready = end_of[dep]
-            if placement[dep[1]] != device:
-                ready += comm[min(dep[1], o.stage)]
-            if ready > start:
-                start = ready
-        end = start + durations[o.kind][o.stage]  # type: ignore[index]
-        end_of[(o.kind, o.stage, o.microbatch)] = end
-        free_at[device] = end
-        placed[device].append(TimelineEntry(device, o, start, end))
+    cost = (costs or StageCosts()).per_stage(schedule.num_stages)
+    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
+    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
+    placed = [
+        [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
+        for device, ops in enumerate(schedule.device_ops)
+    ]
     return _timeline(schedule, placed, memory or MemoryCosts())
 
 
@@ -189,21 +176,17 @@ def _peak_memory(schedule: Schedule, placed: list[list[TimelineEntry]], memory: 
         raise ConfigError("input_grad_freed_bytes must not exceed activation_bytes for any stage")
     peaks = []
     for device, row in enumerate(placed):
-        events: list[tuple[float, float]] = []
+        live = peak = 0.0  # a device's ops run one after another, so list order is time order
         for e in row:
-            s = e.op.stage
-            if e.op.kind == "F":
-                events.append((e.start, act[s]))
-            elif e.op.kind == "I":
-                events.append((e.end, -freed_by_i[s]))
-            elif e.op.kind == "W":
-                events.append((e.end, -(act[s] - freed_by_i[s])))
+            kind, stage = e.op.kind, e.op.stage
+            if kind == "F":
+                live += act[stage]
+                peak = max(peak, live)
+            elif kind == "I":
+                live -= freed_by_i[stage]
+            elif kind == "W":
+                live -= act[stage] - freed_by_i[stage]
             else:
-                events.append((e.end, -act[s]))
-        events.sort()
-        live = peak = 0.0
-        for _, delta in events:
-            live += delta
-            peak = max(peak, live)
+                live -= act[stage]
         peaks.append(static[device] + peak)
     return tuple(peaks)

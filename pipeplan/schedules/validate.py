@@ -8,125 +8,164 @@ backward (I or B) of (s+1, mb); W(s, mb) needs I(s, mb).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Sequence
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.ops import Schedule
 
-Key = tuple[str, int, int]  # (kind, stage, microbatch)
+_KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 _GRID_ROWS = 12  # rows shown either side of the failing step
 
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError (with a marked grid) unless `schedule` is complete, well placed and deadlock-free."""
-    validated_order(schedule)
+    run_in_order(schedule)
 
 
-def validated_order(schedule: Schedule) -> list[tuple[int, Op, tuple[Key, ...]]]:
-    """`validate()` and return `execution_order()` (what `simulate()` walks)."""
+def run_in_order(
+    schedule: Schedule,
+    *,
+    op_ms: dict[str, Sequence[float]] | None = None,
+    comm_ms: Sequence[float] | None = None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Validate, then execute every device's list in order: an op starts when its device is free and its
+    dependencies are done (+ `comm_ms[boundary]` when the producer is on another device). `op_ms[kind][stage]`
+    gives durations (all 0 when None). Returns per-device start and end times, aligned with `device_ops`."""
     _check_placement(schedule)
-    _check_complete(schedule)
-    return execution_order(schedule)
+    backward_kind = _check_complete(schedule)
+    return _execute(schedule, backward_kind, op_ms, comm_ms)
 
 
-def execution_order(schedule: Schedule) -> list[tuple[int, Op, tuple[Key, ...]]]:
-    """(device, op, dependency keys) for every op, in an order where each op follows its dependencies and the
-    ops before it on its device. Raises ScheduleError naming the stuck ops when the lists deadlock."""
-    bwd_kind = backward_kinds(schedule)
-    last = schedule.num_stages - 1
-    done: set[Key] = set()
-    waiting: dict[Key, list[int]] = defaultdict(list)
-    pos = [0] * schedule.num_devices
-    runnable = list(range(schedule.num_devices - 1, -1, -1))
-    order: list[tuple[int, Op, tuple[Key, ...]]] = []
+def _execute(
+    schedule: Schedule,
+    backward_kind: bytearray,
+    op_ms: dict[str, Sequence[float]] | None,
+    comm_ms: Sequence[float] | None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    S, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
+    placement, device_ops = schedule.stage_device, schedule.device_ops
+    zeros = [0.0] * S
+    dur = {k: (op_ms[k] if op_ms else zeros) for k in "FBIW"}
+    comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
+    end: list[float | None] = [None] * (4 * n)  # by key = kind_index * n + stage * m + mb
+    starts = [[0.0] * len(ops) for ops in device_ops]
+    ends = [[0.0] * len(ops) for ops in device_ops]
+    pos, free = [0] * len(device_ops), [0.0] * len(device_ops)
+    waiting: dict[int, list[int]] = {}
+    runnable = list(range(len(device_ops) - 1, -1, -1))
     while runnable:
-        device = runnable.pop()
-        ops = schedule.device_ops[device]
-        while pos[device] < len(ops):
-            o = ops[pos[device]]
-            deps = dependency_keys(o, bwd_kind, last)
-            missing = next((k for k in deps if k not in done), None)
-            if missing is not None:
-                waiting[missing].append(device)
+        d = runnable.pop()
+        ops, i, t = device_ops[d], pos[d], free[d]
+        while i < len(ops):
+            o = ops[i]
+            kind, s = o.kind, o.stage
+            slot = s * m + o.microbatch
+            start, wait_on = t, -1
+            if kind == "F":
+                if s > 0:
+                    e = end[slot - m]
+                    if e is None:
+                        wait_on = slot - m
+                    else:
+                        if placement[s - 1] != d:
+                            e += comm[s - 1]
+                        start = max(start, e)
+            elif kind == "W":
+                e = end[2 * n + slot]
+                if e is None:
+                    wait_on = 2 * n + slot
+                elif e > start:
+                    start = e
+            else:
+                e = end[slot]
+                if e is None:
+                    wait_on = slot
+                else:
+                    start = max(start, e)
+                    if s + 1 < S:
+                        key = backward_kind[slot + m] * n + slot + m
+                        e = end[key]
+                        if e is None:
+                            wait_on = key
+                        else:
+                            start = max(start, e + comm[s] if placement[s + 1] != d else e)
+            if wait_on >= 0:
+                waiting.setdefault(wait_on, []).append(d)
                 break
-            key = (o.kind, o.stage, o.microbatch)
-            done.add(key)
-            order.append((device, o, deps))
-            pos[device] += 1
-            runnable.extend(waiting.pop(key, ()))
+            t = start + dur[kind][s]
+            key = _KIND_INDEX[kind] * n + slot
+            end[key] = t
+            starts[d][i], ends[d][i] = start, t
+            i += 1
+            if key in waiting:
+                runnable.extend(waiting.pop(key))
+        pos[d], free[d] = i, t
+    _raise_if_stuck(schedule, pos, waiting)
+    return starts, ends
+
+
+def _raise_if_stuck(schedule: Schedule, pos: list[int], waiting: dict[int, list[int]]) -> None:
     stuck = [(d, pos[d]) for d in range(schedule.num_devices) if pos[d] < len(schedule.device_ops[d])]
-    if stuck:
-        d, step = stuck[0]
-        o = schedule.device_ops[d][step]
-        need = next(k for k in dependency_keys(o, bwd_kind, last) if k not in done)
-        raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocks: device {d} waits at step {step} on {o} for "
-            f"{need[1]}{need[0]}{need[2]}, which never runs first (reorder the op lists)\n"
-            + format_grid(schedule, marks=set(stuck))
-        )
-    return order
-
-
-def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
-    """(stage, microbatch) -> "B" or "I": which op carries that microbatch's input gradient."""
-    kinds: dict[tuple[int, int], str] = {}
-    for ops in schedule.device_ops:
-        for o in ops:
-            if o.kind == "B" or o.kind == "I":
-                kinds[(o.stage, o.microbatch)] = o.kind
-    return kinds
-
-
-def dependency_keys(o: Op, bwd_kind: dict[tuple[int, int], str], last_stage: int) -> tuple[Key, ...]:
-    kind, stage, mb = o.kind, o.stage, o.microbatch
-    if kind == "F":
-        return (("F", stage - 1, mb),) if stage > 0 else ()
-    if kind == "W":
-        return (("I", stage, mb),)
-    if stage < last_stage:
-        return (("F", stage, mb), (bwd_kind.get((stage + 1, mb), "I"), stage + 1, mb))
-    return (("F", stage, mb),)
+    if not stuck:
+        return
+    n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
+    need = {d: key for key, devices in waiting.items() for d in devices}
+    d, step = stuck[0]
+    key = need[d]
+    kind, stage, mb = "FBIW"[key // n], (key % n) // m, key % m
+    raise ScheduleError(
+        f"schedule {schedule.name!r} deadlocks: device {d} waits at step {step} on {schedule.device_ops[d][step]} "
+        f"for {stage}{kind}{mb}, which never runs first (reorder the op lists)\n"
+        + format_grid(schedule, marks=set(stuck))
+    )
 
 
 def _check_placement(schedule: Schedule) -> None:
-    seen: set[Op] = set()
+    m, n = schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
+    seen = bytearray(4 * n)
     for device, ops in enumerate(schedule.device_ops):
         for step, o in enumerate(ops):
             problem = None
             if o.stage >= schedule.num_stages:
                 problem = f"stage {o.stage} does not exist ({schedule.num_stages} stages)"
-            elif o.microbatch >= schedule.num_microbatches:
-                problem = f"microbatch {o.microbatch} does not exist ({schedule.num_microbatches} microbatches)"
+            elif o.microbatch >= m:
+                problem = f"microbatch {o.microbatch} does not exist ({m} microbatches)"
             elif schedule.stage_device[o.stage] != device:
                 problem = f"stage {o.stage} is placed on device {schedule.stage_device[o.stage]}, not {device}"
-            elif o in seen:
+            elif seen[_KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch]:
                 problem = "it runs twice"
             if problem:
                 raise ScheduleError(
                     f"schedule {schedule.name!r}: op {o} on device {device} at step {step}: {problem}\n"
                     + format_grid(schedule, marks={(device, step)})
                 )
-            seen.add(o)
+            seen[_KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch] = 1
 
 
-def _check_complete(schedule: Schedule) -> None:
-    present = {(o.kind, o.stage, o.microbatch) for ops in schedule.device_ops for o in ops}
-    for stage in range(schedule.num_stages):
-        for mb in range(schedule.num_microbatches):
-            has = {k for k in "FBIW" if (k, stage, mb) in present}
-            problem = None
-            if "F" not in has:
-                problem = f"has no forward {stage}F{mb}"
-            elif "B" in has and has & {"I", "W"}:
-                problem = "has both a full backward B and a split backward I/W"
-            elif "B" not in has and has & {"I", "W"} != {"I", "W"}:
-                missing = "I" if "I" not in has else "W"
-                problem = f"needs B or both I and W; {stage}{missing}{mb} is missing"
-            if problem:
-                raise ScheduleError(
-                    f"schedule {schedule.name!r}: stage {stage} microbatch {mb} {problem}\n"
-                    + format_grid(schedule, marks=set())
-                )
+def _check_complete(schedule: Schedule) -> bytearray:
+    """Check every (stage, mb) has F and B or I+W; return the kind index carrying each one's input gradient."""
+    m, n = schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
+    has = [0] * n  # bit mask over kinds F=1, B=2, I=4, W=8
+    for ops in schedule.device_ops:
+        for o in ops:
+            has[o.stage * m + o.microbatch] |= 1 << _KIND_INDEX[o.kind]
+    backward_kind = bytearray(n)
+    for slot, mask in enumerate(has):
+        if mask in (0b0011, 0b1101):
+            backward_kind[slot] = 1 if mask & 0b0010 else 2
+            continue
+        stage, mb = divmod(slot, m)
+        if not mask & 1:
+            problem = f"has no forward {stage}F{mb}"
+        elif mask & 0b0010:
+            problem = "has both a full backward B and a split backward I/W"
+        else:
+            problem = f"needs B or both I and W; {stage}{'I' if not mask & 0b0100 else 'W'}{mb} is missing"
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: stage {stage} microbatch {mb} {problem}\n"
+            + format_grid(schedule, marks=set())
+        )
+    return backward_kind
 
 
 def format_grid(schedule: Schedule, *, marks: set[tuple[int, int]]) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from pipeplan.console import out, print_json
+from pipeplan.console import err, out, print_json
 from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
 from pipeplan.schedules.memory import inflight_per_stage
@@ -97,6 +97,8 @@ def simulate(
         devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit
     )
     if compare:
+        if trace is not None:
+            err.print("[yellow]warning:[/] --trace is ignored with --compare (trace one --schedule at a time)")
         _compare(options, json_output=json_output, highlight=schedule)
         return
     if schedule is None:

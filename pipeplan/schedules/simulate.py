@@ -62,11 +62,6 @@ class StageCosts:
         comm = _broadcast(self.comm_ms, num_stages - 1, option="comm_ms")
         return StageCosts(forward_ms=fwd, input_grad_ms=igrad, weight_grad_ms=wgrad, backward_ms=bwd, comm_ms=comm)
 
-    def op_ms(self, o: Op) -> float:
-        """Duration of `o`; call on a `per_stage()` copy."""
-        table = {"F": self.forward_ms, "I": self.input_grad_ms, "W": self.weight_grad_ms, "B": self.backward_ms}
-        return table[o.kind][o.stage]  # type: ignore[index]
-
 
 @dataclass(kw_only=True, frozen=True)
 class MemoryCosts:

@@ -84,3 +84,12 @@ def test_generators_are_pure_and_deterministic():
         a = generate(name, num_devices=4, num_microbatches=8)
         b = generate(name, num_devices=4, num_microbatches=8)
         assert a == b
+
+
+def test_schedules_package_does_not_import_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, pipeplan.schedules, pipeplan.schedules.commands; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

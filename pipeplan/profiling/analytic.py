@@ -1,0 +1,277 @@
+"""Analytic profiles: what each layer would cost on a GPU, computed on the meta device (no real memory).
+
+The model is built and traced on the meta device; each layer runs as its own StageModule on meta tensors in the
+training dtype, under three instruments (see `opcount` and `gpu_ops`):
+
+- forward FLOPs, bytes and roofline time per aten op (`OpRecorder`), with dropout and attention swapped for their
+  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path);
+- tensors saved for backward (`SavedTensors`), storages de-duplicated, parameters excluded, split into what the
+  input-gradient (I) pass frees and what the weight-gradient (W) pass still reads;
+- the backward, run for real on meta tensors twice: once for the layer's input gradients only (autograd then skips
+  every weight-gradient kernel, e.g. the `mat1ᵀ @ grad` of a Linear), once for inputs and parameters together
+  (B). I is the first pass's roofline time, B the second's, and W = B - I: the ops the full pass adds. For a
+  Linear this gives I ≈ W ≈ F, the 2:1 rule, without assuming it; layers without floating-point inputs (the
+  embedding) have I = 0 and W = B.
+
+The last layer also runs the model's `loss_fn`, as a pipeline's last stage does. Times are the sum of per-op
+rooflines `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`: no kernel-launch overhead and no overlap
+between ops, so small models are optimistic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeplan.errors import ConfigError
+from pipeplan.models.spec import ModelSpec
+from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.hardware import Hardware, load_hardware
+from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTensors, saved_split
+from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalyticConfig:
+    batch_size: int
+    hardware: Hardware
+    granularity: int | None = None
+    dtype: str = "bfloat16"
+    flash_attention: bool = True
+    matmul_efficiency: float | None = None  # None: the hardware preset's
+    memory_efficiency: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must lie in (0, 1], got {value}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def roofline(self) -> Roofline:
+        matmul = self.matmul_efficiency or self.hardware.matmul_efficiency
+        memory = self.memory_efficiency or self.hardware.memory_efficiency
+        return Roofline(
+            flops_per_s=self.hardware.peak_flops(self.torch_dtype) * matmul,
+            bytes_per_s=self.hardware.hbm_bandwidth * memory,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCounts:
+    """Everything measured for one layer on the meta device (times in seconds)."""
+
+    forward: OpTotals
+    input_grad: OpTotals
+    backward: OpTotals
+    saved_bytes: int
+    kept_until_weight_grad_bytes: int
+    output_bytes: int
+    param_count: int
+    param_bytes: int
+    outputs: tuple = field(default=(), repr=False)
+
+    @property
+    def weight_grad_seconds(self) -> float:
+        return max(self.backward.seconds - self.input_grad.seconds, 0.0)
+
+
+def _tensor_bytes(values: Sequence) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def _leaf_input(value, needs_grad: bool):
+    if not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach()
+    return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
+
+
+def _backward_pass(roots, grads, wrt, roofline: Roofline, *, retain: bool) -> OpTotals:
+    if not roots or not wrt:
+        return OpTotals()
+    with OpRecorder(roofline) as recorder:
+        torch.autograd.grad(roots, wrt, grads, retain_graph=retain, allow_unused=True)
+    return recorder.totals
+
+
+def count_layer(
+    module: nn.Module,
+    inputs: Sequence,
+    *,
+    roofline: Roofline,
+    flash_attention: bool = True,
+    input_needs_grad: Sequence[bool] | None = None,
+    loss: Callable[[tuple], torch.Tensor] | None = None,
+) -> LayerCounts:
+    """Run `module(*inputs)` forward and backward on meta tensors and count it (see the module docstring).
+
+    `loss(outputs)` makes the backward start from that scalar (the last pipeline stage); otherwise from every
+    floating-point output, with gradients shaped like them.
+    """
+    needs = list(input_needs_grad) if input_needs_grad is not None else [True] * len(inputs)
+    leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
+    params = _unique_parameters(module)
+    saved = SavedTensors()
+    with GpuSemantics(flash_attention=flash_attention), OpRecorder(roofline) as forward, saved:
+        outputs = module(*leaves)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        roots = [loss(outputs)] if loss is not None else [o for o in outputs if _requires_grad(o)]
+    split = saved_split(saved, roots, exclude=[*params, *module.buffers()])
+    grads = [torch.empty_like(r) if r.dim() else torch.ones_like(r) for r in roots]
+    grad_inputs = [leaf for leaf in leaves if _requires_grad(leaf)]
+    weights = [p for p in params if p.requires_grad]
+    input_grad = _backward_pass(roots, grads, grad_inputs, roofline, retain=True)
+    backward = _backward_pass(roots, grads, grad_inputs + weights, roofline, retain=False)
+    param_count = sum(p.numel() for p in params)
+    return LayerCounts(
+        forward=forward.totals,
+        input_grad=input_grad,
+        backward=backward,
+        saved_bytes=split.total_bytes,
+        kept_until_weight_grad_bytes=split.kept_until_weight_grad_bytes,
+        output_bytes=_tensor_bytes(outputs),
+        param_count=param_count,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
+    )
+
+
+def _requires_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def layer_profile(name: str, module_path: str, counts: LayerCounts) -> LayerProfile:
+    return LayerProfile(
+        name=name,
+        module_path=module_path,
+        forward_ms=counts.forward.seconds * 1e3,
+        input_grad_ms=counts.input_grad.seconds * 1e3,
+        weight_grad_ms=counts.weight_grad_seconds * 1e3,
+        backward_ms=counts.backward.seconds * 1e3,
+        activation_bytes=counts.saved_bytes,
+        activation_freed_by_input_grad_bytes=counts.saved_bytes - counts.kept_until_weight_grad_bytes,
+        param_count=counts.param_count,
+        param_bytes=counts.param_bytes,
+        output_bytes=counts.output_bytes,
+        flops=counts.forward.flops,
+    )
+
+
+def _model_batch(spec: ModelSpec, batch_size: int, dtype: torch.dtype) -> tuple[tuple, object]:
+    """The spec's sample batch moved to the meta device, floating-point tensors cast to `dtype`."""
+    inputs, target = spec.sample_batch(batch_size, generator=torch.Generator().manual_seed(0))
+
+    def to_meta(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to("meta")
+        return value.to(dtype) if value.is_floating_point() else value
+
+    return tuple(to_meta(v) for v in inputs), to_meta(target)
+
+
+def profile_analytic(
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    hardware: str | Hardware,
+    granularity: int | None = None,
+    dtype: str = "bfloat16",
+    flash_attention: bool = True,
+    matmul_efficiency: float | None = None,
+    memory_efficiency: float | None = None,
+    progress: bool = False,
+) -> Profile:
+    """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations."""
+    from pipeplan.console import progress as progress_bar
+    from pipeplan.profiling.stage import build_stage_module
+    from pipeplan.profiling.trace import trace_model
+
+    config = AnalyticConfig(
+        batch_size=batch_size,
+        hardware=load_hardware(hardware),
+        granularity=granularity,
+        dtype=dtype,
+        flash_attention=flash_attention,
+        matmul_efficiency=matmul_efficiency,
+        memory_efficiency=memory_efficiency,
+    )
+    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta")
+    traced.graph_module.to(config.torch_dtype)
+    graph = traced.layer_graph
+    model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
+    env: dict[str, object] = dict(zip(graph.input_names, model_inputs))
+    layers: list[LayerProfile] = []
+    with progress_bar(quiet=not progress) as bar:
+        task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
+        for index, layer in enumerate(graph.layers):
+            stage = build_stage_module(traced, layer.nodes)
+            loss = None
+            if index == graph.num_layers - 1 and graph.output_name in stage.outputs:
+                position = stage.outputs.index(graph.output_name)
+                loss = lambda outputs, p=position: spec.loss_fn(outputs[p], target)  # noqa: E731
+            counts = count_layer(
+                stage,
+                [env[name] for name in stage.inputs],
+                roofline=config.roofline,
+                flash_attention=config.flash_attention,
+                input_needs_grad=[name not in graph.input_names for name in stage.inputs],
+                loss=loss,
+            )
+            env.update(zip(stage.outputs, counts.outputs))
+            layers.append(layer_profile(layer.name, layer.module_path, counts))
+            bar.advance(task)
+    return Profile(
+        layers=tuple(layers),
+        cut_bytes=tuple(_cut_bytes(cut, env) for cut in graph.cuts),
+        provenance=_provenance(spec, config, traced.layer_graph.fingerprint),
+        input_bytes=_tensor_bytes(model_inputs),
+    )
+
+
+def _cut_bytes(cut, env: dict[str, object]) -> int:
+    """Bytes live across a cut in the profiled dtype (the trace's TensorInfo sizes are in the build dtype)."""
+    total = 0
+    for info in cut:
+        value = env.get(info.producer)
+        total += _tensor_bytes([value]) if isinstance(value, torch.Tensor) else info.bytes
+    return total
+
+
+def _provenance(spec: ModelSpec, config: AnalyticConfig, fingerprint: str) -> Provenance:
+    roofline = config.roofline
+    notes = (
+        f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul, {roofline.bytes_per_s / 1e9:.0f} GB/s memory; "
+        f"attention: {'flash' if config.flash_attention else 'math'}; last layer includes loss_fn"
+    )
+    return Provenance(
+        source="analytic",
+        device="meta",
+        hardware=config.hardware.name,
+        dtype=config.dtype,
+        batch_size=config.batch_size,
+        torch_version=torch.__version__,
+        model=spec.name,
+        model_options=dict(spec.options),
+        graph_fingerprint=fingerprint,
+        tokens_per_sample=spec.tokens_per_sample,
+        notes=notes,
+    )

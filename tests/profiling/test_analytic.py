@@ -1,0 +1,234 @@
+"""Analytic (meta-device) profiles against the standard transformer formulas (Korthikanti et al. 2022 activation
+memory, Megatron-LM FLOPs), the I/W split, the GPU-equivalence corrections and the resource budget."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeplan.errors import ConfigError
+from pipeplan.models import load_model
+from pipeplan.models.gpt import Block
+from pipeplan.profiling.analytic import count_layer, profile_analytic
+from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.hardware import load_hardware
+from pipeplan.profiling.memory_formulas import (
+    activation_bytes_per_layer,
+    forward_flops_per_layer,
+    lm_head_flops,
+)
+from pipeplan.profiling.opcount import Roofline, SavedTensors
+from pipeplan.profiling.profile import Profile
+
+SEQ, BATCH, HIDDEN, HEADS, VOCAB = 256, 2, 256, 4, 128
+
+
+def _gpt(dropout=0.1, layers=2, seq=SEQ, hidden=HIDDEN, heads=HEADS):
+    options = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=VOCAB, dropout=dropout)
+    return load_model("gpt", {k: str(v) for k, v in options.items()})
+
+
+def _profile(spec, **kwargs):
+    return profile_analytic(spec, **{"batch_size": BATCH, "hardware": "h100", **kwargs})
+
+
+def _blocks(profile):
+    return [layer for layer in profile.layers if layer.name.startswith("blocks.")]
+
+
+@pytest.fixture(scope="module")
+def flash_profile():
+    return _profile(_gpt(), flash_attention=True)
+
+
+@pytest.fixture(scope="module")
+def math_profile():
+    return _profile(_gpt(), flash_attention=False)
+
+
+def _relative_error(value, reference):
+    return abs(value - reference) / reference
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_saved_bytes_per_block_match_34sbh_formula(flash, flash_profile, math_profile):
+    profile = flash_profile if flash else math_profile
+    expected = activation_bytes_per_layer(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, flash_attention=flash)
+    blocks = _blocks(profile)
+    assert len(blocks) == 2
+    for block in blocks:
+        assert _relative_error(block.activation_bytes, expected) < 0.05, (block.activation_bytes, expected)
+        assert block.activation_bytes >= expected  # only small float32 statistics come on top
+
+
+def test_dropout_masks_count_one_byte_per_element(flash_profile):
+    """Two dropouts per block (attention output, MLP output): 1-byte masks are exactly 2·s·b·h more."""
+    without = _blocks(_profile(_gpt(dropout=0.0)))[0].activation_bytes
+    assert _blocks(flash_profile)[0].activation_bytes - without == 2 * SEQ * BATCH * HIDDEN
+
+
+def test_math_attention_adds_5as2b(flash_profile, math_profile):
+    extra = _blocks(math_profile)[0].activation_bytes - _blocks(flash_profile)[0].activation_bytes
+    five_as2b = 5 * HEADS * SEQ**2 * BATCH
+    assert _relative_error(extra, five_as2b) < 0.03
+    # the rest: the math path's s×s bool causal mask, less flash's float32 logsumexp (and its rng state)
+    assert abs(extra - five_as2b - SEQ**2 + 4 * HEADS * SEQ * BATCH) <= 64
+    assert _blocks(math_profile)[0].forward_ms > _blocks(flash_profile)[0].forward_ms
+
+
+def test_forward_flops_per_block_are_exact(flash_profile, math_profile):
+    expected = forward_flops_per_layer(seq=SEQ, batch=BATCH, hidden=HIDDEN)
+    for profile in (flash_profile, math_profile):
+        assert [block.flops for block in _blocks(profile)] == [expected, expected]
+    head = flash_profile.layers[-1]
+    assert head.name == "head" and head.flops == lm_head_flops(seq=SEQ, batch=BATCH, hidden=HIDDEN, vocab=VOCAB)
+    assert flash_profile.layers[0].flops == 0  # embedding lookups do no matmuls
+
+
+def _meta_block(dtype=torch.bfloat16, dropout=0.1):
+    with torch.device("meta"):
+        block = Block(HIDDEN, HEADS, dropout).to(dtype)
+    return block, torch.empty(BATCH, SEQ, HIDDEN, device="meta", dtype=dtype)
+
+
+def _roofline():
+    return Roofline(flops_per_s=500e12, bytes_per_s=2e12)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_recorder_flops_equal_flop_counter_mode(flash):
+    block, x = _meta_block()
+    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
+    with GpuSemantics(flash_attention=flash), FlopCounterMode(display=False) as counter:
+        block(x.requires_grad_())
+    assert counts.forward.flops == counter.get_total_flops()
+
+
+def test_backward_split_weight_grads_are_the_linear_matmuls():
+    block, x = _meta_block()
+    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    linear_flops = 24 * BATCH * SEQ * HIDDEN**2
+    weight_grad_flops = counts.backward.flops - counts.input_grad.flops
+    assert weight_grad_flops == linear_flops  # W = one mat1ᵀ @ grad per Linear, same size as its forward
+    attention_forward = counts.forward.flops - linear_flops
+    assert counts.input_grad.flops - linear_flops >= 2 * attention_forward  # dq, dk, dv, dp (+ recompute)
+    assert 0 < counts.weight_grad_seconds < counts.backward.seconds
+    assert counts.backward.seconds == pytest.approx(counts.input_grad.seconds + counts.weight_grad_seconds)
+
+
+def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
+    """Kept for W: inputs of ln1, qkv, proj, ln2, fc (2·s·b·h each) and of the MLP's second Linear (8·s·b·h)."""
+    block, x = _meta_block()
+    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    sbh = SEQ * BATCH * HIDDEN
+    assert _relative_error(counts.kept_until_weight_grad_bytes, 18 * sbh) < 0.01
+    freed = counts.saved_bytes - counts.kept_until_weight_grad_bytes
+    assert _relative_error(freed, 16 * sbh) < 0.01  # q/k/v 6, GELU input 8, two dropout masks 2
+
+
+def test_dropout_correction_saves_a_bool_mask():
+    x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+        F.dropout(x, 0.1, training=True)
+    assert [t.dtype for t in saved.tensors] == [torch.bool]
+    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+        F.dropout(x, 0.1, training=False)
+    assert saved.tensors == []
+
+
+def test_times_follow_the_roofline(flash_profile):
+    h100 = load_hardware("h100")
+    block = _blocks(flash_profile)[0]
+    matmul_floor_ms = block.flops / (h100.peak_bf16_flops * h100.matmul_efficiency) * 1e3
+    assert block.forward_ms >= matmul_floor_ms
+    assert block.backward_ms == pytest.approx(block.input_grad_ms + block.weight_grad_ms)
+    assert flash_profile.layers[0].input_grad_ms == 0  # token ids: no input gradient
+    slower = _blocks(_profile(_gpt(), matmul_efficiency=0.1, memory_efficiency=0.1))[0]
+    assert slower.forward_ms == pytest.approx(block.forward_ms * h100.matmul_efficiency / 0.1, rel=0.3)
+    faster = _blocks(_profile(_gpt(), hardware="b200"))[0]
+    assert faster.forward_ms < block.forward_ms and faster.flops == block.flops
+
+
+def test_profile_metadata_cuts_and_round_trip(flash_profile, tmp_path):
+    profile = flash_profile
+    assert [layer.name for layer in profile.layers] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert profile.cut_bytes == (SEQ * BATCH * HIDDEN * 2,) * 3  # one bf16 hidden state per cut
+    assert profile.input_bytes == SEQ * BATCH * 8
+    block = _blocks(profile)[0]
+    assert block.param_count == 12 * HIDDEN**2 + 13 * HIDDEN and block.param_bytes == 2 * block.param_count
+    assert block.output_bytes == SEQ * BATCH * HIDDEN * 2
+    prov = profile.provenance
+    assert (prov.source, prov.device, prov.hardware, prov.dtype, prov.batch_size) == (
+        "analytic",
+        "meta",
+        "h100",
+        "bfloat16",
+        BATCH,
+    )
+    assert prov.graph_fingerprint and prov.tokens_per_sample == SEQ and prov.model_options["dropout"] == 0.1
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_float32_profile_doubles_bytes():
+    spec = _gpt(dropout=0.0, layers=1)
+    half, full = _profile(spec), _profile(spec, dtype="float32")
+    assert full.cut_bytes[0] == 2 * half.cut_bytes[0]
+    assert full.layers[1].param_bytes == 2 * half.layers[1].param_bytes
+    assert full.layers[1].flops == half.layers[1].flops
+
+
+def test_llama_profile_with_grouped_query_attention():
+    options = dict(layers=2, hidden=256, heads=8, kv_heads=2, intermediate=512, seq=128, vocab=96)
+    spec = load_model("llama", {k: str(v) for k, v in options.items()})
+    profile = profile_analytic(spec, batch_size=1, hardware="a100-80gb")
+    block = profile.layers[1]
+    assert block.name == "blocks.0"
+    s, h = 128, 256
+    kv = 2 * 32  # kv heads × head dim
+    linear_flops = 2 * s * h * (h + 2 * kv + h) + 3 * 2 * s * h * 512
+    assert block.flops == linear_flops + 4 * s * s * h
+    assert block.param_count == 2 * h + h * (h + 2 * kv + h) + 3 * h * 512
+    assert 0 < block.activation_freed_by_input_grad_bytes < block.activation_bytes
+
+
+def test_large_model_profile_fits_time_and_memory_budget():
+    """A 4-layer slice of the 6.7B shape (hidden 4096, seq 2048); the 32-layer run is benchmarks/bench_analytic."""
+    spec = load_model("gpt", dict(layers="4", hidden="4096", heads="32", seq="2048", vocab="50257", dropout="0.1"))
+    start = time.perf_counter()
+    profile = profile_analytic(spec, batch_size=1, hardware="h100")
+    elapsed = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    assert elapsed < 15 and peak_rss < 2 * 2**30
+    expected = activation_bytes_per_layer(seq=2048, batch=1, hidden=4096, heads=32, flash_attention=True)
+    assert _relative_error(_blocks(profile)[0].activation_bytes, expected) < 0.05
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dtype="int8"), "--dtype 'int8'"),
+        (dict(matmul_efficiency=1.5), "--matmul-efficiency"),
+        (dict(memory_efficiency=0.0), "--memory-efficiency"),
+        (dict(hardware="v100"), "unknown --hardware"),
+        (dict(batch_size=0), "--batch-size"),
+    ],
+)
+def test_bad_options_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _profile(_gpt(layers=1), **kwargs)
+
+
+def test_formula_helpers():
+    assert activation_bytes_per_layer(seq=2048, batch=1, hidden=4096, heads=32, flash_attention=True) == (
+        34 * 2048 * 4096
+    )
+    assert activation_bytes_per_layer(seq=2, batch=3, hidden=4, heads=5, flash_attention=False) == 34 * 24 + 300
+    assert forward_flops_per_layer(seq=2, batch=1, hidden=3) == 24 * 2 * 9 + 4 * 4 * 3
+    with pytest.raises(ConfigError, match="seq must be >= 1"):
+        activation_bytes_per_layer(seq=0, batch=1, hidden=1, heads=1, flash_attention=True)

@@ -1,0 +1,115 @@
+"""Per-stage checkpoints: `DIR/step_00000012/stage_003.pt` holds that stage's parameters, their optimizer state, the
+step and the writer's RNG state; `DIR/latest` (written last, atomically, after every stage file is in place) names
+the newest complete checkpoint, so a crash while saving leaves the previous one intact. Each file is written to a
+temp name and renamed; files are read with torch.load(weights_only=True)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeplan.errors import RunError
+from pipeplan.jsonio import atomic_write_text
+
+LATEST = "latest"
+KEEP = 2  # complete checkpoints kept
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def stage_file(root: str | os.PathLike, step: int, stage: int) -> Path:
+    return step_dir(root, step) / f"stage_{stage:03d}.pt"
+
+
+def save_stage(
+    root: str | os.PathLike,
+    *,
+    step: int,
+    stage: int,
+    names: tuple[str, ...],
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    fingerprint: str,
+) -> None:
+    """Write one stage's state atomically (temp file in the same directory, then rename)."""
+    state = {
+        "step": step,
+        "stage": stage,
+        "fingerprint": fingerprint,
+        "params": {name: params[name].detach().cpu() for name in names},
+        "optimizer": {name: _cpu(optimizer.state.get(params[name], {})) for name in names},
+        "rng": torch.get_rng_state(),
+    }
+    target = stage_file(root, step, stage)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def mark_latest(root: str | os.PathLike, step: int) -> None:
+    """Publish `step` as the newest complete checkpoint, then prune all but the newest KEEP."""
+    atomic_write_text(Path(root) / LATEST, step_dir(root, step).name + "\n")
+    done = sorted(p for p in Path(root).glob("step_*") if p.is_dir())
+    for old in done[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_step(root: str | os.PathLike) -> int:
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        raise RunError(f"no complete checkpoint in {str(root)!r} (no '{LATEST}' file); drop --resume to start fresh")
+    name = marker.read_text().strip()
+    try:
+        return int(name.removeprefix("step_"))
+    except ValueError:
+        raise RunError(f"checkpoint marker {str(marker)!r} holds {name!r}, not step_NNNNNNNN") from None
+
+
+def load_stage(
+    root: str | os.PathLike,
+    *,
+    step: int,
+    stage: int,
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    fingerprint: str,
+) -> None:
+    """Copy a stage's saved parameters and optimizer state into this rank's (same names, same shapes)."""
+    path = stage_file(root, step, stage)
+    if not path.is_file():
+        raise RunError(f"checkpoint file {str(path)!r} is missing; resume from an intact checkpoint directory")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file
+        raise RunError(f"cannot read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
+    if state.get("fingerprint") and fingerprint and state["fingerprint"] != fingerprint:
+        raise RunError(f"checkpoint {str(path)!r} belongs to another model graph; use a matching --checkpoint-dir")
+    with torch.no_grad():
+        for name, value in state["params"].items():
+            if name not in params or params[name].shape != value.shape:
+                raise RunError(f"checkpoint {str(path)!r} has parameter {name!r} this plan's stage {stage} lacks")
+            params[name].copy_(value)
+            saved = state["optimizer"].get(name) or {}
+            device = params[name].device
+            optimizer.state[params[name]] = {
+                k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in saved.items()
+            }
+    torch.set_rng_state(state["rng"])

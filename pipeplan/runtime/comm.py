@@ -1,0 +1,86 @@
+"""Point-to-point transfers for one rank: receives posted early, in each peer's send order; sends asynchronous.
+
+A `Mailbox` knows, per peer, the sequence of messages that peer sends this rank in a step (from `Routing`). Asking
+for a message posts every not-yet-posted receive from that peer up to it (so receives are always posted in the
+sender's order) and `prefetch` posts them ahead of need, letting transfers overlap compute. `send` is an isend
+whose handle is kept (with its tensor) until `drain` at the end of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeplan.runtime.routing import Message, Routing
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Mailbox:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        routing: Routing,
+        meta_of: Callable[[Message], TensorMeta],
+        device: torch.device,
+    ) -> None:
+        self.rank = rank
+        self.routing = routing
+        self.device = device
+        self._meta_of = meta_of
+        self._incoming = routing.receive_order(rank)
+        self._position = dict.fromkeys(self._incoming, 0)
+        self._index = {m: i for messages in self._incoming.values() for i, m in enumerate(messages)}
+        self._posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
+        self._sent: list[tuple[torch.Tensor, dist.Work]] = []
+
+    def reset(self) -> None:
+        """Start a new step: every peer's sequence starts again at its first message."""
+        assert not self._posted, f"unconsumed receives at end of step: {list(self._posted)[:3]}"
+        self._position = dict.fromkeys(self._incoming, 0)
+
+    def post_up_to(self, message: Message) -> None:
+        peer = message.src
+        target = self._index[message]
+        sequence = self._incoming[peer]
+        while self._position[peer] <= target:
+            pending = sequence[self._position[peer]]
+            meta = self._meta_of(pending)
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            work = dist.irecv(buffer, src=peer, tag=self.routing.tags[pending])
+            self._posted[pending] = (buffer, work)
+            self._position[peer] += 1
+
+    def receive(self, message: Message) -> torch.Tensor:
+        """Block until `message` has arrived and return its tensor."""
+        if message not in self._posted:
+            self.post_up_to(message)
+        buffer, work = self._posted.pop(message)
+        work.wait()
+        return buffer
+
+    def prefetch(self, messages: list[Message]) -> None:
+        for message in messages:
+            if message not in self._posted and self._index[message] >= self._position[message.src]:
+                self.post_up_to(message)
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        payload = tensor.detach().contiguous()
+        work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message])
+        self._sent.append((payload, work))
+        if len(self._sent) > 64:  # release completed sends now and then
+            self._sent = [(t, w) for t, w in self._sent if not w.is_completed()]
+
+    def drain(self) -> None:
+        """Wait for every send of the step (their receivers consumed them)."""
+        for _, work in self._sent:
+            work.wait()
+        self._sent.clear()

@@ -1,0 +1,91 @@
+"""Run options (`pipeplan run` flags) and the fault-injection spec used by the fault tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pipeplan.errors import ConfigError
+
+FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang)
+HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    steps: int = 10
+    lr: float | None = None  # None: the plan's training.lr
+    weight_decay: float | None = None  # None: the plan's training.weight_decay
+    trace_path: str | None = None  # measured Chrome trace (merged over ranks), written by rank 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only after the last step (when checkpoint_dir is set)
+    resume: bool = False
+    log_every: int = 1
+    check_every: int = 10  # steps between replica/tie checksum comparisons (0: never)
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
+    quiet: bool = False  # no per-step log lines (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        for name in ("checkpoint_every", "log_every", "check_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError(f"heartbeat timeout must be > 0 s, got {self.heartbeat_timeout_s}")
+
+    @property
+    def pg_timeout_s(self) -> float:
+        return self.collective_timeout_s or 2.0 * self.heartbeat_timeout_s
+
+
+def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> float:
+    raw = os.environ.get(HEARTBEAT_ENV)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{HEARTBEAT_ENV}={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"{HEARTBEAT_ENV} must be > 0 seconds, got {value}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it."""
+
+    rank: int
+    step: int
+    mode: str = "exit"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exit", "hang"):
+            raise ConfigError(f"{FAULT_ENV} mode must be exit or hang, got {self.mode!r}")
+        if self.rank < 0 or self.step < 0:
+            raise ConfigError(f"{FAULT_ENV} rank and step must be >= 0")
+
+    @classmethod
+    def from_env(cls) -> FaultSpec | None:
+        raw = os.environ.get(FAULT_ENV, "").strip()
+        if not raw:
+            return None
+        fields: dict[str, str] = {}
+        for part in raw.split(","):
+            key, sep, value = part.partition("=")
+            if not sep or key.strip() not in ("rank", "step", "mode"):
+                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang")
+            fields[key.strip()] = value.strip()
+        try:
+            return cls(rank=int(fields["rank"]), step=int(fields["step"]), mode=fields.get("mode", "exit"))
+        except (KeyError, ValueError):
+            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang") from None

@@ -1,0 +1,185 @@
+"""The per-rank executor: runs the rank's op list for one step, in order (F, B, I, W), exactly as planned.
+
+F receives its stage's inputs (model inputs from the batch, activations from the producing stage: locally when the
+producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
+stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
+back to each producer; W later computes the weight gradients from what I kept. Saved state is dropped as soon as
+its last use is done. The loss (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the
+gradients summed over microbatches, replicas and pipelines are those of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeplan.planner.plan import Plan
+from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight
+from pipeplan.runtime.comm import Mailbox
+from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
+from pipeplan.runtime.stages import PipelineModel
+from pipeplan.schedules.ops import Op
+
+MicroBatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]  # (model inputs, target)
+
+
+@dataclass
+class _Saved:
+    inputs: list[torch.Tensor]  # leaves whose gradients go back to producers (differentiable cut inputs)
+    input_names: list[str]
+    outputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+
+
+@dataclass
+class StepRecord:
+    loss_sum: float = 0.0  # sum of the scaled microbatch losses this rank computed
+    op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s)
+
+
+class Executor:
+    def __init__(self, plan: Plan, rank: int, model: PipelineModel, routing: Routing, device: torch.device) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.model = model
+        self.routing = routing
+        self.device = device
+        self.pipeline = plan.ranks[rank].pipeline
+        self.ops: list[Op] = parse_rank_ops(plan)[rank]
+        self.differentiable = model.differentiable
+        self.output_stage = model.output_stage()
+        self.loss_scale = 1.0 / (plan.training.num_microbatches * plan.training.data_parallel)
+        self.mailbox = Mailbox(rank=rank, routing=routing, meta_of=self._meta_of, device=device)
+        self.receives = [self._receives_of(o) for o in self.ops]
+        self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
+
+    def _meta_of(self, message: Message):
+        return self.model.value_meta[message.value]
+
+    def _owner(self, stage: int, microbatch: int) -> int:
+        return self.routing.owner[(self.pipeline, stage, microbatch)]
+
+    def _receives_of(self, o: Op) -> list[Message]:
+        """Messages op `o` consumes from other ranks."""
+        found: list[Message] = []
+        io = self.model.stage_io[o.stage]
+        mb, me, p = o.microbatch, self.rank, self.pipeline
+        if o.kind == "F":
+            for name in io.inputs:
+                producer = self.routing.producer.get(name)
+                if producer is not None and (src := self._owner(producer, mb)) != me:
+                    found.append(Message("act", p, mb, producer, o.stage, name, src, me))
+        elif o.kind in ("B", "I"):
+            for name in io.outputs:
+                if name not in self.differentiable:
+                    continue
+                for consumer in self.routing.consumers.get((o.stage, name), ()):
+                    if (src := self._owner(consumer, mb)) != me:
+                        found.append(Message("grad", p, mb, o.stage, consumer, name, src, me))
+        return found
+
+    def run_step(self, microbatches: dict[int, MicroBatch]) -> StepRecord:
+        """Run this rank's op list once; `microbatches[m]` holds what its stages need of microbatch m."""
+        self.mailbox.reset()
+        self._local: dict[tuple, torch.Tensor] = {}  # (consumer stage, value, mb) -> activation
+        self._local_grads: dict[tuple, torch.Tensor] = {}  # (producer stage, value, mb, consumer) -> gradient
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._weight_state: dict[tuple[int, int], object] = {}
+        record = StepRecord()
+        start = time.perf_counter()
+        for index, o in enumerate(self.ops):
+            if index + 1 < len(self.ops):
+                self.mailbox.prefetch(self.receives[index + 1])
+            began = time.perf_counter()
+            if o.kind == "F":
+                record.loss_sum += self._forward(o, microbatches[o.microbatch])
+            elif o.kind == "W":
+                backward_weight(self._weight_state.pop((o.stage, o.microbatch)))
+            else:
+                self._backward(o)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            record.op_times.append((str(o), began - start, time.perf_counter() - start))
+        self.mailbox.drain()
+        assert not self._saved and not self._weight_state and not self._local and not self._local_grads
+        return record
+
+    def _input_value(self, o: Op, name: str, batch: MicroBatch) -> torch.Tensor:
+        if name in self.model.model_inputs:
+            return batch[0][self.model.model_inputs.index(name)]
+        producer = self.routing.producer[name]
+        src = self._owner(producer, o.microbatch)
+        if src == self.rank:
+            value = self._local.pop((o.stage, name, o.microbatch))
+        else:
+            value = self.mailbox.receive(
+                Message("act", self.pipeline, o.microbatch, producer, o.stage, name, src, self.rank)
+            )
+        if name in self.differentiable:
+            value = value.detach().requires_grad_(True)
+        return value
+
+    def _forward(self, o: Op, batch: MicroBatch) -> float:
+        io = self.model.stage_io[o.stage]
+        args = [self._input_value(o, name, batch) for name in io.inputs]
+        with torch.enable_grad():
+            results = self.model.modules[o.stage](*args)
+            outputs = dict(zip(io.outputs, results, strict=True))
+            loss = None
+            if o.stage == self.output_stage:
+                loss = self.model.spec.loss_fn(outputs[self.model.model_output], batch[1]) * self.loss_scale
+        for message in self.routing.sends[(self.rank, o)]:
+            self.mailbox.send(message, outputs[message.value])
+        for name, value in outputs.items():
+            for consumer in self.routing.consumers.get((o.stage, name), ()):
+                if self._owner(consumer, o.microbatch) == self.rank:
+                    self._local[(consumer, name, o.microbatch)] = value.detach()
+        names = [n for n in io.inputs if n in self.differentiable and n not in self.model.model_inputs]
+        leaves = [args[io.inputs.index(n)] for n in names]
+        kept = {
+            n: v for n, v in outputs.items() if n in self.differentiable and self.routing.consumers.get((o.stage, n))
+        }
+        self._saved[(o.stage, o.microbatch)] = _Saved(inputs=leaves, input_names=names, outputs=kept, loss=loss)
+        return 0.0 if loss is None else float(loss.detach())
+
+    def _output_grad(self, o: Op, name: str) -> torch.Tensor:
+        total = None
+        for consumer in self.routing.consumers[(o.stage, name)]:
+            src = self._owner(consumer, o.microbatch)
+            if src == self.rank:
+                grad = self._local_grads.pop((o.stage, name, o.microbatch, consumer))
+            else:
+                message = Message("grad", self.pipeline, o.microbatch, o.stage, consumer, name, src, self.rank)
+                grad = self.mailbox.receive(message)
+            total = grad if total is None else total + grad
+        assert total is not None
+        return total
+
+    def _backward(self, o: Op) -> None:
+        saved = self._saved.pop((o.stage, o.microbatch))
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            grads.append(torch.ones_like(saved.loss))
+        for name, value in saved.outputs.items():
+            grad = self._output_grad(o, name)
+            if value.requires_grad:
+                roots.append(value)
+                grads.append(grad)
+        params = [p for p in self.stage_params[o.stage] if p.requires_grad]
+        if o.kind == "B":
+            input_grads = backward_full(roots, grads, saved.inputs, params)
+        else:
+            input_grads, state = backward_input(roots, grads, saved.inputs, params)
+            self._weight_state[(o.stage, o.microbatch)] = state
+        del saved.outputs, saved.loss
+        by_name = dict(zip(saved.input_names, input_grads, strict=True))
+        for message in self.routing.sends[(self.rank, o)]:
+            self.mailbox.send(message, by_name[message.value])
+        for name, grad in by_name.items():
+            producer = self.routing.producer[name]
+            if self._owner(producer, o.microbatch) == self.rank:
+                self._local_grads[(producer, name, o.microbatch, o.stage)] = grad

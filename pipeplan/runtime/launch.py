@@ -1,0 +1,95 @@
+"""Start a plan's ranks on this machine through torch's elastic launcher (what torchrun runs; no restarts) and turn
+a failed run into one RunError line naming the rank that failed first."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from pipeplan.errors import RunError
+from pipeplan.planner.plan import Plan
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.train import RunResult
+from pipeplan.runtime.watchdog import ERROR_DIR_ENV
+from pipeplan.runtime.worker import run_plans
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_local(
+    plan_path: str | os.PathLike,
+    config: RunConfig,
+    *,
+    capture_grads: bool = False,
+    threads: int | None = None,
+) -> list[RunResult]:
+    """Run every rank of the plan on this machine; returns the per-rank results in rank order."""
+    return [
+        per_rank[0] for per_rank in launch_many([(plan_path, config)], capture_grads=capture_grads, threads=threads)
+    ]
+
+
+def launch_many(
+    runs: list[tuple[str | os.PathLike, RunConfig]], *, capture_grads: bool = False, threads: int | None = None
+) -> list[list[RunResult]]:
+    """Run several plans of one world size in one launch; result[rank][i] is plan i's result on that rank."""
+    world_size = Plan.load(runs[0][0]).world_size
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"pipeplan-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
+        previous = os.environ.get(ERROR_DIR_ENV)
+        os.environ[ERROR_DIR_ENV] = errors  # inherited by the spawned ranks
+        try:
+            jobs = [(str(path), config) for path, config in runs]
+            results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
+        except ChildFailedError as exc:
+            raise RunError(_failure_line(exc, Path(errors))) from None
+        finally:
+            if previous is None:
+                os.environ.pop(ERROR_DIR_ENV, None)
+            else:
+                os.environ[ERROR_DIR_ENV] = previous
+    return [results[rank] for rank in range(world_size)]
+
+
+def _entry(jobs: list[tuple[str, RunConfig]], capture_grads: bool, threads: int | None) -> list[RunResult]:
+    return run_plans(jobs, capture_grads=capture_grads, threads=threads)
+
+
+def _failure_line(exc: ChildFailedError, errors: Path) -> str:
+    """The rank whose own error came first (its message), else the first rank that exited by itself."""
+    messages = sorted(errors.glob("rank_*.txt"), key=lambda p: p.stat().st_mtime)
+    by_rank = {int(p.stem.removeprefix("rank_")): p.read_text().strip() for p in messages}
+    failures = exc.failures
+    exited = sorted(r for r, f in failures.items() if f.exitcode > 0)
+    # a rank that died without a message (killed, os._exit) is the root cause when the others only report losing it
+    silent = [r for r in exited if r not in by_rank]
+    if silent:
+        first = silent[0]
+        others = f"; ranks {sorted(by_rank)} then stopped" if by_rank else ""
+        return f"rank {first} died (exit code {failures[first].exitcode}){others}"
+    if by_rank:
+        first = int(messages[0].stem.removeprefix("rank_"))
+        return f"rank {first} failed: {by_rank[first]}"
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp or time.time())
+    return f"rank {rank} failed (exit code {failure.exitcode})"

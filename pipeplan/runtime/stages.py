@@ -1,0 +1,139 @@
+"""Build what one rank runs: trace the plan's model on the meta device, check the fingerprint, split the graph by
+the plan's FX node names and materialize only the parameters of the rank's own stages.
+
+`PipelineModel` also describes the *whole* split (every stage's input/output values, parameter names, the shape
+and dtype of every cut value per microbatch), which every rank needs to route messages and build gradient groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from pipeplan.errors import RunError
+from pipeplan.models import load_model
+from pipeplan.models.spec import ModelSpec
+from pipeplan.planner.plan import Plan
+from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
+from pipeplan.profiling.trace import TracedModel, trace_model
+from pipeplan.runtime.comm import TensorMeta
+from pipeplan.runtime.materialize import materialize
+from pipeplan.runtime.routing import StageIO
+
+
+@dataclass(kw_only=True)
+class PipelineModel:
+    spec: ModelSpec
+    traced: TracedModel
+    stage_io: list[StageIO]
+    model_inputs: tuple[str, ...]  # placeholder names, in forward-argument order
+    model_output: str
+    value_meta: dict[str, TensorMeta]  # per microbatch, for every value crossing a cut
+    stage_params: list[tuple[str, ...]]  # canonical parameter names used by each stage
+    modules: dict[int, StageModule]  # this rank's stages, materialized
+    params: dict[str, nn.Parameter]  # canonical name -> this rank's materialized Parameter
+
+    @property
+    def differentiable(self) -> set[str]:
+        return {name for name, meta in self.value_meta.items() if meta.dtype.is_floating_point}
+
+    def output_stage(self) -> int:
+        return next(s for s, io in enumerate(self.stage_io) if self.model_output in io.outputs)
+
+
+def load_spec(plan: Plan) -> ModelSpec:
+    return load_model(plan.model.ref, dict(plan.model.options))
+
+
+def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
+    """Trace on the meta device at the microbatch size; refuse a model whose graph differs from the plan's."""
+    traced = trace_model(
+        spec, batch_size=plan.training.microbatch_size, granularity=plan.model.granularity, device="meta"
+    )
+    expected, found = plan.model.fingerprint, traced.layer_graph.fingerprint
+    if expected and expected != found:
+        raise RunError(
+            f"model {plan.model.ref!r} traces to graph fingerprint {found} but the plan was made for {expected}; "
+            "re-run `pipeplan plan` for this model and options"
+        )
+    known = {node.name for node in traced.graph_module.graph.nodes}
+    for stage in plan.stages:
+        unknown = [name for name in stage.node_names if name not in known]
+        if unknown:
+            raise RunError(f"plan stage {stage.index} names FX nodes {unknown[:3]} the model does not have; re-plan")
+    return traced
+
+
+def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, TensorMeta]:
+    nodes = {node.name: node for node in traced.graph_module.graph.nodes}
+    metas: dict[str, TensorMeta] = {}
+    for stage, io in enumerate(stage_io):
+        for name in io.inputs:
+            meta = nodes[name].meta.get("tensor_meta")
+            if not isinstance(meta, TensorMetadata):
+                raise RunError(
+                    f"stage {stage} needs non-tensor value {name!r} from an earlier stage; move the cut so it is "
+                    "computed where it is used"
+                )
+            metas[name] = TensorMeta(shape=tuple(int(d) for d in meta.shape), dtype=meta.dtype)
+    return metas
+
+
+def _canonical_names(module: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> PipelineModel:
+    """The whole split on the meta device plus this rank's stages materialized on `device`."""
+    spec = load_spec(plan)
+    traced = trace_for_plan(plan, spec)
+    stage_io: list[StageIO] = []
+    for stage in plan.stages:
+        _, inputs, outputs = stage_boundary(traced, stage.node_names)
+        stage_io.append(StageIO(inputs=tuple(inputs), outputs=tuple(outputs)))
+    canonical = _canonical_names(traced.module)
+    meta_modules = [build_stage_module(traced, stage.node_names) for stage in plan.stages]
+    stage_params = [tuple(sorted({canonical[id(p)] for p in m.parameters()})) for m in meta_modules]
+    own = plan.ranks[rank].stages
+    needed = [t for s in own for t in (*meta_modules[s].parameters(), *meta_modules[s].buffers())]
+    del meta_modules  # they hold the meta tensors; the own stages are rebuilt on the materialized ones
+    materialize(
+        traced.module,
+        needed=needed,
+        seed=plan.training.seed,
+        device=device,
+        init_module=spec.init_module,
+        also_replace_in=[traced.graph_module],
+    )
+    del needed
+    modules = {s: build_stage_module(traced, plan.stages[s].node_names) for s in own}
+    by_name = dict(traced.module.named_parameters(remove_duplicate=False))
+    params = {name: by_name[name] for s in own for name in stage_params[s]}
+    for name, param in params.items():
+        assert param.device.type == torch.device(device).type, f"{name} was not materialized"
+    return PipelineModel(
+        spec=spec,
+        traced=traced,
+        stage_io=stage_io,
+        model_inputs=traced.layer_graph.input_names,
+        model_output=traced.layer_graph.output_name,
+        value_meta=_value_meta(traced, stage_io),
+        stage_params=stage_params,
+        modules=modules,
+        params=params,
+    )
+
+
+def build_reference_model(plan: Plan, device: torch.device | str = "cpu") -> tuple[ModelSpec, nn.Module]:
+    """The whole model materialized the way the ranks materialize their parts (for single-process checks)."""
+    spec = load_spec(plan)
+    with torch.device("meta"):
+        module = spec.build()
+    materialize(module, needed=None, seed=plan.training.seed, device=device, init_module=spec.init_module)
+    return spec, module

@@ -1,0 +1,203 @@
+"""The training loop each rank runs (inside an initialized process group): build the rank's stages, then per
+step draw the global batch, run the planned op list, all-reduce shared gradients, step AdamW, log on rank 0, and
+write checkpoints and the measured trace."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pipeplan.console import out
+from pipeplan.errors import RunError
+from pipeplan.planner.plan import Plan
+from pipeplan.runtime import checkpoint
+from pipeplan.runtime.config import FaultSpec, RunConfig
+from pipeplan.runtime.executor import Executor, MicroBatch
+from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.routing import build_routing
+from pipeplan.runtime.stages import PipelineModel, build_pipeline_model
+from pipeplan.runtime.trace_io import write_trace
+
+
+@dataclass
+class RunResult:
+    rank: int
+    losses: list[float] = field(default_factory=list)  # global mean loss per step run
+    step_ms: list[float] = field(default_factory=list)
+    first_step: int = 0
+    grads: dict[str, torch.Tensor] | None = None  # after the first step's all-reduce (when asked for)
+
+
+def microbatches_for(
+    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device
+) -> dict[int, MicroBatch]:
+    """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
+    the m-th run of b samples."""
+    inputs, target = batch
+    b, m = plan.training.microbatch_size, plan.training.num_microbatches
+    base = plan.ranks[rank].pipeline * m * b
+    found = inputs[0].shape[0] if inputs else target.shape[0]
+    if found != plan.training.global_batch_size:
+        raise RunError(
+            f"the model's data gave a batch of {found} samples; the plan needs {plan.training.global_batch_size}"
+        )
+    sliced: dict[int, MicroBatch] = {}
+    for mb in wanted:
+        lo = base + mb * b
+        sliced[mb] = (tuple(x[lo : lo + b].to(device) for x in inputs), target[lo : lo + b].to(device))
+    return sliced
+
+
+def _optimizer(plan: Plan, config: RunConfig, model: PipelineModel) -> torch.optim.Optimizer:
+    if plan.training.optimizer.lower() != "adamw":
+        raise RunError(f"plan optimizer {plan.training.optimizer!r} is not supported; pipeplan run trains with adamw")
+    lr = config.lr if config.lr is not None else plan.training.lr
+    decay = config.weight_decay if config.weight_decay is not None else plan.training.weight_decay
+    params = [model.params[name] for name in sorted(model.params)]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+
+
+class Trainer:
+    def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
+        self.plan, self.config, self.rank, self.device = plan, config, rank, device
+        self.model = build_pipeline_model(plan, rank, device)
+        routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
+        self.executor = Executor(plan, rank, self.model, routing, device)
+        self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
+        self.optimizer = _optimizer(plan, config, self.model)
+        self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
+        self.fingerprint = self.model.traced.layer_graph.fingerprint
+
+    def one_step(self, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
+        """Run one training step; returns (global mean loss, this rank's op times)."""
+        for param in self.model.params.values():
+            param.grad = None
+        record = self.executor.run_step(microbatches_for(self.plan, self.rank, batch, self.wanted, self.device))
+        self.sync.all_reduce()
+        self.optimizer.step()
+        loss = torch.tensor([record.loss_sum], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss)  # only output-stage ranks contribute; each pipeline's losses are pre-scaled
+        return float(loss.item()), record.op_times
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {
+            n: (p.grad.detach().cpu().clone() if p.grad is not None else None) for n, p in self.model.params.items()
+        }
+
+    def save(self, step: int) -> None:
+        """Pipeline 0's first replica of each stage writes it; rank 0 publishes `latest` once all are written."""
+        root = self.config.checkpoint_dir
+        info = self.plan.ranks[self.rank]
+        if info.pipeline == 0 and info.stage_replica == 0:
+            for stage in info.stages:
+                names = self.model.stage_params[stage]
+                checkpoint.save_stage(
+                    root,
+                    step=step,
+                    stage=stage,
+                    names=names,
+                    params=self.model.params,
+                    optimizer=self.optimizer,
+                    fingerprint=self.fingerprint,
+                )
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.mark_latest(root, step)
+        dist.barrier()
+
+    def restore(self) -> int:
+        step = checkpoint.latest_step(self.config.checkpoint_dir)
+        for stage in self.plan.ranks[self.rank].stages:
+            checkpoint.load_stage(
+                self.config.checkpoint_dir,
+                step=step,
+                stage=stage,
+                params=self.model.params,
+                optimizer=self.optimizer,
+                fingerprint=self.fingerprint,
+            )
+        return step
+
+
+def train(
+    plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
+) -> RunResult:
+    trainer = Trainer(plan, config, rank=rank, device=device)
+    start = trainer.restore() if config.resume else 0
+    result = RunResult(rank=rank, first_step=start)
+    fault = FaultSpec.from_env()
+    batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
+    for _ in range(start):  # the same data order as an uninterrupted run
+        next(batches)
+    last_times: list[tuple[str, float, float]] = []
+    for step in range(start, config.steps):
+        _maybe_fail(fault, rank, step, watchdog)
+        batch = next(batches)
+        began = time.perf_counter()
+        loss, last_times = trainer.one_step(batch)
+        step_ms = (time.perf_counter() - began) * 1000.0
+        result.losses.append(loss)
+        result.step_ms.append(step_ms)
+        if capture_grads and step == start:
+            result.grads = trainer.grads()
+        if rank == 0 and not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
+            _log_step(plan, step, loss, step_ms)
+        if config.check_every and (step + 1) % config.check_every == 0:
+            trainer.sync.check_in_sync(step)
+        if config.checkpoint_dir and _checkpoint_due(config, step):
+            trainer.save(step + 1)
+    if config.check_every:
+        trainer.sync.check_in_sync(config.steps - 1)
+    if config.trace_path:
+        write_trace(config.trace_path, rank, last_times, world_size=plan.world_size)
+    if rank == 0 and not config.quiet and result.step_ms:
+        _log_summary(plan, result.step_ms)
+    return result
+
+
+def _checkpoint_due(config: RunConfig, step: int) -> bool:
+    if step + 1 == config.steps:
+        return True
+    return bool(config.checkpoint_every) and (step + 1) % config.checkpoint_every == 0
+
+
+def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog) -> None:
+    if fault is None or fault.rank != rank or fault.step != step:
+        return
+    import os
+    import sys
+
+    print(f"pipeplan rank {rank}: injected fault ({fault.mode}) at step {step}", file=sys.stderr, flush=True)
+    if fault.mode == "exit":
+        os._exit(1)
+    if watchdog is not None:
+        watchdog.freeze()
+    while True:
+        time.sleep(3600)
+
+
+def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
+    samples = plan.training.global_batch_size / (step_ms / 1000.0)
+    tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
+    predicted = plan.predicted.step_ms
+    ratio = f" ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
+    out.print(
+        f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}  "
+        f"predicted {predicted:.1f} ms{ratio}",
+        highlight=False,
+    )
+
+
+def _log_summary(plan: Plan, step_ms: list[float]) -> None:
+    timed = step_ms[1:] if len(step_ms) > 1 else step_ms  # the first step includes warm-up
+    median = statistics.median(timed)
+    predicted = plan.predicted.step_ms
+    ratio = f"; measured/predicted {median / predicted:.2f}" if predicted > 0 else ""
+    out.print(
+        f"summary: median step {median:.1f} ms over {len(timed)} steps vs predicted {predicted:.1f} ms{ratio}",
+        highlight=False,
+    )

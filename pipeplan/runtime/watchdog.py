@@ -1,0 +1,107 @@
+"""Heartbeats through the TCPStore so that no rank hangs when another dies or freezes.
+
+Every rank's watchdog thread bumps its own counter in the store about once a second and reads the others'. A peer
+whose counter has not moved for `timeout_s` (by this rank's own clock, so node clocks need not agree), or that
+published a failure, makes this rank print one line naming it and exit non-zero. A rank that finished marks
+itself done. Process-group timeouts catch the remaining case (a rank alive but stuck outside Python).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+PREFIX = "pipeplan/heartbeat/"
+FAILED_KEY = "pipeplan/failed"
+DONE = b"done"
+EXIT_CODE = 17
+ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"  # the local launcher collects each failed rank's one-line message here
+
+
+def record_error(rank: int, message: str) -> None:
+    """Print a rank's one-line error and leave it for the local launcher's summary."""
+    print(f"pipeplan rank {rank}: error: {message}", file=sys.stderr, flush=True)
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        Path(folder, f"rank_{rank}.txt").write_text(message + "\n")
+
+
+def _connect(timeout_s: float) -> dist.Store:
+    """Our own client of the launcher's store (the process group's client is not shared with this thread)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 5.0)))
+    return dist.distributed_c10d._get_default_store()  # e.g. a file:// init; shared with the process group
+
+
+class Watchdog:
+    def __init__(self, *, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.interval_s = min(1.0, timeout_s / 10)
+        self._store = _connect(timeout_s)
+        self._stop = threading.Event()
+        self._beat = 0
+        self._thread = threading.Thread(target=self._loop, name="pipeplan-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._store.set(f"{PREFIX}{self.rank}", "0")
+        self._thread.start()
+        return self
+
+    def stop(self, *, done: bool = True) -> None:
+        """Stop beating; `done` tells the peers this rank finished (not died)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if done:
+            try:
+                self._store.set(f"{PREFIX}{self.rank}", DONE.decode())
+            except Exception:  # the store may already be gone at the very end of a run
+                pass
+
+    def freeze(self) -> None:
+        """Fault injection: stop beating without saying goodbye (a frozen process)."""
+        self._stop.set()
+
+    def report_failure(self, message: str) -> None:
+        with contextlib.suppress(Exception):
+            self._store.set(FAILED_KEY, f"rank {self.rank}: {message}")
+
+    def _loop(self) -> None:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"{PREFIX}{r}" for r in peers]
+        last_value: dict[int, bytes] = {}
+        last_change = dict.fromkeys(peers, time.monotonic())
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat += 1
+                self._store.set(f"{PREFIX}{self.rank}", str(self._beat))
+                values = self._store.multi_get(keys) if keys else []
+                failed = self._store.check([FAILED_KEY]) and self._store.get(FAILED_KEY).decode()
+            except Exception as exc:  # the store (on the launcher or rank 0) is gone
+                if self._stop.is_set():
+                    return
+                self._exit(f"lost the rendezvous store ({type(exc).__name__}); the launcher or rank 0 is gone")
+                return
+            if failed and self._stop.is_set() is False:
+                self._exit(f"stopping because {failed}")
+            now = time.monotonic()
+            for peer, value in zip(peers, values, strict=True):
+                if value == DONE:
+                    last_change[peer] = float("inf")
+                elif value != last_value.get(peer):
+                    last_value[peer], last_change[peer] = value, now
+                elif now - last_change[peer] > self.timeout_s and not self._stop.is_set():
+                    self._exit(f"rank {peer} stopped responding (no heartbeat for {self.timeout_s:.0f} s)")
+
+    def _exit(self, reason: str) -> None:
+        record_error(self.rank, reason)
+        os._exit(EXIT_CODE)

@@ -1,0 +1,129 @@
+"""One rank of `pipeplan run`: what the planner's launch.sh runs under torchrun on every node.
+
+    torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m pipeplan.runtime.worker DIR/plan.json [--steps N] [--trace FILE] [--checkpoint-dir DIR]
+        [--checkpoint-every K] [--resume] [--lr X] [--weight-decay X] [--heartbeat-timeout S] [--check-every K]
+        [--threads T] [--quiet]
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); gloo on
+CPU, nccl on CUDA with one device per rank (cuda:LOCAL_RANK). A user error prints one line and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipeplan.errors import PipeplanError, RunError
+from pipeplan.planner.plan import Plan
+from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+from pipeplan.runtime.train import RunResult, train
+from pipeplan.runtime.watchdog import Watchdog, record_error
+
+
+def _device() -> tuple[str, torch.device]:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def run_worker(plan_path: str, config: RunConfig, capture_grads: bool = False, threads: int | None = None) -> RunResult:
+    """Join the process group described by the environment, train, and leave. The elastic_launch entrypoint."""
+    return run_plans([(plan_path, config)], capture_grads=capture_grads, threads=threads)[0]
+
+
+def run_plans(
+    runs: list[tuple[str, RunConfig]], *, capture_grads: bool = False, threads: int | None = None
+) -> list[RunResult]:
+    """Run several plans of the same world size one after another in one process group (tests and benchmarks
+    amortize start-up this way); the heartbeat and timeouts of the first config apply to all."""
+    if threads:
+        torch.set_num_threads(threads)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    watchdog = None
+    try:
+        plans = [Plan.load(path) for path, _ in runs]
+        for plan in plans:
+            if world_size != plan.world_size:
+                raise RunError(
+                    f"the plan needs {plan.world_size} ranks but {world_size} were started; start {plan.world_size}"
+                )
+        backend, device = _device()
+        first = runs[0][1]
+        timeout = timedelta(seconds=first.pg_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        watchdog = Watchdog(rank=rank, world_size=world_size, timeout_s=first.heartbeat_timeout_s).start()
+        results = [
+            train(plan, config, rank=rank, device=device, capture_grads=capture_grads, watchdog=watchdog)
+            for plan, (_, config) in zip(plans, runs, strict=True)
+        ]
+        watchdog.stop(done=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return results
+    except PipeplanError as exc:
+        _fail(rank, str(exc), watchdog)
+    except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        _fail(rank, f"{type(exc).__name__}: {first_line}", watchdog)
+    raise AssertionError("unreachable")
+
+
+def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
+    record_error(rank, message)
+    if watchdog is not None:
+        watchdog.report_failure(message)
+        watchdog.stop(done=False)
+    sys.stdout.flush()
+    os._exit(1)  # skip interpreter teardown: a process group with a dead peer can block in its destructor
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | None]:
+    parser = argparse.ArgumentParser(prog="python -m pipeplan.runtime.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("plan")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--trace")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--weight-decay", type=float)
+    parser.add_argument("--heartbeat-timeout", type=float, default=None)
+    parser.add_argument("--check-every", type=int, default=10)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    config = RunConfig(
+        steps=args.steps,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        trace_path=args.trace,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        check_every=args.check_every,
+        heartbeat_timeout_s=args.heartbeat_timeout or heartbeat_timeout_from_env(),
+        quiet=args.quiet,
+    )
+    return args.plan, config, args.threads
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        plan_path, config, threads = parse_args(argv)
+    except PipeplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run_worker(plan_path, config, threads=threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""Runtime tests import their helpers (`rt_helpers`) from this folder (pytest runs with --import-mode=importlib)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,67 @@
+"""Shared helpers for the runtime tests: tiny model options, plan files and the single-process reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeplan.planner.plan import Plan
+from pipeplan.runtime.manual_plan import manual_plan
+from pipeplan.runtime.stages import build_reference_model
+
+TINY_GPT = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
+TINY_GPT_TIED = {**TINY_GPT, "tie_embeddings": True}
+TINY_MLP = dict(layers=4, hidden=32)
+TINY_RESNET = dict(blocks=4, channels=8, image=8, classes=5)
+
+
+def save_plan(folder: Path, name: str, plan: Plan) -> str:
+    path = folder / f"{name}.json"
+    plan.save(path)
+    return str(path)
+
+
+def make_plan(folder: Path, name: str, model: str, options: dict, **layout) -> tuple[str, Plan]:
+    layout.setdefault("num_microbatches", 4)
+    layout.setdefault("microbatch_size", 2)
+    plan = manual_plan(model, options, **layout)
+    return save_plan(folder, name, plan), plan
+
+
+def reference_step(plan: Plan) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the first global batch on one process, whole model, same initialization."""
+    spec, module = build_reference_model(plan)
+    inputs, target = next(spec.batches(plan.training.global_batch_size, plan.training.seed))
+    b = plan.training.microbatch_size
+    count = plan.training.num_microbatches * plan.training.data_parallel
+    total = torch.zeros(())
+    for mb in range(count):
+        piece = slice(mb * b, (mb + 1) * b)
+        loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
+        loss.backward()
+        total += loss.detach()
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    return float(total), grads
+
+
+def gathered_grads(per_rank) -> dict[str, list[torch.Tensor]]:
+    """name -> the gradient each holding rank reported."""
+    found: dict[str, list[torch.Tensor]] = {}
+    for result in per_rank:
+        for name, grad in (result.grads or {}).items():
+            found.setdefault(name, []).append(grad)
+    return found
+
+
+def assert_matches_reference(plan: Plan, per_rank, label: str) -> None:
+    loss, grads = reference_step(plan)
+    for result in per_rank:
+        torch.testing.assert_close(result.losses[0], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} loss: {m}")
+    found = gathered_grads(per_rank)
+    assert set(found) == set(grads), f"{label}: parameters {sorted(set(grads) ^ set(found))[:5]} differ"
+    for name, copies in found.items():
+        for grad in copies:
+            torch.testing.assert_close(
+                grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{label} {n}: {m}"
+            )

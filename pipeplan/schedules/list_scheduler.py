@@ -122,7 +122,7 @@ def list_schedule(
         if o is None:
             if when == _INF:
                 sleeping.append((t, d))  # waits for another device's op
-            else:
+            else:  # commit to the next known op; waking earlier lets a late F block an arriving I
                 heapq.heappush(heap, (when, d))
             continue
         end = _run(state, d, o, t)

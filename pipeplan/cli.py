@@ -26,6 +26,8 @@ app = typer.Typer(
 # (command name, "module:function"); every function's docstring ends with an example.
 _COMMANDS: list[tuple[str, str]] = [
     ("simulate", "pipeplan.schedules.commands:simulate"),
+    ("models", "pipeplan.models.commands:models"),
+    ("profile", "pipeplan.profiling.commands:profile"),
 ]
 
 

@@ -1,0 +1,86 @@
+"""`pipeplan profile`: measure (cpu/cuda) or estimate (meta + --hardware) per-layer costs and save a Profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipeplan.console import err, out, print_json
+from pipeplan.errors import ConfigError
+from pipeplan.models.registry import load_model, parse_assignments
+from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.summary import fidelity_line, profile_table
+
+
+def _check_device(device: str, hardware: str | None) -> None:
+    if device not in ("cpu", "cuda", "meta") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device must be cpu, cuda or meta, got {device!r}")
+    if device == "meta" and not hardware:
+        raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+
+
+def _analytic(spec, *, batch_size: int, hardware: str, granularity: int | None, quiet: bool) -> Profile:
+    from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
+
+    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, granularity=granularity, progress=not quiet)
+
+
+def profile(
+    model: str = typer.Argument(
+        ..., help="Built-in model name (`pipeplan models`), file.py:factory or pkg.mod:factory."
+    ),
+    assignments: list[str] = typer.Option(None, "--arg", "-a", help="Model option key=value (repeatable)."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Samples per profiled microbatch."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware)."),
+    hardware: str = typer.Option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...)."),
+    granularity: int = typer.Option(None, "--granularity", help="Module depth of a layer (default: repeated blocks)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed runs per layer before measuring."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
+    as_json: bool = typer.Option(False, "--json", help="Print only the Profile JSON on stdout."),
+) -> None:
+    """Profile MODEL layer by layer: forward (F), input-gradient (I), weight-gradient (W) and fused backward (B)
+    times, saved activations, parameters and the bytes crossing each cut.
+
+    Example: pipeplan profile gpt -a layers=4 -a hidden=256 --batch-size 4 -o p.json
+    """
+    options = parse_assignments(assignments)
+    _check_device(device, hardware)
+    spec = load_model(model, options)
+    if device == "meta":
+        result = _analytic(spec, batch_size=batch_size, hardware=hardware, granularity=granularity, quiet=as_json)
+        if warmup != 2 or repeats != 5:
+            err.print("[yellow]warning:[/] --warmup/--repeats are ignored with --device meta (nothing is run)")
+    else:
+        if hardware:
+            err.print(f"[yellow]warning:[/] --hardware {hardware} is ignored with --device {device} (measured)")
+        from pipeplan.profiling.measure import profile_model
+
+        result = profile_model(
+            spec,
+            batch_size=batch_size,
+            device=device,
+            granularity=granularity,
+            warmup=warmup,
+            repeats=repeats,
+            progress=not as_json,
+            model_ref=model,
+            model_options=options,
+        )
+    if output is not None:
+        result.save(output)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    out.print(profile_table(result))
+    line = fidelity_line(result)
+    if line:
+        out.print(line, highlight=False)
+    if output is not None:
+        out.print(f"wrote {output}", highlight=False)

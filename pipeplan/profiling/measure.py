@@ -1,0 +1,297 @@
+"""Measured profiler: run each layer of a traced model as its own stage module and time forward (F), input-gradient
+(I), weight-gradient (W) and fused backward (B), medians over `repeats` after `warmup` runs, on CPU or CUDA.
+
+Memory per layer: the bytes autograd saves for backward (saved_tensors_hooks; storages de-duplicated, parameters
+excluded), split into what I frees and what must live until W (tensors saved by the nodes W re-enters or runs, see
+split_backward). Whole-model forward and backward times are measured too, to check that the per-layer sums agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeplan.console import progress as progress_bar
+from pipeplan.errors import ConfigError
+from pipeplan.models.spec import ModelSpec
+from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
+from pipeplan.profiling.stage import StageModule, build_stage_module
+from pipeplan.profiling.trace import TracedModel, trace_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    batch_size: int
+    device: str = "cpu"
+    granularity: int | None = None
+    warmup: int = 2
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.device == "meta":
+            raise ConfigError("measured profiling needs a real device; use --device meta with --hardware (analytic)")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+
+
+class _Clock:
+    """Wall-clock milliseconds between start() and stop(): perf_counter on CPU, CUDA events (synchronized) on GPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self._began = 0.0
+        self._event = None
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+        else:
+            self._began = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            torch.cuda.synchronize()
+            return float(self._event.elapsed_time(end))
+        return (time.perf_counter() - self._began) * 1e3
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _tensor_bytes(values: Sequence[object]) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _saved_by_node(node) -> list[torch.Tensor]:
+    """Tensors an autograd node saved for its backward (C++ nodes expose them as `_saved_*` attributes)."""
+    found: list[torch.Tensor] = []
+    for attr in dir(node):
+        if not attr.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # already freed, or not a tensor slot
+            continue
+        items = value if isinstance(value, list | tuple) else (value,)
+        found.extend(v for v in items if isinstance(v, torch.Tensor))
+    with contextlib.suppress(RuntimeError):  # custom autograd.Function nodes
+        found.extend(t for t in getattr(node, "saved_tensors", ()) if isinstance(t, torch.Tensor))
+    return found
+
+
+def _activation_bytes(stage: StageModule, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes saved for backward, bytes of those only I needs) for one forward of `stage`."""
+    param_keys = {_storage_key(p) for p in params}
+    saved: dict[tuple[int, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in param_keys and key[0] != 0:
+            saved[key] = key[1]
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = stage(*inputs)
+    info = analyze([o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad], inputs, params)
+    kept: set[tuple[int, int]] = set()
+    for node in info.weight_grad_nodes:
+        kept.update(_storage_key(t) for t in _saved_by_node(node))
+    total = sum(saved.values())
+    kept_bytes = sum(size for key, size in saved.items() if key in kept)
+    return total, total - kept_bytes
+
+
+def _leaves(values: Sequence[object]) -> list:
+    return [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _grad_outputs(outs: Sequence[object], generator: torch.Generator) -> list:
+    grads = []
+    for out in outs:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+            grads.append(noise.to(out.device))
+        else:
+            grads.append(None)
+    return grads
+
+
+def _median(samples: list[float]) -> float:
+    return float(statistics.median(samples))
+
+
+def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureConfig) -> dict[str, float]:
+    clock = _Clock(config.device)
+    generator = torch.Generator().manual_seed(0)
+    grads = _grad_outputs(stage(*inputs), generator)  # with autograd on: which outputs need a gradient
+    samples: dict[str, list[float]] = {"forward_ms": [], "input_grad_ms": [], "weight_grad_ms": [], "backward_ms": []}
+    for step in range(config.warmup + config.repeats):
+        for p in params:
+            p.grad = None
+        clock.start()
+        outs = stage(*inputs)
+        fwd = clock.stop()
+        clock.start()
+        _, state = backward_input(outs, grads, inputs, params)
+        i_ms = clock.stop()
+        clock.start()
+        backward_weight(state)
+        w_ms = clock.stop()
+        del outs, state
+        for p in params:
+            p.grad = None
+        outs = stage(*inputs)
+        clock.start()
+        backward_full(outs, grads, inputs, params)
+        b_ms = clock.stop()
+        del outs
+        if step >= config.warmup:
+            for key, value in zip(samples, (fwd, i_ms, w_ms, b_ms)):
+                samples[key].append(value)
+    return {key: _median(values) for key, values in samples.items()}
+
+
+def _layer_flops(stage: StageModule, inputs: list) -> float:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        stage(*inputs)
+    return float(counter.get_total_flops())
+
+
+def _whole_model_ms(traced: TracedModel, inputs: tuple, config: MeasureConfig) -> tuple[float, float]:
+    clock = _Clock(config.device)
+    module = traced.module
+    with torch.no_grad():
+        probe = module(*inputs)
+    grad = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1), dtype=probe.dtype).to(probe.device)
+    forward, backward = [], []
+    for step in range(config.warmup + config.repeats):
+        module.zero_grad(set_to_none=True)
+        clock.start()
+        out = module(*inputs)
+        fwd = clock.stop()
+        clock.start()
+        out.backward(grad)
+        bwd = clock.stop()
+        del out
+        if step >= config.warmup:
+            forward.append(fwd)
+            backward.append(bwd)
+    module.zero_grad(set_to_none=True)
+    return _median(forward), _median(backward)
+
+
+def _layer_values(traced: TracedModel, stages: list[StageModule], inputs: tuple) -> dict[str, object]:
+    env: dict[str, object] = dict(zip(traced.layer_graph.input_names, inputs))
+    with torch.no_grad():
+        for stage in stages:
+            env.update(zip(stage.outputs, stage(*[env[name] for name in stage.inputs])))
+    return env
+
+
+def profile_traced(
+    traced: TracedModel, config: MeasureConfig, *, model_ref: str | None = None, model_options=None, progress=True
+) -> Profile:
+    """Measure every layer of an already traced (real-device) model."""
+    spec, graph = traced.spec, traced.layer_graph
+    sample, _ = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
+    inputs = tuple(t.to(config.device) for t in sample)
+    stages = [build_stage_module(traced, layer.nodes) for layer in graph.layers]
+    env = _layer_values(traced, stages, inputs)
+    seen_params: set[int] = set()
+    layers: list[LayerProfile] = []
+    with progress_bar(quiet=not progress) as bar:
+        task = bar.add_task(f"profiling {spec.name}", total=len(stages) + 1)
+        for layer, stage in zip(graph.layers, stages):
+            leaves = _leaves([env[name] for name in stage.inputs])
+            params = [p for p in stage.parameters() if p.requires_grad]
+            own = [p for p in stage.parameters() if id(p) not in seen_params]
+            seen_params.update(id(p) for p in own)
+            times = _time_layer(stage, leaves, params, config)
+            total, freed = _activation_bytes(stage, leaves, params)
+            layers.append(
+                LayerProfile(
+                    name=layer.name,
+                    module_path=layer.module_path,
+                    activation_bytes=total,
+                    activation_freed_by_input_grad_bytes=freed,
+                    param_count=sum(p.numel() for p in own),
+                    param_bytes=sum(p.numel() * p.element_size() for p in own),
+                    output_bytes=_tensor_bytes([env[name] for name in stage.outputs]),
+                    flops=_layer_flops(stage, leaves),
+                    **times,
+                )
+            )
+            bar.advance(task)
+        whole_forward, whole_backward = _whole_model_ms(traced, inputs, config)
+        bar.advance(task)
+    return Profile(
+        layers=tuple(layers),
+        cut_bytes=tuple(graph.cut_bytes(i) for i in range(len(graph.cuts))),
+        provenance=_provenance(traced, config, model_ref, model_options),
+        input_bytes=_tensor_bytes(inputs),
+        whole_forward_ms=whole_forward,
+        whole_backward_ms=whole_backward,
+    )
+
+
+def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_options) -> Provenance:
+    spec = traced.spec
+    first = next(traced.module.parameters(), None)
+    device = config.device
+    if device.startswith("cuda"):
+        device = f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+    return Provenance(
+        source="measured",
+        device=device,
+        dtype=str(first.dtype).removeprefix("torch.") if first is not None else "float32",
+        batch_size=config.batch_size,
+        torch_version=torch.__version__,
+        model=model_ref or spec.name,
+        model_options=dict(spec.options if model_options is None else model_options),
+        graph_fingerprint=traced.layer_graph.fingerprint,
+        tokens_per_sample=spec.tokens_per_sample,
+        notes=f"warmup={config.warmup} repeats={config.repeats} threads={torch.get_num_threads()}",
+    )
+
+
+def profile_model(
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    device: str = "cpu",
+    granularity: int | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+    model_ref: str | None = None,
+    model_options: dict | None = None,
+) -> Profile:
+    """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
+    config = MeasureConfig(
+        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats
+    )
+    torch.manual_seed(0)
+    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device)
+    traced.module.train()
+    return profile_traced(traced, config, model_ref=model_ref, model_options=model_options, progress=progress)

@@ -1,0 +1,77 @@
+"""Render a Profile: a rich table per layer (F/I/W/B ms, activations, parameters, cut bytes) and fidelity ratios."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pipeplan.profiling.profile import Profile
+from pipeplan.units import format_bytes
+
+
+def fidelity(profile: Profile) -> dict[str, float | None]:
+    """Per-layer sums over whole-model timings (1.0 = the layer profile adds up exactly)."""
+    forward = sum(layer.forward_ms for layer in profile.layers)
+    split = sum(layer.input_grad_ms + layer.weight_grad_ms for layer in profile.layers)
+    fused = sum(layer.backward_ms for layer in profile.layers)
+    whole_f, whole_b = profile.whole_forward_ms, profile.whole_backward_ms
+    return {
+        "forward_sum_over_whole": forward / whole_f if whole_f else None,
+        "split_backward_sum_over_whole": split / whole_b if whole_b else None,
+        "fused_backward_sum_over_whole": fused / whole_b if whole_b else None,
+    }
+
+
+def _count(num: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if num >= scale:
+            return f"{num / scale:.2f}{unit}"
+    return str(num)
+
+
+def profile_table(profile: Profile) -> Table:
+    source = profile.provenance
+    title = (
+        f"{source.model} ({source.source}, {source.device}, {source.dtype}, batch {source.batch_size}, "
+        f"{profile.num_layers} layers)"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("layer", "F ms", "I ms", "W ms", "B ms", "activation", "kept to W", "params", "cut after"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for i, layer in enumerate(profile.layers):
+        cut = format_bytes(profile.cut_bytes[i]) if i < len(profile.cut_bytes) else "-"
+        table.add_row(
+            layer.name,
+            f"{layer.forward_ms:.3f}",
+            f"{layer.input_grad_ms:.3f}",
+            f"{layer.weight_grad_ms:.3f}",
+            f"{layer.backward_ms:.3f}",
+            format_bytes(layer.activation_bytes),
+            format_bytes(layer.activation_kept_until_weight_grad_bytes),
+            _count(layer.param_count),
+            cut,
+        )
+    layers = profile.layers
+    table.add_section()
+    table.add_row(
+        "total",
+        f"{sum(x.forward_ms for x in layers):.3f}",
+        f"{sum(x.input_grad_ms for x in layers):.3f}",
+        f"{sum(x.weight_grad_ms for x in layers):.3f}",
+        f"{sum(x.backward_ms for x in layers):.3f}",
+        format_bytes(sum(x.activation_bytes for x in layers)),
+        format_bytes(sum(x.activation_kept_until_weight_grad_bytes for x in layers)),
+        _count(sum(x.param_count for x in layers)),
+        "",
+    )
+    return table
+
+
+def fidelity_line(profile: Profile) -> str | None:
+    ratios = fidelity(profile)
+    if ratios["forward_sum_over_whole"] is None or ratios["split_backward_sum_over_whole"] is None:
+        return None
+    return (
+        f"whole model: forward {profile.whole_forward_ms:.3f} ms, backward {profile.whole_backward_ms:.3f} ms; "
+        f"layer sums / whole: F {ratios['forward_sum_over_whole']:.2f}, I+W "
+        f"{ratios['split_backward_sum_over_whole']:.2f}, B {ratios['fused_backward_sum_over_whole']:.2f}"
+    )

@@ -11,7 +11,9 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
   every weight-gradient kernel, e.g. the `mat1ᵀ @ grad` of a Linear), once for inputs and parameters together
   (B). I is the first pass's roofline time, B the second's, and W = B - I: the ops the full pass adds. For a
   Linear this gives I ≈ W ≈ F, the 2:1 rule, without assuming it; layers without floating-point inputs (the
-  embedding) have I = 0 and W = B.
+  embedding) have I = 0 and W = B. Kernels that compute input and weight gradients in one launch (convolution,
+  layer/batch norm backward) are timed as two kernels when taking W, as a split backward runs them; so
+  I + W >= B, the difference being what fusing saves.
 
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does. Times are the sum of per-op
 rooflines `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`: no kernel-launch overhead and no overlap
@@ -86,7 +88,11 @@ class LayerCounts:
 
     @property
     def weight_grad_seconds(self) -> float:
-        return max(self.backward.seconds - self.input_grad.seconds, 0.0)
+        """W = the full pass (fused conv/norm gradient kernels timed as split) minus the input-gradient pass; the
+        whole backward when the layer has no input gradient to compute."""
+        if self.input_grad.num_ops == 0:
+            return self.backward.seconds
+        return max(self.backward.split_seconds - self.input_grad.seconds, 0.0)
 
 
 def _tensor_bytes(values: Sequence) -> int:
@@ -133,7 +139,7 @@ def count_layer(
     with GpuSemantics(flash_attention=flash_attention), OpRecorder(roofline) as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        roots = [loss(outputs)] if loss is not None else [o for o in outputs if _requires_grad(o)]
+        roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
     split = saved_split(saved, roots, exclude=[*params, *module.buffers()])
     grads = [torch.empty_like(r) if r.dim() else torch.ones_like(r) for r in roots]
     grad_inputs = [leaf for leaf in leaves if _requires_grad(leaf)]

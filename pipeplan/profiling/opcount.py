@@ -3,7 +3,8 @@
 - `OpRecorder` (a TorchDispatchMode) sees every aten op after autograd, with its inputs and outputs. FLOPs come
   from `torch.utils.flop_counter`'s registry (matmuls, convolutions, attention -- exactly what FlopCounterMode
   counts); bytes moved are the inputs' plus the outputs' sizes (views and allocations move nothing). Each op's
-  time is its roofline `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`, summed.
+  time is its roofline `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`, summed; `split_seconds`
+  also times fused input+weight gradient kernels (conv, norms) as the two kernels a split backward launches.
 - `SavedTensors` (saved_tensors_hooks) records every tensor autograd saves; `saved_split` de-duplicates storages,
   drops parameters/buffers and splits the rest into "freed once I is done" and "kept until W": a storage is kept
   until W when a weight-gradient computation reads it, i.e. it is saved by an autograd node with an edge that
@@ -58,6 +59,7 @@ class OpTotals:
     flops: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
+    split_seconds: float = 0.0  # fused input+weight gradient kernels timed as two kernels (see `split_parts`)
     num_ops: int = 0
 
 
@@ -82,6 +84,33 @@ def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tupl
     return flops, moved
 
 
+def split_parts(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> list[tuple[float, int]]:
+    """(FLOPs, bytes) of an op as a split backward runs it.
+
+    Backward kernels with an `output_mask` (convolution, layer/batch/group norm) compute the input gradient
+    (output 0) and the weight/bias gradients (the rest) in one launch; a split backward runs the two parts as
+    separate kernels, each reading the inputs again. Every other op is one part.
+    """
+    names = [a.name for a in func._schema.arguments]
+    if "output_mask" not in names or not isinstance(out, tuple | list):
+        return [op_cost(func, args, kwargs, out)]
+    position = names.index("output_mask")
+    in_kwargs = "output_mask" in kwargs
+    mask = list(kwargs["output_mask"] if in_kwargs else args[position])
+    if not mask[0] or not any(mask[1:]):
+        return [op_cost(func, args, kwargs, out)]
+    parts = []
+    for keep in ([True] + [False] * (len(mask) - 1), [False] + mask[1:]):
+        part_mask = [m and k for m, k in zip(mask, keep)]
+        part_out = tuple(o if k else None for o, k in zip(out, part_mask))
+        if in_kwargs:
+            part_args, part_kwargs = args, {**kwargs, "output_mask": part_mask}
+        else:
+            part_args, part_kwargs = (*args[:position], part_mask, *args[position + 1 :]), kwargs
+        parts.append(op_cost(func, part_args, part_kwargs, part_out))
+    return parts
+
+
 class OpRecorder(TorchDispatchMode):
     """Dispatch mode summing each op's FLOPs, bytes and roofline time into `totals`."""
 
@@ -97,6 +126,8 @@ class OpRecorder(TorchDispatchMode):
         self.totals.flops += flops
         self.totals.bytes += moved
         self.totals.seconds += self.roofline.seconds(flops, moved)
+        parts = split_parts(func, args, kwargs, out) if func not in _FREE_OPS else []
+        self.totals.split_seconds += sum(self.roofline.seconds(f, b) for f, b in parts)
         self.totals.num_ops += 1
         return out
 

@@ -22,7 +22,7 @@ from pipeplan.profiling.memory_formulas import (
     forward_flops_per_layer,
     lm_head_flops,
 )
-from pipeplan.profiling.opcount import Roofline, SavedTensors
+from pipeplan.profiling.opcount import Roofline, SavedTensors, split_parts
 from pipeplan.profiling.profile import Profile
 
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 256, 2, 256, 4, 128
@@ -118,7 +118,8 @@ def test_backward_split_weight_grads_are_the_linear_matmuls():
     attention_forward = counts.forward.flops - linear_flops
     assert counts.input_grad.flops - linear_flops >= 2 * attention_forward  # dq, dk, dv, dp (+ recompute)
     assert 0 < counts.weight_grad_seconds < counts.backward.seconds
-    assert counts.backward.seconds == pytest.approx(counts.input_grad.seconds + counts.weight_grad_seconds)
+    split_total = counts.input_grad.seconds + counts.weight_grad_seconds
+    assert counts.backward.seconds <= split_total < 1.1 * counts.backward.seconds  # layer norms run as 2 kernels
 
 
 def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
@@ -129,6 +130,31 @@ def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
     assert _relative_error(counts.kept_until_weight_grad_bytes, 18 * sbh) < 0.01
     freed = counts.saved_bytes - counts.kept_until_weight_grad_bytes
     assert _relative_error(freed, 16 * sbh) < 0.01  # q/k/v 6, GELU input 8, two dropout masks 2
+
+
+def test_fused_backward_kernels_are_split_for_weight_grads():
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(4, 8, 32, 32, device="meta", dtype=torch.bfloat16)
+    roofline = Roofline(flops_per_s=1e12, bytes_per_s=1e15)  # compute-bound: times are FLOPs
+    counts = count_layer(conv, [x], roofline=roofline)
+    conv_flops = 2 * 4 * 16 * 32 * 32 * 8 * 9
+    assert counts.forward.flops == conv_flops
+    assert counts.input_grad.flops == conv_flops and counts.backward.flops == 2 * conv_flops
+    assert counts.weight_grad_seconds == pytest.approx(conv_flops / 1e12)
+    parts = split_parts(
+        torch.ops.aten.native_layer_norm_backward.default,
+        *_layer_norm_backward_call(),
+    )
+    assert len(parts) == 2 and parts[0][1] > 0 and parts[1][1] > 0
+
+
+def _layer_norm_backward_call():
+    x = torch.empty(64, 32, device="meta")
+    weight, bias = torch.empty(32, device="meta"), torch.empty(32, device="meta")
+    mean, rstd = torch.empty(64, 1, device="meta"), torch.empty(64, 1, device="meta")
+    args = (x, x, [32], mean, rstd, weight, bias, [True, True, True])
+    out = torch.ops.aten.native_layer_norm_backward.default(*args)
+    return args, {}, out
 
 
 def test_dropout_correction_saves_a_bool_mask():
@@ -146,8 +172,9 @@ def test_times_follow_the_roofline(flash_profile):
     block = _blocks(flash_profile)[0]
     matmul_floor_ms = block.flops / (h100.peak_bf16_flops * h100.matmul_efficiency) * 1e3
     assert block.forward_ms >= matmul_floor_ms
-    assert block.backward_ms == pytest.approx(block.input_grad_ms + block.weight_grad_ms)
-    assert flash_profile.layers[0].input_grad_ms == 0  # token ids: no input gradient
+    assert block.backward_ms <= block.input_grad_ms + block.weight_grad_ms
+    embed = flash_profile.layers[0]
+    assert embed.input_grad_ms == 0 and embed.weight_grad_ms == embed.backward_ms > 0  # token ids: W only
     slower = _blocks(_profile(_gpt(), matmul_efficiency=0.1, memory_efficiency=0.1))[0]
     assert slower.forward_ms == pytest.approx(block.forward_ms * h100.matmul_efficiency / 0.1, rel=0.3)
     faster = _blocks(_profile(_gpt(), hardware="b200"))[0]

@@ -36,6 +36,7 @@ from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTens
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +52,10 @@ class AnalyticConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.dtype not in DTYPES:
+        canonical = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if canonical not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+        object.__setattr__(self, "dtype", canonical)
         for name in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
@@ -205,8 +208,14 @@ def profile_analytic(
     matmul_efficiency: float | None = None,
     memory_efficiency: float | None = None,
     progress: bool = False,
+    model_ref: str | None = None,
+    model_options: dict | None = None,
 ) -> Profile:
-    """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations."""
+    """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
+
+    `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
+    `model_options` are recorded in the provenance (default: the spec's name and options).
+    """
     from pipeplan.console import progress as progress_bar
     from pipeplan.profiling.stage import build_stage_module
     from pipeplan.profiling.trace import trace_model
@@ -248,7 +257,7 @@ def profile_analytic(
     return Profile(
         layers=tuple(layers),
         cut_bytes=tuple(_cut_bytes(cut, env) for cut in graph.cuts),
-        provenance=_provenance(spec, config, traced.layer_graph.fingerprint),
+        provenance=_provenance(spec, config, traced.layer_graph.fingerprint, model_ref, model_options),
         input_bytes=_tensor_bytes(model_inputs),
     )
 
@@ -262,11 +271,15 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
     return total
 
 
-def _provenance(spec: ModelSpec, config: AnalyticConfig, fingerprint: str) -> Provenance:
+def _provenance(
+    spec: ModelSpec, config: AnalyticConfig, fingerprint: str, model_ref: str | None, model_options: dict | None
+) -> Provenance:
     roofline = config.roofline
+    peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
     notes = (
-        f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul, {roofline.bytes_per_s / 1e9:.0f} GB/s memory; "
-        f"attention: {'flash' if config.flash_attention else 'math'}; last layer includes loss_fn"
+        f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({peak} tensor-core peak x efficiency), "
+        f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "
+        "last layer includes loss_fn"
     )
     return Provenance(
         source="analytic",
@@ -275,8 +288,8 @@ def _provenance(spec: ModelSpec, config: AnalyticConfig, fingerprint: str) -> Pr
         dtype=config.dtype,
         batch_size=config.batch_size,
         torch_version=torch.__version__,
-        model=spec.name,
-        model_options=dict(spec.options),
+        model=model_ref or spec.name,
+        model_options=dict(spec.options if model_options is None else model_options),
         graph_fingerprint=fingerprint,
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,

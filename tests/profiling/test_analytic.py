@@ -204,7 +204,10 @@ def test_profile_metadata_cuts_and_round_trip(flash_profile, tmp_path):
 
 def test_float32_profile_doubles_bytes():
     spec = _gpt(dropout=0.0, layers=1)
-    half, full = _profile(spec), _profile(spec, dtype="float32")
+    half, full = _profile(spec, dtype="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
+    assert half.provenance.dtype == "bfloat16" and full.provenance.dtype == "float32"
+    assert full.provenance.model == "mine" and full.provenance.model_options == {}
+    assert half.provenance.model == "gpt" and "tf32" in full.provenance.notes
     assert full.cut_bytes[0] == 2 * half.cut_bytes[0]
     assert full.layers[1].param_bytes == 2 * half.layers[1].param_bytes
     assert full.layers[1].flops == half.layers[1].flops

@@ -216,8 +216,6 @@ def profile_analytic(
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
-    from pipeplan.console import progress as progress_bar
-    from pipeplan.profiling.stage import build_stage_module
     from pipeplan.profiling.trace import trace_model
 
     config = AnalyticConfig(
@@ -231,9 +229,23 @@ def profile_analytic(
     )
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta")
     traced.graph_module.to(config.torch_dtype)
-    graph = traced.layer_graph
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
-    env: dict[str, object] = dict(zip(graph.input_names, model_inputs))
+    env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
+    layers = _profile_layers(traced, config, env, lambda output: spec.loss_fn(output, target), progress=progress)
+    return Profile(
+        layers=tuple(layers),
+        cut_bytes=tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts),
+        provenance=_provenance(spec, config, traced.layer_graph.fingerprint, model_ref, model_options),
+        input_bytes=_tensor_bytes(model_inputs),
+    )
+
+
+def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss_fn, *, progress: bool):
+    """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`."""
+    from pipeplan.console import progress as progress_bar
+    from pipeplan.profiling.stage import build_stage_module
+
+    graph = traced.layer_graph
     layers: list[LayerProfile] = []
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
@@ -242,7 +254,7 @@ def profile_analytic(
             loss = None
             if index == graph.num_layers - 1 and graph.output_name in stage.outputs:
                 position = stage.outputs.index(graph.output_name)
-                loss = lambda outputs, p=position: spec.loss_fn(outputs[p], target)  # noqa: E731
+                loss = lambda outputs, p=position: loss_fn(outputs[p])  # noqa: E731
             counts = count_layer(
                 stage,
                 [env[name] for name in stage.inputs],
@@ -254,12 +266,7 @@ def profile_analytic(
             env.update(zip(stage.outputs, counts.outputs))
             layers.append(layer_profile(layer.name, layer.module_path, counts))
             bar.advance(task)
-    return Profile(
-        layers=tuple(layers),
-        cut_bytes=tuple(_cut_bytes(cut, env) for cut in graph.cuts),
-        provenance=_provenance(spec, config, traced.layer_graph.fingerprint, model_ref, model_options),
-        input_bytes=_tensor_bytes(model_inputs),
-    )
+    return layers
 
 
 def _cut_bytes(cut, env: dict[str, object]) -> int:

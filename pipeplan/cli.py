@@ -28,6 +28,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("simulate", "pipeplan.schedules.commands:simulate"),
     ("models", "pipeplan.models.commands:models"),
     ("profile", "pipeplan.profiling.commands:profile"),
+    ("run", "pipeplan.runtime.commands:run"),
 ]
 
 

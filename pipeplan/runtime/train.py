@@ -184,11 +184,11 @@ def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
     samples = plan.training.global_batch_size / (step_ms / 1000.0)
     tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
     predicted = plan.predicted.step_ms
-    ratio = f" ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
+    versus = f"  predicted {predicted:.1f} ms ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
     out.print(
-        f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}  "
-        f"predicted {predicted:.1f} ms{ratio}",
+        f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}{versus}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -196,8 +196,9 @@ def _log_summary(plan: Plan, step_ms: list[float]) -> None:
     timed = step_ms[1:] if len(step_ms) > 1 else step_ms  # the first step includes warm-up
     median = statistics.median(timed)
     predicted = plan.predicted.step_ms
-    ratio = f"; measured/predicted {median / predicted:.2f}" if predicted > 0 else ""
-    out.print(
-        f"summary: median step {median:.1f} ms over {len(timed)} steps vs predicted {predicted:.1f} ms{ratio}",
-        highlight=False,
+    versus = (
+        f" vs predicted {predicted:.1f} ms; measured/predicted {median / predicted:.2f}"
+        if predicted > 0
+        else " (the plan has no prediction)"
     )
+    out.print(f"summary: median step {median:.1f} ms over {len(timed)} steps{versus}", highlight=False, soft_wrap=True)

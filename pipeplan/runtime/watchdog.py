@@ -62,10 +62,8 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
         if done:
-            try:
+            with contextlib.suppress(Exception):  # the store may already be gone at the very end of a run
                 self._store.set(f"{PREFIX}{self.rank}", DONE.decode())
-            except Exception:  # the store may already be gone at the very end of a run
-                pass
 
     def freeze(self) -> None:
         """Fault injection: stop beating without saying goodbye (a frozen process)."""

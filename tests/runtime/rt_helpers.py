@@ -65,3 +65,25 @@ def assert_matches_reference(plan: Plan, per_rank, label: str) -> None:
             torch.testing.assert_close(
                 grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{label} {n}: {m}"
             )
+
+
+def reference_losses(plan: Plan, steps: int, *, lr: float, weight_decay: float) -> list[float]:
+    """Single-process AdamW training of the whole model on the plan's batches (mean loss over the global batch)."""
+    spec, module = build_reference_model(plan)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+    batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
+    b = plan.training.microbatch_size
+    count = plan.training.num_microbatches * plan.training.data_parallel
+    losses = []
+    for _ in range(steps):
+        inputs, target = next(batches)
+        optimizer.zero_grad()
+        total = 0.0
+        for mb in range(count):
+            piece = slice(mb * b, (mb + 1) * b)
+            loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        losses.append(total)
+    return losses

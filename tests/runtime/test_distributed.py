@@ -1,73 +1,132 @@
 """Multi-process gloo tests: every schedule, replicated stages, data parallelism, skip connections and tied
-weights give the single-process loss and gradients after one step; training lowers the loss.
+weights give the single-process loss and gradients after one step; training lowers the loss and matches a
+single-process AdamW run; a resumed run continues exactly where an uninterrupted one is.
 
-Start-up dominates (torch import per process), so each test launches once and runs many plans inside it."""
+Start-up dominates (torch import per process), so one 2-rank launch runs every 2-rank case and one 4-rank launch
+the rest; the tests below check different parts of those launches' results."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, TINY_RESNET, assert_matches_reference, make_plan
+import torch
+from rt_helpers import (
+    TINY_GPT,
+    TINY_GPT_TIED,
+    TINY_MLP,
+    TINY_RESNET,
+    assert_matches_reference,
+    make_plan,
+    reference_losses,
+)
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 ONE_STEP = RunConfig(steps=1, quiet=True, heartbeat_timeout_s=30.0)
+TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"
+TRAIN_STEPS, LR = 20, 3e-3
 
 
-def _check_all(cases, config=ONE_STEP):
-    results = launch_many([(path, config) for _, path, _ in cases], capture_grads=True, threads=1)
-    for index, (label, _, plan) in enumerate(cases):
-        assert_matches_reference(plan, [per_rank[index] for per_rank in results], label)
-    return results
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """(cases, results): results[rank][i] for the i-th run; cases[label] = (index, plan)."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    runs, cases = [], {}
 
+    def add(label, path, plan, config=ONE_STEP):
+        cases[label] = (len(runs), plan)
+        runs.append((path, config))
 
-def test_two_ranks_every_schedule_matches_single_process(tmp_path):
-    cases = []
     for index, schedule in enumerate(SCHEDULE_NAMES):
         options = TINY_GPT_TIED if index % 2 else TINY_GPT  # tied embeddings on half the schedules
-        path, plan = make_plan(tmp_path, f"gpt-{schedule}", "gpt", options, schedule=schedule, pipeline_devices=2)
-        cases.append((f"gpt {schedule}", path, plan))
-    for schedule in ("1f1b", "zbv"):  # resnet's long skip jumps from the stem's stage to the last block's
-        path, plan = make_plan(
-            tmp_path, f"resnet-{schedule}", "resnet", TINY_RESNET, schedule=schedule, pipeline_devices=2
+        add(
+            f"gpt {schedule}",
+            *make_plan(folder, f"gpt-{schedule}", "gpt", options, schedule=schedule, pipeline_devices=2),
         )
-        cases.append((f"resnet {schedule}", path, plan))
-    _check_all(cases)
+    for schedule in ("1f1b", "zbv"):  # resnet's long skip jumps from the stem's stage to the last block's
+        add(
+            f"resnet {schedule}",
+            *make_plan(folder, f"res-{schedule}", "resnet", TINY_RESNET, schedule=schedule, pipeline_devices=2),
+        )
+    path, plan = make_plan(folder, "toy", TOY, {}, schedule="zbv", pipeline_devices=2)
+    common = dict(quiet=True, lr=LR, heartbeat_timeout_s=30.0)
+    add("train", path, plan, RunConfig(steps=TRAIN_STEPS, check_every=5, **common))
+    checkpoints = str(folder / "ckpt")
+    add("first half", path, plan, RunConfig(steps=3, checkpoint_dir=checkpoints, checkpoint_every=2, **common))
+    add("resumed", path, plan, RunConfig(steps=6, checkpoint_dir=checkpoints, resume=True, **common))
+    results = launch_many(runs, capture_grads=True, threads=1)
+    return cases, results, checkpoints
+
+
+def _per_rank(results, index):
+    return [per_rank[index] for per_rank in results]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_every_schedule_matches_single_process(two_rank_runs, schedule):
+    cases, results, _ = two_rank_runs
+    index, plan = cases[f"gpt {schedule}"]
+    assert_matches_reference(plan, _per_rank(results, index), f"gpt {schedule}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_skip_connections_across_stages(two_rank_runs, schedule):
+    cases, results, _ = two_rank_runs
+    index, plan = cases[f"resnet {schedule}"]
+    assert_matches_reference(plan, _per_rank(results, index), f"resnet {schedule}")
+
+
+def test_training_lowers_loss_like_single_process_adamw(two_rank_runs):
+    cases, results, _ = two_rank_runs
+    index, plan = cases["train"]
+    losses = results[0][index].losses
+    assert len(losses) == TRAIN_STEPS and losses == results[1][index].losses
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    expected = reference_losses(plan, TRAIN_STEPS, lr=LR, weight_decay=plan.training.weight_decay)
+    torch.testing.assert_close(losses, expected, rtol=2e-4, atol=1e-5)
+
+
+def test_resumed_run_reaches_the_same_losses(two_rank_runs):
+    cases, results, checkpoints = two_rank_runs
+    uninterrupted = results[0][cases["train"][0]].losses
+    resumed = results[0][cases["resumed"][0]]
+    assert resumed.first_step == 3  # the first half's last checkpoint (written after its final step)
+    torch.testing.assert_close(resumed.losses, uninterrupted[3:6], rtol=1e-6, atol=1e-7)
+    assert (Path(checkpoints) / "latest").read_text().strip() == "step_00000006"
 
 
 def test_four_ranks_replicas_data_parallel_and_ties(tmp_path):
     cases = []
-    path, plan = make_plan(
-        tmp_path, "mlp-rep", "mlp", TINY_MLP, schedule="1f1b", pipeline_devices=3, replicas=(2, 1, 1)
-    )
-    cases.append(("mlp replicated stage 0", path, plan))
-    path, plan = make_plan(
-        tmp_path, "gpt-rep", "gpt", TINY_GPT_TIED, schedule="zb-h1", pipeline_devices=2, replicas=(1, 3)
-    )
-    cases.append(("gpt tied, last stage x3", path, plan))
-    path, plan = make_plan(
-        tmp_path, "gpt-dp", "gpt", TINY_GPT_TIED, schedule="dualpipev", pipeline_devices=2, data_parallel=2
-    )
-    cases.append(("gpt tied dualpipev dp2", path, plan))
-    path, plan = make_plan(
-        tmp_path, "resnet-dp", "resnet", TINY_RESNET, schedule="interleaved", pipeline_devices=2, data_parallel=2
-    )
-    cases.append(("resnet interleaved dp2", path, plan))
-    path, plan = make_plan(
-        tmp_path, "gpt-4", "gpt", TINY_GPT, schedule="zb-h2", pipeline_devices=4, num_microbatches=8, microbatch_size=1
-    )
-    cases.append(("gpt zb-h2 4 stages", path, plan))
-    _check_all(cases)
-
-
-def test_loss_decreases_over_twenty_steps(tmp_path):
-    path, plan = make_plan(tmp_path, "gpt-train", "gpt", TINY_GPT_TIED, schedule="zbv", pipeline_devices=2)
-    config = RunConfig(steps=20, quiet=True, lr=3e-3, check_every=5, heartbeat_timeout_s=30.0)
-    results = launch_many([(path, config)], threads=1)
-    losses = results[0][0].losses
-    assert len(losses) == 20
-    assert losses == results[1][0].losses  # every rank reports the all-reduced loss
-    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    layouts = [
+        ("mlp stage 0 x2", "mlp", TINY_MLP, dict(schedule="1f1b", pipeline_devices=3, replicas=(2, 1, 1))),
+        ("gpt tied, last stage x3", "gpt", TINY_GPT_TIED, dict(schedule="zb-h1", pipeline_devices=2, replicas=(1, 3))),
+        (
+            "gpt tied dualpipev dp2",
+            "gpt",
+            TINY_GPT_TIED,
+            dict(schedule="dualpipev", pipeline_devices=2, data_parallel=2),
+        ),
+        (
+            "resnet interleaved dp2",
+            "resnet",
+            TINY_RESNET,
+            dict(schedule="interleaved", pipeline_devices=2, data_parallel=2),
+        ),
+        (
+            "gpt zb-h2 4 stages",
+            "gpt",
+            TINY_GPT,
+            dict(schedule="zb-h2", pipeline_devices=4, num_microbatches=8, microbatch_size=1),
+        ),
+    ]
+    for index, (label, model, options, layout) in enumerate(layouts):
+        path, plan = make_plan(tmp_path, f"case{index}", model, options, **layout)
+        cases.append((label, path, plan))
+    results = launch_many([(path, ONE_STEP) for _, path, _ in cases], capture_grads=True, threads=1)
+    for index, (label, _, plan) in enumerate(cases):
+        assert_matches_reference(plan, _per_rank(results, index), label)

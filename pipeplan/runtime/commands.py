@@ -1,0 +1,53 @@
+"""`pipeplan run`: execute a plan on this machine (all its ranks, through torch's elastic launcher)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipeplan.console import out
+from pipeplan.errors import ConfigError
+from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+
+
+def run(
+    plan: Path = typer.Argument(..., help="plan.json written by `pipeplan plan`."),
+    steps: int = typer.Option(10, "--steps", help="Training steps (total, counting resumed ones)."),
+    trace: Path | None = typer.Option(None, "--trace", help="Write the measured Chrome trace of the last step here."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Save per-stage checkpoints here."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir."),
+    lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate (default: the plan's)."),
+    weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay (default: the plan's)."),
+    heartbeat_timeout: float | None = typer.Option(
+        None, "--heartbeat-timeout", help="Seconds without a peer's heartbeat before every rank stops (default 60)."
+    ),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads per rank (default: torch's)."),
+) -> None:
+    """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA) and compare the measured step
+    time with the plan's prediction. Across nodes, use the plan's launch.sh (torchrun -m pipeplan.runtime.worker).
+
+    Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
+    """
+    from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
+
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    config = RunConfig(
+        steps=steps,
+        lr=lr,
+        weight_decay=weight_decay,
+        trace_path=str(trace) if trace else None,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
+    )
+    results = launch_local(plan, config, threads=threads)
+    if trace:
+        out.print(f"measured trace: {trace}", highlight=False)
+    if checkpoint_dir:
+        out.print(
+            f"checkpoints: {checkpoint_dir} (step {results[0].first_step + len(results[0].losses)})", highlight=False
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from pipeplan.console import out, print_json
 from pipeplan.models.registry import BUILTINS, load_model
 
 
+@functools.cache
 def count_parameters(name: str) -> int:
     """Parameters of a built-in model with its default options, built on the meta device (no memory, instant)."""
     spec = load_model(name, {})

@@ -42,6 +42,7 @@ def profile(
     granularity: int = typer.Option(None, "--granularity", help="Module depth of a layer (default: repeated blocks)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs per layer before measuring."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads torch may use (default: torch's choice)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the Profile JSON on stdout."),
 ) -> None:
@@ -52,6 +53,14 @@ def profile(
     """
     options = parse_assignments(assignments)
     _check_device(device, hardware)
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        if device == "meta":
+            err.print("[yellow]warning:[/] --threads is ignored with --device meta (nothing is run)")
+        import torch
+
+        torch.set_num_threads(threads)
     spec = load_model(model, options)
     if device == "meta":
         result = _analytic(spec, batch_size=batch_size, hardware=hardware, granularity=granularity, quiet=as_json)

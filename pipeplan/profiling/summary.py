@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
 from pipeplan.profiling.profile import Profile
-from pipeplan.units import format_bytes
+
+
+def _bytes(num: float) -> str:
+    """Compact binary size for table cells: 512B, 4.0K, 2.3M, 1.1G."""
+    for unit, scale in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if abs(num) >= scale:
+            return f"{num / scale:.1f}{unit}"
+    return f"{int(num)}B"
 
 
 def fidelity(profile: Profile) -> dict[str, float | None]:
@@ -24,8 +32,12 @@ def fidelity(profile: Profile) -> dict[str, float | None]:
 def _count(num: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if num >= scale:
-            return f"{num / scale:.2f}{unit}"
+            return f"{num / scale:.1f}{unit}"
     return str(num)
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
 def profile_table(profile: Profile) -> Table:
@@ -34,19 +46,20 @@ def profile_table(profile: Profile) -> Table:
         f"{source.model} ({source.source}, {source.device}, {source.dtype}, batch {source.batch_size}, "
         f"{profile.num_layers} layers)"
     )
-    table = Table(title=title, title_justify="left")
-    for column in ("layer", "F ms", "I ms", "W ms", "B ms", "activation", "kept to W", "params", "cut after"):
-        table.add_column(column, justify="left" if column == "layer" else "right")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("layer", no_wrap=True)
+    for column in ("F ms", "I ms", "W ms", "B ms", "act", "to W", "params", "cut"):
+        table.add_column(column, justify="right", no_wrap=True)
     for i, layer in enumerate(profile.layers):
-        cut = format_bytes(profile.cut_bytes[i]) if i < len(profile.cut_bytes) else "-"
+        cut = _bytes(profile.cut_bytes[i]) if i < len(profile.cut_bytes) else "-"
         table.add_row(
             layer.name,
-            f"{layer.forward_ms:.3f}",
-            f"{layer.input_grad_ms:.3f}",
-            f"{layer.weight_grad_ms:.3f}",
-            f"{layer.backward_ms:.3f}",
-            format_bytes(layer.activation_bytes),
-            format_bytes(layer.activation_kept_until_weight_grad_bytes),
+            _ms(layer.forward_ms),
+            _ms(layer.input_grad_ms),
+            _ms(layer.weight_grad_ms),
+            _ms(layer.backward_ms),
+            _bytes(layer.activation_bytes),
+            _bytes(layer.activation_kept_until_weight_grad_bytes),
             _count(layer.param_count),
             cut,
         )
@@ -54,12 +67,12 @@ def profile_table(profile: Profile) -> Table:
     table.add_section()
     table.add_row(
         "total",
-        f"{sum(x.forward_ms for x in layers):.3f}",
-        f"{sum(x.input_grad_ms for x in layers):.3f}",
-        f"{sum(x.weight_grad_ms for x in layers):.3f}",
-        f"{sum(x.backward_ms for x in layers):.3f}",
-        format_bytes(sum(x.activation_bytes for x in layers)),
-        format_bytes(sum(x.activation_kept_until_weight_grad_bytes for x in layers)),
+        _ms(sum(x.forward_ms for x in layers)),
+        _ms(sum(x.input_grad_ms for x in layers)),
+        _ms(sum(x.weight_grad_ms for x in layers)),
+        _ms(sum(x.backward_ms for x in layers)),
+        _bytes(sum(x.activation_bytes for x in layers)),
+        _bytes(sum(x.activation_kept_until_weight_grad_bytes for x in layers)),
         _count(sum(x.param_count for x in layers)),
         "",
     )

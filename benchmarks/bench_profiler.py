@@ -1,0 +1,141 @@
+"""Measured-profiler benchmarks.
+
+1. Split backward: on a gpt block (hidden 512, seq 256, batch 8, CPU), median I+W time over median fused B time;
+   target <= 1.15 (W must not redo I's work).
+2. Fidelity: sum of per-layer times over whole-model times, median over several profiler runs, for gpt / mlp /
+   resnet; targets: forward within 15%, I+W within 25% of the whole backward.
+Prints a table and writes results/profiler.json. `--threads N` pins torch's CPU threads (1 is steadier on a
+shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from pipeplan.jsonio import write_json  # noqa: E402
+from pipeplan.models import load_model  # noqa: E402
+from pipeplan.models.gpt import Block  # noqa: E402
+from pipeplan.profiling.measure import profile_model  # noqa: E402
+from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight  # noqa: E402
+from pipeplan.profiling.summary import fidelity  # noqa: E402
+
+SPLIT_TARGET = 1.15
+FORWARD_TOLERANCE = 0.15
+BACKWARD_TOLERANCE = 0.25
+FIDELITY_CASES = [
+    ("gpt", dict(layers=4, hidden=256), 4),
+    ("mlp", dict(layers=8, hidden=1024), 128),
+    ("resnet", dict(blocks=4, channels=32, image=32), 16),
+]
+
+
+def split_backward_ratio(repeats: int) -> dict:
+    torch.manual_seed(0)
+    block = Block(512, 8, 0.0)
+    params = list(block.parameters())
+    x0, grad = torch.randn(8, 256, 512), torch.randn(8, 256, 512)
+
+    def once(split: bool) -> float:
+        x = x0.clone().requires_grad_()
+        out = block(x)
+        start = time.perf_counter()
+        if split:
+            _, state = backward_input([out], [grad], [x], params)
+            backward_weight(state)
+        else:
+            backward_full([out], [grad], [x], params)
+        elapsed = time.perf_counter() - start
+        block.zero_grad(set_to_none=True)
+        return elapsed * 1e3
+
+    for _ in range(2):
+        once(True), once(False)
+    split, fused = [], []
+    for _ in range(repeats):  # interleaved, so machine noise hits both alike
+        split.append(once(True))
+        fused.append(once(False))
+    split_ms, fused_ms = statistics.median(split), statistics.median(fused)
+    return {"split_ms": split_ms, "fused_ms": fused_ms, "ratio": split_ms / fused_ms, "target": SPLIT_TARGET}
+
+
+def fidelity_case(ref: str, options: dict, batch_size: int, runs: int) -> dict:
+    spec = load_model(ref, options)
+    forward, split, fused = [], [], []
+    for _ in range(runs):
+        ratios = fidelity(profile_model(spec, batch_size=batch_size, warmup=2, repeats=5, progress=False))
+        forward.append(ratios["forward_sum_over_whole"])
+        split.append(ratios["split_backward_sum_over_whole"])
+        fused.append(ratios["fused_backward_sum_over_whole"])
+    result = {
+        "model": ref,
+        "options": options,
+        "batch_size": batch_size,
+        "forward_ratio": statistics.median(forward),
+        "split_backward_ratio": statistics.median(split),
+        "fused_backward_ratio": statistics.median(fused),
+    }
+    result["forward_ok"] = abs(result["forward_ratio"] - 1) <= FORWARD_TOLERANCE
+    result["backward_ok"] = abs(result["split_backward_ratio"] - 1) <= BACKWARD_TOLERANCE
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--runs", type=int, default=3, help="profiler runs per model (median kept)")
+    parser.add_argument("--repeats", type=int, default=15, help="split-backward timing repeats")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console()
+    split = split_backward_ratio(args.repeats)
+    table = Table(title="split backward on a gpt block (hidden 512, seq 256, batch 8)", title_justify="left")
+    for column in ("I+W ms", "B ms", "ratio", "target"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{split['split_ms']:.1f}", f"{split['fused_ms']:.1f}", f"{split['ratio']:.3f}", f"<= {SPLIT_TARGET}")
+    console.print(table)
+    cases = [fidelity_case(ref, options, batch, args.runs) for ref, options, batch in FIDELITY_CASES]
+    table = Table(title="profiler fidelity: per-layer sums / whole model (median of runs)", title_justify="left")
+    for column in ("model", "batch", "F", "I+W", "B", "F within 15%", "I+W within 25%"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for case in cases:
+        table.add_row(
+            f"{case['model']} {case['options']}",
+            str(case["batch_size"]),
+            f"{case['forward_ratio']:.3f}",
+            f"{case['split_backward_ratio']:.3f}",
+            f"{case['fused_backward_ratio']:.3f}",
+            "yes" if case["forward_ok"] else "NO",
+            "yes" if case["backward_ok"] else "NO",
+        )
+    console.print(table)
+    write_json(
+        ROOT / "benchmarks" / "results" / "profiler.json",
+        {
+            "benchmark": "profiler",
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "load_average": list(os.getloadavg()),
+            "split_backward": split,
+            "fidelity": cases,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,8 +69,11 @@ class StagePlan:
     forward_ms: float = 0.0  # predicted per microbatch
     input_grad_ms: float = 0.0
     weight_grad_ms: float = 0.0
+    backward_ms: float | None = None  # fused B (1F1B-style schedules); None: input_grad_ms + weight_grad_ms
     param_count: int = 0
     memory_bytes: int = 0  # predicted peak on one device holding this stage
+    comm_ms: float = 0.0  # predicted transfer to the next stage (activations forward, gradients backward)
+    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ the expansion is deadlock-free whenever the original is.
 
 Timing: `simulate()` places each stage on one device, so the planner times a replicated pipeline on the original
 schedule with stage `s`'s op times divided by `r_s` (the replicas together drain `r_s` microbatches per op time).
+Only fixed-order schedules are replicated, so the original is regenerated from its name alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.validate import execution_order
+from pipeplan.schedules.validate import _check_complete, _execute
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,10 +75,10 @@ def replicate(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule
 
 
 def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
-    """Raise ScheduleError if the expanded lists deadlock (they never should; this guards the invariant).
-
-    `execution_order` only walks the lists and their dependencies, so the `stage_device` given to it (each stage's
-    first replica) is never used for placement here."""
+    """Raise ScheduleError if the expanded lists are incomplete or deadlock (they never should; this guards the
+    invariant). Runs validate's completeness check and in-order executor directly: its placement check would
+    reject a stage on several devices, and with zero durations the `stage_device` given (each stage's first
+    replica) only decides comm charges, which are unused."""
     first_device = {s: d for d, s in reversed(list(enumerate(expanded.device_stage)))}
     probe = Schedule(
         name=expanded.name,
@@ -87,4 +88,4 @@ def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
         stage_device=tuple(first_device[s] for s in range(len(expanded.replicas))),
         device_ops=expanded.device_ops,
     )
-    execution_order(probe)
+    _execute(probe, _check_complete(probe), None, None)

@@ -1,0 +1,80 @@
+"""Where stages and ops land: one pipeline's devices (from a schedule, expanded for replicated stages) tiled
+`data_parallel` times over the global ranks. Rank `r` belongs to pipeline `r // P` at pipeline device `r % P`
+(P devices per pipeline), so a pipeline's devices are consecutive and stay inside a node whenever P divides the
+devices per node; its node is `r // devices_per_node`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.partition.cluster import Cluster
+from pipeplan.planner.plan import RankInfo
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.replicate import replicate
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """One pipeline: per pipeline device, the stages it holds (chunk order), its replica index and its op list."""
+
+    device_stages: tuple[tuple[int, ...], ...]
+    device_replica: tuple[int, ...]
+    device_ops: tuple[tuple[str, ...], ...]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_stages)
+
+    def stage_devices(self, stage: int) -> tuple[int, ...]:
+        """Pipeline devices holding `stage` (one per replica)."""
+        return tuple(d for d, stages in enumerate(self.device_stages) if stage in stages)
+
+
+def pipeline_layout(
+    schedule: Schedule, replicas: tuple[int, ...], stage_devices: tuple[tuple[int, ...], ...] | None = None
+) -> PipelineLayout:
+    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate).
+    `stage_devices[s]` (default: consecutive devices in stage order) names the pipeline devices of stage s's
+    replicas, replica j on `stage_devices[s][j]` — e.g. the partitioner's placement across nodes."""
+    if any(r > 1 for r in replicas):
+        expanded = replicate(schedule, replicas)
+        slots = stage_devices or _consecutive(replicas)
+        assert [len(devices) for devices in slots] == list(replicas), "one device per replica"
+        order = sorted(
+            range(expanded.num_devices), key=lambda i: slots[expanded.device_stage[i]][expanded.device_replica[i]]
+        )
+        assert [slots[expanded.device_stage[i]][expanded.device_replica[i]] for i in order] == list(range(len(order)))
+        rows = expanded.op_strings()
+        return PipelineLayout(
+            device_stages=tuple((expanded.device_stage[i],) for i in order),
+            device_replica=tuple(expanded.device_replica[i] for i in order),
+            device_ops=tuple(tuple(rows[i]) for i in order),
+        )
+    stages_of = tuple(
+        tuple(s for s in range(schedule.num_stages) if schedule.stage_device[s] == d)
+        for d in range(schedule.num_devices)
+    )
+    return PipelineLayout(
+        device_stages=stages_of,
+        device_replica=(0,) * schedule.num_devices,
+        device_ops=tuple(tuple(row) for row in schedule.op_strings()),
+    )
+
+
+def _consecutive(replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    starts = [sum(replicas[:s]) for s in range(len(replicas))]
+    return tuple(tuple(range(start, start + r)) for start, r in zip(starts, replicas))
+
+
+def rank_infos(layout: PipelineLayout, data_parallel: int, cluster: Cluster) -> tuple[RankInfo, ...]:
+    per_pipeline = layout.num_devices
+    return tuple(
+        RankInfo(
+            rank=rank,
+            node=cluster.node_of(rank),
+            pipeline=rank // per_pipeline,
+            stages=layout.device_stages[rank % per_pipeline],
+            stage_replica=layout.device_replica[rank % per_pipeline],
+        )
+        for rank in range(per_pipeline * data_parallel)
+    )

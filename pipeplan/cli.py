@@ -9,6 +9,7 @@ import importlib
 from collections.abc import Callable
 
 import typer
+from rich.markup import escape
 
 from pipeplan.console import err
 from pipeplan.errors import PipeplanError
@@ -38,7 +39,7 @@ def _one_line_errors(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except PipeplanError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")

@@ -3,6 +3,8 @@ a failed run into one RunError line naming the rank that failed first."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import tempfile
@@ -56,14 +58,14 @@ def launch_many(
         monitor_interval=0.2,
         start_method="spawn",
     )
-    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
+    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors, _quiet_torch_logs():
         previous = os.environ.get(ERROR_DIR_ENV)
         os.environ[ERROR_DIR_ENV] = errors  # inherited by the spawned ranks
         try:
             jobs = [(str(path), config) for path, config in runs]
             results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
         except ChildFailedError as exc:
-            raise RunError(_failure_line(exc, Path(errors))) from None
+            raise RunError(_failure_line(exc, Path(errors), world_size)) from None
         finally:
             if previous is None:
                 os.environ.pop(ERROR_DIR_ENV, None)
@@ -72,24 +74,40 @@ def launch_many(
     return [results[rank] for rank in range(world_size)]
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """The elastic agent logs every failure as a traceback; pipeplan reports one line per failed run instead."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _entry(jobs: list[tuple[str, RunConfig]], capture_grads: bool, threads: int | None) -> list[RunResult]:
     return run_plans(jobs, capture_grads=capture_grads, threads=threads)
 
 
-def _failure_line(exc: ChildFailedError, errors: Path) -> str:
-    """The rank whose own error came first (its message), else the first rank that exited by itself."""
+def _failure_line(exc: ChildFailedError, errors: Path, world_size: int) -> str:
+    """Name the rank that failed first. A rank with its own error (bad plan, watchdog timeout) wrote a message;
+    a rank that died (killed, crashed, os._exit) wrote none while the others report losing their connection."""
     messages = sorted(errors.glob("rank_*.txt"), key=lambda p: p.stat().st_mtime)
     by_rank = {int(p.stem.removeprefix("rank_")): p.read_text().strip() for p in messages}
-    failures = exc.failures
-    exited = sorted(r for r, f in failures.items() if f.exitcode > 0)
-    # a rank that died without a message (killed, os._exit) is the root cause when the others only report losing it
-    silent = [r for r in exited if r not in by_rank]
-    if silent:
-        first = silent[0]
-        others = f"; ranks {sorted(by_rank)} then stopped" if by_rank else ""
-        return f"rank {first} died (exit code {failures[first].exitcode}){others}"
-    if by_rank:
-        first = int(messages[0].stem.removeprefix("rank_"))
+    own = [r for r in by_rank if "Connection" not in by_rank[r] and "RuntimeError" not in by_rank[r]]
+    if own:  # a pipeplan-level error or a heartbeat timeout names the cause itself
+        first = min(own, key=lambda r: [p.stem for p in messages].index(f"rank_{r}"))
         return f"rank {first} failed: {by_rank[first]}"
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp or time.time())
-    return f"rank {rank} failed (exit code {failure.exitcode})"
+    silent = [r for r in range(world_size) if r not in by_rank]
+    if by_rank and silent:
+        first = next(iter(by_rank))
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
+        return f"{who} died without an error message; rank {first} then reported: {by_rank[first]}"
+    if by_rank:
+        first = next(iter(by_rank))
+        return f"rank {first} failed: {by_rank[first]}"
+    rank, failure = min(exc.failures.items(), key=lambda item: item[1].timestamp or time.time())
+    return f"rank {rank} died (exit code {failure.exitcode})"

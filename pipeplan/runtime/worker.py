@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from datetime import timedelta
 
@@ -72,9 +73,16 @@ def run_plans(
     except PipeplanError as exc:
         _fail(rank, str(exc), watchdog)
     except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        _fail(rank, f"{type(exc).__name__}: {first_line}", watchdog)
+        _fail(rank, f"{type(exc).__name__}: {_short(str(exc))}", watchdog)
     raise AssertionError("unreachable")
+
+
+def _short(text: str) -> str:
+    """First sentence of an exception message, without gloo's `[file.cc:line]` prefix."""
+    line = text.splitlines()[0] if text else ""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    sentence = line.split(". ")[0]
+    return sentence[:200]
 
 
 def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:

@@ -1,0 +1,131 @@
+"""Single-process runtime pieces: materialization, routing read off the op lists, plan/model checks, config,
+checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from rt_helpers import TINY_GPT_TIED, TINY_RESNET, make_plan
+
+from pipeplan.errors import ConfigError, RunError
+from pipeplan.models import load_model
+from pipeplan.runtime import checkpoint
+from pipeplan.runtime.config import FaultSpec, RunConfig
+from pipeplan.runtime.grads import parameter_holders
+from pipeplan.runtime.materialize import materialize
+from pipeplan.runtime.routing import build_routing
+from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
+
+
+def test_rank_materializes_only_its_stages_with_reference_values(tmp_path):
+    _, plan = make_plan(tmp_path, "p", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
+    _, reference = build_reference_model(plan)
+    expected = dict(reference.named_parameters())
+    for rank in (0, 1):
+        model = build_pipeline_model(plan, rank, torch.device("cpu"))
+        for name, param in model.params.items():
+            torch.testing.assert_close(param.detach(), expected[name].detach(), rtol=0, atol=0)
+        untouched = [n for n, p in model.traced.module.named_parameters() if p.is_meta]
+        assert untouched and not set(untouched) & set(model.params)
+    # the tied embedding lives on both ranks, one Parameter object on each
+    first = build_pipeline_model(plan, 0, torch.device("cpu"))
+    assert first.traced.module.head.proj.weight is first.traced.module.embed.tok.weight
+
+
+def test_materialize_is_deterministic_and_seed_dependent():
+    spec = load_model("mlp", {"layers": 2, "hidden": 8})
+    values = []
+    for seed in (0, 0, 1):
+        with torch.device("meta"):
+            module = spec.build()
+        materialize(module, needed=None, seed=seed)
+        values.append(module.layers[0].linear.weight.detach().clone())
+    assert torch.equal(values[0], values[1]) and not torch.equal(values[0], values[2])
+
+
+def test_resnet_long_skip_goes_straight_to_its_consumer(tmp_path):
+    _, plan = make_plan(tmp_path, "r", "resnet", TINY_RESNET, schedule="gpipe", pipeline_devices=3)
+    model = build_pipeline_model(plan, 0, torch.device("cpu"))
+    routing = build_routing(plan, model.stage_io, model.model_inputs, model.differentiable)
+    skips = [(key, stages) for key, stages in routing.consumers.items() if key[0] == 0 and 2 in stages]
+    assert skips, routing.consumers  # the stem output is consumed by stage 2 directly
+    acts = [m for m in routing.tags if m.kind == "act" and m.producer == 0 and m.consumer == 2]
+    grads = [m for m in routing.tags if m.kind == "grad" and m.producer == 0 and m.consumer == 2]
+    assert {(m.src, m.dst) for m in acts} == {(0, 2)} and {(m.src, m.dst) for m in grads} == {(2, 0)}
+    for src, dst in {(m.src, m.dst) for m in routing.tags}:
+        tags = sorted(t for m, t in routing.tags.items() if (m.src, m.dst) == (src, dst))
+        assert tags == list(range(len(tags)))  # one sequence per ordered pair, in send order
+
+
+def test_chunks_on_one_rank_hand_over_locally(tmp_path):
+    _, plan = make_plan(tmp_path, "v", "gpt", TINY_GPT_TIED, schedule="zbv", pipeline_devices=2)
+    model = build_pipeline_model(plan, 0, torch.device("cpu"))
+    routing = build_routing(plan, model.stage_io, model.model_inputs, model.differentiable)
+    # zbv: stages 1 and 2 share device 1, so nothing crosses between them over the wire
+    assert not [m for m in routing.tags if {m.producer, m.consumer} == {1, 2}]
+    holders = parameter_holders(plan, model.stage_params)
+    assert holders["embed.tok.weight"] == (0,)  # the tie is within rank 0 (stages 0 and 3)
+    assert holders["blocks.0.ln1.weight"] == (0,)
+
+
+def test_tied_weight_held_by_first_and_last_rank(tmp_path):
+    _, plan = make_plan(tmp_path, "t", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2, replicas=(1, 2))
+    model = build_pipeline_model(plan, 0, torch.device("cpu"))
+    holders = parameter_holders(plan, model.stage_params)
+    assert holders["embed.tok.weight"] == (0, 1, 2)
+    assert holders["head.norm.weight"] == (1, 2)
+
+
+def test_fingerprint_mismatch_is_one_run_error(tmp_path):
+    _, plan = make_plan(tmp_path, "f", "gpt", TINY_GPT_TIED, schedule="gpipe", pipeline_devices=2)
+    other = dataclasses.replace(plan, model=dataclasses.replace(plan.model, fingerprint="0123456789abcdef"))
+    with pytest.raises(RunError, match="fingerprint") as info:
+        build_pipeline_model(other, 0, torch.device("cpu"))
+    assert "\n" not in str(info.value)
+
+
+def test_op_list_that_moves_a_backward_is_refused(tmp_path):
+    _, plan = make_plan(tmp_path, "o", "gpt", TINY_GPT_TIED, schedule="gpipe", pipeline_devices=2, replicas=(2, 1))
+    model = build_pipeline_model(plan, 0, torch.device("cpu"))
+    ops = [list(row) for row in plan.rank_ops]
+    b0 = next(o for o in ops[0] if o.endswith("B0"))  # replica 0's backward of microbatch 0 moves to replica 1
+    ops[0].remove(b0)
+    ops[1].append(b0)
+    broken = dataclasses.replace(plan, rank_ops=tuple(tuple(r) for r in ops))
+    with pytest.raises(RunError, match="forward ran on another rank"):
+        build_routing(broken, model.stage_io, model.model_inputs, model.differentiable)
+
+
+def test_run_config_and_fault_spec_validation(monkeypatch):
+    with pytest.raises(ConfigError, match="--resume needs --checkpoint-dir"):
+        RunConfig(resume=True)
+    with pytest.raises(ConfigError, match="--steps"):
+        RunConfig(steps=0)
+    monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,step=2,mode=hang")
+    assert FaultSpec.from_env() == FaultSpec(rank=1, step=2, mode="hang")
+    monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,when=2")
+    with pytest.raises(ConfigError, match="rank=1,step=2"):
+        FaultSpec.from_env()
+
+
+def test_checkpoint_round_trip_and_missing_marker(tmp_path):
+    param = torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    params = {"w": param}
+    checkpoint.save_stage(tmp_path, step=5, stage=0, names=("w",), params=params, optimizer=optimizer, fingerprint="f")
+    with pytest.raises(RunError, match="no complete checkpoint"):
+        checkpoint.latest_step(tmp_path)  # the marker comes last
+    checkpoint.mark_latest(tmp_path, 5)
+    assert checkpoint.latest_step(tmp_path) == 5
+    fresh = torch.nn.Parameter(torch.zeros(3))
+    fresh_opt = torch.optim.AdamW([fresh], lr=0.1)
+    checkpoint.load_stage(tmp_path, step=5, stage=0, params={"w": fresh}, optimizer=fresh_opt, fingerprint="f")
+    assert torch.equal(fresh.detach(), param.detach())
+    torch.testing.assert_close(fresh_opt.state[fresh]["exp_avg"], optimizer.state[param]["exp_avg"])
+    assert not list(tmp_path.rglob("*.tmp"))
+    with pytest.raises(RunError, match="another model graph"):
+        checkpoint.load_stage(tmp_path, step=5, stage=0, params={"w": fresh}, optimizer=fresh_opt, fingerprint="g")

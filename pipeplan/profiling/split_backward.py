@@ -3,19 +3,17 @@ for any module, without W redoing I's work. Zero-bubble schedules run I early an
 
 How: walk the autograd graph from the outputs. `input side` = nodes with a path to an input that needs a gradient;
 `weight side` = nodes with a path to a parameter but none to an input. A *frontier* node is an input-side node with
-an edge into the weight side (e.g. the AddmmBackward of a Linear: it computes dX for I and dW for W).
+edges into the weight side (e.g. the AddmmBackward of a Linear: it computes dX for I and dW for W).
 - I runs `autograd.grad(outputs, inputs)`: the engine computes only what the inputs need (for a frontier node, only
   its input-side outputs) while a pre-hook on each frontier node captures the gradient arriving at it.
-- W runs, per frontier node, `autograd.grad(GradientEdge(node, k), params_below_it, captured)`: the engine
-  re-enters the node computing only its weight-side outputs, then the weight-side subgraph. By linearity the
-  per-node parameter gradients sum to the full ones. Outputs that do not depend on any input (a first stage fed
-  token ids) are weight side from the start: I does nothing and W runs from them.
-If a parameter is reachable from a frontier node both directly and through another input-side node (the same
-module applied twice in a row), the per-node W calls would double count, so W falls back to one full backward
-to the parameters (correct, but W then repeats I's traversal; a warning says so once).
-
-The graph is retained between I and W; W drops every reference it holds, so the saved activations are freed as
-soon as the caller drops the outputs.
+- W phase 1 re-enters each frontier node (`autograd.grad(GradientEdge(node, k), its weight-side edges, captured)`),
+  so it computes only its weight-side outputs (the dW matmul); phase 2 runs the weight-side subgraph once from all
+  those edges (contributions to one edge summed; the backward is linear) down to the parameters.
+  Outputs that do not depend on any input (a first stage fed token ids) are weight side from the start: I does
+  nothing and W runs from them. Every node runs once, so W does not retain the graph.
+If a frontier node can reach one of its own weight-side edges through another child (the same Linear applied twice
+in a row shares its bias node), phase 1 would run more than that node, so W falls back to one backward from the
+outputs to the parameters (correct, but W repeats I's traversal; a warning says so).
 """
 
 from __future__ import annotations
@@ -34,10 +32,9 @@ class SplitAnalysis:
 
     input_side: set  # nodes with a path to an input needing a gradient
     weight_side: set  # nodes with a path to a parameter and none to an input
-    frontier: dict  # input-side node -> bitmask of parameter indices below its weight-side edges
+    frontier: dict  # input-side node -> its edges (node, input_nr) into the weight side
     weight_roots: list[int]  # indices of outputs whose grad_fn is weight side
-    root_masks: int  # parameters below the weight-side roots
-    conflict: bool  # a per-node W call would double count (see the module docstring)
+    conflict: bool  # a frontier node reaches one of its own weight-side edges another way
 
     @property
     def weight_grad_nodes(self) -> set:
@@ -47,10 +44,12 @@ class SplitAnalysis:
 
 @dataclass
 class WeightGradState:
-    """What W needs after I: captured gradients at frontier nodes. `backward_weight` consumes it."""
+    """What W needs after I: gradients captured at frontier nodes. `backward_weight` consumes it."""
 
     params: list[torch.Tensor]
-    calls: list[tuple[list, list[torch.Tensor], list[int]]] = field(default_factory=list)  # roots, grads, params
+    frontier_calls: list[tuple[list, list[torch.Tensor], list]] = field(default_factory=list)  # roots, grads, edges
+    weight_roots: list[tuple[object, torch.Tensor]] = field(default_factory=list)  # (GradientEdge, grad)
+    fallback: tuple[list, list] | None = None  # (outputs, grads) when W must redo the traversal
     done: bool = False
 
 
@@ -58,53 +57,65 @@ def _node_of(tensor: torch.Tensor):
     return get_gradient_edge(tensor).node
 
 
-def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]):
-    """Classify the autograd graph below `outputs` (see SplitAnalysis)."""
-    input_nodes = {_node_of(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
-    param_bits = {_node_of(p): 1 << i for i, p in enumerate(params)}
-    roots = [t.grad_fn for t in outputs]
-    reaches_input: dict = {}
-    mask: dict = {}
+def _walk(roots: list, input_nodes: set, param_nodes: set) -> tuple[dict, dict, dict, list]:
+    """Post-order DFS from `roots` (iterative: autograd graphs can be thousands of nodes deep).
+    Returns (children, reaches_input, reaches_param, post-order list); inputs are not expanded."""
     children: dict = {}
+    reaches_input: dict = {}
+    reaches_param: dict = {}
+    order: list = []
     for root in roots:
-        if root is None or root in mask:
+        if root is None or root in children:
             continue
         stack = [(root, False)]
-        while stack:  # iterative post-order DFS: autograd graphs can be thousands of nodes deep
+        while stack:
             node, expanded = stack.pop()
             if expanded:
                 kids = children[node]
                 reaches_input[node] = node in input_nodes or any(reaches_input[k] for k in kids)
-                bits = param_bits.get(node, 0)
-                for kid in kids:
-                    bits |= mask[kid]
-                mask[node] = bits
+                reaches_param[node] = node in param_nodes or any(reaches_param[k] for k in kids)
+                order.append(node)
                 continue
-            if node in mask or node in children:
+            if node in children:
                 continue
             kids = [] if node in input_nodes else [n for n, _ in node.next_functions if n is not None]
             children[node] = kids
             stack.append((node, True))
             stack.extend((k, False) for k in kids if k not in children)
-    input_side = {n for n, hit in reaches_input.items() if hit}
-    weight_side = {n for n, hit in reaches_input.items() if not hit and mask[n]}
+    return children, reaches_input, reaches_param, order
+
+
+def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]):
+    """Classify the autograd graph below `outputs` (see SplitAnalysis)."""
+    input_nodes = {_node_of(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
+    param_nodes = {_node_of(p) for p in params}
+    roots = [t.grad_fn for t in outputs]
+    children, reaches_input, reaches_param, order = _walk(roots, input_nodes, param_nodes)
+    input_side = {n for n in order if reaches_input[n]}
+    weight_side = {n for n in order if not reaches_input[n] and reaches_param[n]}
     frontier: dict = {}
-    conflict = False
-    for node in input_side:
-        below_weight = below_input = 0
+    for node in order:
+        if node in input_side:
+            edges = {(kid, nr) for kid, nr in node.next_functions if kid is not None and kid in weight_side}
+            if edges:
+                frontier[node] = sorted(edges, key=lambda edge: (id(edge[0]), edge[1]))
+    # conflict: a frontier node's weight-side entry is also reachable through another of its children
+    entry_bit = {kid: 1 << i for i, kid in enumerate({kid for edges in frontier.values() for kid, _ in edges})}
+    below: dict = {}  # entries strictly below a node
+    for node in order:
+        bits = 0
         for kid in children[node]:
-            if kid in weight_side:
-                below_weight |= mask[kid]
-            elif kid in input_side:
-                below_input |= mask[kid]
-        if below_weight:
-            frontier[node] = below_weight
-            conflict |= bool(below_weight & below_input)
+            bits |= below[kid] | entry_bit.get(kid, 0)
+        below[node] = bits
+    conflict = False
+    for node, edges in frontier.items():
+        own = 0
+        for kid, _ in edges:
+            own |= entry_bit[kid]
+        for kid in children[node]:
+            conflict |= bool(below[kid] & own)
     weight_roots = [i for i, root in enumerate(roots) if root is not None and root in weight_side]
-    root_masks = 0
-    for i in weight_roots:
-        root_masks |= mask[roots[i]]
-    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, root_masks, conflict)
+    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict)
 
 
 def _live_outputs(outputs, grad_outputs):
@@ -125,10 +136,6 @@ def _trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(id(p))
             unique.append(p)
     return unique
-
-
-def _bits(mask: int) -> list[int]:
-    return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
 def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -178,13 +185,13 @@ def backward_input(
     info = analyze(outs, inputs, params)
     if info.conflict:
         warnings.warn(
-            "split backward: a parameter is reached through several input-side paths (a module applied twice); "
-            "W recomputes the backward to the parameters",
+            "split backward: a weight-side node is reached along several input-side paths (a module applied "
+            "twice); W recomputes the backward to the parameters",
             RuntimeWarning,
             stacklevel=2,
         )
         input_grads = _input_grads(outs, grads, list(inputs), retain_graph=True)
-        state.calls.append((outs, grads, list(range(len(params)))))
+        state.fallback = (outs, grads)
         return input_grads, state
     captured: dict = {}
     handles = [node.register_prehook(_capture(captured, node)) for node in info.frontier]
@@ -193,13 +200,12 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
-    for node, below in info.frontier.items():
+    for node, edges in info.frontier.items():
         slots = [(k, g) for k, g in enumerate(captured.get(node, ())) if g is not None]
         if slots:
-            state.calls.append(([GradientEdge(node, k) for k, _ in slots], [g for _, g in slots], _bits(below)))
-    if info.weight_roots:
-        roots = [outs[i] for i in info.weight_roots]
-        state.calls.append((roots, [grads[i] for i in info.weight_roots], _bits(info.root_masks)))
+            roots = [GradientEdge(node, k) for k, _ in slots]
+            state.frontier_calls.append((roots, [g for _, g in slots], [GradientEdge(n, nr) for n, nr in edges]))
+    state.weight_roots = [(get_gradient_edge(outs[i]), grads[i]) for i in info.weight_roots]
     return input_grads, state
 
 
@@ -211,15 +217,42 @@ def _capture(captured: dict, node):
 
 
 def backward_weight(state: WeightGradState) -> None:
-    """W: accumulate the parameter gradients into `param.grad`, then drop the captured state and graph refs."""
+    """W: accumulate the parameter gradients into `param.grad`, then drop the captured state (and graph refs).
+
+    Phase 1 re-enters each frontier node for its weight-side outputs only; phase 2 runs the weight-side subgraph
+    once from all of them (summing what several frontier nodes send to one entry). Each node runs once, so the
+    graph is not retained: weight-side buffers are freed as W goes."""
     assert not state.done, "backward_weight called twice for one backward_input"
     params = state.params
-    for roots, grads, indices in state.calls:
-        targets = [params[i] for i in indices]
-        computed = torch.autograd.grad(roots, targets, grads, retain_graph=True, allow_unused=True)
-        accumulate_grads(targets, computed)
-    state.calls.clear()
+    if state.fallback is not None:
+        outs, grads = state.fallback
+        accumulate_grads(params, torch.autograd.grad(outs, params, grads, allow_unused=True))
+    else:
+        entries: dict[tuple[int, int], list] = {}  # (id(node), input_nr) -> [GradientEdge, summed grad]
+        for roots, grads, edges in state.frontier_calls:
+            computed = torch.autograd.grad(roots, edges, grads, allow_unused=True)
+            for edge, grad in zip(edges, computed):
+                _add_entry(entries, edge, grad)
+        for edge, grad in state.weight_roots:
+            _add_entry(entries, edge, grad)
+        if entries:
+            edges = [edge for edge, _ in entries.values()]
+            grads = [grad for _, grad in entries.values()]
+            accumulate_grads(params, torch.autograd.grad(edges, params, grads, allow_unused=True))
+    state.frontier_calls.clear()
+    state.weight_roots.clear()
+    state.fallback = None
     state.done = True
+
+
+def _add_entry(entries: dict, edge, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    key = (id(edge.node), edge.output_nr)
+    if key in entries:
+        entries[key][1] = entries[key][1] + grad
+    else:
+        entries[key] = [edge, grad]
 
 
 def backward_full(

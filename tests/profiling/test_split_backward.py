@@ -102,7 +102,25 @@ def test_mlp_layer():
 
 
 def test_parameter_used_in_two_places():
-    _check(SharedScale(), [torch.randn(4, 8)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: the weight-side branches meet only below the frontier
+        _check(SharedScale(), [torch.randn(4, 8)])
+
+
+def test_same_linear_in_parallel_branches():
+    """One Linear on two inputs (tied weights within a stage): both uses are frontier nodes, W sums them."""
+
+    class Parallel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, a, b):
+            return self.lin(a) * self.lin(b)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(Parallel(), [torch.randn(4, 8), torch.randn(4, 8)])
 
 
 def test_module_applied_twice_is_correct_and_warns():

@@ -178,14 +178,17 @@ def _layer_flops(stage: StageModule, inputs: list) -> float:
     return float(counter.get_total_flops())
 
 
-def _whole_model_ms(traced: TracedModel, inputs: tuple, config: MeasureConfig) -> tuple[float, float]:
+def _whole_model_samples(
+    traced: TracedModel, inputs: tuple, config: MeasureConfig, *, warmup: int
+) -> tuple[list[float], list[float]]:
+    """Whole-model forward and backward times (ms), `config.repeats` samples each after `warmup` runs."""
     clock = _Clock(config.device)
     module = traced.module
     with torch.no_grad():
         probe = module(*inputs)
     grad = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1), dtype=probe.dtype).to(probe.device)
     forward, backward = [], []
-    for step in range(config.warmup + config.repeats):
+    for step in range(warmup + config.repeats):
         module.zero_grad(set_to_none=True)
         clock.start()
         out = module(*inputs)
@@ -194,11 +197,11 @@ def _whole_model_ms(traced: TracedModel, inputs: tuple, config: MeasureConfig) -
         out.backward(grad)
         bwd = clock.stop()
         del out
-        if step >= config.warmup:
+        if step >= warmup:
             forward.append(fwd)
             backward.append(bwd)
     module.zero_grad(set_to_none=True)
-    return _median(forward), _median(backward)
+    return forward, backward
 
 
 def _layer_values(traced: TracedModel, stages: list[StageModule], inputs: tuple) -> dict[str, object]:
@@ -221,7 +224,10 @@ def profile_traced(
     seen_params: set[int] = set()
     layers: list[LayerProfile] = []
     with progress_bar(quiet=not progress) as bar:
-        task = bar.add_task(f"profiling {spec.name}", total=len(stages) + 1)
+        task = bar.add_task(f"profiling {spec.name}", total=len(stages) + 2)
+        # whole-model samples before and after the layers, pooled: slow drifts of a shared machine hit both alike
+        whole_forward, whole_backward = _whole_model_samples(traced, inputs, config, warmup=config.warmup)
+        bar.advance(task)
         for layer, stage in zip(graph.layers, stages):
             leaves = _leaves([env[name] for name in stage.inputs])
             params = [p for p in stage.parameters() if p.requires_grad]
@@ -243,15 +249,15 @@ def profile_traced(
                 )
             )
             bar.advance(task)
-        whole_forward, whole_backward = _whole_model_ms(traced, inputs, config)
+        more_forward, more_backward = _whole_model_samples(traced, inputs, config, warmup=0)
         bar.advance(task)
     return Profile(
         layers=tuple(layers),
         cut_bytes=tuple(graph.cut_bytes(i) for i in range(len(graph.cuts))),
         provenance=_provenance(traced, config, model_ref, model_options),
         input_bytes=_tensor_bytes(inputs),
-        whole_forward_ms=whole_forward,
-        whole_backward_ms=whole_backward,
+        whole_forward_ms=_median(whole_forward + more_forward),
+        whole_backward_ms=_median(whole_backward + more_backward),
     )
 
 

@@ -100,10 +100,10 @@ def test_bad_settings_raise_config_errors():
 
 
 def test_layer_sums_agree_with_the_whole_model_loosely():
-    """The benchmark holds the real targets (15% / 25%); here 1.5x, best of 3 attempts on a shared machine."""
+    """The benchmark holds the real targets (15% / 25%); here 1.5x, any of 4 attempts, on a shared machine."""
     spec = load_model("gpt", dict(layers=2, hidden=128, heads=4, seq=64, vocab=256))
     attempts = []
-    for _ in range(3):
+    for _ in range(4):
         ratios = fidelity(profile_model(spec, batch_size=4, warmup=1, repeats=5, progress=False))
         attempts.append(ratios)
         forward, split = ratios["forward_sum_over_whole"], ratios["split_backward_sum_over_whole"]

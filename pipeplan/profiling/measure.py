@@ -261,6 +261,13 @@ def profile_traced(
     )
 
 
+def _given_options(spec: ModelSpec, given: dict | None) -> dict:
+    """The options the user passed (what load_model needs to rebuild it), typed as the factory converted them."""
+    if given is None:
+        return dict(spec.options)
+    return {key: spec.options.get(key, value) for key, value in given.items()}
+
+
 def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_options) -> Provenance:
     spec = traced.spec
     first = next(traced.module.parameters(), None)
@@ -274,7 +281,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         batch_size=config.batch_size,
         torch_version=torch.__version__,
         model=model_ref or spec.name,
-        model_options=dict(spec.options if model_options is None else model_options),
+        model_options=_given_options(spec, model_options),
         graph_fingerprint=traced.layer_graph.fingerprint,
         tokens_per_sample=spec.tokens_per_sample,
         notes=f"warmup={config.warmup} repeats={config.repeats} threads={torch.get_num_threads()}",

@@ -36,7 +36,7 @@ def test_profile_gpt_writes_one_entry_per_layer(tmp_path):
     assert "blocks.3" in result.output and "I ms" in result.output
     profile = Profile.load(target)
     assert [layer.name for layer in profile.layers] == ["embed"] + [f"blocks.{i}" for i in range(4)] + ["head"]
-    assert profile.provenance.model_options == {"layers": "4", "hidden": "64"}
+    assert profile.provenance.model_options == {"layers": 4, "hidden": 64}
 
 
 def test_json_prints_only_the_profile(tmp_path):

@@ -25,10 +25,35 @@ def _check_device(device: str, hardware: str | None) -> None:
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
-def _analytic(spec, *, batch_size: int, hardware: str, granularity: int | None, quiet: bool) -> Profile:
+def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware: str, granularity, quiet: bool):
     from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
 
-    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, granularity=granularity, progress=not quiet)
+    given = {key: spec.options.get(key, value) for key, value in options.items()}
+    return profile_analytic(
+        spec, batch_size=batch_size, hardware=hardware, granularity=granularity, progress=not quiet,
+        model_ref=model, model_options=given,
+    )  # fmt: skip
+
+
+def _set_threads(threads: int | None, device: str) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if device == "meta":
+        err.print("[yellow]warning:[/] --threads is ignored with --device meta (nothing is run)")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _render(result: Profile, output: Path | None) -> None:
+    out.print(profile_table(result))
+    line = fidelity_line(result)
+    if line:
+        out.print(line, highlight=False)
+    if output is not None:
+        out.print(f"wrote {output}", highlight=False)
 
 
 def profile(
@@ -53,43 +78,27 @@ def profile(
     """
     options = parse_assignments(assignments)
     _check_device(device, hardware)
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        if device == "meta":
-            err.print("[yellow]warning:[/] --threads is ignored with --device meta (nothing is run)")
-        import torch
-
-        torch.set_num_threads(threads)
+    _set_threads(threads, device)
     spec = load_model(model, options)
     if device == "meta":
-        result = _analytic(spec, batch_size=batch_size, hardware=hardware, granularity=granularity, quiet=as_json)
         if warmup != 2 or repeats != 5:
             err.print("[yellow]warning:[/] --warmup/--repeats are ignored with --device meta (nothing is run)")
+        result = _analytic(
+            spec, model=model, options=options, batch_size=batch_size, hardware=hardware,
+            granularity=granularity, quiet=as_json,
+        )  # fmt: skip
     else:
         if hardware:
             err.print(f"[yellow]warning:[/] --hardware {hardware} is ignored with --device {device} (measured)")
         from pipeplan.profiling.measure import profile_model
 
         result = profile_model(
-            spec,
-            batch_size=batch_size,
-            device=device,
-            granularity=granularity,
-            warmup=warmup,
-            repeats=repeats,
-            progress=not as_json,
-            model_ref=model,
-            model_options=options,
-        )
+            spec, batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats,
+            progress=not as_json, model_ref=model, model_options=options,
+        )  # fmt: skip
     if output is not None:
         result.save(output)
     if as_json:
         print_json(result.to_dict())
-        return
-    out.print(profile_table(result))
-    line = fidelity_line(result)
-    if line:
-        out.print(line, highlight=False)
-    if output is not None:
-        out.print(f"wrote {output}", highlight=False)
+    else:
+        _render(result, output)

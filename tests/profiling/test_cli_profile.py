@@ -119,6 +119,7 @@ def test_meta_device_uses_the_analytic_profiler():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["provenance"]["source"] == "analytic" and len(data["layers"]) == 4
+    assert data["provenance"]["model"] == "gpt" and data["provenance"]["model_options"] == {"layers": 2}
 
 
 def test_help_ends_with_an_example():

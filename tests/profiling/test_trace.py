@@ -162,3 +162,53 @@ def test_meta_tracing_of_a_huge_gpt_is_cheap():
     assert len(traced.layer_graph.layers) == 34
     assert traced.layer_graph.cut_bytes(0) == 2048 * 4096 * 4
     assert sum(p.numel() for p in traced.module.parameters()) > 6e9
+
+
+def _toy_spec(build, width=4):
+    return ModelSpec(
+        name="toy", build=build, loss_fn=nn.functional.mse_loss,
+        sample_batch=lambda b, generator=None: ((torch.randn(b, width),), torch.randn(b, width)),
+    )  # fmt: skip
+
+
+def test_single_child_wrapper_is_looked_through():
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.model(x)
+
+    names = [layer.name for layer in trace_model(_toy_spec(Wrapper)).layer_graph.layers]
+    assert names == ["model.0", "model.1", "model.2"]
+
+
+def test_module_called_twice_keeps_layers_contiguous_and_unique():
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(self.b(self.a(x)))
+
+    graph = trace_model(_toy_spec(Reuse)).layer_graph
+    names = [layer.name for layer in graph.layers]
+    assert len(names) == len(set(names)) and names[0] == "a"
+    flat = [n for layer in graph.layers for n in layer.nodes]
+    assert len(flat) == len(set(flat))
+
+
+def test_tuple_output_is_a_trace_error():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x), x
+
+    with pytest.raises(TraceError, match="return one tensor"):
+        trace_model(_toy_spec(Pair))

@@ -4,8 +4,8 @@
    target <= 1.15 (W must not redo I's work).
 2. Fidelity: sum of per-layer times over whole-model times, median over several profiler runs, for gpt / mlp /
    resnet; targets: forward within 15%, I+W within 25% of the whole backward.
-Prints a table and writes results/profiler.json. `--threads N` pins torch's CPU threads (1 is steadier on a
-shared machine).
+Prints a table and writes results/profiler.json. Defaults: 1 torch thread and process CPU time (`--timer cpu`),
+which other jobs on a shared machine do not disturb; `--timer wall --threads N` measures wall-clock time.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ FIDELITY_CASES = [
 ]
 
 
-def split_backward_ratio(repeats: int) -> dict:
+def split_backward_ratio(repeats: int, timer: str) -> dict:
     torch.manual_seed(0)
     block = Block(512, 8, 0.0)
     params = list(block.parameters())
@@ -51,13 +51,14 @@ def split_backward_ratio(repeats: int) -> dict:
     def once(split: bool) -> float:
         x = x0.clone().requires_grad_()
         out = block(x)
-        start = time.perf_counter()
+        now = time.process_time if timer == "cpu" else time.perf_counter
+        start = now()
         if split:
             _, state = backward_input([out], [grad], [x], params)
             backward_weight(state)
         else:
             backward_full([out], [grad], [x], params)
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         block.zero_grad(set_to_none=True)
         return elapsed * 1e3
 
@@ -71,11 +72,11 @@ def split_backward_ratio(repeats: int) -> dict:
     return {"split_ms": split_ms, "fused_ms": fused_ms, "ratio": split_ms / fused_ms, "target": SPLIT_TARGET}
 
 
-def fidelity_case(ref: str, options: dict, batch_size: int, runs: int) -> dict:
+def fidelity_case(ref: str, options: dict, batch_size: int, runs: int, timer: str) -> dict:
     spec = load_model(ref, options)
     forward, split, fused = [], [], []
     for _ in range(runs):
-        ratios = fidelity(profile_model(spec, batch_size=batch_size, warmup=2, repeats=5, progress=False))
+        ratios = fidelity(profile_model(spec, batch_size=batch_size, warmup=2, repeats=5, progress=False, timer=timer))
         forward.append(ratios["forward_sum_over_whole"])
         split.append(ratios["split_backward_sum_over_whole"])
         fused.append(ratios["fused_backward_sum_over_whole"])
@@ -94,26 +95,28 @@ def fidelity_case(ref: str, options: dict, batch_size: int, runs: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
+    parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu", help="profiler clock on CPU")
     parser.add_argument("--runs", type=int, default=3, help="profiler runs per model (median kept)")
     parser.add_argument("--repeats", type=int, default=15, help="split-backward timing repeats")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
-    split = split_backward_ratio(args.repeats)
+    split = split_backward_ratio(args.repeats, args.timer)
     table = Table(title="split backward on a gpt block (hidden 512, seq 256, batch 8)", title_justify="left")
     for column in ("I+W ms", "B ms", "ratio", "target"):
         table.add_column(column, justify="right")
     table.add_row(f"{split['split_ms']:.1f}", f"{split['fused_ms']:.1f}", f"{split['ratio']:.3f}", f"<= {SPLIT_TARGET}")
     console.print(table)
-    cases = [fidelity_case(ref, options, batch, args.runs) for ref, options, batch in FIDELITY_CASES]
-    table = Table(title="profiler fidelity: per-layer sums / whole model (median of runs)", title_justify="left")
+    cases = [fidelity_case(ref, options, batch, args.runs, args.timer) for ref, options, batch in FIDELITY_CASES]
+    title = f"profiler fidelity: per-layer sums / whole model (median of runs, {args.timer} time)"
+    table = Table(title=title, title_justify="left")
     for column in ("model", "batch", "F", "I+W", "B", "F within 15%", "I+W within 25%"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for case in cases:
         table.add_row(
-            f"{case['model']} {case['options']}",
+            f"{case['model']} " + " ".join(f"{k}={v}" for k, v in case["options"].items()),
             str(case["batch_size"]),
             f"{case['forward_ratio']:.3f}",
             f"{case['split_backward_ratio']:.3f}",
@@ -129,6 +132,7 @@ def main() -> int:
             "platform": platform.platform(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "timer": args.timer,
             "load_average": list(os.getloadavg()),
             "split_backward": split,
             "fidelity": cases,

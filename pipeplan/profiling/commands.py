@@ -68,6 +68,7 @@ def profile(
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs per layer before measuring."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
     threads: int = typer.Option(None, "--threads", help="CPU threads torch may use (default: torch's choice)."),
+    timer: str = typer.Option("wall", "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the Profile JSON on stdout."),
 ) -> None:
@@ -81,8 +82,8 @@ def profile(
     _set_threads(threads, device)
     spec = load_model(model, options)
     if device == "meta":
-        if warmup != 2 or repeats != 5:
-            err.print("[yellow]warning:[/] --warmup/--repeats are ignored with --device meta (nothing is run)")
+        if warmup != 2 or repeats != 5 or timer != "wall":
+            err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
             spec, model=model, options=options, batch_size=batch_size, hardware=hardware,
             granularity=granularity, quiet=as_json,
@@ -94,7 +95,7 @@ def profile(
 
         result = profile_model(
             spec, batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats,
-            progress=not as_json, model_ref=model, model_options=options,
+            progress=not as_json, model_ref=model, model_options=options, timer=timer,
         )  # fmt: skip
     if output is not None:
         result.save(output)

@@ -33,6 +33,7 @@ class MeasureConfig:
     granularity: int | None = None
     warmup: int = 2
     repeats: int = 5
+    timer: str = "wall"  # wall | cpu (process CPU time: immune to other jobs on a shared CPU; use with 1 thread)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -47,13 +48,22 @@ class MeasureConfig:
             raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+        if self.timer not in TIMERS:
+            raise ConfigError(f"--timer must be one of {', '.join(TIMERS)}, got {self.timer!r}")
+        if self.timer == "cpu" and self.device != "cpu":
+            raise ConfigError("--timer cpu measures CPU time and only works with --device cpu; use --timer wall")
+
+
+TIMERS = ("wall", "cpu")
 
 
 class _Clock:
-    """Wall-clock milliseconds between start() and stop(): perf_counter on CPU, CUDA events (synchronized) on GPU."""
+    """Milliseconds between start() and stop(): CUDA events (synchronized) on a GPU; on CPU wall-clock time
+    (perf_counter) or, with timer="cpu", the process's CPU time (what one thread computes, not waiting for a core)."""
 
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
+    def __init__(self, config: MeasureConfig) -> None:
+        self.cuda = config.device.startswith("cuda")
+        self._now = time.process_time if config.timer == "cpu" else time.perf_counter
         self._began = 0.0
         self._event = None
 
@@ -63,7 +73,7 @@ class _Clock:
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
         else:
-            self._began = time.perf_counter()
+            self._began = self._now()
 
     def stop(self) -> float:
         if self.cuda:
@@ -71,7 +81,7 @@ class _Clock:
             end.record()
             torch.cuda.synchronize()
             return float(self._event.elapsed_time(end))
-        return (time.perf_counter() - self._began) * 1e3
+        return (self._now() - self._began) * 1e3
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -142,7 +152,7 @@ def _median(samples: list[float]) -> float:
 
 
 def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureConfig) -> dict[str, float]:
-    clock = _Clock(config.device)
+    clock = _Clock(config)
     generator = torch.Generator().manual_seed(0)
     grads = _grad_outputs(stage(*inputs), generator)  # with autograd on: which outputs need a gradient
     samples: dict[str, list[float]] = {"forward_ms": [], "input_grad_ms": [], "weight_grad_ms": [], "backward_ms": []}
@@ -182,7 +192,7 @@ def _whole_model_samples(
     traced: TracedModel, inputs: tuple, config: MeasureConfig, *, warmup: int
 ) -> tuple[list[float], list[float]]:
     """Whole-model forward and backward times (ms), `config.repeats` samples each after `warmup` runs."""
-    clock = _Clock(config.device)
+    clock = _Clock(config)
     module = traced.module
     with torch.no_grad():
         probe = module(*inputs)
@@ -284,7 +294,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         model_options=_given_options(spec, model_options),
         graph_fingerprint=traced.layer_graph.fingerprint,
         tokens_per_sample=spec.tokens_per_sample,
-        notes=f"warmup={config.warmup} repeats={config.repeats} threads={torch.get_num_threads()}",
+        notes=f"warmup={config.warmup} repeats={config.repeats} timer={config.timer} threads={torch.get_num_threads()}",
     )
 
 
@@ -299,10 +309,11 @@ def profile_model(
     progress: bool = True,
     model_ref: str | None = None,
     model_options: dict | None = None,
+    timer: str = "wall",
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(
-        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats
+        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer
     )
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device)

@@ -14,7 +14,7 @@ from pipeplan.cli import app
 from pipeplan.profiling.profile import Profile
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_model.py"
-QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1"]
+QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1", "--timer", "cpu"]
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +85,8 @@ def test_package_module_factory_reference(tmp_path, monkeypatch):
         (["profile", "gpt", "--batch-size", "0"], "--batch-size"),
         (["profile", "gpt", "--repeats", "0"], "--repeats"),
         (["profile", "gpt", "--granularity", "0"], "--granularity"),
+        (["profile", "gpt", "--timer", "sundial"], "--timer"),
+        (["profile", "gpt", "--threads", "0"], "--threads"),
     ],
 )
 def test_known_errors_are_one_line_exit_1(args, needle):

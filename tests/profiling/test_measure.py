@@ -43,7 +43,7 @@ def test_profile_structure_and_provenance(tmp_path):
     assert source.source == "measured" and source.device == "cpu" and source.dtype == "float32"
     assert source.batch_size == 3 and source.torch_version == torch.__version__
     assert source.tokens_per_sample == 16 and source.model == "gpt" and source.model_options["hidden"] == 32
-    assert len(source.graph_fingerprint) == 16
+    assert len(source.graph_fingerprint) == 16 and "timer=wall" in source.notes
     assert profile.whole_forward_ms > 0 and profile.whole_backward_ms > 0
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
@@ -94,6 +94,8 @@ def test_bad_settings_raise_config_errors():
         MeasureConfig(batch_size=0)
     with pytest.raises(ConfigError, match="--hardware"):
         MeasureConfig(batch_size=1, device="meta")
+    with pytest.raises(ConfigError, match="--timer"):
+        MeasureConfig(batch_size=1, timer="sundial")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             MeasureConfig(batch_size=1, device="cuda")
@@ -104,7 +106,8 @@ def test_layer_sums_agree_with_the_whole_model_loosely():
     spec = load_model("gpt", dict(layers=2, hidden=128, heads=4, seq=64, vocab=256))
     attempts = []
     for _ in range(4):
-        ratios = fidelity(profile_model(spec, batch_size=4, warmup=1, repeats=5, progress=False))
+        profile = profile_model(spec, batch_size=4, warmup=1, repeats=5, progress=False, timer="cpu")
+        ratios = fidelity(profile)
         attempts.append(ratios)
         forward, split = ratios["forward_sum_over_whole"], ratios["split_backward_sum_over_whole"]
         if 1 / 1.5 <= forward <= 1.5 and 1 / 1.5 <= split <= 1.5:

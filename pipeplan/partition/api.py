@@ -1,0 +1,170 @@
+"""`partition(profile, cluster, config)`: choose stage cuts, replicas and devices; explain infeasibility."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.partition import single
+from pipeplan.partition.cluster import Cluster
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_memory_bytes
+from pipeplan.partition.result import Partition, StageAssignment
+from pipeplan.profiling.profile import Profile
+from pipeplan.units import format_bytes
+
+
+def partition(profile: Profile, cluster: Cluster, config: PartitionConfig) -> Partition:
+    """The partition with the smallest bottleneck stage time that fits in memory (see `costs` for the model).
+
+    Raises InfeasibleError naming the memory per device that would fit when none does."""
+    arrays = LayerArrays.from_profile(profile)
+    _check_sizes(arrays, cluster, config)
+    raw = _solve(arrays, cluster, config, float(cluster.memory_per_device))
+    if raw is None:
+        raise _infeasible(arrays, cluster, config)
+    objective, stages, layer_groups = raw
+    return build_partition(arrays, cluster, config, stages, objective=objective, layer_groups=layer_groups)
+
+
+def _check_sizes(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> None:
+    n = arrays.num_items
+    if config.num_stages is not None and config.num_stages > n:
+        raise ConfigError(f"num_stages ({config.num_stages}) exceeds the profile's {n} layers; lower num_stages")
+    if config.num_stages is not None and config.num_stages > cluster.num_devices * config.chunks:
+        raise ConfigError(
+            f"num_stages ({config.num_stages}) needs more than --devices ({cluster.num_devices}) x --chunks"
+            f" ({config.chunks}); lower num_stages"
+        )
+    if config.chunks > 1 and n < config.chunks:
+        raise InfeasibleError(f"{config.schedule} needs at least {config.chunks} layers; lower --chunks")
+
+
+def _solve(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float):
+    """(objective, raw stages, layer groups) or None when nothing fits."""
+    if config.chunks > 1:
+        from pipeplan.partition.chunks import solve_chunked
+
+        return solve_chunked(arrays, cluster, config, memory_limit)
+    multi_node = cluster.num_devices > cluster.devices_per_node
+    if multi_node and config.mode == "replicated" and config.cost_model == "pipeplan" and config.num_stages is None:
+        from pipeplan.partition.hierarchy import solve_two_level
+
+        return solve_two_level(arrays, cluster, config, memory_limit)
+    level = one_level(arrays, cluster, config, memory_limit)
+    found = single.solve_level(level)
+    if found is None:
+        return None
+    return found[0], single.describe(level, found[1]), arrays.num_items
+
+
+def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float) -> single.Level:
+    """A single DP level over all devices. Replicated pipelines on several nodes charge every link as inter-node;
+    straight ones know which cuts cross a node boundary; the pipedream cost model uses no latency."""
+    intra, inter = intra_link(cluster), inter_link(cluster)
+    if config.cost_model == "pipedream":
+        intra = dataclasses.replace(intra, latency_s=0.0)
+        inter = dataclasses.replace(inter, latency_s=0.0)
+        if cluster.num_devices > cluster.devices_per_node:
+            intra = inter
+    return single.Level(
+        arrays=arrays,
+        config=config,
+        units=cluster.num_devices,
+        intra=intra,
+        inter=inter,
+        devices_per_node=cluster.devices_per_node,
+        memory_limit=memory_limit,
+    )
+
+
+def build_partition(
+    arrays: LayerArrays,
+    cluster: Cluster,
+    config: PartitionConfig,
+    raw: list[single.RawStage],
+    *,
+    objective: float,
+    layer_groups: int,
+) -> Partition:
+    stages = []
+    for index, st in enumerate(raw):
+        a, b = st.first_item, st.last_item
+        replicas = len(st.devices)
+        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight)
+        stages.append(
+            StageAssignment(
+                index=index,
+                first_layer=a,
+                last_layer=b,
+                replicas=replicas,
+                devices=st.devices,
+                forward_ms=float(arrays.span("forward", a, b)),
+                input_grad_ms=float(arrays.span("input_grad", a, b)),
+                weight_grad_ms=float(arrays.span("weight_grad", a, b)),
+                backward_ms=float(arrays.span("backward", a, b)),
+                comm_ms=st.comm_ms,
+                allreduce_ms=st.allreduce_ms,
+                time_ms=st.time_ms,
+                inflight_microbatches=st.inflight,
+                param_count=int(round(float(arrays.span("param_count", a, b)))),
+                memory_bytes=int(np.ceil(memory)),
+            )
+        )
+    num_devices = 1 + max(d for s in stages for d in s.devices)
+    load = [0.0] * num_devices
+    mem = [0] * num_devices
+    for s in stages:
+        for d in s.devices:
+            load[d] += s.time_ms
+            mem[d] += s.memory_bytes
+    assert np.isclose(max(s.time_ms for s in stages), objective, rtol=1e-9, atol=1e-12), "objective mismatch"
+    return Partition(
+        stages=tuple(stages),
+        num_layers=arrays.num_items,
+        num_devices=num_devices,
+        schedule=config.schedule,
+        chunks=config.chunks,
+        mode=config.mode,
+        cost_model=config.cost_model,
+        num_microbatches=config.num_microbatches,
+        optimizer_bytes_per_param=config.optimizer_bytes_per_param,
+        memory_per_device=cluster.memory_per_device,
+        objective_ms=float(objective),
+        device_load_ms=tuple(load),
+        device_memory_bytes=tuple(mem),
+        layer_groups=layer_groups,
+    )
+
+
+def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> int | None:
+    """Smallest memory per device (bytes, to 0.1%) for which a partition exists; None if none at any size."""
+    config_arrays_total = arrays.span("param_count", 0, arrays.num_items - 1) * config.optimizer_bytes_per_param
+    hi = float(config_arrays_total + arrays.span("activation", 0, arrays.num_items - 1) * config.num_microbatches)
+    hi = max(hi, 1.0) * 2
+    if _solve(arrays, cluster, config, hi) is None:
+        return None
+    lo = 0.0
+    while hi - lo > max(1e-3 * hi, 1024.0):
+        mid = (lo + hi) / 2
+        if _solve(arrays, cluster, config, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return int(np.ceil(hi))
+
+
+def _infeasible(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> InfeasibleError:
+    need = min_memory_per_device(arrays, cluster, config)
+    if need is None:
+        return InfeasibleError(
+            f"no partition of {arrays.num_items} layers over {cluster.num_devices} devices exists for schedule "
+            f"{config.schedule}; change --devices or num_stages"
+        )
+    return InfeasibleError(
+        f"no partition fits in {format_bytes(cluster.memory_per_device)} per device with {cluster.num_devices} "
+        f"devices and {config.num_microbatches} microbatches ({config.schedule}); raise --memory-per-device to at "
+        f"least {format_bytes(need)}, add devices, or use fewer microbatches"
+    )

@@ -1,0 +1,233 @@
+"""One-level search: stage cuts and replicas on devices joined by one kind of link, with the memory check.
+
+Memory is checked with the schedule's in-flight count at each stage position (`schedules.memory.memory_model`),
+which depends on the final number of stages. The fast path runs the position-free DP with only a necessary memory
+condition (parameters + one microbatch of activations fit) and then checks the exact per-position memory of its
+optimum; when that fails, the exact search runs one position-aware DP per number of stages P (the positions, and so
+the in-flight counts, are known once P is fixed) and keeps the best, ties to fewer stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeplan.partition import dp
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.costs import (
+    LayerArrays,
+    Link,
+    StageCostModel,
+    allreduce_ms,
+    stage_memory_bytes,
+    transfer_ms,
+)
+from pipeplan.schedules.memory import memory_model
+
+Stages = list[tuple[int, int, int]]  # (first item, last item, replicas)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Level:
+    """One DP level: `units` devices (or nodes), the link between consecutive stages, the node size for
+    straight pipelines that cross node boundaries (device d starts a node when d % devices_per_node == 0)."""
+
+    arrays: LayerArrays
+    config: PartitionConfig
+    units: int
+    intra: Link
+    inter: Link
+    devices_per_node: int
+    memory_limit: float
+
+    @property
+    def model(self) -> StageCostModel:
+        return StageCostModel(
+            arrays=self.arrays,
+            config=self.config,
+            link=self.replica_link,
+            num_microbatches=self.config.num_microbatches,
+        )
+
+    @property
+    def replica_link(self) -> Link:
+        return self.intra if self.units <= self.devices_per_node else self.inter
+
+    @property
+    def exact_units(self) -> bool:
+        return self.config.cost_model == "pipedream"
+
+
+def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[int, ...]:
+    """Microbatches in flight per stage position for a straight pipeline of `num_stages` stages."""
+    devices = num_stages // config.chunks
+    return memory_model(
+        config.schedule, devices, config.num_microbatches, config.chunks, config.memory_limit_microbatches
+    )
+
+
+def stages_fit(level: Level, stages: Stages) -> bool:
+    inflight = inflight_counts(level.config, len(stages))
+    for (a, b, r), count in zip(stages, inflight):
+        if stage_memory_bytes(level.arrays, level.config, a, b, r, count) > level.memory_limit:
+            return False
+    return True
+
+
+def _memory_mask(level: Level, last: int, replicas: np.ndarray, inflight) -> np.ndarray:
+    firsts = np.arange(last + 1)[:, None]
+    return (
+        stage_memory_bytes(level.arrays, level.config, firsts, last, replicas[None, :], inflight) > level.memory_limit
+    )
+
+
+def replicated_times(level: Level, last: int, inflight) -> np.ndarray:
+    replicas = np.arange(1, level.units + 1)
+    link = level.replica_link
+    times = level.model.times(last, replicas, in_link=link, out_link=link)
+    times[_memory_mask(level, last, replicas, inflight)] = np.inf
+    return times
+
+
+def straight_times(level: Level, last: int, inflight: np.ndarray | int, num_cols: int) -> np.ndarray:
+    """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
+    A scalar `inflight` (same for every position) returns a broadcast view."""
+    model, g = level.model, level.devices_per_node
+    d = np.arange(num_cols)
+    in_inter = (d % g == 0) & (d > 0)
+    out_inter = (d + 1) % g == 0
+    one = np.ones(1)
+    firsts = np.arange(last + 1)
+    variants = []
+    for in_is_inter in (False, True):
+        t_in = transfer_ms(level.arrays.cut[firsts], level.inter if in_is_inter else level.intra)
+        for out_is_inter in (False, True):
+            cols = (in_inter == in_is_inter) & (out_inter == out_is_inter)
+            if cols.any():
+                out_link = level.inter if out_is_inter else level.intra
+                variants.append((cols, model.times(last, one, in_link=t_in, out_link=out_link)))
+    if np.ndim(inflight) == 0:
+        mask = _memory_mask_straight(level, last, np.full(1, float(inflight)))
+        if len(variants) == 1:
+            return np.broadcast_to(np.where(mask, np.inf, variants[0][1]), (last + 1, num_cols))
+        counts = np.full(num_cols, float(inflight))
+    else:
+        counts = np.asarray(inflight, dtype=np.float64)
+    out = np.empty((last + 1, num_cols))
+    for cols, col in variants:
+        out[:, cols] = col
+    out[_memory_mask_straight(level, last, counts)] = np.inf
+    return out
+
+
+def _memory_mask_straight(level: Level, last: int, counts: np.ndarray) -> np.ndarray:
+    firsts = np.arange(last + 1)[:, None]
+    mem = stage_memory_bytes(level.arrays, level.config, firsts, last, 1, counts[None, :])
+    return mem > level.memory_limit
+
+
+def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | None:
+    """Exact optimum with exactly `num_stages` stages (positions known, so in-flight memory is exact)."""
+    n = level.arrays.num_items
+    if num_stages > min(n, level.units):
+        return None
+    inflight = np.asarray(inflight_counts(level.config, num_stages), dtype=np.float64)
+    if level.config.mode == "straight":
+        table = dp.straight_dp(n, num_stages, lambda last: straight_times(level, last, inflight, num_stages))
+        value = table.value[n, num_stages]
+        return (float(value), dp.backtrack(table, n, num_stages)) if np.isfinite(value) else None
+    tables = dp.replicated_dp_by_stage(
+        n,
+        level.units,
+        num_stages,
+        lambda last, s: replicated_times(level, last, inflight[s]),
+        at_most=not level.exact_units,
+    )
+    units = dp.best_units(tables[-1].value, n, level.units, exact=level.exact_units)
+    if units is None:
+        return None
+    return float(tables[-1].value[n, units]), dp.backtrack_by_stage(tables, n, units)
+
+
+def solve_fast(level: Level) -> tuple[float, Stages] | None:
+    """Position-free optimum (memory: only the necessary condition); None when no cell is finite."""
+    n = level.arrays.num_items
+    if level.config.mode == "straight":
+        cols = min(n, level.units)
+        table = dp.straight_dp(n, cols, lambda last: straight_times(level, last, 1, cols))
+        units = dp.best_units(table.value, n, cols, exact=level.exact_units)
+        if level.exact_units and cols < level.units:
+            units = None
+    else:
+        table = dp.replicated_dp(
+            n, level.units, lambda last: replicated_times(level, last, 1), at_most=not level.exact_units
+        )
+        units = dp.best_units(table.value, n, level.units, exact=level.exact_units)
+    if units is None:
+        return None
+    return float(table.value[n, units]), dp.backtrack(table, n, units)
+
+
+def solve_level(level: Level) -> tuple[float, Stages] | None:
+    """Best (objective, stages) honouring config.num_stages and the exact per-position memory check."""
+    if level.config.num_stages is not None:
+        return solve_fixed_stages(level, level.config.num_stages)
+    fast = solve_fast(level)
+    if fast is None:
+        return None
+    if stages_fit(level, fast[1]):
+        return fast
+    best = None
+    for num_stages in range(1, min(level.arrays.num_items, level.units) + 1):
+        if level.exact_units and level.config.mode == "straight" and num_stages != level.units:
+            continue
+        found = solve_fixed_stages(level, num_stages)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawStage:
+    """A solved stage before the layer-level bookkeeping (items are layers or layer groups)."""
+
+    first_item: int
+    last_item: int
+    devices: tuple[int, ...]
+    time_ms: float
+    comm_ms: float
+    allreduce_ms: float
+    inflight: int  # per replica
+
+
+def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[RawStage]:
+    """Per-stage costs of a solved one-level pipeline, recomputed from the cost model (devices in stage order)."""
+    inflight = inflight_counts(level.config, len(stages))
+    straight = level.config.mode == "straight"
+    out, device = [], first_device
+    for s, (a, b, r) in enumerate(stages):
+        if straight:
+            row = straight_times(level, b, 0, s + 1)[a, s]
+            in_link = level.inter if s % level.devices_per_node == 0 and s > 0 else level.intra
+            out_link = level.inter if (s + 1) % level.devices_per_node == 0 else level.intra
+        else:
+            row = replicated_times(level, b, 0)[a, r - 1]
+            in_link = out_link = level.replica_link
+        cut = level.arrays.cut
+        comm = (transfer_ms(cut[a], in_link) + transfer_ms(cut[b + 1], out_link)) / r
+        params = level.arrays.span("param_bytes", a, b)
+        reduce = allreduce_ms(params, np.asarray(r), level.replica_link)
+        out.append(
+            RawStage(
+                first_item=a,
+                last_item=b,
+                devices=tuple(range(device, device + r)),
+                time_ms=float(row),
+                comm_ms=float(comm),
+                allreduce_ms=float(reduce),
+                inflight=-(-inflight[s] // r),
+            )
+        )
+        device += r
+    return out

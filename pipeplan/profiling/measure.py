@@ -110,8 +110,13 @@ def _saved_by_node(node) -> list[torch.Tensor]:
     return found
 
 
-def _activation_bytes(stage: StageModule, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> tuple[int, int]:
-    """(bytes saved for backward, bytes of those only I needs) for one forward of `stage`."""
+def _forward_memory(stage: StageModule, inputs: list, params: list) -> tuple[int, int, int]:
+    """(saved bytes, of which I frees, CUDA peak allocation growth or 0 on CPU) for one forward of `stage`."""
+    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in inputs) or any(p.is_cuda for p in params)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     param_keys = {_storage_key(p) for p in params}
     saved: dict[tuple[int, int], int] = {}
 
@@ -123,13 +128,17 @@ def _activation_bytes(stage: StageModule, inputs: list[torch.Tensor], params: li
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = stage(*inputs)
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize()
+        peak = max(0, torch.cuda.max_memory_allocated() - base)
     info = analyze([o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad], inputs, params)
     kept: set[tuple[int, int]] = set()
     for node in info.weight_grad_nodes:
         kept.update(_storage_key(t) for t in _saved_by_node(node))
     total = sum(saved.values())
     kept_bytes = sum(size for key, size in saved.items() if key in kept)
-    return total, total - kept_bytes
+    return total, total - kept_bytes, peak
 
 
 def _leaves(values: Sequence[object]) -> list:
@@ -244,7 +253,7 @@ def profile_traced(
             own = [p for p in stage.parameters() if id(p) not in seen_params]
             seen_params.update(id(p) for p in own)
             times = _time_layer(stage, leaves, params, config)
-            total, freed = _activation_bytes(stage, leaves, params)
+            total, freed, peak = _forward_memory(stage, leaves, params)
             layers.append(
                 LayerProfile(
                     name=layer.name,
@@ -255,6 +264,7 @@ def profile_traced(
                     param_bytes=sum(p.numel() * p.element_size() for p in own),
                     output_bytes=_tensor_bytes([env[name] for name in stage.outputs]),
                     flops=_layer_flops(stage, leaves),
+                    peak_memory_bytes=peak,
                     **times,
                 )
             )

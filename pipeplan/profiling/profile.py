@@ -32,6 +32,7 @@ class LayerProfile:
     param_bytes: int
     output_bytes: int = 0  # bytes of this layer's outputs per microbatch
     flops: float = 0.0  # forward FLOPs per microbatch
+    peak_memory_bytes: int = 0  # measured on CUDA: peak allocation growth during the forward (0 = not measured)
     module_path: str = ""
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ def test_profile_structure_and_provenance(tmp_path):
     block = profile.layers[1]
     assert block.forward_ms > 0 and block.backward_ms > 0 and block.weight_grad_ms > 0
     assert block.flops > 0 and block.output_bytes == 3 * 16 * 32 * 4
+    assert block.peak_memory_bytes == 0  # only measured on CUDA
     source = profile.provenance
     assert source.source == "measured" and source.device == "cpu" and source.dtype == "float32"
     assert source.batch_size == 3 and source.torch_version == torch.__version__
@@ -120,3 +121,4 @@ def test_cuda_profile():
     profile = _quick("gpt", SMALL_GPT, device="cuda")
     assert profile.provenance.device.startswith("cuda:")
     assert all(layer.forward_ms > 0 for layer in profile.layers[1:])
+    assert profile.layers[1].peak_memory_bytes > 0

@@ -192,3 +192,19 @@ def test_grads_accumulate_across_microbatches():
         backward_weight(state)
         with pytest.raises(AssertionError):
             backward_weight(state)
+
+
+def test_weight_pass_releases_the_buffers_it_used():
+    """W runs each node once without retaining the graph: a frontier node's saved input is released after W."""
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = module(x)
+    info = analyze([out], [x], list(module.parameters()))
+    frontier = next(iter(info.frontier))
+    saved = [name for name in dir(frontier) if name.startswith("_saved_mat1")]
+    assert saved, "expected an addmm-like frontier node saving mat1"
+    _, state = backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    getattr(frontier, saved[0])  # still there after I: W needs it
+    backward_weight(state)
+    with pytest.raises(RuntimeError):
+        getattr(frontier, saved[0])

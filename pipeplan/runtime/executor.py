@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeplan.planner.plan import Plan
-from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight
+from pipeplan.profiling.split_backward import backward_input, backward_weight
 from pipeplan.runtime.comm import Mailbox
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
 from pipeplan.runtime.stages import PipelineModel
@@ -92,7 +92,7 @@ class Executor:
         for index, o in enumerate(self.ops):
             if index + 1 < len(self.ops):
                 self.mailbox.prefetch(self.receives[index + 1])
-            began = time.perf_counter()
+            self._began = time.perf_counter()  # moved past any receive wait by _computing()
             if o.kind == "F":
                 record.loss_sum += self._forward(o, microbatches[o.microbatch])
             elif o.kind == "W":
@@ -101,10 +101,16 @@ class Executor:
                 self._backward(o)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            record.op_times.append((str(o), began - start, time.perf_counter() - start))
+            record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
         self.mailbox.drain()
         assert not self._saved and not self._weight_state and not self._local and not self._local_grads
         return record
+
+    def _computing(self) -> None:
+        """The op's inputs are here: its measured time starts now (waiting is the pipeline's bubble, not the op's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._began = time.perf_counter()
 
     def _input_value(self, o: Op, name: str, batch: MicroBatch) -> torch.Tensor:
         if name in self.model.model_inputs:
@@ -124,6 +130,7 @@ class Executor:
     def _forward(self, o: Op, batch: MicroBatch) -> float:
         io = self.model.stage_io[o.stage]
         args = [self._input_value(o, name, batch) for name in io.inputs]
+        self._computing()
         with torch.enable_grad():
             results = self.model.modules[o.stage](*args)
             outputs = dict(zip(io.outputs, results, strict=True))
@@ -170,8 +177,9 @@ class Executor:
                 roots.append(value)
                 grads.append(grad)
         params = [p for p in self.stage_params[o.stage] if p.requires_grad]
+        self._computing()
         if o.kind == "B":
-            input_grads = backward_full(roots, grads, saved.inputs, params)
+            input_grads = _full_backward(roots, grads, saved.inputs, params)
         else:
             input_grads, state = backward_input(roots, grads, saved.inputs, params)
             self._weight_state[(o.stage, o.microbatch)] = state
@@ -183,3 +191,13 @@ class Executor:
             producer = self.routing.producer[name]
             if self._owner(producer, o.microbatch) == self.rank:
                 self._local_grads[(producer, name, o.microbatch, o.stage)] = grad
+
+
+def _full_backward(
+    roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """B: one autograd pass accumulating straight into `.grad` (AccumulateGrad reuses buffers, which
+    autograd.grad + add does not); returns the inputs' gradients (zeros where unused)."""
+    if roots and (inputs or params):
+        torch.autograd.backward(roots, grads, inputs=[*inputs, *params])
+    return [torch.zeros_like(x) if x.grad is None else x.grad for x in inputs]

@@ -27,6 +27,9 @@ app = typer.Typer(
 # (command name, "module:function"); every function's docstring ends with an example.
 _COMMANDS: list[tuple[str, str]] = [
     ("simulate", "pipeplan.schedules.commands:simulate"),
+    ("plan", "pipeplan.planner.commands:plan"),
+    ("show", "pipeplan.planner.commands:show"),
+    ("export", "pipeplan.planner.commands:export"),
     ("models", "pipeplan.models.commands:models"),
     ("profile", "pipeplan.profiling.commands:profile"),
     ("run", "pipeplan.runtime.commands:run"),

@@ -1,0 +1,173 @@
+"""Turn the search's winner into a Plan (plan.json), and a Plan back into the schedule and costs it was timed
+with (`pipeplan show`, timeline.json).
+
+Stage node names come from the traced LayerGraph; a plan made from a profile alone has none and is marked not
+runnable (`Plan.runnable`). Rank `r` runs the op list of pipeline device `r % P`; microbatches are numbered per
+pipeline, so every pipeline runs the same lists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pipeplan
+from pipeplan.errors import FormatError
+from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
+from pipeplan.planner.candidate import Evaluation
+from pipeplan.planner.layout import PipelineLayout, rank_infos
+from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
+from pipeplan.planner.rationale import alternatives, rationale
+from pipeplan.planner.search import SearchResult
+from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.trace import LayerGraph
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.registry import generate
+from pipeplan.schedules.replicate import replicate
+from pipeplan.schedules.simulate import StageCosts, Timeline, simulate
+
+
+def build_plan(
+    result: SearchResult,
+    *,
+    model: ModelRef,
+    layer_graph: LayerGraph | None = None,
+    evaluation: Evaluation | None = None,
+    num_alternatives: int = 3,
+) -> Plan:
+    """The Plan for `evaluation` (default: the best candidate of `result`)."""
+    chosen = evaluation or result.best
+    layout = chosen.layout
+    profile = result.profiles[layout.microbatch_size]
+    if layer_graph is not None:
+        _check_graph_matches(profile, layer_graph)
+    training = TrainingConfig(
+        global_batch_size=result.config.global_batch_size,
+        microbatch_size=layout.microbatch_size,
+        num_microbatches=layout.num_microbatches,
+        data_parallel=layout.data_parallel,
+        optimizer=result.config.optimizer.split("-")[0],  # the algorithm (adamw, sgd); the preset sets the bytes
+        optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM[result.config.optimizer],
+        dtype=result.config.dtype,
+    )
+    pipe = chosen.pipeline
+    world = pipe.num_devices * layout.data_parallel
+    tokens = model.tokens_per_sample
+    return Plan(
+        model=model,
+        cluster=result.cluster,
+        training=training,
+        schedule=layout.schedule,
+        chunks=chosen.schedule.num_chunks,
+        stages=_stage_plans(chosen, profile, layer_graph),
+        ranks=rank_infos(pipe, layout.data_parallel, result.cluster),
+        rank_ops=tuple(pipe.device_ops[rank % pipe.num_devices] for rank in range(world)),
+        predicted=Prediction(
+            step_ms=chosen.step_ms,
+            samples_per_s=chosen.samples_per_s,
+            tokens_per_s=chosen.samples_per_s * tokens if tokens else None,
+            bubble_rate=chosen.timeline.bubble_rate,
+            peak_memory_bytes=tuple(chosen.device_memory_bytes[rank % pipe.num_devices] for rank in range(world)),
+            memory_limit_bytes=result.cluster.memory_per_device,
+        ),
+        alternatives=alternatives(result, chosen, limit=num_alternatives),
+        rationale=rationale(result, chosen),
+        pipeplan_version=pipeplan.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _check_graph_matches(profile: Profile, graph: LayerGraph) -> None:
+    names = [layer.name for layer in graph.layers]
+    if names != [layer.name for layer in profile.layers]:
+        raise FormatError(
+            f"the profile's {profile.num_layers} layers do not match the traced model's {len(names)} layers; "
+            "re-profile the model (or pass the same --granularity)"
+        )
+
+
+def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None) -> tuple[StagePlan, ...]:
+    stage_memory = {}
+    for device, stages in enumerate(chosen.pipeline.device_stages):
+        for stage in stages:
+            stage_memory[stage] = chosen.device_memory_bytes[device]
+    plans = []
+    for index, stage in enumerate(chosen.partition.stages):
+        first, last = stage.first_layer, stage.last_layer
+        nodes = tuple(n for layer in graph.layers[first : last + 1] for n in layer.nodes) if graph else ()
+        plans.append(
+            StagePlan(
+                index=index,
+                first_layer=first,
+                last_layer=last,
+                layer_names=tuple(layer.name for layer in profile.layers[first : last + 1]),
+                node_names=nodes,
+                replicas=stage.replicas,
+                forward_ms=stage.forward_ms,
+                input_grad_ms=stage.input_grad_ms,
+                weight_grad_ms=stage.weight_grad_ms,
+                backward_ms=stage.backward_ms,
+                param_count=sum(layer.param_count for layer in profile.layers[first : last + 1]),
+                memory_bytes=int(stage_memory[index]),
+                comm_ms=stage.comm_ms if index + 1 < len(chosen.partition.stages) else 0.0,
+                allreduce_ms=chosen.stage_allreduce_ms[index],
+            )
+        )
+    return tuple(plans)
+
+
+def plan_pipeline(plan: Plan) -> PipelineLayout:
+    """Pipeline 0's layout as the plan's rank map and op lists state it."""
+    ranks = [info for info in plan.ranks if info.pipeline == 0]
+    return PipelineLayout(
+        device_stages=tuple(info.stages for info in ranks),
+        device_replica=tuple(info.stage_replica for info in ranks),
+        device_ops=tuple(plan.rank_ops[info.rank] for info in ranks),
+    )
+
+
+def plan_costs(plan: Plan) -> StageCosts:
+    """Per-stage op times as simulated: a stage's replicas together take 1/replicas of its single-device time."""
+    return StageCosts(
+        forward_ms=tuple(s.forward_ms / s.replicas for s in plan.stages),
+        input_grad_ms=tuple(s.input_grad_ms / s.replicas for s in plan.stages),
+        weight_grad_ms=tuple(s.weight_grad_ms / s.replicas for s in plan.stages),
+        backward_ms=tuple(_backward(s) / s.replicas for s in plan.stages),
+        comm_ms=tuple(s.comm_ms for s in plan.stages[:-1]),
+    )
+
+
+def _backward(stage: StagePlan) -> float:
+    return stage.input_grad_ms + stage.weight_grad_ms if stage.backward_ms is None else stage.backward_ms
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The one-device-per-stage-slot Schedule the plan was timed with, read off its op lists. With replicated
+    stages it is regenerated from the schedule name (a fixed order) and checked against the op lists."""
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
+    if all(s.replicas == 1 for s in plan.stages):
+        placement = {stage: device for device, stages in enumerate(pipe.device_stages) for stage in stages}
+        return Schedule(
+            name=plan.schedule,
+            num_devices=pipe.num_devices,
+            num_stages=num_stages,
+            num_microbatches=m,
+            stage_device=tuple(placement[s] for s in range(num_stages)),
+            device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
+        )
+    schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
+    expanded = replicate(schedule, tuple(s.replicas for s in plan.stages))
+    if tuple(tuple(row) for row in expanded.op_strings()) != pipe.device_ops:
+        raise FormatError(f"plan rank_ops do not match schedule {plan.schedule} with replicated stages; re-plan")
+    return schedule
+
+
+def plan_timeline(plan: Plan) -> Timeline:
+    """Simulate the plan's pipeline step again (without the gradient all-reduce that follows it)."""
+    return simulate(plan_schedule(plan), plan_costs(plan))
+
+
+def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:
+    """(rank, op, start_ms, end_ms) of pipeline 0 (the other pipelines run the same lists at the same times)."""
+    runs_on = {op: info.rank for info in plan.ranks if info.pipeline == 0 for op in plan.rank_ops[info.rank]}
+    return [(runs_on[str(entry.op)], str(entry.op), entry.start, entry.end) for entry in timeline.entries]

@@ -1,0 +1,271 @@
+"""One search candidate: a layout (microbatch size, data-parallel pipelines, devices per pipeline, microbatches,
+schedule, replication mode) evaluated into a predicted step — or a rejection saying why it cannot run.
+
+Evaluation: partition the (batch-scaled) profile onto one pipeline's devices with the schedule's memory model
+(pipeplan.partition), generate the schedule with the partition's per-stage costs, simulate one step
+(pipeplan.schedules.simulate) and add the gradient all-reduce that follows the pipeline flush: every stage's
+replicas across all pipelines reduce that stage's gradients (ring all-reduce, Cluster.allreduce_s); the stages
+reduce in parallel, so the step pays the slowest one.
+
+Replicated stages (PipeDream) are timed with each op of stage `s` taking 1/r_s of its single-device time: the
+simulator places a stage on one device, and r_s replicas drain r_s microbatches per op time (see
+pipeplan.schedules.replicate). The runtime runs the expanded per-replica op lists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pipeplan.errors import InfeasibleError, ScheduleError
+from pipeplan.partition.api import min_memory_per_device, partition
+from pipeplan.partition.cluster import Cluster
+from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES, PartitionConfig
+from pipeplan.partition.costs import LayerArrays, stage_memory_bytes
+from pipeplan.partition.result import Partition
+from pipeplan.planner.layout import PipelineLayout, pipeline_layout
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.memory import inflight_per_stage
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import default_chunks, generate
+from pipeplan.schedules.simulate import StageCosts, Timeline, simulate
+from pipeplan.units import format_bytes
+
+STRAIGHT = "straight"
+REPLICATED = "replicated"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What the search enumerates; `label` is how summaries name it."""
+
+    schedule: str
+    microbatch_size: int
+    data_parallel: int
+    pipeline_devices: int
+    num_microbatches: int
+    mode: str = STRAIGHT
+
+    @property
+    def label(self) -> str:
+        """e.g. `1f1b 4x2 m=8 b=1`: P devices per pipeline x D pipelines, m microbatches of b samples."""
+        suffix = " replicated" if self.mode == REPLICATED else ""
+        return (
+            f"{self.schedule} {self.pipeline_devices}x{self.data_parallel} m={self.num_microbatches} "
+            f"b={self.microbatch_size}{suffix}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """A candidate that fits: its partition, schedule, per-pipeline-device layout and predicted step."""
+
+    layout: Layout
+    partition: Partition
+    schedule: Schedule
+    pipeline: PipelineLayout
+    costs: StageCosts  # per stage as simulated (replicated stages: / replicas)
+    timeline: Timeline
+    stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush
+    step_ms: float
+    samples_per_s: float
+    device_memory_bytes: tuple[int, ...]  # predicted peak per pipeline device
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.device_memory_bytes)
+
+    @property
+    def allreduce_ms(self) -> float:
+        return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    """Why a candidate lost. kind: memory | schedule | topology | duplicate | bound."""
+
+    layout: Layout
+    kind: str
+    reason: str
+    needed_memory_bytes: int | None = None  # a lower bound on the memory per device this candidate needs
+
+
+def pipeline_cluster(cluster: Cluster, pipeline_devices: int) -> Cluster:
+    """The cluster one pipeline sees: its own devices, same memory and links."""
+    return replace(
+        cluster, num_devices=pipeline_devices, devices_per_node=min(cluster.devices_per_node, pipeline_devices)
+    )
+
+
+def partition_config(layout: Layout, optimizer: str) -> PartitionConfig:
+    """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
+    return PartitionConfig(
+        num_microbatches=layout.num_microbatches,
+        schedule=layout.schedule,
+        mode=layout.mode,
+        num_stages=None if layout.mode == REPLICATED else layout.pipeline_devices * default_chunks(layout.schedule),
+        optimizer=optimizer,
+    )
+
+
+def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> int | None:
+    """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all)."""
+    arrays = LayerArrays.from_profile(profile)
+    return min_memory_per_device(
+        arrays, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
+    )
+
+
+def partition_layout(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> Partition | Rejection:
+    """Stage cuts and replicas for `layout` from the partitioner, or why there are none."""
+    try:
+        part = partition(
+            profile, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
+        )
+    except InfeasibleError as exc:
+        return Rejection(layout=layout, kind="memory", reason=str(exc))
+    except ScheduleError as exc:
+        return Rejection(layout=layout, kind="schedule", reason=str(exc))
+    if layout.mode == REPLICATED and part.num_stages == layout.pipeline_devices and max(part.replicas) == 1:
+        return Rejection(layout=layout, kind="duplicate", reason="the same stages as without replication")
+    return part
+
+
+def stage_work_ms(part: Partition) -> tuple[float, ...]:
+    """Per stage, one microbatch's compute as simulated: F + I + W split, F + B fused; / replicas."""
+    split = part.schedule in SPLIT_BACKWARD_SCHEDULES
+    return tuple(
+        (s.forward_ms + (s.input_grad_ms + s.weight_grad_ms if split else s.backward_ms)) / s.replicas
+        for s in part.stages
+    )
+
+
+def evaluate(
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str, global_batch_size: int
+) -> Evaluation | Rejection:
+    """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size."""
+    part = partition_layout(layout, profile, cluster, optimizer=optimizer)
+    if isinstance(part, Rejection):
+        return part
+    return evaluate_partition(layout, part, profile, cluster, optimizer=optimizer, global_batch_size=global_batch_size)
+
+
+def evaluate_partition(
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, *, optimizer: str, global_batch_size: int
+) -> Evaluation | Rejection:
+    """Generate the schedule for `part`, check its memory, simulate one step and add the all-reduce."""
+    replicas = part.replicas
+    try:
+        schedule = generate(
+            layout.schedule,
+            num_devices=part.num_stages // part.chunks,
+            num_microbatches=layout.num_microbatches,
+            chunks=part.chunks,
+            costs=_stage_costs(part, profile, cluster, pipe=None),
+        )
+        pipe = pipeline_layout(schedule, replicas, tuple(s.devices for s in part.stages))
+    except ScheduleError as exc:
+        return Rejection(layout=layout, kind="schedule", reason=str(exc))
+    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
+    if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
+        # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
+        return Rejection(
+            layout=layout, kind="topology",
+            reason=f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline",
+        )  # fmt: skip
+    config = partition_config(layout, optimizer)
+    memory = _device_memory(part, pipe, schedule, profile, config, cluster.memory_per_device, layout)
+    if isinstance(memory, Rejection):
+        return memory
+    costs = _stage_costs(part, profile, cluster, pipe=pipe)
+    timeline = simulate(schedule, costs)
+    allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
+    step_ms = timeline.makespan + allreduce_step_ms(part, allreduce_ms)
+    return Evaluation(
+        layout=layout,
+        partition=part,
+        schedule=schedule,
+        pipeline=pipe,
+        costs=costs,
+        timeline=timeline,
+        stage_allreduce_ms=allreduce_ms,
+        step_ms=step_ms,
+        samples_per_s=global_batch_size / step_ms * 1000.0,
+        device_memory_bytes=memory,
+    )
+
+
+def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: PipelineLayout | None) -> StageCosts:
+    """Per-stage op times as simulated (replicated stages: / replicas) and the transfer across each boundary:
+    the cut's bytes over the link between the two stages' devices (inter-node if any pair crosses a node)."""
+    comm = []
+    for stage in part.stages[:-1]:
+        same_node = True
+        if pipe is not None:
+            here, there = pipe.stage_devices(stage.index), pipe.stage_devices(stage.index + 1)
+            same_node = len({cluster.node_of(d) for d in here + there}) == 1
+        comm.append(cluster.transfer_s(profile.cut_bytes[stage.last_layer], same_node=same_node) * 1000.0)
+    return StageCosts(
+        forward_ms=tuple(s.forward_ms / s.replicas for s in part.stages),
+        input_grad_ms=tuple(s.input_grad_ms / s.replicas for s in part.stages),
+        weight_grad_ms=tuple(s.weight_grad_ms / s.replicas for s in part.stages),
+        backward_ms=tuple(s.backward_ms / s.replicas for s in part.stages),
+        comm_ms=tuple(comm),
+    )
+
+
+def stage_param_bytes(profile: Profile, first_layer: int, last_layer: int) -> int:
+    return sum(layer.param_bytes for layer in profile.layers[first_layer : last_layer + 1])
+
+
+def stage_allreduce_ms(profile: Profile, cluster: Cluster, part: Partition, data_parallel: int) -> tuple[float, ...]:
+    """Per stage, the ring all-reduce of its gradients over its replicas in every pipeline (pipeline k's device d
+    is global rank k x P + d)."""
+    times = []
+    for stage in part.stages:
+        group = [k * part.num_devices + d for k in range(data_parallel) for d in stage.devices]
+        same_node = len({cluster.node_of(rank) for rank in group}) == 1
+        grad_bytes = stage_param_bytes(profile, stage.first_layer, stage.last_layer)
+        times.append(cluster.allreduce_s(grad_bytes, len(group), same_node=same_node) * 1000.0)
+    return tuple(times)
+
+
+def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:
+    """After the flush each device reduces its stages (chunks) one after another; devices run in parallel."""
+    load: dict[int, float] = {}
+    for stage, ms in zip(part.stages, per_stage_ms):
+        for device in stage.devices:
+            load[device] = load.get(device, 0.0) + ms
+    return max(load.values())
+
+
+def _device_memory(
+    part: Partition,
+    pipe: PipelineLayout,
+    schedule: Schedule,
+    profile: Profile,
+    config: PartitionConfig,
+    limit: int,
+    layout: Layout,
+) -> tuple[int, ...] | Rejection:
+    """Predicted peak bytes per pipeline device: the partition's per-stage memory (weights, gradients, optimizer
+    state, in-flight activations) summed over the stages (chunks) the device holds. When the generated schedule
+    (zb-auto with real costs) keeps more microbatches in flight on a stage than the partition assumed, that stage is
+    recounted with the partition's memory formula and the candidate rejected if it no longer fits."""
+    stage_bytes = [s.memory_bytes for s in part.stages]
+    if all(r == 1 for r in part.replicas):
+        arrays = None
+        for s, count in zip(part.stages, inflight_per_stage(schedule)):
+            if count > s.inflight_microbatches:
+                arrays = arrays or LayerArrays.from_profile(profile)
+                need = stage_memory_bytes(arrays, config, s.first_layer, s.last_layer, 1, count)
+                stage_bytes[s.index] = int(math.ceil(float(need)))
+    device_bytes = tuple(sum(stage_bytes[s] for s in stages) for stages in pipe.device_stages)
+    for device, total in enumerate(device_bytes):
+        if total > limit:
+            stage = pipe.device_stages[device][0]
+            return Rejection(
+                layout=layout, kind="memory", needed_memory_bytes=None,
+                reason=f"out of memory at stage {stage} by {format_bytes(total - limit)} (more microbatches in flight)",
+            )  # fmt: skip
+    return device_bytes

@@ -1,0 +1,159 @@
+"""`pipeplan plan`, `pipeplan show` and `pipeplan export`: parse -> library call -> render."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import typer
+
+from pipeplan.console import err, out, print_json, progress
+from pipeplan.errors import ConfigError
+from pipeplan.jsonio import atomic_write_text
+from pipeplan.models import parse_assignments
+from pipeplan.planner.build import build_plan, plan_schedule, plan_timeline, timeline_rows
+from pipeplan.planner.inputs import (
+    ProfileRequest,
+    attach_model,
+    load_profile_input,
+    make_cluster,
+    microbatch_candidates,
+    profile_model_input,
+    warn,
+)
+from pipeplan.planner.plan import Plan
+from pipeplan.planner.scripts import write_plan_dir
+from pipeplan.planner.search import SearchConfig, search_plans
+from pipeplan.planner.summary import render_summary, summary_dict
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import SCHEDULE_NAMES
+
+DEFAULT_OUTPUT = "plan"
+EXPORT_FORMATS = ("torch-csv",)
+
+
+def _check_source(model: str | None, profile: Path | None, assignments: list[str] | None, device: str) -> None:
+    if model is None and profile is None:
+        raise ConfigError("give MODEL (e.g. gpt), --profile FILE, or both (the model's graph, the file's costs)")
+    if profile is not None:
+        ignored = [
+            flag for flag, given in (("-a", assignments and model is None), ("--device", device != "cpu")) if given
+        ]
+        if ignored:
+            warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
+
+
+def plan(
+    model: str = typer.Argument(None, help="Built-in model, path/to/file.py:factory or package.module:factory."),
+    assignments: list[str] = typer.Option(None, "--arg", "-a", help="Model option key=value (repeatable)."),
+    profile: Path = typer.Option(None, "--profile", help="Plan from a profile file instead of a model."),
+    profile_format: str = typer.Option("pipeplan", "--profile-format", help="pipeplan or pipedream (graph.txt)."),
+    devices: int = typer.Option(None, "--devices", "-n", help="Devices in all (default: local GPUs, or 2 on CPU)."),
+    devices_per_node: int = typer.Option(None, "--devices-per-node", help="Devices per node (default: min(N, 8))."),
+    memory_per_device: str = typer.Option(None, "--memory-per-device", help="e.g. 80GiB (default: hardware/RAM)."),
+    hardware: str = typer.Option(None, "--hardware", help="Preset for links and memory (h100, a100-80gb, ...)."),
+    device: str = typer.Option("cpu", "--device", help="Profile on cpu or cuda (measured) or meta (analytic)."),
+    global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (default 4 x N)."),
+    microbatch_size: str = typer.Option(
+        None, "--microbatch-size", "-b", help="b, or candidates like 1,2,4 (default: the profile's batch size, or 1)."
+    ),
+    optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16, adamw-fp32 or sgd (memory)."),
+    dtype: str = typer.Option(None, "--dtype", help="Training dtype recorded in the plan (default: the profile's)."),
+    schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
+    no_replication: bool = typer.Option(False, "--no-replication", help="Do not try replicated stages."),
+    granularity: int = typer.Option(None, "--granularity", help="Layer grouping depth when tracing the model."),
+    output: Path = typer.Option(Path(DEFAULT_OUTPUT), "--output", "-o", help="Directory for plan.json and scripts."),
+    json_output: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
+) -> None:
+    """Choose pipeline depth, replication, microbatches and schedule, and write a runnable plan.
+
+    Writes DIR/plan.json, launch.sh, job.sbatch and timeline.json (DIR defaults to ./plan). MODEL is profiled on
+    the spot (measured on cpu/cuda, analytic with --device meta --hardware NAME); --profile FILE plans from a saved
+    profile (not runnable alone: give MODEL too so the plan names each stage's FX nodes). Profile costs are
+    scaled linearly to the microbatch size.
+
+    Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
+    """
+    cluster = make_cluster(
+        devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
+    )
+    batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
+    _check_source(model, profile, assignments, device)
+    source = load_profile_input(str(profile), profile_format) if profile is not None else None
+    if source is not None and model is not None:
+        source = attach_model(source, model, parse_assignments(assignments), granularity)
+    default_size = source.profile.provenance.batch_size if source is not None else 1
+    sizes = microbatch_candidates(microbatch_size, default_size)
+    config = SearchConfig(  # validated before the (slow) profiling
+        global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, replication=not no_replication
+    )
+    if source is None:
+        request = ProfileRequest(
+            model=model, options=parse_assignments(assignments), batch_size=min(sizes), device=device,
+            hardware=hardware, granularity=granularity, dtype=dtype, quiet=json_output,
+        )  # fmt: skip
+        source = profile_model_input(request)
+    elif dtype is not None and dtype != source.profile.provenance.dtype:
+        warn(f"--dtype {dtype} is recorded, but the profile's times are for {source.profile.provenance.dtype}")
+    config = replace(config, dtype=dtype or source.profile.provenance.dtype)
+    schedules = None if schedule == "auto" else (schedule,)
+    with progress(quiet=json_output) as bar:
+        task = bar.add_task("searching plans", total=None)
+        result = search_plans(
+            source.profile, cluster, config, schedules,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
+    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph)
+    timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
+    write_plan_dir(chosen, timeline_rows(chosen, timeline), output)
+    if json_output:
+        print_json(summary_dict(chosen, plan_dir=str(output)))
+        return
+    render_summary(out, chosen, timeline=timeline)
+    out.print(f"wrote {output}/plan.json, launch.sh, job.sbatch, timeline.json")
+
+
+def show(
+    plan_file: Path = typer.Argument(..., help="A plan.json written by `pipeplan plan`."),
+    json_output: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
+) -> None:
+    """Print a plan's summary, stage table, alternatives and predicted Gantt chart again.
+
+    Example: pipeplan show plan/plan.json
+    """
+    loaded = Plan.load(plan_file)
+    if json_output:
+        print_json(summary_dict(loaded, plan_dir=str(plan_file.parent)))
+        return
+    render_summary(out, loaded, timeline=plan_timeline(loaded))
+
+
+def export(
+    plan_file: Path = typer.Argument(..., help="A plan.json written by `pipeplan plan`."),
+    fmt: str = typer.Option("torch-csv", "--format", "-f", help=f"One of: {', '.join(EXPORT_FORMATS)}."),
+    output: Path = typer.Option(..., "--output", "-o", help="File to write."),
+) -> None:
+    """Write a plan's per-rank op lists in another tool's format.
+
+    torch-csv: the "compute_only" CSV schedule torch.distributed.pipelining's PipelineScheduleMulti._load_csv
+    reads, one row per rank of one pipeline (plans with replicated stages cannot be exported: torch runs a stage
+    on one rank).
+
+    Example: pipeplan export plan/plan.json --format torch-csv -o schedule.csv
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
+    loaded = Plan.load(plan_file)
+    if any(stage.replicas > 1 for stage in loaded.stages):
+        raise ConfigError(
+            "torch.distributed.pipelining runs each stage on one rank, but this plan replicates stages; "
+            "re-plan with --no-replication to export it"
+        )
+    schedule: Schedule = plan_schedule(loaded)
+    atomic_write_text(output, schedule.to_csv())
+    if loaded.training.data_parallel > 1:
+        err.print(
+            f"wrote pipeline 0's {schedule.num_devices} ranks; "
+            f"all {loaded.training.data_parallel} pipelines run the same lists"
+        )
+    out.print(f"wrote {output}")

@@ -1,0 +1,176 @@
+"""What `pipeplan plan` searches over, from its options: the cluster (with machine defaults), the microbatch size
+candidates, and the profile (a file, or the model profiled on the spot)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from pipeplan.console import err
+from pipeplan.errors import ConfigError
+from pipeplan.partition.cluster import Cluster
+from pipeplan.planner.plan import ModelRef
+from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.trace import LayerGraph
+from pipeplan.units import parse_size
+
+PROFILE_FORMATS = ("pipeplan", "pipedream")
+CPU_DEFAULT_DEVICES = 2
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def default_devices() -> int:
+    """The local GPU count on a GPU machine, else 2 CPU processes."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_DEFAULT_DEVICES
+
+
+def default_memory_per_device(devices_per_node: int) -> int:
+    """The first GPU's memory, else this machine's RAM shared by the processes of one node."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices_per_node
+
+
+def make_cluster(
+    *, devices: int | None, devices_per_node: int | None, memory_per_device: str | None, hardware: str | None
+) -> Cluster:
+    """Cluster from the CLI options: a --hardware preset sets links and memory; explicit options override."""
+    num_devices = default_devices() if devices is None else devices
+    per_node = devices_per_node if devices_per_node is not None else min(num_devices, 8)
+    if hardware is not None:
+        from pipeplan.profiling.hardware import cluster_for
+
+        cluster = cluster_for(hardware, num_devices, per_node)
+    else:
+        cluster = Cluster(num_devices=num_devices, devices_per_node=per_node, memory_per_device=1)
+        memory_per_device = memory_per_device or str(default_memory_per_device(per_node))
+    if memory_per_device is not None:
+        cluster = replace(cluster, memory_per_device=parse_size(memory_per_device, option="--memory-per-device"))
+    return cluster
+
+
+def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
+    """`"2"` or `"1,2,4"`; by default only `default`, the batch size the profile is (or will be) measured at:
+    linear scaling cannot show a bigger microbatch's better device efficiency, so searching sizes is opt-in."""
+    if text is None:
+        return (default,)
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ConfigError(f"--microbatch-size {text!r} must be an integer or a list like 1,2,4") from None
+    if not sizes:
+        raise ConfigError("--microbatch-size needs at least one value")
+    return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInput:
+    """The profile to plan from, what to record as the model, and its layers' FX nodes (None: not runnable)."""
+
+    profile: Profile
+    model: ModelRef
+    layer_graph: LayerGraph | None
+
+
+def load_profile_input(path: str, profile_format: str) -> PlanInput:
+    if profile_format not in PROFILE_FORMATS:
+        raise ConfigError(f"--profile-format must be one of {', '.join(PROFILE_FORMATS)}, got {profile_format!r}")
+    if profile_format == "pipedream":
+        from pipeplan.partition import read_pipedream_graph
+
+        profile = read_pipedream_graph(path)
+    else:
+        profile = Profile.load(path)
+    prov = profile.provenance
+    model = ModelRef(
+        ref=prov.model or str(path),
+        options=dict(prov.model_options),
+        fingerprint=prov.graph_fingerprint,
+        tokens_per_sample=prov.tokens_per_sample,
+    )
+    return PlanInput(profile=profile, model=model, layer_graph=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """How to profile a model on the spot: measured on cpu/cuda, or analytic on meta for a --hardware preset."""
+
+    model: str
+    options: dict[str, str]
+    batch_size: int
+    device: str = "cpu"
+    hardware: str | None = None
+    granularity: int | None = None
+    dtype: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda", "meta"):
+            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+        if self.device == "meta" and self.hardware is None:
+            raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
+
+
+def profile_model_input(request: ProfileRequest) -> PlanInput:
+    from pipeplan.models import load_model
+    from pipeplan.profiling.trace import trace_model
+
+    spec = load_model(request.model, request.options)
+    if request.device == "meta":
+        from pipeplan.profiling.analytic import profile_analytic
+
+        extra = {"dtype": request.dtype} if request.dtype else {}
+        profile = profile_analytic(
+            spec, batch_size=request.batch_size, hardware=request.hardware, granularity=request.granularity,
+            progress=not request.quiet, **extra,
+        )  # fmt: skip
+    else:
+        from pipeplan.profiling.measure import profile_model
+
+        if request.dtype and request.dtype != "float32":
+            warn(f"--dtype {request.dtype} ignored: the measured profiler times the model in float32")
+        profile = profile_model(
+            spec, batch_size=request.batch_size, device=request.device, granularity=request.granularity,
+            progress=not request.quiet, model_ref=request.model, model_options=dict(request.options),
+        )  # fmt: skip
+    traced = trace_model(spec, batch_size=request.batch_size, granularity=request.granularity, device="meta")
+    model = ModelRef(
+        ref=request.model,
+        options=dict(request.options),
+        fingerprint=traced.layer_graph.fingerprint,
+        granularity=request.granularity,
+        tokens_per_sample=spec.tokens_per_sample,
+    )
+    return PlanInput(profile=profile, model=model, layer_graph=traced.layer_graph)
+
+
+def attach_model(source: PlanInput, model: str, options: dict[str, str], granularity: int | None) -> PlanInput:
+    """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
+    profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
+    from pipeplan.models import load_model
+    from pipeplan.profiling.trace import trace_model
+
+    spec = load_model(model, options)
+    graph = trace_model(spec, batch_size=1, granularity=granularity, device="meta").layer_graph
+    recorded = source.profile.provenance.graph_fingerprint
+    names = [layer.name for layer in source.profile.layers]
+    if (recorded and recorded != graph.fingerprint) or names != [layer.name for layer in graph.layers]:
+        raise ConfigError(
+            f"--profile was made from another graph than MODEL {model!r} with these options; profile this model "
+            "again (same -a options and --granularity) or drop MODEL"
+        )
+    ref = ModelRef(
+        ref=model,
+        options=dict(options),
+        fingerprint=graph.fingerprint,
+        granularity=granularity,
+        tokens_per_sample=spec.tokens_per_sample,
+    )
+    return PlanInput(profile=source.profile, model=ref, layer_graph=graph)

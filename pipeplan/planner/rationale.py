@@ -1,0 +1,98 @@
+"""Why the winner won: its alternatives with predicted metrics and a one-paragraph rationale, both stored in
+plan.json. Alternatives are the best candidate of every other schedule plus the next fastest candidates overall."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from pipeplan.planner.candidate import Evaluation, Layout
+from pipeplan.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipeplan.planner.search import SearchResult
+
+_KIND_WORDS = {
+    "memory": "out of memory",
+    "schedule": "unsupported by the schedule",
+    "topology": "impossible layout",
+    "duplicate": "duplicate",
+    "estimate": "pruned by the balanced-stage estimate",
+    "bound": "pruned by the busiest-device bound",
+}
+
+
+def layout_dict(layout: Layout) -> dict[str, Any]:
+    return {
+        "label": layout.label,
+        "schedule": layout.schedule,
+        "mode": layout.mode,
+        "pipeline_devices": layout.pipeline_devices,
+        "data_parallel": layout.data_parallel,
+        "microbatch_size": layout.microbatch_size,
+        "num_microbatches": layout.num_microbatches,
+    }
+
+
+def evaluation_dict(evaluation: Evaluation, best: Evaluation) -> dict[str, Any]:
+    return {
+        **layout_dict(evaluation.layout),
+        "num_stages": len(evaluation.partition.stages),
+        "replicas": [s.replicas for s in evaluation.partition.stages],
+        "step_ms": evaluation.step_ms,
+        "samples_per_s": evaluation.samples_per_s,
+        "bubble_rate": evaluation.timeline.bubble_rate,
+        "allreduce_ms": evaluation.allreduce_ms,
+        "peak_memory_bytes": evaluation.peak_memory_bytes,
+        "slower_pct": (evaluation.step_ms / best.step_ms - 1.0) * 100.0,
+    }
+
+
+def alternatives(result: SearchResult, chosen: Evaluation, *, limit: int = 3) -> tuple[dict[str, Any], ...]:
+    """The best candidate of each other (schedule, mode) and the `limit` next fastest, fastest first; then, for
+    each schedule with no candidate that fits, why its most promising candidate was rejected."""
+    picked: dict[int, Evaluation] = {}
+    seen: set[tuple[str, str]] = {(chosen.layout.schedule, chosen.layout.mode)}
+    for evaluation in result.ranked:  # fastest first: the first seen per (schedule, mode) is its best
+        key = (evaluation.layout.schedule, evaluation.layout.mode)
+        if key not in seen:
+            seen.add(key)
+            picked[id(evaluation)] = evaluation
+    for evaluation in [e for e in result.ranked if e is not chosen][:limit]:
+        picked[id(evaluation)] = evaluation
+    rows = [evaluation_dict(e, chosen) for e in sorted(picked.values(), key=lambda e: e.step_ms)]
+    fitting = {e.layout.schedule for e in result.ranked}
+    informative = [r for r in result.rejected if r.kind in ("memory", "schedule")]
+    for name in dict.fromkeys(r.layout.schedule for r in informative):
+        if name not in fitting:
+            first = next(r for r in informative if r.layout.schedule == name)
+            rows.append({**layout_dict(first.layout), "rejected": first.kind, "reason": first.reason})
+    return tuple(rows)
+
+
+def rejection_counts(result: SearchResult) -> dict[str, int]:
+    return dict(Counter(r.kind for r in result.rejected))
+
+
+def rationale(result: SearchResult, chosen: Evaluation) -> str:
+    layout = chosen.layout
+    parts = [
+        f"Chose {layout.label}: {chosen.samples_per_s:.2f} samples/s predicted "
+        f"({chosen.step_ms:.2f} ms/step, bubble {chosen.timeline.bubble_rate:.1%}, gradient all-reduce "
+        f"{chosen.allreduce_ms:.2f} ms, peak memory {format_bytes(chosen.peak_memory_bytes)} of "
+        f"{format_bytes(result.cluster.memory_per_device)})."
+    ]
+    runner_up = next((e for e in result.ranked if e is not chosen), None)
+    if runner_up is not None:
+        gap = (runner_up.step_ms / chosen.step_ms - 1.0) * 100.0
+        parts.append(f"The runner-up, {runner_up.layout.label}, is {gap:.1f}% slower.")
+    other_schedules = {e.layout.schedule for e in result.ranked} - {layout.schedule}
+    if other_schedules:
+        parts.append(f"Other schedules that fit: {', '.join(sorted(other_schedules))}.")
+    counts = rejection_counts(result)
+    if counts:
+        words = ", ".join(f"{n} {_KIND_WORDS.get(kind, kind)}" for kind, n in sorted(counts.items()))
+        parts.append(f"{len(result.ranked)} candidate(s) fit; {sum(counts.values())} rejected ({words}).")
+    else:
+        parts.append(f"{len(result.ranked)} candidate(s) fit; none rejected.")
+    return " ".join(parts)

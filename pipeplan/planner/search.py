@@ -1,0 +1,249 @@
+"""Search over pipeline depth, data-parallel pipelines, microbatch size/count and schedule for the highest
+predicted throughput that fits memory — `search_plans(profile, cluster, config)`.
+
+Enumeration: for each microbatch size b and each data-parallel degree d dividing the device count N (each
+pipeline gets P = N / d devices, m = B / (d b) microbatches), every schedule, straight (one stage per device, or
+per chunk) and — for fixed-order schedules with one stage per device (gpipe, 1f1b, zb-h1, zb-h2) — PipeDream-style
+replicated stages (the partitioner picks the number of stages <= P and their replicas).
+
+Pruning keeps it fast (pipeplan.planner.estimate): weights + gradients + optimizer state spread evenly over P
+devices bound memory from below, so a pipeline too short to hold the model is rejected before partitioning.
+Candidates are evaluated in order of a balanced-stage estimate (the schedule simulated with every stage 1/S of the
+model); one whose estimate is already slower than the best plan found is not partitioned, and one whose
+partition's busiest-device bound is slower is not simulated.
+Every rejected candidate records why it lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
+from pipeplan.partition.cluster import Cluster
+from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
+from pipeplan.planner.candidate import (
+    REPLICATED,
+    STRAIGHT,
+    Evaluation,
+    Layout,
+    Rejection,
+    evaluate_partition,
+    min_memory_bytes,
+    partition_layout,
+)
+from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_bound_ms
+from pipeplan.planner.scaling import scale_profile
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks
+from pipeplan.units import format_bytes
+
+# One stage per device and a fixed op order (regenerated from the name alone): replicas split the microbatches.
+REPLICABLE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """Training-side inputs of the search. `microbatch_sizes`: candidates (each must divide the global batch)."""
+
+    global_batch_size: int
+    microbatch_sizes: tuple[int, ...] = (1,)
+    optimizer: str = "adamw-bf16"
+    dtype: str = "float32"
+    replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if not self.microbatch_sizes or any(b < 1 for b in self.microbatch_sizes):
+            raise ConfigError(f"--microbatch-size values must be >= 1, got {list(self.microbatch_sizes)}")
+        bad = [b for b in self.microbatch_sizes if self.global_batch_size % b]
+        if bad:
+            raise ConfigError(
+                f"--global-batch-size ({self.global_batch_size}) must be divisible by --microbatch-size {bad[0]}"
+            )
+        if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
+            raise ConfigError(
+                f"unknown --optimizer {self.optimizer!r}; choose from: {', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason."""
+
+    ranked: tuple[Evaluation, ...]
+    rejected: tuple[Rejection, ...]
+    profiles: dict[int, Profile] = field(repr=False)  # microbatch size -> scaled profile
+    cluster: Cluster
+    config: SearchConfig
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, schedules: tuple[str, ...]) -> list:
+    """Every (layout | rejection) the search considers, before evaluation."""
+    found: list[Layout | Rejection] = []
+    n, per_node = cluster.num_devices, cluster.devices_per_node
+    for b in sorted(set(config.microbatch_sizes)):
+        for d in (d for d in range(1, n + 1) if n % d == 0):
+            if config.global_batch_size % (d * b):
+                continue  # this many pipelines cannot split the batch evenly at this microbatch size
+            p = n // d
+            m = config.global_batch_size // (d * b)
+            for name in schedules:
+                modes = [STRAIGHT]
+                if config.replication and name in REPLICABLE_SCHEDULES and p > 1:
+                    modes.append(REPLICATED)
+                for mode in modes:
+                    layout = Layout(
+                        schedule=name, microbatch_size=b, data_parallel=d, pipeline_devices=p, num_microbatches=m,
+                        mode=mode,
+                    )  # fmt: skip
+                    found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
+    return found
+
+
+def _static_rejection(layout: Layout, num_layers: int, per_node: int, schedules: tuple[str, ...]) -> Rejection | None:
+    p = layout.pipeline_devices
+    if p == 1 and layout.schedule != "1f1b" and "1f1b" in schedules:
+        return Rejection(layout=layout, kind="duplicate", reason="a one-device pipeline runs every schedule like 1f1b")
+    if p > per_node and p % per_node:
+        return Rejection(
+            layout=layout, kind="topology", reason=f"{p} devices per pipeline do not tile nodes of {per_node}"
+        )
+    stages = p * (1 if layout.mode == REPLICATED else default_chunks(layout.schedule))
+    if layout.mode == STRAIGHT and stages > num_layers:
+        return Rejection(
+            layout=layout, kind="topology", reason=f"needs {stages} stages but the model has {num_layers} layers"
+        )
+    return None
+
+
+def search_plans(
+    profile: Profile,
+    cluster: Cluster,
+    config: SearchConfig,
+    schedules: tuple[str, ...] | list[str] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> SearchResult:
+    """Rank every layout that fits; raise InfeasibleError naming the binding constraint when none does."""
+    names = tuple(schedules) if schedules else SCHEDULE_NAMES
+    unknown = [s for s in names if s not in SCHEDULE_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown --schedule {unknown[0]!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
+    profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
+    pending: list[tuple[float, Layout]] = []
+    rejected: list[Rejection] = []
+    for item in enumerate_layouts(profile.num_layers, cluster, config, names):
+        if isinstance(item, Rejection):
+            rejected.append(item)
+            continue
+        scaled = profiles[item.microbatch_size]
+        early = _static_memory_rejection(item, scaled, cluster, config)
+        if early is None:
+            try:
+                pending.append((balanced_estimate_ms(item, scaled, cluster), item))
+            except ScheduleError as exc:
+                early = Rejection(layout=item, kind="schedule", reason=str(exc))
+        if early is not None:
+            rejected.append(early)
+    pending.sort(key=lambda pair: (pair[0], pair[1].label))
+    evaluated: list[Evaluation] = []
+    best_ms = float("inf")
+    for done, (estimate, layout) in enumerate(pending, start=1):
+        result = _evaluate_unless_pruned(layout, estimate, best_ms, profiles[layout.microbatch_size], cluster, config)
+        if isinstance(result, Rejection):
+            rejected.append(result)
+        else:
+            evaluated.append(result)
+            best_ms = min(best_ms, result.step_ms)
+        if progress is not None:
+            progress(done, len(pending))
+    if not evaluated:
+        smallest = smallest_fitting_memory(rejected, profiles, cluster, config.optimizer)
+        raise InfeasibleError(infeasible_message(rejected, cluster, smallest))
+    evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
+    return SearchResult(
+        ranked=tuple(evaluated), rejected=tuple(rejected), profiles=profiles, cluster=cluster, config=config
+    )
+
+
+def _evaluate_unless_pruned(
+    layout: Layout, estimate: float, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig
+) -> Evaluation | Rejection:
+    """Skip the partitioner when the balanced estimate is already slower than the best plan, and the schedule and
+    simulation when the partition's lower bound is."""
+    if estimate >= best_ms:
+        return Rejection(
+            layout=layout, kind="estimate",
+            reason=f"estimated {_slower(estimate, best_ms)} slower than the best plan even with balanced stages",
+        )  # fmt: skip
+    part = partition_layout(layout, profile, cluster, optimizer=config.optimizer)
+    if isinstance(part, Rejection):
+        return part
+    bound = partition_lower_bound_ms(layout, part, profile, cluster)
+    if bound >= best_ms:
+        return Rejection(
+            layout=layout, kind="bound",
+            reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
+        )  # fmt: skip
+    return evaluate_partition(
+        layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
+    )
+
+
+def _slower(ms: float, best_ms: float) -> str:
+    return f"{(ms / best_ms - 1.0) * 100.0:.1f}%"
+
+
+def _static_memory_rejection(
+    layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
+) -> Rejection | None:
+    params = sum(layer.param_count for layer in profile.layers)
+    static = params * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / layout.pipeline_devices
+    if static <= cluster.memory_per_device:
+        return None
+    return Rejection(
+        layout=layout, kind="memory", needed_memory_bytes=int(static),
+        reason=(
+            f"out of memory: weights, gradients and optimizer state alone need {format_bytes(static)} per device "
+            f"over {layout.pipeline_devices} device(s), limit {format_bytes(cluster.memory_per_device)}"
+        ),
+    )  # fmt: skip
+
+
+def smallest_fitting_memory(
+    rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, optimizer: str
+) -> int | None:
+    """The least memory per device at which some rejected-for-memory candidate fits (the partitioner's binary
+    search); candidates whose static lower bound already exceeds the best found are skipped."""
+    memory = sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.needed_memory_bytes or 0)
+    best: int | None = None
+    for rejection in memory:
+        if best is not None and (rejection.needed_memory_bytes or 0) >= best:
+            break
+        layout = rejection.layout
+        need = min_memory_bytes(layout, profiles[layout.microbatch_size], cluster, optimizer=optimizer)
+        if need is not None and (best is None or need < best):
+            best = need
+    return best
+
+
+def infeasible_message(rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None) -> str:
+    """One line: the binding constraint and what would fit."""
+    if any(r.kind == "memory" for r in rejected):
+        hint = f"; the smallest that fits is {format_bytes(smallest_memory)} per device" if smallest_memory else ""
+        return (
+            f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {cluster.num_devices} "
+            f"device(s): memory is the binding constraint{hint} (raise --memory-per-device or --devices)"
+        )
+    reasons = sorted({r.reason for r in rejected})
+    first = reasons[0] if reasons else "no candidate layouts"
+    return f"no plan is possible on {cluster.num_devices} device(s): {first}; change --devices or --global-batch-size"

@@ -1,0 +1,130 @@
+"""search_plans: the winner is the fastest candidate that fits, pruning never drops a faster one, forced schedules,
+rejection reasons, and the infeasible error's smallest fitting memory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from planner_helpers import make_cluster, synthetic_profile
+
+from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.planner.candidate import Evaluation, Rejection, evaluate
+from pipeplan.planner.scaling import scale_profile
+from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
+from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.units import parse_size
+
+
+def _brute_force(profile, cluster, config) -> list[Evaluation]:
+    """Every layout evaluated, no pruning."""
+    found = []
+    for item in enumerate_layouts(profile.num_layers, cluster, config, SCHEDULE_NAMES):
+        if isinstance(item, Rejection):
+            continue
+        result = evaluate(
+            item,
+            scale_profile(profile, item.microbatch_size),
+            cluster,
+            optimizer=config.optimizer,
+            global_batch_size=config.global_batch_size,
+        )
+        if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
+            found.append(result)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("cut_bytes", "memory"),
+    [(1_000_000, 2**30), (50_000_000, 2**30), (1_000_000, 120 * 2**20)],
+    ids=["cheap-comm", "costly-comm", "tight-memory"],
+)
+def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory):
+    profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0)
+    cluster = make_cluster(4, memory=memory)
+    config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2))
+    result = search_plans(profile, cluster, config)
+    brute = _brute_force(profile, cluster, config)
+    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in brute))
+    assert result.best.peak_memory_bytes <= memory
+    steps = [e.step_ms for e in result.ranked]
+    assert steps == sorted(steps)
+    assert all(r.reason for r in result.rejected)
+
+
+def test_pruned_candidates_are_really_slower():
+    profile = synthetic_profile(cut_bytes=20_000_000)
+    result = search_plans(profile, make_cluster(4), SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4)))
+    pruned = [r for r in result.rejected if r.kind in ("bound", "estimate")]
+    assert pruned, "expected the lower bound to prune something"
+    assert all(re.search(r"(at least|estimated) [0-9.]+% slower", r.reason) for r in pruned)
+
+
+def test_forced_schedule_is_used():
+    profile = synthetic_profile()
+    result = search_plans(profile, make_cluster(4), SearchConfig(global_batch_size=16), schedules=["zbv"])
+    assert {e.layout.schedule for e in result.ranked} == {"zbv"}
+    assert result.best.schedule.num_chunks == 2
+
+
+def test_unsupported_shapes_are_recorded():
+    # interleaved needs m to be a multiple of p: with b=2, 6 microbatches on 4 devices are refused
+    config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2))
+    result = search_plans(synthetic_profile(), make_cluster(4), config, schedules=["interleaved"])
+    reasons = [r for r in result.rejected if r.layout.num_microbatches % r.layout.pipeline_devices]
+    assert reasons and all(r.kind == "schedule" and "interleaved" in r.reason for r in reasons)
+
+
+def test_no_supported_shape_is_one_line_error():
+    with pytest.raises(InfeasibleError, match="no plan is possible on 4 device.*--global-batch-size") as info:
+        search_plans(synthetic_profile(), make_cluster(4), SearchConfig(global_batch_size=2), ["interleaved"])
+    assert "\n" not in str(info.value)
+
+
+def test_replication_wins_for_an_unbalanced_model():
+    # the last layer is 6x heavier and one device cannot hold the model: replicating the heavy layer's stage
+    # (PipeDream) beats every straight 3-stage split
+    profile = synthetic_profile(4, heavy_last=6.0, params=1_000_000, activation_bytes=1_000_000, cut_bytes=1000)
+    cluster = make_cluster(3, memory=60 * 2**20)
+    result = search_plans(profile, cluster, SearchConfig(global_batch_size=12), ["1f1b"])
+    assert result.best.layout.mode == "replicated"
+    assert result.best.partition.replicas == (1, 2)
+    assert result.best.pipeline.device_ops[1] == tuple(
+        op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
+    )
+    straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False))
+    assert result.best.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
+
+
+def test_infeasible_error_names_the_smallest_memory_that_fits():
+    profile = synthetic_profile()
+    cluster = make_cluster(2, memory=40 * 2**20)
+    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,))
+    with pytest.raises(InfeasibleError) as info:
+        search_plans(profile, cluster, config)
+    message = str(info.value)
+    assert "\n" not in message and "--memory-per-device" in message
+    size = re.search(r"smallest that fits is ([0-9.]+ [KMG]iB)", message).group(1).replace(" ", "")
+    needed = parse_size(size)
+    fits = search_plans(profile, make_cluster(2, memory=int(needed * 1.01)), config)
+    assert fits.best.peak_memory_bytes <= needed * 1.01
+    with pytest.raises(InfeasibleError):
+        search_plans(profile, make_cluster(2, memory=int(needed * 0.97)), config)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"global_batch_size": 10, "microbatch_sizes": (4,)}, "divisible by --microbatch-size"),
+        ({"global_batch_size": 0}, "--global-batch-size"),
+        ({"global_batch_size": 8, "optimizer": "lion"}, "--optimizer"),
+    ],
+)
+def test_search_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SearchConfig(**kwargs)
+
+
+def test_unknown_schedule_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="zb-h1"):
+        search_plans(synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4), ["nope"])

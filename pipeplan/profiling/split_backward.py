@@ -11,9 +11,10 @@ edges into the weight side (e.g. the AddmmBackward of a Linear: it computes dX f
   those edges (contributions to one edge summed; the backward is linear) down to the parameters.
   Outputs that do not depend on any input (a first stage fed token ids) are weight side from the start: I does
   nothing and W runs from them. Every node runs once, so W does not retain the graph.
-If a frontier node can reach one of its own weight-side edges through another child (the same Linear applied twice
-in a row shares its bias node), phase 1 would run more than that node, so W falls back to one backward from the
-outputs to the parameters (correct, but W repeats I's traversal; a warning says so).
+A weight-side edge that a frontier node also reaches through another child (the bias of one Linear applied twice in
+a row) is captured by I instead (I computes the cheap gradient flowing into it; W starts phase 2 from it). Only if a
+weight-side node also feeds such an edge does W fall back to one backward from the outputs to the parameters
+(correct, but W then repeats I's traversal; a warning says so).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class SplitAnalysis:
     weight_side: set  # nodes with a path to a parameter and none to an input
     frontier: dict  # input-side node -> its edges (node, input_nr) into the weight side
     weight_roots: list[int]  # indices of outputs whose grad_fn is weight side
-    conflict: bool  # a frontier node reaches one of its own weight-side edges another way
+    conflict: bool  # W must fall back to one backward from the outputs (see the module docstring)
+    input_captures: list = field(default_factory=list)  # shared weight-side edges whose gradient I captures
 
     @property
     def weight_grad_nodes(self) -> set:
@@ -107,15 +109,26 @@ def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], par
         for kid in children[node]:
             bits |= below[kid] | entry_bit.get(kid, 0)
         below[node] = bits
-    conflict = False
+    # an entry a frontier node also reaches through another child is "shared" (the bias of a Linear applied twice
+    # in a row): I captures the gradient arriving at it, and phase 1 leaves it out
+    shared_bits = 0
     for node, edges in frontier.items():
         own = 0
         for kid, _ in edges:
             own |= entry_bit[kid]
         for kid in children[node]:
-            conflict |= bool(below[kid] & own)
+            shared_bits |= below[kid] & own
+    shared = {kid for kid, bit in entry_bit.items() if bit & shared_bits}
+    # ... which is only right when no weight-side node feeds it (I would run that node too)
+    conflict = any(kid in shared for node in weight_side for kid in children[node])
+    input_captures = sorted(
+        {(kid, nr) for edges in frontier.values() for kid, nr in edges if kid in shared},
+        key=lambda edge: (id(edge[0]), edge[1]),
+    )
+    frontier = {node: [e for e in edges if e[0] not in shared] for node, edges in frontier.items()}
+    frontier = {node: edges for node, edges in frontier.items() if edges}
     weight_roots = [i for i, root in enumerate(roots) if root is not None and root in weight_side]
-    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict)
+    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict, input_captures)
 
 
 def _live_outputs(outputs, grad_outputs):
@@ -149,24 +162,21 @@ def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             param.grad.add_(grad)
 
 
-def _input_grads(outputs, grads, inputs, *, retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+def _input_grads(outputs, grads, inputs, captures=()) -> tuple[tuple[torch.Tensor | None, ...], list]:
+    """Gradients of `inputs` (zeros where unused) and of the GradientEdges `captures`, the graph retained."""
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     result: list[torch.Tensor | None] = [None] * len(inputs)
-    if wanted and outputs:
-        computed = torch.autograd.grad(
-            outputs,
-            [inputs[i] for i in wanted],
-            grads,
-            retain_graph=retain_graph,
-            allow_unused=True,
-            materialize_grads=True,
-        )
+    captured: list = [None] * len(captures)
+    targets = [inputs[i] for i in wanted] + list(captures)
+    if targets and outputs:
+        computed = torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True)
         for i, grad in zip(wanted, computed):
             result[i] = grad
-    elif wanted:
-        for i in wanted:
+        captured = list(computed[len(wanted) :])
+    for i in wanted:
+        if result[i] is None:
             result[i] = torch.zeros_like(inputs[i])
-    return tuple(result)
+    return tuple(result), captured
 
 
 def backward_input(
@@ -181,22 +191,26 @@ def backward_input(
     outs, grads = _live_outputs(list(outputs), list(grad_outputs))
     state = WeightGradState(params=params)
     if not outs:
-        return _input_grads([], [], list(inputs), retain_graph=False), state
+        return _input_grads([], [], list(inputs))[0], state
     info = analyze(outs, inputs, params)
     if info.conflict:
         warnings.warn(
-            "split backward: a weight-side node is reached along several input-side paths (a module applied "
-            "twice); W recomputes the backward to the parameters",
+            "split backward: a weight-side node feeds an edge shared by several input-side paths; W recomputes "
+            "the backward to the parameters",
             RuntimeWarning,
             stacklevel=2,
         )
-        input_grads = _input_grads(outs, grads, list(inputs), retain_graph=True)
         state.fallback = (outs, grads)
-        return input_grads, state
+        return _input_grads(outs, grads, list(inputs))[0], state
+    # outputs on the weight side never reach an input: W starts from them, I leaves them out
+    on_input_side = [i for i in range(len(outs)) if i not in set(info.weight_roots)]
     captured: dict = {}
     handles = [node.register_prehook(_capture(captured, node)) for node in info.frontier]
+    shared = [GradientEdge(node, nr) for node, nr in info.input_captures]
     try:
-        input_grads = _input_grads(outs, grads, list(inputs), retain_graph=True)
+        input_grads, shared_grads = _input_grads(
+            [outs[i] for i in on_input_side], [grads[i] for i in on_input_side], list(inputs), shared
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -206,6 +220,7 @@ def backward_input(
             roots = [GradientEdge(node, k) for k, _ in slots]
             state.frontier_calls.append((roots, [g for _, g in slots], [GradientEdge(n, nr) for n, nr in edges]))
     state.weight_roots = [(get_gradient_edge(outs[i]), grads[i]) for i in info.weight_roots]
+    state.weight_roots += [(edge, grad) for edge, grad in zip(shared, shared_grads) if grad is not None]
     return input_grads, state
 
 

@@ -123,9 +123,34 @@ def test_same_linear_in_parallel_branches():
         _check(Parallel(), [torch.randn(4, 8), torch.randn(4, 8)])
 
 
-def test_module_applied_twice_is_correct_and_warns():
-    with pytest.warns(RuntimeWarning, match="applied twice"):
+def test_module_applied_twice_in_a_row():
+    """The bias node is reached from both uses, one behind the other: I captures it, W does the rest."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _check(TwiceLinear(), [torch.randn(4, 8)])
+    module, x = TwiceLinear(), torch.randn(4, 8, requires_grad=True)
+    info = analyze([module(x)], [x], list(module.parameters()))
+    assert not info.conflict and len(info.input_captures) == 1
+    assert {type(n).__name__ for n, _ in info.input_captures} == {"AccumulateGrad"}
+    assert len(info.frontier) == 2, "both addmm nodes still leave their weight matmul to W"
+
+
+class SharedAndTransformed(nn.Module):
+    """A bias used directly by two stacked Linears and also through a weight-side op: the fallback case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = torch.tanh(nn.functional.linear(x, self.weight, self.bias))
+        return nn.functional.linear(h, self.weight, self.bias) * self.bias.exp()
+
+
+def test_fallback_is_correct_and_warns():
+    with pytest.warns(RuntimeWarning, match="recomputes"):
+        _check(SharedAndTransformed(), [torch.randn(4, 8)])
 
 
 def test_first_stage_with_integer_inputs():

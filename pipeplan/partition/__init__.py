@@ -5,6 +5,7 @@ Public API: `partition(profile, cluster, config) -> Partition`, `PartitionConfig
 """
 
 from pipeplan.partition.api import partition
+from pipeplan.partition.baselines import parameter_balanced_partition, uniform_partition
 from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM, PartitionConfig
 from pipeplan.partition.pipedream import read_pipedream_graph
@@ -16,6 +17,8 @@ __all__ = [
     "Partition",
     "PartitionConfig",
     "StageAssignment",
+    "parameter_balanced_partition",
     "partition",
     "read_pipedream_graph",
+    "uniform_partition",
 ]

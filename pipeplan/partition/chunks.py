@@ -24,7 +24,7 @@ from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_
 from pipeplan.schedules.registry import stage_device
 
 
-def _level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit: float, *, spans_nodes: bool):
+def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit: float, *, spans_nodes: bool):
     intra, inter = intra_link(cluster), inter_link(cluster)
     return single.Level(
         arrays=arrays,
@@ -71,7 +71,7 @@ def solve_chunked(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig
         return None
     tables = {}
     for spans in sorted({p > cluster.devices_per_node for p in candidates}):
-        level = _level(arrays, cluster, config, memory_limit, spans_nodes=spans)
+        level = chunk_level(arrays, cluster, config, memory_limit, spans_nodes=spans)
         cols = max(candidates) * v
         table = dp.straight_dp(n, cols, lambda last, lv=level, c=cols: single.straight_times(lv, last, 1, c))
         tables[spans] = (level, table)
@@ -97,7 +97,9 @@ def solve_chunked(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig
 def _fallback(arrays, cluster, config, memory_limit, candidates):
     best = None
     for p in candidates:
-        level = _level(arrays, cluster, config, memory_limit / config.chunks, spans_nodes=p > cluster.devices_per_node)
+        level = chunk_level(
+            arrays, cluster, config, memory_limit / config.chunks, spans_nodes=p > cluster.devices_per_node
+        )
         found = single.solve_fixed_stages(level, p * config.chunks)
         if found is not None and (best is None or found[0] < best[0]):
             full = dataclasses.replace(level, memory_limit=memory_limit)

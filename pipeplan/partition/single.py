@@ -132,6 +132,8 @@ def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | 
     n = level.arrays.num_items
     if num_stages > min(n, level.units):
         return None
+    if level.exact_units and level.config.mode == "straight" and num_stages != level.units:
+        return None  # PipeDream's straight pipelines use every machine
     inflight = np.asarray(inflight_counts(level.config, num_stages), dtype=np.float64)
     if level.config.mode == "straight":
         table = dp.straight_dp(n, num_stages, lambda last: straight_times(level, last, inflight, num_stages))

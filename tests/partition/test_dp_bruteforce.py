@@ -1,0 +1,213 @@
+"""The DP's objective equals brute force over every partition (all cut sets x all replica assignments), with stage
+costs written out here from the documented formulas using Cluster.transfer_s / Cluster.allreduce_s directly."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeplan.errors import InfeasibleError, ScheduleError
+from pipeplan.partition import Cluster, PartitionConfig, partition
+from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.schedules.memory import memory_model
+from pipeplan.schedules.registry import stage_device
+
+
+@st.composite
+def profiles(draw, max_layers=8):
+    n = draw(st.integers(1, max_layers))
+    layers = []
+    for i in range(n):
+        fwd, ig, wg = (draw(st.integers(0, 20)) / 2 for _ in range(3))
+        act = draw(st.integers(0, 50)) * 1000
+        count = draw(st.integers(0, 30)) * 1000
+        layers.append(
+            LayerProfile(
+                name=f"l{i}",
+                forward_ms=fwd,
+                input_grad_ms=ig,
+                weight_grad_ms=wg,
+                backward_ms=ig + wg + draw(st.integers(0, 2)) / 4,
+                activation_bytes=act,
+                activation_freed_by_input_grad_bytes=0,
+                param_count=count,
+                param_bytes=4 * count,
+            )
+        )
+    cuts = tuple(draw(st.integers(0, 80)) * 1000 for _ in range(n - 1))
+    return Profile(layers=tuple(layers), cut_bytes=cuts, provenance=Provenance(source="analytic"))
+
+
+def compositions(total, parts):
+    """Ordered tuples of `parts` positive ints summing to `total`."""
+    for bars in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *bars, total)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def cut_sets(n):
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            edges = (0, *cuts, n)
+            yield [(edges[i], edges[i + 1] - 1) for i in range(len(edges) - 1)]
+
+
+def stage_time(profile, cluster, config, stages, s, r, same_node_in, same_node_out):
+    a, b = stages[s]
+    layers = profile.layers[a : b + 1]
+    split = config.schedule in ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")
+    if config.cost_model == "pipedream":
+        compute = sum(la.forward_ms + la.backward_ms for la in layers)
+        params = sum(la.param_bytes for la in layers)
+        bw = cluster.intra_node_bandwidth
+        t = (compute + 4 * (r - 1) * params / (bw * r) * 1000) / r
+        if a > 0:
+            t = max(t, 2 * profile.cut_bytes[a - 1] / (bw * r) * 1000)
+            if b < profile.num_layers - 1:
+                t = max(t, 2 * profile.cut_bytes[b] / (bw * r) * 1000)
+        return t
+    compute = sum(la.forward_ms + (la.input_grad_ms + la.weight_grad_ms if split else la.backward_ms) for la in layers)
+    params = sum(la.param_bytes for la in layers)
+    reduce = cluster.allreduce_s(params, r, same_node=True) * 1000
+    t_in = cluster.transfer_s(profile.cut_bytes[a - 1], same_node=same_node_in) if a > 0 else 0.0
+    t_out = cluster.transfer_s(profile.cut_bytes[b], same_node=same_node_out) if b < profile.num_layers - 1 else 0.0
+    return max(compute / r + reduce / config.num_microbatches, (t_in + t_out) * 1000 / r)
+
+
+def stage_memory(profile, config, stages, s, r, inflight):
+    a, b = stages[s]
+    layers = profile.layers[a : b + 1]
+    params = sum(la.param_count for la in layers) * config.optimizer_bytes_per_param
+    return params + math.ceil(inflight / r) * sum(la.activation_bytes for la in layers)
+
+
+def brute_force(profile, cluster, config):
+    best = math.inf
+    g = cluster.devices_per_node
+    for stages in cut_sets(profile.num_layers):
+        p = len(stages)
+        if config.num_stages is not None and p != config.num_stages:
+            continue
+        if config.mode == "straight":
+            if p > cluster.num_devices or (config.cost_model == "pipedream" and p != cluster.num_devices):
+                continue
+            assignments = [(1,) * p]
+        elif config.cost_model == "pipedream":
+            assignments = list(compositions(cluster.num_devices, p)) if p <= cluster.num_devices else []
+        else:
+            assignments = [c for total in range(p, cluster.num_devices + 1) for c in compositions(total, p)]
+        if not assignments:
+            continue
+        inflight = memory_model(config.schedule, p, config.num_microbatches, 1, None)
+        for reps in assignments:
+            if any(stage_memory(profile, config, stages, s, reps[s], inflight[s]) > cluster.memory_per_device
+                   for s in range(p)):  # fmt: skip
+                continue
+            worst = max(
+                stage_time(profile, cluster, config, stages, s, reps[s], not (s % g == 0 and s > 0), (s + 1) % g != 0)
+                for s in range(p)
+            )
+            best = min(best, worst)
+    return best
+
+
+def brute_force_chunked(profile, cluster, config):
+    """Straight pipelines of p * v chunks on p devices; the objective is the slowest chunk."""
+    best, v, n = math.inf, config.chunks, profile.num_layers
+    for stages in cut_sets(n):
+        if len(stages) % v or len(stages) // v > cluster.num_devices:
+            continue
+        p = len(stages) // v
+        try:
+            inflight = memory_model(config.schedule, p, config.num_microbatches, v, None)
+        except ScheduleError:
+            continue
+        same = p <= cluster.devices_per_node
+        used = [0.0] * p
+        for s, device in enumerate(stage_device(config.schedule, p, v)):
+            used[device] += stage_memory(profile, config, stages, s, 1, inflight[s])
+        if max(used) > cluster.memory_per_device:
+            continue
+        best = min(
+            best, max(stage_time(profile, cluster, config, stages, s, 1, same, same) for s in range(len(stages)))
+        )
+    return best
+
+
+def check(profile, cluster, config, expected):
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            partition(profile, cluster, config)
+        return None
+    result = partition(profile, cluster, config)
+    assert result.objective_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert max(s.time_ms for s in result.stages) == pytest.approx(result.objective_ms, rel=1e-9, abs=1e-9)
+    assert all(s.memory_bytes <= cluster.memory_per_device for s in result.stages)
+    return result
+
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(
+    profile=profiles(),
+    num_devices=st.integers(1, 4),
+    mode=st.sampled_from(["replicated", "straight"]),
+    cost_model=st.sampled_from(["pipeplan", "pipedream"]),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
+    memory=st.sampled_from([10**12, 400_000, 250_000, 150_000]),
+    microbatches=st.integers(1, 6),
+    fixed=st.booleans(),
+    data=st.data(),
+)
+def test_dp_equals_brute_force_one_node(
+    profile, num_devices, mode, cost_model, schedule, memory, microbatches, fixed, data
+):
+    num_stages = data.draw(st.integers(1, min(num_devices, profile.num_layers))) if fixed else None
+    cluster = Cluster(num_devices=num_devices, devices_per_node=4, memory_per_device=memory, intra_node_bandwidth=1e7)
+    config = PartitionConfig(
+        num_microbatches=microbatches,
+        schedule=schedule,
+        mode=mode,
+        cost_model=cost_model,
+        num_stages=num_stages,
+        optimizer="adamw-fp32",
+    )
+    result = check(profile, cluster, config, brute_force(profile, cluster, config))
+    if result is not None and cost_model == "pipedream":
+        assert sum(result.replicas) == num_devices  # PipeDream uses every machine
+
+
+@FAST
+@given(profile=profiles(), memory=st.sampled_from([10**12, 300_000]), microbatches=st.integers(1, 4))
+def test_straight_pipeline_across_nodes_equals_brute_force(profile, memory, microbatches):
+    cluster = Cluster(
+        num_devices=4, devices_per_node=2, memory_per_device=memory, intra_node_bandwidth=1e8, inter_node_bandwidth=1e6
+    )
+    config = PartitionConfig(num_microbatches=microbatches, mode="straight", optimizer="sgd")
+    check(profile, cluster, config, brute_force(profile, cluster, config))
+
+
+@FAST
+@given(
+    profile=profiles(max_layers=9),
+    num_devices=st.integers(1, 3),
+    schedule=st.sampled_from(["interleaved", "zbv", "dualpipev"]),
+    microbatches=st.sampled_from([2, 4, 6, 12]),
+)
+def test_chunked_dp_equals_brute_force(profile, num_devices, schedule, microbatches):
+    cluster = Cluster(num_devices=num_devices, devices_per_node=4, memory_per_device=10**12, intra_node_bandwidth=1e7)
+    config = PartitionConfig(num_microbatches=microbatches, schedule=schedule)
+    expected = brute_force_chunked(profile, cluster, config)
+    if math.isinf(expected):
+        with pytest.raises((InfeasibleError, ScheduleError)):
+            partition(profile, cluster, config)
+        return
+    result = check(profile, cluster, config, expected)
+    p = result.num_stages // 2
+    assert [s.devices[0] for s in result.stages] == list(stage_device(schedule, p, 2))

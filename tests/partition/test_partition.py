@@ -1,0 +1,194 @@
+"""partition(): configuration, memory, placement, two-level topology, baselines and the result's JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
+from pipeplan.partition import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    Cluster,
+    PartitionConfig,
+    parameter_balanced_partition,
+    partition,
+    uniform_partition,
+)
+from pipeplan.partition.api import min_memory_per_device
+from pipeplan.partition.costs import LayerArrays
+from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.schedules.memory import memory_model
+
+GIB = 2**30
+
+
+def make_profile(times, *, params=1_000_000, act=10_000_000, cut=1_000_000) -> Profile:
+    layers = tuple(
+        LayerProfile(
+            name=f"l{i}",
+            forward_ms=t,
+            input_grad_ms=t,
+            weight_grad_ms=t,
+            backward_ms=2 * t,
+            activation_bytes=act,
+            activation_freed_by_input_grad_bytes=0,
+            param_count=params,
+            param_bytes=2 * params,
+        )
+        for i, t in enumerate(times)
+    )
+    return Profile(layers=layers, cut_bytes=(cut,) * (len(times) - 1), provenance=Provenance(source="analytic"))
+
+
+def test_optimizer_presets_and_override():
+    assert OPTIMIZER_BYTES_PER_PARAM["adamw-bf16"] == 18  # 2 + 4 + 4 + 8, Megatron's count
+    assert OPTIMIZER_BYTES_PER_PARAM["adamw-fp32"] == 16
+    assert PartitionConfig(num_microbatches=1, optimizer=6.5).optimizer_bytes_per_param == 6.5
+    with pytest.raises(ConfigError, match="optimizer"):
+        PartitionConfig(num_microbatches=1, optimizer="lion")
+    with pytest.raises(ConfigError, match="optimizer"):
+        PartitionConfig(num_microbatches=1, optimizer=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_microbatches": 0}, "--microbatches"),
+        ({"num_microbatches": 4, "schedule": "pipedream-2bw"}, "--schedule"),
+        ({"num_microbatches": 4, "mode": "tensor"}, "mode"),
+        ({"num_microbatches": 4, "schedule": "zbv", "mode": "replicated"}, "straight"),
+        ({"num_microbatches": 4, "cost_model": "alpa"}, "cost_model"),
+        ({"num_microbatches": 4, "schedule": "interleaved", "cost_model": "pipedream"}, "pipeplan"),
+        ({"num_microbatches": 4, "schedule": "zbv", "num_stages": 3}, "multiple of --chunks"),
+        ({"num_microbatches": 4, "num_stages": 0}, "num_stages"),
+    ],
+)
+def test_config_errors_name_the_option(kwargs, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        PartitionConfig(**kwargs)
+
+
+def test_chunked_schedules_default_to_straight():
+    assert PartitionConfig(num_microbatches=4, schedule="dualpipev").mode == "straight"
+    assert PartitionConfig(num_microbatches=4, schedule="interleaved", chunks=3).chunks == 3
+    assert PartitionConfig(num_microbatches=4).mode == "replicated"
+
+
+def test_balanced_layers_give_balanced_stages():
+    profile = make_profile([1.0] * 8, params=0, cut=0)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=8, mode="straight"))
+    assert result.stage_ranges == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert result.objective_ms == pytest.approx(6.0)  # 2 layers x (F 1 + B 2)
+    assert [s.devices for s in result.stages] == [(0,), (1,), (2,), (3,)]
+
+
+def test_memory_uses_schedule_inflight_counts_per_position():
+    profile = make_profile([1.0] * 4, params=0)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=8, mode="straight", num_stages=4))
+    assert [s.inflight_microbatches for s in result.stages] == list(memory_model("1f1b", 4, 8)) == [4, 3, 2, 1]
+    assert [s.memory_bytes for s in result.stages] == [4e7, 3e7, 2e7, 1e7]
+
+
+def test_tight_memory_changes_the_split_and_error_gives_the_memory_that_fits():
+    profile = make_profile([1.0, 1.0, 1.0, 1.0, 4.0, 4.0], params=0, act=10_000_000)
+    cluster = Cluster(num_devices=3, devices_per_node=3, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=8, mode="straight")
+    loose = partition(profile, cluster, config)
+    # stage 0 of 1f1b keeps 3 microbatches: a memory cap forces it to hold few layers
+    tight_cluster = dataclasses.replace(cluster, memory_per_device=45_000_000)
+    tight = partition(profile, tight_cluster, config)
+    assert all(s.memory_bytes <= 45_000_000 for s in tight.stages)
+    assert tight.objective_ms >= loose.objective_ms
+    too_small = dataclasses.replace(cluster, memory_per_device=15_000_000)
+    with pytest.raises(InfeasibleError, match="--memory-per-device") as info:
+        partition(profile, too_small, config)
+    assert "\n" not in str(info.value)
+    need = min_memory_per_device(LayerArrays.from_profile(profile), too_small, config)
+    partition(profile, dataclasses.replace(cluster, memory_per_device=need), config)  # fits
+    with pytest.raises(InfeasibleError):
+        partition(profile, dataclasses.replace(cluster, memory_per_device=int(need * 0.99)), config)
+
+
+def test_replication_divides_compute_and_inflight():
+    profile = make_profile([10.0, 1.0], params=1000, act=1000, cut=0)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB, intra_node_bandwidth=1e12)
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=8))
+    assert result.replicas[0] >= 3  # the heavy first layer is replicated
+    first = result.stages[0]
+    work = first.forward_ms + first.backward_ms
+    assert first.time_ms == pytest.approx(work / first.replicas + first.allreduce_ms / 8)
+    assert first.inflight_microbatches == -(-memory_model("1f1b", result.num_stages, 8)[0] // first.replicas)
+
+
+def test_two_level_keeps_subpipelines_inside_nodes():
+    profile = make_profile([1.0 + (i % 3) for i in range(24)], params=10_000_000, cut=50_000_000)
+    cluster = Cluster(
+        num_devices=8, devices_per_node=4, memory_per_device=64 * GIB, inter_node_bandwidth=1e8,
+        intra_node_bandwidth=1e11,
+    )  # fmt: skip
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=16))
+    assert sorted(d for s in result.stages for d in s.devices) == list(range(result.num_devices))
+    assert result.objective_ms == pytest.approx(max(s.time_ms for s in result.stages))
+    straight = partition(profile, cluster, PartitionConfig(num_microbatches=16, mode="straight"))
+    assert result.objective_ms <= straight.objective_ms * 1.0001 or result.num_devices <= 8
+
+
+def test_two_level_groups_many_layers():
+    profile = make_profile([1.0] * 300, params=1000, cut=1000)
+    cluster = Cluster(num_devices=16, devices_per_node=4, memory_per_device=64 * GIB)
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=16, max_layer_groups=40))
+    assert result.layer_groups <= 40 and result.stages[-1].last_layer == 299
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [("interleaved", [0, 1, 2, 0, 1, 2]), ("zbv", [0, 1, 2, 2, 1, 0])])
+def test_chunk_placement(schedule, expected):
+    profile = make_profile([1.0] * 6, params=0, cut=0)
+    cluster = Cluster(num_devices=3, devices_per_node=3, memory_per_device=GIB)
+    result = partition(profile, cluster, PartitionConfig(num_microbatches=6, schedule=schedule))
+    assert [s.devices[0] for s in result.stages] == expected
+    assert result.device_load_ms == pytest.approx((6.0, 6.0, 6.0))
+
+
+def test_unsupported_schedule_shape_raises_schedule_error():
+    profile = make_profile([1.0] * 8)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    with pytest.raises(ScheduleError):
+        partition(profile, cluster, PartitionConfig(num_microbatches=3, schedule="interleaved", num_stages=8))
+
+
+def test_too_many_stages_is_a_config_error():
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    with pytest.raises(ConfigError, match="num_stages"):
+        partition(make_profile([1.0] * 3), cluster, PartitionConfig(num_microbatches=4, num_stages=4))
+
+
+def test_baselines_are_never_better_than_the_dp():
+    profile = make_profile([1.0, 5.0, 1.0, 1.0, 7.0, 1.0, 2.0, 2.0], params=0)
+    profile = dataclasses.replace(
+        profile, layers=tuple(dataclasses.replace(la, param_count=(i + 1) * 10) for i, la in enumerate(profile.layers))
+    )
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=8, mode="straight", num_stages=4)
+    best = partition(profile, cluster, config)
+    uniform = uniform_partition(profile, cluster, config)
+    balanced = parameter_balanced_partition(profile, cluster, config)
+    assert uniform.stage_ranges == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert (
+        max(s.param_count for s in balanced.stages) == 110
+    )  # min-max of counts 10..80 in 4 runs: 10-40 | 50 60 | 70 | 80
+    assert best.objective_ms <= min(uniform.objective_ms, balanced.objective_ms)
+
+
+def test_to_dict_is_json_and_deterministic():
+    profile = make_profile([1.0, 2.0, 3.0, 1.0, 1.0])
+    cluster = Cluster(num_devices=4, devices_per_node=2, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=4)
+    first = json.loads(json.dumps(partition(profile, cluster, config).to_dict()))
+    assert first["schema_version"] == 1 and first["num_stages"] == len(first["stages"])
+    assert first["stages"][0]["first_layer"] == 0 and first["cost_model"] == "pipeplan"
+    assert json.loads(json.dumps(partition(profile, cluster, config).to_dict())) == first

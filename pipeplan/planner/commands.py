@@ -32,13 +32,14 @@ DEFAULT_OUTPUT = "plan"
 EXPORT_FORMATS = ("torch-csv",)
 
 
-def _check_source(model: str | None, profile: Path | None, assignments: list[str] | None, device: str) -> None:
+def _check_source(
+    model: str | None, profile: Path | None, assignments: list[str] | None, device: str, granularity: int | None
+) -> None:
     if model is None and profile is None:
         raise ConfigError("give MODEL (e.g. gpt), --profile FILE, or both (the model's graph, the file's costs)")
     if profile is not None:
-        ignored = [
-            flag for flag, given in (("-a", assignments and model is None), ("--device", device != "cpu")) if given
-        ]
+        unused = (("-a", assignments and model is None), ("--granularity", granularity and model is None))
+        ignored = [flag for flag, given in (*unused, ("--device", device != "cpu")) if given]
         if ignored:
             warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
 
@@ -78,7 +79,7 @@ def plan(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
     )
     batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
-    _check_source(model, profile, assignments, device)
+    _check_source(model, profile, assignments, device, granularity)
     source = load_profile_input(str(profile), profile_format) if profile is not None else None
     if source is not None and model is not None:
         source = attach_model(source, model, parse_assignments(assignments), granularity)

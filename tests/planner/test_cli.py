@@ -121,3 +121,11 @@ def test_plan_a_model_end_to_end(tmp_path):
     assert again.exit_code == 0, again.output
     replanned = Plan.load(tmp_path / "p2" / "plan.json")
     assert replanned.runnable and replanned.model.fingerprint == plan.model.fingerprint
+
+
+def test_ignored_inputs_warn(profile_file, tmp_path):
+    args = ["plan", "--profile", str(profile_file), "--devices", "2", "-a", "layers=2", "--granularity", "1"]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning: -a, --granularity ignored" in result.stderr
+    json.loads(result.stdout)

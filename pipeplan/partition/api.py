@@ -107,6 +107,7 @@ def build_partition(
                 backward_ms=float(arrays.span("backward", a, b)),
                 comm_ms=st.comm_ms,
                 allreduce_ms=st.allreduce_ms,
+                output_transfer_ms=st.output_transfer_ms,
                 time_ms=st.time_ms,
                 inflight_microbatches=st.inflight,
                 param_count=int(round(float(arrays.span("param_count", a, b)))),

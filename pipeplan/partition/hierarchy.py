@@ -202,6 +202,7 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
                 time_ms=time,
                 comm_ms=float(t_in + t_out) / (r * copies) + (edge_comm if i in (0, len(stages) - 1) else 0.0),
                 allreduce_ms=reduce_intra + reduce_inter,
+                output_transfer_ms=float(transfer_ms(cut[y + 1], link if y == b else level.intra)),
                 inflight=0,
             )
         )

@@ -14,7 +14,8 @@ class StageAssignment:
 
     forward_ms / input_grad_ms / weight_grad_ms / backward_ms: the stage's layers summed (one replica's work for one
     microbatch, not divided by replicas). comm_ms: transfer time of its input and output cuts per microbatch, divided
-    by replicas. allreduce_ms: the replicas' gradient all-reduce, once per step. time_ms: the stage's term in the
+    by replicas. output_transfer_ms: latency + bytes / bandwidth of one microbatch's output cut (what a simulator
+    charges between this stage and the next). allreduce_ms: the replicas' gradient all-reduce, once per step. time_ms: the stage's term in the
     objective (compute / replicas + all-reduce / microbatches, or communication, whichever is larger; the PipeDream
     formula under cost_model='pipedream'). memory_bytes: predicted peak on one of its devices."""
 
@@ -29,6 +30,7 @@ class StageAssignment:
     backward_ms: float
     comm_ms: float
     allreduce_ms: float
+    output_transfer_ms: float  # one microbatch's activations to the next stage, one way (0 for the last stage)
     time_ms: float
     inflight_microbatches: int  # per replica, from the schedule's memory model
     param_count: int

@@ -200,7 +200,20 @@ class RawStage:
     time_ms: float
     comm_ms: float
     allreduce_ms: float
+    output_transfer_ms: float  # one microbatch's output cut, one way (0 for the last stage)
     inflight: int  # per replica
+
+
+def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: Link) -> tuple[float, float, float]:
+    """(transfers per microbatch / replicas, replica all-reduce per step, one-way output transfer) of a stage."""
+    cut, params = level.arrays.cut, level.arrays.span("param_bytes", a, b)
+    send = float(transfer_ms(cut[b + 1], out_link))
+    if level.config.cost_model == "pipedream":  # PipeDream's terms: 2 x bytes / bandwidth, first stage uncharged
+        bw = level.replica_link.bandwidth
+        comm = 0.0 if a == 0 else 2 * max(cut[a], cut[b + 1]) / (bw * r) * 1e3
+        return float(comm), float(4 * (r - 1) * params / (bw * r) * 1e3), float(cut[b + 1] / bw * 1e3)
+    comm = (transfer_ms(cut[a], in_link) + transfer_ms(cut[b + 1], out_link)) / r
+    return float(comm), float(allreduce_ms(params, np.asarray(r), level.replica_link)), send
 
 
 def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[RawStage]:
@@ -216,18 +229,16 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
         else:
             row = replicated_times(level, b, 0)[a, r - 1]
             in_link = out_link = level.replica_link
-        cut = level.arrays.cut
-        comm = (transfer_ms(cut[a], in_link) + transfer_ms(cut[b + 1], out_link)) / r
-        params = level.arrays.span("param_bytes", a, b)
-        reduce = allreduce_ms(params, np.asarray(r), level.replica_link)
+        comm, reduce, send = _comm_terms(level, a, b, r, in_link, out_link)
         out.append(
             RawStage(
                 first_item=a,
                 last_item=b,
                 devices=tuple(range(device, device + r)),
                 time_ms=float(row),
-                comm_ms=float(comm),
-                allreduce_ms=float(reduce),
+                comm_ms=comm,
+                allreduce_ms=reduce,
+                output_transfer_ms=send,
                 inflight=-(-inflight[s] // r),
             )
         )

@@ -15,9 +15,10 @@ class StageAssignment:
     forward_ms / input_grad_ms / weight_grad_ms / backward_ms: the stage's layers summed (one replica's work for one
     microbatch, not divided by replicas). comm_ms: transfer time of its input and output cuts per microbatch, divided
     by replicas. output_transfer_ms: latency + bytes / bandwidth of one microbatch's output cut (what a simulator
-    charges between this stage and the next). allreduce_ms: the replicas' gradient all-reduce, once per step. time_ms: the stage's term in the
-    objective (compute / replicas + all-reduce / microbatches, or communication, whichever is larger; the PipeDream
-    formula under cost_model='pipedream'). memory_bytes: predicted peak on one of its devices."""
+    charges between this stage and the next). allreduce_ms: the replicas' gradient all-reduce, once per step.
+    time_ms: the stage's term in the objective (compute / replicas + all-reduce / microbatches, or communication,
+    whichever is larger; the PipeDream formula under cost_model='pipedream'). memory_bytes: predicted peak on one of
+    its devices."""
 
     index: int
     first_layer: int

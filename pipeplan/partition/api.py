@@ -114,9 +114,9 @@ def build_partition(
                 memory_bytes=int(np.ceil(memory)),
             )
         )
-    num_devices = 1 + max(d for s in stages for d in s.devices)
-    load = [0.0] * num_devices
-    mem = [0] * num_devices
+    used = sorted({d for s in stages for d in s.devices})
+    load = [0.0] * (used[-1] + 1)
+    mem = [0] * (used[-1] + 1)
     for s in stages:
         for d in s.devices:
             load[d] += s.time_ms
@@ -125,7 +125,7 @@ def build_partition(
     return Partition(
         stages=tuple(stages),
         num_layers=arrays.num_items,
-        num_devices=num_devices,
+        num_devices=len(used),
         schedule=config.schedule,
         chunks=config.chunks,
         mode=config.mode,

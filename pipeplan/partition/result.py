@@ -46,11 +46,12 @@ class StageAssignment:
 class Partition:
     """objective_ms: the bottleneck, the largest stage `time_ms` (per microbatch; with chunks, the largest chunk).
     Under cost_model='pipedream' it is PipeDream's "time per stage" for one profiled minibatch (ms, not s).
-    device_load_ms[d]: the time_ms of every stage (chunk) device d runs, summed (replicas count once each)."""
+    device_load_ms[d] / device_memory_bytes[d]: per cluster device id d (0..highest id used; a two-level plan may
+    leave devices of a node idle, which show 0): the time_ms and memory of the stages (chunks) it runs, summed."""
 
     stages: tuple[StageAssignment, ...]
     num_layers: int
-    num_devices: int  # devices the pipeline uses (the cluster may have more)
+    num_devices: int  # distinct devices the pipeline uses (the cluster may have more)
     schedule: str
     chunks: int
     mode: str

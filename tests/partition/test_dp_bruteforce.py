@@ -211,3 +211,60 @@ def test_chunked_dp_equals_brute_force(profile, num_devices, schedule, microbatc
     result = check(profile, cluster, config, expected)
     p = result.num_stages // 2
     assert [s.devices[0] for s in result.stages] == list(stage_device(schedule, p, 2))
+
+
+def two_level_brute_force(profile, cluster, config):
+    """The documented two-level model: blocks of layers on whole nodes, each node running the best one-node
+    sub-pipeline of its block (block edge cuts are charged only across nodes)."""
+    g, m = cluster.devices_per_node, config.num_microbatches
+    layers, cuts, n = profile.layers, profile.cut_bytes, profile.num_layers
+
+    def span(a, b, key):
+        return sum(getattr(la, key) for la in layers[a : b + 1])
+
+    def t_cut(index, *, same_node):  # transfer of the cut before layer `index`, ms
+        return cluster.transfer_s(cuts[index - 1], same_node=same_node) * 1000 if 0 < index < n else 0.0
+
+    def sub_pipeline(a, b):
+        best = math.inf
+        for stages in cut_sets(b - a + 1):
+            stages = [(x + a, y + a) for x, y in stages]
+            for total in range(len(stages), g + 1):
+                for reps in compositions(total, len(stages)):
+                    worst = 0.0
+                    for (x, y), r in zip(stages, reps):
+                        work = span(x, y, "forward_ms") + span(x, y, "backward_ms")
+                        reduce = cluster.allreduce_s(span(x, y, "param_bytes"), r, same_node=True) * 1000
+                        comm = (t_cut(x, same_node=True) if x > a else 0.0) + (
+                            t_cut(y + 1, same_node=True) if y < b else 0.0
+                        )
+                        worst = max(worst, work / r + reduce / m, comm / r)
+                    best = min(best, worst)
+        return best
+
+    best = math.inf
+    for blocks in cut_sets(n):
+        inner = [sub_pipeline(a, b) for a, b in blocks]
+        for total in range(len(blocks), cluster.num_nodes + 1):
+            for copies in compositions(total, len(blocks)):
+                worst = 0.0
+                for (a, b), a1, c in zip(blocks, inner, copies):
+                    reduce = cluster.allreduce_s(span(a, b, "param_bytes") / g, c, same_node=False) * 1000
+                    comm = t_cut(a, same_node=False) + t_cut(b + 1, same_node=False)
+                    worst = max(worst, a1 / c + reduce / m, comm / c)
+                best = min(best, worst)
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=profiles(max_layers=6), num_nodes=st.integers(2, 3), microbatches=st.integers(1, 4))
+def test_two_level_dp_equals_brute_force(profile, num_nodes, microbatches):
+    cluster = Cluster(
+        num_devices=2 * num_nodes,
+        devices_per_node=2,
+        memory_per_device=10**12,
+        intra_node_bandwidth=1e8,
+        inter_node_bandwidth=2e6,
+    )
+    config = PartitionConfig(num_microbatches=microbatches, optimizer="sgd")
+    check(profile, cluster, config, two_level_brute_force(profile, cluster, config))

@@ -13,6 +13,7 @@ from pipeplan.jsonio import atomic_write_text
 from pipeplan.models import parse_assignments
 from pipeplan.planner.build import build_plan, plan_schedule, plan_timeline, timeline_rows
 from pipeplan.planner.inputs import (
+    PlanInput,
     ProfileRequest,
     attach_model,
     load_profile_input,
@@ -27,6 +28,7 @@ from pipeplan.planner.search import SearchConfig, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.simulate import Timeline
 
 DEFAULT_OUTPUT = "plan"
 EXPORT_FORMATS = ("torch-csv",)
@@ -98,7 +100,18 @@ def plan(
         warn(f"--dtype {dtype} is recorded, but the profile's times are for {source.profile.provenance.dtype}")
     config = replace(config, dtype=dtype or source.profile.provenance.dtype)
     schedules = None if schedule == "auto" else (schedule,)
-    with progress(quiet=json_output) as bar:
+    chosen, timeline = _search_and_write(source, cluster, config, schedules, output, quiet=json_output)
+    if json_output:
+        print_json(summary_dict(chosen, plan_dir=str(output)))
+        return
+    render_summary(out, chosen, timeline=timeline)
+    out.print(f"wrote {output}/plan.json, launch.sh, job.sbatch, timeline.json")
+
+
+def _search_and_write(
+    source: PlanInput, cluster, config: SearchConfig, schedules, output: Path, *, quiet: bool
+) -> tuple[Plan, Timeline]:
+    with progress(quiet=quiet) as bar:
         task = bar.add_task("searching plans", total=None)
         result = search_plans(
             source.profile, cluster, config, schedules,
@@ -107,11 +120,7 @@ def plan(
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph)
     timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
     write_plan_dir(chosen, timeline_rows(chosen, timeline), output)
-    if json_output:
-        print_json(summary_dict(chosen, plan_dir=str(output)))
-        return
-    render_summary(out, chosen, timeline=timeline)
-    out.print(f"wrote {output}/plan.json, launch.sh, job.sbatch, timeline.json")
+    return chosen, timeline
 
 
 def show(

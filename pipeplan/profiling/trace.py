@@ -244,8 +244,16 @@ def _value_info(node: fx.Node) -> TensorInfo:
         dtype = str(meta.dtype).removeprefix("torch.")
         return TensorInfo(node.name, tuple(int(d) for d in meta.shape), dtype, _value_info_bytes(meta))
     total = sum(_value_info_bytes(m) for m in _flatten_meta(meta))
-    kind = type(node.meta.get("val", meta)).__name__ if meta is not None else "object"
-    return TensorInfo(node.name, (), kind, total)
+    return TensorInfo(node.name, (), node.meta.get("value_type", "object"), total)
+
+
+class _ShapeProp(ShapeProp):
+    """ShapeProp that also records the Python type of non-tensor values (an int size crossing a cut)."""
+
+    def run_node(self, n: fx.Node):
+        result = super().run_node(n)
+        n.meta["value_type"] = type(result).__name__
+        return result
 
 
 def _flatten_meta(meta) -> list[TensorMetadata]:
@@ -337,7 +345,7 @@ def trace_module(
     inputs = _sample_inputs(spec, batch_size, device)
     try:
         with torch.no_grad():
-            ShapeProp(gm).propagate(*inputs)
+            _ShapeProp(gm).propagate(*inputs)
     except Exception as exc:
         raise TraceError(
             f"running the traced {spec.name!r} on sample inputs failed: {type(exc).__name__}: "

@@ -212,3 +212,19 @@ def test_tuple_output_is_a_trace_error():
 
     with pytest.raises(TraceError, match="return one tensor"):
         trace_model(_toy_spec(Pair))
+
+
+def test_non_tensor_values_crossing_a_cut_are_listed_with_their_type():
+    class SizeLater(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            rows = x.shape[0]
+            return self.b(self.a(x)).reshape(rows, -1)
+
+    graph = trace_model(_toy_spec(SizeLater), batch_size=3).layer_graph
+    kinds = {info.dtype: info for info in graph.cuts[0]}
+    assert set(kinds) == {"int", "float32"} and kinds["int"].bytes == 0 and graph.cut_bytes(0) == 3 * 4 * 4

@@ -4,8 +4,8 @@ schedule, replication mode) evaluated into a predicted step — or a rejection s
 Evaluation: partition the (batch-scaled) profile onto one pipeline's devices with the schedule's memory model
 (pipeplan.partition), generate the schedule with the partition's per-stage costs, simulate one step
 (pipeplan.schedules.simulate) and add the gradient all-reduce that follows the pipeline flush: every stage's
-replicas across all pipelines reduce that stage's gradients (ring all-reduce, Cluster.allreduce_s); the stages
-reduce in parallel, so the step pays the slowest one.
+replicas across all pipelines reduce that stage's gradients (ring all-reduce, Cluster.allreduce_s); a device
+reduces its stages (chunks) in turn and the devices reduce in parallel, so the step pays the busiest device.
 
 Replicated stages (PipeDream) are timed with each op of stage `s` taking 1/r_s of its single-device time: the
 simulator places a stage on one device, and r_s replicas drain r_s microbatches per op time (see
@@ -82,7 +82,7 @@ class Evaluation:
 
 @dataclass(frozen=True, kw_only=True)
 class Rejection:
-    """Why a candidate lost. kind: memory | schedule | topology | duplicate | bound."""
+    """Why a candidate lost. kind: memory | schedule | topology | duplicate | estimate | bound."""
 
     layout: Layout
     kind: str

@@ -183,8 +183,7 @@ def _layer_keys(gm: fx.GraphModule, module: nn.Module, granularity: int | None) 
 
 
 def _assign_unowned(nodes: list[fx.Node], keys: list[str]) -> list[str]:
-    """Give every unowned node the key of its nearest preceding owned node (or the next one at the start);
-    placeholders take the key of their first user."""
+    """Give every unowned node the key of its nearest preceding owned node (or the next one at the start)."""
     resolved = list(keys)
     last = ""
     for i, key in enumerate(resolved):
@@ -200,42 +199,30 @@ def _assign_unowned(nodes: list[fx.Node], keys: list[str]) -> list[str]:
             resolved[i] = following
     if not any(resolved):
         resolved = ["model" if n.op not in ("placeholder", "output") else "" for n in nodes]
-    index = {n.name: i for i, n in enumerate(nodes)}
-    for i, node in enumerate(nodes):
-        if node.op == "placeholder":
-            first_user = min((index[u.name] for u in node.users if u.op != "output"), default=None)
-            resolved[i] = resolved[first_user] if first_user is not None else next(k for k in resolved if k)
     return resolved
 
 
 def _group(nodes: list[fx.Node], keys: list[str]) -> tuple[list[Layer], dict[str, int]]:
-    """Contiguous runs of equal keys become layers; placeholders are prepended to their layer."""
-    body = [(n, k) for n, k in zip(nodes, keys) if n.op not in ("placeholder", "output")]
+    """Contiguous runs of equal keys become layers; a key seen before (a module called again later) stays in the
+    current layer, so layers remain contiguous. Placeholders join the layer of their first user."""
     layers: list[tuple[str, list[str]]] = []
-    seen: dict[str, int] = {}
-    for node, key in body:
-        if layers and layers[-1][0] == key:
-            layers[-1][1].append(node.name)
-            continue
-        if key in seen and layers and _base(layers[-1][0]) != key:
-            # a module reused later (or a non-contiguous key): its nodes run inside the current layer
-            layers[-1][1].append(node.name)
-            continue
-        count = seen.get(key, 0)
-        seen[key] = count + 1
-        layers.append((key if count == 0 else f"{key}#{count + 1}", [node.name]))
-    node_layer = {name: i for i, (_, names) in enumerate(layers) for name in names}
+    seen: set[str] = set()
     for node, key in zip(nodes, keys):
-        if node.op == "placeholder":
-            target = next(i for i, (name, _) in enumerate(layers) if _base(name) == key)
-            layers[target][1].insert(0, node.name)
-            node_layer[node.name] = target
-    built = [Layer(name=name, module_path=_base(name), nodes=tuple(names)) for name, names in layers]
+        if node.op in ("placeholder", "output"):
+            continue
+        if layers and key in seen:
+            layers[-1][1].append(node.name)
+        else:
+            layers.append((key, [node.name]))
+            seen.add(key)
+    node_layer = {name: i for i, (_, names) in enumerate(layers) for name in names}
+    for node in reversed([n for n in nodes if n.op == "placeholder"]):
+        users = [node_layer[u.name] for u in node.users if u.name in node_layer]
+        target = min(users, default=0)
+        layers[target][1].insert(0, node.name)
+        node_layer[node.name] = target
+    built = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in layers]
     return built, node_layer
-
-
-def _base(name: str) -> str:
-    return name.partition("#")[0]
 
 
 def _value_info(node: fx.Node) -> TensorInfo:

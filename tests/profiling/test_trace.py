@@ -228,3 +228,26 @@ def test_non_tensor_values_crossing_a_cut_are_listed_with_their_type():
     graph = trace_model(_toy_spec(SizeLater), batch_size=3).layer_graph
     kinds = {info.dtype: info for info in graph.cuts[0]}
     assert set(kinds) == {"int", "float32"} and kinds["int"].bytes == 0 and graph.cut_bytes(0) == 3 * 4 * 4
+
+
+def test_second_input_joins_its_first_user_and_crosses_earlier_cuts():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.c = nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            return self.c(self.b(self.a(x)) * mask)
+
+    spec = ModelSpec(
+        name="two", build=TwoInputs, loss_fn=nn.functional.mse_loss,
+        sample_batch=lambda b, generator=None: ((torch.randn(b, 4), torch.ones(b, 4)), torch.randn(b, 4)),
+    )  # fmt: skip
+    graph = trace_model(spec, batch_size=2).layer_graph
+    assert graph.input_names == ("x", "mask")
+    assert [layer.name for layer in graph.layers] == ["a", "b", "c"]
+    assert graph.layers[0].nodes[0] == "x" and "mask" in graph.layers[1].nodes
+    assert {info.producer for info in graph.cuts[0]} == {"a"}
+    assert {info.producer for info in graph.cuts[1]} == {"mul"}

@@ -33,6 +33,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("models", "pipeplan.models.commands:models"),
     ("profile", "pipeplan.profiling.commands:profile"),
     ("run", "pipeplan.runtime.commands:run"),
+    ("capacity", "pipeplan.planner.capacity_commands:capacity"),
 ]
 
 

@@ -1,0 +1,194 @@
+"""`pipeplan capacity`: analytic profile of a model for a hardware preset -> best plan per device count -> table,
+JSON or plot, and how many devices a token budget needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipeplan.console import out, print_json, progress
+from pipeplan.errors import ConfigError, ModelError
+from pipeplan.planner.capacity import (
+    DEFAULT_SCHEDULES,
+    CapacityConfig,
+    CapacityReport,
+    CapacityRow,
+    capacity_sweep,
+    default_global_batch,
+)
+from pipeplan.planner.inputs import microbatch_candidates, warn
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.units import format_bytes, parse_count
+
+
+def parse_device_counts(text: str) -> tuple[int, ...]:
+    """`"8,64,512"` -> (8, 64, 512)."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--devices {text!r} must be integers like 8,64,512") from None
+    if not counts:
+        raise ConfigError("--devices needs at least one count, e.g. --devices 8,64,512")
+    return counts
+
+
+def parse_schedules(text: str) -> tuple[str, ...]:
+    """`auto` (every schedule but zb-auto, see pipeplan.planner.capacity), `all`, or names like 1f1b,zbv."""
+    if text == "auto":
+        return DEFAULT_SCHEDULES
+    if text == "all":
+        return SCHEDULE_NAMES
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def capacity_profile(
+    model: str, options: dict[str, str], *, seq: int | None, hardware, batch_size: int, quiet: bool
+) -> Profile:
+    """The analytic profile (meta device, bf16, flash attention); `seq` replaces the model's (a preset's too)."""
+    from pipeplan.models import load_model
+    from pipeplan.models.registry import BUILTINS, call_factory
+    from pipeplan.profiling.analytic import profile_analytic
+
+    if seq is not None:
+        if seq < 1:
+            raise ConfigError(f"--seq must be >= 1, got {seq}")
+        if "seq" in options:
+            warn(f"-a seq={options['seq']} ignored: --seq {seq} given")
+        options = {**options, "seq": str(seq)}
+    builtin = BUILTINS.get(model)
+    if seq is not None and builtin is not None and builtin.preset and "seq" in builtin.preset:
+        fixed = sorted((set(options) - {"seq"}) & set(builtin.preset))
+        if fixed:
+            raise ModelError(f"preset {model!r} fixes {', '.join(fixed)}; use the base model to change them")
+        spec = call_factory(builtin.factory, {**builtin.preset, **options}, ref=model)
+    else:
+        spec = load_model(model, options)
+    if spec.tokens_per_sample is None:
+        warn(f"model {model!r} does not say its tokens per sample; counting one token per sample")
+    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, dtype="bfloat16", progress=not quiet)
+
+
+def capacity(
+    model: str = typer.Argument(..., help="Built-in model name, path/to/file.py:factory or package.module:factory."),
+    assignments: list[str] = typer.Option(None, "--arg", "-a", help="Model option key=value (repeatable)."),
+    hardware: str = typer.Option(..., "--hardware", help="Hardware preset (h100, h200, a100-80gb, b200, ...)."),
+    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding or overriding presets."),
+    devices: str = typer.Option(..., "--devices", "-n", help="Device counts to plan for, e.g. 8,64,512."),
+    devices_per_node: int = typer.Option(8, "--devices-per-node", help="Devices per node."),
+    global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (~1M tokens)."),
+    microbatch_size: str = typer.Option("1", "--microbatch-size", "-b", help="b, or candidates like 1,2."),
+    seq: int = typer.Option(None, "--seq", help="Sequence length (replaces the model's seq option)."),
+    target_tokens: str = typer.Option(None, "--target-tokens", help="Tokens to train on, e.g. 1T (with --days)."),
+    days: float = typer.Option(None, "--days", help="Days the training may take (with --target-tokens)."),
+    schedule: str = typer.Option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b."),
+    optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16 (18 B/param), adamw-fp32, sgd."),
+    replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
+    plot: Path = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
+    json_output: bool = typer.Option(False, "--json", help="Print only JSON (rows and the answer)."),
+) -> None:
+    """Best pipeline plan for a model on each of several cluster sizes: step time, tokens/s, MFU, bubble,
+    per-device memory (weights / gradients / optimizer / activations) and what binds; with --target-tokens and
+    --days, how many devices reach the target.
+
+    Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
+    """
+    from pipeplan.models import parse_assignments
+    from pipeplan.profiling.hardware import load_hardware
+
+    counts = parse_device_counts(devices)
+    spec_hardware = load_hardware(hardware, hardware_file=hardware_file)
+    sizes = microbatch_candidates(microbatch_size, global_batch_size or 1)
+    target = parse_count(target_tokens, option="--target-tokens") if target_tokens is not None else None
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {str(plot)!r} must name a .png file")
+    profile = capacity_profile(
+        model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),
+        quiet=json_output,
+    )  # fmt: skip
+    batch = global_batch_size or default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
+    config = CapacityConfig(
+        hardware=spec_hardware, device_counts=counts, global_batch_size=batch, devices_per_node=devices_per_node,
+        microbatch_sizes=sizes, schedules=parse_schedules(schedule), optimizer=optimizer, replication=replication,
+        per_schedule=plot is not None, target_tokens=target, days=days,
+    )  # fmt: skip
+    with progress(quiet=json_output) as bar:
+        task = bar.add_task("planning", total=len(config.device_counts))
+        report = capacity_sweep(
+            profile, config, model=model,
+            progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
+        )  # fmt: skip
+    if plot is not None:
+        from pipeplan.planner.capacity_plot import plot_capacity
+
+        plot_capacity(report, plot)
+    if json_output:
+        print_json(report.to_dict())
+        return
+    render_report(report)
+    if plot is not None:
+        out.print(f"wrote {plot}")
+
+
+def _gib(num: int) -> str:
+    return f"{num / 2**30:.1f}"
+
+
+def _si(value: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _row_cells(row: CapacityRow) -> list[str]:
+    count = f"{row.num_devices}{'*' if row.extended else ''}"
+    if not row.fits:
+        need = f"needs >= {format_bytes(row.needed_memory_bytes)}/device" if row.needed_memory_bytes else ""
+        more = f"fits on {row.needed_devices}" if row.needed_devices else "no swept count fits"
+        return [count, "[red]does not fit[/]", *[""] * 8, "; ".join(p for p in (need, more) if p)]
+    mem = row.memory
+    assert mem is not None and row.tokens_per_s is not None and row.mfu is not None
+    return [
+        count,
+        f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",
+        f"{row.step_ms:,.0f}" if row.step_ms >= 100 else f"{row.step_ms:.3g}",
+        _si(row.tokens_per_s),
+        f"{row.mfu:.1%}",
+        f"{row.bubble_rate:.0%}",
+        _gib(mem.weights),
+        _gib(mem.gradients),
+        _gib(mem.optimizer),
+        _gib(mem.activations),
+        row.binding,
+    ]
+
+
+def render_report(report: CapacityReport) -> None:
+    out.print(
+        f"[bold]{report.model}[/] on {report.hardware}: {report.param_count / 1e9:.2f}B parameters, "
+        f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
+        f"{report.tokens_per_sample} tokens",
+        highlight=False,
+    )
+    table = Table(show_lines=False, pad_edge=False)
+    headers = ["N", "plan PxDP", "step ms", "tok/s", "MFU", "bubble", "W", "G", "O", "A", "binds"]
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i in (1, 10) else "right", no_wrap=i != 10, min_width=4)
+    for row in report.rows:
+        table.add_row(*_row_cells(row))
+    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 160))  # pipes: the whole table
+    wide.print(table)
+    out.print(
+        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device; "
+        "* = a count added by doubling",
+        highlight=False,
+    )
+    for row in report.rows:
+        if row.reason:
+            out.print(f"  {row.num_devices} devices: {row.reason}", highlight=False, soft_wrap=True)
+    if report.answer is not None:
+        out.print(f"[bold]answer:[/] {report.answer.message}", highlight=False, soft_wrap=True)

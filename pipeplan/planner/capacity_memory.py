@@ -1,0 +1,199 @@
+"""Per-device memory for capacity reports: the split of a chosen plan's peak device into weights, gradients,
+optimizer state and activations, and a cheap lower bound on what a layout needs (to skip hopeless searches).
+
+Bytes per parameter follow `pipeplan.partition.config.OPTIMIZER_BYTES_PER_PARAM`, split as Megatron-LM counts mixed
+precision: `adamw-bf16` = bf16 weights 2 + fp32 gradients 4 + optimizer 12 (fp32 master weights 4 + Adam moments
+4 + 4) = 18 B/param. Activations are the partitioner's model: per stage, the microbatches in flight (schedule memory
+model; the generated schedule's count when larger) x the stage's saved bytes per microbatch (the profile's
+`activation_bytes` summed over the stage's layers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeplan.errors import ScheduleError
+from pipeplan.partition.cluster import Cluster
+from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
+from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
+from pipeplan.planner.scaling import scale_profile
+from pipeplan.planner.search import SearchConfig, enumerate_layouts
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.memory import inflight_per_stage, memory_model
+from pipeplan.schedules.registry import default_chunks
+from pipeplan.units import format_bytes
+
+# optimizer -> bytes per parameter for (weights, gradients, optimizer state)
+OPTIMIZER_SPLIT: dict[str, tuple[float, float, float]] = {
+    "adamw-bf16": (2.0, 4.0, 12.0),
+    "adamw-fp32": (4.0, 4.0, 8.0),
+    "sgd": (4.0, 4.0, 4.0),
+    "sgd-nomomentum": (4.0, 4.0, 0.0),
+}
+assert all(sum(split) == OPTIMIZER_BYTES_PER_PARAM[name] for name, split in OPTIMIZER_SPLIT.items())
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySplit:
+    """One device's predicted peak, in bytes."""
+
+    device: int  # pipeline device index (every pipeline has the same layout)
+    param_count: int  # parameters of the stages (chunks) this device holds
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def to_dict(self) -> dict[str, int]:
+        names = ("device", "param_count", "weights", "gradients", "optimizer", "activations", "total")
+        return {name: getattr(self, name) for name in names}
+
+
+def stage_activation_bytes(profile: Profile, first_layer: int, last_layer: int) -> int:
+    """Saved activation bytes of one microbatch on layers first..last (the profile's microbatch size)."""
+    return sum(layer.activation_bytes for layer in profile.layers[first_layer : last_layer + 1])
+
+
+def stage_inflight(evaluation: Evaluation) -> tuple[int, ...]:
+    """Per stage, the microbatches whose activations one of its devices holds at once (as the planner counts)."""
+    part = evaluation.partition
+    counts = [s.inflight_microbatches for s in part.stages]
+    if all(r == 1 for r in part.replicas):
+        counts = [max(c, n) for c, n in zip(counts, inflight_per_stage(evaluation.schedule))]
+    return tuple(counts)
+
+
+def device_memory_split(evaluation: Evaluation, profile: Profile, optimizer: str) -> MemorySplit:
+    """The split of the pipeline device with the highest predicted peak; `profile` is scaled to the layout's
+    microbatch size (the search's `profiles[b]`)."""
+    part = evaluation.partition
+    device = max(range(len(evaluation.device_memory_bytes)), key=lambda d: evaluation.device_memory_bytes[d])
+    stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
+    inflight = stage_inflight(evaluation)
+    params = sum(s.param_count for s in stages)
+    activations = sum(inflight[s.index] * stage_activation_bytes(profile, s.first_layer, s.last_layer) for s in stages)
+    weights, gradients, state = OPTIMIZER_SPLIT[optimizer]
+    return MemorySplit(
+        device=device,
+        param_count=params,
+        weights=round(weights * params),
+        gradients=round(gradients * params),
+        optimizer=round(state * params),
+        activations=activations,
+    )
+
+
+def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> float:
+    """A lower bound on the memory per device any partition of `layout` needs under the partitioner's model
+    (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here).
+
+    Straight pipelines cut the layers into exactly S = P x chunks non-empty contiguous stages; stage s holds c_s
+    microbatches in flight (the schedule's memory model) and its parameters x bytes/param. A device holds at least
+    one whole stage, so the least X for which such a cut has every stage within X bounds the need from below
+    (decided exactly for each X by `_cuttable`, X by bisection). With chunks, a device holds `chunks` stages: the
+    mean over devices of the least total (static + min over cuts of sum c_s act_s) bounds it too.
+    """
+    if layout.mode == REPLICATED:
+        return 0.0
+    chunks = default_chunks(layout.schedule)
+    inflight = np.asarray(memory_model(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks))
+    static = np.concatenate([[0.0], np.cumsum([la.param_count * OPTIMIZER_BYTES_PER_PARAM[optimizer] for la in
+                                               profile.layers])])  # fmt: skip
+    active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
+    if len(inflight) > profile.num_layers:
+        return math.inf
+    low = float(np.max(np.diff(static) + inflight.min() * np.diff(active)))
+    high = float(static[-1] + inflight.max() * active[-1])
+    while high - low > max(1e-4 * high, 1.0):
+        middle = (low + high) / 2
+        if _cuttable(static, active, inflight, middle):
+            high = middle
+        else:
+            low = middle
+    if chunks > 1:
+        low = max(low, (static[-1] + _least_activation_sum(active, inflight)) / layout.pipeline_devices)
+    return low
+
+
+def _cuttable(static: np.ndarray, active: np.ndarray, inflight: np.ndarray, limit: float) -> bool:
+    """Can the layers (prefix sums `static`, `active`) be cut into len(inflight) non-empty contiguous stages, stage
+    s costing static + inflight[s] x active, each within `limit`? Tracks every reachable stage end: a stage starting
+    at layer a can end anywhere from a to the furthest layer it fits (costs grow with the range)."""
+    n = len(static) - 1
+    starts = np.zeros(n, dtype=bool)
+    starts[0] = True
+    for count in inflight:
+        cost = static + count * active
+        firsts = np.flatnonzero(starts)
+        reach = np.searchsorted(cost, cost[firsts] + limit, side="right") - 2  # last layer within the limit
+        ok = reach >= firsts
+        marks = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(marks, firsts[ok], 1)
+        np.add.at(marks, reach[ok] + 1, -1)
+        ends = np.cumsum(marks[:n]) > 0
+        if not ends.any():
+            return False
+        starts = np.zeros(n, dtype=bool)
+        starts[1:] = ends[:-1]
+        last_end = ends[-1]
+    return bool(last_end)
+
+
+def _least_activation_sum(active: np.ndarray, inflight: np.ndarray) -> float:
+    """min over cuts into len(inflight) contiguous (possibly empty) stages of sum_s inflight[s] x act(stage s)."""
+    best = np.where(np.arange(len(active)) == 0, 0.0, np.inf)  # best[j]: layers 0..j-1 placed in stages so far
+    for count in inflight:
+        best = count * active + np.minimum.accumulate(best - count * active)
+    return float(best[-1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Screen:
+    """`schedules`: those with a layout that may fit (searched); `rejected`: layouts over memory for sure;
+    `floor_bytes`: the least lower bound over every layout (what a device would need at least)."""
+
+    schedules: tuple[str, ...]
+    rejected: tuple[Rejection, ...]
+    floor_bytes: float
+
+    def reason(self, cluster: Cluster) -> str:
+        if not math.isfinite(self.floor_bytes):
+            return f"no layout of the model runs on {cluster.num_devices} device(s) (too many pipeline stages)"
+        return (
+            f"out of memory: every layout needs at least {format_bytes(self.floor_bytes)} per device, limit "
+            f"{format_bytes(cluster.memory_per_device)}"
+        )
+
+
+def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, schedules: tuple[str, ...]) -> Screen:
+    """Split the search's layouts on `cluster` by `memory_floor_bytes` (weights + gradients + optimizer state over
+    P devices first: it needs no schedule)."""
+    per_param = OPTIMIZER_BYTES_PER_PARAM[config.optimizer]
+    params = sum(layer.param_count for layer in profile.layers)
+    scaled = {b: scale_profile(profile, b) for b in config.microbatch_sizes}
+    passing: set[str] = set()
+    rejected: list[Rejection] = []
+    floor = math.inf
+    for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
+        if isinstance(layout, Rejection):
+            continue
+        need = params * per_param / layout.pipeline_devices
+        if need <= cluster.memory_per_device:
+            try:
+                need = max(need, memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer))
+            except ScheduleError:
+                continue  # the schedule cannot run this shape; the search rejects it too
+        floor = min(floor, need)
+        if need <= cluster.memory_per_device:
+            passing.add(layout.schedule)
+        else:
+            reason = f"needs at least {format_bytes(need)} per device"
+            rejected.append(Rejection(layout=layout, kind="memory", reason=reason, needed_memory_bytes=int(need)))
+    return Screen(schedules=tuple(s for s in schedules if s in passing), rejected=tuple(rejected), floor_bytes=floor)

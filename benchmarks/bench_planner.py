@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import statistics
@@ -84,6 +85,8 @@ def speed(workdir: Path) -> dict:
     cpu_times: list[float] = []
     cli_s, _ = _median(lambda: cpu_times.append(_run(command)))
     return {
+        "load_average_1min": os.getloadavg()[0],  # wall times stretch on a shared machine; CPU time does not
+        "cpu_count": os.cpu_count(),
         "layers": profile.num_layers,
         "devices": 64,
         "global_batch_size": 256,
@@ -161,7 +164,11 @@ def quality() -> list[dict]:
 
 def _print(speed_row: dict, rows: list[dict]) -> None:
     console = Console()
-    table = Table(title=f"planner speed: median of {REPEATS} runs (s), {platform.node()}", title_justify="left")
+    title = (
+        f"planner speed: median of {REPEATS} runs (s), {platform.node()}, {speed_row['cpu_count']} CPUs, "
+        f"load average {speed_row['load_average_1min']:.1f}"
+    )
+    table = Table(title=title, title_justify="left")
     for column in ("layers", "devices", "search", "CLI end to end", "CLI CPU time", "target", "ok", "chosen"):
         table.add_column(column, justify="left" if column == "chosen" else "right")
     r = speed_row

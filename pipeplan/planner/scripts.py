@@ -24,9 +24,11 @@ def describe(plan: Plan) -> str:
     """One line naming the plan: model, devices, schedule, layout."""
     options = " ".join(f"{k}={v}" for k, v in sorted(plan.model.options.items()))
     model = f"{plan.model.ref}" + (f" ({options})" if options else "")
+    counts = [stage.replicas for stage in plan.stages]
+    replicas = f" (replicas {','.join(map(str, counts))})" if max(counts) > 1 else ""
     return (
         f"{model} on {plan.world_size} device(s) ({plan.cluster.num_nodes} node(s) x "
-        f"{ranks_per_node(plan)}), schedule {plan.schedule}, {len(plan.stages)} stage(s) x "
+        f"{ranks_per_node(plan)}), schedule {plan.schedule}, {len(plan.stages)} stage(s){replicas} x "
         f"{plan.training.data_parallel} pipeline(s), {plan.training.num_microbatches} microbatch(es) of "
         f"{plan.training.microbatch_size}"
     ).replace("\n", " ")

@@ -37,7 +37,7 @@ from pipeplan.profiling.measure import profile_model  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.manual_plan import manual_plan  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
-from pipeplan.schedules import SCHEDULE_NAMES, StageCosts, generate, simulate  # noqa: E402
+from pipeplan.schedules import SCHEDULE_NAMES, Op, StageCosts, generate, simulate  # noqa: E402
 
 WARMUP, STEPS = 3, 12
 MLP = {"layers": 8, "hidden": 1024}
@@ -61,11 +61,42 @@ def _round_robin_ms(steps: dict[str, object], warmup: int = WARMUP, rounds: int 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _pipeplan_step(plan_path: str, rank: int):
+def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None):
+    """One full training step of the plan; its op times go to `sink` when given."""
     plan = Plan.load(plan_path)
     trainer = Trainer(plan, RunConfig(steps=1, quiet=True), rank=rank, device=torch.device("cpu"))
     batch = next(trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed))
-    return lambda: trainer.one_step(batch)
+
+    def step():
+        _, op_times = trainer.one_step(batch)
+        if sink is not None:
+            sink.append(op_times)
+
+    return step
+
+
+def _replayed_ms(plan: Plan, per_rank_steps: list[list[list[tuple[str, float, float]]]]) -> float:
+    """simulate() on this run's own mean op times per (stage, kind): what the step would take with no overhead
+    beyond the ops themselves (separates per-op cost errors from executor overhead and waiting)."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for steps in per_rank_steps:
+        for op_times in steps[WARMUP:]:
+            for text, start, end in op_times:
+                o = Op.parse(text)
+                durations.setdefault((o.stage, o.kind), []).append((end - start) * 1000.0)
+    num_stages = len(plan.stages)
+
+    def med(stage: int, kind: str) -> float | None:
+        values = durations.get((stage, kind))
+        return statistics.fmean(values) if values else None  # mean: slow outliers are on the critical path too
+
+    forward = [med(s, "F") for s in range(num_stages)]
+    igrad = [med(s, "I") if med(s, "I") is not None else med(s, "B") / 2 for s in range(num_stages)]
+    wgrad = [med(s, "W") if med(s, "W") is not None else med(s, "B") / 2 for s in range(num_stages)]
+    fused = [med(s, "B") if med(s, "B") is not None else i + w for s, i, w in zip(range(num_stages), igrad, wgrad)]
+    costs = StageCosts(forward_ms=forward, input_grad_ms=igrad, weight_grad_ms=wgrad, backward_ms=fused, comm_ms=0.0)
+    schedule = generate(plan.schedule, num_devices=2, num_microbatches=plan.training.num_microbatches, costs=costs)
+    return simulate(schedule, costs).makespan
 
 
 def _torch_stage_module(layers: nn.ModuleList, first: int, last: int) -> nn.Module:
@@ -119,7 +150,13 @@ def _bench_entry(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
     for name, path in mlp_plans.items():
         runners = {f"pipeplan {name}": _pipeplan_step(path, rank), f"torch {name}": _torch_step(name, rank)}
         out["mlp"].update(_round_robin_ms(runners))
-    out["gpt"] = _round_robin_ms({name: _pipeplan_step(path, rank) for name, path in gpt_plans.items()})
+    sinks: dict[str, list] = {name: [] for name in gpt_plans}
+    out["gpt"] = _round_robin_ms({name: _pipeplan_step(path, rank, sinks[name]) for name, path in gpt_plans.items()})
+    out["gpt_replayed"] = {}
+    for name, path in gpt_plans.items():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sinks[name])
+        out["gpt_replayed"][name] = _replayed_ms(Plan.load(path), gathered)
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -200,7 +237,7 @@ def _launch(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
 
 
 def main() -> int:
-    console = Console()
+    console = Console(width=140)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
         mlp_plans, gpt_plans, predicted = _plans(Path(folder))
         measured = _launch(mlp_plans, gpt_plans)
@@ -218,18 +255,30 @@ def main() -> int:
     table = Table(
         title=f"(b) demo gpt, {GPT_MICROBATCHES} microbatches of {GPT_MICROBATCH_SIZE}, 2 ranks: measured vs predicted"
     )
-    for column in ("schedule", "measured ms", "predicted ms", "ratio", "within 15%"):
+    for column in (
+        "schedule",
+        "measured ms",
+        "predicted ms",
+        "ratio",
+        "within 15%",
+        "replayed ms",
+        "meas/replay",
+    ):
         table.add_column(column)
     for name in SCHEDULE_NAMES:
-        ours, guess = measured["gpt"][name], predicted[name]
+        ours, guess, replay = measured["gpt"][name], predicted[name], measured["gpt_replayed"][name]
         ratio = ours / guess
-        rows_b.append({"schedule": name, "measured_ms": ours, "predicted_ms": guess, "ratio": ratio})
+        rows_b.append(
+            {"schedule": name, "measured_ms": ours, "predicted_ms": guess, "ratio": ratio, "replayed_ms": replay}
+        )
         table.add_row(
             name,
             f"{ours:.1f}",
             f"{guess:.1f}",
             f"{ratio:.2f}",
             "yes" if abs(ratio - 1) <= PREDICTION_TOLERANCE else "no",
+            f"{replay:.1f}",
+            f"{ours / replay:.2f}",
         )
     console.print(table)
     write_json(
@@ -237,6 +286,7 @@ def main() -> int:
         {
             "schema_version": 1,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+            "load_average_after": list(os.getloadavg()),  # other processes share these cores
             "warmup_steps": WARMUP,
             "timed_steps": STEPS,
             "vs_torch_pipelining": rows_a,

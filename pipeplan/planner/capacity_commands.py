@@ -3,6 +3,8 @@ JSON or plot, and how many devices a token budget needs."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -105,16 +107,18 @@ def capacity(
     target = parse_count(target_tokens, option="--target-tokens") if target_tokens is not None else None
     if plot is not None and plot.suffix.lower() != ".png":
         raise ConfigError(f"--plot {str(plot)!r} must name a .png file")
+    config = CapacityConfig(  # validated before the (slow) profiling; the default batch needs the profile
+        hardware=spec_hardware, device_counts=counts, global_batch_size=global_batch_size or math.lcm(*sizes),
+        devices_per_node=devices_per_node, microbatch_sizes=sizes, schedules=parse_schedules(schedule),
+        optimizer=optimizer, replication=replication, per_schedule=plot is not None, target_tokens=target, days=days,
+    )  # fmt: skip
     profile = capacity_profile(
         model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),
         quiet=json_output,
     )  # fmt: skip
-    batch = global_batch_size or default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
-    config = CapacityConfig(
-        hardware=spec_hardware, device_counts=counts, global_batch_size=batch, devices_per_node=devices_per_node,
-        microbatch_sizes=sizes, schedules=parse_schedules(schedule), optimizer=optimizer, replication=replication,
-        per_schedule=plot is not None, target_tokens=target, days=days,
-    )  # fmt: skip
+    if global_batch_size is None:
+        batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
+        config = replace(config, global_batch_size=batch)
     with progress(quiet=json_output) as bar:
         task = bar.add_task("planning", total=len(config.device_counts))
         report = capacity_sweep(

@@ -146,14 +146,16 @@ def search_plans(
             rejected.append(item)
             continue
         scaled = profiles[item.microbatch_size]
+        try:
+            estimate = balanced_estimate_ms(item, scaled, cluster)
+        except ScheduleError as exc:  # the schedule cannot run this shape at all: say that before memory
+            rejected.append(Rejection(layout=item, kind="schedule", reason=str(exc)))
+            continue
         early = _static_memory_rejection(item, scaled, cluster, config)
-        if early is None:
-            try:
-                pending.append((balanced_estimate_ms(item, scaled, cluster), item))
-            except ScheduleError as exc:
-                early = Rejection(layout=item, kind="schedule", reason=str(exc))
         if early is not None:
             rejected.append(early)
+        else:
+            pending.append((estimate, item))
     pending.sort(key=lambda pair: (pair[0], pair[1].label))
     evaluated: list[Evaluation] = []
     best_ms = float("inf")
@@ -230,7 +232,10 @@ def smallest_fitting_memory(
         if best is not None and (rejection.needed_memory_bytes or 0) >= best:
             break
         layout = rejection.layout
-        need = min_memory_bytes(layout, profiles[layout.microbatch_size], cluster, optimizer=optimizer)
+        try:
+            need = min_memory_bytes(layout, profiles[layout.microbatch_size], cluster, optimizer=optimizer)
+        except (ConfigError, ScheduleError):  # rejected for memory first, but its shape is unsupported too
+            continue
         if need is not None and (best is None or need < best):
             best = need
     return best
@@ -238,12 +243,13 @@ def smallest_fitting_memory(
 
 def infeasible_message(rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None) -> str:
     """One line: the binding constraint and what would fit."""
-    if any(r.kind == "memory" for r in rejected):
+    memory_bound = any(r.kind == "memory" for r in rejected)
+    others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
+    if memory_bound and (smallest_memory is not None or not others):
         hint = f"; the smallest that fits is {format_bytes(smallest_memory)} per device" if smallest_memory else ""
         return (
             f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {cluster.num_devices} "
             f"device(s): memory is the binding constraint{hint} (raise --memory-per-device or --devices)"
         )
-    reasons = sorted({r.reason for r in rejected})
-    first = reasons[0] if reasons else "no candidate layouts"
+    first = others[0] if others else "no candidate layouts"
     return f"no plan is possible on {cluster.num_devices} device(s): {first}; change --devices or --global-batch-size"

@@ -8,6 +8,8 @@ Layout vocabulary:
 - a *rank* is one process/device; it holds one or more stages (chunks: interleaved, zbv, dualpipev) of one pipeline.
 `rank_ops[rank]` is the ordered op list that rank executes (`{stage}{kind}{microbatch}`, microbatches numbered per
 pipeline); which rank handles (stage, microbatch) is read off these lists — they are the single source of truth.
+A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
+start with `require_runnable()`, which raises one clear RunError.
 """
 
 from __future__ import annotations

@@ -76,7 +76,10 @@ class Mailbox:
         payload = tensor.detach().contiguous()
         work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message])
         self._sent.append((payload, work))
-        if len(self._sent) > 64:  # release completed sends now and then
+
+    def release_sent(self) -> None:
+        """Drop completed sends, so a sent activation's memory goes as soon as the receiver has it."""
+        if self._sent:
             self._sent = [(t, w) for t, w in self._sent if not w.is_completed()]
 
     def drain(self) -> None:

@@ -92,6 +92,7 @@ class Executor:
         for index, o in enumerate(self.ops):
             if index + 1 < len(self.ops):
                 self.mailbox.prefetch(self.receives[index + 1])
+            self.mailbox.release_sent()
             self._began = time.perf_counter()  # moved past any receive wait by _computing()
             if o.kind == "F":
                 record.loss_sum += self._forward(o, microbatches[o.microbatch])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 from pipeplan.partition.cluster import Cluster
+from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES
 from pipeplan.partition.result import Partition
 from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
 from pipeplan.profiling.profile import Profile
@@ -48,25 +49,33 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> 
     forward = sum(layer.forward_ms for layer in profile.layers) / stages
     input_grad = sum(layer.input_grad_ms for layer in profile.layers) / stages
     weight_grad = sum(layer.weight_grad_ms for layer in profile.layers) / stages
+    backward = sum(layer.backward_ms for layer in profile.layers) / stages
     cuts = profile.cut_bytes or (0,)
     same_node = p <= cluster.devices_per_node
     comm = cluster.transfer_s(sum(cuts) / len(cuts), same_node=same_node) * 1000.0 if p > 1 else 0.0
-    costs = StageCosts(forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, comm_ms=comm)
+    costs = StageCosts(
+        forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, backward_ms=backward, comm_ms=comm
+    )
     m0 = probe_microbatches(p, m)
     busiest = per_device_bound_ms(layout, profile)
     # zb-auto (ZB-1p) is never slower than zb-h1 under the same costs and, with balanced stages, no faster in
     # practice: estimate it with zb-h1 and skip its (slow) list scheduling here
     probe = "zb-h1" if layout.schedule == "zb-auto" else layout.schedule
     makespan = simulate(_schedule(probe, p, m0), costs).makespan
-    per_microbatch = chunks * (forward + input_grad + weight_grad)
+    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    per_microbatch = chunks * (forward + (input_grad + weight_grad if split else backward))
     pipeline = max(makespan + (m - m0) * per_microbatch, m * busiest)
     return pipeline + allreduce_lower_bound_ms(layout, profile, cluster)
 
 
 def per_device_bound_ms(layout: Layout, profile: Profile) -> float:
-    """A lower bound on the busiest device's work per microbatch: the model's F+I+W over P devices, and for
-    straight pipelines the smallest possible largest stage when cutting the layers into S contiguous stages."""
-    work = [layer.forward_ms + layer.input_grad_ms + layer.weight_grad_ms for layer in profile.layers]
+    """A lower bound on the busiest device's work per microbatch: the model's compute (F+I+W split, F+B fused)
+    over P devices, and for straight pipelines the smallest possible largest stage when cutting the layers into S
+    contiguous stages."""
+    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    work = [
+        la.forward_ms + (la.input_grad_ms + la.weight_grad_ms if split else la.backward_ms) for la in profile.layers
+    ]
     even = sum(work) / layout.pipeline_devices
     if layout.mode == REPLICATED:
         return even

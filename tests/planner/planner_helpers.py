@@ -16,8 +16,10 @@ def synthetic_profile(
     heavy_last: float = 1.0,
     batch_size: int = 1,
     model: str = "synthetic",
+    fused_backward: float = 2.0,
 ) -> Profile:
-    """A transformer-like chain: equal layers (the last `heavy_last` times heavier), backward = 2 x forward."""
+    """A transformer-like chain: equal layers (the last `heavy_last` times heavier), I = W = forward and the fused
+    backward B = `fused_backward` x forward."""
     layers = []
     for i in range(num_layers):
         scale = heavy_last if i == num_layers - 1 else 1.0
@@ -28,7 +30,7 @@ def synthetic_profile(
                 forward_ms=f,
                 input_grad_ms=f,
                 weight_grad_ms=f,
-                backward_ms=2 * f,
+                backward_ms=fused_backward * f,
                 activation_bytes=activation_bytes,
                 activation_freed_by_input_grad_bytes=activation_bytes // 2,
                 param_count=params,

@@ -35,12 +35,12 @@ def _brute_force(profile, cluster, config) -> list[Evaluation]:
 
 
 @pytest.mark.parametrize(
-    ("cut_bytes", "memory"),
-    [(1_000_000, 2**30), (50_000_000, 2**30), (1_000_000, 120 * 2**20)],
-    ids=["cheap-comm", "costly-comm", "tight-memory"],
+    ("cut_bytes", "memory", "fused"),
+    [(1_000_000, 2**30, 2.0), (50_000_000, 2**30, 2.0), (1_000_000, 120 * 2**20, 2.0), (50_000_000, 2**30, 1.2)],
+    ids=["cheap-comm", "costly-comm", "tight-memory", "cheap-fused-backward"],
 )
-def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory):
-    profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0)
+def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused):
+    profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0, fused_backward=fused)
     cluster = make_cluster(4, memory=memory)
     config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2))
     result = search_plans(profile, cluster, config)

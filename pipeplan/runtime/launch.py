@@ -46,7 +46,10 @@ def launch_many(
     runs: list[tuple[str | os.PathLike, RunConfig]], *, capture_grads: bool = False, threads: int | None = None
 ) -> list[list[RunResult]]:
     """Run several plans of one world size in one launch; result[rank][i] is plan i's result on that rank."""
-    world_size = Plan.load(runs[0][0]).world_size
+    plans = [Plan.load(path) for path, _ in runs]
+    for plan in plans:
+        plan.require_runnable()  # fail here, before starting any rank
+    world_size = plans[0].world_size
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

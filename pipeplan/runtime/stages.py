@@ -50,6 +50,7 @@ def load_spec(plan: Plan) -> ModelSpec:
 
 def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
     """Trace on the meta device at the microbatch size; refuse a model whose graph differs from the plan's."""
+    plan.require_runnable()
     traced = trace_model(
         spec, batch_size=plan.training.microbatch_size, granularity=plan.model.granularity, device="meta"
     )

@@ -14,6 +14,7 @@ from pipeplan.models import load_model
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.grads import parameter_holders
+from pipeplan.runtime.launch import launch_local
 from pipeplan.runtime.materialize import materialize
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
@@ -84,6 +85,15 @@ def test_fingerprint_mismatch_is_one_run_error(tmp_path):
     with pytest.raises(RunError, match="fingerprint") as info:
         build_pipeline_model(other, 0, torch.device("cpu"))
     assert "\n" not in str(info.value)
+
+
+def test_plan_without_fx_nodes_is_refused_before_launch(tmp_path):
+    _, plan = make_plan(tmp_path, "n", "gpt", TINY_GPT_TIED, schedule="gpipe", pipeline_devices=2)
+    stages = tuple(dataclasses.replace(stage, node_names=()) for stage in plan.stages)
+    path = tmp_path / "profile-only.json"
+    dataclasses.replace(plan, stages=stages).save(path)
+    with pytest.raises(RunError, match="no FX nodes"):
+        launch_local(path, RunConfig(steps=1))
 
 
 def test_op_list_that_moves_a_backward_is_refused(tmp_path):

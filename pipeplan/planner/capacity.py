@@ -356,7 +356,7 @@ def _binding(best: Evaluation, time: TimeSplit, rejected: list[Rejection], resul
     if share < MINOR_SHARE:
         return "compute", ""
     if time.bubble_ms >= time.comm_ms:
-        return "bubble", f"{time.bubble_ms / best.step_ms:.0%} of the step idle"
+        return "bubble", f"the busiest device idles {time.bubble_ms / best.step_ms:.0%} of the step"
     return "communication", f"{time.comm_ms / best.step_ms:.0%} of the step in transfers and all-reduce"
 
 

@@ -48,9 +48,17 @@ def parse_schedules(text: str) -> tuple[str, ...]:
 
 
 def capacity_profile(
-    model: str, options: dict[str, str], *, seq: int | None, hardware, batch_size: int, quiet: bool
+    model: str,
+    options: dict[str, str],
+    *,
+    seq: int | None,
+    hardware,
+    batch_size: int,
+    quiet: bool,
+    batch_given: bool = True,
 ) -> Profile:
-    """The analytic profile (meta device, bf16, flash attention); `seq` replaces the model's (a preset's too)."""
+    """The analytic profile (meta device, bf16, flash attention); `seq` replaces the model's (a preset's too).
+    Without `batch_given` the default global batch counts tokens, so the model must say its tokens per sample."""
     from pipeplan.models import load_model
     from pipeplan.models.registry import BUILTINS, call_factory
     from pipeplan.profiling.analytic import profile_analytic
@@ -70,6 +78,8 @@ def capacity_profile(
     else:
         spec = load_model(model, options)
     if spec.tokens_per_sample is None:
+        if not batch_given:
+            raise ConfigError(f"model {model!r} does not say its tokens per sample; give --global-batch-size")
         warn(f"model {model!r} does not say its tokens per sample; counting one token per sample")
     return profile_analytic(spec, batch_size=batch_size, hardware=hardware, dtype="bfloat16", progress=not quiet)
 
@@ -114,7 +124,7 @@ def capacity(
     )  # fmt: skip
     profile = capacity_profile(
         model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),
-        quiet=json_output,
+        quiet=json_output, batch_given=global_batch_size is not None,
     )  # fmt: skip
     if global_batch_size is None:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)

@@ -72,16 +72,22 @@ def test_cli_json_and_plot(tmp_path):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--hardware", "nope"], "--hardware"),
+        (["--hardware", "nope", "--devices", "8"], "--hardware"),
         (["--hardware", "h100", "--devices", "8,x"], "--devices"),
         (["--hardware", "h100", "--devices", "8", "--target-tokens", "1T"], "--days"),
         (["--hardware", "h100", "--devices", "8", "--plot", "out.svg"], "--plot"),
+        (["--hardware", "h100", "--devices", "8", "--seq", "0"], "--seq"),
     ],
-    ids=["bad-hardware", "bad-devices", "target-without-days", "plot-not-png"],
+    ids=["bad-hardware", "bad-devices", "target-without-days", "plot-not-png", "bad-seq"],
 )
 def test_cli_errors_are_one_line(args, needle):
-    base = ["capacity", "gpt2-124m", "--devices", "8"]
-    result = runner.invoke(app, [*base, *args])
+    result = runner.invoke(app, ["capacity", "gpt2-124m", *args])
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+
+
+def test_models_without_tokens_per_sample_need_a_global_batch():
+    result = runner.invoke(app, ["capacity", "mlp", "--hardware", "h100", "--devices", "8"])
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("error:") and "--global-batch-size" in result.output

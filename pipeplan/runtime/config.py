@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
@@ -39,6 +40,8 @@ class RunConfig:
         for name in ("checkpoint_every", "log_every", "check_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
         if not self.heartbeat_timeout_s > 0:
             raise ConfigError(f"heartbeat timeout must be > 0 s, got {self.heartbeat_timeout_s}")
 

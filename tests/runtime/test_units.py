@@ -113,6 +113,8 @@ def test_run_config_and_fault_spec_validation(monkeypatch):
         RunConfig(resume=True)
     with pytest.raises(ConfigError, match="--steps"):
         RunConfig(steps=0)
+    with pytest.warns(UserWarning, match="--checkpoint-every is ignored"):
+        RunConfig(checkpoint_every=2)
     monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,step=2,mode=hang")
     assert FaultSpec.from_env() == FaultSpec(rank=1, step=2, mode="hang")
     monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,when=2")

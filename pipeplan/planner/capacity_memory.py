@@ -97,8 +97,8 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> floa
     Straight pipelines cut the layers into exactly S = P x chunks non-empty contiguous stages; stage s holds c_s
     microbatches in flight (the schedule's memory model) and its parameters x bytes/param. A device holds at least
     one whole stage, so the least X for which such a cut has every stage within X bounds the need from below
-    (decided exactly for each X by `_cuttable`, X by bisection). With chunks, a device holds `chunks` stages: the
-    mean over devices of the least total (static + min over cuts of sum c_s act_s) bounds it too.
+    (decided exactly for each X by `_cuttable`, X by bisection). With chunks, a device holds `chunks` stages, so
+    the X must also admit such a cut whose stages sum to at most P x X (the devices' mean is at most their max).
     """
     if layout.mode == REPLICATED:
         return 0.0
@@ -109,16 +109,21 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> floa
     active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
     if len(inflight) > profile.num_layers:
         return math.inf
+    devices = layout.pipeline_devices
+
+    def fits(limit: float) -> bool:
+        if not _cuttable(static, active, inflight, limit):
+            return False
+        return chunks == 1 or _least_total(static, active, inflight, limit) <= devices * limit
+
     low = float(np.max(np.diff(static) + inflight.min() * np.diff(active)))
     high = float(static[-1] + inflight.max() * active[-1])
     while high - low > max(1e-4 * high, 1.0):
         middle = (low + high) / 2
-        if _cuttable(static, active, inflight, middle):
+        if fits(middle):
             high = middle
         else:
             low = middle
-    if chunks > 1:
-        low = max(low, (static[-1] + _least_activation_sum(active, inflight)) / layout.pipeline_devices)
     return low
 
 
@@ -146,11 +151,18 @@ def _cuttable(static: np.ndarray, active: np.ndarray, inflight: np.ndarray, limi
     return bool(last_end)
 
 
-def _least_activation_sum(active: np.ndarray, inflight: np.ndarray) -> float:
-    """min over cuts into len(inflight) contiguous (possibly empty) stages of sum_s inflight[s] x act(stage s)."""
-    best = np.where(np.arange(len(active)) == 0, 0.0, np.inf)  # best[j]: layers 0..j-1 placed in stages so far
+def _least_total(static: np.ndarray, active: np.ndarray, inflight: np.ndarray, limit: float) -> float:
+    """min over cuts into len(inflight) non-empty contiguous stages, each within `limit`, of the stages' summed
+    memory (what the devices hold together); inf when there is no such cut."""
+    cost = static[None, :] - static[:, None]  # [a, b]: layers a..b-1
+    acts = active[None, :] - active[:, None]
+    empty = np.tril(np.ones_like(cost, dtype=bool))  # b <= a
+    best = np.full(len(static), np.inf)
+    best[0] = 0.0
     for count in inflight:
-        best = count * active + np.minimum.accumulate(best - count * active)
+        stage = cost + count * acts
+        stage[empty | (stage > limit)] = np.inf
+        best = np.min(best[:, None] + stage, axis=0)
     return float(best[-1])
 
 

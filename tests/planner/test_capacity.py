@@ -21,7 +21,7 @@ from pipeplan.planner.capacity import (
     model_flops_per_token,
     time_split,
 )
-from pipeplan.planner.capacity_memory import _cuttable, device_memory_split, memory_floor_bytes
+from pipeplan.planner.capacity_memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import enumerate_layouts, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
@@ -195,7 +195,7 @@ def test_memory_floor_is_a_lower_bound_on_the_partitioners_need(schedule):
             assert floor >= 0.98 * need  # exact for one stage per device, up to the bisections' tolerance
 
 
-def test_cuttable_matches_brute_force():
+def test_cuttable_and_least_total_match_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(60):
         n, stages = int(rng.integers(2, 7)), int(rng.integers(1, 5))
@@ -204,14 +204,18 @@ def test_cuttable_matches_brute_force():
         static = np.concatenate([[0.0], np.cumsum(rng.integers(1, 9, n).astype(float))])
         active = np.concatenate([[0.0], np.cumsum(rng.integers(0, 9, n).astype(float))])
         inflight = np.asarray(rng.integers(1, 5, stages))
-        best = math.inf
-        for cuts in itertools.combinations(range(1, n), stages - 1):
-            bounds = (0, *cuts, n)
-            costs = [static[b] - static[a] + c * (active[b] - active[a])
-                     for a, b, c in zip(bounds, bounds[1:], inflight)]  # fmt: skip
-            best = min(best, max(costs))
+        cuts = []
+        for inner in itertools.combinations(range(1, n), stages - 1):
+            bounds = (0, *inner, n)
+            cuts.append([static[b] - static[a] + c * (active[b] - active[a])
+                         for a, b, c in zip(bounds, bounds[1:], inflight)])  # fmt: skip
+        best = min(max(costs) for costs in cuts)
         assert _cuttable(static, active, inflight, best)
         assert not _cuttable(static, active, inflight, best - 0.5)
+        for limit in (best, best + 3.0):
+            least = min(sum(costs) for costs in cuts if max(costs) <= limit)
+            assert _least_total(static, active, inflight, limit) == pytest.approx(least)
+        assert _least_total(static, active, inflight, best - 0.5) == math.inf
 
 
 def _row(n: int, tokens_per_s: float | None) -> CapacityRow:

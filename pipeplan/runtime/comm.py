@@ -3,7 +3,12 @@
 A `Mailbox` knows, per peer, the sequence of messages that peer sends this rank in a step (from `Routing`). Asking
 for a message posts every not-yet-posted receive from that peer up to it (so receives are always posted in the
 sender's order) and `prefetch` posts them ahead of need, letting transfers overlap compute. `send` is an isend
-whose handle is kept (with its tensor) until `drain` at the end of the step.
+whose handle is kept (with its tensor) until it completes.
+
+With `direction_groups` (used for NCCL) each ordered pair of ranks talks over its own process group, i.e. its own
+communicator and stream: NCCL matches point-to-point operations in issue order per communicator, and a stream
+shared by both directions could wait in a cycle (A waits to receive from B before its send to B is issued, and B
+likewise); one direction per stream leaves only the schedule's own dependencies, which `validate` checks.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ class Mailbox:
         routing: Routing,
         meta_of: Callable[[Message], TensorMeta],
         device: torch.device,
+        direction_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
     ) -> None:
         self.rank = rank
+        self._groups = direction_groups or {}
         self.routing = routing
         self.device = device
         self._meta_of = meta_of
@@ -55,7 +62,9 @@ class Mailbox:
             pending = sequence[self._position[peer]]
             meta = self._meta_of(pending)
             buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            work = dist.irecv(buffer, src=peer, tag=self.routing.tags[pending])
+            work = dist.irecv(
+                buffer, src=peer, tag=self.routing.tags[pending], group=self._groups.get((peer, self.rank))
+            )
             self._posted[pending] = (buffer, work)
             self._position[peer] += 1
 
@@ -74,7 +83,8 @@ class Mailbox:
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message])
+        group = self._groups.get((self.rank, message.dst))
+        work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message], group=group)
         self._sent.append((payload, work))
 
     def release_sent(self) -> None:
@@ -87,3 +97,15 @@ class Mailbox:
         for _, work in self._sent:
             work.wait()
         self._sent.clear()
+
+
+def make_direction_groups(routing: Routing) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One process group per ordered (src, dst) pair that exchanges messages. Collective: every rank creates every
+    group, in the same (sorted) order, and keeps those it belongs to."""
+    rank = dist.get_rank()
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for src, dst in sorted({(m.src, m.dst) for m in routing.tags}):
+        group = dist.new_group([src, dst])
+        if rank in (src, dst):
+            groups[(src, dst)] = group
+    return groups

@@ -27,6 +27,7 @@ class RunConfig:
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
     quiet: bool = False  # no per-step log lines (benchmarks)
+    direction_groups: bool = False  # one process group per transfer direction (always on with NCCL; tests force it)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

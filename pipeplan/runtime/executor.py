@@ -40,7 +40,15 @@ class StepRecord:
 
 
 class Executor:
-    def __init__(self, plan: Plan, rank: int, model: PipelineModel, routing: Routing, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        model: PipelineModel,
+        routing: Routing,
+        device: torch.device,
+        direction_groups: dict | None = None,
+    ) -> None:
         self.plan = plan
         self.rank = rank
         self.model = model
@@ -51,7 +59,9 @@ class Executor:
         self.differentiable = model.differentiable
         self.output_stage = model.output_stage()
         self.loss_scale = 1.0 / (plan.training.num_microbatches * plan.training.data_parallel)
-        self.mailbox = Mailbox(rank=rank, routing=routing, meta_of=self._meta_of, device=device)
+        self.mailbox = Mailbox(
+            rank=rank, routing=routing, meta_of=self._meta_of, device=device, direction_groups=direction_groups
+        )
         self.receives = [self._receives_of(o) for o in self.ops]
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
 

@@ -15,6 +15,7 @@ from pipeplan.console import out
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.runtime import checkpoint
+from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
@@ -66,7 +67,9 @@ class Trainer:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
         self.model = build_pipeline_model(plan, rank, device)
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
-        self.executor = Executor(plan, rank, self.model, routing, device)
+        # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
+        groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None
+        self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
         self.optimizer = _optimizer(plan, config, self.model)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}

@@ -22,6 +22,7 @@ from pipeplan.planner.capacity import (
     default_global_batch,
 )
 from pipeplan.planner.inputs import microbatch_candidates, warn
+from pipeplan.planner.search import REPLICABLE_SCHEDULES
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.units import format_bytes, parse_count
@@ -122,6 +123,8 @@ def capacity(
         devices_per_node=devices_per_node, microbatch_sizes=sizes, schedules=parse_schedules(schedule),
         optimizer=optimizer, replication=replication, per_schedule=plot is not None, target_tokens=target, days=days,
     )  # fmt: skip
+    if replication and not set(config.schedules) & set(REPLICABLE_SCHEDULES):
+        warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
     profile = capacity_profile(
         model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),
         quiet=json_output, batch_given=global_batch_size is not None,

@@ -35,7 +35,7 @@ class _Saved:
 
 @dataclass
 class StepRecord:
-    loss_sum: float = 0.0  # sum of the scaled microbatch losses this rank computed
+    loss_sum: torch.Tensor | None = None  # float64 sum of the scaled microbatch losses (no host sync per op)
     op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s)
 
 
@@ -63,6 +63,7 @@ class Executor:
             rank=rank, routing=routing, meta_of=self._meta_of, device=device, direction_groups=direction_groups
         )
         self.receives = [self._receives_of(o) for o in self.ops]
+        self.sync_per_op = False  # CUDA: synchronize around every op so its measured time is real (for --trace)
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
 
     def _meta_of(self, message: Message):
@@ -105,12 +106,14 @@ class Executor:
             self.mailbox.release_sent()
             self._began = time.perf_counter()  # moved past any receive wait by _computing()
             if o.kind == "F":
-                record.loss_sum += self._forward(o, microbatches[o.microbatch])
+                loss = self._forward(o, microbatches[o.microbatch])
+                if loss is not None:
+                    record.loss_sum = loss if record.loss_sum is None else record.loss_sum + loss
             elif o.kind == "W":
                 backward_weight(self._weight_state.pop((o.stage, o.microbatch)))
             else:
                 self._backward(o)
-            if self.device.type == "cuda":
+            if self.sync_per_op:
                 torch.cuda.synchronize(self.device)
             record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
         self.mailbox.drain()
@@ -119,7 +122,7 @@ class Executor:
 
     def _computing(self) -> None:
         """The op's inputs are here: its measured time starts now (waiting is the pipeline's bubble, not the op's)."""
-        if self.device.type == "cuda":
+        if self.sync_per_op:
             torch.cuda.synchronize(self.device)
         self._began = time.perf_counter()
 
@@ -138,7 +141,7 @@ class Executor:
             value = value.detach().requires_grad_(True)
         return value
 
-    def _forward(self, o: Op, batch: MicroBatch) -> float:
+    def _forward(self, o: Op, batch: MicroBatch) -> torch.Tensor | None:
         io = self.model.stage_io[o.stage]
         args = [self._input_value(o, name, batch) for name in io.inputs]
         self._computing()
@@ -160,7 +163,7 @@ class Executor:
             n: v for n, v in outputs.items() if n in self.differentiable and self.routing.consumers.get((o.stage, n))
         }
         self._saved[(o.stage, o.microbatch)] = _Saved(inputs=leaves, input_names=names, outputs=kept, loss=loss)
-        return 0.0 if loss is None else float(loss.detach())
+        return None if loss is None else loss.detach().double()
 
     def _output_grad(self, o: Op, name: str) -> torch.Tensor:
         total = None

@@ -70,6 +70,7 @@ class Trainer:
         # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
         groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None
         self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
+        self.executor.sync_per_op = device.type == "cuda" and bool(config.trace_path)
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
         self.optimizer = _optimizer(plan, config, self.model)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
@@ -82,7 +83,9 @@ class Trainer:
         record = self.executor.run_step(microbatches_for(self.plan, self.rank, batch, self.wanted, self.device))
         self.sync.all_reduce()
         self.optimizer.step()
-        loss = torch.tensor([record.loss_sum], dtype=torch.float64, device=self.device)
+        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if record.loss_sum is not None:
+            loss += record.loss_sum
         dist.all_reduce(loss)  # only output-stage ranks contribute; each pipeline's losses are pre-scaled
         return float(loss.item()), record.op_times
 

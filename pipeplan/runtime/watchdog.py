@@ -1,9 +1,11 @@
 """Heartbeats through the TCPStore so that no rank hangs when another dies or freezes.
 
-Every rank's watchdog thread bumps its own counter in the store about once a second and reads the others'. A peer
-whose counter has not moved for `timeout_s` (by this rank's own clock, so node clocks need not agree), or that
-published a failure, makes this rank print one line naming it and exit non-zero. A rank that finished marks
-itself done. Process-group timeouts catch the remaining case (a rank alive but stuck outside Python).
+Every rank's watchdog thread bumps its own counter in the store about once a second and watches the next few ranks
+on a ring (so the store serves O(world size) reads per second, not O(world size^2)). A watched peer whose counter has
+not moved for `timeout_s` (by this rank's own clock, so node clocks need not agree) is published as the failure;
+every watchdog polls that one key and, once set, prints one line naming the failed rank and exits non-zero. A rank
+that finished marks itself done. Process-group timeouts catch the remaining cases (a rank alive but stuck outside
+Python, or a dead rank whose watchers died with it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ PREFIX = "pipeplan/heartbeat/"
 FAILED_KEY = "pipeplan/failed"
 DONE = b"done"
 EXIT_CODE = 17
+WATCHED_PEERS = 4
 ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"  # the local launcher collects each failed rank's one-line message here
 
 
@@ -74,7 +77,8 @@ class Watchdog:
             self._store.set(FAILED_KEY, f"rank {self.rank}: {message}")
 
     def _loop(self) -> None:
-        peers = [r for r in range(self.world_size) if r != self.rank]
+        count = min(WATCHED_PEERS, self.world_size - 1)
+        peers = [(self.rank + step) % self.world_size for step in range(1, count + 1)]
         keys = [f"{PREFIX}{r}" for r in peers]
         last_value: dict[int, bytes] = {}
         last_change = dict.fromkeys(peers, time.monotonic())
@@ -89,8 +93,8 @@ class Watchdog:
                     return
                 self._exit(f"lost the rendezvous store ({type(exc).__name__}); the launcher or rank 0 is gone")
                 return
-            if failed and self._stop.is_set() is False:
-                self._exit(f"stopping because {failed}")
+            if failed and not self._stop.is_set():
+                self._exit(failed, publish=False)
             now = time.monotonic()
             for peer, value in zip(peers, values, strict=True):
                 if value == DONE:
@@ -100,6 +104,8 @@ class Watchdog:
                 elif now - last_change[peer] > self.timeout_s and not self._stop.is_set():
                     self._exit(f"rank {peer} stopped responding (no heartbeat for {self.timeout_s:.0f} s)")
 
-    def _exit(self, reason: str) -> None:
+    def _exit(self, reason: str, *, publish: bool = True) -> None:
+        if publish:
+            self.report_failure(reason)
         record_error(self.rank, reason)
         os._exit(EXIT_CODE)

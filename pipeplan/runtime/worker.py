@@ -88,7 +88,7 @@ def _short(text: str) -> str:
 def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
     record_error(rank, message)
     if watchdog is not None:
-        watchdog.report_failure(message)
+        watchdog.report_failure(f"rank {rank} failed: {message}")
         watchdog.stop(done=False)
     sys.stdout.flush()
     os._exit(1)  # skip interpreter teardown: a process group with a dead peer can block in its destructor

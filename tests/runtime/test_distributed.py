@@ -124,6 +124,12 @@ def test_four_ranks_replicas_data_parallel_and_ties(tmp_path):
             TINY_GPT,
             dict(schedule="zb-h2", pipeline_devices=4, num_microbatches=8, microbatch_size=1),
         ),
+        (
+            "mlp 1 stage x2, dp2",
+            "mlp",
+            TINY_MLP,
+            dict(schedule="1f1b", pipeline_devices=1, replicas=(2,), data_parallel=2),
+        ),
     ]
     for index, (label, model, options, layout) in enumerate(layouts):
         path, plan = make_plan(tmp_path, f"case{index}", model, options, **layout)

@@ -141,14 +141,14 @@ def build_partition(
 
 
 def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> int | None:
-    """Smallest memory per device (bytes, to 0.1%) for which a partition exists; None if none at any size."""
+    """Memory per device (bytes) that fits, within 0.5% above the smallest that does; None if none at any size."""
     config_arrays_total = arrays.span("param_count", 0, arrays.num_items - 1) * config.optimizer_bytes_per_param
     hi = float(config_arrays_total + arrays.span("activation", 0, arrays.num_items - 1) * config.num_microbatches)
     hi = max(hi, 1.0) * 2
     if _solve(arrays, cluster, config, hi) is None:
         return None
     lo = 0.0
-    while hi - lo > max(1e-3 * hi, 1024.0):
+    while hi - lo > max(5e-3 * hi, 1024.0):
         mid = (lo + hi) / 2
         if _solve(arrays, cluster, config, mid) is None:
             lo = mid

@@ -75,6 +75,11 @@ class LayerArrays:
         pick = {name: getattr(self, name)[b] for name in self._SUMS}
         return LayerArrays(**pick, cut=self.cut[b], bounds=self.bounds[b])
 
+    def reversed(self) -> LayerArrays:
+        """The same items in reverse order (prefix sums rebuilt, cuts mirrored)."""
+        sums = {name: getattr(self, name)[-1] - getattr(self, name)[::-1] for name in self._SUMS}
+        return LayerArrays(**sums, cut=self.cut[::-1].copy(), bounds=self.bounds[-1] - self.bounds[::-1])
+
     _SUMS = ("forward", "input_grad", "weight_grad", "backward", "activation", "param_bytes", "param_count")
 
     def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:

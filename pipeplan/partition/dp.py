@@ -74,30 +74,37 @@ def relax_replicated(
 def relax_at_most(prev: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, ...]:
     """At-most column: for each m, min over (a, r <= m) of max(prev[a, m - r], min_{r' <= r} times[a, r' - 1]).
 
-    prev must be nonincreasing along m. Returns (best, first, replicas actually used, units consumed)."""
-    num_a, num_r = times.shape
+    prev must be nonincreasing along m. Returns (best, first, replicas actually used, units consumed). Rows that
+    cannot contribute (an infeasible prefix or stage) are dropped first; ties go to the smallest a."""
     num_units = prev.shape[1]
+    keep = np.flatnonzero(np.isfinite(prev[:, -1]) & np.isfinite(times.min(axis=1)))
+    if keep.size == 0:
+        none = np.zeros(num_units, dtype=np.int64)
+        return np.full(num_units, INF), none, none, none
+    prev, times = prev[keep], times[keep]
+    num_a, num_r = times.shape
     env = np.minimum.accumulate(times, axis=1)
     new_min = np.ones_like(times, dtype=bool)
     new_min[:, 1:] = times[:, 1:] < env[:, :-1]
     env_arg = np.maximum.accumulate(np.where(new_min, np.arange(num_r), 0), axis=1)
+    env_flat, prev_flat = env.ravel(), prev.ravel()
+    env_row = np.arange(num_a)[:, None] * num_r - 1  # + r gives env[a, r - 1]
+    prev_row = np.arange(num_a)[:, None] * num_units  # + k gives prev[a, k]
     m = np.arange(num_units)[None, :]
     r_max = np.minimum(m, num_r)  # (1, U)
     lo = np.ones((num_a, num_units), dtype=np.int64)
     hi = np.broadcast_to(r_max + 1, (num_a, num_units)).copy()
-    rows = np.arange(num_a)[:, None]
     while True:  # smallest r in [1, r_max] with env(r) <= prev(m - r); r_max + 1 if none
         active = lo < hi
         if not active.any():
             break
         mid = (lo + hi) // 2
-        mid_c = np.minimum(mid, num_r)
-        cond = env[rows, mid_c - 1] <= prev[rows, np.maximum(m - mid, 0)]
+        cond = env_flat[env_row + np.minimum(mid, num_r)] <= prev_flat[prev_row + np.maximum(m - mid, 0)]
         hi = np.where(active & cond, mid, hi)
         lo = np.where(active & ~cond, mid + 1, lo)
     cross = lo
-    at_cross = np.where(cross <= r_max, prev[rows, np.maximum(m - cross, 0)], INF)
-    before = np.where(cross >= 2, env[rows, np.clip(cross - 2, 0, num_r - 1)], INF)
+    at_cross = np.where(cross <= r_max, prev_flat[prev_row + np.maximum(m - cross, 0)], INF)
+    before = np.where(cross >= 2, env_flat[env_row + np.clip(cross - 1, 1, num_r)], INF)
     use_before = before <= at_cross
     value = np.where(use_before, before, at_cross)  # (a, m)
     units = np.where(use_before, cross - 1, cross)
@@ -105,15 +112,18 @@ def relax_at_most(prev: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, ...]
     cols = np.arange(num_units)
     best_units = units[pick, cols]
     replicas = env_arg[pick, np.clip(best_units - 1, 0, num_r - 1)] + 1
-    return value[pick, cols], pick, replicas, best_units
+    return value[pick, cols], keep[pick], replicas, best_units
 
 
 def _accumulate(value, first, reps, units, row: int) -> None:
     """At-most semantics: carry a better answer with fewer units to larger unit counts."""
-    for m in range(1, value.shape[1]):
-        if value[row, m - 1] <= value[row, m]:
-            value[row, m] = value[row, m - 1]
-            first[row, m], reps[row, m], units[row, m] = first[row, m - 1], reps[row, m - 1], units[row, m - 1]
+    line = value[row]
+    running = np.minimum.accumulate(line)
+    improves = np.ones(line.shape, dtype=bool)
+    improves[1:] = line[1:] < running[:-1]
+    source = np.maximum.accumulate(np.where(improves, np.arange(line.size), 0))
+    value[row] = running
+    first[row], reps[row], units[row] = first[row][source], reps[row][source], units[row][source]
 
 
 def _column(prev, times, max_units: int, at_most: bool):
@@ -156,8 +166,11 @@ def replicated_dp_by_stage(
         value, first, reps, units = _empty(num_items, max_units)
         value[0, 0] = INF
         prev = tables[-1].value
+        reachable = np.isfinite(prev).any(axis=1)
         for last in range(stage_idx, num_items):
             k = last + 1
+            if not reachable[:k].any():
+                continue
             value[k], first[k], reps[k], units[k] = _column(prev[:k], stage_times(last, stage_idx), max_units, at_most)
             if at_most:
                 _accumulate(value, first, reps, units, k)

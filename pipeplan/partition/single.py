@@ -9,6 +9,7 @@ the in-flight counts, are known once P is fixed) and keeps the best, ties to few
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,10 +83,15 @@ def _memory_mask(level: Level, last: int, replicas: np.ndarray, inflight) -> np.
     )
 
 
-def replicated_times(level: Level, last: int, inflight) -> np.ndarray:
+def replicated_times(level: Level, last: int, inflight, cache: dict | None = None) -> np.ndarray:
     replicas = np.arange(1, level.units + 1)
     link = level.replica_link
-    times = level.model.times(last, replicas, in_link=link, out_link=link)
+    if cache is not None and last in cache:
+        times = cache[last].copy()
+    else:
+        times = level.model.times(last, replicas, in_link=link, out_link=link)
+        if cache is not None:
+            cache[last] = times.copy()
     times[_memory_mask(level, last, replicas, inflight)] = np.inf
     return times
 
@@ -180,6 +186,9 @@ def solve_level(level: Level) -> tuple[float, Stages] | None:
         return None
     if stages_fit(level, fast[1]):
         return fast
+    from_end = _end_relative_inflight(level)
+    if from_end is not None:
+        return solve_from_end(level, from_end)
     best = None
     for num_stages in range(1, min(level.arrays.num_items, level.units) + 1):
         if level.exact_units and level.config.mode == "straight" and num_stages != level.units:
@@ -188,6 +197,42 @@ def solve_level(level: Level) -> tuple[float, Stages] | None:
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return best
+
+
+def _end_relative_inflight(level: Level) -> list[int] | None:
+    """g[q] = in-flight count of the stage q positions before the last, when that holds for every pipeline depth
+    (gpipe, 1f1b; not the zero-bubble schedules); None otherwise or where the trick does not apply."""
+    config = level.config
+    if config.mode != "replicated" or config.cost_model != "pipeplan":
+        return None
+    depth = min(level.arrays.num_items, level.units)
+    g = list(inflight_counts(config, depth))[::-1]
+    for p in range(1, depth):
+        if list(inflight_counts(config, p))[::-1] != g[:p]:
+            return None
+    return g
+
+
+def solve_from_end(level: Level, g: list[int]) -> tuple[float, Stages] | None:
+    """Exact memory-aware search in one layered DP: run on the layers in reverse order, so a stage's index is its
+    distance from the last stage and fixes its in-flight count without knowing the depth (the pipeplan stage cost
+    is symmetric in its two cuts). Ties: fewer stages."""
+    n = level.arrays.num_items
+    rev = dataclasses.replace(level, arrays=level.arrays.reversed())
+    cache: dict[int, np.ndarray] = {}
+    tables = dp.replicated_dp_by_stage(
+        n, level.units, len(g), lambda last, q: replicated_times(rev, last, g[q], cache), at_most=True
+    )
+    best = None
+    for depth in range(1, len(g) + 1):
+        units = dp.best_units(tables[depth].value, n, level.units, exact=False)
+        if units is not None and (best is None or tables[depth].value[n, units] < best[0]):
+            best = (float(tables[depth].value[n, units]), depth, units)
+    if best is None:
+        return None
+    value, depth, units = best
+    stages = dp.backtrack_by_stage(tables[: depth + 1], n, units)
+    return value, [(n - 1 - b, n - 1 - a, r) for a, b, r in reversed(stages)]
 
 
 @dataclass(frozen=True, kw_only=True)

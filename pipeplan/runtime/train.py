@@ -4,8 +4,11 @@ write checkpoints and the measured trace."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +138,8 @@ def train(
     trainer = Trainer(plan, config, rank=rank, device=device)
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)
+    if start >= config.steps and rank == 0:
+        warnings.warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run", stacklevel=2)
     fault = FaultSpec.from_env()
     batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
     for _ in range(start):  # the same data order as an uninterrupted run
@@ -174,9 +179,6 @@ def _checkpoint_due(config: RunConfig, step: int) -> bool:
 def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog) -> None:
     if fault is None or fault.rank != rank or fault.step != step:
         return
-    import os
-    import sys
-
     print(f"pipeplan rank {rank}: injected fault ({fault.mode}) at step {step}", file=sys.stderr, flush=True)
     if fault.mode == "exit":
         os._exit(1)

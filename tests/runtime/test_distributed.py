@@ -24,12 +24,14 @@ from rt_helpers import (
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
 pytestmark = pytest.mark.timeout(300)
 
 ONE_STEP = RunConfig(steps=1, quiet=True, heartbeat_timeout_s=30.0)
 TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"
+INPUT_SKIP = str(Path(__file__).with_name("toy_models.py")) + ":input_skip_mlp"
 TRAIN_STEPS, LR = 20, 3e-3
 
 
@@ -54,6 +56,8 @@ def two_rank_runs(tmp_path_factory):
             f"resnet {schedule}",
             *make_plan(folder, f"res-{schedule}", "resnet", TINY_RESNET, schedule=schedule, pipeline_devices=2),
         )
+    path, plan = make_plan(folder, "input-skip", INPUT_SKIP, {}, schedule="zb-h1", pipeline_devices=2)
+    add("model input read by the last stage", path, plan)
     path, plan = make_plan(folder, "toy", TOY, {}, schedule="zbv", pipeline_devices=2)
     common = dict(quiet=True, lr=LR, heartbeat_timeout_s=30.0)
     add("train", path, plan, RunConfig(steps=TRAIN_STEPS, check_every=5, **common))
@@ -80,6 +84,14 @@ def test_skip_connections_across_stages(two_rank_runs, schedule):
     cases, results, _ = two_rank_runs
     index, plan = cases[f"resnet {schedule}"]
     assert_matches_reference(plan, _per_rank(results, index), f"resnet {schedule}")
+
+
+def test_model_input_read_by_a_later_stage(two_rank_runs):
+    cases, results, _ = two_rank_runs
+    index, plan = cases["model input read by the last stage"]
+    last = build_pipeline_model(plan, 1, torch.device("cpu")).stage_io[-1]
+    assert "x" in last.inputs  # the batch feeds the last stage directly
+    assert_matches_reference(plan, _per_rank(results, index), "input skip")
 
 
 def test_training_lowers_loss_like_single_process_adamw(two_rank_runs):

@@ -22,3 +22,32 @@ def repeated_gpt(
             yield batch
 
     return dataclasses.replace(spec, data=data)
+
+
+class _InputSkip(torch.nn.Module):
+    """A chain whose output also adds the model input: the last stage reads a model input directly."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for layer in self.layers:
+            y = torch.tanh(layer(y))
+        return y + x
+
+
+def input_skip_mlp(layers: int = 4, hidden: int = 16) -> ModelSpec:
+    def sample_batch(batch_size: int, generator: torch.Generator | None = None):
+        return (torch.randn(batch_size, hidden, generator=generator),), torch.randn(
+            batch_size, hidden, generator=generator
+        )
+
+    return ModelSpec(
+        name="input_skip_mlp",
+        build=lambda: _InputSkip(layers, hidden),
+        sample_batch=sample_batch,
+        loss_fn=torch.nn.functional.mse_loss,
+        options={"layers": layers, "hidden": hidden},
+    )

@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -50,6 +51,12 @@ def launch_many(
     for plan in plans:
         plan.require_runnable()  # fail here, before starting any rank
     world_size = plans[0].world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and world_size > gpus:
+        raise RunError(
+            f"the plan needs {world_size} ranks but this machine has {gpus} GPU(s); run the plan's launch.sh on "
+            f"{-(-world_size // gpus)} nodes instead"
+        )
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

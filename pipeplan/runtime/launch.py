@@ -23,6 +23,9 @@ from pipeplan.runtime.train import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
 
+# phrases of errors that only say a peer went away (the rank reporting them is not the cause)
+_LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -107,7 +110,7 @@ def _failure_line(exc: ChildFailedError, errors: Path, world_size: int) -> str:
     a rank that died (killed, crashed, os._exit) wrote none while the others report losing their connection."""
     messages = sorted(errors.glob("rank_*.txt"), key=lambda p: p.stat().st_mtime)
     by_rank = {int(p.stem.removeprefix("rank_")): p.read_text().strip() for p in messages}
-    own = [r for r in by_rank if "Connection" not in by_rank[r] and "RuntimeError" not in by_rank[r]]
+    own = [r for r in by_rank if not any(mark in by_rank[r] for mark in _LOST_PEER)]
     if own:  # a pipeplan-level error or a heartbeat timeout names the cause itself
         first = min(own, key=lambda r: [p.stem for p in messages].index(f"rank_{r}"))
         return f"rank {first} failed: {by_rank[first]}"

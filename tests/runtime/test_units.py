@@ -141,3 +141,18 @@ def test_checkpoint_round_trip_and_missing_marker(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(RunError, match="another model graph"):
         checkpoint.load_stage(tmp_path, step=5, stage=0, params={"w": fresh}, optimizer=fresh_opt, fingerprint="g")
+
+
+def test_failure_summary_names_the_rank_that_caused_it(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeplan.runtime.launch import _failure_line
+
+    failure = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1, timestamp=1)})
+    (tmp_path / "rank_0.txt").write_text("RuntimeError: Read error [127.0.0.1]:5: Connection reset by peer\n")
+    assert _failure_line(failure, tmp_path, 2).startswith("rank 1 died without an error message")
+    (tmp_path / "rank_2.txt").write_text("plan stage 3 names FX nodes the model does not have; re-plan\n")
+    assert (
+        _failure_line(failure, tmp_path, 3)
+        == "rank 2 failed: plan stage 3 names FX nodes the model does not have; re-plan"
+    )

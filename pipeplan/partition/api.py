@@ -141,13 +141,27 @@ def build_partition(
 
 
 def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> int | None:
-    """Memory per device (bytes) that fits, within 0.5% above the smallest that does; None if none at any size."""
-    config_arrays_total = arrays.span("param_count", 0, arrays.num_items - 1) * config.optimizer_bytes_per_param
-    hi = float(config_arrays_total + arrays.span("activation", 0, arrays.num_items - 1) * config.num_microbatches)
-    hi = max(hi, 1.0) * 2
-    if _solve(arrays, cluster, config, hi) is None:
-        return None
-    lo = 0.0
+    """Memory per device (bytes) that fits, within 0.5% above the smallest that does; None if none at any size.
+
+    Brackets from below with the largest single layer (any stage holds one, with a microbatch in flight) or the
+    cluster's memory when that already failed, doubles until a partition fits, then bisects. One-node replicated
+    gpipe/1f1b searches get the exact minimum from one DP instead."""
+    multi_node = cluster.num_devices > cluster.devices_per_node
+    if config.chunks == 1 and not multi_node:
+        exact = single.min_memory_from_end(one_level(arrays, cluster, config, np.inf))
+        if exact is not None:
+            return int(np.ceil(exact)) if np.isfinite(exact) else None
+    layer = np.diff(arrays.param_count) * config.optimizer_bytes_per_param + np.diff(arrays.activation)
+    lo = float(max(layer.max(), 0.0))
+    if _solve(arrays, cluster, config, float(cluster.memory_per_device)) is None:
+        lo = max(lo, float(cluster.memory_per_device))
+    total = float(arrays.param_count[-1] * config.optimizer_bytes_per_param + arrays.activation[-1] * 1.0)
+    ceiling = 4 * max(total * config.num_microbatches, lo, 1.0)
+    hi = max(2 * lo, 1024.0)
+    while _solve(arrays, cluster, config, hi) is None:
+        if hi > ceiling:
+            return None
+        lo, hi = hi, 2 * hi
     while hi - lo > max(5e-3 * hi, 1024.0):
         mid = (lo + hi) / 2
         if _solve(arrays, cluster, config, mid) is None:

@@ -235,6 +235,22 @@ def solve_from_end(level: Level, g: list[int]) -> tuple[float, Stages] | None:
     return value, [(n - 1 - b, n - 1 - a, r) for a, b, r in reversed(stages)]
 
 
+def min_memory_from_end(level: Level) -> float | None:
+    """The smallest per-device memory any partition needs (the same layered DP with memory as the stage cost), for
+    replicated pipeplan searches whose in-flight counts depend on the distance from the end; None otherwise."""
+    g = _end_relative_inflight(level)
+    if g is None or level.config.num_stages is not None:
+        return None
+    n, rev = level.arrays.num_items, level.arrays.reversed()
+    replicas = np.arange(1, level.units + 1)[None, :]
+
+    def memory(last: int, q: int) -> np.ndarray:
+        return stage_memory_bytes(rev, level.config, np.arange(last + 1)[:, None], last, replicas, g[q])
+
+    tables = dp.replicated_dp_by_stage(n, level.units, len(g), memory, at_most=True)
+    return float(min(t.value[n, level.units] for t in tables[1:]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RawStage:
     """A solved stage before the layer-level bookkeeping (items are layers or layer groups)."""

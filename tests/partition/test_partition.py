@@ -196,3 +196,48 @@ def test_to_dict_is_json_and_deterministic():
     assert first["schema_version"] == 1 and first["num_stages"] == len(first["stages"])
     assert first["stages"][0]["first_layer"] == 0 and first["cost_model"] == "pipeplan"
     assert json.loads(json.dumps(partition(profile, cluster, config).to_dict())) == first
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
+def test_chunked_plans_fit_device_memory_when_it_binds(schedule):
+    profile = make_profile([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 1.0, 1.0], params=0, act=10_000_000, cut=0)
+    roomy = Cluster(num_devices=2, devices_per_node=2, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=4, schedule=schedule)
+    loose = partition(profile, roomy, config)
+    limit = int(max(loose.device_memory_bytes) * 0.8)
+    try:
+        tight = partition(profile, dataclasses.replace(roomy, memory_per_device=limit), config)
+    except InfeasibleError as exc:
+        assert "--memory-per-device" in str(exc)
+        return
+    assert max(tight.device_memory_bytes) <= limit
+    assert tight.objective_ms >= loose.objective_ms
+
+
+def test_two_level_plans_fit_memory_when_it_binds():
+    profile = make_profile([1.0] * 12, params=100_000, act=10_000_000, cut=1000)
+    roomy = Cluster(num_devices=8, devices_per_node=4, memory_per_device=GIB, inter_node_bandwidth=1e8)
+    config = PartitionConfig(num_microbatches=8)
+    loose = partition(profile, roomy, config)
+    for fraction in (0.9, 0.7):
+        limit = int(max(s.memory_bytes for s in loose.stages) * fraction)
+        cluster = dataclasses.replace(roomy, memory_per_device=limit)
+        try:
+            tight = partition(profile, cluster, config)
+        except InfeasibleError:  # the suggested memory must then work
+            need = min_memory_per_device(LayerArrays.from_profile(profile), cluster, config)
+            assert need > limit
+            cluster = dataclasses.replace(roomy, memory_per_device=need)
+            limit, tight = need, partition(profile, cluster, config)
+        assert max(s.memory_bytes for s in tight.stages) <= limit
+
+
+def test_exact_minimum_memory_for_replicated_one_node_search():
+    profile = make_profile([1.0, 2.0, 1.0, 3.0, 1.0], params=50_000, act=3_000_000)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=6)
+    need = min_memory_per_device(LayerArrays.from_profile(profile), cluster, config)
+    fitted = partition(profile, dataclasses.replace(cluster, memory_per_device=need), config)
+    assert max(s.memory_bytes for s in fitted.stages) <= need
+    with pytest.raises(InfeasibleError, match=re.escape("--memory-per-device")):
+        partition(profile, dataclasses.replace(cluster, memory_per_device=need - 1), config)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 
-FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang)
+FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | diverge)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
 
@@ -66,15 +66,16 @@ def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
-    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it."""
+    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it, `diverge`
+    nudges its copy of a shared (replicated or tied) parameter so the divergence check must catch it."""
 
     rank: int
     step: int
     mode: str = "exit"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("exit", "hang"):
-            raise ConfigError(f"{FAULT_ENV} mode must be exit or hang, got {self.mode!r}")
+        if self.mode not in ("exit", "hang", "diverge"):
+            raise ConfigError(f"{FAULT_ENV} mode must be exit, hang or diverge, got {self.mode!r}")
         if self.rank < 0 or self.step < 0:
             raise ConfigError(f"{FAULT_ENV} rank and step must be >= 0")
 
@@ -87,9 +88,9 @@ class FaultSpec:
         for part in raw.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in ("rank", "step", "mode"):
-                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang")
+                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge")
             fields[key.strip()] = value.strip()
         try:
             return cls(rank=int(fields["rank"]), step=int(fields["step"]), mode=fields.get("mode", "exit"))
         except (KeyError, ValueError):
-            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang") from None
+            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge") from None

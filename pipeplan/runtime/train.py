@@ -146,7 +146,7 @@ def train(
         next(batches)
     last_times: list[tuple[str, float, float]] = []
     for step in range(start, config.steps):
-        _maybe_fail(fault, rank, step, watchdog)
+        _maybe_fail(fault, rank, step, watchdog, trainer)
         batch = next(batches)
         began = time.perf_counter()
         loss, last_times = trainer.one_step(batch)
@@ -176,12 +176,18 @@ def _checkpoint_due(config: RunConfig, step: int) -> bool:
     return bool(config.checkpoint_every) and (step + 1) % config.checkpoint_every == 0
 
 
-def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog) -> None:
+def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer: Trainer) -> None:
     if fault is None or fault.rank != rank or fault.step != step:
         return
     print(f"pipeplan rank {rank}: injected fault ({fault.mode}) at step {step}", file=sys.stderr, flush=True)
     if fault.mode == "exit":
         os._exit(1)
+    if fault.mode == "diverge":
+        shared = trainer.sync.shared_names
+        assert shared, "mode=diverge needs a rank holding a replicated or tied parameter"
+        with torch.no_grad():
+            trainer.model.params[shared[0]].add_(1e-3)
+        return
     if watchdog is not None:
         watchdog.freeze()
     while True:

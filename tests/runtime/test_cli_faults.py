@@ -1,6 +1,6 @@
 """`pipeplan run` end to end (log lines, summary, measured trace) and fault handling: a rank that dies or hangs
 makes the whole run exit non-zero quickly with a message naming it, and the last complete checkpoint stays
-loadable. Each test is one real launch in a subprocess."""
+loadable; diverged copies of a shared weight stop the run. Each test is one real launch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import pytest
 import torch
 from rt_helpers import TINY_GPT_TIED, make_plan
 
+from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import launch_local
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,3 +70,12 @@ def test_hung_rank_is_detected_by_heartbeat(tmp_path):
     assert elapsed < 100
     last = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert last and "rank 1 stopped responding" in last[-1], proc.stderr[-2000:]
+
+
+def test_diverged_tied_copies_stop_the_run(tmp_path, monkeypatch):
+    """Two ranks share the tied embedding; rank 1 nudges its copy before step 1, the per-step check must fail."""
+    path, _ = make_plan(tmp_path, "d", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
+    monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,step=1,mode=diverge")
+    config = RunConfig(steps=3, check_every=1, quiet=True, heartbeat_timeout_s=30.0)
+    with pytest.raises(RunError, match=r"step 1: parameter 'embed.tok.weight' differs between ranks \[0, 1\]"):
+        launch_local(path, config, threads=1)

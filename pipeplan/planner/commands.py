@@ -19,6 +19,7 @@ from pipeplan.planner.inputs import (
     load_profile_input,
     make_cluster,
     microbatch_candidates,
+    pipeline_depth_candidates,
     profile_model_input,
     warn,
 )
@@ -60,6 +61,12 @@ def plan(
     microbatch_size: str = typer.Option(
         None, "--microbatch-size", "-b", help="b, or candidates like 1,2,4 (default: the profile's batch size, or 1)."
     ),
+    pipeline_depth: str = typer.Option(
+        None,
+        "--pipeline-depth",
+        "-p",
+        help="Devices per pipeline, or candidates like 2,4 (default: all divisors of N).",
+    ),
     optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16, adamw-fp32 or sgd (memory)."),
     dtype: str = typer.Option(None, "--dtype", help="Training dtype recorded in the plan (default: the profile's)."),
     schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
@@ -88,8 +95,10 @@ def plan(
     default_size = source.profile.provenance.batch_size if source is not None else 1
     sizes = microbatch_candidates(microbatch_size, default_size)
     config = SearchConfig(  # validated before the (slow) profiling
-        global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, replication=not no_replication
-    )
+        global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, replication=not no_replication,
+        pipeline_depths=pipeline_depth_candidates(pipeline_depth),
+    )  # fmt: skip
+    config.check_devices(cluster.num_devices)
     if source is None:
         request = ProfileRequest(
             model=model, options=parse_assignments(assignments), batch_size=min(sizes), device=device,

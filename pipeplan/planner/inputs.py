@@ -70,6 +70,19 @@ def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
     return sizes
 
 
+def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
+    """`"2"` or `"2,4"`: the devices per pipeline to try; None (the default) tries every divisor of --devices."""
+    if text is None:
+        return None
+    try:
+        depths = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ConfigError(f"--pipeline-depth {text!r} must be an integer or a list like 2,4") from None
+    if not depths:
+        raise ConfigError("--pipeline-depth needs at least one value")
+    return depths
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanInput:
     """The profile to plan from, what to record as the model, and its layers' FX nodes (None: not runnable)."""

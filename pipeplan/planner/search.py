@@ -2,7 +2,8 @@
 predicted throughput that fits memory — `search_plans(profile, cluster, config)`.
 
 Enumeration: for each microbatch size b and each data-parallel degree d dividing the device count N (each
-pipeline gets P = N / d devices, m = B / (d b) microbatches), every schedule, straight (one stage per device, or
+pipeline gets P = N / d devices, m = B / (d b) microbatches; `SearchConfig.pipeline_depths` keeps only the given
+P), every schedule, straight (one stage per device, or
 per chunk) and — for fixed-order schedules with one stage per device (gpipe, 1f1b, zb-h1, zb-h2) — PipeDream-style
 replicated stages (the partitioner picks the number of stages <= P and their replicas).
 
@@ -51,6 +52,7 @@ class SearchConfig:
     optimizer: str = "adamw-bf16"
     dtype: str = "float32"
     replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
+    pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -66,6 +68,14 @@ class SearchConfig:
             raise ConfigError(
                 f"unknown --optimizer {self.optimizer!r}; choose from: {', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
             )
+        if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
+            raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
+
+    def check_devices(self, num_devices: int) -> None:
+        """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""
+        bad = [p for p in self.pipeline_depths or () if num_devices % p]
+        if bad:
+            raise ConfigError(f"--pipeline-depth {bad[0]} must divide --devices ({num_devices})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +100,12 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
     """Every (layout | rejection) the search considers, before evaluation."""
     found: list[Layout | Rejection] = []
     n, per_node = cluster.num_devices, cluster.devices_per_node
+    config.check_devices(n)
+    depths = config.pipeline_depths
     for b in sorted(set(config.microbatch_sizes)):
         for d in (d for d in range(1, n + 1) if n % d == 0):
+            if depths is not None and n // d not in depths:
+                continue  # --pipeline-depth forces other depths
             if config.global_batch_size % (d * b):
                 continue  # this many pipelines cannot split the batch evenly at this microbatch size
             p = n // d

@@ -90,6 +90,8 @@ def test_export_rejects_unknown_format(plan_dir, tmp_path):
         (["--devices", "2", "--memory-per-device", "10MiB"], "smallest that fits is"),
         (["--schedule", "2f2b"], "choose from"),
         (["--profile-format", "onnx"], "--profile-format"),
+        (["--devices", "4", "--pipeline-depth", "3"], "--pipeline-depth 3 must divide --devices (4)"),
+        (["--devices", "4", "--pipeline-depth", "2,x"], "--pipeline-depth"),
     ],
 )
 def test_errors_are_one_line_exit_1(profile_file, tmp_path, args, match):

@@ -67,6 +67,22 @@ def test_forced_schedule_is_used():
     assert result.best.schedule.num_chunks == 2
 
 
+@pytest.mark.parametrize("depths", [(2,), (1, 4)])
+def test_forced_pipeline_depth_is_the_only_one_tried(depths):
+    config = SearchConfig(global_batch_size=16, pipeline_depths=depths)
+    result = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), config)
+    considered = [e.layout for e in result.ranked] + [r.layout for r in result.rejected]
+    assert {layout.pipeline_devices for layout in considered} == set(depths)
+    free = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
+    assert result.best.step_ms >= free.best.step_ms  # a restriction of the full search
+
+
+def test_forced_pipeline_depth_must_divide_the_devices():
+    config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3))
+    with pytest.raises(ConfigError, match=r"^--pipeline-depth 3 must divide --devices \(4\)$"):
+        search_plans(synthetic_profile(), make_cluster(4), config)
+
+
 def test_unsupported_shapes_are_recorded():
     # interleaved needs m to be a multiple of p: with b=2, 6 microbatches on 4 devices are refused
     config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2))
@@ -118,6 +134,8 @@ def test_infeasible_error_names_the_smallest_memory_that_fits():
         ({"global_batch_size": 10, "microbatch_sizes": (4,)}, "divisible by --microbatch-size"),
         ({"global_batch_size": 0}, "--global-batch-size"),
         ({"global_batch_size": 8, "optimizer": "lion"}, "--optimizer"),
+        ({"global_batch_size": 8, "pipeline_depths": (0, 2)}, "--pipeline-depth"),
+        ({"global_batch_size": 8, "pipeline_depths": ()}, "--pipeline-depth"),
     ],
 )
 def test_search_config_errors(kwargs, match):

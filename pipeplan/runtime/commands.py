@@ -23,7 +23,9 @@ def run(
     heartbeat_timeout: float | None = typer.Option(
         None, "--heartbeat-timeout", help="Seconds without a peer's heartbeat before every rank stops (default 60)."
     ),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads per rank (default: torch's)."),
+    threads: int | None = typer.Option(
+        None, "--threads", help="CPU threads per rank (default on CPU: the cores divided by the ranks on this machine)."
+    ),
 ) -> None:
     """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA) and compare the measured step
     time with the plan's prediction. Across nodes, use the plan's launch.sh (torchrun -m pipeplan.runtime.worker).

@@ -35,6 +35,13 @@ def _device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def default_cpu_threads() -> int:
+    """Threads per CPU rank when --threads is not given: this machine's usable cores shared by the ranks the
+    launcher started on it (LOCAL_WORLD_SIZE), so that the ranks do not oversubscribe the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def run_worker(plan_path: str, config: RunConfig, capture_grads: bool = False, threads: int | None = None) -> RunResult:
     """Join the process group described by the environment, train, and leave. The elastic_launch entrypoint."""
     return run_plans([(plan_path, config)], capture_grads=capture_grads, threads=threads)[0]
@@ -44,9 +51,8 @@ def run_plans(
     runs: list[tuple[str, RunConfig]], *, capture_grads: bool = False, threads: int | None = None
 ) -> list[RunResult]:
     """Run several plans of the same world size one after another in one process group (tests and benchmarks
-    amortize start-up this way); the heartbeat and timeouts of the first config apply to all."""
-    if threads:
-        torch.set_num_threads(threads)
+    amortize start-up this way); the heartbeat and timeouts of the first config apply to all. `threads`: torch's
+    CPU threads (default on CPU: default_cpu_threads())."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watchdog = None
@@ -58,6 +64,8 @@ def run_plans(
                     f"the plan needs {plan.world_size} ranks but {world_size} were started; start {plan.world_size}"
                 )
         backend, device = _device()
+        if threads or device.type == "cpu":
+            torch.set_num_threads(threads or default_cpu_threads())
         first = runs[0][1]
         timeout = timedelta(seconds=first.pg_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

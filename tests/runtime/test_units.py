@@ -156,3 +156,15 @@ def test_failure_summary_names_the_rank_that_caused_it(tmp_path):
         _failure_line(failure, tmp_path, 3)
         == "rank 2 failed: plan stage 3 names FX nodes the model does not have; re-plan"
     )
+
+
+@pytest.mark.parametrize(("local_world", "expected"), [(None, 8), ("2", 4), ("3", 2), ("16", 1)])
+def test_default_cpu_threads_share_the_cores_among_local_ranks(monkeypatch, local_world, expected):
+    from pipeplan.runtime import worker
+
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    assert worker.default_cpu_threads() == expected

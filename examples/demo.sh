@@ -17,8 +17,8 @@ echo "== 1. profile ${MODEL[*]} at microbatch size 2 (one thread, as each of the
 "$PIPEPLAN" profile "${MODEL[@]}" --batch-size 2 --threads 1 -o "$OUT/gpt-profile.json"
 
 echo
-echo "== 2. plan it for 2 CPU processes as one 2-device pipeline, global batch 16, fp32 AdamW as run trains =="
-"$PIPEPLAN" plan "${MODEL[@]}" --profile "$OUT/gpt-profile.json" --devices 2 --pipeline-depth 2 \
+echo "== 2. plan it as one pipeline over 2 CPU processes (no replicated stages), global batch 16, fp32 AdamW =="
+"$PIPEPLAN" plan "${MODEL[@]}" --profile "$OUT/gpt-profile.json" --devices 2 --pipeline-depth 2 --no-replication \
   --global-batch-size 16 --optimizer adamw-fp32 -o "$OUT"
 
 echo

@@ -3,14 +3,19 @@
 (a) 8 x (Linear(1024) + ReLU) (`mlp -a layers=8 -a hidden=1024`), batch 64 in 8 microbatches, 2 ranks with one
     thread each (gloo): median step time of pipeplan's executor vs torch.distributed.pipelining's Schedule1F1B and
     ScheduleZBVZeroBubble on the same split, in one process tree (target: pipeplan / torch <= 1.0).
-(b) The demo gpt (default `gpt` options) on 2 ranks, 8 microbatches: measured median step time of every schedule
-    vs the prediction of schedules.simulate on per-stage costs from the measured profiler
-    (profiling.measure.profile_model, one thread) (target: within 15%).
+(b) The demo gpt (examples/demo.sh: `gpt -a hidden=256 -a seq=128 -a layers=4`), profiled at batch 2 with one
+    thread, planned by the planner itself for every schedule (the path of `pipeplan plan --devices 2
+    --pipeline-depth 2 --no-replication --global-batch-size 16 --optimizer adamw-fp32 --schedule NAME`: 8
+    microbatches of 2), run on 2 ranks x 1 thread: measured median step time vs the plan's `predicted.step_ms`
+    (target: within 15%). "replayed" re-simulates the plan's own op lists with this run's mean op times: the gap
+    between measured and replayed is executor overhead and waiting, the gap between replayed and predicted is the
+    profile's per-op cost error. A schedule the planner cannot plan is skipped with its reason.
 Both sides of each comparison run the same full step: pipeline ops, gradient sync, AdamW step, loss all-reduce.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -29,20 +34,24 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pipeplan.errors import PipeplanError  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
-from pipeplan.partition.cluster import Cluster  # noqa: E402
+from pipeplan.planner.build import build_plan, plan_costs, plan_schedule  # noqa: E402
+from pipeplan.planner.inputs import ProfileRequest, make_cluster, profile_model_input  # noqa: E402
 from pipeplan.planner.plan import Plan  # noqa: E402
-from pipeplan.profiling.measure import profile_model  # noqa: E402
+from pipeplan.planner.search import SearchConfig, search_plans  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.manual_plan import manual_plan  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
-from pipeplan.schedules import SCHEDULE_NAMES, Op, StageCosts, generate, simulate  # noqa: E402
+from pipeplan.schedules import SCHEDULE_NAMES, Op, simulate  # noqa: E402
 
 WARMUP, STEPS = 3, 12
 MLP = {"layers": 8, "hidden": 1024}
 MLP_BATCH, MLP_MICROBATCHES = 64, 8
-GPT_MICROBATCHES, GPT_MICROBATCH_SIZE = 8, 2
+GPT = {"hidden": "256", "seq": "128", "layers": "4"}  # the demo's gpt (examples/demo.sh)
+GPT_GLOBAL_BATCH, GPT_MICROBATCH_SIZE, GPT_PIPELINE_DEPTH = 16, 2, 2
+GPT_MEMORY = "4GiB"  # every schedule fits (gpipe, the hungriest, needs ~95 MiB); the depth is forced instead
 RATIO_TARGET, PREDICTION_TOLERANCE = 1.0, 0.15
 
 
@@ -76,7 +85,8 @@ def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None):
 
 
 def _replayed_ms(plan: Plan, per_rank_steps: list[list[list[tuple[str, float, float]]]]) -> float:
-    """simulate() on this run's own mean op times per (stage, kind): what the step would take with no overhead
+    """simulate() on the plan's own op lists (planner.build.plan_schedule) with this run's mean op times per
+    (stage, kind) in place of the profiled ones, transfers as planned: what the step would take with no overhead
     beyond the ops themselves (separates per-op cost errors from executor overhead and waiting)."""
     durations: dict[tuple[int, str], list[float]] = {}
     for steps in per_rank_steps:
@@ -84,19 +94,23 @@ def _replayed_ms(plan: Plan, per_rank_steps: list[list[list[tuple[str, float, fl
             for text, start, end in op_times:
                 o = Op.parse(text)
                 durations.setdefault((o.stage, o.kind), []).append((end - start) * 1000.0)
-    num_stages = len(plan.stages)
+    planned = plan_costs(plan)
 
-    def med(stage: int, kind: str) -> float | None:
-        values = durations.get((stage, kind))
-        return statistics.fmean(values) if values else None  # mean: slow outliers are on the critical path too
+    def measured(kind: str, field: str) -> tuple[float, ...]:
+        # mean: slow outliers are on the critical path too; a kind the schedule never runs keeps the plan's value
+        return tuple(
+            statistics.fmean(durations[(s, kind)]) if (s, kind) in durations else getattr(planned, field)[s]
+            for s in range(len(plan.stages))
+        )
 
-    forward = [med(s, "F") for s in range(num_stages)]
-    igrad = [med(s, "I") if med(s, "I") is not None else med(s, "B") / 2 for s in range(num_stages)]
-    wgrad = [med(s, "W") if med(s, "W") is not None else med(s, "B") / 2 for s in range(num_stages)]
-    fused = [med(s, "B") if med(s, "B") is not None else i + w for s, i, w in zip(range(num_stages), igrad, wgrad)]
-    costs = StageCosts(forward_ms=forward, input_grad_ms=igrad, weight_grad_ms=wgrad, backward_ms=fused, comm_ms=0.0)
-    schedule = generate(plan.schedule, num_devices=2, num_microbatches=plan.training.num_microbatches, costs=costs)
-    return simulate(schedule, costs).makespan
+    costs = dataclasses.replace(
+        planned,
+        forward_ms=measured("F", "forward_ms"),
+        input_grad_ms=measured("I", "input_grad_ms"),
+        weight_grad_ms=measured("W", "weight_grad_ms"),
+        backward_ms=measured("B", "backward_ms"),
+    )
+    return simulate(plan_schedule(plan), costs).makespan
 
 
 def _torch_stage_module(layers: nn.ModuleList, first: int, last: int) -> nn.Module:
@@ -162,29 +176,7 @@ def _bench_entry(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
     return out
 
 
-def _predicted_ms(plan: Plan, profile, cluster: Cluster) -> float:
-    """simulate() on per-stage sums of the measured per-layer costs (comm from the cut sizes)."""
-    layers = profile.layers
-    forward, igrad, wgrad, fused, comm = [], [], [], [], []
-    for stage in plan.stages:
-        chosen = layers[stage.first_layer : stage.last_layer + 1]
-        forward.append(sum(layer.forward_ms for layer in chosen))
-        igrad.append(sum(layer.input_grad_ms for layer in chosen))
-        wgrad.append(sum(layer.weight_grad_ms for layer in chosen))
-        fused.append(sum(layer.backward_ms for layer in chosen))
-        comm.append(cluster.transfer_s(chosen[-1].output_bytes, same_node=True) * 1000.0)
-    costs = StageCosts(
-        forward_ms=tuple(forward),
-        input_grad_ms=tuple(igrad),
-        weight_grad_ms=tuple(wgrad),
-        backward_ms=tuple(fused),
-        comm_ms=tuple(comm[:-1]),
-    )
-    schedule = generate(plan.schedule, num_devices=2, num_microbatches=plan.training.num_microbatches, costs=costs)
-    return simulate(schedule, costs).makespan
-
-
-def _plans(folder: Path) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
+def _mlp_plans(folder: Path) -> dict[str, str]:
     mlp_plans = {}
     for name in ("1f1b", "zbv"):
         plan = manual_plan(
@@ -197,24 +189,33 @@ def _plans(folder: Path) -> tuple[dict[str, str], dict[str, str], dict[str, floa
         )
         mlp_plans[name] = str(folder / f"mlp-{name}.json")
         plan.save(mlp_plans[name])
+    return mlp_plans
+
+
+def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Profile the demo gpt (one thread) and plan it per schedule as `pipeplan plan` does; (plan paths, skipped
+    schedules with the planner's reason)."""
     torch.set_num_threads(1)
-    spec = load_model("gpt", {})
-    profile = profile_model(spec, batch_size=GPT_MICROBATCH_SIZE, progress=False)
-    cluster = Cluster(num_devices=2, devices_per_node=2, memory_per_device=1 << 34)
-    gpt_plans, predicted = {}, {}
+    source = profile_model_input(ProfileRequest(model="gpt", options=GPT, batch_size=GPT_MICROBATCH_SIZE, quiet=True))
+    cluster = make_cluster(devices=2, devices_per_node=None, memory_per_device=GPT_MEMORY, hardware=None)
+    config = SearchConfig(
+        global_batch_size=GPT_GLOBAL_BATCH,
+        microbatch_sizes=(GPT_MICROBATCH_SIZE,),
+        optimizer="adamw-fp32",  # what the runtime trains with
+        dtype=source.profile.provenance.dtype,
+        replication=False,  # a replicated one-stage plan would be data parallelism, not the schedule
+        pipeline_depths=(GPT_PIPELINE_DEPTH,),
+    )
+    plans, skipped = {}, {}
     for name in SCHEDULE_NAMES:
-        plan = manual_plan(
-            "gpt",
-            {},
-            schedule=name,
-            pipeline_devices=2,
-            num_microbatches=GPT_MICROBATCHES,
-            microbatch_size=GPT_MICROBATCH_SIZE,
-        )
-        predicted[name] = _predicted_ms(plan, profile, cluster)
-        gpt_plans[name] = str(folder / f"gpt-{name}.json")
-        plan.save(gpt_plans[name])
-    return mlp_plans, gpt_plans, predicted
+        try:
+            result = search_plans(source.profile, cluster, config, [name])
+        except PipeplanError as exc:
+            skipped[name] = str(exc)
+            continue
+        plans[name] = str(folder / f"gpt-{name}.json")
+        build_plan(result, model=source.model, layer_graph=source.layer_graph).save(plans[name])
+    return plans, skipped
 
 
 def _launch(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
@@ -236,51 +237,58 @@ def _launch(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
     return elastic_launch(config, _bench_entry)(mlp_plans, gpt_plans)[0]  # rank 0's view (after barriers)
 
 
-def main() -> int:
-    console = Console(width=140)
-    with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
-        mlp_plans, gpt_plans, predicted = _plans(Path(folder))
-        measured = _launch(mlp_plans, gpt_plans)
-    rows_a = []
+def _table_a(console: Console, measured: dict) -> list[dict]:
+    rows = []
     table = Table(title="(a) mlp 8x1024, batch 64, 8 microbatches, 2 ranks x 1 thread: median step ms")
     for column in ("schedule", "pipeplan", "torch.pipelining", "ratio", "target"):
         table.add_column(column)
     for name in ("1f1b", "zbv"):
         ours, theirs = measured["mlp"][f"pipeplan {name}"], measured["mlp"][f"torch {name}"]
         ratio = ours / theirs
-        rows_a.append({"schedule": name, "pipeplan_ms": ours, "torch_ms": theirs, "ratio": ratio})
+        rows.append({"schedule": name, "pipeplan_ms": ours, "torch_ms": theirs, "ratio": ratio})
         table.add_row(name, f"{ours:.1f}", f"{theirs:.1f}", f"{ratio:.2f}", "ok" if ratio <= RATIO_TARGET else "MISS")
     console.print(table)
-    rows_b = []
+    return rows
+
+
+def _table_b(console: Console, measured: dict, gpt_plans: dict[str, str], skipped: dict[str, str]) -> list[dict]:
+    rows = []
+    options = " ".join(f"{key}={value}" for key, value in GPT.items())
     table = Table(
-        title=f"(b) demo gpt, {GPT_MICROBATCHES} microbatches of {GPT_MICROBATCH_SIZE}, 2 ranks: measured vs predicted"
+        title=f"(b) demo gpt ({options}), planned per schedule: {GPT_PIPELINE_DEPTH}-device pipeline, global batch "
+        f"{GPT_GLOBAL_BATCH}, microbatches of {GPT_MICROBATCH_SIZE}, 2 ranks x 1 thread: measured vs predicted"
     )
-    for column in (
-        "schedule",
-        "measured ms",
-        "predicted ms",
-        "ratio",
-        "within 15%",
-        "replayed ms",
-        "meas/replay",
-    ):
+    for column in ("schedule", "stages", "measured ms", "predicted ms", "ratio", "within 15%", "replayed ms"):
         table.add_column(column)
-    for name in SCHEDULE_NAMES:
-        ours, guess, replay = measured["gpt"][name], predicted[name], measured["gpt_replayed"][name]
+    table.add_column("meas/replay")
+    for name, path in gpt_plans.items():
+        plan = Plan.load(path)
+        ours, guess, replay = measured["gpt"][name], plan.predicted.step_ms, measured["gpt_replayed"][name]
         ratio = ours / guess
-        rows_b.append(
-            {"schedule": name, "measured_ms": ours, "predicted_ms": guess, "ratio": ratio, "replayed_ms": replay}
-        )
+        layers = [f"{s.first_layer}-{s.last_layer}" for s in plan.stages]
+        rows.append(
+            {"schedule": name, "stage_layers": layers, "num_microbatches": plan.training.num_microbatches,
+             "measured_ms": ours, "predicted_ms": guess, "ratio": ratio, "replayed_ms": replay}
+        )  # fmt: skip
+        within = "yes" if abs(ratio - 1) <= PREDICTION_TOLERANCE else "no"
         table.add_row(
-            name,
-            f"{ours:.1f}",
-            f"{guess:.1f}",
-            f"{ratio:.2f}",
-            "yes" if abs(ratio - 1) <= PREDICTION_TOLERANCE else "no",
-            f"{replay:.1f}",
+            name, " ".join(layers), f"{ours:.1f}", f"{guess:.1f}", f"{ratio:.2f}", within, f"{replay:.1f}",
             f"{ours / replay:.2f}",
-        )
+        )  # fmt: skip
     console.print(table)
+    for name, reason in skipped.items():
+        console.print(f"skipped {name}: {reason}", highlight=False)
+    return rows
+
+
+def main() -> int:
+    console = Console(width=140)
+    with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
+        mlp_plans = _mlp_plans(Path(folder))
+        gpt_plans, skipped = _gpt_plans(Path(folder))
+        measured = _launch(mlp_plans, gpt_plans)
+        rows_a = _table_a(console, measured)
+        rows_b = _table_b(console, measured, gpt_plans, skipped)
     write_json(
         ROOT / "benchmarks" / "results" / "runtime.json",
         {
@@ -290,7 +298,15 @@ def main() -> int:
             "warmup_steps": WARMUP,
             "timed_steps": STEPS,
             "vs_torch_pipelining": rows_a,
+            "gpt": {
+                "model_options": GPT,
+                "global_batch_size": GPT_GLOBAL_BATCH,
+                "microbatch_size": GPT_MICROBATCH_SIZE,
+                "pipeline_depth": GPT_PIPELINE_DEPTH,
+                "memory_per_device": GPT_MEMORY,
+            },
             "measured_vs_predicted": rows_b,
+            "skipped": skipped,
         },
     )
     return 0

@@ -5,9 +5,11 @@
   gradient all-reduce (the model's gradients spread evenly over a pipeline, reduced over the pipelines). A real
   partition is never better balanced, so this is an estimate from below in practice (not a proof: per-stage
   transfer times differ from the mean). For many microbatches the schedule is simulated with
-  m0 = 2P + (m mod P) microbatches and extended by the steady state, (m - m0) x one device's work per microbatch:
-  every generator's fill and drain cost does not depend on m once m >= 2P.
-  It is raised to m x a lower bound on the busiest device's work (the best contiguous split's largest stage).
+  m0 = 2P + (m mod P) microbatches and extended by the steady state, (m - m0) / P x the makespan's growth from m0
+  to m0 + P microbatches: every generator's fill and drain cost does not depend on m once m >= 2P.
+  It is raised to m x a lower bound on the busiest device's work (the best contiguous split's largest stage,
+  each layer's backward costed as the cheaper of the forms — B, or I + W — the schedule's ops use).
+  Replicated layouts get only that bubble-free bound: their partition may hold fewer than P stages.
 - `partition_lower_bound_ms` (after partitioning, before generating and simulating the schedule): the busiest
   device's compute for all microbatches plus the all-reduce that follows the flush — a true lower bound on the
   simulated step.
@@ -18,7 +20,6 @@ from __future__ import annotations
 import functools
 
 from pipeplan.partition.cluster import Cluster
-from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES
 from pipeplan.partition.result import Partition
 from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
 from pipeplan.profiling.profile import Profile
@@ -56,31 +57,46 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> 
     costs = StageCosts(
         forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, backward_ms=backward, comm_ms=comm
     )
-    m0 = probe_microbatches(p, m)
-    busiest = per_device_bound_ms(layout, profile)
     # zb-auto (ZB-1p) is never slower than zb-h1 under the same costs and, with balanced stages, no faster in
     # practice: estimate it with zb-h1 and skip its (slow) list scheduling here
     probe = "zb-h1" if layout.schedule == "zb-auto" else layout.schedule
-    makespan = simulate(_schedule(probe, p, m0), costs).makespan
-    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
-    per_microbatch = chunks * (forward + (input_grad + weight_grad if split else backward))
-    pipeline = max(makespan + (m - m0) * per_microbatch, m * busiest)
+    m0 = probe_microbatches(p, m)
+    schedule = _schedule(probe, p, m0)
+    busiest = per_device_bound_ms(layout, profile, backward_kinds(schedule))
+    if layout.mode == REPLICATED:
+        # the partitioner may replicate stages down to fewer than P stages (even one: plain data parallelism, no
+        # bubble), so only the bubble-free bound is safe here
+        pipeline = m * busiest
+    else:
+        makespan = simulate(schedule, costs).makespan
+        if m > m0:  # steady state: P more microbatches cost the same whatever m is, once m >= 2P
+            makespan += (m - m0) / p * (simulate(_schedule(probe, p, m0 + p), costs).makespan - makespan)
+        pipeline = max(makespan, m * busiest)
     return pipeline + allreduce_lower_bound_ms(layout, profile, cluster)
 
 
-def per_device_bound_ms(layout: Layout, profile: Profile) -> float:
-    """A lower bound on the busiest device's work per microbatch: the model's compute (F+I+W split, F+B fused)
-    over P devices, and for straight pipelines the smallest possible largest stage when cutting the layers into S
-    contiguous stages."""
-    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
-    work = [
-        la.forward_ms + (la.input_grad_ms + la.weight_grad_ms if split else la.backward_ms) for la in profile.layers
-    ]
+def backward_kinds(schedule: Schedule) -> frozenset[str]:
+    """Which backward ops the schedule runs: {"B"}, {"I", "W"} or both (dualpipev mixes them)."""
+    return frozenset(op.kind for ops in schedule.device_ops for op in ops) - {"F"}
+
+
+def per_device_bound_ms(layout: Layout, profile: Profile, kinds: frozenset[str]) -> float:
+    """A lower bound on the busiest device's work per microbatch: the model's compute (F + the cheaper of the
+    backward forms the schedule uses) over P devices, and for straight pipelines the smallest possible largest
+    stage when cutting the layers into S contiguous stages."""
+    work = [la.forward_ms + _cheapest_backward(la, kinds) for la in profile.layers]
     even = sum(work) / layout.pipeline_devices
     if layout.mode == REPLICATED:
         return even
     stages = layout.pipeline_devices * default_chunks(layout.schedule)
     return max(even, min_largest_stage(work, stages))
+
+
+def _cheapest_backward(layer, kinds: frozenset[str]) -> float:
+    options = [layer.backward_ms] if "B" in kinds else []
+    if "I" in kinds:
+        options.append(layer.input_grad_ms + layer.weight_grad_ms)
+    return min(options)
 
 
 def min_largest_stage(work: list[float], num_stages: int) -> float:

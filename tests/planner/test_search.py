@@ -77,6 +77,18 @@ def test_forced_pipeline_depth_is_the_only_one_tried(depths):
     assert result.best.step_ms >= free.best.step_ms  # a restriction of the full search
 
 
+@pytest.mark.parametrize("depth", [2, 4])
+@pytest.mark.parametrize("fused", [2.0, 1.2])
+def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
+    """With a forced depth no P=1 data-parallel layout is there to cover for a replicated layout that collapses
+    to fewer stages: the estimate used for pruning must still not drop it."""
+    profile = synthetic_profile(cut_bytes=5_000_000, fused_backward=fused)
+    cluster = make_cluster(4, memory=2**32)
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,))
+    result = search_plans(profile, cluster, config)
+    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
+
+
 def test_forced_pipeline_depth_must_divide_the_devices():
     config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3))
     with pytest.raises(ConfigError, match=r"^--pipeline-depth 3 must divide --devices \(4\)$"):

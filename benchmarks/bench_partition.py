@@ -12,11 +12,10 @@ import argparse
 import importlib.util
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from timing import median_seconds
 
 from pipeplan.partition import (
     Cluster,
@@ -56,15 +55,6 @@ def synthetic(num_layers: int, seed: int = 0) -> Profile:
         )
     cuts = tuple(int(x) for x in rng.uniform(0.5, 1.5, num_layers - 1) * 1.6e7)
     return Profile(layers=tuple(layers), cut_bytes=cuts, provenance=Provenance(source="analytic", model="synthetic"))
-
-
-def timed(fn, repeats: int):
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def speed_cases():
@@ -130,7 +120,7 @@ def run_speed(repeats: int) -> list[dict]:
     rows = []
     print(f"{'case':52} {'median s':>9} {'target s':>9} {'ok':>3} {'objective ms':>13} {'stages':>6} {'devices':>7}")
     for label, profile, cluster, config, target in speed_cases():
-        seconds, result = timed(lambda p=profile, c=cluster, k=config: partition(p, c, k), repeats)
+        seconds, result = median_seconds(lambda p=profile, c=cluster, k=config: partition(p, c, k), repeats)
         ok = "" if target is None else ("yes" if seconds < target else "NO")
         print(
             f"{label:52} {seconds:9.3f} {target or '-':>9} {ok:>3} {result.objective_ms:13.3f} "

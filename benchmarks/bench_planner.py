@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
@@ -53,15 +53,6 @@ DEVICES = (4, 8)
 MICROBATCHES_PER_DEVICE = 4  # global batch = microbatch size x 4 x devices
 
 
-def _median(func, repeats: int = REPEATS) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = func()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def _run(command: list[str]) -> float:
     """Run `command`; return the CPU seconds (user + system) it used — steadier than wall time on a busy machine."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -78,12 +69,12 @@ def speed(workdir: Path) -> dict:
     profile.save(path)
     cluster = cluster_for(HARDWARE, 64, 8)
     config = SearchConfig(global_batch_size=256)
-    search_s, result = _median(lambda: search_plans(profile, cluster, config))
+    search_s, result = median_seconds(lambda: search_plans(profile, cluster, config), REPEATS)
     command = [sys.executable, "-m", "pipeplan", "plan", "--profile", str(path), "--hardware", HARDWARE,
                "--devices", "64", "--devices-per-node", "8", "--global-batch-size", "256",
                "-o", str(workdir / "plan64"), "--json"]  # fmt: skip
     cpu_times: list[float] = []
-    cli_s, _ = _median(lambda: cpu_times.append(_run(command)))
+    cli_s, _ = median_seconds(lambda: cpu_times.append(_run(command)), REPEATS)
     return {
         "load_average_1min": os.getloadavg()[0],  # wall times stretch on a shared machine; CPU time does not
         "cpu_count": os.cpu_count(),

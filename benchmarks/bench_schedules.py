@@ -4,9 +4,7 @@ zb-auto at p=32, m=128 in < 5 s). Prints a table of medians over repeats and wri
 from __future__ import annotations
 
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,6 +12,7 @@ sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, StageCosts, generate, simulate  # noqa: E402
@@ -23,20 +22,11 @@ SIMULATE_TARGET_S = 2.0
 ZB_AUTO_TARGET_S = 5.0
 
 
-def _median_seconds(func, repeats: int = REPEATS) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = func()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def _case(name: str, p: int, m: int, costs: StageCosts, target: float | None, *, timed: str = "simulate_s") -> dict:
-    gen_s, schedule = _median_seconds(lambda: generate(name, num_devices=p, num_microbatches=m, costs=costs))
+    gen_s, schedule = median_seconds(lambda: generate(name, num_devices=p, num_microbatches=m, costs=costs), REPEATS)
     v = schedule.num_chunks
     stage_costs = StageCosts(forward_ms=1.0 / v, input_grad_ms=1.0 / v, weight_grad_ms=1.0 / v, comm_ms=0.05)
-    sim_s, timeline = _median_seconds(lambda: simulate(schedule, stage_costs))
+    sim_s, timeline = median_seconds(lambda: simulate(schedule, stage_costs), REPEATS)
     ops = sum(map(len, schedule.device_ops))
     row = {
         "schedule": name, "devices": p, "microbatches": m, "ops": ops,

@@ -25,13 +25,13 @@ app = typer.Typer(
 )
 
 # (command name, "module:function"); every function's docstring ends with an example.
-_COMMANDS: list[tuple[str, str]] = [
+_COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` lists them
+    ("models", "pipeplan.models.commands:models"),
+    ("profile", "pipeplan.profiling.commands:profile"),
     ("simulate", "pipeplan.schedules.commands:simulate"),
     ("plan", "pipeplan.planner.commands:plan"),
     ("show", "pipeplan.planner.commands:show"),
     ("export", "pipeplan.planner.commands:export"),
-    ("models", "pipeplan.models.commands:models"),
-    ("profile", "pipeplan.profiling.commands:profile"),
     ("run", "pipeplan.runtime.commands:run"),
     ("capacity", "pipeplan.planner.capacity_commands:capacity"),
 ]

@@ -67,42 +67,42 @@ def speed_cases():
         Cluster(num_devices=1024, devices_per_node=8, memory_per_device=mem),
         PartitionConfig(num_microbatches=64),
         10.0,
-    )  # noqa: E501
+    )
     yield (
         "200 layers, 64 dev (1x64), 1f1b",
         mid,
         Cluster(num_devices=64, devices_per_node=64, memory_per_device=mem),
         PartitionConfig(num_microbatches=64),
         1.0,
-    )  # noqa: E501
+    )
     yield (
         "200 layers, 64 dev (8x8), 1f1b",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
         PartitionConfig(num_microbatches=64),
         1.0,
-    )  # noqa: E501
+    )
     yield (
         "200 layers, 64 dev (8x8), straight",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
         PartitionConfig(num_microbatches=64, mode="straight"),
         1.0,
-    )  # noqa: E501
+    )
     yield (
         "200 layers, 64 dev (8x8), zbv",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
         PartitionConfig(num_microbatches=128, schedule="zbv"),
         None,
-    )  # noqa: E501
+    )
     yield (
         "200 layers, 64 dev (8x8), interleaved v=2",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
         PartitionConfig(num_microbatches=64, schedule="interleaved"),
         None,
-    )  # noqa: E501
+    )
     for name in REFERENCE_NAMES:
         profile = read_pipedream_graph(PROFILES / f"{name}.txt")
         cluster = Cluster(num_devices=16, devices_per_node=16, memory_per_device=10**15, intra_node_bandwidth=1e9)

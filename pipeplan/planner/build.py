@@ -15,7 +15,7 @@ from pipeplan.errors import FormatError
 from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos
-from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
+from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.planner.rationale import alternatives, rationale
 from pipeplan.planner.search import SearchResult
 from pipeplan.profiling.profile import Profile
@@ -48,6 +48,7 @@ def build_plan(
         optimizer=result.config.optimizer.split("-")[0],  # the algorithm (adamw, sgd); the preset sets the bytes
         optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM[result.config.optimizer],
         dtype=result.config.dtype,
+        device=run_device_for(profile.provenance.device),
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel

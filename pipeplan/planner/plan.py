@@ -24,6 +24,13 @@ from pipeplan.partition.cluster import Cluster
 from pipeplan.schedules.ops import Op
 
 PLAN_SCHEMA_VERSION = 1
+RUN_DEVICES = ("cpu", "cuda")
+
+
+def run_device_for(profile_device: str) -> str:
+    """The device a plan runs on, from its profile's device: cpu stays cpu; cuda:NAME and meta (analytic, for a
+    GPU hardware preset) mean cuda."""
+    return "cpu" if profile_device == "cpu" else "cuda"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,8 +54,11 @@ class TrainingConfig:
     weight_decay: float = 0.01
     dtype: str = "float32"
     seed: int = 0
+    device: str = "cpu"  # what the costs were measured or estimated for: cpu, or cuda (one GPU per rank)
 
     def __post_init__(self) -> None:
+        if self.device not in RUN_DEVICES:
+            raise FormatError(f"training.device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
         for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel"):
             if getattr(self, name) < 1:
                 raise FormatError(f"training.{name} must be >= 1")

@@ -23,12 +23,16 @@ def run(
     heartbeat_timeout: float | None = typer.Option(
         None, "--heartbeat-timeout", help="Seconds without a peer's heartbeat before every rank stops (default 60)."
     ),
+    device: str | None = typer.Option(
+        None, "--device", help="cpu (gloo) or cuda (nccl, one GPU per rank); default: the plan's device."
+    ),
     threads: int | None = typer.Option(
         None, "--threads", help="CPU threads per rank (default on CPU: the cores divided by the ranks on this machine)."
     ),
 ) -> None:
-    """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA) and compare the measured step
-    time with the plan's prediction. Across nodes, use the plan's launch.sh (torchrun -m pipeplan.runtime.worker).
+    """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA: the plan's device unless
+    --device says otherwise) and compare the measured step time with the plan's prediction. Across nodes, use
+    the plan's launch.sh (torchrun -m pipeplan.runtime.worker).
 
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
     """
@@ -45,6 +49,7 @@ def run(
         checkpoint_every=checkpoint_every,
         resume=resume,
         heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
+        device=device,
     )
     results = launch_local(plan, config, threads=threads)
     if trace:

@@ -28,6 +28,7 @@ class RunConfig:
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
     quiet: bool = False  # no per-step log lines (benchmarks)
     direction_groups: bool = False  # one process group per transfer direction (always on with NCCL; tests force it)
+    device: str | None = None  # cpu (gloo) or cuda (nccl, one GPU per rank); None: the plan's training.device
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -43,12 +44,24 @@ class RunConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
+        if self.device is not None and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if not self.heartbeat_timeout_s > 0:
             raise ConfigError(f"heartbeat timeout must be > 0 s, got {self.heartbeat_timeout_s}")
 
     @property
     def pg_timeout_s(self) -> float:
         return self.collective_timeout_s or 2.0 * self.heartbeat_timeout_s
+
+    def run_device(self, plan_device: str) -> str:
+        """cpu or cuda: --device if given, else the plan's; cuda must be available here (one line if not)."""
+        import torch
+
+        device = self.device or plan_device
+        if device == "cuda" and not torch.cuda.is_available():
+            hint = "" if self.device else " (the plan was made for GPUs); pass --device cpu to run it on CPU"
+            raise ConfigError(f"device cuda requested but CUDA is not available here{hint}")
+        return device
 
 
 def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> float:

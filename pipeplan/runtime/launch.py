@@ -54,11 +54,12 @@ def launch_many(
     for plan in plans:
         plan.require_runnable()  # fail here, before starting any rank
     world_size = plans[0].world_size
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and world_size > gpus:
+    on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
+    gpus = torch.cuda.device_count() if on_cuda else 0
+    if on_cuda and world_size > gpus:
         raise RunError(
             f"the plan needs {world_size} ranks but this machine has {gpus} GPU(s); run the plan's launch.sh on "
-            f"{-(-world_size // gpus)} nodes instead"
+            f"{-(-world_size // gpus)} nodes instead, or run on this CPU with --device cpu"
         )
     launch = LaunchConfig(
         min_nodes=1,

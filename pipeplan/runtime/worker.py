@@ -3,10 +3,11 @@
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m pipeplan.runtime.worker DIR/plan.json [--steps N] [--trace FILE] [--checkpoint-dir DIR]
         [--checkpoint-every K] [--resume] [--lr X] [--weight-decay X] [--heartbeat-timeout S] [--check-every K]
-        [--threads T] [--quiet]
+        [--threads T] [--device cpu|cuda] [--quiet]
 
-Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); gloo on
-CPU, nccl on CUDA with one device per rank (cuda:LOCAL_RANK). A user error prints one line and exits 1.
+Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
+the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
+(cuda:LOCAL_RANK). A user error prints one line and exits 1.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ from pipeplan.runtime.train import RunResult, train
 from pipeplan.runtime.watchdog import Watchdog, record_error
 
 
-def _device() -> tuple[str, torch.device]:
-    if torch.cuda.is_available():
+def _device(name: str) -> tuple[str, torch.device]:
+    """Backend and device for run device `name`: gloo on the CPU, or nccl on cuda:LOCAL_RANK."""
+    if name == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RunError(
+                f"local rank {local_rank} has no GPU (this node has {torch.cuda.device_count()}); start at most one "
+                "rank per GPU, or run with --device cpu"
+            )
         torch.cuda.set_device(local_rank)
         return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
@@ -63,7 +70,10 @@ def run_plans(
                 raise RunError(
                     f"the plan needs {plan.world_size} ranks but {world_size} were started; start {plan.world_size}"
                 )
-        backend, device = _device()
+        devices = {config.run_device(plan.training.device) for plan, (_, config) in zip(plans, runs, strict=True)}
+        if len(devices) > 1:
+            raise RunError("plans run together in one launch must all run on the same device")
+        backend, device = _device(devices.pop())
         if threads or device.type == "cpu":
             torch.set_num_threads(threads or default_cpu_threads())
         first = runs[0][1]
@@ -115,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
     parser.add_argument("--heartbeat-timeout", type=float, default=None)
     parser.add_argument("--check-every", type=int, default=10)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--device", choices=("cpu", "cuda"))
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     config = RunConfig(
@@ -128,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
         check_every=args.check_every,
         heartbeat_timeout_s=args.heartbeat_timeout or heartbeat_timeout_from_env(),
         quiet=args.quiet,
+        device=args.device,
     )
     return args.plan, config, args.threads
 

@@ -18,6 +18,11 @@ def run(
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Save per-stage checkpoints here."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir."),
+    init_from: Path | None = typer.Option(
+        None,
+        "--init-from",
+        help="Initial weights: a whole-model state_dict (.pt or .safetensors); each rank reads its stages' tensors.",
+    ),
     lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate (default: the plan's)."),
     weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay (default: the plan's)."),
     heartbeat_timeout: float | None = typer.Option(
@@ -30,12 +35,18 @@ def run(
     """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA) and compare the measured step
     time with the plan's prediction. Across nodes, use the plan's launch.sh (torchrun -m pipeplan.runtime.worker).
 
+    Without --init-from, every rank's tensors are exactly what the model's factory builds for the whole model with
+    the plan's seed (torch.manual_seed(seed), then build()).
+
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
+    Example: pipeplan run plan/plan.json --init-from weights.safetensors
     """
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
 
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if init_from is not None and not init_from.is_file():
+        raise ConfigError(f"--init-from {str(init_from)!r} does not exist")
     config = RunConfig(
         steps=steps,
         lr=lr,
@@ -44,6 +55,7 @@ def run(
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        init_from=str(init_from.resolve()) if init_from else None,
         heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
     )
     results = launch_local(plan, config, threads=threads)

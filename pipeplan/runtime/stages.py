@@ -113,7 +113,9 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_fr
     meta_modules = [build_stage_module(traced, stage.node_names) for stage in plan.stages]
     stage_params = [tuple(sorted({canonical[id(p)] for p in m.parameters()})) for m in meta_modules]
     own = plan.ranks[rank].stages
-    materialize_stages(plan, spec, traced, [meta_modules[s] for s in own], rank=rank, device=device)
+    materialize_stages(
+        plan, spec, traced, [meta_modules[s] for s in own], rank=rank, device=device, init_from=init_from
+    )
     del meta_modules  # they hold the meta tensors; the own stages are rebuilt on the materialized ones
     modules = {s: build_stage_module(traced, plan.stages[s].node_names) for s in own}
     if init_from:
@@ -141,7 +143,14 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_fr
 
 
 def materialize_stages(
-    plan: Plan, spec: ModelSpec, traced: TracedModel, stages: list[nn.Module], *, rank: int, device: torch.device
+    plan: Plan,
+    spec: ModelSpec,
+    traced: TracedModel,
+    stages: list[nn.Module],
+    *,
+    rank: int,
+    device: torch.device,
+    init_from: str | None = None,
 ) -> None:
     """Give `stages` (modules naming their tensors by model-qualified names) real tensors on `device`, swapped in
     everywhere in the traced model: the whole-model build's (default) or, for a model too large to build whole on
@@ -151,7 +160,12 @@ def materialize_stages(
     fits, needed, available = whole_build_fits(traced.module, ranks_here)
     if fits:
         whole = build_whole(spec, plan.training.seed)
-        constants = lambda: trace_module(whole, spec, batch_size=1, granularity=plan.model.granularity).graph_module  # noqa: E731
+
+        def constants() -> nn.Module:  # the tracer's constants (ops on buffers alone), from the real whole model
+            if init_from:  # computed from the file's buffers, so the whole file is read
+                load_initial_weights(init_from, model=whole, tensors=list(named_tensors(whole)))
+            return trace_module(whole, spec, batch_size=1, granularity=plan.model.granularity).graph_module
+
         materialize_from_whole(whole, stages, roots=roots, device=device, constants=constants)
         return
     refuse_or_announce_meta_path(spec, rank=rank, needed=needed, available=available, ranks=ranks_here)

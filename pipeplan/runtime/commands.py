@@ -41,7 +41,9 @@ def run(
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
     Example: pipeplan run plan/plan.json --init-from weights.safetensors
     """
+    from pipeplan.planner.plan import Plan
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
+    from pipeplan.runtime.stages import check_model_file
 
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
@@ -58,6 +60,7 @@ def run(
         init_from=str(init_from.resolve()) if init_from else None,
         heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
     )
+    check_model_file(Plan.load(plan))  # before any rank starts
     results = launch_local(plan, config, threads=threads)
     if trace:
         out.print(f"measured trace: {trace}", highlight=False)

@@ -17,6 +17,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipeplan.errors import RunError
 from pipeplan.models import load_model
+from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
 from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
@@ -54,7 +55,21 @@ class PipelineModel:
         return next(s for s, io in enumerate(self.stage_io) if self.model_output in io.outputs)
 
 
+def check_model_file(plan: Plan) -> None:
+    """Refuse a plan whose model file changed since it was planned (its stage node names may no longer fit)."""
+    path = file_of(plan.model.ref)
+    if not plan.model.file_sha256 or path is None:
+        return
+    if not path.is_file():
+        raise RunError(f"the plan's model file {str(path)!r} does not exist on this machine; put it there or re-plan")
+    if file_sha256(path) != plan.model.file_sha256:
+        raise RunError(
+            f"model file {str(path)!r} changed since the plan was made (sha256 differs); re-run `pipeplan plan`"
+        )
+
+
 def load_spec(plan: Plan) -> ModelSpec:
+    check_model_file(plan)
     return load_model(plan.model.ref, dict(plan.model.options))
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from rt_helpers import make_plan, reference_losses
-from safetensors.torch import save_file
 
 from pipeplan.models import load_model
 from pipeplan.runtime import materialize as mat
@@ -19,6 +18,7 @@ from pipeplan.runtime.launch import launch_many
 
 pytestmark = pytest.mark.timeout(300)
 
+save_file = pytest.importorskip("safetensors.torch").save_file  # the [hf] extra
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"
 STEPS, LR = 6, 3e-3
 

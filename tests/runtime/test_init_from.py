@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from rt_helpers import make_plan
-from safetensors.torch import save_file
 
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
@@ -18,6 +17,7 @@ from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
 
+save_file = pytest.importorskip("safetensors.torch").save_file  # the [hf] extra
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"
 
 

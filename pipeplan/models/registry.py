@@ -151,8 +151,6 @@ def _exec_model_file(path: Path, location: str):
     functions may import lazily), so it can import a module beside it."""
     resolved = path.resolve()
     module_name = f"pipeplan_user_{resolved.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -119,10 +119,10 @@ def load_initial_weights(
             done.add(id(tensor))
             present = [key for key in groups[name] if key in weights.keys]
             value = weights.get(present[0])
-            if tuple(value.shape) != tuple(tensor.shape):
+            if tuple(value.shape) != tuple(tensor.shape) or value.is_floating_point() != tensor.is_floating_point():
                 raise ConfigError(
-                    f"--init-from {weights.path!r} holds {present[0]!r} as {tuple(value.shape)}, but the model's is "
-                    f"{tuple(tensor.shape)}; give the state_dict of this model with these options"
+                    f"--init-from {weights.path!r} holds {present[0]!r} as {tuple(value.shape)} {value.dtype}, but the "
+                    f"model's is {tuple(tensor.shape)} {tensor.dtype}; give the state_dict of this model and options"
                 )
             for other in present[1:]:
                 if not torch.equal(weights.get(other), value):

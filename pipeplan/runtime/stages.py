@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
@@ -173,7 +174,7 @@ def materialize_stages(
     roots = [traced.module, traced.graph_module]
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fits, needed, available = whole_build_fits(traced.module, ranks_here)
-    if fits:
+    if all_ranks_agree(fits, device):  # one mechanism for all ranks: ties and replicas must start equal
         whole = build_whole(spec, plan.training.seed)
 
         def constants() -> nn.Module:  # the tracer's constants (ops on buffers alone), from the real whole model
@@ -193,6 +194,15 @@ def materialize_stages(
         init_module=spec.init_module,
         also_replace_in=[traced.graph_module, *stages],
     )
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True when `flag` holds on every rank of the process group (this rank alone outside one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def build_reference_model(

@@ -91,7 +91,7 @@ def test_wrong_shape_and_wrong_content_are_refused(tmp_path):
     state = _other_state({})
     state["blocks.0.gain"] = torch.zeros(3)
     torch.save(state, tmp_path / "shape.pt")
-    with pytest.raises(ConfigError, match="'blocks.0.gain' as \\(3,\\), but the model's is \\(16,\\)"):
+    with pytest.raises(ConfigError, match="'blocks.0.gain' as \\(3,\\) torch.float32, but the model's is \\(16,\\)"):
         build_pipeline_model(plan, 0, torch.device("cpu"), init_from=str(tmp_path / "shape.pt"))
     torch.save({"model": state}, tmp_path / "nested.pt")
     with pytest.raises(ConfigError, match="not a state_dict of tensors"):
@@ -99,6 +99,15 @@ def test_wrong_shape_and_wrong_content_are_refused(tmp_path):
     (tmp_path / "w.bin.txt").write_text("x")
     with pytest.raises(ConfigError, match="must be a .pt"):
         build_pipeline_model(plan, 0, torch.device("cpu"), init_from=str(tmp_path / "w.bin.txt"))
+
+
+def test_tied_names_with_different_values_are_refused(tmp_path):
+    _, plan = make_plan(tmp_path, "t", QUIRKY, {"tie": True}, schedule="1f1b", pipeline_devices=2)
+    state = _other_state({"tie": True})
+    state["head.proj.weight"] = state["embed.tok.weight"] + 1.0
+    torch.save(state, tmp_path / "w.pt")
+    with pytest.raises(ConfigError, match="tied tensors 'embed.tok.weight' and 'head.proj.weight' different values"):
+        build_pipeline_model(plan, 0, torch.device("cpu"), init_from=str(tmp_path / "w.pt"))
 
 
 def test_resume_with_init_from_is_refused():

@@ -83,10 +83,14 @@ def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
     return depths
 
 
-def check_plan_options(*, schedule: str, dtype: str | None, output: str | os.PathLike) -> None:
+def check_plan_options(
+    *, schedule: str, dtype: str | None, output: str | os.PathLike, granularity: int | None = None
+) -> None:
     """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
     from pipeplan.schedules.registry import SCHEDULE_NAMES
 
+    if granularity is not None and granularity < 1:
+        raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
     if schedule != "auto" and schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"unknown --schedule {schedule!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
     if dtype is not None:

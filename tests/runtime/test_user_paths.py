@@ -101,7 +101,11 @@ def test_wrong_sample_batch_structure_is_one_line(model_file):
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [(["--schedule", "zbx"], "unknown --schedule 'zbx'"), (["--dtype", "fp7"], "--dtype 'fp7' is not supported")],
+    [
+        (["--schedule", "zbx"], "unknown --schedule 'zbx'"),
+        (["--dtype", "fp7"], "--dtype 'fp7' is not supported"),
+        (["--granularity", "0"], "--granularity must be >= 1"),
+    ],
 )
 def test_plan_options_fail_before_profiling(monkeypatch, tmp_path, option, message):
     def no_profiling(*_args, **_kwargs):
@@ -110,6 +114,22 @@ def test_plan_options_fail_before_profiling(monkeypatch, tmp_path, option, messa
     monkeypatch.setattr(plan_commands, "profile_model_input", no_profiling)
     line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", *option, "-o", str(tmp_path)]))
     assert message in line
+
+
+def test_output_that_is_a_file_fails_before_profiling(monkeypatch, tmp_path):
+    monkeypatch.setattr(plan_commands, "profile_model_input", None)  # calling it would be a TypeError traceback
+    (tmp_path / "taken").write_text("x")
+    line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", "-o", str(tmp_path / "taken")]))
+    assert "--output" in line and "is a file" in line
+
+
+def test_run_init_from_a_missing_file_is_one_line(tmp_path):
+    from pipeplan.runtime.manual_plan import manual_plan
+
+    plan = manual_plan("mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
+    plan.save(tmp_path / "plan.json")
+    line = _one_line_error(runner.invoke(app, ["run", str(tmp_path / "plan.json"), "--init-from", "nope.pt"]))
+    assert "--init-from 'nope.pt' does not exist" in line
 
 
 def _free_port() -> int:

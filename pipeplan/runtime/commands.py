@@ -21,7 +21,8 @@ def run(
     init_from: Path | None = typer.Option(
         None,
         "--init-from",
-        help="Initial weights: a whole-model state_dict (.pt or .safetensors); each rank reads its stages' tensors.",
+        help="Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); "
+        "each rank reads only its stages' tensors.",
     ),
     lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate (default: the plan's)."),
     weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay (default: the plan's)."),
@@ -47,7 +48,7 @@ def run(
 
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
-    if init_from is not None and not init_from.is_file():
+    if init_from is not None and not init_from.exists():
         raise ConfigError(f"--init-from {str(init_from)!r} does not exist")
     config = RunConfig(
         steps=steps,

@@ -20,20 +20,33 @@ SHOWN_KEYS = 3
 
 
 class WeightFile:
-    """Keys and lazily read tensors of a .pt or .safetensors state_dict file."""
+    """Keys and lazily read tensors of a .pt or .safetensors state_dict file, or of a directory of .safetensors
+    shards (a Hugging Face model directory: model-00001-of-00002.safetensors, ...)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        if not Path(self.path).is_file():
+        self._state: dict[str, torch.Tensor] | None = None
+        self._handles: dict[str, object] = {}  # key -> open safetensors file holding it
+        if Path(self.path).is_dir():
+            shards = sorted(Path(self.path).glob("*.safetensors"))
+            if not shards:
+                raise ConfigError(f"--init-from directory {self.path!r} holds no .safetensors file")
+            for shard in shards:
+                self._open_safetensors(str(shard))
+        elif not Path(self.path).is_file():
             raise ConfigError(f"--init-from {self.path!r} does not exist")
-        if self.path.endswith(".safetensors"):
-            self._open_safetensors()
+        elif self.path.endswith(".safetensors"):
+            self._open_safetensors(self.path)
         elif self.path.endswith((".pt", ".pth", ".bin")):
             self._open_torch()
         else:
-            raise ConfigError(f"--init-from {self.path!r} must be a .pt (torch.save of a state_dict) or .safetensors")
+            raise ConfigError(
+                f"--init-from {self.path!r} must be a .pt (torch.save of a state_dict), a .safetensors file or a "
+                "directory of .safetensors shards"
+            )
+        self.keys = set(self._state) if self._state is not None else set(self._handles)
 
-    def _open_safetensors(self) -> None:
+    def _open_safetensors(self, file: str) -> None:
         try:
             from safetensors import safe_open
         except ImportError:
@@ -41,11 +54,14 @@ class WeightFile:
                 "--init-from a .safetensors file needs the safetensors package: pip install 'pipeplan[hf]'"
             ) from None
         try:
-            self._handle = safe_open(self.path, framework="pt", device="cpu")
-            self.keys = set(self._handle.keys())
+            handle = safe_open(file, framework="pt", device="cpu")
+            keys = list(handle.keys())
         except Exception as exc:  # a truncated or foreign file
-            raise ConfigError(f"cannot read --init-from {self.path!r}: {type(exc).__name__}: {exc}") from None
-        self._state = None
+            raise ConfigError(f"cannot read --init-from {file!r}: {type(exc).__name__}: {exc}") from None
+        for key in keys:
+            if key in self._handles:
+                raise ConfigError(f"--init-from {self.path!r}: key {key!r} is in more than one .safetensors shard")
+            self._handles[key] = handle
 
     def _open_torch(self) -> None:
         try:
@@ -65,12 +81,11 @@ class WeightFile:
                 f"{keys or ''}); save it with torch.save(model.state_dict(), FILE)"
             )
         self._state = state
-        self.keys = set(state)
 
     def get(self, key: str) -> torch.Tensor:
         if self._state is not None:
             return self._state[key]
-        return self._handle.get_tensor(key)
+        return self._handles[key].get_tensor(key)
 
 
 def _shown(keys: list[str]) -> str:

@@ -69,6 +69,17 @@ def test_safetensors_with_a_tie_saved_once(tmp_path):
     assert torch.equal(head, state["embed.tok.weight"])
 
 
+def test_a_directory_of_safetensors_shards(tmp_path):
+    _, plan = make_plan(tmp_path, "d", QUIRKY, {}, schedule="1f1b", pipeline_devices=2)
+    state = _other_state({})
+    keys = sorted(state)
+    shards = tmp_path / "hf-dir"
+    shards.mkdir()
+    save_file({k: state[k] for k in keys[::2]}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in keys[1::2]}, str(shards / "model-00002-of-00002.safetensors"))
+    _assert_ranks_hold(plan, state, str(shards))
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_missing_and_unexpected_keys_are_one_line(tmp_path, suffix):
     _, plan = make_plan(tmp_path, "m", QUIRKY, {}, schedule="1f1b", pipeline_devices=2)

@@ -4,9 +4,12 @@ Use it anywhere pipeplan takes MODEL:
 
     pipeplan profile examples/user_model.py:build -a depth=3 -a width=32 --batch-size 8
     pipeplan plan examples/user_model.py:build -a depth=6 --devices 2
+    pipeplan run plan/plan.json --steps 10                       # trains exactly what build() makes (plan's seed)
+    pipeplan run plan/plan.json --init-from mixer.pt             # or a saved state_dict (.pt / .safetensors)
 
 The factory takes typed keyword arguments (pipeplan converts `-a key=value` strings with these annotations) and
-returns a ModelSpec: how to build the module, a sample batch, and the loss. Layers: `patch`, `blocks.{i}`, `head`.
+returns a ModelSpec: how to build the module, a sample batch `((inputs, ...), target)`, and the loss. Layers:
+`patch`, `blocks.{i}`, `head`. The file may import modules that sit beside it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ annotations; an unknown option or a bad value is one ModelError line listing the
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -14,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeplan.errors import ModelError
-from pipeplan.models.spec import ModelSpec
+from pipeplan.errors import ModelError, PipeplanError
+from pipeplan.models.spec import ModelSpec, check_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,9 +93,37 @@ def call_factory(factory: Callable[..., ModelSpec], options: dict[str, Any], *, 
         spec = factory(**converted)
     except (ValueError, TypeError) as exc:
         raise ModelError(f"model {ref!r}: {exc}; valid options: {valid}") from None
+    except Exception as exc:  # a user's factory may raise anything: one line naming it, no traceback
+        raise ModelError(f"model factory {ref!r} raised {type(exc).__name__}: {_first_line(exc)}") from None
     if not isinstance(spec, ModelSpec):
         raise ModelError(f"model factory {ref!r} must return a pipeplan ModelSpec, got {type(spec).__name__}")
-    return spec
+    return guarded(spec, ref)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def guarded(spec: ModelSpec, ref: str) -> ModelSpec:
+    """`spec` whose build() turns any exception into one ModelError line naming the factory, and whose
+    sample_batch() checks it returns `((inputs, ...), target)`."""
+    build, sample_batch = spec.build, spec.sample_batch
+
+    def checked_build():
+        try:
+            return build()
+        except PipeplanError:
+            raise
+        except Exception as exc:
+            raise ModelError(
+                f"building model {ref!r} (its ModelSpec.build) raised {type(exc).__name__}: {_first_line(exc)}"
+            ) from None
+
+    def checked_sample_batch(*args, **kwargs):
+        return check_batch(sample_batch(*args, **kwargs), f"model {ref!r}: sample_batch")
+
+    return dataclasses.replace(spec, build=checked_build, sample_batch=checked_sample_batch)
 
 
 def _import_factory(ref: str) -> Callable[..., ModelSpec]:
@@ -104,15 +134,7 @@ def _import_factory(ref: str) -> Callable[..., ModelSpec]:
             raise ModelError(
                 f"model file {location!r} does not exist (MODEL is name, file.py:factory or pkg.mod:factory)"
             )
-        module_name = f"pipeplan_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # a user's file may raise anything while importing
-            raise ModelError(f"importing model file {location!r} failed: {type(exc).__name__}: {exc}") from None
+        module = _exec_model_file(path, location)
     else:
         try:
             module = importlib.import_module(location)
@@ -122,6 +144,47 @@ def _import_factory(ref: str) -> Callable[..., ModelSpec]:
     if not callable(factory):
         raise ModelError(f"{location!r} has no callable {attr!r} (MODEL must be file.py:factory or pkg.mod:factory)")
     return factory
+
+
+def _exec_model_file(path: Path, location: str):
+    """Import a model file as a module; its own directory is importable while it loads (and stays so, since its
+    functions may import lazily), so it can import a module beside it."""
+    resolved = path.resolve()
+    module_name = f"pipeplan_user_{resolved.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    folder = str(resolved.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a user's file may raise anything while importing
+        del sys.modules[module_name]
+        raise ModelError(
+            f"importing model file {location!r} failed: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    return module
+
+
+def file_of(ref: str) -> Path | None:
+    """The model file of a `path/to/file.py:factory` reference (None for built-ins and pkg.mod:factory)."""
+    location, sep, _ = ref.rpartition(":")
+    return Path(location) if sep and location.endswith(".py") else None
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def canonical_ref(ref: str) -> tuple[str, str]:
+    """(reference to record in a plan, sha256 of its model file or ""): a `file.py:factory` reference becomes
+    absolute, so the plan runs from any directory, and its file's hash lets `run` refuse an edited file."""
+    path = file_of(ref)
+    if path is None or not path.is_file():
+        return ref, ""
+    return f"{path.resolve()}:{ref.rpartition(':')[2]}", file_sha256(path)
 
 
 def load_model(ref: str, options: dict[str, Any] | None = None) -> ModelSpec:

@@ -9,23 +9,54 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeplan.errors import ModelError
+
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+EXPECTED_BATCH = "((inputs, ...), target): a tuple of input tensors for forward, then the loss target tensor"
+
+
+def check_batch(batch: Any, where: str) -> Batch:
+    """`batch` if it has the `((inputs, ...), target)` structure, else one ModelError line showing it."""
+    ok = (
+        isinstance(batch, tuple | list)
+        and len(batch) == 2
+        and isinstance(batch[0], tuple | list)
+        and all(isinstance(x, torch.Tensor) for x in batch[0])
+        and isinstance(batch[1], torch.Tensor)
+    )
+    if not ok:
+        raise ModelError(f"{where} returned {_structure(batch)}; it must return {EXPECTED_BATCH}")
+    return tuple(batch[0]), batch[1]
+
+
+def _structure(value: Any, depth: int = 0) -> str:
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    if isinstance(value, tuple | list) and depth < 2:
+        items = ", ".join(_structure(v, depth + 1) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"({items})" if isinstance(value, tuple) else f"[{items}]"
+    return type(value).__name__
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model pipeplan can trace, profile, partition and run.
 
-    - `build()` constructs the module on the current default device, so `with torch.device("meta"): spec.build()`
-      builds it without memory and each runtime rank can materialize only its own parameters.
-    - `sample_batch(batch_size, generator)` returns `(inputs, target)`: a tuple of input tensors for `forward` and
-      the target for `loss_fn(output, target)`. Deterministic for a given generator state.
-    - `data(batch_size, seed)` optionally yields real `(inputs, target)` batches for training (default: synthetic
-      batches from `sample_batch`).
+    - `build()` constructs the module on the current default device. `torch.manual_seed(seed)` then `build()` on
+      the CPU defines the model's initial state: every rank of `pipeplan run` holds exactly those tensors
+      (parameters and buffers) for its stages, whatever build() does to make them (see runtime/materialize.py).
+      `with torch.device("meta"): spec.build()` must also work (tracing and planning allocate nothing).
+    - `sample_batch(batch_size, generator)` returns `((inputs, ...), target)`: a tuple of input tensors for
+      `forward` and the target tensor for `loss_fn(output, target)`. Deterministic for a given generator state.
+    - `data(batch_size, seed)` optionally yields real `((inputs, ...), target)` batches for training (default:
+      synthetic batches from `sample_batch`).
     - `leaf_modules`: module classes torch.fx must not trace into (e.g. one with data-dependent control flow).
-    - `init_module(module)` initializes one submodule's own parameters in place (default: its
-      `reset_parameters()`); applied submodule by submodule after materializing from the meta device, so a rank
-      that owns only some layers initializes them exactly as a whole-model build would with the same seeds.
+    - `init_module(module)`: a *complete* per-submodule initializer (after the submodule's own
+      `reset_parameters()`, it sets every parameter and buffer of that submodule), declared only for models too
+      large to build whole on one host: there, and only there, each rank builds its part on the meta device and
+      initializes it with this (seeded per submodule), and says so. Without it such a model is refused.
     """
 
     name: str
@@ -48,7 +79,8 @@ class ModelSpec:
     def batches(self, batch_size: int, seed: int = 0) -> Iterator[Batch]:
         """Training batches: the factory's real data if it supplies some, else endless synthetic ones."""
         if self.data is not None:
-            yield from self.data(batch_size, seed)
+            for batch in self.data(batch_size, seed):
+                yield check_batch(batch, f"model {self.name!r}: data")
             return
         generator = torch.Generator().manual_seed(seed)
         while True:

@@ -16,6 +16,7 @@ from pipeplan.planner.inputs import (
     PlanInput,
     ProfileRequest,
     attach_model,
+    check_plan_options,
     load_profile_input,
     make_cluster,
     microbatch_candidates,
@@ -88,6 +89,7 @@ def plan(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
     )
     batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
+    check_plan_options(schedule=schedule, dtype=dtype, output=output, granularity=granularity)
     _check_source(model, profile, assignments, device, granularity)
     source = load_profile_input(str(profile), profile_format) if profile is not None else None
     if source is not None and model is not None:

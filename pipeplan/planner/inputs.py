@@ -83,6 +83,25 @@ def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
     return depths
 
 
+def check_plan_options(
+    *, schedule: str, dtype: str | None, output: str | os.PathLike, granularity: int | None = None
+) -> None:
+    """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
+    from pipeplan.schedules.registry import SCHEDULE_NAMES
+
+    if granularity is not None and granularity < 1:
+        raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
+    if schedule != "auto" and schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown --schedule {schedule!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
+    if dtype is not None:
+        from pipeplan.profiling.analytic import DTYPE_ALIASES, DTYPES
+
+        if DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) not in DTYPES:
+            raise ConfigError(f"--dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"--output {str(output)!r} is a file; give a directory for plan.json and its scripts")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanInput:
     """The profile to plan from, what to record as the model, and its layers' FX nodes (None: not runnable)."""
@@ -129,10 +148,16 @@ class ProfileRequest:
             raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
         if self.device == "meta" and self.hardware is None:
             raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
 def profile_model_input(request: ProfileRequest) -> PlanInput:
     from pipeplan.models import load_model
+    from pipeplan.models.registry import canonical_ref
     from pipeplan.profiling.trace import trace_model
 
     spec = load_model(request.model, request.options)
@@ -154,8 +179,10 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
             progress=not request.quiet, model_ref=request.model, model_options=dict(request.options),
         )  # fmt: skip
     traced = trace_model(spec, batch_size=request.batch_size, granularity=request.granularity, device="meta")
+    ref, digest = canonical_ref(request.model)
     model = ModelRef(
-        ref=request.model,
+        ref=ref,
+        file_sha256=digest,
         options=dict(request.options),
         fingerprint=traced.layer_graph.fingerprint,
         granularity=request.granularity,
@@ -168,6 +195,7 @@ def attach_model(source: PlanInput, model: str, options: dict[str, str], granula
     """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
     profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
     from pipeplan.models import load_model
+    from pipeplan.models.registry import canonical_ref
     from pipeplan.profiling.trace import trace_model
 
     spec = load_model(model, options)
@@ -179,8 +207,10 @@ def attach_model(source: PlanInput, model: str, options: dict[str, str], granula
             f"--profile was made from another graph than MODEL {model!r} with these options; profile this model "
             "again (same -a options and --granularity) or drop MODEL"
         )
+    canonical, digest = canonical_ref(model)
     ref = ModelRef(
-        ref=model,
+        ref=canonical,
+        file_sha256=digest,
         options=dict(options),
         fingerprint=graph.fingerprint,
         granularity=granularity,

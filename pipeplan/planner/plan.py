@@ -35,11 +35,12 @@ def run_device_for(profile_device: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelRef:
-    ref: str  # built-in name, path/to/file.py:factory or package.module:factory
+    ref: str  # built-in name, /abs/path/to/file.py:factory or package.module:factory
     options: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""  # of the traced LayerGraph; the runtime refuses a model that does not match
     granularity: int | None = None  # layer grouping used when tracing
     tokens_per_sample: int | None = None
+    file_sha256: str = ""  # of the model file (file.py:factory refs, recorded with an absolute path); run checks it
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,8 @@ def launch_script(plan: Plan) -> str:
     nodes = plan.cluster.num_nodes
     return f"""#!/usr/bin/env bash
 # pipeplan launch script for: {describe(plan)}
-# One node:    bash launch.sh [--steps N] [--trace FILE] [--checkpoint-dir DIR] [--resume]
+# One node:    bash launch.sh [--steps N] [--trace FILE] [--init-from WEIGHTS] [--checkpoint-dir DIR] [--resume]
+# (from any directory: the plan and its model file are found by absolute path)
 # {nodes} node(s): on every node run
 #   NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash launch.sh [...]
 # Arguments after the script name go to `python -m {WORKER}`.
@@ -76,15 +77,23 @@ def sbatch_script(plan: Plan) -> str:
     job_name = shlex.quote(f"pipeplan-{Path(plan.model.ref.split(':')[0]).stem}")
     return f"""#!/bin/bash
 # pipeplan SLURM job for: {describe(plan)}
-# Submit from the plan's directory: cd <plan dir> && sbatch job.sbatch [--steps N] [--trace FILE]
-# Arguments go to `python -m {WORKER}`; one torchrun per node starts {per_node} rank(s) each.
+# Submit from any directory: sbatch <plan dir>/job.sbatch [--steps N] [--trace FILE] [--init-from WEIGHTS]
+# Arguments go to `python -m {WORKER}`; one torchrun per node starts {per_node} rank(s) each. The plan is the
+# plan.json beside this script as submitted (SLURM runs a copy; scontrol names the original), or $PLAN.
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 {resources}
 #SBATCH --output=pipeplan-%j.out
 set -euo pipefail
-PLAN="${{PLAN:-${{SLURM_SUBMIT_DIR:-$PWD}}/{PLAN_FILE}}}"
+if [ -z "${{PLAN:-}}" ]; then
+  SUBMITTED="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\\([^ ]*\\).*/\\1/p' | head -n 1)"
+  PLAN="$(dirname "${{SUBMITTED:-${{SLURM_SUBMIT_DIR:-$PWD}}/x}}")/{PLAN_FILE}"
+fi
+if [ ! -f "$PLAN" ]; then
+  echo "job.sbatch: no plan at $PLAN; set PLAN=/path/to/{PLAN_FILE}" >&2
+  exit 1
+fi
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR="${{NODES[0]}}"
 MASTER_PORT="${{MASTER_PORT:-29500}}"

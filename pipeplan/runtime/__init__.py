@@ -7,8 +7,9 @@ Entry points:
 - `train.Trainer` / `train.train` run inside an initialized process group (tests, benchmarks);
 - `manual_plan.manual_plan` makes a runnable plan for a hand-chosen split and schedule (no search).
 
-Modules: stages (meta build, fingerprint check, materialize own stages), materialize (deterministic per-submodule
-init), routing (owners, direct skip routing, message tags from the op lists), comm (early receives, async sends),
-executor (F/B/I/W), grads (replica/tie/data-parallel gradient groups and divergence check), checkpoint, watchdog
-(heartbeats), trace_io (measured Chrome trace), config (RunConfig, fault injection).
+Modules: stages (meta trace, fingerprint and model-file checks, materialize own stages), materialize (each rank's
+tensors taken by name from a whole-model CPU build; meta path for too-large models), init_weights (--init-from
+.pt / .safetensors), routing (owners, direct skip routing, message tags from the op lists), comm (early receives,
+async sends), executor (F/B/I/W), grads (replica/tie/data-parallel gradient groups and divergence check),
+checkpoint, watchdog (heartbeats), trace_io (measured Chrome trace), config (RunConfig, fault injection).
 """

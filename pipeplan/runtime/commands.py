@@ -18,6 +18,12 @@ def run(
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Save per-stage checkpoints here."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir."),
+    init_from: Path | None = typer.Option(
+        None,
+        "--init-from",
+        help="Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); "
+        "each rank reads only its stages' tensors.",
+    ),
     lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate (default: the plan's)."),
     weight_decay: float | None = typer.Option(None, "--weight-decay", help="AdamW weight decay (default: the plan's)."),
     heartbeat_timeout: float | None = typer.Option(
@@ -34,12 +40,20 @@ def run(
     --device says otherwise) and compare the measured step time with the plan's prediction. Across nodes, use
     the plan's launch.sh (torchrun -m pipeplan.runtime.worker).
 
+    Without --init-from, every rank's tensors are exactly what the model's factory builds for the whole model with
+    the plan's seed (torch.manual_seed(seed), then build()).
+
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
+    Example: pipeplan run plan/plan.json --init-from weights.safetensors
     """
+    from pipeplan.planner.plan import Plan
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
+    from pipeplan.runtime.stages import check_model_file
 
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if init_from is not None and not init_from.exists():
+        raise ConfigError(f"--init-from {str(init_from)!r} does not exist")
     config = RunConfig(
         steps=steps,
         lr=lr,
@@ -48,9 +62,11 @@ def run(
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        init_from=str(init_from.resolve()) if init_from else None,
         heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
         device=device,
     )
+    check_model_file(Plan.load(plan))  # before any rank starts
     results = launch_local(plan, config, threads=threads)
     if trace:
         out.print(f"measured trace: {trace}", highlight=False)

@@ -22,6 +22,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # 0: only after the last step (when checkpoint_dir is set)
     resume: bool = False
+    init_from: str | None = None  # whole-model state_dict (.pt / .safetensors) giving the initial weights
     log_every: int = 1
     check_every: int = 10  # steps between replica/tie checksum comparisons (0: never)
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -39,6 +40,10 @@ class RunConfig:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        if self.resume and self.init_from:
+            raise ConfigError(
+                "--resume continues from the checkpoint's weights; drop --init-from (it only sets a fresh run's)"
+            )
         for name in ("checkpoint_every", "log_every", "check_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
+from pipeplan.models.registry import canonical_ref
 from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
@@ -64,6 +65,7 @@ def manual_plan(
     options = dict(options or {})
     spec = load_model(model, options)
     graph = trace_model(spec, batch_size=microbatch_size, device="meta").layer_graph
+    ref, digest = canonical_ref(model)
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
     replicas = tuple(replicas or (1,) * num_stages)
@@ -76,8 +78,12 @@ def manual_plan(
     global_batch = microbatch_size * num_microbatches * data_parallel
     return Plan(
         model=ModelRef(
-            ref=model, options=options, fingerprint=graph.fingerprint, tokens_per_sample=spec.tokens_per_sample
-        ),
+            ref=ref,
+            options=options,
+            fingerprint=graph.fingerprint,
+            tokens_per_sample=spec.tokens_per_sample,
+            file_sha256=digest,
+        ),  # fmt: skip
         cluster=cluster,
         training=TrainingConfig(
             global_batch_size=global_batch,

@@ -1,5 +1,6 @@
 """Build what one rank runs: trace the plan's model on the meta device, check the fingerprint, split the graph by
-the plan's FX node names and materialize only the parameters of the rank's own stages.
+the plan's FX node names and materialize the tensors of the rank's own stages exactly as the whole-model build
+has them (materialize.py).
 
 `PipelineModel` also describes the *whole* split (every stage's input/output values, parameter names, the shape
 and dtype of every cut value per microbatch), which every rank needs to route messages and build gradient groups.
@@ -7,20 +8,31 @@ and dtype of every cut value per microbatch), which every rank needs to route me
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipeplan.errors import RunError
 from pipeplan.models import load_model
+from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
 from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
-from pipeplan.profiling.trace import TracedModel, trace_model
+from pipeplan.profiling.trace import TracedModel, trace_model, trace_module
 from pipeplan.runtime.comm import TensorMeta
-from pipeplan.runtime.materialize import materialize
+from pipeplan.runtime.init_weights import load_initial_weights
+from pipeplan.runtime.materialize import (
+    build_whole,
+    materialize,
+    materialize_from_whole,
+    named_tensors,
+    refuse_or_announce_meta_path,
+    whole_build_fits,
+)
 from pipeplan.runtime.routing import StageIO
 
 
@@ -44,7 +56,21 @@ class PipelineModel:
         return next(s for s, io in enumerate(self.stage_io) if self.model_output in io.outputs)
 
 
+def check_model_file(plan: Plan) -> None:
+    """Refuse a plan whose model file changed since it was planned (its stage node names may no longer fit)."""
+    path = file_of(plan.model.ref)
+    if not plan.model.file_sha256 or path is None:
+        return
+    if not path.is_file():
+        raise RunError(f"the plan's model file {str(path)!r} does not exist on this machine; put it there or re-plan")
+    if file_sha256(path) != plan.model.file_sha256:
+        raise RunError(
+            f"model file {str(path)!r} changed since the plan was made (sha256 differs); re-run `pipeplan plan`"
+        )
+
+
 def load_spec(plan: Plan) -> ModelSpec:
+    check_model_file(plan)
     return load_model(plan.model.ref, dict(plan.model.options))
 
 
@@ -90,8 +116,9 @@ def _canonical_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
-def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> PipelineModel:
-    """The whole split on the meta device plus this rank's stages materialized on `device`."""
+def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_from: str | None = None) -> PipelineModel:
+    """The whole split on the meta device plus this rank's stages materialized on `device`: exactly the whole-model
+    build's tensors (see runtime/materialize.py), then the `init_from` file's values where given."""
     spec = load_spec(plan)
     traced = trace_for_plan(plan, spec)
     stage_io: list[StageIO] = []
@@ -102,22 +129,22 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
     meta_modules = [build_stage_module(traced, stage.node_names) for stage in plan.stages]
     stage_params = [tuple(sorted({canonical[id(p)] for p in m.parameters()})) for m in meta_modules]
     own = plan.ranks[rank].stages
-    needed = [t for s in own for t in (*meta_modules[s].parameters(), *meta_modules[s].buffers())]
-    del meta_modules  # they hold the meta tensors; the own stages are rebuilt on the materialized ones
-    materialize(
-        traced.module,
-        needed=needed,
-        seed=plan.training.seed,
-        device=device,
-        init_module=spec.init_module,
-        also_replace_in=[traced.graph_module],
+    materialize_stages(
+        plan, spec, traced, [meta_modules[s] for s in own], rank=rank, device=device, init_from=init_from
     )
-    del needed
+    del meta_modules  # they hold the meta tensors; the own stages are rebuilt on the materialized ones
     modules = {s: build_stage_module(traced, plan.stages[s].node_names) for s in own}
+    if init_from:
+        own_tensors = [item for s in own for item in named_tensors(modules[s])]
+        load_initial_weights(init_from, model=traced.module, tensors=own_tensors)
     by_name = dict(traced.module.named_parameters(remove_duplicate=False))
     params = {name: by_name[name] for s in own for name in stage_params[s]}
-    for name, param in params.items():
-        assert param.device.type == torch.device(device).type, f"{name} was not materialized"
+    unmade = [name for module in modules.values() for name, tensor in named_tensors(module) if tensor.is_meta]
+    if unmade:  # only the meta path can leave one: a value the tracer computed from meta buffers
+        raise RunError(
+            f"rank {rank} cannot initialize {unmade[0]!r} from the meta device; build the model on a host where it "
+            "fits whole, or have its forward use buffers through submodules"
+        )
     return PipelineModel(
         spec=spec,
         traced=traced,
@@ -131,10 +158,60 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
     )
 
 
-def build_reference_model(plan: Plan, device: torch.device | str = "cpu") -> tuple[ModelSpec, nn.Module]:
-    """The whole model materialized the way the ranks materialize their parts (for single-process checks)."""
+def materialize_stages(
+    plan: Plan,
+    spec: ModelSpec,
+    traced: TracedModel,
+    stages: list[nn.Module],
+    *,
+    rank: int,
+    device: torch.device,
+    init_from: str | None = None,
+) -> None:
+    """Give `stages` (modules naming their tensors by model-qualified names) real tensors on `device`, swapped in
+    everywhere in the traced model: the whole-model build's (default) or, for a model too large to build whole on
+    this host, its declared per-submodule initializer's (the meta path)."""
+    roots = [traced.module, traced.graph_module]
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    fits, needed, available = whole_build_fits(traced.module, ranks_here)
+    if all_ranks_agree(fits, device):  # one mechanism for all ranks: ties and replicas must start equal
+        whole = build_whole(spec, plan.training.seed)
+
+        def constants() -> nn.Module:  # the tracer's constants (ops on buffers alone), from the real whole model
+            if init_from:  # computed from the file's buffers, so the whole file is read
+                load_initial_weights(init_from, model=whole, tensors=list(named_tensors(whole)))
+            return trace_module(whole, spec, batch_size=1, granularity=plan.model.granularity).graph_module
+
+        materialize_from_whole(whole, stages, roots=roots, device=device, constants=constants)
+        return
+    refuse_or_announce_meta_path(spec, rank=rank, needed=needed, available=available, ranks=ranks_here)
+    own_tensors = [t for stage in stages for _, t in named_tensors(stage)]
+    materialize(
+        traced.module,
+        needed=own_tensors,
+        seed=plan.training.seed,
+        device=device,
+        init_module=spec.init_module,
+        also_replace_in=[traced.graph_module, *stages],
+    )
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True when `flag` holds on every rank of the process group (this rank alone outside one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def build_reference_model(
+    plan: Plan, device: torch.device | str = "cpu", *, init_from: str | None = None
+) -> tuple[ModelSpec, nn.Module]:
+    """The whole model exactly as the factory builds it with the plan's seed (what every rank's stages hold), with
+    the `init_from` file's values where given (for single-process checks)."""
     spec = load_spec(plan)
-    with torch.device("meta"):
-        module = spec.build()
-    materialize(module, needed=None, seed=plan.training.seed, device=device, init_module=spec.init_module)
-    return spec, module
+    module = build_whole(spec, plan.training.seed)
+    if init_from:
+        load_initial_weights(init_from, model=module, tensors=list(named_tensors(module)))
+    return spec, module.to(device)

@@ -68,7 +68,7 @@ def _optimizer(plan: Plan, config: RunConfig, model: PipelineModel) -> torch.opt
 class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
-        self.model = build_pipeline_model(plan, rank, device)
+        self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
         # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
         groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None

@@ -2,8 +2,8 @@
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m pipeplan.runtime.worker DIR/plan.json [--steps N] [--trace FILE] [--checkpoint-dir DIR]
-        [--checkpoint-every K] [--resume] [--lr X] [--weight-decay X] [--heartbeat-timeout S] [--check-every K]
-        [--threads T] [--device cpu|cuda] [--quiet]
+        [--checkpoint-every K] [--resume] [--init-from FILE] [--lr X] [--weight-decay X] [--heartbeat-timeout S]
+        [--check-every K] [--threads T] [--device cpu|cuda] [--quiet]
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
@@ -120,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--init-from")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--heartbeat-timeout", type=float, default=None)
@@ -136,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        init_from=args.init_from,
         check_every=args.check_every,
         heartbeat_timeout_s=args.heartbeat_timeout or heartbeat_timeout_from_env(),
         quiet=args.quiet,

@@ -67,9 +67,11 @@ def assert_matches_reference(plan: Plan, per_rank, label: str) -> None:
             )
 
 
-def reference_losses(plan: Plan, steps: int, *, lr: float, weight_decay: float) -> list[float]:
+def reference_losses(
+    plan: Plan, steps: int, *, lr: float, weight_decay: float, init_from: str | None = None
+) -> list[float]:
     """Single-process AdamW training of the whole model on the plan's batches (mean loss over the global batch)."""
-    spec, module = build_reference_model(plan)
+    spec, module = build_reference_model(plan, init_from=init_from)
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
     b = plan.training.microbatch_size

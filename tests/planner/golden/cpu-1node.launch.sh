@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # pipeplan launch script for: examples/my_model.py:build (layers=8) on 2 device(s) (1 node(s) x 2), schedule 1f1b, 2 stage(s) x 1 pipeline(s), 32 microbatch(es) of 1
-# One node:    bash launch.sh [--steps N] [--trace FILE] [--checkpoint-dir DIR] [--resume]
+# One node:    bash launch.sh [--steps N] [--trace FILE] [--init-from WEIGHTS] [--checkpoint-dir DIR] [--resume]
+# (from any directory: the plan and its model file are found by absolute path)
 # 1 node(s): on every node run
 #   NNODES=1 NODE_RANK=<0..0> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash launch.sh [...]
 # Arguments after the script name go to `python -m pipeplan.runtime.worker`.

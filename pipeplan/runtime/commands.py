@@ -48,7 +48,7 @@ def run(
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every,
         resume=resume,
-        heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
+        heartbeat_timeout_s=heartbeat_timeout if heartbeat_timeout is not None else heartbeat_timeout_from_env(),
         device=device,
     )
     results = launch_local(plan, config, threads=threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -33,10 +34,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if self.weight_decay is not None and self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
         for name in ("checkpoint_every", "log_every", "check_every"):
@@ -46,8 +47,10 @@ class RunConfig:
             warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        if not self.heartbeat_timeout_s > 0:
-            raise ConfigError(f"heartbeat timeout must be > 0 s, got {self.heartbeat_timeout_s}")
+        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
+            raise ConfigError(
+                f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
+            )
 
     @property
     def pg_timeout_s(self) -> float:
@@ -72,8 +75,8 @@ def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> 
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{HEARTBEAT_ENV}={raw!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"{HEARTBEAT_ENV} must be > 0 seconds, got {value}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{HEARTBEAT_ENV} must be a finite number of seconds > 0, got {value}")
     return value
 
 

@@ -137,7 +137,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         check_every=args.check_every,
-        heartbeat_timeout_s=args.heartbeat_timeout or heartbeat_timeout_from_env(),
+        heartbeat_timeout_s=(
+            args.heartbeat_timeout if args.heartbeat_timeout is not None else heartbeat_timeout_from_env()
+        ),
         quiet=args.quiet,
         device=args.device,
     )

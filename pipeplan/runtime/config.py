@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 
-FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | diverge)
+FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+FAULT_MODES = ("exit", "hang", "stop", "diverge")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,16 +83,17 @@ def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
-    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it, `diverge`
-    nudges its copy of a shared (replicated or tied) parameter so the divergence check must catch it."""
+    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it (Python
+    still runs), `stop` sends it SIGSTOP (nothing runs, signals wait), `diverge` nudges its copy of a shared
+    (replicated or tied) parameter so the divergence check must catch it."""
 
     rank: int
     step: int
     mode: str = "exit"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("exit", "hang", "diverge"):
-            raise ConfigError(f"{FAULT_ENV} mode must be exit, hang or diverge, got {self.mode!r}")
+        if self.mode not in FAULT_MODES:
+            raise ConfigError(f"{FAULT_ENV} mode must be one of {', '.join(FAULT_MODES)}, got {self.mode!r}")
         if self.rank < 0 or self.step < 0:
             raise ConfigError(f"{FAULT_ENV} rank and step must be >= 0")
 
@@ -104,9 +106,9 @@ class FaultSpec:
         for part in raw.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in ("rank", "step", "mode"):
-                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge")
+                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge")
             fields[key.strip()] = value.strip()
         try:
             return cls(rank=int(fields["rank"]), step=int(fields["step"]), mode=fields.get("mode", "exit"))
         except (KeyError, ValueError):
-            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge") from None
+            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge") from None

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
+import click
 import typer
 from rich.markup import escape
 
@@ -37,17 +40,41 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
 ]
 
 
+DEBUG_ENV = "PIPEPLAN_DEBUG"  # set to 1 to see the traceback of an unexpected error
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line for an error a user's input or machine caused; the last resort names the exception."""
+    if isinstance(exc, PipeplanError):
+        return str(exc)
+    if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or type(exc).__name__ == "OutOfMemoryError":
+        return "out of memory: the sizes asked for do not fit this machine; reduce the batch size or model options"
+    if isinstance(exc, OSError):
+        where = f" {exc.filename!r}" if exc.filename else ""
+        return f"cannot read or write{where}: {exc.strerror or exc}"
+    if isinstance(exc, OverflowError):
+        return f"a number is too large: {exc}; give a smaller value"
+    if isinstance(exc, RecursionError):
+        return "the model or input is nested too deeply to process"
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"unexpected {type(exc).__name__}: {first} (a pipeplan bug; {DEBUG_ENV}=1 shows the traceback)"
+
+
 def _one_line_errors(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except PipeplanError as exc:
-            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            raise
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV) and not isinstance(exc, PipeplanError):
+                raise
+            err.print(f"[bold red]error:[/] {escape(_error_line(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -74,4 +101,19 @@ _register()
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        _flush_stdout()
+
+
+def _flush_stdout() -> None:
+    """stdout that cannot be written (a full disk, a closed pipe) ends with one line, not an ignored-exception dump
+    at interpreter exit."""
+    try:
+        sys.stdout.flush()
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(exc, BrokenPipeError):
+            err.print(f"[bold red]error:[/] cannot write to standard output: {exc.strerror or exc}", highlight=False)
+            raise SystemExit(1) from None

@@ -31,3 +31,7 @@ class InfeasibleError(PipeplanError):
 
 class RunError(PipeplanError):
     """A failure while executing a plan (a rank died, a mismatched model, a bad checkpoint)."""
+
+
+class OutputError(PipeplanError):
+    """A file or directory pipeplan must write cannot be written (a directory in the way, a full disk, ...)."""

@@ -63,7 +63,7 @@ def run(
         checkpoint_every=checkpoint_every,
         resume=resume,
         init_from=str(init_from.resolve()) if init_from else None,
-        heartbeat_timeout_s=heartbeat_timeout or heartbeat_timeout_from_env(),
+        heartbeat_timeout_s=heartbeat_timeout if heartbeat_timeout is not None else heartbeat_timeout_from_env(),
         device=device,
     )
     check_model_file(Plan.load(plan))  # before any rank starts

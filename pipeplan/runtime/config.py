@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 
-FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | diverge)
+FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+FAULT_MODES = ("exit", "hang", "stop", "diverge")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,10 +36,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if self.weight_decay is not None and self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
         if self.resume and self.init_from:
@@ -51,8 +53,10 @@ class RunConfig:
             warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        if not self.heartbeat_timeout_s > 0:
-            raise ConfigError(f"heartbeat timeout must be > 0 s, got {self.heartbeat_timeout_s}")
+        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
+            raise ConfigError(
+                f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
+            )
 
     @property
     def pg_timeout_s(self) -> float:
@@ -77,23 +81,24 @@ def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> 
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{HEARTBEAT_ENV}={raw!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"{HEARTBEAT_ENV} must be > 0 seconds, got {value}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{HEARTBEAT_ENV} must be a finite number of seconds > 0, got {value}")
     return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
-    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it, `diverge`
-    nudges its copy of a shared (replicated or tied) parameter so the divergence check must catch it."""
+    """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it (Python
+    still runs), `stop` sends it SIGSTOP (nothing runs, signals wait), `diverge` nudges its copy of a shared
+    (replicated or tied) parameter so the divergence check must catch it."""
 
     rank: int
     step: int
     mode: str = "exit"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("exit", "hang", "diverge"):
-            raise ConfigError(f"{FAULT_ENV} mode must be exit, hang or diverge, got {self.mode!r}")
+        if self.mode not in FAULT_MODES:
+            raise ConfigError(f"{FAULT_ENV} mode must be one of {', '.join(FAULT_MODES)}, got {self.mode!r}")
         if self.rank < 0 or self.step < 0:
             raise ConfigError(f"{FAULT_ENV} rank and step must be >= 0")
 
@@ -106,9 +111,9 @@ class FaultSpec:
         for part in raw.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in ("rank", "step", "mode"):
-                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge")
+                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge")
             fields[key.strip()] = value.strip()
         try:
             return cls(rank=int(fields["rank"]), step=int(fields["step"]), mode=fields.get("mode", "exit"))
         except (KeyError, ValueError):
-            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|diverge") from None
+            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge") from None

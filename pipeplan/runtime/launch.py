@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import tempfile
 import time
@@ -13,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -25,6 +27,8 @@ from pipeplan.runtime.worker import run_plans
 
 # phrases of errors that only say a peer went away (the rank reporting them is not the cause)
 _LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
+_STOPPED_PEER = re.compile(r"^rank \d+ stopped responding")
+SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, stopped) is killed this much later
 
 
 def _free_port() -> int:
@@ -71,6 +75,7 @@ def launch_many(
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
+        **_shutdown_option(),
     )
     with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors, _quiet_torch_logs():
         previous = os.environ.get(ERROR_DIR_ENV)
@@ -80,12 +85,21 @@ def launch_many(
             results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
         except ChildFailedError as exc:
             raise RunError(_failure_line(exc, Path(errors), world_size)) from None
+        except SignalException:  # Ctrl-C or SIGTERM: the agent has stopped every rank
+            raise KeyboardInterrupt from None
         finally:
             if previous is None:
                 os.environ.pop(ERROR_DIR_ENV, None)
             else:
                 os.environ[ERROR_DIR_ENV] = previous
     return [results[rank] for rank in range(world_size)]
+
+
+def _shutdown_option() -> dict[str, int]:
+    """Wait only briefly for ranks to exit once the run has failed (torch's default is 30 s; older torch has no
+    such option and keeps its default)."""
+    fields = getattr(LaunchConfig, "__dataclass_fields__", {})
+    return {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if "shutdown_timeout" in fields else {}
 
 
 @contextlib.contextmanager
@@ -114,6 +128,8 @@ def _failure_line(exc: ChildFailedError, errors: Path, world_size: int) -> str:
     own = [r for r in by_rank if not any(mark in by_rank[r] for mark in _LOST_PEER)]
     if own:  # a pipeplan-level error or a heartbeat timeout names the cause itself
         first = min(own, key=lambda r: [p.stem for p in messages].index(f"rank_{r}"))
+        if _STOPPED_PEER.match(by_rank[first]):  # the reporter is healthy: blame the rank it names
+            return f"{by_rank[first]}; noticed by rank {first}"
         return f"rank {first} failed: {by_rank[first]}"
     silent = [r for r in range(world_size) if r not in by_rank]
     if by_rank and silent:

@@ -5,6 +5,7 @@ write checkpoints and the measured trace."""
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import sys
 import time
@@ -188,6 +189,8 @@ def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer
         with torch.no_grad():
             trainer.model.params[shared[0]].add_(1e-3)
         return
+    if fault.mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if watchdog is not None:
         watchdog.freeze()
     while True:

@@ -3,7 +3,8 @@
 Every rank's watchdog thread bumps its own counter in the store about once a second and watches the next few ranks
 on a ring (so the store serves O(world size) reads per second, not O(world size^2)). A watched peer whose counter has
 not moved for `timeout_s` (by this rank's own clock, so node clocks need not agree) is published as the failure;
-every watchdog polls that one key and, once set, prints one line naming the failed rank and exits non-zero. A rank
+every watchdog polls that one key and, once set, prints one line naming the failed rank and exits non-zero. A frozen
+peer on the same host is killed by the watchdog that noticed it, so the launcher need not wait for it to exit. A rank
 that finished marks itself done. Process-group timeouts catch the remaining cases (a rank alive but stuck outside
 Python, or a dead rank whose watchers died with it).
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 PREFIX = "pipeplan/heartbeat/"
+PID_PREFIX = "pipeplan/pid/"  # host:pid of each rank, so a watchdog can end a frozen peer on its own host
 FAILED_KEY = "pipeplan/failed"
 DONE = b"done"
 EXIT_CODE = 17
@@ -57,6 +61,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._store.set(f"{PREFIX}{self.rank}", "0")
+        self._store.set(f"{PID_PREFIX}{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
         self._thread.start()
         return self
 
@@ -102,7 +107,16 @@ class Watchdog:
                 elif value != last_value.get(peer):
                     last_value[peer], last_change[peer] = value, now
                 elif now - last_change[peer] > self.timeout_s and not self._stop.is_set():
+                    self._kill_if_local(peer)
                     self._exit(f"rank {peer} stopped responding (no heartbeat for {self.timeout_s:.0f} s)")
+
+    def _kill_if_local(self, peer: int) -> None:
+        """A frozen or stopped (SIGSTOP) rank on this host cannot act on the launcher's SIGTERM, which would then
+        wait before its SIGKILL: end it now so that every rank is gone right after the timeout."""
+        with contextlib.suppress(Exception):
+            host, pid = self._store.get(f"{PID_PREFIX}{peer}").decode().rsplit(":", 1)
+            if host == socket.gethostname() and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
 
     def _exit(self, reason: str, *, publish: bool = True) -> None:
         if publish:

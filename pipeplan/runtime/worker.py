@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -63,6 +65,7 @@ def run_plans(
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watchdog = None
+    _quiet_termination()
     try:
         plans = [Plan.load(path) for path, _ in runs]
         for plan in plans:
@@ -88,11 +91,22 @@ def run_plans(
         dist.barrier()
         dist.destroy_process_group()
         return results
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: leave without a traceback
+        os._exit(INTERRUPTED_EXIT)
     except PipeplanError as exc:
         _fail(rank, str(exc), watchdog)
     except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank
         _fail(rank, f"{type(exc).__name__}: {_short(str(exc))}", watchdog)
     raise AssertionError("unreachable")
+
+
+INTERRUPTED_EXIT = 130
+
+
+def _quiet_termination() -> None:
+    """SIGTERM (the launcher stopping the run, or a scheduler) ends the rank at once, without a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
 
 
 def _short(text: str) -> str:
@@ -139,7 +153,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
         resume=args.resume,
         init_from=args.init_from,
         check_every=args.check_every,
-        heartbeat_timeout_s=args.heartbeat_timeout or heartbeat_timeout_from_env(),
+        heartbeat_timeout_s=(
+            args.heartbeat_timeout if args.heartbeat_timeout is not None else heartbeat_timeout_from_env()
+        ),
         quiet=args.quiet,
         device=args.device,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,3 +80,52 @@ def test_diverged_tied_copies_stop_the_run(tmp_path, monkeypatch):
     config = RunConfig(steps=3, check_every=1, quiet=True, heartbeat_timeout_s=30.0)
     with pytest.raises(RunError, match=r"step 1: parameter 'embed.tok.weight' differs between ranks \[0, 1\]"):
         launch_local(path, config, threads=1)
+
+
+def test_stopped_rank_is_blamed_and_everyone_is_gone_soon(tmp_path):
+    """SIGSTOP freezes the whole process (its watchdog too); the peer notices within the heartbeat timeout, and the
+    launcher kills the stopped rank instead of waiting for it: the run ends within timeout + 10 s of the stop."""
+    path, _ = make_plan(tmp_path, "stop", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
+    args = [sys.executable, "-m", "pipeplan", "run", path, "--steps", "4", "--heartbeat-timeout", "5", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEPLAN_FAULT": "rank=1,step=1,mode=stop"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # rank 1 stops at the start of step 2 (index 1), right after step 1 is logged
+        if line.startswith("step "):
+            break
+    stopped_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - stopped_at
+    assert proc.returncode == 1
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors and errors[-1].startswith("error: rank 1 stopped responding"), stderr[-2000:]
+    assert "rank 0 failed" not in errors[-1]
+    assert elapsed < 5 + 10, f"the run took {elapsed:.1f} s to end after rank 1 stopped"
+
+
+@pytest.mark.parametrize("how", ["sigint-group", "sigterm"])
+def test_interrupt_is_one_line_exit_130_and_leaves_no_rank(tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's whole process group) or SIGTERM to pipeplan: "interrupted", exit 130, no
+    traceback, and no rank left behind."""
+    path, _ = make_plan(tmp_path, "int", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
+    args = [sys.executable, "-m", "pipeplan", "run", path, "--steps", "100000", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    for line in proc.stdout:  # wait until the ranks train
+        if line.startswith("step "):
+            break
+    if how == "sigint-group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anyone left in the run's process group?
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail("a rank outlived the interrupted run")

@@ -1,0 +1,207 @@
+"""The fuzz corpus: fixture files, one valid base command per CLI command, bad values per option, corrupted plan
+files, and the seed cases reported in the reliability issue. A case is (argv, expect) where expect is "error"
+(exit 1 or 2: nonsense must never succeed) or "any" (may succeed; must still be clean and bounded)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "planner"))
+
+from planner_helpers import synthetic_profile  # noqa: E402
+
+from pipeplan.runtime.manual_plan import manual_plan  # noqa: E402
+
+TINY_GPT = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: tuple[str, ...]
+    expect: str = "error"  # or "any"
+
+    def label(self) -> str:
+        return " ".join(self.argv)[:160]
+
+
+@dataclass(frozen=True)
+class Files:
+    root: Path
+    profile: Path
+    plan: Path  # from a profile alone (not runnable)
+    runnable: Path  # a tiny gpt, 2 ranks
+    a_dir: Path
+    a_file: Path
+    binary: Path
+    empty: Path
+    nan_hardware: Path
+    inf_hardware: Path
+
+    @property
+    def bad_outputs(self) -> list[str]:
+        return [str(self.a_dir), str(self.a_file / "x.json"), str(self.root / ("y" * 300)), ""]
+
+
+def make_files(root: Path) -> Files:
+    from typer.testing import CliRunner
+
+    from pipeplan.cli import app
+
+    profile = root / "profile.json"
+    synthetic_profile(num_layers=4).save(profile)
+    plan_dir = root / "plan"
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--devices", "2", "-o", str(plan_dir)])
+    assert result.exit_code == 0, result.output
+    runnable = root / "runnable.json"
+    manual_plan("gpt", TINY_GPT, schedule="1f1b", pipeline_devices=2, num_microbatches=2).save(runnable)
+    (root / "a_dir").mkdir()
+    (root / "a_file").write_text("not a directory\n")
+    (root / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (root / "empty.json").write_text("")
+    preset = {"peak_flops": {"bfloat16": 1e15}, "memory_bandwidth": 3e12, "memory_per_device": 80e9}
+    (root / "nan_hw.json").write_text(json.dumps({"nanchip": {**preset, "memory_bandwidth": math.nan}}))
+    (root / "inf_hw.json").write_text(json.dumps({"infchip": {**preset, "peak_flops": {"bfloat16": math.inf}}}))
+    return Files(
+        root=root, profile=profile, plan=plan_dir / "plan.json", runnable=runnable, a_dir=root / "a_dir",
+        a_file=root / "a_file", binary=root / "binary.bin", empty=root / "empty.json",
+        nan_hardware=root / "nan_hw.json", inf_hardware=root / "inf_hw.json",
+    )  # fmt: skip
+
+
+BAD_COUNT = ["0", "-1", "-7", "abc", "", "1.5", "1000000000"]
+BAD_TIME = ["-1", "nan", "inf", "-inf", "1e400", "abc", ""]
+BAD_RATE = ["0", "-1", "nan", "inf", "1e400", "abc"]
+
+
+def option_cases(f: Files) -> list[Case]:
+    """Each command's valid base with one option given a bad value."""
+    simulate = ("simulate", "-s", "1f1b", "-p", "2", "-m", "4")
+    profile = ("profile", "mlp", "-a", "layers=2", "-a", "hidden=8", "--batch-size", "2", "-o", str(f.root / "p.json"))
+    plan = ("plan", "--profile", str(f.profile), "--devices", "2", "-o", str(f.root / "out"))
+    run = ("run", str(f.runnable), "--steps", "1")
+    capacity = ("capacity", "gpt2-small", "--hardware", "h100", "--devices", "8")
+    table: list[tuple[tuple[str, ...], str, list[str]]] = [
+        (simulate, "-p", BAD_COUNT[:-1] + ["100000"]),
+        (simulate, "-m", BAD_COUNT),
+        (simulate, "--f", BAD_TIME),
+        (simulate, "--b", BAD_TIME),
+        (simulate, "--w", BAD_TIME),
+        (simulate, "--comm", BAD_TIME),
+        (simulate, "--memory-limit", ["0", "-1", "abc"]),
+        (simulate, "--schedule", ["nosuch", ""]),
+        (simulate, "--trace", f.bad_outputs),
+        (profile, "--batch-size", BAD_COUNT),
+        (profile, "-a", ["hidden=0", "hidden=-1", "hidden=10000000", "layers=1000000", "layers=0", "nosuch=1", "x"]),
+        (profile, "--device", ["tpu", "meta", ""]),
+        (profile, "--hardware", ["nosuch"]),
+        (profile, "--granularity", ["0", "-1", "abc"]),
+        (profile, "-o", f.bad_outputs),
+        (plan, "--devices", BAD_COUNT[:-1] + ["100000", "8,,"]),
+        (plan, "--devices-per-node", ["0", "-1", "abc", "3"]),
+        (plan, "--memory-per-device", ["0", "-1", "1e400", "abc", "10XB", "nan"]),
+        (plan, "--global-batch-size", BAD_COUNT),
+        (plan, "-b", ["0", "-1", "1,,", "abc"]),
+        (plan, "--pipeline-depth", ["0", "3", "abc", "-2"]),
+        (plan, "--optimizer", ["nosuch"]),
+        (plan, "--dtype", ["nosuch"]),
+        (plan, "--schedule", ["nosuch", "zbx"]),
+        (plan, "--profile-format", ["onnx"]),
+        (plan, "--profile", [str(f.binary), str(f.empty), str(f.a_dir), str(f.root / "missing.json")]),
+        (plan, "-o", [str(f.a_file), str(f.a_file / "sub"), str(f.root / ("z" * 300)), ""]),
+        (run, "--steps", ["0", "-1", "abc"]),
+        (run, "--lr", BAD_RATE),
+        (run, "--weight-decay", ["-1", "nan", "inf", "abc"]),
+        (run, "--heartbeat-timeout", ["0", "-1", "nan", "inf", "abc"]),
+        (run, "--threads", ["0", "-1", "abc"]),
+        (run, "--device", ["tpu", ""]),
+        (run, "--checkpoint-every", ["-1", "abc"]),
+        (run, "--trace", f.bad_outputs),
+        (run, "--checkpoint-dir", [str(f.a_file), str(f.a_file / "sub"), ""]),
+        (capacity, "-B", ["0", "-1", "abc"]),
+        (capacity, "--target-tokens", ["0", "-1", "1e400", "abc", "nan"]),
+        (capacity, "--days", ["0", "-1", "nan", "inf", "abc"]),
+        (capacity, "--devices", ["8,,", "0", "-8", "abc", "100000000"]),
+        (capacity, "--hardware", ["nosuch"]),
+        (capacity, "--plot", f.bad_outputs),
+    ]
+    cases = [Case((*base, option, value)) for base, option, values in table for value in values]
+    cases += [
+        Case((*capacity[:2], "--hardware-file", str(path), "--hardware", chip, *capacity[4:]))
+        for path, chip in ((f.nan_hardware, "nanchip"), (f.inf_hardware, "infchip"), (f.binary, "h100"))
+    ]
+    cases += [
+        Case(("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--f", "0", "--b", "0", "--w", "0")),
+        Case(("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--f", "1e308", "--b", "1e308")),
+        Case(("simulate", "--compare", "-p", "0", "-m", "0")),
+        Case(("simulate", "--compare", "-p", "4", "-m", "100000000")),
+        Case(("simulate", "-s", "1f1b", "-p", "4", "-m", "1000000000")),
+        Case(("plan", "--profile", str(f.profile), "--devices", "100000", "--pipeline-depth", "2")),
+        Case(("plan", "--profile", str(f.profile), "--memory-per-device", "1e400")),
+        Case(("export", str(f.plan), "--format", "nosuch", "-o", str(f.root / "s.csv"))),
+        Case(("export", str(f.plan), "-o", str(f.a_dir))),
+        Case(("profile", "nosuch_model")),
+        Case(("profile", str(f.a_file) + ":build")),
+    ]
+    return cases
+
+
+def _set(data: dict, path: tuple, value) -> dict:
+    mutated = copy.deepcopy(data)
+    node = mutated
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return mutated
+
+
+_DELETE = object()
+
+# (path in plan.json, new value or _DELETE, whether show/export must fail)
+PLAN_MUTATIONS: list[tuple[tuple, object, bool]] = [
+    (("stages", 0, "node_names"), _DELETE, True),
+    (("stages", 0, "layer_names"), _DELETE, True),
+    (("ranks", 0, "stages"), _DELETE, True),
+    (("chunks",), "abc", True),
+    (("rank_ops", 0, 0), 5, True),
+    (("rank_ops", 0), "0F0", True),
+    (("schedule",), "nosuch", True),
+    (("predicted", "step_ms"), -5.0, True),
+    (("model", "tokens_per_sample"), -5, True),
+    (("training", "num_microbatches"), "x", True),
+    (("stages",), [], True),
+    (("ranks",), "x", True),
+    (("cluster", "memory_per_device"), "lots", True),
+    (("schema_version",), 99, True),
+    (("model", "fingerprint"), _DELETE, False),
+    (("rationale",), 7, False),
+]
+
+
+def corrupted_plans(f: Files) -> list[Case]:
+    """show / export / run on plan files with one field deleted or mistyped, and on op lists that cannot run."""
+    cases = []
+    for label, base in (("plan", f.plan), ("runnable", f.runnable)):
+        data = json.loads(base.read_text())
+        mutations = [(_set(data, path, value), must_fail) for path, value, must_fail in PLAN_MUTATIONS]
+        ops = data["rank_ops"]
+        mutations += [
+            (_set(data, ("rank_ops", 0), list(reversed(ops[0]))), True),  # B before F / deadlock
+            (_set(data, ("rank_ops", 1), ops[1][:-1]), True),  # an op dropped
+        ]
+        for i, (mutated, must_fail) in enumerate(mutations):
+            path = f.root / f"bad_{label}_{i}.json"
+            path.write_text(json.dumps(mutated))
+            expect = "error" if must_fail else "any"
+            cases.append(Case(("show", str(path)), expect))
+            cases.append(Case(("export", str(path), "-o", str(f.root / f"bad_{label}_{i}.csv")), expect))
+            if label == "runnable":  # must be refused before any rank starts
+                cases.append(Case(("run", str(path), "--steps", "1"), "error"))
+    return cases

@@ -77,7 +77,7 @@ def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None):
     batch = next(trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed))
 
     def step():
-        _, op_times = trainer.one_step(batch)
+        _, op_times = trainer.one_step(0, batch)
         if sink is not None:
             sink.append(op_times)
 

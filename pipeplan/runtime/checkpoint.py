@@ -5,6 +5,8 @@ temp name and renamed; files are read with torch.load(weights_only=True)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +18,7 @@ from torch import nn
 
 from pipeplan.errors import RunError
 from pipeplan.jsonio import atomic_write_text
+from pipeplan.planner.plan import Plan
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept
@@ -29,6 +32,12 @@ def stage_file(root: str | os.PathLike, step: int, stage: int) -> Path:
     return step_dir(root, step) / f"stage_{stage:03d}.pt"
 
 
+def partition_key(plan: Plan) -> str:
+    """Digest of the plan's partition (each stage's layers and FX nodes): a checkpoint resumes only into the same."""
+    stages = [(s.first_layer, s.last_layer, list(s.node_names)) for s in plan.stages]
+    return hashlib.sha256(json.dumps(stages).encode()).hexdigest()[:16]
+
+
 def save_stage(
     root: str | os.PathLike,
     *,
@@ -36,15 +45,22 @@ def save_stage(
     stage: int,
     names: tuple[str, ...],
     params: dict[str, nn.Parameter],
+    buffers: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     fingerprint: str,
+    partition: str,
+    num_stages: int,
 ) -> None:
-    """Write one stage's state atomically (temp file in the same directory, then rename)."""
+    """Write one stage's state atomically (temp file in the same directory, then rename): its parameters, their
+    optimizer state, its buffers (running statistics), and what partition it belongs to."""
     state = {
         "step": step,
         "stage": stage,
         "fingerprint": fingerprint,
+        "partition": partition,
+        "num_stages": num_stages,
         "params": {name: params[name].detach().cpu() for name in names},
+        "buffers": {name: value.detach().cpu() for name, value in buffers.items()},
         "optimizer": {name: _cpu(optimizer.state.get(params[name], {})) for name in names},
         "rng": torch.get_rng_state(),
     }
@@ -83,16 +99,29 @@ def latest_step(root: str | os.PathLike) -> int:
         raise RunError(f"checkpoint marker {str(marker)!r} holds {name!r}, not step_NNNNNNNN") from None
 
 
+def check_complete(root: str | os.PathLike, step: int, num_stages: int) -> None:
+    """Every stage file of this plan's partition is in checkpoint `step`, and no other."""
+    found = sorted(p.name for p in step_dir(root, step).glob("stage_*.pt"))
+    expected = [stage_file(root, step, s).name for s in range(num_stages)]
+    if found != expected:
+        raise RunError(
+            f"checkpoint {str(step_dir(root, step))!r} holds {len(found)} stage file(s) but this plan has "
+            f"{num_stages} stage(s); resume with the plan that wrote it, or drop --resume"
+        )
+
+
 def load_stage(
     root: str | os.PathLike,
     *,
     step: int,
     stage: int,
     params: dict[str, nn.Parameter],
+    buffers: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     fingerprint: str,
+    partition: str,
 ) -> None:
-    """Copy a stage's saved parameters and optimizer state into this rank's (same names, same shapes)."""
+    """Copy a stage's saved parameters, buffers and optimizer state into this rank's (same names, same shapes)."""
     path = stage_file(root, step, stage)
     if not path.is_file():
         raise RunError(f"checkpoint file {str(path)!r} is missing; resume from an intact checkpoint directory")
@@ -102,6 +131,11 @@ def load_stage(
         raise RunError(f"cannot read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
     if state.get("fingerprint") and fingerprint and state["fingerprint"] != fingerprint:
         raise RunError(f"checkpoint {str(path)!r} belongs to another model graph; use a matching --checkpoint-dir")
+    if state.get("partition") != partition:
+        raise RunError(
+            f"checkpoint {str(path)!r} was written for another partition of the model (other stage cuts); resume "
+            "with the plan that wrote it, or drop --resume"
+        )
     with torch.no_grad():
         for name, value in state["params"].items():
             if name not in params or params[name].shape != value.shape:
@@ -112,4 +146,8 @@ def load_stage(
             optimizer.state[params[name]] = {
                 k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in saved.items()
             }
+        for name, value in state.get("buffers", {}).items():
+            if name not in buffers or buffers[name].shape != value.shape:
+                raise RunError(f"checkpoint {str(path)!r} has buffer {name!r} this plan's stage {stage} lacks")
+            buffers[name].copy_(value)
     torch.set_rng_state(state["rng"])

@@ -4,6 +4,7 @@ write checkpoints and the measured trace."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import statistics
@@ -80,18 +81,29 @@ class Trainer:
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
 
-    def one_step(self, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
-        """Run one training step; returns (global mean loss, this rank's op times)."""
+    def one_step(self, step: int, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
+        """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
+        anywhere stops every rank at this step, before the optimizer touches the weights."""
         for param in self.model.params.values():
             param.grad = None
         record = self.executor.run_step(microbatches_for(self.plan, self.rank, batch, self.wanted, self.device))
         self.sync.all_reduce()
-        self.optimizer.step()
-        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        grads = [p.grad for p in self.model.params.values() if p.grad is not None]
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms
         if record.loss_sum is not None:
-            loss += record.loss_sum
-        dist.all_reduce(loss)  # only output-stage ranks contribute; each pipeline's losses are pre-scaled
-        return float(loss.item()), record.op_times
+            stats[0] += record.loss_sum
+        if grads:
+            stats[1] += torch.stack(torch._foreach_norm(grads)).double().sum()
+        dist.all_reduce(stats)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
+        loss, grad_norms = stats.tolist()
+        if not (math.isfinite(loss) and math.isfinite(grad_norms)):
+            what = f"loss is {loss}" if not math.isfinite(loss) else "gradients are not finite"
+            raise RunError(
+                f"step {step + 1}: {what}; stopped before the optimizer step (nothing saved): lower --lr or check "
+                "the model and data"
+            )
+        self.optimizer.step()
+        return loss, record.op_times
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
@@ -111,8 +123,11 @@ class Trainer:
                     stage=stage,
                     names=names,
                     params=self.model.params,
+                    buffers=dict(self.model.modules[stage].named_buffers()),
                     optimizer=self.optimizer,
                     fingerprint=self.fingerprint,
+                    partition=checkpoint.partition_key(self.plan),
+                    num_stages=len(self.plan.stages),
                 )
         dist.barrier()
         if self.rank == 0:
@@ -121,14 +136,17 @@ class Trainer:
 
     def restore(self) -> int:
         step = checkpoint.latest_step(self.config.checkpoint_dir)
+        checkpoint.check_complete(self.config.checkpoint_dir, step, len(self.plan.stages))
         for stage in self.plan.ranks[self.rank].stages:
             checkpoint.load_stage(
                 self.config.checkpoint_dir,
                 step=step,
                 stage=stage,
                 params=self.model.params,
+                buffers=dict(self.model.modules[stage].named_buffers()),
                 optimizer=self.optimizer,
                 fingerprint=self.fingerprint,
+                partition=checkpoint.partition_key(self.plan),
             )
         return step
 
@@ -150,7 +168,7 @@ def train(
         _maybe_fail(fault, rank, step, watchdog, trainer)
         batch = next(batches)
         began = time.perf_counter()
-        loss, last_times = trainer.one_step(batch)
+        loss, last_times = trainer.one_step(step, batch)
         step_ms = (time.perf_counter() - began) * 1000.0
         result.losses.append(loss)
         result.step_ms.append(step_ms)

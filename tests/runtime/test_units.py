@@ -127,20 +127,30 @@ def test_checkpoint_round_trip_and_missing_marker(tmp_path):
     optimizer = torch.optim.AdamW([param], lr=0.1)
     param.grad = torch.ones(3)
     optimizer.step()
-    params = {"w": param}
-    checkpoint.save_stage(tmp_path, step=5, stage=0, names=("w",), params=params, optimizer=optimizer, fingerprint="f")
+    params, running = {"w": param}, torch.randn(2)
+    common = dict(step=5, stage=0, fingerprint="f", partition="p1")
+    checkpoint.save_stage(
+        tmp_path, names=("w",), params=params, buffers={"bn.mean": running}, optimizer=optimizer, num_stages=1,
+        **common,
+    )  # fmt: skip
     with pytest.raises(RunError, match="no complete checkpoint"):
         checkpoint.latest_step(tmp_path)  # the marker comes last
     checkpoint.mark_latest(tmp_path, 5)
     assert checkpoint.latest_step(tmp_path) == 5
-    fresh = torch.nn.Parameter(torch.zeros(3))
+    checkpoint.check_complete(tmp_path, 5, 1)
+    with pytest.raises(RunError, match="holds 1 stage file"):
+        checkpoint.check_complete(tmp_path, 5, 2)
+    fresh, fresh_buffer = torch.nn.Parameter(torch.zeros(3)), torch.zeros(2)
     fresh_opt = torch.optim.AdamW([fresh], lr=0.1)
-    checkpoint.load_stage(tmp_path, step=5, stage=0, params={"w": fresh}, optimizer=fresh_opt, fingerprint="f")
-    assert torch.equal(fresh.detach(), param.detach())
+    restore = dict(params={"w": fresh}, buffers={"bn.mean": fresh_buffer}, optimizer=fresh_opt)
+    checkpoint.load_stage(tmp_path, **restore, **common)
+    assert torch.equal(fresh.detach(), param.detach()) and torch.equal(fresh_buffer, running)
     torch.testing.assert_close(fresh_opt.state[fresh]["exp_avg"], optimizer.state[param]["exp_avg"])
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(RunError, match="another model graph"):
-        checkpoint.load_stage(tmp_path, step=5, stage=0, params={"w": fresh}, optimizer=fresh_opt, fingerprint="g")
+        checkpoint.load_stage(tmp_path, **restore, **{**common, "fingerprint": "g"})
+    with pytest.raises(RunError, match="another partition"):
+        checkpoint.load_stage(tmp_path, **restore, **{**common, "partition": "p2"})
 
 
 def test_failure_summary_names_the_rank_that_caused_it(tmp_path):

@@ -51,3 +51,18 @@ def input_skip_mlp(layers: int = 4, hidden: int = 16) -> ModelSpec:
         loss_fn=torch.nn.functional.mse_loss,
         options={"layers": layers, "hidden": hidden},
     )
+
+
+def poisoned_mlp(layers: int = 4, hidden: int = 16, bad_step: int = 2) -> ModelSpec:
+    """input_skip_mlp whose training data turns infinite at step `bad_step` (0-based): the run must stop there."""
+    spec = input_skip_mlp(layers=layers, hidden=hidden)
+
+    def data(batch_size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        step = 0
+        while True:
+            (x,), y = spec.sample_batch(batch_size, generator=generator)
+            yield ((x * float("inf"),) if step == bad_step else (x,)), y
+            step += 1
+
+    return dataclasses.replace(spec, data=data)

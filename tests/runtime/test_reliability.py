@@ -1,0 +1,37 @@
+"""Runs that must stop or repeat exactly: a non-finite loss stops every rank at that step with nothing saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rt_helpers import make_plan
+
+from pipeplan.errors import RunError
+from pipeplan.runtime import checkpoint
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import launch_local
+
+pytestmark = pytest.mark.timeout(240)
+POISONED = str(Path(__file__).with_name("toy_models.py")) + ":poisoned_mlp"
+
+
+def test_non_finite_loss_stops_at_that_step_and_saves_nothing_of_it(tmp_path):
+    path, _ = make_plan(tmp_path, "nan", POISONED, {"bad_step": 2}, schedule="1f1b", pipeline_devices=2)
+    ckpt = tmp_path / "ckpt"
+    config = RunConfig(steps=5, checkpoint_dir=str(ckpt), checkpoint_every=1, quiet=True, heartbeat_timeout_s=30.0)
+    with pytest.raises(RunError, match=r"step 3: (loss is (nan|inf)|gradients are not finite); stopped before"):
+        launch_local(path, config, threads=1)
+    assert checkpoint.latest_step(ckpt) == 2
+
+
+def test_resume_refuses_a_checkpoint_of_another_partition(tmp_path):
+    """A 2-stage checkpoint cannot seed a 1-stage replicated plan of the same model: its other layers would restart
+    from scratch while the log claims the continued step count."""
+    options = {"layers": 4, "hidden": 16}
+    two, _ = make_plan(tmp_path, "two", "mlp", options, schedule="1f1b", pipeline_devices=2)
+    one, _ = make_plan(tmp_path, "one", "mlp", options, schedule="1f1b", pipeline_devices=1, replicas=(2,))
+    ckpt = str(tmp_path / "ckpt")
+    launch_local(two, RunConfig(steps=2, checkpoint_dir=ckpt, quiet=True), threads=1)
+    with pytest.raises(RunError, match="holds 2 stage file"):
+        launch_local(one, RunConfig(steps=4, checkpoint_dir=ckpt, resume=True, quiet=True), threads=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,7 +39,12 @@ def ranks_per_node(plan: Plan) -> int:
     return min(plan.world_size, plan.cluster.devices_per_node)
 
 
-def launch_script(plan: Plan) -> str:
+def _python_line(python: str | None) -> str:
+    """The interpreter pipeplan planned with (its torch and pipeplan), unless PIPEPLAN_PYTHON names another."""
+    return f'PYTHON="${{PIPEPLAN_PYTHON:-{shlex.quote(python or sys.executable)}}}"'
+
+
+def launch_script(plan: Plan, *, python: str | None = None) -> str:
     per_node = ranks_per_node(plan)
     nodes = plan.cluster.num_nodes
     return f"""#!/usr/bin/env bash
@@ -47,27 +53,36 @@ def launch_script(plan: Plan) -> str:
 # (from any directory: the plan and its model file are found by absolute path)
 # {nodes} node(s): on every node run
 #   NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash launch.sh [...]
-# Arguments after the script name go to `python -m {WORKER}`.
+# Arguments after the script name go to `python -m {WORKER}`, started by torch's launcher (torchrun) under the
+# interpreter pipeplan planned with (PIPEPLAN_PYTHON=... to choose another). On one node a free port is picked
+# unless MASTER_PORT is set, so several runs can start side by side.
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+{_python_line(python)}
 NNODES="${{NNODES:-1}}"
 NODE_RANK="${{NODE_RANK:-0}}"
 MASTER_ADDR="${{MASTER_ADDR:-127.0.0.1}}"
-MASTER_PORT="${{MASTER_PORT:-29500}}"
+if [ -z "${{MASTER_PORT:-}}" ]; then
+  if [ "$NNODES" -eq 1 ]; then
+    MASTER_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  else
+    MASTER_PORT=29500
+  fi
+fi
 NPROC_PER_NODE={per_node}
 WORLD_SIZE={plan.world_size}
 if [ $((NNODES * NPROC_PER_NODE)) -ne "$WORLD_SIZE" ]; then
   echo "launch.sh: this plan needs $WORLD_SIZE ranks = {nodes} node(s) x $NPROC_PER_NODE; set NNODES={nodes}" >&2
   exit 1
 fi
-exec torchrun \\
+exec "$PYTHON" -m torch.distributed.run \\
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \\
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \\
   -m {WORKER} "$HERE/{PLAN_FILE}" "$@"
 """
 
 
-def sbatch_script(plan: Plan) -> str:
+def sbatch_script(plan: Plan, *, python: str | None = None) -> str:
     per_node = ranks_per_node(plan)
     nodes = plan.cluster.num_nodes
     if plan.cluster.hardware == "cpu":
@@ -78,7 +93,8 @@ def sbatch_script(plan: Plan) -> str:
     return f"""#!/bin/bash
 # pipeplan SLURM job for: {describe(plan)}
 # Submit from any directory: sbatch <plan dir>/job.sbatch [--steps N] [--trace FILE] [--init-from WEIGHTS]
-# Arguments go to `python -m {WORKER}`; one torchrun per node starts {per_node} rank(s) each. The plan is the
+# Arguments go to `python -m {WORKER}`; one torchrun (`python -m torch.distributed.run` under the interpreter
+# pipeplan planned with, or PIPEPLAN_PYTHON) per node starts {per_node} rank(s) each. The plan is the
 # plan.json beside this script as submitted (SLURM runs a copy; scontrol names the original), or $PLAN.
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
@@ -86,6 +102,7 @@ def sbatch_script(plan: Plan) -> str:
 {resources}
 #SBATCH --output=pipeplan-%j.out
 set -euo pipefail
+{_python_line(python)}
 if [ -z "${{PLAN:-}}" ]; then
   SUBMITTED="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\\([^ ]*\\).*/\\1/p' | head -n 1)"
   PLAN="$(dirname "${{SUBMITTED:-${{SLURM_SUBMIT_DIR:-$PWD}}/x}}")/{PLAN_FILE}"
@@ -97,7 +114,7 @@ fi
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR="${{NODES[0]}}"
 MASTER_PORT="${{MASTER_PORT:-29500}}"
-srun torchrun \\
+srun "$PYTHON" -m torch.distributed.run \\
   --nnodes="$SLURM_NNODES" --nproc-per-node={per_node} \\
   --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\
   -m {WORKER} "$PLAN" "$@"

@@ -43,12 +43,12 @@ def _check_golden(name: str, text: str) -> None:
 
 def test_launch_script_golden(named_plan):
     name, plan = named_plan
-    _check_golden(f"{name}.launch.sh", launch_script(plan))
+    _check_golden(f"{name}.launch.sh", launch_script(plan, python="/opt/venv/bin/python"))
 
 
 def test_sbatch_script_golden(named_plan):
     name, plan = named_plan
-    _check_golden(f"{name}.job.sbatch", sbatch_script(plan))
+    _check_golden(f"{name}.job.sbatch", sbatch_script(plan, python="/opt/venv/bin/python"))
 
 
 def test_scripts_name_the_plan_and_pass_bash_n(named_plan, tmp_path):

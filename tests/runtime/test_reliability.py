@@ -1,7 +1,10 @@
-"""Runs that must stop or repeat exactly: a non-finite loss stops every rank at that step with nothing saved."""
+"""Runs that must stop, refuse or repeat exactly: a non-finite loss stops every rank at that step with nothing saved;
+resume needs the same partition; launch scripts run side by side from any environment."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -35,3 +38,25 @@ def test_resume_refuses_a_checkpoint_of_another_partition(tmp_path):
     launch_local(two, RunConfig(steps=2, checkpoint_dir=ckpt, quiet=True), threads=1)
     with pytest.raises(RunError, match="holds 2 stage file"):
         launch_local(one, RunConfig(steps=4, checkpoint_dir=ckpt, resume=True, quiet=True), threads=1)
+
+
+def test_two_launch_scripts_at_once_outside_the_venv(tmp_path):
+    """launch.sh runs torch's launcher under the interpreter that planned (no torchrun on PATH needed) and picks its
+    own free port, so two runs on one machine do not collide."""
+    from pipeplan.planner.build import plan_timeline, timeline_rows
+    from pipeplan.planner.scripts import write_plan_dir
+
+    _, plan = make_plan(tmp_path, "p", "mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for folder in dirs:
+        write_plan_dir(plan, timeline_rows(plan, plan_timeline(plan)), folder)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "VIRTUAL_ENV")}
+    env.update(PATH="/usr/bin:/bin", OMP_NUM_THREADS="1")
+    runs = [
+        subprocess.Popen(["bash", str(d / "launch.sh"), "--steps", "2", "--threads", "1", "--quiet"], cwd=tmp_path,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for d in dirs
+    ]  # fmt: skip
+    for run in runs:
+        _, stderr = run.communicate(timeout=200)
+        assert run.returncode == 0, stderr[-2000:]

@@ -195,8 +195,9 @@ def test_sbatch_finds_its_plan_when_submitted_from_elsewhere(tmp_path):
     _stub(stubs / "scontrol", f'[ "$1 $2" = "show job" ] && echo "   Command={plan_dir}/job.sbatch"; '
                               '[ "$2" = "hostnames" ] && echo node0; true')  # fmt: skip
     _stub(stubs / "srun", 'exec "$@"')
-    _stub(stubs / "torchrun", f'echo "$@" > {record}')
+    _stub(stubs / "python", f'echo "$@" > {record}')
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
+           "PIPEPLAN_PYTHON": str(stubs / "python"),
            "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(elsewhere)}  # fmt: skip
     env.pop("PLAN", None)
     done = subprocess.run(

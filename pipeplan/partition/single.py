@@ -68,12 +68,15 @@ class Level:
 def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...]:
     """Per stage position of a straight pipeline of `num_stages` stages: the most microbatches in flight (F run,
     W or B not yet) and the most before their I (F run, I or B not yet), from the op order of the schedule."""
-    return _held(config.schedule, num_stages // config.chunks, config.num_microbatches, config.chunks,
-                 config.memory_limit_microbatches)  # fmt: skip
+    return held_counts(config.schedule, num_stages // config.chunks, config.num_microbatches, config.chunks,
+                       config.memory_limit_microbatches)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
-def _held(name: str, devices: int, microbatches: int, chunks: int, limit: int | None) -> tuple[Held, ...]:
+def held_counts(
+    name: str, devices: int, microbatches: int, chunks: int | None = None, limit: int | None = None
+) -> tuple[Held, ...]:
+    """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
     schedule = generate(name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory_limit=limit)
     return held_per_stage(schedule)
 

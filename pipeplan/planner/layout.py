@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
-from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.replicate import replicate
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.replicate import replicate, simulate_expanded
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,3 +79,27 @@ def rank_infos(layout: PipelineLayout, data_parallel: int, cluster: Cluster) -> 
         )
         for rank in range(per_pipeline * data_parallel)
     )
+
+
+def simulate_layout(
+    layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int, costs: StageCosts, memory: MemoryCosts
+) -> Timeline:
+    """Time the op lists one pipeline runs (`layout.device_ops`, device = pipeline device): the step the search
+    predicts, `show` draws and `run` is compared with. `costs`: one op's time on one device per stage and the
+    transfer per boundary; `memory.static_bytes` per pipeline device."""
+    device_ops = tuple(tuple(Op.parse(text) for text in ops) for ops in layout.device_ops)
+    first_device = {}
+    for device, stages in reversed(list(enumerate(layout.device_stages))):
+        for stage in stages:
+            first_device[stage] = device
+    schedule = Schedule(
+        name=name,
+        num_devices=layout.num_devices,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_device=tuple(first_device[s] for s in range(num_stages)),
+        device_ops=device_ops,
+    )
+    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+        return simulate(schedule, costs, memory)
+    return simulate_expanded(schedule, costs, memory)

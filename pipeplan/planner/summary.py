@@ -129,6 +129,7 @@ def _headline(plan: Plan) -> Text:
     peak = max(p.peak_memory_bytes, default=0)
     text.append(
         f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
+        f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
     )
     if not plan.runnable:
         text.append("\nNot runnable: ", style="bold yellow")

@@ -7,9 +7,9 @@ lists: the lists of stage `s`'s replicas are that stage's list filtered to their
 subsequence of the original, so any execution order of the original restricted to the new lists is still valid —
 the expansion is deadlock-free whenever the original is.
 
-Timing: `simulate()` places each stage on one device, so the planner times a replicated pipeline on the original
-schedule with stage `s`'s op times divided by `r_s` (the replicas together drain `r_s` microbatches per op time).
-Only fixed-order schedules are replicated, so the original is regenerated from its name alone.
+Timing: `simulate_expanded` times the expanded per-replica lists themselves (what `run` executes), every op at its
+full single-device time; a transfer is charged on every cross-stage dependency (replicas of different stages are
+different devices). Only fixed-order schedules are replicated, so the original is regenerated from its name alone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, _timeline
 from pipeplan.schedules.validate import _check_complete, _execute
 
 
@@ -89,3 +90,17 @@ def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
         device_ops=expanded.device_ops,
     )
     _execute(probe, _check_complete(probe), None, None)
+
+
+def simulate_expanded(probe: Schedule, costs: StageCosts, memory: MemoryCosts) -> Timeline:
+    """Time per-device op lists in which a stage may run on several devices (`probe.stage_device[s]`: any one of
+    them, used only to tell that another stage's device is a different one). Dependencies and transfers as in
+    `simulate`; `memory.static_bytes` per device."""
+    cost = costs.per_stage(probe.num_stages)
+    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
+    starts, ends = _execute(probe, _check_complete(probe), op_ms, cost.comm_ms)  # type: ignore[arg-type]
+    placed = [
+        [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
+        for device, ops in enumerate(probe.device_ops)
+    ]
+    return _timeline(probe, placed, memory)

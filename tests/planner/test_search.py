@@ -45,7 +45,7 @@ def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused):
     config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2))
     result = search_plans(profile, cluster, config)
     brute = _brute_force(profile, cluster, config)
-    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in brute))
+    assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in brute))
     assert result.best.peak_memory_bytes <= memory
     steps = [e.step_ms for e in result.ranked]
     assert steps == sorted(steps)
@@ -74,7 +74,7 @@ def test_forced_pipeline_depth_is_the_only_one_tried(depths):
     considered = [e.layout for e in result.ranked] + [r.layout for r in result.rejected]
     assert {layout.pipeline_devices for layout in considered} == set(depths)
     free = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
-    assert result.best.step_ms >= free.best.step_ms  # a restriction of the full search
+    assert result.fastest.step_ms >= free.fastest.step_ms  # a restriction of the full search
 
 
 @pytest.mark.parametrize("depth", [2, 4])
@@ -86,7 +86,7 @@ def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
     cluster = make_cluster(4, memory=2**32)
     config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,))
     result = search_plans(profile, cluster, config)
-    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
+    assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
 
 
 def test_forced_pipeline_depth_must_divide_the_devices():
@@ -121,7 +121,7 @@ def test_replication_wins_for_an_unbalanced_model():
         op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
     )
     straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False))
-    assert result.best.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
+    assert result.fastest.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
 
 
 def test_infeasible_error_names_the_smallest_memory_that_fits():

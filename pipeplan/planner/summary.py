@@ -21,7 +21,7 @@ def stage_ranks(plan: Plan, stage: int) -> list[int]:
 
 
 def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
-    limit = plan.cluster.memory_per_device
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     stages = [
         {
             "index": s.index,
@@ -59,7 +59,7 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
 
 
 def _stage_table(plan: Plan) -> Table:
-    limit = plan.cluster.memory_per_device
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); memory limit {format_bytes(limit)}"
     table = Table(title=title, title_justify="left")
     for column in ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "memory"):
@@ -142,6 +142,6 @@ def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = 
     if plan.rationale:
         parts.append(Text("Why: ", style="bold") + Text(plan.rationale))
     if timeline is not None:
-        parts.append(Text("Predicted step (pipeline 0; replicated stages drawn as one row):", style="bold"))
+        parts.append(Text("Predicted step (pipeline 0, one row per rank):", style="bold"))
         parts.append(gantt(timeline, width=console.width))
     console.print(Group(*parts))

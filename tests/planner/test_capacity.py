@@ -28,7 +28,6 @@ from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.ops import Op
-from pipeplan.schedules.registry import default_chunks
 
 SEQ, HIDDEN, HEADS = 512, 1024, 16
 LAYER_PARAMS = 12 * HIDDEN**2

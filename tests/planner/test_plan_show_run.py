@@ -1,0 +1,86 @@
+"""Plan = show = run: the step the search predicted is the step `show` re-simulates, timeline.json draws and `run`
+compares against, with 4+ stages and non-zero transfers; per-rank peak bytes in plan.json are the simulator's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from planner_helpers import make_cluster, synthetic_profile
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
+from pipeplan.planner.build import build_plan, plan_memory, plan_step_ms, plan_timeline
+from pipeplan.planner.plan import ModelRef, Plan
+from pipeplan.planner.search import SearchConfig, search_plans
+from pipeplan.runtime import train
+
+runner = CliRunner()
+CUT = 50_000_000  # 50 MB per cut: 5 ms per transfer on the helpers' 10 GB/s links
+
+
+def _search(schedules, **profile_kwargs):
+    profile = synthetic_profile(num_layers=8, cut_bytes=CUT, **profile_kwargs)
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(4,), replication=False)
+    return profile, search_plans(profile, make_cluster(4, memory=2**32), config, schedules)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zbv"])
+def test_search_prediction_is_what_the_plan_resimulates(schedule):
+    _, result = _search((schedule,))
+    chosen = result.best
+    plan = build_plan(result, model=ModelRef(ref="synthetic"))
+    assert len(plan.stages) >= 4 and min(s.comm_ms for s in plan.stages[:-1]) > 1.0
+    assert [s.comm_ms for s in plan.stages[:-1]] == list(chosen.costs.comm_ms)  # per boundary, as simulated
+    timeline = plan_timeline(plan)
+    assert timeline.entries == chosen.timeline.entries
+    assert plan_step_ms(plan, timeline) == pytest.approx(chosen.step_ms, rel=1e-12)
+    assert plan.predicted.step_ms == chosen.step_ms
+    # per-rank peak bytes: the simulator's, for the plan's own op lists and byte costs
+    pipeline0 = plan.predicted.peak_memory_bytes[: timeline.num_devices]
+    assert pipeline0 == tuple(round(b) for b in timeline.peak_memory_bytes)
+    assert plan_memory(plan).activation_bytes == chosen.memory.activation_bytes
+
+
+def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
+    profile, _ = _search(("1f1b",))
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    out = tmp_path / "plan"
+    args = ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "4GiB", "-p", "4"]
+    result = runner.invoke(app, [*args, "-B", "16", "-s", "1f1b", "--no-replication", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output)["predicted"]
+    shown = runner.invoke(app, ["show", str(out / "plan.json"), "--json"])
+    assert json.loads(shown.output)["predicted"] == planned
+    plan = Plan.load(out / "plan.json")
+    timeline = plan_timeline(plan)
+    assert plan_step_ms(plan, timeline) == pytest.approx(planned["step_ms"], rel=1e-12)
+    trace = json.loads((out / "timeline.json").read_text())
+    ends = [(e["ts"] + e["dur"]) / 1000.0 for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert max(ends) == pytest.approx(timeline.makespan, rel=1e-9)
+    events = sorted((e["pid"], e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
+    assert events == sorted((e.device, str(e.op), e.start * 1000.0) for e in timeline.entries)
+    train._log_summary(plan, [100.0, 100.0])  # what `run` prints after training
+    assert f"vs predicted {planned['step_ms']:.1f} ms" in capsys.readouterr().out
+
+
+def test_replicated_stages_are_simulated_as_the_lists_run_executes():
+    """A replicated stage's replicas each run their own op list at full op time: the search's timeline is exactly
+    `simulate` of those lists (stage s on its replicas), not the stage at 1/replicas of its time."""
+    profile = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=CUT)
+    config = SearchConfig(global_batch_size=12)
+    result = search_plans(profile, make_cluster(3, memory=60 * 2**20), config, ("1f1b",))
+    chosen = result.best
+    assert max(chosen.partition.replicas) > 1
+    ops = list(chosen.timeline.entries)
+    per_device = {}
+    for e in ops:
+        per_device.setdefault(e.device, []).append(str(e.op))
+    assert tuple(tuple(v) for _, v in sorted(per_device.items())) == chosen.pipeline.device_ops
+    stage_ms = {s.index: s.forward_ms for s in chosen.partition.stages}
+    for e in ops:
+        if e.op.kind == "F":
+            assert e.end - e.start == pytest.approx(stage_ms[e.op.stage])  # full time, not / replicas
+    plan = build_plan(result, model=ModelRef(ref="synthetic"))
+    assert plan_timeline(plan).entries == chosen.timeline.entries

@@ -181,12 +181,13 @@ def plan_schedule(plan: Plan) -> Schedule:
     return schedule
 
 
-def plan_timeline(plan: Plan) -> Timeline:
-    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs: the search's step (without the
-    gradient all-reduce that follows it) and its per-rank peak bytes."""
+def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
+    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs (or `costs`, e.g. measured op times
+    for a replay): the search's step (without the gradient all-reduce that follows it) and its per-rank peak
+    bytes."""
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
-    return simulate_layout(pipe, plan.schedule, num_stages, m, plan_costs(plan), plan_memory(plan))
+    return simulate_layout(pipe, plan.schedule, num_stages, m, costs or plan_costs(plan), plan_memory(plan))
 
 
 def plan_step_ms(plan: Plan, timeline: Timeline) -> float:

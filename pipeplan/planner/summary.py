@@ -54,8 +54,29 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
         "stages": stages,
         "predicted": data["predicted"],
         "alternatives": list(plan.alternatives),
+        "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
     }
+
+
+def per_schedule(plan: Plan) -> list[dict[str, Any]]:
+    """Per schedule the search tried: its best fitting candidate (step, bubble, peak memory) or why none fits."""
+    p = plan.predicted
+    chosen = {
+        "schedule": plan.schedule, "label": _chosen_label(plan), "step_ms": p.step_ms, "bubble_rate": p.bubble_rate,
+        "peak_memory_bytes": max(p.peak_memory_bytes, default=0), "chosen": True,
+    }  # fmt: skip
+    rows: dict[str, dict[str, Any]] = {plan.schedule: chosen}
+    for alt in plan.alternatives:  # fastest first: a schedule's first row is its best
+        name = alt["schedule"]
+        if name in rows:
+            continue
+        if "reason" in alt:
+            rows[name] = {"schedule": name, "label": alt["label"], "reason": alt["reason"]}
+        else:
+            keep = ("label", "step_ms", "bubble_rate", "peak_memory_bytes")
+            rows[name] = {"schedule": name, **{k: alt[k] for k in keep}}
+    return list(rows.values())
 
 
 def _stage_table(plan: Plan) -> Table:

@@ -13,7 +13,9 @@ from pipeplan.cli import app
 from pipeplan.planner.build import build_plan, plan_memory, plan_step_ms, plan_timeline
 from pipeplan.planner.plan import ModelRef, Plan
 from pipeplan.planner.search import SearchConfig, search_plans
+from pipeplan.planner.summary import summary_dict
 from pipeplan.runtime import train
+from pipeplan.schedules.registry import SCHEDULE_NAMES
 
 runner = CliRunner()
 CUT = 50_000_000  # 50 MB per cut: 5 ms per transfer on the helpers' 10 GB/s links
@@ -84,3 +86,21 @@ def test_replicated_stages_are_simulated_as_the_lists_run_executes():
             assert e.end - e.start == pytest.approx(stage_ms[e.op.stage])  # full time, not / replicas
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
     assert plan_timeline(plan).entries == chosen.timeline.entries
+
+
+def test_every_schedule_reports_its_best_candidate_or_why_none_fits():
+    """The balanced-stage estimate prunes most schedules here; each still gets its best-estimated candidate
+    simulated, so the summary lists every schedule with figures or a real reason (not "pruned")."""
+    profile = synthetic_profile(num_layers=8, cut_bytes=CUT)
+    result = search_plans(profile, make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
+    assert any(r.kind in ("estimate", "bound") for r in result.rejected)  # pruning did happen
+    plan = build_plan(result, model=ModelRef(ref="synthetic"))
+    rows = {row["schedule"]: row for row in summary_dict(plan)["per_schedule"]}
+    assert set(rows) == set(SCHEDULE_NAMES)
+    for name, row in rows.items():
+        if "reason" in row:
+            assert "pruned" not in row["reason"]
+            continue
+        best = min((e for e in result.ranked if e.layout.schedule == name), key=lambda e: e.step_ms)
+        assert row["step_ms"] == pytest.approx(best.step_ms) or row.get("chosen")
+        assert row["peak_memory_bytes"] > 0 and 0 <= row["bubble_rate"] < 1

@@ -173,7 +173,8 @@ class Screen:
 
 def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, schedules: tuple[str, ...]) -> Screen:
     """Split the search's layouts on `cluster` by `memory_floor_bytes` (weights + gradients + optimizer state over
-    P devices first: it needs no schedule)."""
+    P devices first: it needs no schedule); a layout's need includes the search's memory reserve."""
+    reserve = config.memory_reserve_bytes
     per_param = OPTIMIZER_BYTES_PER_PARAM[config.optimizer]
     params = sum(layer.param_count for layer in profile.layers)
     scaled = {b: scale_profile(profile, b) for b in config.microbatch_sizes}
@@ -183,10 +184,11 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
         if isinstance(layout, Rejection):
             continue
-        need = params * per_param / layout.pipeline_devices
+        need = params * per_param / layout.pipeline_devices + reserve
         if need <= cluster.memory_per_device:
             try:
-                need = max(need, memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer))
+                floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer)
+                need = max(need, floor_bytes + reserve)
             except ScheduleError:
                 continue  # the schedule cannot run this shape; the search rejects it too
         floor = min(floor, need)

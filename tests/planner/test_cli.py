@@ -131,3 +131,18 @@ def test_ignored_inputs_warn(profile_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert "warning: -a, --granularity ignored" in result.stderr
     json.loads(result.stdout)
+
+
+def test_memory_reserve_default_override_and_summary(plan_dir, profile_file, tmp_path):
+    plan = Plan.load(plan_dir / "plan.json")
+    assert plan.predicted.memory_reserve_bytes == 25 * 2**20  # the default: a quarter of a 100 MiB device at most
+    assert plan.predicted.memory_limit_bytes == 75 * 2**20
+    assert max(plan.predicted.peak_memory_bytes) <= plan.predicted.memory_limit_bytes
+    out = tmp_path / "plan"
+    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory-per-device", "100MiB"]
+    result = runner.invoke(app, [*args, "--memory-reserve", "10MiB", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "less a 10.00 MiB reserve" in " ".join(result.output.split())
+    assert Plan.load(out / "plan.json").predicted.memory_reserve_bytes == 10 * 2**20
+    bad = runner.invoke(app, [*args, "--memory-reserve", "200MiB", "-o", str(out)])
+    assert bad.exit_code == 1 and "--memory-reserve" in bad.output

@@ -23,7 +23,7 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate
-from pipeplan.schedules.replicate import replicate
+from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 
 
@@ -175,7 +175,7 @@ def plan_schedule(plan: Plan) -> Schedule:
             device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
         )
     schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
-    expanded = replicate(schedule, tuple(s.replicas for s in plan.stages))
+    expanded = replicate_paced(schedule, tuple(s.replicas for s in plan.stages))
     if sorted(tuple(row) for row in expanded.op_strings()) != sorted(pipe.device_ops):
         raise FormatError(f"plan rank_ops do not match schedule {plan.schedule} with replicated stages; re-plan")
     return schedule

@@ -98,6 +98,7 @@ class Rejection:
     kind: str
     reason: str
     needed_memory_bytes: int | None = None  # a lower bound on the memory per device this candidate needs
+    retry_budget_bytes: int | None = None  # simulated peak over memory: a tighter partitioner budget to try
 
 
 def pipeline_cluster(cluster: Cluster, pipeline_devices: int) -> Cluster:
@@ -127,7 +128,8 @@ def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, opti
 
 
 def partition_layout(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> Partition | Rejection:
-    """Stage cuts and replicas for `layout` from the partitioner, or why there are none."""
+    """Stage cuts and replicas for `layout` from the partitioner (memory screened against
+    `cluster.memory_per_device`), or why there are none."""
     try:
         part = partition(
             profile, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
@@ -192,7 +194,7 @@ def evaluate_partition(
     memory = replace(memory, static_bytes=device_static_bytes(part, pipe, optimizer))
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
-    over = _memory_rejection(layout, pipe, device_bytes, cluster.memory_per_device)
+    over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
     if over is not None:
         return over
     allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
@@ -240,14 +242,18 @@ def _activation_budget(part: Partition, cluster: Cluster, optimizer: str) -> flo
 
 
 def _memory_rejection(
-    layout: Layout, pipe: PipelineLayout, device_bytes: tuple[int, ...], limit: int
+    layout: Layout, part: Partition, pipe: PipelineLayout, device_bytes: tuple[int, ...], limit: int
 ) -> Rejection | None:
+    """None when every device's simulated peak fits; else the rejection, with a partitioner budget that screens
+    out this partition (its worst device's screened bytes scaled by limit / simulated peak)."""
     worst = max(range(len(device_bytes)), key=lambda d: device_bytes[d])
     if device_bytes[worst] <= limit:
         return None
     stage = pipe.device_stages[worst][0]
+    screened = sum(part.stages[s].memory_bytes for s in pipe.device_stages[worst])
+    budget = min(limit, screened) * limit / device_bytes[worst]
     return Rejection(
-        layout=layout, kind="memory", needed_memory_bytes=None,
+        layout=layout, kind="memory", needed_memory_bytes=None, retry_budget_bytes=int(budget),
         reason=(
             f"out of memory on pipeline device {worst} (stage {stage}) by {format_bytes(device_bytes[worst] - limit)}"
             " (simulated peak: static + live activations)"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.replicate import replicate, simulate_expanded
+from pipeplan.schedules.replicate import replicate_paced, simulate_expanded
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
 
@@ -34,11 +34,12 @@ class PipelineLayout:
 def pipeline_layout(
     schedule: Schedule, replicas: tuple[int, ...], stage_devices: tuple[tuple[int, ...], ...] | None = None
 ) -> PipelineLayout:
-    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate).
+    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate's
+    `replicate_paced`: each replica paced like a device of a pipeline as long as this one).
     `stage_devices[s]` (default: consecutive devices in stage order) names the pipeline devices of stage s's
     replicas, replica j on `stage_devices[s][j]` — e.g. the partitioner's placement across nodes."""
     if any(r > 1 for r in replicas):
-        expanded = replicate(schedule, replicas)
+        expanded = replicate_paced(schedule, replicas)
         slots = stage_devices or _consecutive(replicas)
         assert [len(devices) for devices in slots] == list(replicas), "one device per replica"
         order = sorted(

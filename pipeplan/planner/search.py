@@ -11,7 +11,9 @@ Pruning keeps it fast (pipeplan.planner.estimate): weights + gradients + optimiz
 devices bound memory from below, so a pipeline too short to hold the model is rejected before partitioning.
 Candidates are evaluated in order of a balanced-stage estimate (the schedule simulated with every stage 1/S of the
 model); one whose estimate is already slower than the best plan found is not partitioned, and one whose
-partition's busiest-device bound is slower is not simulated.
+partition's busiest-device bound is slower is not simulated. When the simulated peak of a partition is over memory
+(the partitioner's per-stage screen is a bound, not the exact peak: zb-auto and paced replicas hold more), the
+layout is partitioned again with a budget that screens that partition out (at most MEMORY_RETRIES times).
 Every rejected candidate records why it lost. A schedule whose every candidate was pruned still gets its
 best-estimated candidates evaluated (until one fits, at most `PER_SCHEDULE_TRIES`), so the summary can say what
 each schedule would give.
@@ -56,6 +58,7 @@ REPLICABLE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
 PREDICTION_MARGIN = 0.02
 PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none, best estimate first
+MEMORY_RETRIES = 2  # re-partitions with a tighter screen when the simulated peak is over memory
 GIB = 1 << 30
 
 
@@ -296,18 +299,25 @@ def _evaluate_unless_pruned(
             layout=layout, kind="estimate",
             reason=f"estimated {_slower(estimate, best_ms)} slower than the best plan even with balanced stages",
         )  # fmt: skip
-    part = partition_layout(layout, profile, cluster, optimizer=config.optimizer)
-    if isinstance(part, Rejection):
-        return part
-    bound = partition_lower_bound_ms(layout, part, profile, cluster)
-    if bound >= best_ms:
-        return Rejection(
-            layout=layout, kind="bound",
-            reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
-        )  # fmt: skip
-    return evaluate_partition(
-        layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
-    )
+    budget = cluster
+    for _ in range(MEMORY_RETRIES + 1):
+        part = partition_layout(layout, profile, budget, optimizer=config.optimizer)
+        if isinstance(part, Rejection):
+            return part
+        bound = partition_lower_bound_ms(layout, part, profile, cluster)
+        if bound >= best_ms:
+            return Rejection(
+                layout=layout, kind="bound",
+                reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
+            )  # fmt: skip
+        result = evaluate_partition(
+            layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
+        )
+        if not isinstance(result, Rejection) or not result.retry_budget_bytes:
+            return result
+        # the partitioner's screen let through a partition whose simulated peak does not fit: screen tighter
+        budget = replace(budget, memory_per_device=min(budget.memory_per_device - 1, result.retry_budget_bytes))
+    return result
 
 
 def _slower(ms: float, best_ms: float) -> str:

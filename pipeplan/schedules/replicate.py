@@ -5,7 +5,17 @@ replica `j` handles the microbatches with `mb % r == j` (PipeDream's round-robin
 `replicate(schedule, replicas)` expands a one-stage-per-device schedule (gpipe, 1f1b, zb-h1, ...) into per-device op
 lists: the lists of stage `s`'s replicas are that stage's list filtered to their microbatches. Each list is a
 subsequence of the original, so any execution order of the original restricted to the new lists is still valid —
-the expansion is deadlock-free whenever the original is.
+the expansion is deadlock-free whenever the original is. But it starves replicas: stage s of 1F1B keeps S - s
+microbatches in flight, so each of its r replicas keeps about (S - s) / r — too few to cover the round trip through
+the later stages, whose replicas run every op at full time.
+
+`replicate_paced(schedule, replicas)` (what the planner uses) paces each replica like a device of a pipeline of
+P = sum(replicas) devices: replica j of stage s runs, on its own microbatches j, j + r, j + 2r, ..., the op pattern
+of the first device of schedule `name` on k_s = ceil(D_s / r_s) devices, D_s being the number of devices from stage
+s to the end: the round trip from stage s spans D_s / r_s of its op times when stages are balanced per device, and
+the first of k devices keeps the in-flight work that covers a round trip through k (1F1B: k microbatches). Without
+replication it is the schedule itself. If the paced lists could deadlock they are not used:
+`replicate` of the original is returned instead.
 
 Timing: `simulate_expanded` times the expanded per-replica lists themselves (what `run` executes), every op at its
 full single-device time; a transfer is charged on every cross-stage dependency (replicas of different stages are
@@ -14,6 +24,7 @@ different devices). Only fixed-order schedules are replicated, so the original i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +84,43 @@ def replicate(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule
     )
     check_deadlock_free(expanded)
     return expanded
+
+
+def replicate_paced(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule:
+    """Per-replica op lists paced for the pipeline's device count (module docstring); `schedule` is the fixed-order
+    one-stage-per-device schedule (named by its generator) the replicas come from."""
+    plain = replicate(schedule, replicas)
+    replicas, name, num_microbatches = plain.replicas, schedule.name, schedule.num_microbatches
+    if all(r == 1 for r in replicas):
+        return plain
+    device_ops: list[tuple[Op, ...]] = []
+    for stage, count in enumerate(replicas):
+        depth = -(-sum(replicas[stage:]) // count)
+        for replica in range(count):
+            mine = range(replica, num_microbatches, count)
+            pattern = _pattern(name, depth, len(mine))
+            device_ops.append(tuple(Op(o.kind, stage, mine[o.microbatch]) for o in pattern))
+    paced = ReplicatedSchedule(
+        name=name,
+        num_microbatches=num_microbatches,
+        replicas=replicas,
+        device_stage=plain.device_stage,
+        device_replica=plain.device_replica,
+        device_ops=tuple(device_ops),
+    )
+    try:
+        check_deadlock_free(paced)
+    except ScheduleError:
+        return plain
+    return paced
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(name: str, num_devices: int, num_microbatches: int) -> tuple[Op, ...]:
+    """The first device's op list of `name` on `num_devices` devices (stage 0, microbatches 0..m-1)."""
+    from pipeplan.schedules.registry import generate
+
+    return generate(name, num_devices=num_devices, num_microbatches=num_microbatches).device_ops[0]
 
 
 def check_deadlock_free(expanded: ReplicatedSchedule) -> None:

@@ -81,6 +81,13 @@ class Evaluation:
     def allreduce_ms(self) -> float:
         return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
 
+    def resimulate(self, costs: StageCosts) -> Timeline:
+        """This candidate's op lists simulated again under other `costs` (e.g. free transfers)."""
+        return simulate_layout(
+            self.pipeline, self.schedule.name, self.partition.num_stages, self.layout.num_microbatches, costs,
+            self.memory,
+        )  # fmt: skip
+
     @property
     def label_with_replicas(self) -> str:
         """The layout's label, with the stages' replica counts when any stage is replicated."""

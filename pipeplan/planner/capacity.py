@@ -35,7 +35,6 @@ from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_r
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES
-from pipeplan.schedules.simulate import simulate
 from pipeplan.units import format_bytes
 
 DEFAULT_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "zb-auto")
@@ -337,7 +336,7 @@ def _result_row(
 def time_split(best: Evaluation) -> TimeSplit:
     """compute = the busiest device's op time; bubble = the rest of the step with free transfers; comm = what the
     transfers add to the simulated step, plus the all-reduce after the flush."""
-    no_comm = simulate(best.schedule, replace(best.costs, comm_ms=0.0)).makespan
+    no_comm = best.resimulate(replace(best.costs, comm_ms=0.0)).makespan
     compute = max(best.timeline.device_busy)
     return TimeSplit(
         compute_ms=compute,

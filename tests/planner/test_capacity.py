@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from planner_helpers import make_cluster, synthetic_profile
 
 from pipeplan.errors import ConfigError
 from pipeplan.planner.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
@@ -23,7 +24,7 @@ from pipeplan.planner.capacity import (
 )
 from pipeplan.planner.capacity_memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.planner.scaling import scale_profile
-from pipeplan.planner.search import enumerate_layouts, search_plans
+from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
@@ -135,6 +136,12 @@ def test_time_split_adds_up_to_the_step_and_bubble_rate_comes_from_the_simulator
         split = time_split(evaluation)
         assert split.compute_ms + split.bubble_ms + split.comm_ms == pytest.approx(evaluation.step_ms)
         assert min(split.compute_ms, split.bubble_ms, split.comm_ms) >= 0.0
+    heavy = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=50_000_000)
+    replicated = search_plans(heavy, make_cluster(3, memory=60 * 2**20), SearchConfig(global_batch_size=12), ["1f1b"])
+    assert max(replicated.best.partition.replicas) > 1
+    split = time_split(replicated.best)  # free transfers: the same (expanded) lists, never a longer step
+    assert split.compute_ms + split.bubble_ms <= replicated.best.timeline.makespan * (1 + 1e-9)
+    assert split.comm_ms > 0
     row = capacity_sweep(profile, config(device_counts=(8,))).rows[0]
     assert row.bubble_rate == pytest.approx(result.best.timeline.bubble_rate)
     assert row.step_ms == pytest.approx(result.best.step_ms)

@@ -240,9 +240,7 @@ def search_plans(
     _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
         smallest = smallest_fitting_memory(rejected, profiles, usable, config.optimizer)
-        if smallest is not None:
-            smallest += config.memory_reserve_bytes
-        raise InfeasibleError(infeasible_message(rejected, cluster, smallest))
+        raise InfeasibleError(infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes))
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
         ranked=tuple(evaluated), rejected=tuple(rejected), profiles=profiles, cluster=cluster, config=config
@@ -360,12 +358,16 @@ def smallest_fitting_memory(
     return best
 
 
-def infeasible_message(rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None) -> str:
-    """One line: the binding constraint and what would fit."""
+def infeasible_message(
+    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, reserve: int = 0
+) -> str:
+    """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart)."""
     memory_bound = any(r.kind == "memory" for r in rejected)
     others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
     if memory_bound and (smallest_memory is not None or not others):
         hint = f"; the smallest that fits is {format_bytes(smallest_memory)} per device" if smallest_memory else ""
+        if smallest_memory and reserve:
+            hint += f" plus the {format_bytes(reserve)} --memory-reserve"
         return (
             f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {cluster.num_devices} "
             f"device(s): memory is the binding constraint{hint} (raise --memory-per-device or --devices)"

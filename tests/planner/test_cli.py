@@ -9,6 +9,7 @@ from planner_helpers import synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.planner.build import plan_timeline
 from pipeplan.planner.plan import Plan
 
 runner = CliRunner()
@@ -115,6 +116,12 @@ def test_plan_a_model_end_to_end(tmp_path):
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.runnable and plan.model.fingerprint and plan.model.options == {"layers": "4", "hidden": "32"}
     assert all(stage.node_names for stage in plan.stages)
+    # measured profile, bytes model end to end: per-rank peaks are the simulator's for the plan's own lists
+    timeline = plan_timeline(plan)
+    assert plan.predicted.peak_memory_bytes[: timeline.num_devices] == tuple(
+        round(b) for b in timeline.peak_memory_bytes
+    )
+    assert sum(s.activation_bytes for s in plan.stages) > 0
     # a saved profile of the same model plans the same graph without profiling again
     profile_path = tmp_path / "mlp-profile.json"
     profiled = runner.invoke(app, ["profile", "mlp", "-a", "layers=4", "-a", "hidden=32", "-o", str(profile_path)])

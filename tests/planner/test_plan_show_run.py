@@ -3,6 +3,7 @@ compares against, with 4+ stages and non-zero transfers; per-rank peak bytes in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from pipeplan.planner.plan import ModelRef, Plan
 from pipeplan.planner.search import SearchConfig, search_plans
 from pipeplan.planner.summary import summary_dict
 from pipeplan.runtime import train
+from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
 runner = CliRunner()
@@ -104,3 +106,22 @@ def test_every_schedule_reports_its_best_candidate_or_why_none_fits():
         best = min((e for e in result.ranked if e.layout.schedule == name), key=lambda e: e.step_ms)
         assert row["step_ms"] == pytest.approx(best.step_ms) or row.get("chosen")
         assert row["peak_memory_bytes"] > 0 and 0 <= row["bubble_rate"] < 1
+
+
+def test_what_input_grad_frees_lets_a_zero_bubble_plan_fit():
+    """zb-h1 on 4 devices: device d peaks at (4, 3.5, 3, 2.5) microbatches of activations when I frees half
+    (in flight: 4 each). With the heaviest weights on the last stage, memory between the byte peak and the
+    count-based one (in flight x saved bytes) fits — an in-flight count would have refused the plan."""
+    act = 8_000_000
+    base = synthetic_profile(num_layers=4, params=100_000, activation_bytes=act)  # I frees half
+    layers = (*base.layers[:3], dataclasses.replace(base.layers[3], param_count=2_000_000, param_bytes=8_000_000))
+    profile = dataclasses.replace(base, layers=layers)
+    config = SearchConfig(global_batch_size=8, pipeline_depths=(4,), replication=False)
+    roomy = search_plans(profile, make_cluster(4, memory=2**32), config, ("zb-h1",)).best
+    static = roomy.memory.static_bytes
+    assert [b - s for b, s in zip(roomy.device_memory_bytes, static)] == [4 * act, 3.5 * act, 3 * act, 2.5 * act]
+    counted = max(s + n * act for s, n in zip(static, inflight_per_stage(roomy.schedule)))
+    memory = (roomy.peak_memory_bytes + counted) // 2
+    assert roomy.peak_memory_bytes < memory < counted
+    tight = search_plans(profile, make_cluster(4, memory=memory), config, ("zb-h1",)).best
+    assert tight.partition.stage_ranges == roomy.partition.stage_ranges and tight.peak_memory_bytes <= memory

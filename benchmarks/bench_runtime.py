@@ -37,14 +37,14 @@ from torch import nn  # noqa: E402
 from pipeplan.errors import PipeplanError  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
-from pipeplan.planner.build import build_plan, plan_costs, plan_schedule  # noqa: E402
+from pipeplan.planner.build import build_plan, plan_costs, plan_timeline  # noqa: E402
 from pipeplan.planner.inputs import ProfileRequest, make_cluster, profile_model_input  # noqa: E402
 from pipeplan.planner.plan import Plan  # noqa: E402
 from pipeplan.planner.search import SearchConfig, search_plans  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.manual_plan import manual_plan  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
-from pipeplan.schedules import SCHEDULE_NAMES, Op, simulate  # noqa: E402
+from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
 
 WARMUP, STEPS = 3, 12
 MLP = {"layers": 8, "hidden": 1024}
@@ -85,9 +85,9 @@ def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None):
 
 
 def _replayed_ms(plan: Plan, per_rank_steps: list[list[list[tuple[str, float, float]]]]) -> float:
-    """simulate() on the plan's own op lists (planner.build.plan_schedule) with this run's mean op times per
-    (stage, kind) in place of the profiled ones, transfers as planned: what the step would take with no overhead
-    beyond the ops themselves (separates per-op cost errors from executor overhead and waiting)."""
+    """The plan's own op lists re-simulated (planner.build.plan_timeline, as `show` does) with this run's mean op
+    times per (stage, kind) in place of the profiled ones, transfers as planned: what the step would take with no
+    overhead beyond the ops themselves (separates per-op cost errors from executor overhead and waiting)."""
     durations: dict[tuple[int, str], list[float]] = {}
     for steps in per_rank_steps:
         for op_times in steps[WARMUP:]:
@@ -110,7 +110,7 @@ def _replayed_ms(plan: Plan, per_rank_steps: list[list[list[tuple[str, float, fl
         weight_grad_ms=measured("W", "weight_grad_ms"),
         backward_ms=measured("B", "backward_ms"),
     )
-    return simulate(plan_schedule(plan), costs).makespan
+    return plan_timeline(plan, costs).makespan
 
 
 def _torch_stage_module(layers: nn.ModuleList, first: int, last: int) -> nn.Module:

@@ -109,7 +109,8 @@ def build_partition(
                 allreduce_ms=st.allreduce_ms,
                 output_transfer_ms=st.output_transfer_ms,
                 time_ms=st.time_ms,
-                inflight_microbatches=st.inflight,
+                inflight_microbatches=st.inflight[0],
+                inflight_before_input_grad=st.inflight[1],
                 param_count=int(round(float(arrays.span("param_count", a, b)))),
                 memory_bytes=int(np.ceil(memory)),
             )

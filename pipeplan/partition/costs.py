@@ -38,6 +38,7 @@ class LayerArrays:
     weight_grad: np.ndarray
     backward: np.ndarray
     activation: np.ndarray
+    freed: np.ndarray  # activation bytes freed by the input-gradient pass (I)
     param_bytes: np.ndarray
     param_count: np.ndarray
     cut: np.ndarray
@@ -58,6 +59,7 @@ class LayerArrays:
             weight_grad=prefix([la.weight_grad_ms for la in layers]),
             backward=prefix([la.backward_ms for la in layers]),
             activation=prefix([la.activation_bytes for la in layers]),
+            freed=prefix([la.activation_freed_by_input_grad_bytes for la in layers]),
             param_bytes=prefix([la.param_bytes for la in layers]),
             param_count=prefix([la.param_count for la in layers]),
             cut=cut,
@@ -80,7 +82,9 @@ class LayerArrays:
         sums = {name: getattr(self, name)[-1] - getattr(self, name)[::-1] for name in self._SUMS}
         return LayerArrays(**sums, cut=self.cut[::-1].copy(), bounds=self.bounds[-1] - self.bounds[::-1])
 
-    _SUMS = ("forward", "input_grad", "weight_grad", "backward", "activation", "param_bytes", "param_count")
+    _SUMS = (
+        "forward", "input_grad", "weight_grad", "backward", "activation", "freed", "param_bytes", "param_count"
+    )  # fmt: skip
 
     def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
         """Sum of `name` over items first..last (inclusive), vectorized over `first`."""
@@ -133,13 +137,28 @@ def compute_ms(arrays: LayerArrays, config: PartitionConfig, first: np.ndarray |
     return arrays.span("forward", first, last) + back
 
 
+def static_bytes(param_count, optimizer_bytes_per_param: float):
+    """Weights + gradients + optimizer state of `param_count` parameters: the one static-memory formula the
+    partitioner, planner and capacity use."""
+    return np.asarray(param_count, dtype=np.float64) * optimizer_bytes_per_param
+
+
 def stage_memory_bytes(
-    arrays: LayerArrays, config: PartitionConfig, first: np.ndarray | int, last: int, replicas, inflight
+    arrays: LayerArrays, config: PartitionConfig, first: np.ndarray | int, last: int, replicas, held
 ) -> np.ndarray:
-    """Per device: parameters x optimizer bytes + ceil(in-flight / replicas) microbatches of saved activations."""
-    held = np.ceil(np.asarray(inflight, dtype=np.float64) / np.asarray(replicas, dtype=np.float64))
-    params = arrays.span("param_count", first, last) * config.optimizer_bytes_per_param
-    return params + held * arrays.span("activation", first, last)
+    """The partitioner's per-device screen: static bytes + a bound on the live activations of a stage. `held` =
+    (in flight, in flight before I) per stage position (`partition.single.inflight_counts`): microbatches whose F
+    ran and whose W (or B) has not / whose I (or B) has not. At any moment live bytes = before-I x saved +
+    after-I x (saved - freed by I) <= in-flight x (saved - freed) + before-I x freed. A replica holds a
+    round-robin share, ceil(count / replicas) (the replicated schedules run microbatches in order). The planner
+    checks every candidate's exact peak with the simulator (`peak_activation_per_device`)."""
+    total, before_i = held
+    r = np.asarray(replicas, dtype=np.float64)
+    total_r = np.ceil(np.asarray(total, dtype=np.float64) / r)
+    before_r = np.ceil(np.asarray(before_i, dtype=np.float64) / r)
+    saved, freed = arrays.span("activation", first, last), arrays.span("freed", first, last)
+    params = static_bytes(arrays.span("param_count", first, last), config.optimizer_bytes_per_param)
+    return params + total_r * (saved - freed) + before_r * freed
 
 
 @dataclass(frozen=True, kw_only=True)

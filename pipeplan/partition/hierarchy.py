@@ -139,10 +139,11 @@ def solve_two_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConf
         devices_per_node=cluster.devices_per_node,
         memory_limit=memory_limit,
     )
-    for inflight in (1.0, None):
+    for inflight in ((1, 1), None):
         if inflight is None:
             upper = min(grouped.num_items, cluster.num_devices)
-            inflight = float(max(single.inflight_counts(config, upper)))
+            counts = single.inflight_counts(config, upper)
+            inflight = (max(c[0] for c in counts), max(c[1] for c in counts))
         found = _solve(grouped, cluster, config, _inner(inner_level, inflight))
         if found is None:
             return None
@@ -203,7 +204,7 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
                 comm_ms=float(t_in + t_out) / (r * copies) + (edge_comm if i in (0, len(stages) - 1) else 0.0),
                 allreduce_ms=reduce_intra + reduce_inter,
                 output_transfer_ms=float(transfer_ms(cut[y + 1], link if y == b else level.intra)),
-                inflight=0,
+                inflight=(0, 0),
             )
         )
         local += r
@@ -212,7 +213,9 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
 
 def _with_inflight(config: PartitionConfig, raw: list[single.RawStage]) -> list[single.RawStage]:
     inflight = single.inflight_counts(config, len(raw))
-    return [dataclasses.replace(st, inflight=-(-inflight[s] // len(st.devices))) for s, st in enumerate(raw)]
+    return [
+        dataclasses.replace(st, inflight=single.per_replica(inflight[s], len(st.devices))) for s, st in enumerate(raw)
+    ]
 
 
 def _fits(grouped: LayerArrays, config: PartitionConfig, raw: list[single.RawStage], memory_limit: float) -> bool:

@@ -17,8 +17,9 @@ class StageAssignment:
     by replicas. output_transfer_ms: latency + bytes / bandwidth of one microbatch's output cut (what a simulator
     charges between this stage and the next). allreduce_ms: the replicas' gradient all-reduce, once per step.
     time_ms: the stage's term in the objective (compute / replicas + all-reduce / microbatches, or communication,
-    whichever is larger; the PipeDream formula under cost_model='pipedream'). memory_bytes: predicted peak on one of
-    its devices."""
+    whichever is larger; the PipeDream formula under cost_model='pipedream'). memory_bytes: the partitioner's screen
+    on one of its devices (static bytes + a bound on live activations, `costs.stage_memory_bytes`); the planner's
+    figures are the simulator's exact peaks."""
 
     index: int
     first_layer: int
@@ -33,7 +34,8 @@ class StageAssignment:
     allreduce_ms: float
     output_transfer_ms: float  # one microbatch's activations to the next stage, one way (0 for the last stage)
     time_ms: float
-    inflight_microbatches: int  # per replica, from the schedule's memory model
+    inflight_microbatches: int  # per replica: most microbatches in flight (F run, W or B not), from the op order
+    inflight_before_input_grad: int  # per replica: of those, most before their I (or B)
     param_count: int
     memory_bytes: int
 

@@ -1,15 +1,18 @@
 """One-level search: stage cuts and replicas on devices joined by one kind of link, with the memory check.
 
-Memory is checked with the schedule's in-flight count at each stage position (`schedules.memory.memory_model`),
-which depends on the final number of stages. The fast path runs the position-free DP with only a necessary memory
-condition (parameters + one microbatch of activations fit) and then checks the exact per-position memory of its
-optimum; when that fails, the exact search runs one position-aware DP per number of stages P (the positions, and so
-the in-flight counts, are known once P is fixed) and keeps the best, ties to fewer stages.
+Memory is screened with a per-stage bound from the schedule's op order at each stage position (`inflight_counts`:
+microbatches in flight, and in flight before their I; `costs.stage_memory_bytes`), which depends on the final number
+of stages; the planner checks its candidates' exact byte peaks with the simulator. The fast path runs the
+position-free DP with only a necessary memory condition (parameters + one microbatch of activations fit) and then
+checks the per-position screen of its optimum; when that fails, the exact search runs one position-aware DP per
+number of stages P (the positions, and so the counts, are known once P is fixed) and keeps the best, ties to fewer
+stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +27,11 @@ from pipeplan.partition.costs import (
     stage_memory_bytes,
     transfer_ms,
 )
-from pipeplan.schedules.memory import memory_model
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import generate
 
 Stages = list[tuple[int, int, int]]  # (first item, last item, replicas)
+Held = tuple[int, int]  # (microbatches in flight, of which before their I) on one stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,12 +65,42 @@ class Level:
         return self.config.cost_model == "pipedream"
 
 
-def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[int, ...]:
-    """Microbatches in flight per stage position for a straight pipeline of `num_stages` stages."""
-    devices = num_stages // config.chunks
-    return memory_model(
-        config.schedule, devices, config.num_microbatches, config.chunks, config.memory_limit_microbatches
-    )
+def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...]:
+    """Per stage position of a straight pipeline of `num_stages` stages: the most microbatches in flight (F run,
+    W or B not yet) and the most before their I (F run, I or B not yet), from the op order of the schedule."""
+    return held_counts(config.schedule, num_stages // config.chunks, config.num_microbatches, config.chunks,
+                       config.memory_limit_microbatches)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def held_counts(
+    name: str, devices: int, microbatches: int, chunks: int | None = None, limit: int | None = None
+) -> tuple[Held, ...]:
+    """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
+    schedule = generate(name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory_limit=limit)
+    return held_per_stage(schedule)
+
+
+def held_per_stage(schedule: Schedule) -> tuple[Held, ...]:
+    """(max in flight, max in flight before I) per stage; a stage's ops run in list order on its device."""
+    total, before = [0] * schedule.num_stages, [0] * schedule.num_stages
+    peak_total, peak_before = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for ops in schedule.device_ops:
+        for o in ops:
+            s = o.stage
+            if o.kind == "F":
+                total[s] += 1
+                before[s] += 1
+                peak_total[s] = max(peak_total[s], total[s])
+                peak_before[s] = max(peak_before[s], before[s])
+            elif o.kind == "I":
+                before[s] -= 1
+            elif o.kind == "W":
+                total[s] -= 1
+            else:
+                total[s] -= 1
+                before[s] -= 1
+    return tuple(zip(peak_total, peak_before))
 
 
 def stages_fit(level: Level, stages: Stages) -> bool:
@@ -96,9 +131,10 @@ def replicated_times(level: Level, last: int, inflight, cache: dict | None = Non
     return times
 
 
-def straight_times(level: Level, last: int, inflight: np.ndarray | int, num_cols: int) -> np.ndarray:
+def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarray:
     """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
-    A scalar `inflight` (same for every position) returns a broadcast view."""
+    `inflight`: one (in flight, before I) pair for every position (returns a broadcast view), or a pair of
+    per-position arrays."""
     model, g = level.model, level.devices_per_node
     d = np.arange(num_cols)
     in_inter = (d % g == 0) & (d > 0)
@@ -113,13 +149,13 @@ def straight_times(level: Level, last: int, inflight: np.ndarray | int, num_cols
             if cols.any():
                 out_link = level.inter if out_is_inter else level.intra
                 variants.append((cols, model.times(last, one, in_link=t_in, out_link=out_link)))
-    if np.ndim(inflight) == 0:
-        mask = _memory_mask_straight(level, last, np.full(1, float(inflight)))
+    if np.ndim(inflight[0]) == 0:
+        mask = _memory_mask_straight(level, last, (np.full(1, inflight[0]), np.full(1, inflight[1])))
         if len(variants) == 1:
             return np.broadcast_to(np.where(mask, np.inf, variants[0][1]), (last + 1, num_cols))
-        counts = np.full(num_cols, float(inflight))
+        counts = (np.full(num_cols, float(inflight[0])), np.full(num_cols, float(inflight[1])))
     else:
-        counts = np.asarray(inflight, dtype=np.float64)
+        counts = (np.asarray(inflight[0], dtype=np.float64), np.asarray(inflight[1], dtype=np.float64))
     out = np.empty((last + 1, num_cols))
     for cols, col in variants:
         out[:, cols] = col
@@ -127,9 +163,9 @@ def straight_times(level: Level, last: int, inflight: np.ndarray | int, num_cols
     return out
 
 
-def _memory_mask_straight(level: Level, last: int, counts: np.ndarray) -> np.ndarray:
+def _memory_mask_straight(level: Level, last: int, counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     firsts = np.arange(last + 1)[:, None]
-    mem = stage_memory_bytes(level.arrays, level.config, firsts, last, 1, counts[None, :])
+    mem = stage_memory_bytes(level.arrays, level.config, firsts, last, 1, (counts[0][None, :], counts[1][None, :]))
     return mem > level.memory_limit
 
 
@@ -142,14 +178,15 @@ def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | 
         return None  # PipeDream's straight pipelines use every machine
     inflight = np.asarray(inflight_counts(level.config, num_stages), dtype=np.float64)
     if level.config.mode == "straight":
-        table = dp.straight_dp(n, num_stages, lambda last: straight_times(level, last, inflight, num_stages))
+        columns = (inflight[:, 0], inflight[:, 1])
+        table = dp.straight_dp(n, num_stages, lambda last: straight_times(level, last, columns, num_stages))
         value = table.value[n, num_stages]
         return (float(value), dp.backtrack(table, n, num_stages)) if np.isfinite(value) else None
     tables = dp.replicated_dp_by_stage(
         n,
         level.units,
         num_stages,
-        lambda last, s: replicated_times(level, last, inflight[s]),
+        lambda last, s: replicated_times(level, last, tuple(inflight[s])),
         at_most=not level.exact_units,
     )
     units = dp.best_units(tables[-1].value, n, level.units, exact=level.exact_units)
@@ -163,13 +200,13 @@ def solve_fast(level: Level) -> tuple[float, Stages] | None:
     n = level.arrays.num_items
     if level.config.mode == "straight":
         cols = min(n, level.units)
-        table = dp.straight_dp(n, cols, lambda last: straight_times(level, last, 1, cols))
+        table = dp.straight_dp(n, cols, lambda last: straight_times(level, last, (1, 1), cols))
         units = dp.best_units(table.value, n, cols, exact=level.exact_units)
         if level.exact_units and cols < level.units:
             units = None
     else:
         table = dp.replicated_dp(
-            n, level.units, lambda last: replicated_times(level, last, 1), at_most=not level.exact_units
+            n, level.units, lambda last: replicated_times(level, last, (1, 1)), at_most=not level.exact_units
         )
         units = dp.best_units(table.value, n, level.units, exact=level.exact_units)
     if units is None:
@@ -199,7 +236,7 @@ def solve_level(level: Level) -> tuple[float, Stages] | None:
     return best
 
 
-def _end_relative_inflight(level: Level) -> list[int] | None:
+def _end_relative_inflight(level: Level) -> list[Held] | None:
     """g[q] = in-flight count of the stage q positions before the last, when that holds for every pipeline depth
     (gpipe, 1f1b; not the zero-bubble schedules); None otherwise or where the trick does not apply."""
     config = level.config
@@ -213,7 +250,7 @@ def _end_relative_inflight(level: Level) -> list[int] | None:
     return g
 
 
-def solve_from_end(level: Level, g: list[int]) -> tuple[float, Stages] | None:
+def solve_from_end(level: Level, g: list[Held]) -> tuple[float, Stages] | None:
     """Exact memory-aware search in one layered DP: run on the layers in reverse order, so a stage's index is its
     distance from the last stage and fixes its in-flight count without knowing the depth (the pipeplan stage cost
     is symmetric in its two cuts). Ties: fewer stages."""
@@ -262,7 +299,7 @@ class RawStage:
     comm_ms: float
     allreduce_ms: float
     output_transfer_ms: float  # one microbatch's output cut, one way (0 for the last stage)
-    inflight: int  # per replica
+    inflight: Held  # per replica: (in flight, before I)
 
 
 def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: Link) -> tuple[float, float, float]:
@@ -284,11 +321,11 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
     out, device = [], first_device
     for s, (a, b, r) in enumerate(stages):
         if straight:
-            row = straight_times(level, b, 0, s + 1)[a, s]
+            row = straight_times(level, b, (0, 0), s + 1)[a, s]
             in_link = level.inter if s % level.devices_per_node == 0 and s > 0 else level.intra
             out_link = level.inter if (s + 1) % level.devices_per_node == 0 else level.intra
         else:
-            row = replicated_times(level, b, 0)[a, r - 1]
+            row = replicated_times(level, b, (0, 0))[a, r - 1]
             in_link = out_link = level.replica_link
         comm, reduce, send = _comm_terms(level, a, b, r, in_link, out_link)
         out.append(
@@ -300,8 +337,13 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
                 comm_ms=comm,
                 allreduce_ms=reduce,
                 output_transfer_ms=send,
-                inflight=-(-inflight[s] // r),
+                inflight=per_replica(inflight[s], r),
             )
         )
         device += r
     return out
+
+
+def per_replica(held: Held, replicas: int) -> Held:
+    """A replica's round-robin share of a stage's counts (ceil; microbatches run in order)."""
+    return (-(-held[0] // replicas), -(-held[1] // replicas))

@@ -13,8 +13,9 @@ import torch
 import pipeplan
 from pipeplan.errors import FormatError
 from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
+from pipeplan.partition.costs import static_bytes
 from pipeplan.planner.candidate import Evaluation
-from pipeplan.planner.layout import PipelineLayout, rank_infos
+from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.planner.rationale import alternatives, rationale
 from pipeplan.planner.search import SearchResult
@@ -22,8 +23,8 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate
-from pipeplan.schedules.replicate import replicate
-from pipeplan.schedules.simulate import StageCosts, Timeline, simulate
+from pipeplan.schedules.replicate import replicate_paced
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 
 
 def build_plan(
@@ -68,7 +69,8 @@ def build_plan(
             tokens_per_s=chosen.samples_per_s * tokens if tokens else None,
             bubble_rate=chosen.timeline.bubble_rate,
             peak_memory_bytes=tuple(chosen.device_memory_bytes[rank % pipe.num_devices] for rank in range(world)),
-            memory_limit_bytes=result.cluster.memory_per_device,
+            memory_limit_bytes=result.cluster.memory_per_device - result.config.memory_reserve_bytes,
+            memory_reserve_bytes=result.config.memory_reserve_bytes,
         ),
         alternatives=alternatives(result, chosen, limit=num_alternatives),
         rationale=rationale(result, chosen),
@@ -109,7 +111,9 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 backward_ms=stage.backward_ms,
                 param_count=sum(layer.param_count for layer in profile.layers[first : last + 1]),
                 memory_bytes=int(stage_memory[index]),
-                comm_ms=stage.comm_ms if index + 1 < len(chosen.partition.stages) else 0.0,
+                comm_ms=chosen.costs.comm_ms[index] if index + 1 < len(chosen.partition.stages) else 0.0,
+                activation_bytes=int(chosen.memory.activation_bytes[index]),
+                activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
             )
         )
@@ -127,13 +131,28 @@ def plan_pipeline(plan: Plan) -> PipelineLayout:
 
 
 def plan_costs(plan: Plan) -> StageCosts:
-    """Per-stage op times as simulated: a stage's replicas together take 1/replicas of its single-device time."""
+    """Per-stage op times on one device and the per-boundary transfer times, as the search simulated them."""
     return StageCosts(
-        forward_ms=tuple(s.forward_ms / s.replicas for s in plan.stages),
-        input_grad_ms=tuple(s.input_grad_ms / s.replicas for s in plan.stages),
-        weight_grad_ms=tuple(s.weight_grad_ms / s.replicas for s in plan.stages),
-        backward_ms=tuple(_backward(s) / s.replicas for s in plan.stages),
+        forward_ms=tuple(s.forward_ms for s in plan.stages),
+        input_grad_ms=tuple(s.input_grad_ms for s in plan.stages),
+        weight_grad_ms=tuple(s.weight_grad_ms for s in plan.stages),
+        backward_ms=tuple(_backward(s) for s in plan.stages),
         comm_ms=tuple(s.comm_ms for s in plan.stages[:-1]),
+    )
+
+
+def plan_memory(plan: Plan) -> MemoryCosts:
+    """Per stage activation bytes (and I's frees), per pipeline-0 rank static bytes, as the search simulated."""
+    per_param = plan.training.optimizer_bytes_per_param
+    static = [
+        float(sum(static_bytes(plan.stages[s].param_count, per_param) for s in info.stages))
+        for info in plan.ranks
+        if info.pipeline == 0
+    ]
+    return MemoryCosts(
+        activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
+        input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
+        static_bytes=tuple(static),
     )
 
 
@@ -142,8 +161,8 @@ def _backward(stage: StagePlan) -> float:
 
 
 def plan_schedule(plan: Plan) -> Schedule:
-    """The one-device-per-stage-slot Schedule the plan was timed with, read off its op lists. With replicated
-    stages it is regenerated from the schedule name (a fixed order) and checked against the op lists."""
+    """The one-device-per-stage-slot Schedule the plan's op lists come from. With replicated stages it is
+    regenerated from the schedule name (a fixed order) and checked against the op lists."""
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
     if all(s.replicas == 1 for s in plan.stages):
@@ -157,18 +176,30 @@ def plan_schedule(plan: Plan) -> Schedule:
             device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
         )
     schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
-    expanded = replicate(schedule, tuple(s.replicas for s in plan.stages))
-    if tuple(tuple(row) for row in expanded.op_strings()) != pipe.device_ops:
+    expanded = replicate_paced(schedule, tuple(s.replicas for s in plan.stages))
+    if sorted(tuple(row) for row in expanded.op_strings()) != sorted(pipe.device_ops):
         raise FormatError(f"plan rank_ops do not match schedule {plan.schedule} with replicated stages; re-plan")
     return schedule
 
 
-def plan_timeline(plan: Plan) -> Timeline:
-    """Simulate the plan's pipeline step again (without the gradient all-reduce that follows it)."""
-    return simulate(plan_schedule(plan), plan_costs(plan))
+def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
+    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs (or `costs`, e.g. measured op times
+    for a replay): the search's step (without the gradient all-reduce that follows it) and its per-rank peak
+    bytes."""
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
+    return simulate_layout(pipe, plan.schedule, num_stages, m, costs or plan_costs(plan), plan_memory(plan))
+
+
+def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
+    """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
+    stages in turn; ranks in parallel)."""
+    load = [sum(plan.stages[s].allreduce_ms for s in info.stages) for info in plan.ranks]
+    return timeline.makespan + max(load, default=0.0)
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:
-    """(rank, op, start_ms, end_ms) of pipeline 0 (the other pipelines run the same lists at the same times)."""
-    runs_on = {op: info.rank for info in plan.ranks if info.pipeline == 0 for op in plan.rank_ops[info.rank]}
-    return [(runs_on[str(entry.op)], str(entry.op), entry.start, entry.end) for entry in timeline.entries]
+    """(rank, op, start_ms, end_ms) of pipeline 0 (the other pipelines run the same lists at the same times):
+    pipeline 0's rank r is pipeline device r."""
+    assert timeline.num_devices == sum(1 for info in plan.ranks if info.pipeline == 0), "not this plan's timeline"
+    return [(entry.device, str(entry.op), entry.start, entry.end) for entry in timeline.entries]

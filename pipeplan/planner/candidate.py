@@ -1,34 +1,35 @@
 """One search candidate: a layout (microbatch size, data-parallel pipelines, devices per pipeline, microbatches,
 schedule, replication mode) evaluated into a predicted step — or a rejection saying why it cannot run.
 
-Evaluation: partition the (batch-scaled) profile onto one pipeline's devices with the schedule's memory model
-(pipeplan.partition), generate the schedule with the partition's per-stage costs, simulate one step
-(pipeplan.schedules.simulate) and add the gradient all-reduce that follows the pipeline flush: every stage's
-replicas across all pipelines reduce that stage's gradients (ring all-reduce, Cluster.allreduce_s); a device
-reduces its stages (chunks) in turn and the devices reduce in parallel, so the step pays the busiest device.
+Evaluation: partition the (batch-scaled) profile onto one pipeline's devices (pipeplan.partition, which screens
+memory with a per-stage bound), generate the schedule with the partition's per-stage costs (zb-auto under the
+activation bytes left after static memory), simulate one step of the op lists `run` executes — replicated stages
+as their expanded per-replica lists (pipeplan.schedules.replicate), every op at its full single-device time — and
+add the gradient all-reduce that follows the pipeline flush: every stage's replicas across all pipelines reduce
+that stage's gradients (ring all-reduce, Cluster.allreduce_s); a device reduces its stages (chunks) in turn and the
+devices reduce in parallel, so the step pays the busiest device.
 
-Replicated stages (PipeDream) are timed with each op of stage `s` taking 1/r_s of its single-device time: the
-simulator places a stage on one device, and r_s replicas drain r_s microbatches per op time (see
-pipeplan.schedules.replicate). The runtime runs the expanded per-replica op lists.
+Memory: the simulator's per-device peak in bytes (`Timeline.peak_memory_bytes`: static bytes of the stages the
+device holds — weights, gradients, optimizer state, `partition.costs.static_bytes` — plus the most live activation
+bytes, F adding a stage's saved bytes, I freeing what the profile says it frees, W the rest, B all) is the one
+figure checked against the device memory (less the search's reserve) and reported.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.cluster import Cluster
-from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES, PartitionConfig
-from pipeplan.partition.costs import LayerArrays, stage_memory_bytes
+from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM, SPLIT_BACKWARD_SCHEDULES, PartitionConfig
+from pipeplan.partition.costs import LayerArrays, static_bytes
 from pipeplan.partition.result import Partition
-from pipeplan.planner.layout import PipelineLayout, pipeline_layout
+from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import default_chunks, generate
-from pipeplan.schedules.simulate import StageCosts, Timeline, simulate
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 from pipeplan.units import format_bytes
 
 STRAIGHT = "straight"
@@ -64,12 +65,13 @@ class Evaluation:
     partition: Partition
     schedule: Schedule
     pipeline: PipelineLayout
-    costs: StageCosts  # per stage as simulated (replicated stages: / replicas)
+    costs: StageCosts  # per stage as simulated: one op's time on one device; comm_ms per boundary
+    memory: MemoryCosts  # per stage activation bytes, per pipeline device static bytes, as simulated
     timeline: Timeline
     stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush
     step_ms: float
     samples_per_s: float
-    device_memory_bytes: tuple[int, ...]  # predicted peak per pipeline device
+    device_memory_bytes: tuple[int, ...]  # the simulator's peak per pipeline device (static + activations)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -78,6 +80,21 @@ class Evaluation:
     @property
     def allreduce_ms(self) -> float:
         return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
+
+    def resimulate(self, costs: StageCosts) -> Timeline:
+        """This candidate's op lists simulated again under other `costs` (e.g. free transfers)."""
+        return simulate_layout(
+            self.pipeline, self.schedule.name, self.partition.num_stages, self.layout.num_microbatches, costs,
+            self.memory,
+        )  # fmt: skip
+
+    @property
+    def label_with_replicas(self) -> str:
+        """The layout's label, with the stages' replica counts when any stage is replicated."""
+        replicas = self.partition.replicas
+        if max(replicas) == 1:
+            return self.layout.label
+        return f"{self.layout.label} (replicas {','.join(map(str, replicas))})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +105,7 @@ class Rejection:
     kind: str
     reason: str
     needed_memory_bytes: int | None = None  # a lower bound on the memory per device this candidate needs
+    retry_budget_bytes: int | None = None  # simulated peak over memory: a tighter partitioner budget to try
 
 
 def pipeline_cluster(cluster: Cluster, pipeline_devices: int) -> Cluster:
@@ -117,7 +135,8 @@ def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, opti
 
 
 def partition_layout(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> Partition | Rejection:
-    """Stage cuts and replicas for `layout` from the partitioner, or why there are none."""
+    """Stage cuts and replicas for `layout` from the partitioner (memory screened against
+    `cluster.memory_per_device`), or why there are none."""
     try:
         part = partition(
             profile, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
@@ -153,8 +172,11 @@ def evaluate(
 def evaluate_partition(
     layout: Layout, part: Partition, profile: Profile, cluster: Cluster, *, optimizer: str, global_batch_size: int
 ) -> Evaluation | Rejection:
-    """Generate the schedule for `part`, check its memory, simulate one step and add the all-reduce."""
-    replicas = part.replicas
+    """Generate the schedule for `part`, simulate one step of the layout's op lists, check the simulated peak
+    bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
+    all-reduce."""
+    memory = memory_costs(part, profile)
+    auto = layout.schedule == "zb-auto"
     try:
         schedule = generate(
             layout.schedule,
@@ -162,8 +184,10 @@ def evaluate_partition(
             num_microbatches=layout.num_microbatches,
             chunks=part.chunks,
             costs=_stage_costs(part, profile, cluster, pipe=None),
+            memory=memory if auto else None,
+            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
         )
-        pipe = pipeline_layout(schedule, replicas, tuple(s.devices for s in part.stages))
+        pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:
         return Rejection(layout=layout, kind="schedule", reason=str(exc))
     assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
@@ -173,12 +197,13 @@ def evaluate_partition(
             layout=layout, kind="topology",
             reason=f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline",
         )  # fmt: skip
-    config = partition_config(layout, optimizer)
-    memory = _device_memory(part, pipe, schedule, profile, config, cluster.memory_per_device, layout)
-    if isinstance(memory, Rejection):
-        return memory
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
-    timeline = simulate(schedule, costs)
+    memory = replace(memory, static_bytes=device_static_bytes(part, pipe, optimizer))
+    timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
+    device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
+    over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
+    if over is not None:
+        return over
     allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
     step_ms = timeline.makespan + allreduce_step_ms(part, allreduce_ms)
     return Evaluation(
@@ -187,17 +212,66 @@ def evaluate_partition(
         schedule=schedule,
         pipeline=pipe,
         costs=costs,
+        memory=memory,
         timeline=timeline,
         stage_allreduce_ms=allreduce_ms,
         step_ms=step_ms,
         samples_per_s=global_batch_size / step_ms * 1000.0,
-        device_memory_bytes=memory,
+        device_memory_bytes=device_bytes,
     )
 
 
+def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
+    """Per stage: one microbatch's saved activation bytes and the part of them I frees (static bytes per device
+    are added once the layout is known, `device_static_bytes`)."""
+    saved, freed = [], []
+    for s in part.stages:
+        layers = profile.layers[s.first_layer : s.last_layer + 1]
+        saved.append(float(sum(la.activation_bytes for la in layers)))
+        freed.append(float(sum(la.activation_freed_by_input_grad_bytes for la in layers)))
+    return MemoryCosts(activation_bytes=tuple(saved), input_grad_freed_bytes=tuple(freed))
+
+
+def device_static_bytes(part: Partition, pipe: PipelineLayout, optimizer: str) -> tuple[float, ...]:
+    """Per pipeline device: weights + gradients + optimizer state of the stages (chunks) it holds."""
+    per_param = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+    return tuple(
+        float(sum(static_bytes(part.stages[s].param_count, per_param) for s in stages)) for stages in pipe.device_stages
+    )
+
+
+def _activation_budget(part: Partition, cluster: Cluster, optimizer: str) -> float:
+    """Live activation bytes zb-auto (one stage per device) may use per device: memory less the largest stage's
+    static bytes."""
+    per_param = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+    largest = max(float(static_bytes(s.param_count, per_param)) for s in part.stages)
+    return max(cluster.memory_per_device - largest, 1e-9)
+
+
+def _memory_rejection(
+    layout: Layout, part: Partition, pipe: PipelineLayout, device_bytes: tuple[int, ...], limit: int
+) -> Rejection | None:
+    """None when every device's simulated peak fits; else the rejection, with a partitioner budget that screens
+    out this partition (its worst device's screened bytes scaled by limit / simulated peak)."""
+    worst = max(range(len(device_bytes)), key=lambda d: device_bytes[d])
+    if device_bytes[worst] <= limit:
+        return None
+    stage = pipe.device_stages[worst][0]
+    screened = sum(part.stages[s].memory_bytes for s in pipe.device_stages[worst])
+    budget = min(limit, screened) * limit / device_bytes[worst]
+    return Rejection(
+        layout=layout, kind="memory", needed_memory_bytes=None, retry_budget_bytes=int(budget),
+        reason=(
+            f"out of memory on pipeline device {worst} (stage {stage}) by {format_bytes(device_bytes[worst] - limit)}"
+            " (simulated peak: static + live activations)"
+        ),
+    )  # fmt: skip
+
+
 def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: PipelineLayout | None) -> StageCosts:
-    """Per-stage op times as simulated (replicated stages: / replicas) and the transfer across each boundary:
-    the cut's bytes over the link between the two stages' devices (inter-node if any pair crosses a node)."""
+    """Per-stage op times on one device (a replica runs each of its ops in full) and the transfer across each
+    boundary: the cut's bytes over the link between the two stages' devices (inter-node if any pair crosses a
+    node)."""
     comm = []
     for stage in part.stages[:-1]:
         same_node = True
@@ -206,10 +280,10 @@ def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: Pipe
             same_node = len({cluster.node_of(d) for d in here + there}) == 1
         comm.append(cluster.transfer_s(profile.cut_bytes[stage.last_layer], same_node=same_node) * 1000.0)
     return StageCosts(
-        forward_ms=tuple(s.forward_ms / s.replicas for s in part.stages),
-        input_grad_ms=tuple(s.input_grad_ms / s.replicas for s in part.stages),
-        weight_grad_ms=tuple(s.weight_grad_ms / s.replicas for s in part.stages),
-        backward_ms=tuple(s.backward_ms / s.replicas for s in part.stages),
+        forward_ms=tuple(s.forward_ms for s in part.stages),
+        input_grad_ms=tuple(s.input_grad_ms for s in part.stages),
+        weight_grad_ms=tuple(s.weight_grad_ms for s in part.stages),
+        backward_ms=tuple(s.backward_ms for s in part.stages),
         comm_ms=tuple(comm),
     )
 
@@ -237,35 +311,3 @@ def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float
         for device in stage.devices:
             load[device] = load.get(device, 0.0) + ms
     return max(load.values())
-
-
-def _device_memory(
-    part: Partition,
-    pipe: PipelineLayout,
-    schedule: Schedule,
-    profile: Profile,
-    config: PartitionConfig,
-    limit: int,
-    layout: Layout,
-) -> tuple[int, ...] | Rejection:
-    """Predicted peak bytes per pipeline device: the partition's per-stage memory (weights, gradients, optimizer
-    state, in-flight activations) summed over the stages (chunks) the device holds. When the generated schedule
-    (zb-auto with real costs) keeps more microbatches in flight on a stage than the partition assumed, that stage is
-    recounted with the partition's memory formula and the candidate rejected if it no longer fits."""
-    stage_bytes = [s.memory_bytes for s in part.stages]
-    if all(r == 1 for r in part.replicas):
-        arrays = None
-        for s, count in zip(part.stages, inflight_per_stage(schedule)):
-            if count > s.inflight_microbatches:
-                arrays = arrays or LayerArrays.from_profile(profile)
-                need = stage_memory_bytes(arrays, config, s.first_layer, s.last_layer, 1, count)
-                stage_bytes[s.index] = int(math.ceil(float(need)))
-    device_bytes = tuple(sum(stage_bytes[s] for s in stages) for stages in pipe.device_stages)
-    for device, total in enumerate(device_bytes):
-        if total > limit:
-            stage = pipe.device_stages[device][0]
-            return Rejection(
-                layout=layout, kind="memory", needed_memory_bytes=None,
-                reason=f"out of memory at stage {stage} by {format_bytes(total - limit)} (more microbatches in flight)",
-            )  # fmt: skip
-    return device_bytes

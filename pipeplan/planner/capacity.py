@@ -31,11 +31,10 @@ from dataclasses import dataclass, field, replace
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.planner.candidate import Evaluation, Rejection
 from pipeplan.planner.capacity_memory import MemorySplit, device_memory_split, screen_layouts
-from pipeplan.planner.search import SearchConfig, SearchResult, search_plans
+from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES
-from pipeplan.schedules.simulate import simulate
 from pipeplan.units import format_bytes
 
 DEFAULT_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "zb-auto")
@@ -60,6 +59,7 @@ class CapacityConfig:
     target_tokens: float | None = None
     days: float | None = None
     max_devices: int | None = None
+    memory_reserve_bytes: int | None = None  # device memory kept free; None: search.default_memory_reserve
 
     def __post_init__(self) -> None:
         if not self.device_counts or any(n < 1 for n in self.device_counts):
@@ -85,9 +85,11 @@ class CapacityConfig:
 
     @property
     def search_config(self) -> SearchConfig:
+        reserve = self.memory_reserve_bytes
         return SearchConfig(
             global_batch_size=self.global_batch_size, microbatch_sizes=self.microbatch_sizes,
             optimizer=self.optimizer, dtype="bfloat16", replication=self.replication,
+            memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
         )  # fmt: skip
 
     @property
@@ -176,6 +178,7 @@ class CapacityReport:
     memory_per_device: int
     global_batch_size: int
     tokens_per_sample: int
+    memory_reserve_bytes: int = 0  # of memory_per_device, kept free (plans fit in the rest)
     param_count: int
     flops_per_token: float
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
@@ -185,7 +188,7 @@ class CapacityReport:
     def to_dict(self) -> dict:
         return {
             "model": self.model, "hardware": self.hardware, "memory_per_device": self.memory_per_device,
-            "global_batch_size": self.global_batch_size,
+            "memory_reserve_bytes": self.memory_reserve_bytes, "global_batch_size": self.global_batch_size,
             "tokens_per_sample": self.tokens_per_sample, "param_count": self.param_count,
             "flops_per_token": self.flops_per_token, "rows": [row.to_dict() for row in self.rows],
             "per_schedule": {name: [r.to_dict() for r in rows] for name, rows in self.per_schedule.items()},
@@ -219,6 +222,7 @@ def capacity_sweep(
     return CapacityReport(
         model=model or profile.provenance.model, hardware=config.hardware.name,
         memory_per_device=config.hardware.memory_bytes,
+        memory_reserve_bytes=config.search_config.memory_reserve_bytes,
         global_batch_size=config.global_batch_size, tokens_per_sample=profile.provenance.tokens_per_sample or 1,
         param_count=sum(layer.param_count for layer in profile.layers), flops_per_token=sweep.flops_per_token,
         rows=rows, per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()}, answer=answer,
@@ -332,7 +336,7 @@ def _result_row(
 def time_split(best: Evaluation) -> TimeSplit:
     """compute = the busiest device's op time; bubble = the rest of the step with free transfers; comm = what the
     transfers add to the simulated step, plus the all-reduce after the flush."""
-    no_comm = simulate(best.schedule, replace(best.costs, comm_ms=0.0)).makespan
+    no_comm = best.resimulate(replace(best.costs, comm_ms=0.0)).makespan
     compute = max(best.timeline.device_busy)
     return TimeSplit(
         compute_ms=compute,

@@ -101,6 +101,9 @@ def capacity(
     optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16 (18 B/param), adamw-fp32, sgd."),
     replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
     plot: Path = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
+    memory_reserve: str = typer.Option(
+        None, "--memory-reserve", help="Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print only JSON (rows and the answer)."),
 ) -> None:
     """Best pipeline plan for a model on each of several cluster sizes: step time, tokens/s, MFU, bubble,
@@ -110,6 +113,7 @@ def capacity(
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
     """
     from pipeplan.models import parse_assignments
+    from pipeplan.planner.commands import memory_reserve_bytes
     from pipeplan.profiling.hardware import load_hardware
 
     counts = parse_device_counts(devices)
@@ -122,6 +126,7 @@ def capacity(
         hardware=spec_hardware, device_counts=counts, global_batch_size=global_batch_size or math.lcm(*sizes),
         devices_per_node=devices_per_node, microbatch_sizes=sizes, schedules=parse_schedules(schedule),
         optimizer=optimizer, replication=replication, per_schedule=plot is not None, target_tokens=target, days=days,
+        memory_reserve_bytes=memory_reserve_bytes(memory_reserve, spec_hardware.memory_bytes),
     )  # fmt: skip
     if replication and not set(config.schedules) & set(REPLICABLE_SCHEDULES):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
@@ -185,10 +190,12 @@ def _row_cells(row: CapacityRow) -> list[str]:
 
 
 def render_report(report: CapacityReport) -> None:
+    usable = report.memory_per_device - report.memory_reserve_bytes
     out.print(
         f"[bold]{report.model}[/] on {report.hardware}: {report.param_count / 1e9:.2f}B parameters, "
         f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
-        f"{report.tokens_per_sample} tokens",
+        f"{report.tokens_per_sample} tokens; plans fit in {_gib(usable)}"
+        f" of {_gib(report.memory_per_device)} GiB per device ({_gib(report.memory_reserve_bytes)} GiB reserve)",
         highlight=False,
     )
     table = Table(show_lines=False, pad_edge=False)

@@ -3,9 +3,8 @@ optimizer state and activations, and a cheap lower bound on what a layout needs 
 
 Bytes per parameter follow `pipeplan.partition.config.OPTIMIZER_BYTES_PER_PARAM`, split as Megatron-LM counts mixed
 precision: `adamw-bf16` = bf16 weights 2 + fp32 gradients 4 + optimizer 12 (fp32 master weights 4 + Adam moments
-4 + 4) = 18 B/param. Activations are the partitioner's model: per stage, the microbatches in flight (schedule memory
-model; the generated schedule's count when larger) x the stage's saved bytes per microbatch (the profile's
-`activation_bytes` summed over the stage's layers).
+4 + 4) = 18 B/param. Activations are the rest of the simulator's byte peak for that device (the planner's one memory
+figure: F adds a stage's saved bytes, I frees its share, W the rest).
 """
 
 from __future__ import annotations
@@ -18,11 +17,12 @@ import numpy as np
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
+from pipeplan.partition.costs import static_bytes
+from pipeplan.partition.single import held_counts
 from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import SearchConfig, enumerate_layouts
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.memory import inflight_per_stage, memory_model
 from pipeplan.schedules.registry import default_chunks
 from pipeplan.units import format_bytes
 
@@ -56,37 +56,21 @@ class MemorySplit:
         return {name: getattr(self, name) for name in names}
 
 
-def stage_activation_bytes(profile: Profile, first_layer: int, last_layer: int) -> int:
-    """Saved activation bytes of one microbatch on layers first..last (the profile's microbatch size)."""
-    return sum(layer.activation_bytes for layer in profile.layers[first_layer : last_layer + 1])
-
-
-def stage_inflight(evaluation: Evaluation) -> tuple[int, ...]:
-    """Per stage, the microbatches whose activations one of its devices holds at once (as the planner counts)."""
-    part = evaluation.partition
-    counts = [s.inflight_microbatches for s in part.stages]
-    if all(r == 1 for r in part.replicas):
-        counts = [max(c, n) for c, n in zip(counts, inflight_per_stage(evaluation.schedule))]
-    return tuple(counts)
-
-
 def device_memory_split(evaluation: Evaluation, profile: Profile, optimizer: str) -> MemorySplit:
-    """The split of the pipeline device with the highest predicted peak; `profile` is scaled to the layout's
-    microbatch size (the search's `profiles[b]`)."""
+    """The split of the pipeline device with the highest simulated peak (`evaluation.device_memory_bytes`);
+    `profile` is scaled to the layout's microbatch size (the search's `profiles[b]`)."""
     part = evaluation.partition
     device = max(range(len(evaluation.device_memory_bytes)), key=lambda d: evaluation.device_memory_bytes[d])
     stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
-    inflight = stage_inflight(evaluation)
     params = sum(s.param_count for s in stages)
-    activations = sum(inflight[s.index] * stage_activation_bytes(profile, s.first_layer, s.last_layer) for s in stages)
-    weights, gradients, state = OPTIMIZER_SPLIT[optimizer]
+    weights, gradients, state = (round(float(static_bytes(params, b))) for b in OPTIMIZER_SPLIT[optimizer])
     return MemorySplit(
         device=device,
         param_count=params,
-        weights=round(weights * params),
-        gradients=round(gradients * params),
-        optimizer=round(state * params),
-        activations=activations,
+        weights=weights,
+        gradients=gradients,
+        optimizer=state,
+        activations=evaluation.device_memory_bytes[device] - weights - gradients - state,
     )
 
 
@@ -97,13 +81,16 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> floa
     Straight pipelines cut the layers into exactly S = P x chunks non-empty contiguous stages; stage s holds c_s
     microbatches in flight (the schedule's memory model) and its parameters x bytes/param. A device holds at least
     one whole stage, so the least X for which such a cut has every stage within X bounds the need from below
+    (c_s here counts microbatches before their I: they hold all their saved bytes, so the simulated peak is at
+    least that)
     (decided exactly for each X by `_cuttable`, X by bisection). With chunks, a device holds `chunks` stages, so
     the X must also admit such a cut whose stages sum to at most P x X (the devices' mean is at most their max).
     """
     if layout.mode == REPLICATED:
         return 0.0
     chunks = default_chunks(layout.schedule)
-    inflight = np.asarray(memory_model(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks))
+    held = held_counts(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks)
+    inflight = np.asarray([before_i for _, before_i in held])
     static = np.concatenate([[0.0], np.cumsum([la.param_count * OPTIMIZER_BYTES_PER_PARAM[optimizer] for la in
                                                profile.layers])])  # fmt: skip
     active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
@@ -186,7 +173,8 @@ class Screen:
 
 def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, schedules: tuple[str, ...]) -> Screen:
     """Split the search's layouts on `cluster` by `memory_floor_bytes` (weights + gradients + optimizer state over
-    P devices first: it needs no schedule)."""
+    P devices first: it needs no schedule); a layout's need includes the search's memory reserve."""
+    reserve = config.memory_reserve_bytes
     per_param = OPTIMIZER_BYTES_PER_PARAM[config.optimizer]
     params = sum(layer.param_count for layer in profile.layers)
     scaled = {b: scale_profile(profile, b) for b in config.microbatch_sizes}
@@ -196,10 +184,11 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
         if isinstance(layout, Rejection):
             continue
-        need = params * per_param / layout.pipeline_devices
+        need = params * per_param / layout.pipeline_devices + reserve
         if need <= cluster.memory_per_device:
             try:
-                need = max(need, memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer))
+                floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer)
+                need = max(need, floor_bytes + reserve)
             except ScheduleError:
                 continue  # the schedule cannot run this shape; the search rejects it too
         floor = min(floor, need)

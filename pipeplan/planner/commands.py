@@ -26,11 +26,12 @@ from pipeplan.planner.inputs import (
 )
 from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir
-from pipeplan.planner.search import SearchConfig, search_plans
+from pipeplan.planner.search import SearchConfig, default_memory_reserve, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.schedules.simulate import Timeline
+from pipeplan.units import parse_size
 
 DEFAULT_OUTPUT = "plan"
 EXPORT_FORMATS = ("torch-csv",)
@@ -56,6 +57,12 @@ def plan(
     devices: int = typer.Option(None, "--devices", "-n", help="Devices in all (default: local GPUs, or 2 on CPU)."),
     devices_per_node: int = typer.Option(None, "--devices-per-node", help="Devices per node (default: min(N, 8))."),
     memory_per_device: str = typer.Option(None, "--memory-per-device", help="e.g. 80GiB (default: hardware/RAM)."),
+    memory_reserve: str = typer.Option(
+        None,
+        "--memory-reserve",
+        help="Device memory kept free for what the model does not count (CUDA context, NCCL buffers, "
+        "fragmentation), e.g. 2GiB or 0 (default: max(1GiB, 5% of device memory)).",
+    ),
     hardware: str = typer.Option(None, "--hardware", help="Preset for links and memory (h100, a100-80gb, ...)."),
     device: str = typer.Option("cpu", "--device", help="Profile on cpu or cuda (measured) or meta (analytic)."),
     global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (default 4 x N)."),
@@ -84,6 +91,7 @@ def plan(
     scaled linearly to the microbatch size.
 
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
+    Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
     """
     cluster = make_cluster(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
@@ -99,6 +107,7 @@ def plan(
     config = SearchConfig(  # validated before the (slow) profiling
         global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, replication=not no_replication,
         pipeline_depths=pipeline_depth_candidates(pipeline_depth),
+        memory_reserve_bytes=memory_reserve_bytes(memory_reserve, cluster.memory_per_device),
     )  # fmt: skip
     config.check_devices(cluster.num_devices)
     if source is None:
@@ -117,6 +126,13 @@ def plan(
         return
     render_summary(out, chosen, timeline=timeline)
     out.print(f"wrote {output}/plan.json, launch.sh, job.sbatch, timeline.json")
+
+
+def memory_reserve_bytes(text: str | None, memory_per_device: int) -> int:
+    """--memory-reserve as bytes; the documented default when not given."""
+    if text is None:
+        return default_memory_reserve(memory_per_device)
+    return parse_size(text, option="--memory-reserve") if text.strip() not in ("0", "0B") else 0
 
 
 def _search_and_write(

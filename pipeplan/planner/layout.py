@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
-from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.replicate import replicate
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.replicate import replicate_paced, simulate_expanded
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,11 +34,12 @@ class PipelineLayout:
 def pipeline_layout(
     schedule: Schedule, replicas: tuple[int, ...], stage_devices: tuple[tuple[int, ...], ...] | None = None
 ) -> PipelineLayout:
-    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate).
+    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate's
+    `replicate_paced`: each replica paced like a device of a pipeline as long as this one).
     `stage_devices[s]` (default: consecutive devices in stage order) names the pipeline devices of stage s's
     replicas, replica j on `stage_devices[s][j]` — e.g. the partitioner's placement across nodes."""
     if any(r > 1 for r in replicas):
-        expanded = replicate(schedule, replicas)
+        expanded = replicate_paced(schedule, replicas)
         slots = stage_devices or _consecutive(replicas)
         assert [len(devices) for devices in slots] == list(replicas), "one device per replica"
         order = sorted(
@@ -78,3 +80,27 @@ def rank_infos(layout: PipelineLayout, data_parallel: int, cluster: Cluster) -> 
         )
         for rank in range(per_pipeline * data_parallel)
     )
+
+
+def simulate_layout(
+    layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int, costs: StageCosts, memory: MemoryCosts
+) -> Timeline:
+    """Time the op lists one pipeline runs (`layout.device_ops`, device = pipeline device): the step the search
+    predicts, `show` draws and `run` is compared with. `costs`: one op's time on one device per stage and the
+    transfer per boundary; `memory.static_bytes` per pipeline device."""
+    device_ops = tuple(tuple(Op.parse(text) for text in ops) for ops in layout.device_ops)
+    first_device = {}
+    for device, stages in reversed(list(enumerate(layout.device_stages))):
+        for stage in stages:
+            first_device[stage] = device
+    schedule = Schedule(
+        name=name,
+        num_devices=layout.num_devices,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_device=tuple(first_device[s] for s in range(num_stages)),
+        device_ops=device_ops,
+    )
+    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+        return simulate(schedule, costs, memory)
+    return simulate_expanded(schedule, costs, memory)

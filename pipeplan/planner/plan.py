@@ -84,8 +84,10 @@ class StagePlan:
     weight_grad_ms: float = 0.0
     backward_ms: float | None = None  # fused B (1F1B-style schedules); None: input_grad_ms + weight_grad_ms
     param_count: int = 0
-    memory_bytes: int = 0  # predicted peak on one device holding this stage
-    comm_ms: float = 0.0  # predicted transfer to the next stage (activations forward, gradients backward)
+    memory_bytes: int = 0  # predicted peak on one device holding this stage (the simulator's, static included)
+    comm_ms: float = 0.0  # transfer to the next stage as simulated (activations forward, gradients backward)
+    activation_bytes: int = 0  # saved for backward per microbatch (what F adds to its device's memory)
+    activation_freed_by_input_grad_bytes: int = 0  # the part of it I frees (W frees the rest, B all)
     allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines
 
 
@@ -104,8 +106,9 @@ class Prediction:
     samples_per_s: float
     tokens_per_s: float | None = None
     bubble_rate: float = 0.0
-    peak_memory_bytes: tuple[int, ...] = ()  # per rank
-    memory_limit_bytes: int = 0
+    peak_memory_bytes: tuple[int, ...] = ()  # per rank: the simulator's peak (static + live activations)
+    memory_limit_bytes: int = 0  # what the peaks were checked against: device memory less the reserve
+    memory_reserve_bytes: int = 0  # kept free for what the model does not count (CUDA context, buffers, ...)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,15 +75,26 @@ def rejection_counts(result: SearchResult) -> dict[str, int]:
 
 
 def rationale(result: SearchResult, chosen: Evaluation) -> str:
+    from pipeplan.planner.search import PREDICTION_MARGIN
+
     layout = chosen.layout
+    reserve = result.config.memory_reserve_bytes
     parts = [
         f"Chose {layout.label}: {chosen.samples_per_s:.2f} samples/s predicted "
         f"({chosen.step_ms:.2f} ms/step, bubble {chosen.timeline.bubble_rate:.1%}, gradient all-reduce "
         f"{chosen.allreduce_ms:.2f} ms, peak memory {format_bytes(chosen.peak_memory_bytes)} of "
-        f"{format_bytes(result.cluster.memory_per_device)})."
+        f"{format_bytes(result.cluster.memory_per_device - reserve)}, after a {format_bytes(reserve)} reserve)."
     ]
+    fastest = result.fastest
+    if fastest is not chosen:
+        gap = (chosen.step_ms / fastest.step_ms - 1.0) * 100.0
+        parts.append(
+            f"The fastest prediction, {fastest.label_with_replicas}, is only {gap:.1f}% faster (within the "
+            f"{PREDICTION_MARGIN:.0%} prediction margin) with peak memory {format_bytes(fastest.peak_memory_bytes)}"
+            f"; preferred the simpler layout ({_simpler(chosen, fastest)})."
+        )
     runner_up = next((e for e in result.ranked if e is not chosen), None)
-    if runner_up is not None:
+    if runner_up is not None and fastest is chosen:
         gap = (runner_up.step_ms / chosen.step_ms - 1.0) * 100.0
         parts.append(f"The runner-up, {runner_up.layout.label}, is {gap:.1f}% slower.")
     other_schedules = {e.layout.schedule for e in result.ranked} - {layout.schedule}
@@ -96,3 +107,16 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     else:
         parts.append(f"{len(result.ranked)} candidate(s) fit; none rejected.")
     return " ".join(parts)
+
+
+def _simpler(chosen: Evaluation, other: Evaluation) -> str:
+    words = []
+    if max(chosen.partition.replicas) == 1 and max(other.partition.replicas) > 1:
+        words.append("no replicated stages")
+    elif len(set(chosen.partition.replicas)) < len(set(other.partition.replicas)):
+        words.append("fewer distinct replica counts")
+    if chosen.layout.num_microbatches < other.layout.num_microbatches:
+        words.append(f"{chosen.layout.num_microbatches} microbatches instead of {other.layout.num_microbatches}")
+    if chosen.peak_memory_bytes < other.peak_memory_bytes:
+        words.append("more memory headroom")
+    return ", ".join(words) or "as simple, more headroom"

@@ -11,14 +11,26 @@ Pruning keeps it fast (pipeplan.planner.estimate): weights + gradients + optimiz
 devices bound memory from below, so a pipeline too short to hold the model is rejected before partitioning.
 Candidates are evaluated in order of a balanced-stage estimate (the schedule simulated with every stage 1/S of the
 model); one whose estimate is already slower than the best plan found is not partitioned, and one whose
-partition's busiest-device bound is slower is not simulated.
-Every rejected candidate records why it lost.
+partition's busiest-device bound is slower is not simulated. When the simulated peak of a partition is over memory
+(the partitioner's per-stage screen is a bound, not the exact peak: zb-auto and paced replicas hold more), the
+layout is partitioned again with a budget that screens that partition out (at most MEMORY_RETRIES times).
+Every rejected candidate records why it lost. A schedule whose every candidate was pruned still gets its
+best-estimated candidates evaluated (until one fits, at most `PER_SCHEDULE_TRIES`), so the summary can say what
+each schedule would give.
+
+Memory: candidates are checked against the device memory less `SearchConfig.memory_reserve_bytes`, kept free for
+what the model does not count (CUDA context and library workspaces, communication buffers, allocator
+fragmentation); `default_memory_reserve` is the CLI's default.
+
+Choice: among the candidates within `PREDICTION_MARGIN` of the fastest predicted step — differences the
+prediction cannot resolve — the simplest layout is preferred (`simplicity_key`: no replication, then fewer
+distinct replica counts, fewer microbatches, more memory headroom), and the rationale says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.partition.cluster import Cluster
@@ -29,6 +41,7 @@ from pipeplan.planner.candidate import (
     Evaluation,
     Layout,
     Rejection,
+    evaluate,
     evaluate_partition,
     min_memory_bytes,
     partition_layout,
@@ -41,6 +54,20 @@ from pipeplan.units import format_bytes
 
 # One stage per device and a fixed op order (regenerated from the name alone): replicas split the microbatches.
 REPLICABLE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+# Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
+# by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
+PREDICTION_MARGIN = 0.02
+PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none, best estimate first
+MEMORY_RETRIES = 2  # re-partitions with a tighter screen when the simulated peak is over memory
+GIB = 1 << 30
+
+
+def default_memory_reserve(memory_per_device: int) -> int:
+    """max(1 GiB, 5% of device memory), at most a quarter of it: a CUDA context with cuBLAS/cuDNN workspaces
+    takes 0.5-1 GiB, NCCL's point-to-point and all-reduce buffers a few hundred MiB more, and the caching
+    allocator's fragmentation is typically a few percent of what it holds. On an 80 GB H100 that keeps 4 GB
+    free; the quarter cap keeps small (test, CPU) devices usable."""
+    return min(max(GIB, int(0.05 * memory_per_device)), memory_per_device // 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +80,7 @@ class SearchConfig:
     dtype: str = "float32"
     replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
+    memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -68,6 +96,8 @@ class SearchConfig:
             raise ConfigError(
                 f"unknown --optimizer {self.optimizer!r}; choose from: {', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
             )
+        if self.memory_reserve_bytes < 0:
+            raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
             raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
 
@@ -80,7 +110,8 @@ class SearchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
-    """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason."""
+    """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason; `best`: the
+    chosen one (the simplest within PREDICTION_MARGIN of the fastest)."""
 
     ranked: tuple[Evaluation, ...]
     rejected: tuple[Rejection, ...]
@@ -89,8 +120,31 @@ class SearchResult:
     config: SearchConfig
 
     @property
-    def best(self) -> Evaluation:
+    def fastest(self) -> Evaluation:
         return self.ranked[0]
+
+    @property
+    def best(self) -> Evaluation:
+        return prefer_simple(self.ranked, self.cluster.memory_per_device)
+
+
+def simplicity_key(evaluation: Evaluation, memory_per_device: int) -> tuple:
+    """Simpler first: no replication, fewer distinct replica counts, fewer microbatches, more memory headroom."""
+    replicas = evaluation.partition.replicas
+    return (
+        max(replicas) > 1,
+        len(set(replicas)),
+        evaluation.layout.num_microbatches,
+        evaluation.peak_memory_bytes / memory_per_device,
+        evaluation.step_ms,
+        evaluation.layout.label,
+    )
+
+
+def prefer_simple(ranked: tuple[Evaluation, ...], memory_per_device: int) -> Evaluation:
+    """The simplest candidate predicted within PREDICTION_MARGIN of the fastest (ranked fastest first)."""
+    close = [e for e in ranked if e.step_ms <= ranked[0].step_ms * (1.0 + PREDICTION_MARGIN)]
+    return min(close, key=lambda e: simplicity_key(e, memory_per_device))
 
 
 Progress = Callable[[int, int], None]  # (done, total)
@@ -153,6 +207,7 @@ def search_plans(
     if unknown:
         raise ConfigError(f"unknown --schedule {unknown[0]!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
+    usable = usable_cluster(cluster, config)
     pending: list[tuple[float, Layout]] = []
     rejected: list[Rejection] = []
     for item in enumerate_layouts(profile.num_layers, cluster, config, names):
@@ -165,7 +220,7 @@ def search_plans(
         except ScheduleError as exc:  # the schedule cannot run this shape at all: say that before memory
             rejected.append(Rejection(layout=item, kind="schedule", reason=str(exc)))
             continue
-        early = _static_memory_rejection(item, scaled, cluster, config)
+        early = _static_memory_rejection(item, scaled, usable, config)
         if early is not None:
             rejected.append(early)
         else:
@@ -174,7 +229,7 @@ def search_plans(
     evaluated: list[Evaluation] = []
     best_ms = float("inf")
     for done, (estimate, layout) in enumerate(pending, start=1):
-        result = _evaluate_unless_pruned(layout, estimate, best_ms, profiles[layout.microbatch_size], cluster, config)
+        result = _evaluate_unless_pruned(layout, estimate, best_ms, profiles[layout.microbatch_size], usable, config)
         if isinstance(result, Rejection):
             rejected.append(result)
         else:
@@ -182,13 +237,54 @@ def search_plans(
             best_ms = min(best_ms, result.step_ms)
         if progress is not None:
             progress(done, len(pending))
+    _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
-        smallest = smallest_fitting_memory(rejected, profiles, cluster, config.optimizer)
-        raise InfeasibleError(infeasible_message(rejected, cluster, smallest))
+        smallest = smallest_fitting_memory(rejected, profiles, usable, config.optimizer)
+        raise InfeasibleError(infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes))
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
         ranked=tuple(evaluated), rejected=tuple(rejected), profiles=profiles, cluster=cluster, config=config
     )
+
+
+def usable_cluster(cluster: Cluster, config: SearchConfig) -> Cluster:
+    """The cluster as the memory checks see it: device memory less the reserve."""
+    usable = cluster.memory_per_device - config.memory_reserve_bytes
+    if usable <= 0:
+        raise ConfigError(
+            f"--memory-reserve ({format_bytes(config.memory_reserve_bytes)}) leaves no memory of "
+            f"{format_bytes(cluster.memory_per_device)} per device; lower it"
+        )
+    return replace(cluster, memory_per_device=usable)
+
+
+def _evaluate_each_schedule(
+    pending: list[tuple[float, Layout]],
+    evaluated: list[Evaluation],
+    rejected: list[Rejection],
+    profiles: dict[int, Profile],
+    cluster: Cluster,
+    config: SearchConfig,
+) -> None:
+    """For every schedule with no fitting candidate whose candidates were pruned, evaluate its best-estimated
+    ones (at most PER_SCHEDULE_TRIES) until one fits; their pruning rejections are replaced by the outcome."""
+    fitting = {e.layout.schedule for e in evaluated}
+    pruned = {id(r.layout): r for r in rejected if r.kind in ("estimate", "bound")}
+    for name in dict.fromkeys(layout.schedule for _, layout in pending):
+        if name in fitting:
+            continue
+        tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
+        for layout in tries[:PER_SCHEDULE_TRIES]:
+            result = evaluate(
+                layout, profiles[layout.microbatch_size], cluster, optimizer=config.optimizer,
+                global_batch_size=config.global_batch_size,
+            )  # fmt: skip
+            rejected.remove(pruned[id(layout)])
+            if isinstance(result, Rejection):
+                rejected.append(result)
+                continue
+            evaluated.append(result)
+            break
 
 
 def _evaluate_unless_pruned(
@@ -201,18 +297,25 @@ def _evaluate_unless_pruned(
             layout=layout, kind="estimate",
             reason=f"estimated {_slower(estimate, best_ms)} slower than the best plan even with balanced stages",
         )  # fmt: skip
-    part = partition_layout(layout, profile, cluster, optimizer=config.optimizer)
-    if isinstance(part, Rejection):
-        return part
-    bound = partition_lower_bound_ms(layout, part, profile, cluster)
-    if bound >= best_ms:
-        return Rejection(
-            layout=layout, kind="bound",
-            reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
-        )  # fmt: skip
-    return evaluate_partition(
-        layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
-    )
+    budget = cluster
+    for _ in range(MEMORY_RETRIES + 1):
+        part = partition_layout(layout, profile, budget, optimizer=config.optimizer)
+        if isinstance(part, Rejection):
+            return part
+        bound = partition_lower_bound_ms(layout, part, profile, cluster)
+        if bound >= best_ms:
+            return Rejection(
+                layout=layout, kind="bound",
+                reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
+            )  # fmt: skip
+        result = evaluate_partition(
+            layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
+        )
+        if not isinstance(result, Rejection) or not result.retry_budget_bytes:
+            return result
+        # the partitioner's screen let through a partition whose simulated peak does not fit: screen tighter
+        budget = replace(budget, memory_per_device=min(budget.memory_per_device - 1, result.retry_budget_bytes))
+    return result
 
 
 def _slower(ms: float, best_ms: float) -> str:
@@ -255,12 +358,16 @@ def smallest_fitting_memory(
     return best
 
 
-def infeasible_message(rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None) -> str:
-    """One line: the binding constraint and what would fit."""
+def infeasible_message(
+    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, reserve: int = 0
+) -> str:
+    """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart)."""
     memory_bound = any(r.kind == "memory" for r in rejected)
     others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
     if memory_bound and (smallest_memory is not None or not others):
         hint = f"; the smallest that fits is {format_bytes(smallest_memory)} per device" if smallest_memory else ""
+        if smallest_memory and reserve:
+            hint += f" plus the {format_bytes(reserve)} --memory-reserve"
         return (
             f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {cluster.num_devices} "
             f"device(s): memory is the binding constraint{hint} (raise --memory-per-device or --devices)"

@@ -21,7 +21,7 @@ def stage_ranks(plan: Plan, stage: int) -> list[int]:
 
 
 def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
-    limit = plan.cluster.memory_per_device
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     stages = [
         {
             "index": s.index,
@@ -54,12 +54,33 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
         "stages": stages,
         "predicted": data["predicted"],
         "alternatives": list(plan.alternatives),
+        "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
     }
 
 
+def per_schedule(plan: Plan) -> list[dict[str, Any]]:
+    """Per schedule the search tried: its best fitting candidate (step, bubble, peak memory) or why none fits."""
+    p = plan.predicted
+    chosen = {
+        "schedule": plan.schedule, "label": _chosen_label(plan), "step_ms": p.step_ms, "bubble_rate": p.bubble_rate,
+        "peak_memory_bytes": max(p.peak_memory_bytes, default=0), "chosen": True,
+    }  # fmt: skip
+    rows: dict[str, dict[str, Any]] = {plan.schedule: chosen}
+    for alt in plan.alternatives:  # fastest first: a schedule's first row is its best
+        name = alt["schedule"]
+        if name in rows:
+            continue
+        if "reason" in alt:
+            rows[name] = {"schedule": name, "label": alt["label"], "reason": alt["reason"]}
+        else:
+            keep = ("label", "step_ms", "bubble_rate", "peak_memory_bytes")
+            rows[name] = {"schedule": name, **{k: alt[k] for k in keep}}
+    return list(rows.values())
+
+
 def _stage_table(plan: Plan) -> Table:
-    limit = plan.cluster.memory_per_device
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); memory limit {format_bytes(limit)}"
     table = Table(title=title, title_justify="left")
     for column in ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "memory"):
@@ -129,6 +150,7 @@ def _headline(plan: Plan) -> Text:
     peak = max(p.peak_memory_bytes, default=0)
     text.append(
         f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
+        f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
     )
     if not plan.runnable:
         text.append("\nNot runnable: ", style="bold yellow")
@@ -141,6 +163,6 @@ def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = 
     if plan.rationale:
         parts.append(Text("Why: ", style="bold") + Text(plan.rationale))
     if timeline is not None:
-        parts.append(Text("Predicted step (pipeline 0; replicated stages drawn as one row):", style="bold"))
+        parts.append(Text("Predicted step (pipeline 0, one row per rank):", style="bold"))
         parts.append(gantt(timeline, width=console.width))
     console.print(Group(*parts))

@@ -2,10 +2,17 @@
 dualpipev), validate, the activation-memory model, simulate, and rendering (terminal Gantt, Chrome trace).
 No torch import anywhere in this package."""
 
-from pipeplan.schedules.memory import inflight_per_device, inflight_per_stage, memory_model
+from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, generate, stage_device
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, simulate
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    Timeline,
+    TimelineEntry,
+    peak_activation_per_device,
+    simulate,
+)
 from pipeplan.schedules.validate import validate
 
 __all__ = [
@@ -18,9 +25,8 @@ __all__ = [
     "TimelineEntry",
     "default_chunks",
     "generate",
-    "inflight_per_device",
     "inflight_per_stage",
-    "memory_model",
+    "peak_activation_per_device",
     "simulate",
     "stage_device",
     "validate",

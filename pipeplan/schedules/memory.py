@@ -1,13 +1,12 @@
-"""The activation-memory model the partitioner and planner use — the single source of truth.
+"""In-flight microbatch counts from the op order (zb-auto's in-flight limit, until it schedules by bytes).
 
-A microbatch's activations on a stage are alive from its F until its W (split backward) or B (full backward).
-`inflight_per_stage` counts, per stage, the most microbatches alive at once, read from the op order alone (all of a
-stage's ops run on one device, in list order), so it holds for any op timings.
+Planning no longer counts microbatches: the one memory figure is the simulator's per-device peak in bytes
+(`schedules.simulate.peak_activation_per_device` / `Timeline.peak_memory_bytes`: F adds a stage's saved bytes, I
+frees what the profile says it frees, W the rest, B all). The partitioner screens with its own per-stage bound
+(`partition.single.inflight_counts`).
 """
 
 from __future__ import annotations
-
-import functools
 
 from pipeplan.schedules.ops import Schedule
 
@@ -25,42 +24,3 @@ def inflight_per_stage(schedule: Schedule) -> tuple[int, ...]:
             elif o.kind == "B" or o.kind == "W":
                 alive[o.stage] -= 1
     return tuple(peak)
-
-
-def inflight_per_device(schedule: Schedule) -> tuple[int, ...]:
-    """Per device, the max number of (stage, microbatch) activations alive at once over all its stages. Exact
-    from the op order too: a device runs its list in order. (With V placement this is less than the sum of its
-    stages' `inflight_per_stage` peaks, which need not coincide.)"""
-    peaks = []
-    for ops in schedule.device_ops:
-        alive = peak = 0
-        for o in ops:
-            if o.kind == "F":
-                alive += 1
-                peak = max(peak, alive)
-            elif o.kind == "B" or o.kind == "W":
-                alive -= 1
-        peaks.append(peak)
-    return tuple(peaks)
-
-
-@functools.lru_cache(maxsize=1024)
-def memory_model(
-    name: str,
-    num_devices: int,
-    num_microbatches: int,
-    chunks: int | None = None,
-    memory_limit: int | None = None,
-) -> tuple[int, ...]:
-    """`inflight_per_stage` of schedule `name` generated with unit costs (cached). Index = global stage id;
-    the stage -> device placement is `registry.stage_device(name, num_devices, chunks)`."""
-    from pipeplan.schedules.registry import generate
-
-    schedule = generate(
-        name,
-        num_devices=num_devices,
-        num_microbatches=num_microbatches,
-        chunks=chunks,
-        memory_limit=memory_limit,
-    )
-    return inflight_per_stage(schedule)

@@ -6,10 +6,9 @@ from pipeplan.errors import ScheduleError
 from pipeplan.schedules.dualpipev import dualpipev
 from pipeplan.schedules.gpipe import gpipe
 from pipeplan.schedules.interleaved import interleaved
-from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.simulate import StageCosts
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, _broadcast, peak_activation_per_device
 from pipeplan.schedules.zb_auto import zb_auto
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
@@ -60,20 +59,24 @@ def generate(
     num_microbatches: int,
     chunks: int | None = None,
     costs: StageCosts | None = None,
-    memory_limit: int | None = None,
+    memory: MemoryCosts | None = None,
+    memory_limit: float | None = None,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer zb-auto only (the others are fixed orders); `memory_limit`
-    (max microbatches in flight per stage) steers zb-auto and is checked for the others."""
+    """Op lists of schedule `name`. `costs` steer zb-auto only (the others are fixed orders). `memory_limit` caps
+    the live activation bytes per device in the units of `memory` (static bytes excluded; the default
+    MemoryCosts() counts one unit per microbatch in flight, nothing freed by I): zb-auto generates under it, the
+    other schedules raise ScheduleError when their peak is over it."""
     v = _resolve_chunks(name, chunks)
     if num_devices < 1:
         raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {num_devices}")
     if num_microbatches < 1:
         raise ScheduleError(f"--microbatches must be >= 1, got {num_microbatches}")
-    if memory_limit is not None and memory_limit < 1:
-        raise ScheduleError(f"--memory-limit must be >= 1 microbatch in flight per stage, got {memory_limit}")
+    memory = memory or MemoryCosts()
     p, m = num_devices, num_microbatches
     if name == "zb-auto":
-        return zb_auto(p, m, costs=costs, memory_limit=memory_limit)
+        return zb_auto(p, m, costs=costs, memory_limit=_inflight_limit(memory, memory_limit, p))
+    if memory_limit is not None and memory_limit <= 0:
+        raise ScheduleError(f"--memory-limit must be > 0, got {memory_limit}")
     if name == "interleaved":
         schedule = interleaved(p, m, v)
     else:
@@ -87,10 +90,24 @@ def generate(
         }
         schedule = fixed[name](p, m)
     if memory_limit is not None:
-        peak = max(inflight_per_stage(schedule))
-        if peak > memory_limit:
+        peak = max(peak_activation_per_device(schedule, memory))
+        if peak > memory_limit * (1 + 1e-12):
             raise ScheduleError(
-                f"{name} keeps up to {peak} microbatches in flight on a stage, over --memory-limit {memory_limit}"
-                f"; raise the limit or use --schedule zb-auto"
+                f"{name} keeps up to {peak:g} activation units live on a device, over --memory-limit "
+                f"{memory_limit:g}; raise the limit or use --schedule zb-auto"
             )
     return schedule
+
+
+def _inflight_limit(memory: MemoryCosts, memory_limit: float | None, num_devices: int) -> int | None:
+    """zb-auto's limit as microbatches in flight per stage (one stage per device): the most microbatches of the
+    largest stage's activations that fit (a stand-in until zb-auto schedules by bytes itself)."""
+    if memory_limit is None:
+        return None
+    largest = max(_broadcast(memory.activation_bytes, num_devices, option="activation_bytes"))
+    count = int(memory_limit // largest) if largest > 0 else 2 * num_devices
+    if count < 1:
+        raise ScheduleError(
+            f"--memory-limit {memory_limit:g} holds less than one microbatch of activations ({largest:g}); raise it"
+        )
+    return count

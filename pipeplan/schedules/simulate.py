@@ -164,24 +164,26 @@ def _timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: Mem
 
 
 def _peak_memory(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> tuple[float, ...]:
+    static = _broadcast(memory.static_bytes, schedule.num_devices, option="static_bytes")
+    return tuple(s + peak for s, peak in zip(static, peak_activation_per_device(schedule, memory)))
+
+
+def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
+    """Per device, the most live activation bytes at once (static bytes excluded): F adds its stage's
+    `activation_bytes`, I frees `input_grad_freed_bytes`, W the rest, B all. Exact from the op order alone: a
+    device runs its list in order, so list order is time order."""
     act = _broadcast(memory.activation_bytes, schedule.num_stages, option="activation_bytes")
     freed_by_i = _broadcast(memory.input_grad_freed_bytes, schedule.num_stages, option="input_grad_freed_bytes")
-    static = _broadcast(memory.static_bytes, schedule.num_devices, option="static_bytes")
     if any(f > a for f, a in zip(freed_by_i, act)):
         raise ConfigError("input_grad_freed_bytes must not exceed activation_bytes for any stage")
+    delta = {"F": act, "I": tuple(-f for f in freed_by_i), "W": tuple(f - a for f, a in zip(freed_by_i, act))}
+    delta["B"] = tuple(-a for a in act)
     peaks = []
-    for device, row in enumerate(placed):
-        live = peak = 0.0  # a device's ops run one after another, so list order is time order
-        for e in row:
-            kind, stage = e.op.kind, e.op.stage
-            if kind == "F":
-                live += act[stage]
-                peak = max(peak, live)
-            elif kind == "I":
-                live -= freed_by_i[stage]
-            elif kind == "W":
-                live -= act[stage] - freed_by_i[stage]
-            else:
-                live -= act[stage]
-        peaks.append(static[device] + peak)
+    for ops in schedule.device_ops:
+        live = peak = 0.0
+        for o in ops:
+            live += delta[o.kind][o.stage]
+            if live > peak:
+                peak = live
+        peaks.append(peak)
     return tuple(peaks)

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition import Cluster, PartitionConfig, partition
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.schedules.memory import memory_model
-from pipeplan.schedules.registry import stage_device
+from pipeplan.schedules.registry import generate, stage_device
 
 
 @st.composite
@@ -33,7 +32,7 @@ def profiles(draw, max_layers=8):
                 weight_grad_ms=wg,
                 backward_ms=ig + wg + draw(st.integers(0, 2)) / 4,
                 activation_bytes=act,
-                activation_freed_by_input_grad_bytes=0,
+                activation_freed_by_input_grad_bytes=act * draw(st.integers(0, 4)) // 4,
                 param_count=count,
                 param_bytes=4 * count,
             )
@@ -79,10 +78,33 @@ def stage_time(profile, cluster, config, stages, s, r, same_node_in, same_node_o
 
 
 def stage_memory(profile, config, stages, s, r, inflight):
+    """The screen written out: in flight x (saved - freed by I) + in flight before I x freed, per replica."""
     a, b = stages[s]
     layers = profile.layers[a : b + 1]
     params = sum(la.param_count for la in layers) * config.optimizer_bytes_per_param
-    return params + math.ceil(inflight / r) * sum(la.activation_bytes for la in layers)
+    freed = sum(la.activation_freed_by_input_grad_bytes for la in layers)
+    saved = sum(la.activation_bytes for la in layers)
+    total, before = inflight
+    return params + math.ceil(total / r) * (saved - freed) + math.ceil(before / r) * freed
+
+
+def memory_model(name, p, m, chunks, limit):
+    """Per stage (max in flight, max in flight before I), counted by replaying the op lists step by step."""
+    schedule = generate(name, num_devices=p, num_microbatches=m, chunks=chunks, memory_limit=limit)
+    live: dict = {}
+    peaks = [[0, 0] for _ in range(schedule.num_stages)]
+    for ops in schedule.device_ops:
+        for o in ops:
+            state = live.setdefault(o.stage, set()), live.setdefault(("i", o.stage), set())
+            if o.kind == "F":
+                state[0].add(o.microbatch)
+                state[1].add(o.microbatch)
+            if o.kind in "BW":
+                state[0].discard(o.microbatch)
+            if o.kind in "BI":
+                state[1].discard(o.microbatch)
+            peaks[o.stage] = [max(peaks[o.stage][0], len(state[0])), max(peaks[o.stage][1], len(state[1]))]
+    return [tuple(x) for x in peaks]
 
 
 def brute_force(profile, cluster, config):

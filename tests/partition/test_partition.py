@@ -19,13 +19,15 @@ from pipeplan.partition import (
 )
 from pipeplan.partition.api import min_memory_per_device
 from pipeplan.partition.costs import LayerArrays
+from pipeplan.partition.single import held_per_stage
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.schedules.memory import memory_model
+from pipeplan.schedules.registry import generate
+from pipeplan.schedules.simulate import MemoryCosts, peak_activation_per_device
 
 GIB = 2**30
 
 
-def make_profile(times, *, params=1_000_000, act=10_000_000, cut=1_000_000) -> Profile:
+def make_profile(times, *, params=1_000_000, act=10_000_000, cut=1_000_000, freed=0) -> Profile:
     layers = tuple(
         LayerProfile(
             name=f"l{i}",
@@ -34,7 +36,7 @@ def make_profile(times, *, params=1_000_000, act=10_000_000, cut=1_000_000) -> P
             weight_grad_ms=t,
             backward_ms=2 * t,
             activation_bytes=act,
-            activation_freed_by_input_grad_bytes=0,
+            activation_freed_by_input_grad_bytes=freed,
             param_count=params,
             param_bytes=2 * params,
         )
@@ -90,8 +92,25 @@ def test_memory_uses_schedule_inflight_counts_per_position():
     profile = make_profile([1.0] * 4, params=0)
     cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
     result = partition(profile, cluster, PartitionConfig(num_microbatches=8, mode="straight", num_stages=4))
-    assert [s.inflight_microbatches for s in result.stages] == list(memory_model("1f1b", 4, 8)) == [4, 3, 2, 1]
+    assert [s.inflight_microbatches for s in result.stages] == [4, 3, 2, 1]  # 1f1b: p - s in flight
     assert [s.memory_bytes for s in result.stages] == [4e7, 3e7, 2e7, 1e7]
+
+
+def test_screen_counts_what_input_grad_frees():
+    """zb-h1 at p=4, m=8: stage 0 holds 4 in flight, at most 4 of them before I (zb-h1 runs I before W,
+    so the count before I is also bounded by 1F1B's p - s); freeing half at I cuts the post-I share."""
+    profile = make_profile([1.0] * 4, params=0, freed=5_000_000)
+    cluster = Cluster(num_devices=4, devices_per_node=4, memory_per_device=GIB)
+    config = PartitionConfig(num_microbatches=8, schedule="zb-h1", mode="straight", num_stages=4)
+    result = partition(profile, cluster, config)
+    schedule = generate("zb-h1", num_devices=4, num_microbatches=8)
+    expect = held_per_stage(schedule)
+    assert [(s.inflight_microbatches, s.inflight_before_input_grad) for s in result.stages] == list(expect)
+    for s, (total, before) in zip(result.stages, expect):
+        assert s.memory_bytes == total * 5_000_000 + before * 5_000_000
+    # the screen bounds the simulator's exact byte peak from above
+    exact = peak_activation_per_device(schedule, MemoryCosts(activation_bytes=1e7, input_grad_freed_bytes=5e6))
+    assert all(s.memory_bytes >= peak for s, peak in zip(result.stages, exact))
 
 
 def test_tight_memory_changes_the_split_and_error_gives_the_memory_that_fits():
@@ -122,7 +141,8 @@ def test_replication_divides_compute_and_inflight():
     first = result.stages[0]
     work = first.forward_ms + first.backward_ms
     assert first.time_ms == pytest.approx(work / first.replicas + first.allreduce_ms / 8)
-    assert first.inflight_microbatches == -(-memory_model("1f1b", result.num_stages, 8)[0] // first.replicas)
+    in_flight = held_per_stage(generate("1f1b", num_devices=result.num_stages, num_microbatches=8))[0][0]
+    assert first.inflight_microbatches == -(-in_flight // first.replicas)
 
 
 def test_two_level_keeps_subpipelines_inside_nodes():

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from planner_helpers import make_cluster, synthetic_profile
 
 from pipeplan.errors import ConfigError
 from pipeplan.planner.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
@@ -23,12 +24,11 @@ from pipeplan.planner.capacity import (
 )
 from pipeplan.planner.capacity_memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.planner.scaling import scale_profile
-from pipeplan.planner.search import enumerate_layouts, search_plans
+from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.schedules.memory import inflight_per_stage
-from pipeplan.schedules.registry import default_chunks, generate
+from pipeplan.schedules.ops import Op
 
 SEQ, HIDDEN, HEADS = 512, 1024, 16
 LAYER_PARAMS = 12 * HIDDEN**2
@@ -99,7 +99,10 @@ def test_weights_gradients_optimizer_are_18_bytes_per_param_of_the_devices_stage
 
 
 @pytest.mark.parametrize("flash_attention", [True, False], ids=["flash", "math-attention"])
-def test_activation_column_is_inflight_times_the_per_layer_formula_times_layers(flash_attention):
+def test_activation_column_is_the_replayed_peak_of_the_per_layer_formula(flash_attention):
+    """Replay the device's op list: F holds a microbatch's per-layer formula x layers, I releases half of it (the
+    profile's I-freed share), W or B the rest; the column is the largest total (fused-B schedules: in flight x
+    formula x layers)."""
     profile = transformer_profile(flash_attention=flash_attention)
     cfg = config(microbatch_sizes=(1, 2), schedules=("gpipe", "1f1b", "zb-h1", "interleaved"))
     checked = 0
@@ -107,12 +110,20 @@ def test_activation_column_is_inflight_times_the_per_layer_formula_times_layers(
         layout = evaluation.layout
         b = layout.microbatch_size
         per_layer = 34 * SEQ * b * HIDDEN + (0 if flash_attention else 5 * HEADS * SEQ**2 * b)
-        shape = dict(num_devices=layout.pipeline_devices, num_microbatches=layout.num_microbatches)
-        schedule = generate(layout.schedule, chunks=default_chunks(layout.schedule), **shape)
-        inflight = inflight_per_stage(schedule)
         split = device_memory_split(evaluation, scale_profile(profile, b), "adamw-bf16")
-        stages = [evaluation.partition.stages[s] for s in evaluation.pipeline.device_stages[split.device]]
-        assert split.activations == sum(inflight[s.index] * per_layer * s.num_layers for s in stages)
+        stages = evaluation.partition.stages
+        live, peak = {}, 0
+        for text in evaluation.pipeline.device_ops[split.device]:
+            op = Op.parse(text)
+            layers = stages[op.stage].num_layers
+            if op.kind == "F":
+                live[(op.stage, op.microbatch)] = per_layer * layers
+            elif op.kind == "I":
+                live[(op.stage, op.microbatch)] = (per_layer - per_layer // 2) * layers
+            else:
+                del live[(op.stage, op.microbatch)]
+            peak = max(peak, sum(live.values()))
+        assert split.activations == peak
         checked += 1
     assert checked >= 8
 
@@ -125,6 +136,12 @@ def test_time_split_adds_up_to_the_step_and_bubble_rate_comes_from_the_simulator
         split = time_split(evaluation)
         assert split.compute_ms + split.bubble_ms + split.comm_ms == pytest.approx(evaluation.step_ms)
         assert min(split.compute_ms, split.bubble_ms, split.comm_ms) >= 0.0
+    heavy = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=50_000_000)
+    replicated = search_plans(heavy, make_cluster(3, memory=60 * 2**20), SearchConfig(global_batch_size=12), ["1f1b"])
+    assert max(replicated.best.partition.replicas) > 1
+    split = time_split(replicated.best)  # free transfers: the same (expanded) lists, never a longer step
+    assert split.compute_ms + split.bubble_ms <= replicated.best.timeline.makespan * (1 + 1e-9)
+    assert split.comm_ms > 0
     row = capacity_sweep(profile, config(device_counts=(8,))).rows[0]
     assert row.bubble_rate == pytest.approx(result.best.timeline.bubble_rate)
     assert row.step_ms == pytest.approx(result.best.step_ms)
@@ -191,7 +208,7 @@ def test_memory_floor_is_a_lower_bound_on_the_partitioners_need(schedule):
         floor = memory_floor_bytes(layout, profile, "adamw-bf16")
         need = min_memory_bytes(layout, profile, cluster, optimizer="adamw-bf16")
         assert need is not None and floor <= need * (1 + 1e-3)
-        if default_chunks(schedule) == 1:
+        if schedule in ("gpipe", "1f1b"):  # fused B: the floor and the screen count the same microbatches
             assert floor >= 0.98 * need  # exact for one stage per device, up to the bisections' tolerance
 
 

@@ -9,6 +9,7 @@ from planner_helpers import synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.planner.build import plan_timeline
 from pipeplan.planner.plan import Plan
 
 runner = CliRunner()
@@ -115,6 +116,12 @@ def test_plan_a_model_end_to_end(tmp_path):
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.runnable and plan.model.fingerprint and plan.model.options == {"layers": "4", "hidden": "32"}
     assert all(stage.node_names for stage in plan.stages)
+    # measured profile, bytes model end to end: per-rank peaks are the simulator's for the plan's own lists
+    timeline = plan_timeline(plan)
+    assert plan.predicted.peak_memory_bytes[: timeline.num_devices] == tuple(
+        round(b) for b in timeline.peak_memory_bytes
+    )
+    assert sum(s.activation_bytes for s in plan.stages) > 0
     # a saved profile of the same model plans the same graph without profiling again
     profile_path = tmp_path / "mlp-profile.json"
     profiled = runner.invoke(app, ["profile", "mlp", "-a", "layers=4", "-a", "hidden=32", "-o", str(profile_path)])
@@ -131,3 +138,18 @@ def test_ignored_inputs_warn(profile_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert "warning: -a, --granularity ignored" in result.stderr
     json.loads(result.stdout)
+
+
+def test_memory_reserve_default_override_and_summary(plan_dir, profile_file, tmp_path):
+    plan = Plan.load(plan_dir / "plan.json")
+    assert plan.predicted.memory_reserve_bytes == 25 * 2**20  # the default: a quarter of a 100 MiB device at most
+    assert plan.predicted.memory_limit_bytes == 75 * 2**20
+    assert max(plan.predicted.peak_memory_bytes) <= plan.predicted.memory_limit_bytes
+    out = tmp_path / "plan"
+    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory-per-device", "100MiB"]
+    result = runner.invoke(app, [*args, "--memory-reserve", "10MiB", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "less a 10.00 MiB reserve" in " ".join(result.output.split())
+    assert Plan.load(out / "plan.json").predicted.memory_reserve_bytes == 10 * 2**20
+    bad = runner.invoke(app, [*args, "--memory-reserve", "200MiB", "-o", str(out)])
+    assert bad.exit_code == 1 and "--memory-reserve" in bad.output

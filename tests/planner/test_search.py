@@ -4,6 +4,7 @@ rejection reasons, and the infeasible error's smallest fitting memory."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from planner_helpers import make_cluster, synthetic_profile
@@ -11,7 +12,14 @@ from planner_helpers import make_cluster, synthetic_profile
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.planner.candidate import Evaluation, Rejection, evaluate
 from pipeplan.planner.scaling import scale_profile
-from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
+from pipeplan.planner.search import (
+    PREDICTION_MARGIN,
+    SearchConfig,
+    default_memory_reserve,
+    enumerate_layouts,
+    prefer_simple,
+    search_plans,
+)
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.units import parse_size
 
@@ -45,7 +53,7 @@ def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused):
     config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2))
     result = search_plans(profile, cluster, config)
     brute = _brute_force(profile, cluster, config)
-    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in brute))
+    assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in brute))
     assert result.best.peak_memory_bytes <= memory
     steps = [e.step_ms for e in result.ranked]
     assert steps == sorted(steps)
@@ -74,7 +82,7 @@ def test_forced_pipeline_depth_is_the_only_one_tried(depths):
     considered = [e.layout for e in result.ranked] + [r.layout for r in result.rejected]
     assert {layout.pipeline_devices for layout in considered} == set(depths)
     free = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
-    assert result.best.step_ms >= free.best.step_ms  # a restriction of the full search
+    assert result.fastest.step_ms >= free.fastest.step_ms  # a restriction of the full search
 
 
 @pytest.mark.parametrize("depth", [2, 4])
@@ -86,7 +94,7 @@ def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
     cluster = make_cluster(4, memory=2**32)
     config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,))
     result = search_plans(profile, cluster, config)
-    assert result.best.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
+    assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
 
 
 def test_forced_pipeline_depth_must_divide_the_devices():
@@ -121,7 +129,7 @@ def test_replication_wins_for_an_unbalanced_model():
         op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
     )
     straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False))
-    assert result.best.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
+    assert result.fastest.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
 
 
 def test_infeasible_error_names_the_smallest_memory_that_fits():
@@ -158,3 +166,38 @@ def test_search_config_errors(kwargs, match):
 def test_unknown_schedule_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="zb-h1"):
         search_plans(synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4), ["nope"])
+
+
+def _fake(step_ms, replicas, microbatches, peak, label):
+    return SimpleNamespace(
+        step_ms=step_ms, peak_memory_bytes=peak, partition=SimpleNamespace(replicas=replicas),
+        layout=SimpleNamespace(num_microbatches=microbatches, label=label),
+    )  # fmt: skip
+
+
+def test_simpler_layout_preferred_only_within_the_prediction_margin():
+    fastest = _fake(100.0, (16, 2, 2, 35), 1024, 78e9, "replicated")
+    straight = _fake(100.0 * (1 + PREDICTION_MARGIN) - 1e-9, (1, 1, 1, 1), 128, 60e9, "straight")
+    assert prefer_simple((fastest, straight), 80e9) is straight
+    slower = _fake(100.0 * (1 + PREDICTION_MARGIN) + 1e-6, (1, 1, 1, 1), 128, 60e9, "straight")
+    assert prefer_simple((fastest, slower), 80e9) is fastest
+    fewer_counts = _fake(101.0, (2, 2, 2, 2), 1024, 79e9, "uniform")
+    assert prefer_simple((fastest, fewer_counts), 80e9) is fewer_counts
+    headroom = _fake(101.0, (16, 2, 2, 35), 1024, 70e9, "headroom")
+    assert prefer_simple((fastest, headroom), 80e9) is headroom
+
+
+def test_memory_reserve_is_kept_free_and_reported():
+    profile = synthetic_profile()
+    cluster = make_cluster(4, memory=2**30)
+    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16))
+    need = plain.best.peak_memory_bytes
+    reserve = cluster.memory_per_device - need + 1  # leaves one byte too few for that candidate
+    result = search_plans(profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=reserve))
+    assert all(e.peak_memory_bytes <= cluster.memory_per_device - reserve for e in result.ranked)
+    assert need > cluster.memory_per_device - reserve and result.ranked  # others still fit
+    assert default_memory_reserve(80 * 10**9) == 4 * 10**9  # 5% of an 80 GB H100
+    assert default_memory_reserve(8 * 2**30) == 2**30  # at least 1 GiB
+    assert default_memory_reserve(100 * 2**20) == 25 * 2**20  # at most a quarter
+    with pytest.raises(ConfigError, match="--memory-reserve"):
+        search_plans(profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=2**30))

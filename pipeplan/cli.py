@@ -10,7 +10,6 @@ import os
 import sys
 from collections.abc import Callable
 
-import click
 import typer
 from rich.markup import escape
 
@@ -60,18 +59,23 @@ def _error_line(exc: BaseException) -> str:
     return f"unexpected {type(exc).__name__}: {first} (a pipeplan bug; {DEBUG_ENV}=1 shows the traceback)"
 
 
+def _is_usage_error(exc: Exception) -> bool:
+    """typer / click's own exceptions (bad parameter, usage): they print their usage block and exit 2."""
+    return type(exc).__module__.split(".")[0] in ("click", "typer")
+
+
 def _one_line_errors(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        except (typer.Exit, typer.Abort):
             raise
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
         except Exception as exc:
-            if os.environ.get(DEBUG_ENV) and not isinstance(exc, PipeplanError):
+            if _is_usage_error(exc) or (os.environ.get(DEBUG_ENV) and not isinstance(exc, PipeplanError)):
                 raise
             err.print(f"[bold red]error:[/] {escape(_error_line(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None

@@ -5,7 +5,15 @@ No torch import anywhere in this package."""
 from pipeplan.schedules.memory import inflight_per_device, inflight_per_stage, memory_model
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, generate, stage_device
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, simulate
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    Timeline,
+    TimelineEntry,
+    peak_activation_per_device,
+    simulate,
+    unit_memory,
+)
 from pipeplan.schedules.validate import validate
 
 __all__ = [
@@ -21,7 +29,9 @@ __all__ = [
     "inflight_per_device",
     "inflight_per_stage",
     "memory_model",
+    "peak_activation_per_device",
     "simulate",
     "stage_device",
+    "unit_memory",
     "validate",
 ]

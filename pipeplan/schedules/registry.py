@@ -6,10 +6,9 @@ from pipeplan.errors import ScheduleError
 from pipeplan.schedules.dualpipev import dualpipev
 from pipeplan.schedules.gpipe import gpipe
 from pipeplan.schedules.interleaved import interleaved
-from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.simulate import StageCosts
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, fits_limit, peak_activation_per_device, unit_memory
 from pipeplan.schedules.zb_auto import zb_auto
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
@@ -60,37 +59,35 @@ def generate(
     num_microbatches: int,
     chunks: int | None = None,
     costs: StageCosts | None = None,
-    memory_limit: int | None = None,
+    memory: MemoryCosts | None = None,
+    memory_limit: float | None = None,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer zb-auto only (the others are fixed orders); `memory_limit`
-    (max microbatches in flight per stage) steers zb-auto and is checked for the others."""
+    """Op lists of schedule `name`. `costs` steer zb-auto and zbv (the others are fixed orders). `memory_limit`
+    caps the live activation bytes per device, in the units of `memory` (static bytes not included;
+    `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is generated under it
+    (default: 1F1B's peak), the other schedules are checked against it."""
     v = _resolve_chunks(name, chunks)
     if num_devices < 1:
         raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {num_devices}")
     if num_microbatches < 1:
         raise ScheduleError(f"--microbatches must be >= 1, got {num_microbatches}")
-    if memory_limit is not None and memory_limit < 1:
-        raise ScheduleError(f"--memory-limit must be >= 1 microbatch in flight per stage, got {memory_limit}")
+    if memory_limit is not None and not memory_limit > 0:
+        raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
     p, m = num_devices, num_microbatches
     if name == "zb-auto":
-        return zb_auto(p, m, costs=costs, memory_limit=memory_limit)
+        return zb_auto(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
     if name == "interleaved":
         schedule = interleaved(p, m, v)
+    elif name == "zbv":
+        schedule = zbv(p, m, costs=costs)
     else:
-        fixed = {
-            "gpipe": gpipe,
-            "1f1b": one_f_one_b,
-            "zb-h1": zb_h1,
-            "zb-h2": zb_h2,
-            "zbv": zbv,
-            "dualpipev": dualpipev,
-        }
+        fixed = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "dualpipev": dualpipev}
         schedule = fixed[name](p, m)
     if memory_limit is not None:
-        peak = max(inflight_per_stage(schedule))
-        if peak > memory_limit:
+        peak = max(peak_activation_per_device(schedule, memory or unit_memory(v)))
+        if not fits_limit(peak, memory_limit):
             raise ScheduleError(
-                f"{name} keeps up to {peak} microbatches in flight on a stage, over --memory-limit {memory_limit}"
+                f"{name} holds up to {peak:g} of live activations on a device, over --memory-limit {memory_limit:g}"
                 f"; raise the limit or use --schedule zb-auto"
             )
     return schedule

@@ -47,7 +47,7 @@ def _device_ops(p: int, device: int, n: int) -> list[Op]:
     return ops
 
 
-def zbv(num_devices: int, num_microbatches: int) -> Schedule:
+def zbv(num_devices: int, num_microbatches: int, *, costs: object = None) -> Schedule:
     p, m = num_devices, num_microbatches
     n = max(m, 2 * p - 1)
     device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]

@@ -79,7 +79,7 @@ def generate(
     if name == "interleaved":
         schedule = interleaved(p, m, v)
     elif name == "zbv":
-        schedule = zbv(p, m, costs=costs)
+        schedule = zbv(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
     else:
         fixed = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "dualpipev": dualpipev}
         schedule = fixed[name](p, m)

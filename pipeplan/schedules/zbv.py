@@ -7,6 +7,16 @@ activations. Built for max(m, 2p-1) microbatches; with fewer the extra ops are d
 from __future__ import annotations
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    activation_deltas,
+    fits_limit,
+    makespan_and_span,
+    peak_activation_per_device,
+    unit_memory,
+)
+from pipeplan.schedules.zbv_greedy import greedy_candidates
 
 
 def _device_ops(p: int, device: int, n: int) -> list[Op]:
@@ -47,9 +57,39 @@ def _device_ops(p: int, device: int, n: int) -> list[Op]:
     return ops
 
 
-def zbv(num_devices: int, num_microbatches: int, *, costs: object = None) -> Schedule:
+def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
+    """The fixed ZB-V order above (optimal when F = I = W and m >= 2p-1)."""
     p, m = num_devices, num_microbatches
     n = max(m, 2 * p - 1)
     device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]
     stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return make_schedule("zbv", m, stage_device, device_ops)
+
+
+def zbv(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: StageCosts | None = None,
+    memory: MemoryCosts | None = None,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """Without `costs`: the fixed order. With `costs`: the fastest (makespan, then span) of the fixed order and
+    the paper's adaptive greedy (`zbv_greedy.py`) run under `memory_limit` (default: the fixed order's own peak,
+    so never more memory than it); ties keep the fixed order."""
+    p, m = num_devices, num_microbatches
+    fixed = zbv_fixed(p, m)
+    if costs is None:
+        return fixed
+    memory = memory or unit_memory(2)
+    peak = max(peak_activation_per_device(fixed, memory))
+    limit = peak if memory_limit is None else memory_limit
+    stage_costs = costs.per_stage(2 * p)
+    best, best_key = None, None
+    candidates = greedy_candidates(p, m, stage_costs, activation_deltas(memory, 2 * p), limit)
+    if fits_limit(peak, limit):
+        candidates.insert(0, (fixed, makespan_and_span(fixed, stage_costs)))
+    for candidate, key in candidates:
+        if best_key is None or key < best_key:
+            best, best_key = candidate, key
+    return best or fixed  # nothing fits: the registry reports the fixed order's peak against the limit

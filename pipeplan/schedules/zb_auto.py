@@ -31,8 +31,31 @@ from pipeplan.schedules.zb_heuristic import heuristic_runs
 
 
 def default_limit(num_devices: int, num_microbatches: int, memory: MemoryCosts) -> float:
-    """1F1B's activation peak under `memory` (p units in unit mode): the paper's ZB-1p."""
-    return max(peak_activation_per_device(one_f_one_b(num_devices, num_microbatches), memory))
+    """1F1B's activation peak under `memory` (p units in unit mode): the paper's ZB-1p. 1F1B's device d holds
+    min(m, p-d) microbatches at its peak (a B frees all), so this equals `peak_activation_per_device` of 1f1b
+    (a test checks it) without generating it."""
+    act = activation_deltas(memory, num_devices)["F"]
+    return max(min(num_microbatches, num_devices - d) * act[d] for d in range(num_devices))
+
+
+def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: float) -> list[tuple]:  # type: ignore[type-arg]
+    """(generator, forwards device 0 runs after its first backward) for zb-h1, 1f1b and, when its warm-up of
+    min(m, 2p-1) forwards on device 0 fits the limit, zb-h2 (0: not counted)."""
+    after = max(0, m - p)  # zb-h1 and 1f1b: p-1 warm-up forwards and one more before the first backward
+    candidates = [(zb_h1, after), (one_f_one_b, after)]
+    if fits_limit(min(m, 2 * p - 1) * delta["F"][0], limit):
+        candidates.insert(1, (zb_h2, 0))
+    return candidates
+
+
+def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: bool) -> float:
+    """A lower bound on the makespan: microbatch 0's forward and backward chain through every stage (with the
+    transfers), then device 0's remaining m-1 backwards, m Ws (split) and `forwards_after` forwards."""
+    f, i, w = costs.forward_ms, costs.input_grad_ms, costs.weight_grad_ms
+    back = costs.backward_ms if fused else i
+    chain = sum(f) + sum(back) + 2 * sum(costs.comm_ms)  # type: ignore[arg-type]
+    rest = (m - 1) * back[0] + (0.0 if fused else m * w[0]) + forwards_after * f[0]  # type: ignore[index]
+    return chain + rest
 
 
 def zb_auto(
@@ -60,10 +83,10 @@ def zb_auto(
         key = (result.makespan, result.max_span)
         if best_key is None or key < best_key:
             best_run, best_key = result, key
-    best = best_run.schedule()
-    # zb-h2 runs min(m, 2p-1) forwards on device 0 before its first I: skip generating it when they cannot fit
-    h2_fits = fits_limit(min(m, 2 * p - 1) * delta["F"][0], limit)
-    for handcrafted in (zb_h1, zb_h2, one_f_one_b) if h2_fits else (zb_h1, one_f_one_b):
+    best = best_run.schedule()  # type: ignore[union-attr]
+    for handcrafted, forwards_after in _handcrafted(p, m, delta, limit):
+        if _device0_bound(stage_costs, m, forwards_after, fused=handcrafted is one_f_one_b) >= best_key[0]:  # type: ignore[index]
+            continue  # cannot have a shorter makespan: skip generating and timing it
         schedule = handcrafted(p, m)
         if fits_limit(max(peak_activation_per_device(schedule, memory)), limit):
             key = makespan_and_span(schedule, stage_costs)

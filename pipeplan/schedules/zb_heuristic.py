@@ -12,7 +12,7 @@ One run, for options (warm-up variant, prioritize I, greedy W fill):
             (the largest accumulated idle of any stage minus this stage's), or within it with greedy W fill.
             Ws also run when memory forces them (before an F), and stage 0 drains its Ws once its forwards are
             done. "Prioritize I": a stage two or more forwards ahead of the next skips its F when the F would
-            delay the next I returning from downstream (unless the wait fits its idle budget);
+            delay the next I returning from downstream and waiting for that I fits its idle budget;
   end:      every stage drains its pending Ws.
 Times are those `simulate()` gives the same op lists (as soon as the device and the inputs are ready).
 """

@@ -66,6 +66,13 @@ def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
     return make_schedule("zbv", m, stage_device, device_ops)
 
 
+def _fixed_is_optimal(costs: StageCosts, m: int) -> bool:
+    """F = I = W on every stage, no comm and m >= 2p-1: the fixed order ends at (p-1)F + 2m(F+I+W), the earliest
+    the last device can (its first input needs p-1 forwards; then it has 2m(F+I+W) of work)."""
+    times = {*costs.forward_ms, *costs.input_grad_ms, *costs.weight_grad_ms}  # type: ignore[misc]
+    return len(times) == 1 and not any(costs.comm_ms) and m >= len(costs.forward_ms) - 1  # type: ignore[arg-type]
+
+
 def zbv(
     num_devices: int,
     num_microbatches: int,
@@ -74,17 +81,17 @@ def zbv(
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
 ) -> Schedule:
-    """Without `costs`: the fixed order. With `costs`: the fastest (makespan, then span) of the fixed order and
-    the paper's adaptive greedy (`zbv_greedy.py`) run under `memory_limit` (default: the fixed order's own peak,
-    so never more memory than it); ties keep the fixed order."""
+    """The fixed order when it is optimal (F = I = W, no comm, m >= 2p-1; `costs=None` is unit costs); else the
+    fastest (makespan, then span) of the fixed order and the paper's adaptive greedy (`zbv_greedy.py`) run under
+    `memory_limit` (default: the fixed order's own peak, so never more memory than it); ties keep the fixed order."""
     p, m = num_devices, num_microbatches
     fixed = zbv_fixed(p, m)
-    if costs is None:
-        return fixed
+    stage_costs = (costs or StageCosts()).per_stage(2 * p)
     memory = memory or unit_memory(2)
     peak = max(peak_activation_per_device(fixed, memory))
     limit = peak if memory_limit is None else memory_limit
-    stage_costs = costs.per_stage(2 * p)
+    if _fixed_is_optimal(stage_costs, m) and fits_limit(peak, limit):
+        return fixed
     best, best_key = None, None
     candidates = greedy_candidates(p, m, stage_costs, activation_deltas(memory, 2 * p), limit)
     if fits_limit(peak, limit):

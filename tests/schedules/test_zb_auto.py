@@ -139,3 +139,12 @@ def test_adapts_to_costs():
     h2 = simulate(generate("zb-h2", num_devices=p, num_microbatches=m), costs)
     assert auto.makespan < h2.makespan
     assert generate("zb-auto", num_devices=p, num_microbatches=m).name == "zb-auto"
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 20), act=st.lists(st.floats(0.1, 5.0), min_size=8, max_size=8))
+def test_default_limit_is_1f1b_peak(p, m, act):
+    from pipeplan.schedules.zb_auto import default_limit
+
+    memory = MemoryCosts(activation_bytes=act[:p], input_grad_freed_bytes=[a / 3 for a in act[:p]])
+    one_f_one_b = generate("1f1b", num_devices=p, num_microbatches=m)
+    assert default_limit(p, m, memory) == pytest.approx(max(peak_activation_per_device(one_f_one_b, memory)))

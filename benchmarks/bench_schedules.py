@@ -137,7 +137,7 @@ def zbv_grid() -> dict:
         "median_generate_s": statistics.median(r["generate_s"] for r in rows),
     }  # fmt: skip
     _table(
-        "zbv adaptive / fixed makespan (per device: F, I in {1,2}, W in {0.5,1,2}, comm in {0,0.2}; p in {2,4,8}, "
+        "zbv adaptive / fixed makespan (per stage: F, I in {1,2}, W in {0.5,1,2}, comm in {0,0.2}; p in {2,4,8}, "
         "m in {2p,3p,4p}; at the fixed order's peak memory)",
         ["cases", "better by >1%", "worse", "best ratio", "median ratio", "median generate s"],
         [[str(summary["cases"]), str(summary["better_by_1pct"]), str(summary["worse"]),
@@ -146,10 +146,17 @@ def zbv_grid() -> dict:
     return {"summary": summary, "rows": rows}
 
 
+def _costs_text(row: dict) -> str:
+    parts = [row[k] for k in ("f", "i", "w", "comm")]
+    return "/".join(",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}" for v in parts)
+
+
 def milp() -> list[dict]:
     heavy = StageCosts(forward_ms=3, input_grad_ms=3, weight_grad_ms=2, comm_ms=1)
     cases = [(2, 4, StageCosts(), 2), (3, 4, StageCosts(), 3), (3, 4, StageCosts(), 6), (4, 4, StageCosts(), 4),
-             (3, 6, heavy, 3), (3, 6, heavy, 6), (4, 5, heavy, 4), (4, 5, heavy, 8)]  # fmt: skip
+             (3, 6, heavy, 3), (3, 6, heavy, 6), (4, 5, heavy, 4), (4, 5, heavy, 8),
+             (4, 5, StageCosts(forward_ms=(1, 2, 1, 1), input_grad_ms=(1, 2, 1, 1), comm_ms=0.3), 4),
+             (3, 5, StageCosts(forward_ms=2, input_grad_ms=1, weight_grad_ms=2), 2)]  # fmt: skip
     rows = []
     for p, m, costs, limit in cases:
         auto = simulate(generate("zb-auto", num_devices=p, num_microbatches=m, costs=costs, memory_limit=limit), costs)

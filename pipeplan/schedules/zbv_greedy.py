@@ -21,6 +21,7 @@ is abandoned (`None`) and the caller keeps the fixed ZB-V order.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.simulate import StageCosts
@@ -43,6 +44,7 @@ class _VRun:
         self.count = [[0] * (2 * p) for _ in range(3)]  # [kind][stage]
         self.free, self.mem, self.idle = [0.0] * p, [0.0] * p, [0.0] * p
         self.max_idle, self.first = 0.0, [0.0] * p
+        self.mattered: set[str] = set()  # options that changed a decision in this run
         self.allowance = allowance or [0.0] * p
         self.max_allowance = max(self.allowance)
         self.pending: list[deque[int]] = [deque() for _ in range(p)]
@@ -97,14 +99,17 @@ class _VRun:
     def budget(self, d: int) -> float:
         return max(self.max_idle, self.max_allowance - self.allowance[d]) - self.idle[d]
 
-    def fill(self, d: int, arrival: float | None, extra: bool) -> None:
+    def fill(self, d: int, arrival: float | None, extra: bool, option: str | None = None) -> None:
         """Ws before an op whose input arrives at `arrival`."""
         if arrival is None:
             return
         while self.pending[d] and arrival >= self.free[d] + self.cost[2][self.pending[d][0]]:  # type: ignore[index]
             self.put_w(d)
-        if self.pending[d] and extra and arrival - self.free[d] > self.budget(d):
-            self.put_w(d)
+        if self.pending[d] and arrival - self.free[d] > self.budget(d):
+            if option is not None:
+                self.mattered.add(option)
+            if extra:
+                self.put_w(d)
 
     def make_room(self, d: int, s: int) -> None:
         while self.mem[d] + self.delta[0][s] > self.limit:
@@ -153,7 +158,7 @@ def _backward_round(run: _VRun, fill_i: bool) -> None:
             first.append(d)
     for d, chunk in [(d, 0) for d in reversed(second)] + [(d, 1) for d in first]:
         s = run.stage(d, chunk)
-        run.fill(d, run.arrival(1, s), extra=chunk == 0 or fill_i)
+        run.fill(d, run.arrival(1, s), extra=chunk == 0 or fill_i, option=None if chunk == 0 else "fill_i")
         run.put(1, s)
 
 
@@ -171,12 +176,22 @@ def _forward_round(run: _VRun, fill_f: bool) -> None:
         else:
             continue
         run.make_room(d, s)
-        run.fill(d, run.arrival(0, s), extra=fill_f)
+        run.fill(d, run.arrival(0, s), extra=fill_f, option="fill_f")
         run.put(0, s)
 
 
 Deltas = dict[str, tuple[float, ...]]
 Candidate = tuple[Schedule, tuple[float, float]]  # op lists, (makespan, max span)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run: op lists (None: abandoned), per-device idle, (makespan, max span), options that mattered."""
+
+    schedule: Schedule | None
+    idle: list[float]
+    key: tuple[float, float]
+    mattered: frozenset[str]
 
 
 def greedy_run(
@@ -188,9 +203,8 @@ def greedy_run(
     fill_f: bool,
     fill_i: bool,
     allowance: list[float] | None = None,
-) -> tuple[Schedule, list[float], tuple[float, float]] | None:
-    """One run: (schedule, per-device idle, (makespan, max span)) or None when abandoned. `costs` per stage
-    (tuples). Its times are those `simulate()` gives the op lists."""
+) -> Outcome:
+    """One run (`costs` per stage, tuples). Its times are those `simulate()` gives the op lists."""
     run = _VRun(p, m, costs, delta, limit, allowance)
     try:
         _warmup(run)
@@ -201,23 +215,39 @@ def greedy_run(
             while run.pending[d]:
                 run.put_w(d)
     except _Abandon:
-        return None
+        return Outcome(None, run.idle, (0.0, 0.0), frozenset(run.mattered))
     stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     key = (max(run.free), max(f - s for f, s in zip(run.free, run.first)))
-    return make_schedule("zbv", m, stage_device, run.ops), run.idle, key
+    return Outcome(make_schedule("zbv", m, stage_device, run.ops), run.idle, key, frozenset(run.mattered))
+
+
+def _chain(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float, fill_f: bool, fill_i: bool):  # type: ignore[no-untyped-def]
+    """A run, then repeats with its own idle as the allowance while that lowers the largest idle (at most 8):
+    the completed runs, and every option any run of the chain consulted."""
+    found: list[Candidate] = []
+    mattered: set[str] = set()
+    best = None
+    for _ in range(8):
+        outcome = greedy_run(p, m, costs, delta, limit, fill_f, fill_i, allowance=best.idle if best else None)
+        mattered |= outcome.mattered
+        if outcome.schedule is None or (best is not None and max(outcome.idle) >= max(best.idle)):
+            break
+        best = outcome
+        found.append((outcome.schedule, outcome.key))
+    return found, mattered
 
 
 def greedy_candidates(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float) -> list[Candidate]:
-    """Every completed run over (fill before F, fill before I), each repeated with its own idle as the
-    allowance while that lowers the largest idle (at most 8 repeats)."""
-    found = []
+    """Every completed run over the options (fill before F, fill before I), each with its repeats; a combination
+    is skipped when an earlier one's runs never consulted the option they differ in (it would repeat them)."""
+    found: list[Candidate] = []
+    done: list[tuple[dict[str, bool], set[str]]] = []
     for fill_i in (True, False):
         for fill_f in (True, False):
-            result, best = greedy_run(p, m, costs, delta, limit, fill_f, fill_i), None
-            for _ in range(8):
-                if result is None or (best is not None and max(result[1]) >= max(best[1])):
-                    break
-                best = result
-                found.append((result[0], result[2]))
-                result = greedy_run(p, m, costs, delta, limit, fill_f, fill_i, allowance=result[1])
+            opts = {"fill_f": fill_f, "fill_i": fill_i}
+            if any(all(other[n] == opts[n] for n in mattered) for other, mattered in done):
+                continue
+            runs, mattered = _chain(p, m, costs, delta, limit, fill_f, fill_i)
+            done.append((opts, mattered))
+            found += runs
     return found

@@ -89,3 +89,15 @@ def test_dualpipev_fused_pair_timing():
     assert simulate(schedule, costs, fused={}).makespan == halves.makespan  # default: independent halves
     with pytest.raises(ScheduleError, match="--overlap-ms"):
         fused_pairs(generate("zbv", num_devices=2, num_microbatches=4), 2.0)
+
+
+@settings(max_examples=20)
+@given(p=st.integers(2, 4), m=st.integers(4, 12), i=st.floats(0.5, 2.0), w=st.floats(0.2, 2.0))
+def test_greedy_skips_only_repeated_option_runs(p, m, i, w):
+    from pipeplan.schedules.zbv_greedy import _chain
+
+    costs = StageCosts(forward_ms=1.0, input_grad_ms=i, weight_grad_ms=w, comm_ms=0.1).per_stage(2 * p)
+    memory = unit_memory(2)
+    delta, limit = activation_deltas(memory, 2 * p), max(peak_activation_per_device(zbv_fixed(p, m), memory))
+    every = {s for f in (True, False) for fi in (True, False) for s, _ in _chain(p, m, costs, delta, limit, f, fi)[0]}
+    assert {s for s, _ in greedy_candidates(p, m, costs, delta, limit)} == every

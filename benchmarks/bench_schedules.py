@@ -37,7 +37,7 @@ PAPER = [
     (4, 8, 3, 3, 2, 1, 88, 74),
     (8, 32, 6, 6, 4, 1, 596, 520),
 ]
-console = Console()
+console = Console(width=150)
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -108,7 +108,7 @@ def paper() -> list[dict]:
         "zb-auto vs the paper (spans; zb-auto ranks its candidates by makespan)",
         ["case", "p", "m", "F/I/W/c", "paper", "heuristic", "zb-auto span", "makespan", "span/bound", "gen s"],
         [
-            [r["case"], str(r["devices"]), str(r["microbatches"]), f"{r['f']}/{r['i']}/{r['w']}/{r['comm']}",
+            [r["case"], str(r["devices"]), str(r["microbatches"]), _costs_text(r),
              f"{r['paper_span']:g}", f"{r['heuristic_best_span']:g}", f"{r['zb_auto_span']:g}",
              f"{r['zb_auto_makespan']:g}", f"{r['span_vs_no_bubble']:.3f}", f"{r['generate_s']:.4f}"]
             for r in rows
@@ -173,7 +173,7 @@ def milp() -> list[dict]:
         f"zb-auto / MILP optimum (makespan; HiGHS, time limit {MILP_TIME_LIMIT_S:g} s)",
         ["p", "m", "F/I/W/c", "limit", "zb-auto", "MILP", "proven", "ratio", "solve s"],
         [
-            [str(r["devices"]), str(r["microbatches"]), f"{r['f']}/{r['i']}/{r['w']}/{r['comm']}", f"{r['limit']:g}",
+            [str(r["devices"]), str(r["microbatches"]), _costs_text(r), f"{r['limit']:g}",
              f"{r['zb_auto_makespan']:g}", f"{r['milp_makespan']:.4g}", "yes" if r["proven"] else "no",
              f"{r['heuristic_over_optimal']:.4f}", f"{r['solve_s']:.1f}"]
             for r in rows

@@ -29,6 +29,7 @@ from pipeplan.partition.costs import (
 )
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import generate
+from pipeplan.schedules.simulate import MemoryCosts
 
 Stages = list[tuple[int, int, int]]  # (first item, last item, replicas)
 Held = tuple[int, int]  # (microbatches in flight, of which before their I) on one stage
@@ -77,7 +78,10 @@ def held_counts(
     name: str, devices: int, microbatches: int, chunks: int | None = None, limit: int | None = None
 ) -> tuple[Held, ...]:
     """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
-    schedule = generate(name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory_limit=limit)
+    schedule = generate(  # the limit counts whole microbatches in flight (one unit each, nothing freed by I)
+        name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory=MemoryCosts(),
+        memory_limit=limit,
+    )  # fmt: skip
     return held_per_stage(schedule)
 
 

@@ -12,6 +12,7 @@ from pipeplan.schedules.simulate import (
     TimelineEntry,
     peak_activation_per_device,
     simulate,
+    unit_memory,
 )
 from pipeplan.schedules.validate import validate
 
@@ -29,5 +30,6 @@ __all__ = [
     "peak_activation_per_device",
     "simulate",
     "stage_device",
+    "unit_memory",
     "validate",
 ]

@@ -11,11 +11,11 @@ from rich.table import Table
 from pipeplan.console import err, out, print_json
 from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
-from pipeplan.schedules.memory import inflight_per_stage
+from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import SCHEDULE_NAMES, generate
+from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, stage_device
 from pipeplan.schedules.render import gantt, timeline_to_chrome_trace
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
+from pipeplan.schedules.simulate import PAPER_INPUT_GRAD_FREES, StageCosts, Timeline, unit_memory
 from pipeplan.schedules.simulate import simulate as simulate_schedule
 
 
@@ -29,28 +29,31 @@ def _run(
     b: float,
     w: float,
     comm: float,
-    memory_limit: int | None,
+    memory_limit: float | None,
+    input_grad_frees: float,
+    overlap_ms: float | None,
 ) -> tuple[Schedule, Timeline]:
-    """Generate with per-device-slice costs split evenly over the chunks each device holds."""
-    plain = generate(name, num_devices=devices, num_microbatches=microbatches, chunks=chunks)
-    v = plain.num_chunks
+    """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
+    v = len(stage_device(name, devices, chunks)) // devices
     costs = StageCosts(forward_ms=f / v, input_grad_ms=b / v, weight_grad_ms=w / v, comm_ms=comm)
+    memory = unit_memory(v, input_grad_frees=input_grad_frees)
     schedule = generate(
         name,
         num_devices=devices,
         num_microbatches=microbatches,
         chunks=chunks,
         costs=costs,
+        memory=memory,
         memory_limit=memory_limit,
     )
-    return schedule, simulate_schedule(schedule, costs, MemoryCosts(activation_bytes=1.0 / v))
+    fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
+    return schedule, simulate_schedule(schedule, costs, memory, fused=fused)
 
 
 def _metrics(schedule: Schedule, timeline: Timeline) -> dict[str, Any]:
     data = timeline.metrics()
     data["peak_activations"] = max(timeline.peak_memory_bytes)
-    data["peak_memory_bytes"] = data.pop("peak_memory_bytes")
-    data["inflight_per_stage"] = list(inflight_per_stage(schedule))
+    data["peak_memory_bytes"] = data.pop("peak_memory_bytes")  # per device, in full-slice microbatches
     data["num_stages"] = schedule.num_stages
     data["num_microbatches"] = schedule.num_microbatches
     return data
@@ -82,20 +85,39 @@ def simulate(
     b: float = typer.Option(1.0, "--b", help="Input-gradient (I) ms of one device's slice; full B = I + W."),
     w: float = typer.Option(1.0, "--w", help="Weight-gradient (W) ms of one device's slice."),
     comm: float = typer.Option(0.0, "--comm", help="Transfer ms across each device boundary."),
-    memory_limit: int = typer.Option(None, "--memory-limit", help="Max microbatches in flight per stage."),
+    memory_limit: float = typer.Option(
+        None,
+        "--memory-limit",
+        help="Max live activations per device, in microbatches of a device's full slice (zb-auto is generated "
+        "under it, default p = 1F1B's; other schedules are checked against it). E.g. --memory-limit 8.",
+    ),
+    input_grad_frees: float = typer.Option(
+        PAPER_INPUT_GRAD_FREES,
+        "--input-grad-frees",
+        help="Fraction of a microbatch's activations the input-gradient pass I frees (W frees the rest); "
+        "0.5 is the Zero Bubble paper's setting. E.g. --input-grad-frees 0.4.",
+    ),
+    overlap_ms: float = typer.Option(
+        None,
+        "--overlap-ms",
+        help="dualpipev: time each overlapped F&B pair as one unit of this many ms, as DualPipe's runtime runs it "
+        "(default: the two halves one after the other, as `pipeplan run` executes them). E.g. --overlap-ms 2.5.",
+    ),
     compare: bool = typer.Option(False, "--compare", help="Simulate every schedule and rank by makespan."),
     json_output: bool = typer.Option(False, "--json", help="Print only JSON (metrics + op lists)."),
     trace: Path = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
 ) -> None:
     """Simulate a pipeline schedule: makespan, bubbles, peak activations and a Gantt chart.
 
-    Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches.
+    Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches
+    (F allocates one, I frees --input-grad-frees of it, W the rest).
 
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
     options = dict(
-        devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit
-    )
+        devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm,
+        memory_limit=memory_limit, input_grad_frees=input_grad_frees, overlap_ms=overlap_ms,
+    )  # fmt: skip
     if compare:
         if trace is not None:
             err.print("[yellow]warning:[/] --trace is ignored with --compare (trace one --schedule at a time)")
@@ -120,7 +142,10 @@ def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | Non
     results, skipped = [], []
     for name in SCHEDULE_NAMES:
         try:
-            plan, timeline = _run(name, **{**options, "chunks": options["chunks"] if name == "interleaved" else None})
+            per_name = {"chunks": options["chunks"] if name == "interleaved" else None}
+            if name != "dualpipev":
+                per_name["overlap_ms"] = None
+            plan, timeline = _run(name, **{**options, **per_name})
         except ScheduleError as exc:
             skipped.append({"schedule": name, "reason": str(exc)})
             continue

@@ -90,3 +90,25 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     device_ops = [_device_ops(p, d, m) for d in range(p)]
     stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return make_schedule("dualpipev", m, stage_device, device_ops)
+
+
+def overlapped_pairs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
+    """(device, step) of every overlapped F&B pair in a dualpipev schedule: an F of one chunk directly followed
+    by the full backward B of the device's other chunk (steps 4 and 5 above). DualPipe's runtime runs such a
+    pair as one unit; `simulate(..., fused=...)` can time it so (see `fused_pairs`)."""
+    pairs = []
+    for device, ops in enumerate(schedule.device_ops):
+        for step in range(len(ops) - 1):
+            a, b = ops[step], ops[step + 1]
+            if a.kind == "F" and b.kind == "B" and a.stage != b.stage:
+                pairs.append((device, step))
+    return tuple(pairs)
+
+
+def fused_pairs(schedule: Schedule, overlap_ms: float) -> dict[tuple[int, int], float]:
+    """`simulate`'s `fused` argument: every overlapped F&B pair of a dualpipev schedule takes `overlap_ms`."""
+    if schedule.name != "dualpipev":
+        raise ScheduleError(f"--overlap-ms applies to --schedule dualpipev only, not {schedule.name}")
+    if not overlap_ms >= 0:
+        raise ScheduleError(f"--overlap-ms must be >= 0, got {overlap_ms}")
+    return {pair: float(overlap_ms) for pair in overlapped_pairs(schedule)}

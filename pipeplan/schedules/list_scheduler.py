@@ -1,8 +1,8 @@
-"""Greedy list scheduling of split-backward (F, I, W) ops under per-stage costs and an in-flight memory limit —
-the heuristic of the zero-bubble paper's automatic scheduler (Qi et al., "Zero Bubble Pipeline Parallelism",
-ICLR 2024, section 3): each device, when free, runs a ready I (it unblocks upstream stages), else a ready F if the
-stage has fewer than `limit` microbatches in flight, else a pending W to fill the gap. Event-driven over device
-free times, so it is exact for the costs given. Used by zb-h1 / zb-h2 (unit costs) and zb-auto (real costs).
+"""Greedy list scheduling of split-backward (F, I, W) ops under per-stage costs and an in-flight memory limit: each
+device, when free, runs a ready I (it unblocks upstream stages), else a ready F if the stage has fewer than `limit`
+microbatches in flight, else a pending W to fill the gap. Event-driven over device free times, so it is exact for
+the costs given. Used by zb-h2 (unit costs) to replay the paper's handcrafted rules; zb-auto runs the paper's own
+automatic-scheduling heuristic (`zb_heuristic.py`).
 """
 
 from __future__ import annotations

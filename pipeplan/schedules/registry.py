@@ -8,7 +8,7 @@ from pipeplan.schedules.gpipe import gpipe
 from pipeplan.schedules.interleaved import interleaved
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, _broadcast, peak_activation_per_device
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, fits_limit, peak_activation_per_device, unit_memory
 from pipeplan.schedules.zb_auto import zb_auto
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
@@ -62,52 +62,32 @@ def generate(
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer zb-auto only (the others are fixed orders). `memory_limit` caps
-    the live activation bytes per device in the units of `memory` (static bytes excluded; the default
-    MemoryCosts() counts one unit per microbatch in flight, nothing freed by I): zb-auto generates under it, the
-    other schedules raise ScheduleError when their peak is over it."""
+    """Op lists of schedule `name`. `costs` steer zb-auto and zbv (the others are fixed orders). `memory_limit`
+    caps the live activation bytes per device, in the units of `memory` (static bytes not included;
+    `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is generated under it
+    (default: 1F1B's peak), the other schedules are checked against it."""
     v = _resolve_chunks(name, chunks)
     if num_devices < 1:
         raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {num_devices}")
     if num_microbatches < 1:
         raise ScheduleError(f"--microbatches must be >= 1, got {num_microbatches}")
-    memory = memory or MemoryCosts()
+    if memory_limit is not None and not memory_limit > 0:
+        raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
     p, m = num_devices, num_microbatches
     if name == "zb-auto":
-        return zb_auto(p, m, costs=costs, memory_limit=_inflight_limit(memory, memory_limit, p))
-    if memory_limit is not None and memory_limit <= 0:
-        raise ScheduleError(f"--memory-limit must be > 0, got {memory_limit}")
+        return zb_auto(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
     if name == "interleaved":
         schedule = interleaved(p, m, v)
+    elif name == "zbv":
+        schedule = zbv(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
     else:
-        fixed = {
-            "gpipe": gpipe,
-            "1f1b": one_f_one_b,
-            "zb-h1": zb_h1,
-            "zb-h2": zb_h2,
-            "zbv": zbv,
-            "dualpipev": dualpipev,
-        }
+        fixed = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "dualpipev": dualpipev}
         schedule = fixed[name](p, m)
     if memory_limit is not None:
-        peak = max(peak_activation_per_device(schedule, memory))
-        if peak > memory_limit * (1 + 1e-12):
+        peak = max(peak_activation_per_device(schedule, memory or unit_memory(v)))
+        if not fits_limit(peak, memory_limit):
             raise ScheduleError(
-                f"{name} keeps up to {peak:g} activation units live on a device, over --memory-limit "
-                f"{memory_limit:g}; raise the limit or use --schedule zb-auto"
+                f"{name} holds up to {peak:g} of live activations on a device, over --memory-limit {memory_limit:g}"
+                f"; raise the limit or use --schedule zb-auto"
             )
     return schedule
-
-
-def _inflight_limit(memory: MemoryCosts, memory_limit: float | None, num_devices: int) -> int | None:
-    """zb-auto's limit as microbatches in flight per stage (one stage per device): the most microbatches of the
-    largest stage's activations that fit (a stand-in until zb-auto schedules by bytes itself)."""
-    if memory_limit is None:
-        return None
-    largest = max(_broadcast(memory.activation_bytes, num_devices, option="activation_bytes"))
-    count = int(memory_limit // largest) if largest > 0 else 2 * num_devices
-    if count < 1:
-        raise ScheduleError(
-            f"--memory-limit {memory_limit:g} holds less than one microbatch of activations ({largest:g}); raise it"
-        )
-    return count

@@ -8,7 +8,7 @@ Deterministic: the result is the longest-path timing of the op DAG, independent 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,6 +17,7 @@ from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.validate import run_in_order
 
 Number = float | int
+PAPER_INPUT_GRAD_FREES = 0.5  # Zero Bubble paper: I frees half of a microbatch's activations (F +2, I -1, W -1)
 PerStage = Number | Sequence[Number]
 
 
@@ -129,16 +130,33 @@ class Timeline:
         return [(e.device, str(e.op), e.start, e.end) for e in self.entries]
 
 
-def simulate(schedule: Schedule, costs: StageCosts | None = None, memory: MemoryCosts | None = None) -> Timeline:
-    """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default)."""
+def simulate(
+    schedule: Schedule,
+    costs: StageCosts | None = None,
+    memory: MemoryCosts | None = None,
+    *,
+    fused: Mapping[tuple[int, int], float] | None = None,
+) -> Timeline:
+    """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default). `fused[(device,
+    step)] = ms`: that op and the next run as one unit of `ms` (dualpipev's overlapped F&B pairs,
+    `dualpipev.fused_pairs`); by default every op runs on its own."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, fused=fused)  # type: ignore[arg-type]
     placed = [
         [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
         for device, ops in enumerate(schedule.device_ops)
     ]
     return _timeline(schedule, placed, memory or MemoryCosts())
+
+
+def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tuple[float, float]:
+    """`simulate(schedule, costs)`'s makespan and max_span without building the timeline (for ranking)."""
+    cost = (costs or StageCosts()).per_stage(schedule.num_stages)
+    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
+    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
+    rows = [(s[0], e[-1]) for s, e in zip(starts, ends) if s]
+    return max(e for _, e in rows), max(e - s for s, e in rows)
 
 
 def _timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> Timeline:
@@ -159,25 +177,45 @@ def _timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: Mem
         bubble_rate=1.0 - sum(busy) / (num_devices * makespan) if makespan > 0 else 0.0,
         zb_bubble_ms=zb_bubble,
         zb_bubble_rate=zb_bubble / max_span if max_span > 0 else 0.0,
-        peak_memory_bytes=_peak_memory(schedule, placed, memory),
+        peak_memory_bytes=tuple(
+            st + pk
+            for st, pk in zip(
+                _broadcast(memory.static_bytes, num_devices, option="static_bytes"),
+                peak_activation_per_device(schedule, memory),
+            )
+        ),
     )
 
 
-def _peak_memory(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> tuple[float, ...]:
-    static = _broadcast(memory.static_bytes, schedule.num_devices, option="static_bytes")
-    return tuple(s + peak for s, peak in zip(static, peak_activation_per_device(schedule, memory)))
-
-
-def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
-    """Per device, the most live activation bytes at once (static bytes excluded): F adds its stage's
-    `activation_bytes`, I frees `input_grad_freed_bytes`, W the rest, B all. Exact from the op order alone: a
-    device runs its list in order, so list order is time order."""
-    act = _broadcast(memory.activation_bytes, schedule.num_stages, option="activation_bytes")
-    freed_by_i = _broadcast(memory.input_grad_freed_bytes, schedule.num_stages, option="input_grad_freed_bytes")
+def activation_deltas(memory: MemoryCosts, num_stages: int) -> dict[str, tuple[float, ...]]:
+    """Per op kind, per stage: the change in live activation bytes when the op runs (F allocates the stage's
+    activations, I frees `input_grad_freed_bytes`, W the rest, B all). The one memory formula: the simulator's
+    peaks, `peak_activation_per_device` and zb-auto's generator all use it."""
+    act = _broadcast(memory.activation_bytes, num_stages, option="activation_bytes")
+    freed_by_i = _broadcast(memory.input_grad_freed_bytes, num_stages, option="input_grad_freed_bytes")
     if any(f > a for f, a in zip(freed_by_i, act)):
         raise ConfigError("input_grad_freed_bytes must not exceed activation_bytes for any stage")
-    delta = {"F": act, "I": tuple(-f for f in freed_by_i), "W": tuple(f - a for f, a in zip(freed_by_i, act))}
-    delta["B"] = tuple(-a for a in act)
+    return {
+        "F": act,
+        "I": tuple(-f for f in freed_by_i),
+        "W": tuple(f - a for f, a in zip(freed_by_i, act)),
+        "B": tuple(-a for a in act),
+    }
+
+
+def unit_memory(schedule_chunks: int, *, input_grad_frees: float = PAPER_INPUT_GRAD_FREES) -> MemoryCosts:
+    """Unit mode: one microbatch of a device's full slice is 1 (so a stage of a v-chunk schedule holds 1/v), and
+    I frees the fraction `input_grad_frees` of it (the Zero Bubble paper's setting is 0.5)."""
+    if not 0.0 <= input_grad_frees <= 1.0:
+        raise ConfigError(f"--input-grad-frees must be in [0, 1], got {input_grad_frees}")
+    v = float(schedule_chunks)
+    return MemoryCosts(activation_bytes=1.0 / v, input_grad_freed_bytes=input_grad_frees / v)
+
+
+def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = None) -> tuple[float, ...]:
+    """Per device, the most live activation bytes at once (static bytes not included). Exact from the op order:
+    a device runs its list in order, so the peak holds for any op timings. `memory=None`: unit mode."""
+    delta = activation_deltas(memory or unit_memory(schedule.num_chunks), schedule.num_stages)
     peaks = []
     for ops in schedule.device_ops:
         live = peak = 0.0
@@ -187,3 +225,8 @@ def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts) -> tuple
                 peak = live
         peaks.append(peak)
     return tuple(peaks)
+
+
+def fits_limit(peak: float, limit: float) -> bool:
+    """`peak <= limit` up to float rounding of summed byte counts."""
+    return peak <= limit + 1e-9 * max(1.0, abs(limit))

@@ -8,10 +8,10 @@ backward (I or B) of (s+1, mb); W(s, mb) needs I(s, mb).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.ops import Op, Schedule
 
 _KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 _GRID_ROWS = 12  # rows shown either side of the failing step
@@ -27,13 +27,16 @@ def run_in_order(
     *,
     op_ms: dict[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
+    fused: Mapping[tuple[int, int], float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Validate, then execute every device's list in order: an op starts when its device is free and its
     dependencies are done (+ `comm_ms[boundary]` when the producer is on another device). `op_ms[kind][stage]`
-    gives durations (all 0 when None). Returns per-device start and end times, aligned with `device_ops`."""
+    gives durations (all 0 when None). `fused[(device, step)] = ms` runs that op and the next one as one unit
+    (DualPipe's overlapped F&B pair): it starts when both ops' inputs are ready and both end after `ms`.
+    Returns per-device start and end times, aligned with `device_ops`."""
     _check_placement(schedule)
     backward_kind = _check_complete(schedule)
-    return _execute(schedule, backward_kind, op_ms, comm_ms)
+    return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {})
 
 
 def _execute(
@@ -42,66 +45,79 @@ def _execute(
     op_ms: dict[str, Sequence[float]] | None,
     comm_ms: Sequence[float] | None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    S, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
-    placement, device_ops = schedule.stage_device, schedule.device_ops
-    zeros = [0.0] * S
-    dur = {k: (op_ms[k] if op_ms else zeros) for k in "FBIW"}
-    comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
-    end: list[float | None] = [None] * (4 * n)  # by key = kind_index * n + stage * m + mb
-    starts = [[0.0] * len(ops) for ops in device_ops]
-    ends = [[0.0] * len(ops) for ops in device_ops]
-    pos, free = [0] * len(device_ops), [0.0] * len(device_ops)
-    waiting: dict[int, list[int]] = {}
-    runnable = list(range(len(device_ops) - 1, -1, -1))
-    while runnable:
-        d = runnable.pop()
-        ops, i, t = device_ops[d], pos[d], free[d]
-        while i < len(ops):
-            o = ops[i]
-            kind, s = o.kind, o.stage
-            slot = s * m + o.microbatch
-            start, wait_on = t, -1
-            if kind == "F":
-                if s > 0:
-                    e = end[slot - m]
-                    if e is None:
-                        wait_on = slot - m
-                    else:
-                        if placement[s - 1] != d:
-                            e += comm[s - 1]
-                        start = max(start, e)
-            elif kind == "W":
-                e = end[2 * n + slot]
+    """`run_in_order` after its checks (used by `replicate` on an already checked expansion)."""
+    return _Executor(schedule, backward_kind, op_ms, comm_ms).run({})
+
+
+class _Executor:
+    def __init__(self, schedule: Schedule, backward_kind: bytearray, op_ms, comm_ms) -> None:  # type: ignore[no-untyped-def]
+        S, m = schedule.num_stages, schedule.num_microbatches
+        self.schedule, self.backward_kind, self.S, self.m, self.n = schedule, backward_kind, S, m, S * m
+        self.dur = {k: (op_ms[k] if op_ms else [0.0] * S) for k in "FBIW"}
+        self.comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
+        self.end: list[float | None] = [None] * (4 * self.n)  # by key = kind_index * n + stage * m + mb
+
+    def ready(self, d: int, o: Op, start: float) -> tuple[float, int]:
+        """(start time, -1) for op `o` on device `d` free at `start`, or (_, key it waits on)."""
+        kind, s, m, n, end = o.kind, o.stage, self.m, self.n, self.end
+        placement = self.schedule.stage_device
+        slot = s * m + o.microbatch
+        if kind == "F":
+            if s > 0:
+                e = end[slot - m]
                 if e is None:
-                    wait_on = 2 * n + slot
-                elif e > start:
-                    start = e
-            else:
-                e = end[slot]
+                    return start, slot - m
+                if placement[s - 1] != d:
+                    e += self.comm[s - 1]
+                start = max(start, e)
+        elif kind == "W":
+            e = end[2 * n + slot]
+            if e is None:
+                return start, 2 * n + slot
+            start = max(start, e)
+        else:
+            e = end[slot]
+            if e is None:
+                return start, slot
+            start = max(start, e)
+            if s + 1 < self.S:
+                key = self.backward_kind[slot + m] * n + slot + m
+                e = end[key]
                 if e is None:
-                    wait_on = slot
-                else:
-                    start = max(start, e)
-                    if s + 1 < S:
-                        key = backward_kind[slot + m] * n + slot + m
-                        e = end[key]
-                        if e is None:
-                            wait_on = key
-                        else:
-                            start = max(start, e + comm[s] if placement[s + 1] != d else e)
-            if wait_on >= 0:
-                waiting.setdefault(wait_on, []).append(d)
-                break
-            t = start + dur[kind][s]
-            key = _KIND_INDEX[kind] * n + slot
-            end[key] = t
-            starts[d][i], ends[d][i] = start, t
-            i += 1
-            if key in waiting:
-                runnable.extend(waiting.pop(key))
-        pos[d], free[d] = i, t
-    _raise_if_stuck(schedule, pos, waiting)
-    return starts, ends
+                    return start, key
+                start = max(start, e + self.comm[s] if placement[s + 1] != d else e)
+        return start, -1
+
+    def run(self, fused: Mapping[tuple[int, int], float]) -> tuple[list[list[float]], list[list[float]]]:
+        device_ops, n, m, end, dur = self.schedule.device_ops, self.n, self.m, self.end, self.dur
+        starts = [[0.0] * len(ops) for ops in device_ops]
+        ends = [[0.0] * len(ops) for ops in device_ops]
+        pos, free = [0] * len(device_ops), [0.0] * len(device_ops)
+        waiting: dict[int, list[int]] = {}
+        runnable = list(range(len(device_ops) - 1, -1, -1))
+        while runnable:
+            d = runnable.pop()
+            ops, i, t = device_ops[d], pos[d], free[d]
+            while i < len(ops):
+                start, wait_on = self.ready(d, ops[i], t)
+                unit = fused.get((d, i)) if fused else None
+                if unit is not None and wait_on < 0:
+                    start, wait_on = self.ready(d, ops[i + 1], start)
+                if wait_on >= 0:
+                    waiting.setdefault(wait_on, []).append(d)
+                    break
+                count = 1 if unit is None else 2
+                t = start + (dur[ops[i].kind][ops[i].stage] if unit is None else unit)
+                for o in ops[i : i + count]:
+                    key = _KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch
+                    end[key] = t
+                    starts[d][i], ends[d][i] = start, t
+                    i += 1
+                    if key in waiting:
+                        runnable.extend(waiting.pop(key))
+            pos[d], free[d] = i, t
+        _raise_if_stuck(self.schedule, pos, waiting)
+        return starts, ends
 
 
 def _raise_if_stuck(schedule: Schedule, pos: list[int], waiting: dict[int, list[int]]) -> None:

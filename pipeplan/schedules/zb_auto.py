@@ -1,30 +1,61 @@
-"""zb-auto: a memory-bounded zero-bubble schedule adapted to measured costs (Qi et al., "Zero Bubble Pipeline
-Parallelism", ICLR 2024, section 3.2 "automatic scheduling": ZB-1p / ZB-2p).
+"""zb-auto: the Zero Bubble paper's automatic schedule (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
+section 3: ZB-1p at 1F1B's memory, ZB-2p at twice it) for measured per-stage costs, under a per-device limit on
+live activation bytes.
 
-Inputs: per-stage F/I/W times, comm time and a limit on in-flight microbatches per stage (1F1B's memory is p).
-Candidates, each simulated under the given costs, fastest (makespan, then max span) wins:
-  - the greedy list scheduler (`list_scheduler.py`) run on the real costs with four tie-break policies
-    (I before F or F before I; fill any gap with W or only gaps W fits in);
-  - the handcrafted zb-h1 and zb-h2 whenever their in-flight peak fits the limit.
-So with limit p it is ZB-1p (never slower than zb-h1) and with 2p-1 or more ZB-2p (never slower than zb-h2).
+Candidates, fastest wins (makespan, then the longest device span, the paper's figure):
+  - the paper's heuristic (`zb_heuristic.py`) run with each of its 8 option combinations;
+  - the handcrafted zb-h1, zb-h2 and 1f1b whenever their activation peak fits the limit, so zb-auto is never
+    slower than them at the same memory.
+The memory model is `simulate.activation_deltas`: F adds the stage's activation bytes, I frees the part
+`input_grad_freed_bytes` says, W frees the rest. Unit mode (`memory=None`): 1 per microbatch, I frees half
+(the paper's setting); the default limit is 1F1B's peak (p units: ZB-1p).
 """
 
 from __future__ import annotations
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.list_scheduler import Policy, list_schedule
-from pipeplan.schedules.memory import inflight_per_stage
+from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.simulate import StageCosts, simulate
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    activation_deltas,
+    fits_limit,
+    makespan_and_span,
+    peak_activation_per_device,
+    unit_memory,
+)
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
+from pipeplan.schedules.zb_heuristic import heuristic_runs
 
-_POLICIES = (
-    Policy(),
-    Policy(forward_first=True),
-    Policy(fit_w=True),
-    Policy(forward_first=True, fit_w=True),
-)
+
+def default_limit(num_devices: int, num_microbatches: int, memory: MemoryCosts) -> float:
+    """1F1B's activation peak under `memory` (p units in unit mode): the paper's ZB-1p. 1F1B's device d holds
+    min(m, p-d) microbatches at its peak (a B frees all), so this equals `peak_activation_per_device` of 1f1b
+    (a test checks it) without generating it."""
+    act = activation_deltas(memory, num_devices)["F"]
+    return max(min(num_microbatches, num_devices - d) * act[d] for d in range(num_devices))
+
+
+def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: float) -> list[tuple]:  # type: ignore[type-arg]
+    """(generator, forwards device 0 runs after its first backward) for zb-h1, 1f1b and, when its warm-up of
+    min(m, 2p-1) forwards on device 0 fits the limit, zb-h2 (0: not counted)."""
+    after = max(0, m - p)  # zb-h1 and 1f1b: p-1 warm-up forwards and one more before the first backward
+    candidates = [(zb_h1, after), (one_f_one_b, after)]
+    if fits_limit(min(m, 2 * p - 1) * delta["F"][0], limit):
+        candidates.insert(1, (zb_h2, 0))
+    return candidates
+
+
+def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: bool) -> float:
+    """A lower bound on the makespan: microbatch 0's forward and backward chain through every stage (with the
+    transfers), then device 0's remaining m-1 backwards, m Ws (split) and `forwards_after` forwards."""
+    f, i, w = costs.forward_ms, costs.input_grad_ms, costs.weight_grad_ms
+    back = costs.backward_ms if fused else i
+    chain = sum(f) + sum(back) + 2 * sum(costs.comm_ms)  # type: ignore[arg-type]
+    rest = (m - 1) * back[0] + (0.0 if fused else m * w[0]) + forwards_after * f[0]  # type: ignore[index]
+    return chain + rest
 
 
 def zb_auto(
@@ -32,36 +63,36 @@ def zb_auto(
     num_microbatches: int,
     *,
     costs: StageCosts | None = None,
-    memory_limit: int | None = None,
+    memory: MemoryCosts | None = None,
+    memory_limit: float | None = None,
 ) -> Schedule:
-    """Fastest candidate under `costs` (unit by default) with at most `memory_limit` (default p) microbatches
-    in flight on any stage."""
+    """Fastest candidate under `costs` (unit by default) whose live activations stay within `memory_limit`
+    bytes per device (default: 1F1B's peak)."""
     p, m = num_devices, num_microbatches
-    limit = p if memory_limit is None else memory_limit
-    if limit < 1:
-        raise ScheduleError(f"zb-auto needs --memory-limit >= 1 (microbatches in flight per stage), got {limit}")
-    costs = costs or StageCosts()
-    candidates = [
-        list_schedule(
-            "zb-auto",
-            num_devices=p,
-            num_microbatches=m,
-            stage_device=tuple(range(p)),
-            costs=costs,
-            limit=(limit,) * p,
-            policy=policy,
+    memory = memory or unit_memory(1)
+    limit = default_limit(p, m, memory) if memory_limit is None else memory_limit
+    delta = activation_deltas(memory, p)
+    biggest = max(delta["F"])
+    if not fits_limit(biggest, limit):
+        raise ScheduleError(
+            f"zb-auto: one microbatch's activations ({biggest:g}) exceed --memory-limit {limit:g}; raise the limit"
         )
-        for policy in _POLICIES
-    ]
-    for handcrafted in (zb_h1(p, m), zb_h2(p, m)):
-        if max(inflight_per_stage(handcrafted)) <= limit:
-            candidates.append(handcrafted)
-    best, best_key = candidates[0], None
-    for candidate in candidates:
-        timeline = simulate(candidate, costs)
-        key = (timeline.makespan, timeline.max_span)
+    stage_costs = (costs or StageCosts()).per_stage(p)
+    best_run, best_key = None, None
+    for result in heuristic_runs(m, stage_costs, delta, limit):
+        key = (result.makespan, result.max_span)
         if best_key is None or key < best_key:
-            best, best_key = candidate, key
+            best_run, best_key = result, key
+    best = best_run.schedule()  # type: ignore[union-attr]
+    for handcrafted, forwards_after in _handcrafted(p, m, delta, limit):
+        if _device0_bound(stage_costs, m, forwards_after, fused=handcrafted is one_f_one_b) >= best_key[0]:  # type: ignore[index]
+            continue  # cannot have a shorter makespan: skip generating and timing it
+        schedule = handcrafted(p, m)
+        if fits_limit(max(peak_activation_per_device(schedule, memory)), limit):
+            key = makespan_and_span(schedule, stage_costs)
+            if key < best_key:  # type: ignore[operator]
+                best, best_key = schedule, key
+    assert best is not None
     return Schedule(
         name="zb-auto",
         num_devices=best.num_devices,

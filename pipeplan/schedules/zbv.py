@@ -7,6 +7,16 @@ activations. Built for max(m, 2p-1) microbatches; with fewer the extra ops are d
 from __future__ import annotations
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    activation_deltas,
+    fits_limit,
+    makespan_and_span,
+    peak_activation_per_device,
+    unit_memory,
+)
+from pipeplan.schedules.zbv_greedy import greedy_candidates
 
 
 def _device_ops(p: int, device: int, n: int) -> list[Op]:
@@ -47,9 +57,46 @@ def _device_ops(p: int, device: int, n: int) -> list[Op]:
     return ops
 
 
-def zbv(num_devices: int, num_microbatches: int) -> Schedule:
+def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
+    """The fixed ZB-V order above (optimal when F = I = W and m >= 2p-1)."""
     p, m = num_devices, num_microbatches
     n = max(m, 2 * p - 1)
     device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]
     stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return make_schedule("zbv", m, stage_device, device_ops)
+
+
+def _fixed_is_optimal(costs: StageCosts, m: int) -> bool:
+    """F = I = W on every stage, no comm and m >= 2p-1: the fixed order ends at (p-1)F + 2m(F+I+W), the earliest
+    the last device can (its first input needs p-1 forwards; then it has 2m(F+I+W) of work)."""
+    times = {*costs.forward_ms, *costs.input_grad_ms, *costs.weight_grad_ms}  # type: ignore[misc]
+    return len(times) == 1 and not any(costs.comm_ms) and m >= len(costs.forward_ms) - 1  # type: ignore[arg-type]
+
+
+def zbv(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: StageCosts | None = None,
+    memory: MemoryCosts | None = None,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """The fixed order when it is optimal (F = I = W, no comm, m >= 2p-1; `costs=None` is unit costs); else the
+    fastest (makespan, then span) of the fixed order and the paper's adaptive greedy (`zbv_greedy.py`) run under
+    `memory_limit` (default: the fixed order's own peak, so never more memory than it); ties keep the fixed order."""
+    p, m = num_devices, num_microbatches
+    fixed = zbv_fixed(p, m)
+    stage_costs = (costs or StageCosts()).per_stage(2 * p)
+    memory = memory or unit_memory(2)
+    peak = max(peak_activation_per_device(fixed, memory))
+    limit = peak if memory_limit is None else memory_limit
+    if _fixed_is_optimal(stage_costs, m) and fits_limit(peak, limit):
+        return fixed
+    best, best_key = None, None
+    candidates = greedy_candidates(p, m, stage_costs, activation_deltas(memory, 2 * p), limit)
+    if fits_limit(peak, limit):
+        candidates.insert(0, (fixed, makespan_and_span(fixed, stage_costs)))
+    for candidate, key in candidates:
+        if best_key is None or key < best_key:
+            best, best_key = candidate, key
+    return best or fixed  # nothing fits: the registry reports the fixed order's peak against the limit

@@ -72,3 +72,43 @@ def test_missing_schedule_is_usage_error():
 def test_help_ends_with_example():
     result = runner.invoke(app, ["simulate", "--help"])
     assert result.exit_code == 0 and "Example: pipeplan simulate" in result.output
+
+
+def _json(args):
+    result = runner.invoke(app, ["simulate", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_simulate_unit_memory_options():
+    base = ["-s", "zb-auto", "--stages", "4", "--microbatches", "8"]
+    one_p = _json(base)
+    two_p = _json([*base, "--memory-limit", "8"])
+    assert one_p["peak_activations"] <= 4 and two_p["peak_activations"] <= 8
+    assert two_p["max_span_ms"] == 24 and one_p["max_span_ms"] == 27  # the paper's ZB-2p / ZB-1p
+    # I frees nothing: W frees all; a fixed schedule over the limit is one clear line
+    assert (
+        _json(["-s", "zb-h1", "--stages", "4", "--microbatches", "8", "--input-grad-frees", "0"])["peak_activations"]
+        == 4
+    )
+    result = runner.invoke(app, ["simulate", "-s", "zb-h2", "-p", "4", "-m", "8", "--memory-limit", "4"])
+    assert result.exit_code == 1 and "--memory-limit" in result.output
+
+
+def test_simulate_generates_once(monkeypatch):
+    import pipeplan.schedules.commands as commands
+
+    calls = []
+    real = commands.generate
+    monkeypatch.setattr(commands, "generate", lambda *a, **k: calls.append(a) or real(*a, **k))
+    _json(["-s", "zb-auto", "--stages", "3", "--microbatches", "6"])
+    assert len(calls) == 1
+
+
+def test_simulate_dualpipev_overlap():
+    base = ["-s", "dualpipev", "--stages", "2", "--microbatches", "4"]
+    halves = _json(base)
+    fused = _json([*base, "--overlap-ms", "1.0"])
+    assert fused["makespan_ms"] < halves["makespan_ms"]
+    result = runner.invoke(app, ["simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--overlap-ms", "1"])
+    assert result.exit_code == 1 and "--overlap-ms" in result.output

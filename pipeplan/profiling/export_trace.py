@@ -1,0 +1,66 @@
+"""The torch.export frontend (non-strict): for models torch.fx cannot trace symbolically (Hugging Face
+transformers, code that branches on shapes or inspects its arguments).
+
+`torch.export.export(module, inputs, strict=False)` runs the real Python forward on fake tensors and records ATen
+ops; every node keeps the module path it ran under (`nn_module_stack`) and its fake value (`val`), so the graph
+groups into layers exactly like an fx graph and needs no separate shape propagation. `ep.module()` is an unlifted
+GraphModule whose parameters and buffers are the original module's, under their original qualified names. Shapes
+are specialized to the sample batch, so the graph is exported again at each batch size it runs at; the model's
+output structure (a dict, a dataclass, a Hugging Face ModelOutput) comes back as the pytree spec of the outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import TreeSpec
+
+from pipeplan.errors import TraceError
+from pipeplan.models.spec import ModelSpec
+
+
+def export_graph(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:
+    """(unlifted GraphModule with tensor_meta and mutation records on its nodes, the output's pytree spec)."""
+    try:
+        program = torch.export.export(module, tuple(inputs), strict=False)
+    except Exception as exc:  # export raises many types for code it cannot capture
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(
+            f"torch.export cannot trace {spec.name!r}: {type(exc).__name__}: {reason[:300]}; use --tracer fx with "
+            "the data-dependent submodule listed in ModelSpec.leaf_modules"
+        ) from None
+    gm = program.module()
+    _drop_guards(gm)
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+        node.meta["value_type"] = type(value).__name__ if value is not None else "NoneType"
+        node.meta["mutates"] = _mutated_args(node)
+    return gm, getattr(gm, "_out_spec", None)
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Remove the input-shape guard call export adds (it checks the unlifted module's own inputs only)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _mutated_args(node: fx.Node) -> tuple[str, ...]:
+    """Input nodes an in-place ATen op writes (`relu_`, `add_`), read off its schema."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return ()
+    written: list[str] = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, fx.Node):
+            written.append(value.name)
+    return tuple(written)

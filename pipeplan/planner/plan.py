@@ -33,6 +33,7 @@ class ModelRef:
     fingerprint: str = ""  # of the traced LayerGraph; the runtime refuses a model that does not match
     granularity: int | None = None  # layer grouping used when tracing
     tokens_per_sample: int | None = None
+    tracer: str = ""  # fx | export: how the graph was traced ("" in older plans: fx)
 
 
 @dataclass(frozen=True, kw_only=True)

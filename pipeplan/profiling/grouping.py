@@ -23,7 +23,7 @@ from torch import nn
 
 
 def normalize_graph(gm: fx.GraphModule) -> None:
-    """Move getitems of tuples next to their source and give each get_attr user its own get_attr node, just before it."""
+    """Move getitems of tuples next to their source; give each get_attr user its own get_attr, just before it."""
     graph = gm.graph
     placed: set[fx.Node] = set()
     for node in list(graph.nodes):  # in order, so a source (itself maybe a getitem) is already in place

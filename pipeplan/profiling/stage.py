@@ -1,6 +1,9 @@
 """Stage modules: a runnable nn.Module for any set of FX nodes of a traced model (one layer for the profiler, a
 union of layers for a pipeline stage in the runtime).
 
+An input the stage modifies in place (recorded by tracing) is cloned on entry: the caller's tensor (a leaf that
+requires grad, an activation another stage also reads) is never written, and autograd sees an ordinary op.
+
 The stage references, never copies, the original submodules and Parameters it uses (tied weights stay one
 Parameter object) and holds only those, so a rank can build the model on the meta device and materialize just its
 own part. Parameter names are the original qualified names (`blocks.0.attn.qkv.weight`).
@@ -54,6 +57,12 @@ def stage_boundary(traced: TracedModel, node_names: Iterable[str]) -> tuple[list
     return nodes, inputs, outputs
 
 
+def _mutated_inputs(nodes: list[fx.Node], inputs: list[str]) -> list[str]:
+    """Stage inputs some node of the stage modifies in place (`nn.ReLU(inplace=True)`, `x += y`)."""
+    written = {name for node in nodes for name in node.meta.get("mutates", ())}
+    return [name for name in inputs if name in written]
+
+
 def build_stage_module(
     traced: TracedModel, node_names: Iterable[str], *, outputs: Iterable[str] | None = None
 ) -> StageModule:
@@ -72,6 +81,8 @@ def build_stage_module(
     env: dict[str, fx.Node] = {}
     for name in inputs:
         env[name] = graph.placeholder(name)
+    for name in _mutated_inputs(nodes, inputs):  # a copy: the caller's value (maybe a grad leaf) stays intact
+        env[name] = graph.call_method("clone", (env[name],))
     for node in nodes:
         if node.op == "placeholder":
             continue

@@ -59,11 +59,12 @@ def manual_plan(
     seed: int = 0,
     lr: float = 1e-3,
     predicted_step_ms: float = 0.0,
+    tracer: str = "auto",
 ) -> Plan:
     """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication)."""
     options = dict(options or {})
     spec = load_model(model, options)
-    graph = trace_model(spec, batch_size=microbatch_size, device="meta").layer_graph
+    graph = trace_model(spec, batch_size=microbatch_size, device="meta", tracer=tracer).layer_graph
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
     replicas = tuple(replicas or (1,) * num_stages)
@@ -76,7 +77,11 @@ def manual_plan(
     global_batch = microbatch_size * num_microbatches * data_parallel
     return Plan(
         model=ModelRef(
-            ref=model, options=options, fingerprint=graph.fingerprint, tokens_per_sample=spec.tokens_per_sample
+            ref=model,
+            options=options,
+            fingerprint=graph.fingerprint,
+            tokens_per_sample=spec.tokens_per_sample,
+            tracer=graph.tracer,
         ),
         cluster=cluster,
         training=TrainingConfig(

@@ -30,7 +30,7 @@ class PipelineModel:
     traced: TracedModel
     stage_io: list[StageIO]
     model_inputs: tuple[str, ...]  # placeholder names, in forward-argument order
-    model_output: str
+    model_outputs: tuple[str, ...]  # the values the model's output is built from (all read by the last stage)
     value_meta: dict[str, TensorMeta]  # per microbatch, for every value crossing a cut
     stage_params: list[tuple[str, ...]]  # canonical parameter names used by each stage
     modules: dict[int, StageModule]  # this rank's stages, materialized
@@ -41,7 +41,11 @@ class PipelineModel:
         return {name for name, meta in self.value_meta.items() if meta.dtype.is_floating_point}
 
     def output_stage(self) -> int:
-        return next(s for s, io in enumerate(self.stage_io) if self.model_output in io.outputs)
+        return len(self.stage_io) - 1
+
+    def build_output(self, values: dict[str, torch.Tensor]):
+        """The model's output, as its forward returns it (tensor, tuple, dict, ModelOutput), for loss_fn."""
+        return self.traced.build_output(values)
 
 
 def load_spec(plan: Plan) -> ModelSpec:
@@ -49,16 +53,22 @@ def load_spec(plan: Plan) -> ModelSpec:
 
 
 def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
-    """Trace on the meta device at the microbatch size; refuse a model whose graph differs from the plan's."""
+    """Trace on the meta device at the microbatch size, with the plan's tracer (shapes from one CPU run where the
+    model has data-dependent code); refuse a model whose graph differs from the plan's."""
     plan.require_runnable()
     traced = trace_model(
-        spec, batch_size=plan.training.microbatch_size, granularity=plan.model.granularity, device="meta"
+        spec,
+        batch_size=plan.training.microbatch_size,
+        granularity=plan.model.granularity,
+        device="meta",
+        tracer=plan.model.tracer or "fx",
     )
     expected, found = plan.model.fingerprint, traced.layer_graph.fingerprint
     if expected and expected != found:
         raise RunError(
-            f"model {plan.model.ref!r} traces to graph fingerprint {found} but the plan was made for {expected}; "
-            "re-run `pipeplan plan` for this model and options"
+            f"model {plan.model.ref!r} traces ({traced.tracer}, microbatch size {plan.training.microbatch_size}) to "
+            f"graph fingerprint {found} but the plan was made for {expected}; re-run `pipeplan plan` for this model "
+            "and options"
         )
     known = {node.name for node in traced.graph_module.graph.nodes}
     for stage in plan.stages:
@@ -83,6 +93,15 @@ def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, Tenso
     return metas
 
 
+def stage_outputs(traced: TracedModel, stage_nodes: list[tuple[str, ...]]) -> list[list[str]]:
+    """Each stage's output values: what later stages read, and for the last stage every value the model's output
+    is built from (passed through from its inputs when an earlier stage computes it), so the loss runs there."""
+    found = [stage_boundary(traced, names)[2] for names in stage_nodes]
+    last = found[-1]
+    last += [name for name in traced.layer_graph.output_names if name not in last]
+    return found
+
+
 def _canonical_names(module: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -94,12 +113,10 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
     """The whole split on the meta device plus this rank's stages materialized on `device`."""
     spec = load_spec(plan)
     traced = trace_for_plan(plan, spec)
-    stage_io: list[StageIO] = []
-    for stage in plan.stages:
-        _, inputs, outputs = stage_boundary(traced, stage.node_names)
-        stage_io.append(StageIO(inputs=tuple(inputs), outputs=tuple(outputs)))
+    outputs = stage_outputs(traced, [stage.node_names for stage in plan.stages])
     canonical = _canonical_names(traced.module)
-    meta_modules = [build_stage_module(traced, stage.node_names) for stage in plan.stages]
+    meta_modules = [build_stage_module(traced, st.node_names, outputs=out) for st, out in zip(plan.stages, outputs)]
+    stage_io = [StageIO(inputs=m.inputs, outputs=m.outputs) for m in meta_modules]
     stage_params = [tuple(sorted({canonical[id(p)] for p in m.parameters()})) for m in meta_modules]
     own = plan.ranks[rank].stages
     needed = [t for s in own for t in (*meta_modules[s].parameters(), *meta_modules[s].buffers())]
@@ -113,7 +130,7 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
         also_replace_in=[traced.graph_module],
     )
     del needed
-    modules = {s: build_stage_module(traced, plan.stages[s].node_names) for s in own}
+    modules = {s: build_stage_module(traced, plan.stages[s].node_names, outputs=outputs[s]) for s in own}
     by_name = dict(traced.module.named_parameters(remove_duplicate=False))
     params = {name: by_name[name] for s in own for name in stage_params[s]}
     for name, param in params.items():
@@ -123,7 +140,7 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
         traced=traced,
         stage_io=stage_io,
         model_inputs=traced.layer_graph.input_names,
-        model_output=traced.layer_graph.output_name,
+        model_outputs=traced.layer_graph.output_names,
         value_meta=_value_meta(traced, stage_io),
         stage_params=stage_params,
         modules=modules,

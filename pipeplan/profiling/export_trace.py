@@ -43,12 +43,31 @@ def export_graph(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
-    """Remove the input-shape guard call export adds (it checks the unlifted module's own inputs only)."""
+    """Remove the checks export adds: the input-shape guard call (it checks the unlifted module's own inputs) and
+    the tensor-metadata asserts (they pin the device the graph was exported on)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and str(node.target).startswith("_guards"):
+        guard = node.op == "call_module" and str(node.target).startswith("_guards")
+        if guard or (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default):
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+
+
+def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> None:
+    """Point the device constants an exported graph captured (`arange(device=meta)`, `to(device=meta)`) at
+    `device`, so a graph traced on the meta device runs where its stages were materialized."""
+    target = torch.device(device)
+
+    def swap(value):
+        return target if isinstance(value, torch.device) and value != target else value
+
+    changed = False
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
 
 
 def _mutated_args(node: fx.Node) -> tuple[str, ...]:

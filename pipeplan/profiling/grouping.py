@@ -132,6 +132,8 @@ def layer_keys(gm: fx.GraphModule, module: nn.Module, granularity: int | None) -
     keys = []
     for node in gm.graph.nodes:
         path = node_module_path(node) if node.op not in ("placeholder", "output") else ""
+        if node.op == "get_attr" and len(node.users) == 1:  # a tied weight is named after one of its owners
+            path = node_module_path(next(iter(node.users))) or path
         if granularity is None:
             keys.append(default(path))
             continue

@@ -17,6 +17,7 @@ from pipeplan.errors import RunError
 from pipeplan.models import load_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
+from pipeplan.profiling.export_trace import retarget_device
 from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
 from pipeplan.profiling.trace import TracedModel, trace_model
 from pipeplan.runtime.comm import TensorMeta
@@ -130,6 +131,8 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device) -> Pipelin
         also_replace_in=[traced.graph_module],
     )
     del needed
+    if traced.tracer == "export":
+        retarget_device(traced.graph_module, device)  # export captured the meta device in its constants
     modules = {s: build_stage_module(traced, plan.stages[s].node_names, outputs=outputs[s]) for s in own}
     by_name = dict(traced.module.named_parameters(remove_duplicate=False))
     params = {name: by_name[name] for s in own for name in stage_params[s]}

@@ -45,12 +45,18 @@ def export_graph(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.
 def _drop_guards(gm: fx.GraphModule) -> None:
     """Remove the checks export adds: the input-shape guard call (it checks the unlifted module's own inputs) and
     the tensor-metadata asserts (they pin the device the graph was exported on)."""
-    for node in list(gm.graph.nodes):
-        guard = node.op == "call_module" and str(node.target).startswith("_guards")
-        if guard or (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default):
-            gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
+    for graph_module in _graph_modules(gm):  # higher-order ops (no_grad regions) keep their graph in a submodule
+        for node in list(graph_module.graph.nodes):
+            guard = node.op == "call_module" and str(node.target).startswith("_guards")
+            assert_op = node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+            if guard or assert_op:
+                graph_module.graph.erase_node(node)
+        graph_module.graph.lint()
+        graph_module.recompile()
+
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 
 def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> None:
@@ -61,13 +67,14 @@ def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> None:
     def swap(value):
         return target if isinstance(value, torch.device) and value != target else value
 
-    changed = False
-    for node in gm.graph.nodes:
-        args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs, changed = args, kwargs, True
-    if changed:
-        gm.recompile()
+    for graph_module in _graph_modules(gm):
+        changed = False
+        for node in graph_module.graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            graph_module.recompile()
 
 
 def _mutated_args(node: fx.Node) -> tuple[str, ...]:

@@ -9,7 +9,9 @@ before modifying it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 
 import torch
 import torch.fx as fx
@@ -76,12 +78,14 @@ class _ShapeProp(ShapeProp):
 
 
 def _propagate(gm: fx.GraphModule, inputs: tuple) -> None:
-    with torch.no_grad():
+    # ShapeProp prints the traceback of a failing node itself; the caller reports failures in one line
+    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         _ShapeProp(gm).propagate(*inputs)
 
 
-def propagate_shapes(gm: fx.GraphModule, spec: ModelSpec, inputs: tuple, device: str) -> None:
-    """Record tensor_meta on every node of `gm` for `inputs` (on `device`); see the module docstring."""
+def propagate_shapes(gm: fx.GraphModule, spec: ModelSpec, inputs: tuple, device: str, cpu_inputs) -> None:
+    """Record tensor_meta on every node of `gm` for `inputs` (on `device`; `cpu_inputs()` makes the same sample
+    batch on the CPU); see the module docstring."""
     try:
         _propagate(gm, inputs)
         return
@@ -92,8 +96,8 @@ def propagate_shapes(gm: fx.GraphModule, spec: ModelSpec, inputs: tuple, device:
             with torch.device("cpu"):
                 module = spec.build()
             cpu_graph = copy.deepcopy(gm.graph)
-            _propagate(fx.GraphModule(module, cpu_graph), tuple(t.to("cpu") for t in inputs))
-        except Exception:
+            _propagate(fx.GraphModule(module, cpu_graph), cpu_inputs())
+        except Exception:  # the CPU run fails too: report the original error
             pass
         else:
             by_name = {node.name: node for node in cpu_graph.nodes}

@@ -193,8 +193,9 @@ def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureC
 
 
 def _layer_flops(stage: StageModule, inputs: list) -> float:
+    plain = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]  # no autograd hooks to place
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        stage(*inputs)
+        stage(*plain)
     return float(counter.get_total_flops())
 
 

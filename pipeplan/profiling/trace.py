@@ -200,11 +200,12 @@ def trace_model(
     return trace_module(module, spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
 
 
-def _capture(module: nn.Module, spec: ModelSpec, inputs: tuple, device: str, tracer: str):
+def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
     """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used)."""
     from pipeplan.profiling.export_trace import export_graph
     from pipeplan.profiling.fx_trace import propagate_shapes, symbolic_trace
 
+    inputs = _sample_inputs(spec, batch_size, device)
     if tracer == "export":
         return (*export_graph(module, spec, inputs), "export")
     try:
@@ -216,7 +217,7 @@ def _capture(module: nn.Module, spec: ModelSpec, inputs: tuple, device: str, tra
             return (*export_graph(module, spec, inputs), "export")
         except TraceError as export_error:
             raise TraceError(f"{fx_error}; and {export_error}") from None
-    propagate_shapes(gm, spec, inputs, device)
+    propagate_shapes(gm, spec, inputs, device, lambda: _sample_inputs(spec, batch_size, "cpu"))
     return gm, None, "fx"
 
 
@@ -230,8 +231,7 @@ def trace_module(
     tracer: str = "auto",
 ) -> TracedModel:
     """Like trace_model, for an already-built module (its parameters are referenced, never copied)."""
-    inputs = _sample_inputs(spec, batch_size, device)
-    gm, export_spec, used = _capture(module, spec, inputs, device, check_tracer(tracer))
+    gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
     normalize_graph(gm)
     nodes = list(gm.graph.nodes)
     keys = assign_unowned(nodes, layer_keys(gm, module, granularity))

@@ -138,9 +138,7 @@ def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 def _builder(config, directory: Path | None, task: str):
     transformers = _transformers()
-    auto = (
-        transformers.AutoModelForCausalLM if task == "causal-lm" else transformers.AutoModelForSequenceClassification
-    )
+    auto = transformers.AutoModelForCausalLM if task == "causal-lm" else transformers.AutoModelForSequenceClassification
     weights = sorted(directory.glob("*.safetensors")) if directory is not None else []
 
     def build() -> nn.Module:

@@ -84,7 +84,9 @@ class VGG(nn.Module):
 
 
 def vgg(width: int = 4, classes: int = 3) -> ModelSpec:
-    return ModelSpec(name="vgg", build=lambda: VGG(width, classes), sample_batch=_images(classes), loss_fn=F.cross_entropy)
+    return ModelSpec(
+        name="vgg", build=lambda: VGG(width, classes), sample_batch=_images(classes), loss_fn=F.cross_entropy
+    )
 
 
 class MoE(nn.Module):

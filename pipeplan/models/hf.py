@@ -5,8 +5,8 @@ that `AutoConfig.for_model` knows, or `hf:path/to/dir` (a local model directory:
 `-a key=value` sets a config field (converted to the type of the field's default: `-a n_layer=4 -a n_embd=128`);
 two options belong to the adapter itself:
 - `task`: `causal-lm` (shifted next-token cross-entropy on the logits; the target is the input ids) or
-  `classification` (cross-entropy of `num_labels` classes); default causal-lm when the model type has a causal-LM
-  head, else classification (BERT);
+  `classification` (cross-entropy of `num_labels` classes); default causal-lm for decoder model types (gpt2,
+  llama, ...), classification for encoders (bert, roberta, ...);
 - `seq_len`: tokens per sample of the synthetic batch (default min(128, the config's maximum positions));
 - `data`: `fixed` (default: every training step sees the same synthetic batch, so the loss visibly falls) or
   `random` (a fresh random batch each step: random tokens have nothing to learn beyond their frequencies).
@@ -100,9 +100,10 @@ def _configure(target: str, options: dict[str, Any]):
 
 
 def _task(config, requested: Any) -> str:
-    transformers = _transformers()
-    causal = type(config) in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
-    task = str(requested) if requested is not None else ("causal-lm" if causal else "classification")
+    mappings = _transformers().models.auto.modeling_auto
+    causal = type(config) in mappings.MODEL_FOR_CAUSAL_LM_MAPPING
+    encoder = type(config) in mappings.MODEL_FOR_MASKED_LM_MAPPING  # BERT-like: has an LM head only as a decoder
+    task = str(requested) if requested is not None else ("causal-lm" if causal and not encoder else "classification")
     if task not in TASKS:
         raise ModelError(f"hf option task={task!r} must be one of {', '.join(TASKS)}")
     if task == "causal-lm" and not causal:

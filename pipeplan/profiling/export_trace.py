@@ -21,8 +21,37 @@ from pipeplan.errors import TraceError
 from pipeplan.models.spec import ModelSpec
 
 
-def export_graph(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:
-    """(unlifted GraphModule with tensor_meta and mutation records on its nodes, the output's pytree spec)."""
+def export_graph(
+    module: nn.Module, spec: ModelSpec, inputs: tuple, *, meta_module: nn.Module | None = None
+) -> tuple[fx.GraphModule, TreeSpec | None]:
+    """(unlifted GraphModule with tensor_meta and mutation records on its nodes, the output's pytree spec).
+
+    The export always runs on the meta device (`inputs` on meta; `meta_module`: the same model built on meta,
+    when `module` lives on a real device): the captured ops depend on the device's kernels (strides decide whether
+    a `.contiguous()` is recorded), and the profile, the plan and every rank must see one graph. The graph then
+    uses `module`'s own parameters and buffers (bound by qualified name) and its device."""
+    gm, out_spec = export_program(meta_module if meta_module is not None else module, spec, inputs)
+    if meta_module is not None:
+        _bind_state(gm, module)
+        device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
+        retarget_device(gm, device)
+    return gm, out_spec
+
+
+def _bind_state(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Make every parameter and buffer of `gm` the tensor of the same qualified name in `module` (ties kept)."""
+    real = dict(module.named_parameters(remove_duplicate=False))
+    real.update(module.named_buffers(remove_duplicate=False))
+    for store in ("_parameters", "_buffers"):
+        for path, owner in gm.named_modules(remove_duplicate=False):
+            for attr in list(getattr(owner, store)):
+                name = f"{path}.{attr}" if path else attr
+                if name not in real:
+                    raise TraceError(f"the exported graph holds {name!r}, which the model does not; use --tracer fx")
+                getattr(owner, store)[attr] = real[name]
+
+
+def export_program(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:
     try:
         program = torch.export.export(module, tuple(inputs), strict=False)
     except Exception as exc:  # export raises many types for code it cannot capture
@@ -39,7 +68,23 @@ def export_graph(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.
             node.meta["tensor_meta"] = _extract_tensor_metadata(value)
         node.meta["value_type"] = type(value).__name__ if value is not None else "NoneType"
         node.meta["mutates"] = _mutated_args(node)
+    _refuse_constants(gm, module)
     return gm, getattr(gm, "_out_spec", None)
+
+
+def _refuse_constants(gm: fx.GraphModule, module: nn.Module) -> None:
+    """A tensor the forward creates from Python values is captured as a constant; on the meta device its value is
+    lost, so such a model must be traced with fx (a silently wrong constant is not an option)."""
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    known.update(name for name, _ in module.named_buffers(remove_duplicate=False))
+    for graph_module in _graph_modules(gm):
+        for node in graph_module.graph.nodes:
+            value = getattr(graph_module, str(node.target), None) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and graph_module is gm and node.target not in known:
+                raise TraceError(
+                    f"torch.export captured a tensor constant ({node.target}) that the model creates in forward; "
+                    "register it as a buffer in __init__, or use --tracer fx"
+                )
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:

@@ -202,23 +202,32 @@ def trace_model(
 
 def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
     """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used)."""
-    from pipeplan.profiling.export_trace import export_graph
     from pipeplan.profiling.fx_trace import propagate_shapes, symbolic_trace
 
     inputs = _sample_inputs(spec, batch_size, device)
     if tracer == "export":
-        return (*export_graph(module, spec, inputs), "export")
+        return (*_export(module, spec, batch_size, device), "export")
     try:
         gm = symbolic_trace(module, spec)
     except TraceError as fx_error:
         if tracer == "fx":
             raise
         try:
-            return (*export_graph(module, spec, inputs), "export")
+            return (*_export(module, spec, batch_size, device), "export")
         except TraceError as export_error:
             raise TraceError(f"{fx_error}; and {export_error}") from None
     propagate_shapes(gm, spec, inputs, device, lambda: _sample_inputs(spec, batch_size, "cpu"))
     return gm, None, "fx"
+
+
+def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
+    """Export on the meta device (one graph whatever device the model is on): see export_trace.export_graph."""
+    from pipeplan.profiling.export_trace import export_graph
+
+    meta_inputs = _sample_inputs(spec, batch_size, "meta")
+    if device == "meta":
+        return export_graph(module, spec, meta_inputs)
+    return export_graph(module, spec, meta_inputs, meta_module=build_module(spec, "meta"))
 
 
 def trace_module(

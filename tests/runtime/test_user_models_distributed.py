@@ -69,7 +69,7 @@ def test_hugging_face_training_matches_single_process_adamw(runs, label):
     index, plan = cases[label]
     losses = results[0][index].losses
     assert len(losses) == STEPS and losses == results[1][index].losses
-    assert losses[-1] < 0.9 * losses[0], losses  # a fixed batch: the loss falls
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses  # a fixed batch: the loss falls every step
     expected = reference_losses(plan, STEPS, lr=LR, weight_decay=plan.training.weight_decay)
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5)
 

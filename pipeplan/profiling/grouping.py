@@ -198,3 +198,17 @@ def cut_producers(nodes: list[fx.Node], node_layer: dict[str, int], num_layers: 
         for cut in range(produced, min(last_use, num_layers - 1)):
             cuts[cut].append(node)
     return cuts
+
+
+def check_in_place(nodes: list[fx.Node], node_layer: dict[str, int]) -> str | None:
+    """A value modified in place in one layer and read after that by a later layer would reach the later layer
+    unmodified once stages copy their in-place inputs: describe the first such case (None if there is none)."""
+    for node in nodes:
+        for name in node.meta.get("mutates", ()):
+            value = next(arg for arg in node.all_input_nodes if arg.name == name)
+            if node_layer.get(value.name) == node_layer[node.name]:
+                continue  # modified where it is made: every stage sees the modified value
+            later = [u for u in value.users if u is not node and node_layer.get(u.name, -1) > node_layer[node.name]]
+            if later:
+                return f"{value.name!r} is modified in place by {node.name!r} and read afterwards by {later[0].name!r}"
+    return None

@@ -24,7 +24,14 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from pipeplan.errors import ConfigError, ModelError, TraceError
 from pipeplan.models.spec import ModelSpec
-from pipeplan.profiling.grouping import assign_unowned, cut_producers, group, layer_keys, normalize_graph
+from pipeplan.profiling.grouping import (
+    assign_unowned,
+    check_in_place,
+    cut_producers,
+    group,
+    layer_keys,
+    normalize_graph,
+)
 
 TRACERS = ("auto", "fx", "export")
 
@@ -248,6 +255,9 @@ def trace_module(
     layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1
+    aliasing = check_in_place(nodes, node_layer)
+    if aliasing:
+        raise TraceError(f"{aliasing}, in another layer; make that op out-of-place or use a coarser --granularity")
     cuts = [tuple(_value_info(n) for n in cut) for cut in cut_producers(nodes, node_layer, len(layers))]
     output_spec, output_leaves, output_names = _output_tree(gm, export_spec)
     graph = LayerGraph(

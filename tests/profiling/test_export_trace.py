@@ -10,6 +10,7 @@ import torch
 
 from pipeplan.errors import ConfigError, TraceError
 from pipeplan.models import load_model
+from pipeplan.models.spec import ModelSpec
 from pipeplan.profiling.measure import profile_model
 from pipeplan.profiling.stage import build_stage_module
 from pipeplan.profiling.trace import trace_model
@@ -131,3 +132,29 @@ def test_model_that_fails_everywhere_is_one_trace_error():
     with pytest.raises(TraceError, match="sample_batch") as info:
         trace_model(bad, device="meta")
     assert "\n" not in str(info.value)
+
+
+def test_in_place_change_read_by_a_later_layer_is_refused():
+    class Aliased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.act = torch.nn.ReLU(inplace=True)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            y = self.act(h)  # modifies h as well
+            return self.b(y) + h  # eager reads the modified h here
+
+    spec = ModelSpec(
+        name="aliased", build=Aliased, loss_fn=lambda out, target: out.sum(),
+        sample_batch=lambda b, generator=None: ((torch.randn(b, 4, generator=generator),), torch.zeros(b)),
+    )  # fmt: skip
+    with pytest.raises(TraceError, match="modified in place by 'act' and read afterwards by 'add'"):
+        trace_model(spec)
+    # torch.export reads the modified value from the in-place op's own output: layer by layer equals eager
+    traced = trace_model(spec, tracer="export", batch_size=2)
+    inputs, _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(0))
+    output, _ = _chain(traced, inputs)
+    torch.testing.assert_close(output, traced.module(*inputs))

@@ -38,13 +38,15 @@ def normalize_graph(gm: fx.GraphModule) -> None:
         if node.op != "get_attr":
             continue
         users = list(node.users)
+        if not users:  # an attribute nothing reads (export lists every buffer) would make an empty layer
+            graph.erase_node(node)
+            continue
         for user in users[1:]:
             with graph.inserting_before(user):
                 copy = graph.get_attr(node.target)
             copy.meta = dict(node.meta)
             user.replace_input_with(node, copy)
-        if users:
-            users[0].prepend(node)
+        users[0].prepend(node)
     graph.lint()
     gm.recompile()
 

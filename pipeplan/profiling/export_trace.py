@@ -11,6 +11,10 @@ output structure (a dict, a dataclass, a Hugging Face ModelOutput) comes back as
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -53,7 +57,8 @@ def _bind_state(gm: fx.GraphModule, module: nn.Module) -> None:
 
 def export_program(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:
     try:
-        program = torch.export.export(module, tuple(inputs), strict=False)
+        with _quiet():
+            program = torch.export.export(module, tuple(inputs), strict=False)
     except Exception as exc:  # export raises many types for code it cannot capture
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TraceError(
@@ -85,6 +90,17 @@ def _refuse_constants(gm: fx.GraphModule, module: nn.Module) -> None:
                     f"torch.export captured a tensor constant ({node.target}) that the model creates in forward; "
                     "register it as a buffer in __init__, or use --tracer fx"
                 )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch logs warnings and partial graphs while an export fails; pipeplan reports the failure in one line."""
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:

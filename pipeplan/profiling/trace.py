@@ -218,7 +218,7 @@ def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, t
         gm = symbolic_trace(module, spec)
     except TraceError as fx_error:
         if tracer == "fx":
-            raise
+            raise TraceError(f"{fx_error}; or trace with --tracer export") from None
         try:
             return (*_export(module, spec, batch_size, device), "export")
         except TraceError as export_error:

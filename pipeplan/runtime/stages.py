@@ -18,7 +18,7 @@ from pipeplan.models import load_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
 from pipeplan.profiling.export_trace import retarget_device
-from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
+from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary, value_tensor_meta
 from pipeplan.profiling.trace import TracedModel, trace_model
 from pipeplan.runtime.comm import TensorMeta
 from pipeplan.runtime.materialize import materialize
@@ -80,11 +80,10 @@ def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
 
 
 def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, TensorMeta]:
-    nodes = {node.name: node for node in traced.graph_module.graph.nodes}
     metas: dict[str, TensorMeta] = {}
     for stage, io in enumerate(stage_io):
         for name in io.inputs:
-            meta = nodes[name].meta.get("tensor_meta")
+            meta = value_tensor_meta(traced, name)
             if not isinstance(meta, TensorMetadata):
                 raise RunError(
                     f"stage {stage} needs non-tensor value {name!r} from an earlier stage; move the cut so it is "

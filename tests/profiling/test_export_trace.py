@@ -158,3 +158,19 @@ def test_in_place_change_read_by_a_later_layer_is_refused():
     inputs, _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(0))
     output, _ = _chain(traced, inputs)
     torch.testing.assert_close(output, traced.module(*inputs))
+
+
+def test_a_tuple_crossing_a_cut_travels_as_its_elements():
+    spec = _spec("pair")
+    traced = trace_model(spec, batch_size=2)
+    names = [layer.name for layer in traced.layer_graph.layers]
+    assert names == ["embed", "split", "merge", "head"]
+    (info,) = traced.layer_graph.cuts[1]
+    assert info.producer == "split" and info.dtype == "tuple" and info.bytes == 2 * 2 * 8 * 4
+    producer = build_stage_module(traced, traced.layer_graph.layers[1].nodes)
+    consumer = build_stage_module(traced, traced.layer_graph.layers[2].nodes)
+    assert producer.outputs == ("split.0", "split.1") and consumer.inputs == ("split.0", "split.1")
+    inputs, _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(0))
+    output, env = _chain(traced, inputs)
+    torch.testing.assert_close(output, traced.module(*inputs))
+    assert all(isinstance(env[f"split.{i}"], torch.Tensor) for i in range(2))

@@ -1,7 +1,8 @@
 """Models nobody here wrote, run on 2 gloo ranks against single-process references: tiny Hugging Face GPT-2 and
 Llama (traced by torch.export; one step's loss and gradients, and 10 AdamW steps on a fixed batch), a
-torchvision-style ResNet cut right before an in-place ReLU, and an MoE whose routing is data-dependent (an fx leaf
-that cannot run on the meta device). One launch runs every case (start-up dominates)."""
+torchvision-style ResNet cut right before an in-place ReLU, an MoE whose routing is data-dependent (an fx leaf
+that cannot run on the meta device) and a leaf module's tuple passed whole to the next stage. One launch runs
+every case (start-up dominates)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def runs(tmp_path_factory):
         # stage 1 starts at the stem's in-place ReLU: its input arrives as a leaf that requires grad
         ("tv_resnet", f"{USER}:tv_resnet", {}, dict(schedule="1f1b", cuts=[(0, 1), (2, 7)]), ONE_STEP),
         ("moe", f"{USER}:moe", {}, dict(schedule="zb-h1"), ONE_STEP),
+        ("pair", f"{USER}:pair", {}, dict(schedule="zb-h1", cuts=[(0, 1), (2, 3)]), ONE_STEP),  # a tuple crosses
     ]
     for label, model, options, layout, config in layouts:
         path, plan = make_plan(folder, label.replace(" ", "-"), model, options, pipeline_devices=2, **layout)
@@ -87,3 +89,10 @@ def test_data_dependent_leaf_plans_and_runs(runs):
     model = build_pipeline_model(plan, 1, torch.device("cpu"))  # traced on meta: shapes from a CPU run
     assert model.value_meta[model.stage_io[1].inputs[0]].shape == (2, 5, 8)
     assert_matches_reference(plan, _per_rank(results, index), "moe")
+
+
+def test_a_tuple_crossing_stages_travels_as_its_elements(runs):
+    cases, results = runs
+    index, plan = cases["pair"]
+    assert build_pipeline_model(plan, 1, torch.device("cpu")).stage_io[1].inputs == ("split.0", "split.1")
+    assert_matches_reference(plan, _per_rank(results, index), "pair")

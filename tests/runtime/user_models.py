@@ -171,3 +171,51 @@ def shape_branch(width: int = 6) -> ModelSpec:
         sample_batch=sample_batch,
         loss_fn=lambda output, target: F.cross_entropy(output["logits"], target) + output["features"].pow(2).mean(),
     )
+
+
+class Split(nn.Module):
+    """Returns a pair: listed as a leaf, fx records one call whose value is a tuple."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.left = nn.Linear(width, width)
+        self.right = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.left(x)), torch.sigmoid(self.right(x))
+
+
+class Merge(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2 * width, width)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.proj(torch.cat(pair, dim=-1))  # the tuple itself is the argument
+
+
+class PairModel(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.split = Split(width)
+        self.merge = Merge(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.merge(self.split(self.embed(x))))
+
+
+def pair(width: int = 8) -> ModelSpec:
+    def sample_batch(batch_size: int, generator: torch.Generator | None = None):
+        return (torch.randn(batch_size, 4, generator=generator),), torch.randint(
+            0, 3, (batch_size,), generator=generator
+        )
+
+    return ModelSpec(
+        name="pair",
+        build=lambda: PairModel(width),
+        sample_batch=sample_batch,
+        loss_fn=F.cross_entropy,
+        leaf_modules=(Split,),
+    )

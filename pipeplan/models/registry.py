@@ -199,6 +199,10 @@ def load_model(ref: str, options: dict[str, Any] | None = None) -> ModelSpec:
                 raise ModelError(f"preset {ref!r} fixes {', '.join(fixed)}; use the base model to change them")
             options = {**builtin.preset, **options}
         return call_factory(builtin.factory, options, ref=ref)
+    if ref.startswith("hf:"):  # Hugging Face transformers (optional extra)
+        from pipeplan.models.hf import hf_model
+
+        return hf_model(ref.removeprefix("hf:"), options)
     if ":" not in ref:
         names = ", ".join(sorted(BUILTINS))
         raise ModelError(f"unknown model {ref!r}; built-in models: {names} (or file.py:factory, pkg.mod:factory)")

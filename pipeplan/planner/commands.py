@@ -17,6 +17,7 @@ from pipeplan.planner.inputs import (
     ProfileRequest,
     attach_model,
     check_plan_options,
+    graph_at_microbatch,
     load_profile_input,
     make_cluster,
     microbatch_candidates,
@@ -28,6 +29,7 @@ from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir
 from pipeplan.planner.search import SearchConfig, default_memory_reserve, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
+from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.schedules.simulate import Timeline
@@ -80,6 +82,9 @@ def plan(
     schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
     no_replication: bool = typer.Option(False, "--no-replication", help="Do not try replicated stages."),
     granularity: int = typer.Option(None, "--granularity", help="Layer grouping depth when tracing the model."),
+    tracer: str = typer.Option(
+        "auto", "--tracer", help="fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+    ),
     output: Path = typer.Option(Path(DEFAULT_OUTPUT), "--output", "-o", help="Directory for plan.json and scripts."),
     json_output: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
 ) -> None:
@@ -99,9 +104,10 @@ def plan(
     batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
     check_plan_options(schedule=schedule, dtype=dtype, output=output, granularity=granularity)
     _check_source(model, profile, assignments, device, granularity)
+    check_tracer(tracer)
     source = load_profile_input(str(profile), profile_format) if profile is not None else None
     if source is not None and model is not None:
-        source = attach_model(source, model, parse_assignments(assignments), granularity)
+        source = attach_model(source, model, parse_assignments(assignments), granularity, tracer)
     default_size = source.profile.provenance.batch_size if source is not None else 1
     sizes = microbatch_candidates(microbatch_size, default_size)
     config = SearchConfig(  # validated before the (slow) profiling
@@ -113,7 +119,7 @@ def plan(
     if source is None:
         request = ProfileRequest(
             model=model, options=parse_assignments(assignments), batch_size=min(sizes), device=device,
-            hardware=hardware, granularity=granularity, dtype=dtype, quiet=json_output,
+            hardware=hardware, granularity=granularity, dtype=dtype, quiet=json_output, tracer=tracer,
         )  # fmt: skip
         source = profile_model_input(request)
     elif dtype is not None and dtype != source.profile.provenance.dtype:
@@ -144,6 +150,7 @@ def _search_and_write(
             source.profile, cluster, config, schedules,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )  # fmt: skip
+    source = graph_at_microbatch(source, result.best.layout.microbatch_size)
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph)
     timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
     write_plan_dir(chosen, timeline_rows(chosen, timeline), output)

@@ -126,6 +126,7 @@ def load_profile_input(path: str, profile_format: str) -> PlanInput:
         options=dict(prov.model_options),
         fingerprint=prov.graph_fingerprint,
         tokens_per_sample=prov.tokens_per_sample,
+        tracer=prov.tracer,
     )
     return PlanInput(profile=profile, model=model, layer_graph=None)
 
@@ -142,6 +143,7 @@ class ProfileRequest:
     granularity: int | None = None
     dtype: str | None = None
     quiet: bool = False
+    tracer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "meta"):
@@ -167,7 +169,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
         extra = {"dtype": request.dtype} if request.dtype else {}
         profile = profile_analytic(
             spec, batch_size=request.batch_size, hardware=request.hardware, granularity=request.granularity,
-            progress=not request.quiet, **extra,
+            progress=not request.quiet, tracer=request.tracer, **extra,
         )  # fmt: skip
     else:
         from pipeplan.profiling.measure import profile_model
@@ -177,8 +179,12 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
         profile = profile_model(
             spec, batch_size=request.batch_size, device=request.device, granularity=request.granularity,
             progress=not request.quiet, model_ref=request.model, model_options=dict(request.options),
+            tracer=request.tracer,
         )  # fmt: skip
-    traced = trace_model(spec, batch_size=request.batch_size, granularity=request.granularity, device="meta")
+    tracer = profile.provenance.tracer or request.tracer
+    traced = trace_model(
+        spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer
+    )
     ref, digest = canonical_ref(request.model)
     model = ModelRef(
         ref=ref,
@@ -187,11 +193,14 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
         fingerprint=traced.layer_graph.fingerprint,
         granularity=request.granularity,
         tokens_per_sample=spec.tokens_per_sample,
+        tracer=traced.tracer,
     )
     return PlanInput(profile=profile, model=model, layer_graph=traced.layer_graph)
 
 
-def attach_model(source: PlanInput, model: str, options: dict[str, str], granularity: int | None) -> PlanInput:
+def attach_model(
+    source: PlanInput, model: str, options: dict[str, str], granularity: int | None, tracer: str = "auto"
+) -> PlanInput:
     """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
     profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
     from pipeplan.models import load_model
@@ -199,13 +208,18 @@ def attach_model(source: PlanInput, model: str, options: dict[str, str], granula
     from pipeplan.profiling.trace import trace_model
 
     spec = load_model(model, options)
-    graph = trace_model(spec, batch_size=1, granularity=granularity, device="meta").layer_graph
-    recorded = source.profile.provenance.graph_fingerprint
+    prov = source.profile.provenance
+    if tracer == "auto" and prov.tracer:
+        tracer = prov.tracer
+    graph = trace_model(
+        spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer
+    ).layer_graph
+    recorded = prov.graph_fingerprint
     names = [layer.name for layer in source.profile.layers]
     if (recorded and recorded != graph.fingerprint) or names != [layer.name for layer in graph.layers]:
         raise ConfigError(
             f"--profile was made from another graph than MODEL {model!r} with these options; profile this model "
-            "again (same -a options and --granularity) or drop MODEL"
+            "again (same -a options, --granularity and --tracer) or drop MODEL"
         )
     canonical, digest = canonical_ref(model)
     ref = ModelRef(
@@ -215,5 +229,27 @@ def attach_model(source: PlanInput, model: str, options: dict[str, str], granula
         fingerprint=graph.fingerprint,
         granularity=granularity,
         tokens_per_sample=spec.tokens_per_sample,
+        tracer=graph.tracer,
     )
     return PlanInput(profile=source.profile, model=ref, layer_graph=graph)
+
+
+def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:
+    """torch.export specializes shapes to the batch size, so an exported graph's nodes (and fingerprint) are those
+    of the batch size it runs at: trace it again at the chosen microbatch size, as the runtime will."""
+    if source.layer_graph is None or source.layer_graph.tracer != "export":
+        return source
+    from pipeplan.models import load_model
+    from pipeplan.profiling.trace import trace_model
+
+    model = source.model
+    spec = load_model(model.ref, dict(model.options))
+    graph = trace_model(
+        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export"
+    ).layer_graph
+    if [layer.name for layer in graph.layers] != [layer.name for layer in source.layer_graph.layers]:
+        raise ConfigError(
+            f"model {model.ref!r} exports to other layers at microbatch size {microbatch_size}; give "
+            f"--microbatch-size {microbatch_size} and profile at that batch size"
+        )
+    return replace(source, model=replace(model, fingerprint=graph.fingerprint), layer_graph=graph)

@@ -41,6 +41,7 @@ class ModelRef:
     granularity: int | None = None  # layer grouping used when tracing
     tokens_per_sample: int | None = None
     file_sha256: str = ""  # of the model file (file.py:factory refs, recorded with an absolute path); run checks it
+    tracer: str = ""  # fx | export: how the graph was traced ("" in older plans: fx)
 
 
 @dataclass(frozen=True, kw_only=True)

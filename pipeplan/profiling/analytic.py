@@ -210,6 +210,7 @@ def profile_analytic(
     progress: bool = False,
     model_ref: str | None = None,
     model_options: dict | None = None,
+    tracer: str = "auto",
 ) -> Profile:
     """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
 
@@ -227,7 +228,7 @@ def profile_analytic(
         matmul_efficiency=matmul_efficiency,
         memory_efficiency=memory_efficiency,
     )
-    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta")
+    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
@@ -235,7 +236,7 @@ def profile_analytic(
     return Profile(
         layers=tuple(layers),
         cut_bytes=tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts),
-        provenance=_provenance(spec, config, traced.layer_graph.fingerprint, model_ref, model_options),
+        provenance=_provenance(spec, config, traced.layer_graph, model_ref, model_options),
         input_bytes=_tensor_bytes(model_inputs),
     )
 
@@ -252,17 +253,24 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
         for index, layer in enumerate(graph.layers):
             stage = build_stage_module(traced, layer.nodes)
             loss = None
-            if index == graph.num_layers - 1 and graph.output_name in stage.outputs:
-                position = stage.outputs.index(graph.output_name)
-                loss = lambda outputs, p=position: loss_fn(outputs[p])  # noqa: E731
-            counts = count_layer(
-                stage,
-                [env[name] for name in stage.inputs],
-                roofline=config.roofline,
-                flash_attention=config.flash_attention,
-                input_needs_grad=[name not in graph.input_names for name in stage.inputs],
-                loss=loss,
-            )
+            if index == graph.num_layers - 1 and set(graph.output_names) <= set(stage.outputs):
+                names = stage.outputs
+                loss = lambda outputs, n=names: loss_fn(traced.build_output(dict(zip(n, outputs))))  # noqa: E731
+            try:
+                counts = count_layer(
+                    stage,
+                    [env[name] for name in stage.inputs],
+                    roofline=config.roofline,
+                    flash_attention=config.flash_attention,
+                    input_needs_grad=[name not in graph.input_names for name in stage.inputs],
+                    loss=loss,
+                )
+            except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                raise ConfigError(
+                    f"analytic profiling runs layer {layer.name!r} on the meta device and it failed ({reason}); "
+                    "profile with --device cpu or cuda instead"
+                ) from None
             env.update(zip(stage.outputs, counts.outputs))
             layers.append(layer_profile(layer.name, layer.module_path, counts))
             bar.advance(task)
@@ -279,7 +287,7 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
 
 
 def _provenance(
-    spec: ModelSpec, config: AnalyticConfig, fingerprint: str, model_ref: str | None, model_options: dict | None
+    spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
 ) -> Provenance:
     roofline = config.roofline
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
@@ -297,7 +305,8 @@ def _provenance(
         torch_version=torch.__version__,
         model=model_ref or spec.name,
         model_options=dict(spec.options if model_options is None else model_options),
-        graph_fingerprint=fingerprint,
+        graph_fingerprint=graph.fingerprint,
+        tracer=graph.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,
     )

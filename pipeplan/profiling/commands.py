@@ -11,6 +11,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.summary import fidelity_line, profile_table
+from pipeplan.profiling.trace import check_tracer
 
 
 def _check_device(device: str, hardware: str | None) -> None:
@@ -25,13 +26,15 @@ def _check_device(device: str, hardware: str | None) -> None:
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
-def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware: str, granularity, quiet: bool):
+def _analytic(
+    spec, *, model: str, options: dict, batch_size: int, hardware: str, granularity, quiet: bool, tracer: str
+):
     from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
 
     given = {key: spec.options.get(key, value) for key, value in options.items()}
     return profile_analytic(
         spec, batch_size=batch_size, hardware=hardware, granularity=granularity, progress=not quiet,
-        model_ref=model, model_options=given,
+        model_ref=model, model_options=given, tracer=tracer,
     )  # fmt: skip
 
 
@@ -65,6 +68,9 @@ def profile(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware)."),
     hardware: str = typer.Option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...)."),
     granularity: int = typer.Option(None, "--granularity", help="Module depth of a layer (default: repeated blocks)."),
+    tracer: str = typer.Option(
+        "auto", "--tracer", help="fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+    ),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs per layer before measuring."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
     threads: int = typer.Option(None, "--threads", help="CPU threads torch may use (default: torch's choice)."),
@@ -79,6 +85,7 @@ def profile(
     """
     options = parse_assignments(assignments)
     _check_device(device, hardware)
+    check_tracer(tracer)
     _set_threads(threads, device)
     spec = load_model(model, options)
     if device == "meta":
@@ -86,7 +93,7 @@ def profile(
             err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
             spec, model=model, options=options, batch_size=batch_size, hardware=hardware,
-            granularity=granularity, quiet=as_json,
+            granularity=granularity, quiet=as_json, tracer=tracer,
         )  # fmt: skip
     else:
         if hardware:
@@ -95,7 +102,7 @@ def profile(
 
         result = profile_model(
             spec, batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats,
-            progress=not as_json, model_ref=model, model_options=options, timer=timer,
+            progress=not as_json, model_ref=model, model_options=options, timer=timer, tracer=tracer,
         )  # fmt: skip
     if output is not None:
         result.save(output)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeplan.console import progress as progress_bar
@@ -192,8 +193,9 @@ def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureC
 
 
 def _layer_flops(stage: StageModule, inputs: list) -> float:
+    plain = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]  # no autograd hooks to place
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        stage(*inputs)
+        stage(*plain)
     return float(counter.get_total_flops())
 
 
@@ -203,9 +205,10 @@ def _whole_model_samples(
     """Whole-model forward and backward times (ms), `config.repeats` samples each after `warmup` runs."""
     clock = _Clock(config)
     module = traced.module
-    with torch.no_grad():
-        probe = module(*inputs)
-    grad = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1), dtype=probe.dtype).to(probe.device)
+    generator = torch.Generator().manual_seed(1)
+    probe = [t for t in tree_leaves(module(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in probe]
+    del probe
     forward, backward = [], []
     for step in range(warmup + config.repeats):
         module.zero_grad(set_to_none=True)
@@ -213,8 +216,10 @@ def _whole_model_samples(
         out = module(*inputs)
         fwd = clock.stop()
         clock.start()
-        out.backward(grad)
+        roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(roots, grads)
         bwd = clock.stop()
+        del roots
         del out
         if step >= warmup:
             forward.append(fwd)
@@ -303,6 +308,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         model=model_ref or spec.name,
         model_options=_given_options(spec, model_options),
         graph_fingerprint=traced.layer_graph.fingerprint,
+        tracer=traced.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=f"warmup={config.warmup} repeats={config.repeats} timer={config.timer} threads={torch.get_num_threads()}",
     )
@@ -320,12 +326,13 @@ def profile_model(
     model_ref: str | None = None,
     model_options: dict | None = None,
     timer: str = "wall",
+    tracer: str = "auto",
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(
         batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer
     )
     torch.manual_seed(0)
-    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device)
+    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
     traced.module.train()
     return profile_traced(traced, config, model_ref=model_ref, model_options=model_options, progress=progress)

@@ -60,6 +60,7 @@ class Provenance:
     model: str = ""  # model reference (name, file.py:factory, pkg.mod:factory)
     model_options: dict[str, Any] = field(default_factory=dict)
     graph_fingerprint: str = ""
+    tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None
     notes: str = ""
 

@@ -1,12 +1,12 @@
-"""Trace a ModelSpec with torch.fx into a LayerGraph: layers (groups of FX nodes) in topological order and, for
-every cut between two adjacent layers, the tensors live across it (skip connections and model inputs included).
+"""Trace a ModelSpec into a LayerGraph: layers (groups of graph nodes) in topological order and, for every cut
+between two adjacent layers, the values live across it (skip connections and model inputs included).
 
-Layers follow the model's module structure. By default each item of a repeated-block container (an
-nn.ModuleList / nn.Sequential whose children share one type: gpt `blocks.{i}`, mlp `layers.{i}`) is a layer and
-every other top-level child is one layer (gpt `embed`, `head`). `granularity=N` instead groups by the first N
-components of each node's module path (1 = top-level children only; 3 splits a gpt block into ln1/attn/ln2/mlp).
-Nodes outside any module at that depth (functional ops such as a top-level residual add) join the layer of the
-nearest preceding node; nodes before the first module join the next one; placeholders join their first user.
+Two frontends produce the graph: torch.fx symbolic tracing (`fx_trace`, honours ModelSpec.leaf_modules) and
+torch.export in non-strict mode (`export_trace`, for models fx cannot trace, e.g. Hugging Face transformers).
+`tracer="auto"` tries fx and falls back to export; the tracer used is recorded (profile, plan) so every later
+step traces the same way. Layer grouping (`grouping`) and cuts are the same for both. The model's output may be
+any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput): `TracedModel.build_output` rebuilds it
+from its leaves for the loss.
 """
 
 from __future__ import annotations
@@ -14,19 +14,31 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.fx.passes.shape_prop import TensorMetadata
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from pipeplan.errors import ConfigError, ModelError, TraceError
 from pipeplan.models.spec import ModelSpec
+from pipeplan.profiling.grouping import (
+    assign_unowned,
+    check_in_place,
+    cut_producers,
+    group,
+    layer_keys,
+    normalize_graph,
+)
+
+TRACERS = ("auto", "fx", "export")
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    producer: str  # FX node name of the value
+    producer: str  # graph node name of the value
     shape: tuple[int, ...]
     dtype: str  # torch dtype name ("float32"), or a Python type name for a non-tensor value
     bytes: int
@@ -44,11 +56,15 @@ class LayerGraph:
     layers: tuple[Layer, ...]
     cuts: tuple[tuple[TensorInfo, ...], ...]  # cuts[i]: values live between layers i and i+1
     input_names: tuple[str, ...]
-    output_name: str
+    output_name: str  # the first (often only) tensor of the model's output
     fingerprint: str
+    output_names: tuple[str, ...] = ()  # every graph value in the model's output (default: output_name)
+    tracer: str = "fx"  # fx | export
 
     def __post_init__(self) -> None:
         assert len(self.cuts) == len(self.layers) - 1, "one cut between each pair of adjacent layers"
+        if not self.output_names:
+            object.__setattr__(self, "output_names", (self.output_name,))
 
     def cut_bytes(self, i: int) -> int:
         return sum(info.bytes for info in self.cuts[i])
@@ -72,157 +88,18 @@ class TracedModel:
     spec: ModelSpec
     device: str = "cpu"
     batch_size: int = 1
-    node_layer: dict[str, int] = field(default_factory=dict)  # FX node name -> layer index
+    node_layer: dict[str, int] = field(default_factory=dict)  # graph node name -> layer index
+    output_spec: TreeSpec | None = None  # pytree structure of the model's output
+    output_leaves: tuple[Any, ...] = ()  # per leaf: ("node", name) or ("const", value)
 
+    @property
+    def tracer(self) -> str:
+        return self.layer_graph.tracer
 
-class _Tracer(fx.Tracer):
-    """Honours the spec's leaf modules and remembers the innermost module being traced when tracing fails."""
-
-    def __init__(self, leaf_types: tuple[type[nn.Module], ...]) -> None:
-        super().__init__()
-        self.leaf_types = leaf_types
-        self.failed_module: tuple[str, type] | None = None
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if self.leaf_types and isinstance(m, self.leaf_types):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m, forward, args, kwargs):
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_module is None:  # the innermost module fails first
-                self.failed_module = (self.path_of_module(m), type(m))
-            raise
-
-
-def _symbolic_trace(module: nn.Module, spec: ModelSpec) -> fx.GraphModule:
-    tracer = _Tracer(tuple(spec.leaf_modules))
-    try:
-        graph = tracer.trace(module)
-    except Exception as exc:  # torch.fx raises many types for untraceable code
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if tracer.failed_module is not None:
-            path, cls = tracer.failed_module
-            where = f"module {path!r} ({cls.__name__})"
-            fix = f"mark it a leaf: leaf_modules=({cls.__name__},) in the factory's ModelSpec"
-        else:
-            where = f"the top-level forward of {type(module).__name__}"
-            fix = "move the data-dependent code into a submodule and list its class in ModelSpec.leaf_modules"
-        raise TraceError(f"torch.fx cannot trace {where}: {reason}; {fix}") from None
-    return fx.GraphModule(module, graph, class_name=type(module).__name__)
-
-
-def _node_module_path(node: fx.Node) -> str:
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        value = list(stack.values())[-1]
-        return value[0] if isinstance(value, tuple) else str(value)
-    if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
-    return ""
-
-
-def _repeated_containers(module: nn.Module) -> set[str]:
-    """Paths of ModuleList/Sequential containers whose children all share one type (repeated blocks)."""
-    found = set()
-    for path, sub in module.named_modules():
-        if isinstance(sub, nn.ModuleList | nn.Sequential) and len({type(child) for child in sub}) == 1:
-            found.add(path)
-    return found
-
-
-def _default_key(path: str, repeated: set[str], root_prefix: str) -> str:
-    """Layer key of a module path under the repeated-block rule."""
-    if not path:
-        return ""
-    if root_prefix and not (path == root_prefix or path.startswith(root_prefix + ".")):
-        return path.split(".")[0]
-    parts = path.split(".")
-    start = len(root_prefix.split(".")) if root_prefix else 0
-    if len(parts) <= start:
-        return ""
-    head = ".".join(parts[: start + 1])
-    if head in repeated and len(parts) > start + 1:
-        return ".".join(parts[: start + 2])
-    return head
-
-
-def _root_prefix(module: nn.Module) -> str:
-    """Descend through single-child wrappers (`self.model = Inner()`) so they do not make a one-layer model."""
-    prefix, current = "", module
-    while True:
-        children = list(current.named_children())
-        if len(children) != 1:
-            return prefix
-        name, child = children[0]
-        prefix = f"{prefix}.{name}" if prefix else name
-        current = child
-
-
-def _layer_keys(gm: fx.GraphModule, module: nn.Module, granularity: int | None) -> list[str]:
-    """One key per node ('' = unowned), in graph order."""
-    repeated = _repeated_containers(module)
-    root_prefix = _root_prefix(module)
-    has_children = {path for path, sub in module.named_modules() if next(sub.children(), None) is not None}
-    keys = []
-    for node in gm.graph.nodes:
-        path = _node_module_path(node) if node.op not in ("placeholder", "output") else ""
-        if granularity is None:
-            keys.append(_default_key(path, repeated, root_prefix))
-            continue
-        parts = path.split(".") if path else []
-        if len(parts) >= granularity:
-            keys.append(".".join(parts[:granularity]))
-        else:  # a shallower leaf module is its own layer; code of a subdivided module joins a neighbour
-            keys.append(path if path and path not in has_children else "")
-    return keys
-
-
-def _assign_unowned(nodes: list[fx.Node], keys: list[str]) -> list[str]:
-    """Give every unowned node the key of its nearest preceding owned node (or the next one at the start)."""
-    resolved = list(keys)
-    last = ""
-    for i, key in enumerate(resolved):
-        if key:
-            last = key
-        elif nodes[i].op not in ("placeholder", "output") and last:
-            resolved[i] = last
-    following = ""
-    for i in range(len(resolved) - 1, -1, -1):
-        if resolved[i]:
-            following = resolved[i]
-        elif nodes[i].op not in ("placeholder", "output"):
-            resolved[i] = following
-    if not any(resolved):
-        resolved = ["model" if n.op not in ("placeholder", "output") else "" for n in nodes]
-    return resolved
-
-
-def _group(nodes: list[fx.Node], keys: list[str]) -> tuple[list[Layer], dict[str, int]]:
-    """Contiguous runs of equal keys become layers; a key seen before (a module called again later) stays in the
-    current layer, so layers remain contiguous. Placeholders join the layer of their first user."""
-    layers: list[tuple[str, list[str]]] = []
-    seen: set[str] = set()
-    for node, key in zip(nodes, keys):
-        if node.op in ("placeholder", "output"):
-            continue
-        if layers and key in seen:
-            layers[-1][1].append(node.name)
-        else:
-            layers.append((key, [node.name]))
-            seen.add(key)
-    node_layer = {name: i for i, (_, names) in enumerate(layers) for name in names}
-    for node in reversed([n for n in nodes if n.op == "placeholder"]):
-        users = [node_layer[u.name] for u in node.users if u.name in node_layer]
-        target = min(users, default=0)
-        layers[target][1].insert(0, node.name)
-        node_layer[node.name] = target
-    built = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in layers]
-    return built, node_layer
+    def build_output(self, values: dict[str, Any]) -> Any:
+        """The model's output (as its forward returns it) from the values of `layer_graph.output_names`."""
+        leaves = [values[item] if kind == "node" else item for kind, item in self.output_leaves]
+        return tree_unflatten(leaves, self.output_spec) if self.output_spec is not None else leaves[0]
 
 
 def _value_info(node: fx.Node) -> TensorInfo:
@@ -232,15 +109,6 @@ def _value_info(node: fx.Node) -> TensorInfo:
         return TensorInfo(node.name, tuple(int(d) for d in meta.shape), dtype, _value_info_bytes(meta))
     total = sum(_value_info_bytes(m) for m in _flatten_meta(meta))
     return TensorInfo(node.name, (), node.meta.get("value_type", "object"), total)
-
-
-class _ShapeProp(ShapeProp):
-    """ShapeProp that also records the Python type of non-tensor values (an int size crossing a cut)."""
-
-    def run_node(self, n: fx.Node):
-        result = super().run_node(n)
-        n.meta["value_type"] = type(result).__name__
-        return result
 
 
 def _flatten_meta(meta) -> list[TensorMetadata]:
@@ -260,24 +128,20 @@ def _value_info_bytes(meta: TensorMetadata) -> int:
     return numel * torch.empty((), dtype=meta.dtype, device="meta").element_size()
 
 
-def _cuts(nodes: list[fx.Node], node_layer: dict[str, int], num_layers: int) -> list[tuple[TensorInfo, ...]]:
-    cuts: list[list[TensorInfo]] = [[] for _ in range(num_layers - 1)]
-    for node in nodes:
-        if node.op == "output" or not node.users:
-            continue
-        produced = node_layer[node.name]
-        last_use = max(num_layers if u.op == "output" else node_layer[u.name] for u in node.users)
-        if last_use > produced:
-            info = _value_info(node)
-            for cut in range(produced, min(last_use, num_layers - 1)):
-                cuts[cut].append(info)
-    return [tuple(cut) for cut in cuts]
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(target)
+    return getattr(target, "__qualname__", "")
 
 
-def _fingerprint(gm: fx.GraphModule, layers: Sequence[Layer]) -> str:
+def _fingerprint(gm: fx.GraphModule, layers: Sequence[Layer], tracer: str) -> str:
     digest = hashlib.sha256()
+    if tracer != "fx":
+        digest.update(f"tracer {tracer}\n".encode())
     for node in gm.graph.nodes:
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", "")
+        target = _target_name(node.target)
         digest.update(f"{node.op}|{node.name}|{target}|{[a.name for a in node.all_input_nodes]}\n".encode())
     first_owner: dict[int, str] = {}
     for name, param in gm.named_parameters(remove_duplicate=False):
@@ -288,14 +152,21 @@ def _fingerprint(gm: fx.GraphModule, layers: Sequence[Layer]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _output_name(gm: fx.GraphModule) -> str:
+def _output_tree(gm: fx.GraphModule, export_spec: TreeSpec | None) -> tuple[TreeSpec, tuple, tuple[str, ...]]:
+    """(pytree spec, leaves as ("node", name) / ("const", value), the node names among them)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    value = output.args[0]
-    if isinstance(value, list | tuple) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, fx.Node):
-        raise TraceError("the model's forward must return one tensor (the value passed to loss_fn); return it alone")
-    return value.name
+    if export_spec is not None:
+        flat, spec = list(output.args[0]), export_spec
+    else:
+        value = output.args[0]
+        if isinstance(value, list | tuple) and len(value) == 1:
+            value = value[0]
+        flat, spec = tree_flatten(value)
+    leaves = tuple(("node", v.name) if isinstance(v, fx.Node) else ("const", v) for v in flat)
+    names = tuple(dict.fromkeys(item for kind, item in leaves if kind == "node"))
+    if not names:
+        raise TraceError("the model's forward returns no tensor computed from its inputs (the value for loss_fn)")
+    return spec, leaves, names
 
 
 def _sample_inputs(spec: ModelSpec, batch_size: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -312,44 +183,91 @@ def build_module(spec: ModelSpec, device: str) -> nn.Module:
         raise ModelError(f"building model {spec.name!r} failed: {exc}") from None
 
 
+def check_tracer(tracer: str) -> str:
+    if tracer not in TRACERS:
+        raise ConfigError(f"--tracer must be one of {', '.join(TRACERS)}, got {tracer!r}")
+    return tracer
+
+
 def trace_model(
-    spec: ModelSpec, *, batch_size: int = 1, granularity: int | None = None, device: str = "cpu"
+    spec: ModelSpec,
+    *,
+    batch_size: int = 1,
+    granularity: int | None = None,
+    device: str = "cpu",
+    tracer: str = "auto",
 ) -> TracedModel:
     """Build `spec` on `device`, trace it, propagate shapes for `batch_size` samples and group nodes into layers."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if granularity is not None and granularity < 1:
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
+    check_tracer(tracer)
     module = build_module(spec, device)
-    return trace_module(module, spec, batch_size=batch_size, granularity=granularity, device=device)
+    return trace_module(module, spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
+
+
+def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
+    """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used)."""
+    from pipeplan.profiling.fx_trace import propagate_shapes, symbolic_trace
+
+    inputs = _sample_inputs(spec, batch_size, device)
+    if tracer == "export":
+        return (*_export(module, spec, batch_size, device), "export")
+    try:
+        gm = symbolic_trace(module, spec)
+    except TraceError as fx_error:
+        if tracer == "fx":
+            raise TraceError(f"{fx_error}; or trace with --tracer export") from None
+        try:
+            return (*_export(module, spec, batch_size, device), "export")
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error}; and {export_error}") from None
+    propagate_shapes(gm, spec, inputs, device, lambda: _sample_inputs(spec, batch_size, "cpu"))
+    return gm, None, "fx"
+
+
+def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
+    """Export on the meta device (one graph whatever device the model is on): see export_trace.export_graph."""
+    from pipeplan.profiling.export_trace import export_graph
+
+    meta_inputs = _sample_inputs(spec, batch_size, "meta")
+    if device == "meta":
+        return export_graph(module, spec, meta_inputs)
+    return export_graph(module, spec, meta_inputs, meta_module=build_module(spec, "meta"))
 
 
 def trace_module(
-    module: nn.Module, spec: ModelSpec, *, batch_size: int = 1, granularity: int | None = None, device: str = "cpu"
+    module: nn.Module,
+    spec: ModelSpec,
+    *,
+    batch_size: int = 1,
+    granularity: int | None = None,
+    device: str = "cpu",
+    tracer: str = "auto",
 ) -> TracedModel:
     """Like trace_model, for an already-built module (its parameters are referenced, never copied)."""
-    gm = _symbolic_trace(module, spec)
-    inputs = _sample_inputs(spec, batch_size, device)
-    try:
-        with torch.no_grad():
-            _ShapeProp(gm).propagate(*inputs)
-    except Exception as exc:
-        raise TraceError(
-            f"running the traced {spec.name!r} on sample inputs failed: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''} (check the factory's sample_batch)"
-        ) from None
+    gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
+    normalize_graph(gm)
     nodes = list(gm.graph.nodes)
-    keys = _assign_unowned(nodes, _layer_keys(gm, module, granularity))
-    layers, node_layer = _group(nodes, keys)
+    keys = assign_unowned(nodes, layer_keys(gm, module, granularity))
+    grouped, node_layer = group(nodes, keys)
+    layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1
-    cuts = _cuts(nodes, node_layer, len(layers))
+    aliasing = check_in_place(nodes, node_layer)
+    if aliasing:
+        raise TraceError(f"{aliasing}, in another layer; make that op out-of-place or use a coarser --granularity")
+    cuts = [tuple(_value_info(n) for n in cut) for cut in cut_producers(nodes, node_layer, len(layers))]
+    output_spec, output_leaves, output_names = _output_tree(gm, export_spec)
     graph = LayerGraph(
         layers=tuple(layers),
         cuts=tuple(cuts),
         input_names=tuple(n.name for n in nodes if n.op == "placeholder"),
-        output_name=_output_name(gm),
-        fingerprint=_fingerprint(gm, layers),
+        output_name=output_names[0],
+        output_names=output_names,
+        fingerprint=_fingerprint(gm, layers, used),
+        tracer=used,
     )
     return TracedModel(
         module=module,
@@ -359,4 +277,6 @@ def trace_module(
         device=device,
         batch_size=batch_size,
         node_layer=node_layer,
+        output_spec=output_spec,
+        output_leaves=output_leaves,
     )

@@ -150,7 +150,8 @@ class Executor:
             outputs = dict(zip(io.outputs, results, strict=True))
             loss = None
             if o.stage == self.output_stage:
-                loss = self.model.spec.loss_fn(outputs[self.model.model_output], batch[1]) * self.loss_scale
+                output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
+                loss = self.model.spec.loss_fn(output, batch[1]) * self.loss_scale
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, outputs[message.value])
         for name, value in outputs.items():

@@ -60,11 +60,12 @@ def manual_plan(
     seed: int = 0,
     lr: float = 1e-3,
     predicted_step_ms: float = 0.0,
+    tracer: str = "auto",
 ) -> Plan:
     """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication)."""
     options = dict(options or {})
     spec = load_model(model, options)
-    graph = trace_model(spec, batch_size=microbatch_size, device="meta").layer_graph
+    graph = trace_model(spec, batch_size=microbatch_size, device="meta", tracer=tracer).layer_graph
     ref, digest = canonical_ref(model)
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
@@ -83,7 +84,8 @@ def manual_plan(
             fingerprint=graph.fingerprint,
             tokens_per_sample=spec.tokens_per_sample,
             file_sha256=digest,
-        ),  # fmt: skip
+            tracer=graph.tracer,
+        ),
         cluster=cluster,
         training=TrainingConfig(
             global_batch_size=global_batch,

@@ -21,7 +21,8 @@ from pipeplan.models import load_model
 from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
-from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary
+from pipeplan.profiling.export_trace import retarget_device
+from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary, value_tensor_meta
 from pipeplan.profiling.trace import TracedModel, trace_model, trace_module
 from pipeplan.runtime.comm import TensorMeta
 from pipeplan.runtime.init_weights import load_initial_weights
@@ -42,7 +43,7 @@ class PipelineModel:
     traced: TracedModel
     stage_io: list[StageIO]
     model_inputs: tuple[str, ...]  # placeholder names, in forward-argument order
-    model_output: str
+    model_outputs: tuple[str, ...]  # the values the model's output is built from (all read by the last stage)
     value_meta: dict[str, TensorMeta]  # per microbatch, for every value crossing a cut
     stage_params: list[tuple[str, ...]]  # canonical parameter names used by each stage
     modules: dict[int, StageModule]  # this rank's stages, materialized
@@ -53,7 +54,11 @@ class PipelineModel:
         return {name for name, meta in self.value_meta.items() if meta.dtype.is_floating_point}
 
     def output_stage(self) -> int:
-        return next(s for s, io in enumerate(self.stage_io) if self.model_output in io.outputs)
+        return len(self.stage_io) - 1
+
+    def build_output(self, values: dict[str, torch.Tensor]):
+        """The model's output, as its forward returns it (tensor, tuple, dict, ModelOutput), for loss_fn."""
+        return self.traced.build_output(values)
 
 
 def check_model_file(plan: Plan) -> None:
@@ -75,16 +80,22 @@ def load_spec(plan: Plan) -> ModelSpec:
 
 
 def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
-    """Trace on the meta device at the microbatch size; refuse a model whose graph differs from the plan's."""
+    """Trace on the meta device at the microbatch size, with the plan's tracer (shapes from one CPU run where the
+    model has data-dependent code); refuse a model whose graph differs from the plan's."""
     plan.require_runnable()
     traced = trace_model(
-        spec, batch_size=plan.training.microbatch_size, granularity=plan.model.granularity, device="meta"
+        spec,
+        batch_size=plan.training.microbatch_size,
+        granularity=plan.model.granularity,
+        device="meta",
+        tracer=plan.model.tracer or "fx",
     )
     expected, found = plan.model.fingerprint, traced.layer_graph.fingerprint
     if expected and expected != found:
         raise RunError(
-            f"model {plan.model.ref!r} traces to graph fingerprint {found} but the plan was made for {expected}; "
-            "re-run `pipeplan plan` for this model and options"
+            f"model {plan.model.ref!r} traces ({traced.tracer}, microbatch size {plan.training.microbatch_size}) to "
+            f"graph fingerprint {found} but the plan was made for {expected}; re-run `pipeplan plan` for this model "
+            "and options"
         )
     known = {node.name for node in traced.graph_module.graph.nodes}
     for stage in plan.stages:
@@ -95,11 +106,10 @@ def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
 
 
 def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, TensorMeta]:
-    nodes = {node.name: node for node in traced.graph_module.graph.nodes}
     metas: dict[str, TensorMeta] = {}
     for stage, io in enumerate(stage_io):
         for name in io.inputs:
-            meta = nodes[name].meta.get("tensor_meta")
+            meta = value_tensor_meta(traced, name)
             if not isinstance(meta, TensorMetadata):
                 raise RunError(
                     f"stage {stage} needs non-tensor value {name!r} from an earlier stage; move the cut so it is "
@@ -107,6 +117,15 @@ def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, Tenso
                 )
             metas[name] = TensorMeta(shape=tuple(int(d) for d in meta.shape), dtype=meta.dtype)
     return metas
+
+
+def stage_outputs(traced: TracedModel, stage_nodes: list[tuple[str, ...]]) -> list[list[str]]:
+    """Each stage's output values: what later stages read, and for the last stage every value the model's output
+    is built from (passed through from its inputs when an earlier stage computes it), so the loss runs there."""
+    found = [stage_boundary(traced, names)[2] for names in stage_nodes]
+    last = found[-1]
+    last += [name for name in traced.layer_graph.output_names if name not in last]
+    return found
 
 
 def _canonical_names(module: nn.Module) -> dict[int, str]:
@@ -121,19 +140,19 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_fr
     build's tensors (see runtime/materialize.py), then the `init_from` file's values where given."""
     spec = load_spec(plan)
     traced = trace_for_plan(plan, spec)
-    stage_io: list[StageIO] = []
-    for stage in plan.stages:
-        _, inputs, outputs = stage_boundary(traced, stage.node_names)
-        stage_io.append(StageIO(inputs=tuple(inputs), outputs=tuple(outputs)))
+    outputs = stage_outputs(traced, [stage.node_names for stage in plan.stages])
     canonical = _canonical_names(traced.module)
-    meta_modules = [build_stage_module(traced, stage.node_names) for stage in plan.stages]
+    meta_modules = [build_stage_module(traced, st.node_names, outputs=out) for st, out in zip(plan.stages, outputs)]
+    stage_io = [StageIO(inputs=m.inputs, outputs=m.outputs) for m in meta_modules]
     stage_params = [tuple(sorted({canonical[id(p)] for p in m.parameters()})) for m in meta_modules]
     own = plan.ranks[rank].stages
     materialize_stages(
         plan, spec, traced, [meta_modules[s] for s in own], rank=rank, device=device, init_from=init_from
     )
     del meta_modules  # they hold the meta tensors; the own stages are rebuilt on the materialized ones
-    modules = {s: build_stage_module(traced, plan.stages[s].node_names) for s in own}
+    if traced.tracer == "export":
+        retarget_device(traced.graph_module, device)  # export captured the meta device in its constants
+    modules = {s: build_stage_module(traced, plan.stages[s].node_names, outputs=outputs[s]) for s in own}
     if init_from:
         own_tensors = [item for s in own for item in named_tensors(modules[s])]
         load_initial_weights(init_from, model=traced.module, tensors=own_tensors)
@@ -150,7 +169,7 @@ def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_fr
         traced=traced,
         stage_io=stage_io,
         model_inputs=traced.layer_graph.input_names,
-        model_output=traced.layer_graph.output_name,
+        model_outputs=traced.layer_graph.output_names,
         value_meta=_value_meta(traced, stage_io),
         stage_params=stage_params,
         modules=modules,
@@ -180,7 +199,9 @@ def materialize_stages(
         def constants() -> nn.Module:  # the tracer's constants (ops on buffers alone), from the real whole model
             if init_from:  # computed from the file's buffers, so the whole file is read
                 load_initial_weights(init_from, model=whole, tensors=list(named_tensors(whole)))
-            return trace_module(whole, spec, batch_size=1, granularity=plan.model.granularity).graph_module
+            return trace_module(
+                whole, spec, batch_size=1, granularity=plan.model.granularity, tracer=plan.model.tracer or "fx"
+            ).graph_module
 
         materialize_from_whole(whole, stages, roots=roots, device=device, constants=constants)
         return

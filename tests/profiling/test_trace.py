@@ -201,7 +201,7 @@ def test_module_called_twice_keeps_layers_contiguous_and_unique():
     assert len(flat) == len(set(flat))
 
 
-def test_tuple_output_is_a_trace_error():
+def test_tuple_output_is_rebuilt_from_its_leaves():
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
@@ -210,8 +210,10 @@ def test_tuple_output_is_a_trace_error():
         def forward(self, x):
             return self.a(x), x
 
-    with pytest.raises(TraceError, match="return one tensor"):
-        trace_model(_toy_spec(Pair))
+    traced = trace_model(_toy_spec(Pair))
+    assert traced.layer_graph.output_names == ("a", "x")
+    first, second = torch.ones(1), torch.zeros(1)
+    assert traced.build_output({"a": first, "x": second}) == (first, second)
 
 
 def test_non_tensor_values_crossing_a_cut_are_listed_with_their_type():

@@ -1,0 +1,153 @@
+"""The torch.export frontend (non-strict): for models torch.fx cannot trace symbolically (Hugging Face
+transformers, code that branches on shapes or inspects its arguments).
+
+`torch.export.export(module, inputs, strict=False)` runs the real Python forward on fake tensors and records ATen
+ops; every node keeps the module path it ran under (`nn_module_stack`) and its fake value (`val`), so the graph
+groups into layers exactly like an fx graph and needs no separate shape propagation. `ep.module()` is an unlifted
+GraphModule whose parameters and buffers are the original module's, under their original qualified names. Shapes
+are specialized to the sample batch, so the graph is exported again at each batch size it runs at; the model's
+output structure (a dict, a dataclass, a Hugging Face ModelOutput) comes back as the pytree spec of the outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import TreeSpec
+
+from pipeplan.errors import TraceError
+from pipeplan.models.spec import ModelSpec
+
+
+def export_graph(
+    module: nn.Module, spec: ModelSpec, inputs: tuple, *, meta_module: nn.Module | None = None
+) -> tuple[fx.GraphModule, TreeSpec | None]:
+    """(unlifted GraphModule with tensor_meta and mutation records on its nodes, the output's pytree spec).
+
+    The export always runs on the meta device (`inputs` on meta; `meta_module`: the same model built on meta,
+    when `module` lives on a real device): the captured ops depend on the device's kernels (strides decide whether
+    a `.contiguous()` is recorded), and the profile, the plan and every rank must see one graph. The graph then
+    uses `module`'s own parameters and buffers (bound by qualified name) and its device."""
+    gm, out_spec = export_program(meta_module if meta_module is not None else module, spec, inputs)
+    if meta_module is not None:
+        _bind_state(gm, module)
+        device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
+        retarget_device(gm, device)
+    return gm, out_spec
+
+
+def _bind_state(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Make every parameter and buffer of `gm` the tensor of the same qualified name in `module` (ties kept)."""
+    real = dict(module.named_parameters(remove_duplicate=False))
+    real.update(module.named_buffers(remove_duplicate=False))
+    for store in ("_parameters", "_buffers"):
+        for path, owner in gm.named_modules(remove_duplicate=False):
+            for attr in list(getattr(owner, store)):
+                name = f"{path}.{attr}" if path else attr
+                if name not in real:
+                    raise TraceError(f"the exported graph holds {name!r}, which the model does not; use --tracer fx")
+                getattr(owner, store)[attr] = real[name]
+
+
+def export_program(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:
+    try:
+        with _quiet():
+            program = torch.export.export(module, tuple(inputs), strict=False)
+    except Exception as exc:  # export raises many types for code it cannot capture
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(
+            f"torch.export cannot trace {spec.name!r}: {type(exc).__name__}: {reason[:300]}; use --tracer fx with "
+            "the data-dependent submodule listed in ModelSpec.leaf_modules"
+        ) from None
+    gm = program.module()
+    _drop_guards(gm)
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+        node.meta["value_type"] = type(value).__name__ if value is not None else "NoneType"
+        node.meta["mutates"] = _mutated_args(node)
+    _refuse_constants(gm, module)
+    return gm, getattr(gm, "_out_spec", None)
+
+
+def _refuse_constants(gm: fx.GraphModule, module: nn.Module) -> None:
+    """A tensor the forward creates from Python values is captured as a constant; on the meta device its value is
+    lost, so such a model must be traced with fx (a silently wrong constant is not an option)."""
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    known.update(name for name, _ in module.named_buffers(remove_duplicate=False))
+    for graph_module in _graph_modules(gm):
+        for node in graph_module.graph.nodes:
+            value = getattr(graph_module, str(node.target), None) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and graph_module is gm and node.target not in known:
+                raise TraceError(
+                    f"torch.export captured a tensor constant ({node.target}) that the model creates in forward; "
+                    "register it as a buffer in __init__, or use --tracer fx"
+                )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch logs warnings and partial graphs while an export fails; pipeplan reports the failure in one line."""
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Remove the checks export adds: the input-shape guard call (it checks the unlifted module's own inputs) and
+    the tensor-metadata asserts (they pin the device the graph was exported on)."""
+    for graph_module in _graph_modules(gm):  # higher-order ops (no_grad regions) keep their graph in a submodule
+        for node in list(graph_module.graph.nodes):
+            guard = node.op == "call_module" and str(node.target).startswith("_guards")
+            assert_op = node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+            if guard or assert_op:
+                graph_module.graph.erase_node(node)
+        graph_module.graph.lint()
+        graph_module.recompile()
+
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
+def retarget_device(gm: fx.GraphModule, device: torch.device | str) -> None:
+    """Point the device constants an exported graph captured (`arange(device=meta)`, `to(device=meta)`) at
+    `device`, so a graph traced on the meta device runs where its stages were materialized."""
+    target = torch.device(device)
+
+    def swap(value):
+        return target if isinstance(value, torch.device) and value != target else value
+
+    for graph_module in _graph_modules(gm):
+        changed = False
+        for node in graph_module.graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            graph_module.recompile()
+
+
+def _mutated_args(node: fx.Node) -> tuple[str, ...]:
+    """Input nodes an in-place ATen op writes (`relu_`, `add_`), read off its schema."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return ()
+    written: list[str] = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, fx.Node):
+            written.append(value.name)
+    return tuple(written)

@@ -1,0 +1,111 @@
+"""The torch.fx frontend: symbolic tracing (honouring ModelSpec.leaf_modules) and shape propagation.
+
+Shape propagation runs the traced graph on sample inputs. On the meta device a leaf module with data-dependent
+code (`.item()`, `nonzero`, boolean-mask indexing) cannot run, so the shapes are then taken from one run of a
+CPU build of the model instead (same graph, same node names). Every node records which of its input values it
+modified in place (`meta["mutates"]`), read off the tensors' version counters, so a stage can copy such an input
+before modifying it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._pytree import tree_leaves
+
+from pipeplan.errors import TraceError
+from pipeplan.models.spec import ModelSpec
+
+
+class _Tracer(fx.Tracer):
+    """Honours the spec's leaf modules and remembers the innermost module being traced when tracing fails."""
+
+    def __init__(self, leaf_types: tuple[type[nn.Module], ...]) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.failed_module: tuple[str, type] | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_module is None:  # the innermost module fails first
+                self.failed_module = (self.path_of_module(m), type(m))
+            raise
+
+
+def symbolic_trace(module: nn.Module, spec: ModelSpec) -> fx.GraphModule:
+    tracer = _Tracer(tuple(spec.leaf_modules))
+    try:
+        graph = tracer.trace(module)
+    except Exception as exc:  # torch.fx raises many types for untraceable code
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if tracer.failed_module is not None:
+            path, cls = tracer.failed_module
+            where = f"module {path!r} ({cls.__name__})"
+            fix = f"mark it a leaf: leaf_modules=({cls.__name__},) in the factory's ModelSpec"
+        else:
+            where = f"the top-level forward of {type(module).__name__}"
+            fix = "move the data-dependent code into a submodule and list its class in ModelSpec.leaf_modules"
+        raise TraceError(f"torch.fx cannot trace {where}: {reason}; {fix}") from None
+    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+
+class _ShapeProp(ShapeProp):
+    """ShapeProp that also records the Python type of non-tensor values (an int size crossing a cut) and which
+    input values each node modifies in place."""
+
+    def run_node(self, n: fx.Node):
+        before = {
+            arg.name: [(t, t._version) for t in tree_leaves(self.env.get(arg)) if isinstance(t, torch.Tensor)]
+            for arg in n.all_input_nodes
+        }
+        result = super().run_node(n)
+        n.meta["value_type"] = type(result).__name__
+        n.meta["mutates"] = tuple(name for name, seen in before.items() if any(t._version != v for t, v in seen))
+        return result
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple) -> None:
+    # ShapeProp prints the traceback of a failing node itself; the caller reports failures in one line
+    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        _ShapeProp(gm).propagate(*inputs)
+
+
+def propagate_shapes(gm: fx.GraphModule, spec: ModelSpec, inputs: tuple, device: str, cpu_inputs) -> None:
+    """Record tensor_meta on every node of `gm` for `inputs` (on `device`; `cpu_inputs()` makes the same sample
+    batch on the CPU); see the module docstring."""
+    try:
+        _propagate(gm, inputs)
+        return
+    except Exception as exc:
+        first = exc
+    if device == "meta":  # data-dependent code cannot run on meta: run a CPU build of the model once instead
+        try:
+            with torch.device("cpu"):
+                module = spec.build()
+            cpu_graph = copy.deepcopy(gm.graph)
+            _propagate(fx.GraphModule(module, cpu_graph), cpu_inputs())
+        except Exception:  # the CPU run fails too: report the original error
+            pass
+        else:
+            by_name = {node.name: node for node in cpu_graph.nodes}
+            for node in gm.graph.nodes:
+                found = by_name[node.name].meta
+                node.meta.update({k: found[k] for k in ("tensor_meta", "value_type", "mutates") if k in found})
+            return
+    reason = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+    raise TraceError(
+        f"running the traced {spec.name!r} on sample inputs failed: {reason} (check the factory's sample_batch)"
+    ) from None

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from pipeplan.console import out, print_json, progress
 from pipeplan.errors import ConfigError, ModelError
+from pipeplan.paths import check_output_file
 from pipeplan.planner.capacity import (
     DEFAULT_SCHEDULES,
     CapacityConfig,
@@ -100,7 +101,7 @@ def capacity(
     schedule: str = typer.Option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b."),
     optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16 (18 B/param), adamw-fp32, sgd."),
     replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
-    plot: Path = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
+    plot: str = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
     memory_reserve: str = typer.Option(
         None, "--memory-reserve", help="Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
     ),
@@ -120,6 +121,7 @@ def capacity(
     spec_hardware = load_hardware(hardware, hardware_file=hardware_file)
     sizes = microbatch_candidates(microbatch_size, global_batch_size or 1)
     target = parse_count(target_tokens, option="--target-tokens") if target_tokens is not None else None
+    plot = check_output_file(plot, "--plot") if plot is not None else None
     if plot is not None and plot.suffix.lower() != ".png":
         raise ConfigError(f"--plot {str(plot)!r} must name a .png file")
     config = CapacityConfig(  # validated before the (slow) profiling; the default batch needs the profile

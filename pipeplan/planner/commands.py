@@ -11,6 +11,7 @@ from pipeplan.console import err, out, print_json, progress
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.models import parse_assignments
+from pipeplan.paths import check_output_file
 from pipeplan.planner.build import build_plan, plan_schedule, plan_timeline, timeline_rows
 from pipeplan.planner.inputs import (
     PlanInput,
@@ -85,7 +86,7 @@ def plan(
     tracer: str = typer.Option(
         "auto", "--tracer", help="fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
     ),
-    output: Path = typer.Option(Path(DEFAULT_OUTPUT), "--output", "-o", help="Directory for plan.json and scripts."),
+    output: str = typer.Option(DEFAULT_OUTPUT, "--output", "-o", help="Directory for plan.json and scripts."),
     json_output: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
 ) -> None:
     """Choose pipeline depth, replication, microbatches and schedule, and write a runnable plan.
@@ -103,6 +104,7 @@ def plan(
     )
     batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
     check_plan_options(schedule=schedule, dtype=dtype, output=output, granularity=granularity)
+    output = Path(output)
     _check_source(model, profile, assignments, device, granularity)
     check_tracer(tracer)
     source = load_profile_input(str(profile), profile_format) if profile is not None else None
@@ -175,7 +177,7 @@ def show(
 def export(
     plan_file: Path = typer.Argument(..., help="A plan.json written by `pipeplan plan`."),
     fmt: str = typer.Option("torch-csv", "--format", "-f", help=f"One of: {', '.join(EXPORT_FORMATS)}."),
-    output: Path = typer.Option(..., "--output", "-o", help="File to write."),
+    output: str = typer.Option(..., "--output", "-o", help="File to write."),
 ) -> None:
     """Write a plan's per-rank op lists in another tool's format.
 
@@ -187,6 +189,7 @@ def export(
     """
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
+    output = check_output_file(output, "--output")
     loaded = Plan.load(plan_file)
     if any(stage.replicas > 1 for stage in loaded.stages):
         raise ConfigError(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pipeplan.console import err
 from pipeplan.errors import ConfigError
 from pipeplan.partition.cluster import Cluster
+from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
@@ -98,8 +99,7 @@ def check_plan_options(
 
         if DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) not in DTYPES:
             raise ConfigError(f"--dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise ConfigError(f"--output {str(output)!r} is a file; give a directory for plan.json and its scripts")
+    check_output_dir(output, "--output")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.errors import FormatError, PipeplanError, RunError
-from pipeplan.jsonio import read_json, require_fields, write_json
+from pipeplan.jsonio import build_dataclass, read_json, write_json
 from pipeplan.partition.cluster import Cluster
 from pipeplan.schedules.ops import Op
+from pipeplan.schedules.registry import SCHEDULE_NAMES
 
 PLAN_SCHEMA_VERSION = 1
 RUN_DEVICES = ("cpu", "cuda")
@@ -156,26 +157,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "plan") -> Plan:
-        top = ["model", "cluster", "training", "schedule", "chunks", "stages", "ranks", "rank_ops", "predicted"]
-        require_fields(data, top, where=where)
-        try:
-            return cls(
-                model=ModelRef(**data["model"]),
-                cluster=Cluster(**data["cluster"]),
-                training=TrainingConfig(**data["training"]),
-                schedule=data["schedule"],
-                chunks=int(data["chunks"]),
-                stages=tuple(_stage_from_dict(s) for s in data["stages"]),
-                ranks=tuple(RankInfo(**{**r, "stages": tuple(r["stages"])}) for r in data["ranks"]),
-                rank_ops=tuple(tuple(ops) for ops in data["rank_ops"]),
-                predicted=_prediction_from_dict(data["predicted"]),
-                alternatives=tuple(data.get("alternatives", ())),
-                rationale=data.get("rationale", ""),
-                pipeplan_version=data.get("pipeplan_version", ""),
-                torch_version=data.get("torch_version", ""),
-            )
-        except TypeError as exc:  # a missing or unknown field inside a section
-            raise FormatError(f"{where}: {exc}") from None
+        """Every field type- and range-checked (build_dataclass), then the plan's own consistency (_check_plan)."""
+        return build_dataclass(cls, {k: v for k, v in data.items() if k != "schema_version"}, where=where)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -183,16 +166,10 @@ class Plan:
         return cls.from_dict(data, where=f"plan file {str(path)!r}")
 
 
-def _stage_from_dict(data: dict[str, Any]) -> StagePlan:
-    return StagePlan(**{**data, "layer_names": tuple(data["layer_names"]), "node_names": tuple(data["node_names"])})
-
-
-def _prediction_from_dict(data: dict[str, Any]) -> Prediction:
-    return Prediction(**{**data, "peak_memory_bytes": tuple(data.get("peak_memory_bytes", ()))})
-
-
 def _check_plan(plan: Plan) -> None:
     """One clear FormatError per inconsistency a hand-edited or truncated plan.json could have."""
+    if plan.schedule not in SCHEDULE_NAMES:
+        raise FormatError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     if not plan.stages:
         raise FormatError("plan has no stages")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):

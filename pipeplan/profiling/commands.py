@@ -9,6 +9,7 @@ import typer
 from pipeplan.console import err, out, print_json
 from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
+from pipeplan.paths import check_output_file
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.summary import fidelity_line, profile_table
 from pipeplan.profiling.trace import check_tracer
@@ -19,6 +20,10 @@ def _check_device(device: str, hardware: str | None) -> None:
         raise ConfigError(f"--device must be cpu, cuda or meta, got {device!r}")
     if device == "meta" and not hardware:
         raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
+    if hardware:
+        from pipeplan.profiling.hardware import load_hardware
+
+        load_hardware(hardware)  # an unknown name is an error even where the option is then ignored
     if device.startswith("cuda"):
         import torch
 
@@ -75,7 +80,7 @@ def profile(
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
     threads: int = typer.Option(None, "--threads", help="CPU threads torch may use (default: torch's choice)."),
     timer: str = typer.Option("wall", "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU)."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
+    output: str = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the Profile JSON on stdout."),
 ) -> None:
     """Profile MODEL layer by layer: forward (F), input-gradient (I), weight-gradient (W) and fused backward (B)
@@ -84,6 +89,7 @@ def profile(
     Example: pipeplan profile gpt -a layers=4 -a hidden=256 --batch-size 4 -o p.json
     """
     options = parse_assignments(assignments)
+    output = check_output_file(output, "--output") if output is not None else None
     _check_device(device, hardware)
     check_tracer(tracer)
     _set_threads(threads, device)

@@ -8,12 +8,11 @@ connections included), so `len(cut_bytes) == len(layers) - 1`.
 from __future__ import annotations
 
 import os
-from dataclasses import MISSING as _MISSING
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.errors import FormatError
-from pipeplan.jsonio import read_json, require_fields, write_json
+from pipeplan.jsonio import build_dataclass, read_json, write_json
 
 PROFILE_SCHEMA_VERSION = 1
 SOURCES = ("measured", "analytic", "pipedream")
@@ -101,30 +100,9 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "profile") -> Profile:
-        require_fields(data, ["layers", "cut_bytes", "provenance"], where=where)
-        layers = tuple(
-            _build(LayerProfile, layer, where=f"{where} layer {i}") for i, layer in enumerate(data["layers"])
-        )
-        provenance = _build(Provenance, data["provenance"], where=f"{where} provenance")
-        extra = {k: data[k] for k in ("input_bytes", "whole_forward_ms", "whole_backward_ms") if k in data}
-        return cls(layers=layers, cut_bytes=tuple(int(b) for b in data["cut_bytes"]), provenance=provenance, **extra)
+        return build_dataclass(cls, {k: v for k, v in data.items() if k != "schema_version"}, where=where)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
         data = read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION)
         return cls.from_dict(data, where=f"profile file {str(path)!r}")
-
-
-def _build(cls: type, data: Any, *, where: str):
-    if not isinstance(data, dict):
-        raise FormatError(f"{where} must be a JSON object")
-    names = {f.name for f in fields(cls)}
-    required = [f.name for f in fields(cls) if f.default is f.default_factory is _MISSING]
-    require_fields(data, required, where=where)
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise FormatError(f"{where} has unknown field(s): {', '.join(unknown)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise FormatError(f"{where}: {exc}") from None

@@ -8,14 +8,15 @@ import typer
 
 from pipeplan.console import out
 from pipeplan.errors import ConfigError
+from pipeplan.paths import check_output_dir, check_output_file
 from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
 
 
 def run(
     plan: Path = typer.Argument(..., help="plan.json written by `pipeplan plan`."),
     steps: int = typer.Option(10, "--steps", help="Training steps (total, counting resumed ones)."),
-    trace: Path | None = typer.Option(None, "--trace", help="Write the measured Chrome trace of the last step here."),
-    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Save per-stage checkpoints here."),
+    trace: str | None = typer.Option(None, "--trace", help="Write the measured Chrome trace of the last step here."),
+    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", help="Save per-stage checkpoints here."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir."),
     init_from: Path | None = typer.Option(
@@ -46,10 +47,10 @@ def run(
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
     Example: pipeplan run plan/plan.json --init-from weights.safetensors
     """
-    from pipeplan.planner.plan import Plan
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
-    from pipeplan.runtime.stages import check_model_file
 
+    trace = check_output_file(trace, "--trace") if trace is not None else None
+    checkpoint_dir = check_output_dir(checkpoint_dir, "--checkpoint-dir") if checkpoint_dir is not None else None
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     if init_from is not None and not init_from.exists():
@@ -66,7 +67,6 @@ def run(
         heartbeat_timeout_s=heartbeat_timeout if heartbeat_timeout is not None else heartbeat_timeout_from_env(),
         device=device,
     )
-    check_model_file(Plan.load(plan))  # before any rank starts
     results = launch_local(plan, config, threads=threads)
     if trace:
         out.print(f"measured trace: {trace}", highlight=False)

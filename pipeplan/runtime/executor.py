@@ -10,6 +10,7 @@ gradients summed over microbatches, replicas and pipelines are those of the mean
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -91,8 +92,10 @@ class Executor:
                         found.append(Message("grad", p, mb, o.stage, consumer, name, src, me))
         return found
 
-    def run_step(self, microbatches: dict[int, MicroBatch]) -> StepRecord:
-        """Run this rank's op list once; `microbatches[m]` holds what its stages need of microbatch m."""
+    def run_step(self, microbatches: dict[int, MicroBatch], step: int = 0) -> StepRecord:
+        """Run this rank's op list once; `microbatches[m]` holds what its stages need of microbatch m. `step`
+        seeds the random ops (dropout) of each forward, see `forward_seed`."""
+        self.step = step
         self.mailbox.reset()
         self._local: dict[tuple, torch.Tensor] = {}  # (consumer stage, value, mb) -> activation
         self._local_grads: dict[tuple, torch.Tensor] = {}  # (producer stage, value, mb, consumer) -> gradient
@@ -145,6 +148,7 @@ class Executor:
         io = self.model.stage_io[o.stage]
         args = [self._input_value(o, name, batch) for name in io.inputs]
         self._computing()
+        torch.manual_seed(forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch))
         with torch.enable_grad():
             results = self.model.modules[o.stage](*args)
             outputs = dict(zip(io.outputs, results, strict=True))
@@ -206,6 +210,13 @@ class Executor:
             producer = self.routing.producer[name]
             if self._owner(producer, o.microbatch) == self.rank:
                 self._local_grads[(producer, name, o.microbatch, o.stage)] = grad
+
+
+def forward_seed(seed: int, step: int, pipeline: int, stage: int, microbatch: int) -> int:
+    """The RNG seed of one forward op: a function of what it computes, not of which rank runs it or when, so runs
+    with dropout repeat exactly, and a resumed run draws what the uninterrupted one would have."""
+    key = f"{seed}/{step}/{pipeline}/{stage}/{microbatch}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
 def _full_backward(

@@ -21,6 +21,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.stages import check_plan_runs
 from pipeplan.runtime.train import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
@@ -56,7 +57,7 @@ def launch_many(
     """Run several plans of one world size in one launch; result[rank][i] is plan i's result on that rank."""
     plans = [Plan.load(path) for path, _ in runs]
     for plan in plans:
-        plan.require_runnable()  # fail here, before starting any rank
+        check_plan_runs(plan)  # fail here, before starting any rank
     world_size = plans[0].world_size
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from pipeplan.errors import RunError
+from pipeplan.errors import PipeplanError, RunError
 from pipeplan.models import load_model
 from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
@@ -77,6 +77,22 @@ def check_model_file(plan: Plan) -> None:
 def load_spec(plan: Plan) -> ModelSpec:
     check_model_file(plan)
     return load_model(plan.model.ref, dict(plan.model.options))
+
+
+def check_plan_runs(plan: Plan) -> None:
+    """Everything about a plan that can be checked before a rank starts: runnable (stage FX nodes), a recorded
+    graph fingerprint, the model file unchanged, and its op lists executable (the same re-simulation `show` does:
+    completeness, order, deadlock)."""
+    from pipeplan.planner.build import plan_timeline
+
+    plan.require_runnable()
+    if not plan.model.fingerprint:
+        raise RunError("the plan records no model fingerprint, so the model it was made for cannot be checked; re-plan")
+    check_model_file(plan)
+    try:
+        plan_timeline(plan)
+    except PipeplanError as exc:
+        raise RunError(f"the plan's op lists cannot run: {exc}") from None
 
 
 def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:

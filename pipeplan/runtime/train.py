@@ -86,7 +86,9 @@ class Trainer:
         anywhere stops every rank at this step, before the optimizer touches the weights."""
         for param in self.model.params.values():
             param.grad = None
-        record = self.executor.run_step(microbatches_for(self.plan, self.rank, batch, self.wanted, self.device))
+        record = self.executor.run_step(
+            microbatches_for(self.plan, self.rank, batch, self.wanted, self.device), step=step
+        )
         self.sync.all_reduce()
         grads = [p.grad for p in self.model.params.values() if p.grad is not None]
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms

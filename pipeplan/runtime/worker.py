@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+from pipeplan.runtime.stages import check_plan_runs
 from pipeplan.runtime.train import RunResult, train
 from pipeplan.runtime.watchdog import Watchdog, record_error
 
@@ -69,6 +70,7 @@ def run_plans(
     try:
         plans = [Plan.load(path) for path, _ in runs]
         for plan in plans:
+            check_plan_runs(plan)
             if world_size != plan.world_size:
                 raise RunError(
                     f"the plan needs {plan.world_size} ranks but {world_size} were started; start {plan.world_size}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -11,6 +10,7 @@ from rich.table import Table
 from pipeplan.console import err, out, print_json
 from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
+from pipeplan.paths import check_output_file
 from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, stage_device
@@ -105,7 +105,7 @@ def simulate(
     ),
     compare: bool = typer.Option(False, "--compare", help="Simulate every schedule and rank by makespan."),
     json_output: bool = typer.Option(False, "--json", help="Print only JSON (metrics + op lists)."),
-    trace: Path = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
+    trace: str = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
 ) -> None:
     """Simulate a pipeline schedule: makespan, bubbles, peak activations and a Gantt chart.
 
@@ -114,6 +114,7 @@ def simulate(
 
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
+    trace = check_output_file(trace, "--trace") if trace is not None else None
     options = dict(
         devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm,
         memory_limit=memory_limit, input_grad_frees=input_grad_frees, overlap_ms=overlap_ms,

@@ -8,12 +8,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rt_helpers import make_plan
+import torch
+from rt_helpers import TINY_GPT, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local
+from pipeplan.runtime.launch import launch_local, launch_many
 
 pytestmark = pytest.mark.timeout(240)
 POISONED = str(Path(__file__).with_name("toy_models.py")) + ":poisoned_mlp"
@@ -60,3 +61,24 @@ def test_two_launch_scripts_at_once_outside_the_venv(tmp_path):
     for run in runs:
         _, stderr = run.communicate(timeout=200)
         assert run.returncode == 0, stderr[-2000:]
+
+
+def test_dropout_runs_repeat_and_resume_bit_exact(tmp_path):
+    """Each forward draws from a seed of (plan seed, step, pipeline, stage, microbatch): two runs with dropout give
+    the same losses, and 2 steps + checkpoint + resume to 4 give the uninterrupted run's losses and weights."""
+    options = {**TINY_GPT, "dropout": 0.3}
+    path, _ = make_plan(tmp_path, "drop", "gpt", options, schedule="zb-h1", pipeline_devices=2)
+    ckpt_a, ckpt_b = tmp_path / "a", tmp_path / "b"
+    straight = RunConfig(steps=4, checkpoint_dir=str(ckpt_a), quiet=True, check_every=0)
+    again = RunConfig(steps=4, quiet=True, check_every=0)
+    first_half = RunConfig(steps=2, checkpoint_dir=str(ckpt_b), quiet=True, check_every=0)
+    resumed = RunConfig(steps=4, checkpoint_dir=str(ckpt_b), resume=True, quiet=True, check_every=0)
+    results = [launch_many([(path, c)], threads=1) for c in (straight, again, first_half, resumed)]
+    losses = [[r[0].losses for r in per_rank] for per_rank in results]
+    assert losses[0][0] == losses[1][0] and len(losses[0][0]) == 4
+    assert losses[2][0] + losses[3][0] == losses[0][0]
+    assert len(set(losses[0][0])) == 4  # dropout is on and the weights move: no two steps alike
+    for stage in range(2):
+        a = torch.load(checkpoint.stage_file(ckpt_a, 4, stage), weights_only=True)["params"]
+        b = torch.load(checkpoint.stage_file(ckpt_b, 4, stage), weights_only=True)["params"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -50,7 +50,8 @@ def gathered_grads(per_rank) -> dict[str, list[torch.Tensor]]:
     found: dict[str, list[torch.Tensor]] = {}
     for result in per_rank:
         for name, grad in (result.grads or {}).items():
-            found.setdefault(name, []).append(grad)
+            if grad is not None:  # no gradient at all (e.g. an expert no token was routed to), as in the reference
+                found.setdefault(name, []).append(grad)
     return found
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from pipeplan.errors import ConfigError
@@ -25,6 +26,8 @@ def parse_size(text: str | int | float, *, option: str = "size") -> int:
         if not match or match.group(2).lower() not in _BYTE_UNITS:
             raise ConfigError(f"{option} {text!r} is not a size; use e.g. 80GiB, 16GB or 512MiB")
         value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value * _BYTE_UNITS[unit]) or value * _BYTE_UNITS[unit] >= 2**63:
+        raise ConfigError(f"{option} {text!r} is too large")
     size = int(value * _BYTE_UNITS[unit])
     if size <= 0:
         raise ConfigError(f"{option} must be positive, got {text!r}")
@@ -38,7 +41,22 @@ def parse_count(text: str | int | float, *, option: str = "count") -> float:
     match = _NUMBER.match(text)
     if not match or match.group(2).lower() not in _COUNT_UNITS:
         raise ConfigError(f"{option} {text!r} is not a count; use e.g. 1T, 300B or 2.5e9")
-    return float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
+    value = float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
+    if not math.isfinite(value):
+        raise ConfigError(f"{option} {text!r} is too large")
+    return value
+
+
+def parse_int_list(text: str, *, option: str, example: str = "2,4") -> tuple[int, ...]:
+    """`"4"` or `"1,2,4"` -> sorted distinct positive integers; an empty item (`"8,,"`) is an error."""
+    parts = [part.strip() for part in str(text).split(",")]
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        raise ConfigError(f"{option} {text!r} must be an integer or a list like {example}") from None
+    if any(value < 1 for value in values):
+        raise ConfigError(f"{option} {text!r}: every value must be >= 1")
+    return tuple(sorted(set(values)))
 
 
 def format_bytes(num: float) -> str:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 
+MAX_DEVICES = 16_384  # a plan holds one op list per rank: planning 16k devices takes seconds, 100k minutes
+
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
@@ -19,8 +21,11 @@ class Cluster:
     hardware: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.num_devices < 1:
-            raise ConfigError(f"--devices must be >= 1, got {self.num_devices}")
+        if not 1 <= self.num_devices <= MAX_DEVICES:
+            raise ConfigError(
+                f"--devices must be >= 1 and <= {MAX_DEVICES:,} (a plan lists every rank's op list), got "
+                f"{self.num_devices:,}"
+            )
         if self.devices_per_node < 1:
             raise ConfigError(f"--devices-per-node must be >= 1, got {self.devices_per_node}")
         if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:

@@ -26,18 +26,12 @@ from pipeplan.planner.inputs import microbatch_candidates, warn
 from pipeplan.planner.search import REPLICABLE_SCHEDULES
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES
-from pipeplan.units import format_bytes, parse_count
+from pipeplan.units import format_bytes, parse_count, parse_int_list
 
 
 def parse_device_counts(text: str) -> tuple[int, ...]:
     """`"8,64,512"` -> (8, 64, 512)."""
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(f"--devices {text!r} must be integers like 8,64,512") from None
-    if not counts:
-        raise ConfigError("--devices needs at least one count, e.g. --devices 8,64,512")
-    return counts
+    return parse_int_list(text, option="--devices", example="8,64,512")
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:

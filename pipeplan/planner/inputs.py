@@ -13,7 +13,7 @@ from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
-from pipeplan.units import parse_size
+from pipeplan.units import parse_int_list, parse_size
 
 PROFILE_FORMATS = ("pipeplan", "pipedream")
 CPU_DEFAULT_DEVICES = 2
@@ -62,26 +62,14 @@ def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
     linear scaling cannot show a bigger microbatch's better device efficiency, so searching sizes is opt-in."""
     if text is None:
         return (default,)
-    try:
-        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise ConfigError(f"--microbatch-size {text!r} must be an integer or a list like 1,2,4") from None
-    if not sizes:
-        raise ConfigError("--microbatch-size needs at least one value")
-    return sizes
+    return parse_int_list(text, option="--microbatch-size", example="1,2,4")
 
 
 def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
     """`"2"` or `"2,4"`: the devices per pipeline to try; None (the default) tries every divisor of --devices."""
     if text is None:
         return None
-    try:
-        depths = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise ConfigError(f"--pipeline-depth {text!r} must be an integer or a list like 2,4") from None
-    if not depths:
-        raise ConfigError("--pipeline-depth needs at least one value")
-    return depths
+    return parse_int_list(text, option="--pipeline-depth", example="2,4")
 
 
 def check_plan_options(

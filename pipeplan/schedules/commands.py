@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from pipeplan.console import err, out, print_json
-from pipeplan.errors import ScheduleError
+from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.jsonio import write_json
 from pipeplan.paths import check_output_file
 from pipeplan.schedules.dualpipev import fused_pairs
@@ -34,6 +34,8 @@ def _run(
     overlap_ms: float | None,
 ) -> tuple[Schedule, Timeline]:
     """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
+    if f + b + w <= 0:
+        raise ConfigError("--f, --b and --w are all 0: give at least one op a time > 0")
     v = len(stage_device(name, devices, chunks)) // devices
     costs = StageCosts(forward_ms=f / v, input_grad_ms=b / v, weight_grad_ms=w / v, comm_ms=comm)
     memory = unit_memory(v, input_grad_frees=input_grad_frees)
@@ -152,6 +154,8 @@ def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | Non
             continue
         results.append(_metrics(plan, timeline))
     results.sort(key=lambda row: (row["makespan_ms"], row["peak_activations"]))
+    if not results:
+        raise ScheduleError(f"no schedule could be simulated; {skipped[0]['schedule']}: {skipped[0]['reason']}")
     if json_output:
         print_json({"results": results, "skipped": skipped})
         return

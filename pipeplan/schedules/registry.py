@@ -47,9 +47,24 @@ def stage_device(name: str, num_devices: int, chunks: int | None = None) -> tupl
     """Global stage id -> device for schedule `name` (looped, V-shaped or one stage per device)."""
     v = _resolve_chunks(name, chunks)
     p = num_devices
+    if p < 1:
+        raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {p}")
     if name in _V_SHAPED:
         return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return tuple(s % p for s in range(p * v))
+
+
+MAX_SCHEDULE_OPS = 1_000_000  # every op is held (and simulated) in memory: ~1 GB and tens of seconds at this size
+
+
+def check_schedule_size(num_devices: int, num_microbatches: int, chunks: int = 1) -> None:
+    """Refuse a schedule too large to hold: devices x chunks x microbatches x 3 (F, I, W) ops."""
+    ops = num_devices * chunks * num_microbatches * 3
+    if ops > MAX_SCHEDULE_OPS:
+        raise ScheduleError(
+            f"{num_devices} devices x {chunks} chunk(s) x {num_microbatches} microbatches is {ops:,} ops; schedules "
+            f"are held in memory, at most {MAX_SCHEDULE_OPS:,}: use fewer devices or microbatches (larger microbatches)"
+        )
 
 
 def generate(
@@ -73,6 +88,7 @@ def generate(
         raise ScheduleError(f"--microbatches must be >= 1, got {num_microbatches}")
     if memory_limit is not None and not memory_limit > 0:
         raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
+    check_schedule_size(num_devices, num_microbatches, v)
     p, m = num_devices, num_microbatches
     if name == "zb-auto":
         return zb_auto(p, m, costs=costs, memory=memory, memory_limit=memory_limit)

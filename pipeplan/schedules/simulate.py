@@ -143,6 +143,8 @@ def simulate(
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
     starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, fused=fused)  # type: ignore[arg-type]
+    if not all(math.isfinite(end) for row in ends for end in row[-1:]):
+        raise ConfigError("the simulated step time overflows a float: the op or transfer times are too large")
     placed = [
         [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
         for device, ops in enumerate(schedule.device_ops)

@@ -63,9 +63,13 @@ def make_files(root: Path) -> Files:
     (root / "a_file").write_text("not a directory\n")
     (root / "binary.bin").write_bytes(bytes(range(256)) * 8)
     (root / "empty.json").write_text("")
-    preset = {"peak_flops": {"bfloat16": 1e15}, "memory_bandwidth": 3e12, "memory_per_device": 80e9}
-    (root / "nan_hw.json").write_text(json.dumps({"nanchip": {**preset, "memory_bandwidth": math.nan}}))
-    (root / "inf_hw.json").write_text(json.dumps({"infchip": {**preset, "peak_flops": {"bfloat16": math.inf}}}))
+    base = json.loads((Path(__file__).parents[2] / "pipeplan/profiling/hardware.json").read_text())["hardware"]["h100"]
+    for name, field, value in (
+        ("nan_hw.json", "hbm_tb_per_s", math.nan),
+        ("inf_hw.json", "peak_bf16_tflops", math.inf),
+    ):
+        entry = {**base, field: value, "description": "fuzz"}
+        (root / name).write_text(json.dumps({"schema_version": 1, "hardware": {name.split("_")[0] + "chip": entry}}))
     return Files(
         root=root, profile=profile, plan=plan_dir / "plan.json", runnable=runnable, a_dir=root / "a_dir",
         a_file=root / "a_file", binary=root / "binary.bin", empty=root / "empty.json",
@@ -102,7 +106,7 @@ def option_cases(f: Files) -> list[Case]:
         (profile, "--granularity", ["0", "-1", "abc"]),
         (profile, "-o", f.bad_outputs),
         (plan, "--devices", BAD_COUNT[:-1] + ["100000", "8,,"]),
-        (plan, "--devices-per-node", ["0", "-1", "abc", "3"]),
+        (plan, "--devices-per-node", ["0", "-1", "abc"]),
         (plan, "--memory-per-device", ["0", "-1", "1e400", "abc", "10XB", "nan"]),
         (plan, "--global-batch-size", BAD_COUNT),
         (plan, "-b", ["0", "-1", "1,,", "abc"]),

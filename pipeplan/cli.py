@@ -44,8 +44,8 @@ DEBUG_ENV = "PIPEPLAN_DEBUG"  # set to 1 to see the traceback of an unexpected e
 
 def _error_line(exc: BaseException) -> str:
     """One line for an error a user's input or machine caused; the last resort names the exception."""
-    if isinstance(exc, PipeplanError):
-        return str(exc)
+    if isinstance(exc, PipeplanError):  # the first line; a detail table (e.g. a deadlock's) stays in the library
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or type(exc).__name__ == "OutOfMemoryError":
         return "out of memory: the sizes asked for do not fit this machine; reduce the batch size or model options"
     if isinstance(exc, OSError):

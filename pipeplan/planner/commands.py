@@ -34,6 +34,7 @@ from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.schedules.simulate import Timeline
+from pipeplan.schedules.validate import validate
 from pipeplan.units import parse_size
 
 DEFAULT_OUTPUT = "plan"
@@ -197,6 +198,7 @@ def export(
             "re-plan with --no-replication to export it"
         )
     schedule: Schedule = plan_schedule(loaded)
+    validate(schedule)  # an op list that cannot run (deadlock, B before F) is not exported
     atomic_write_text(output, schedule.to_csv())
     if loaded.training.data_parallel > 1:
         err.print(

@@ -23,9 +23,11 @@ _LEGEND = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full bac
 
 def gantt(timeline: Timeline, *, width: int = 100) -> Text:
     """One row per device; each character cell shows the op kind covering most of that time slice."""
+    if not timeline.makespan > 0:
+        return Text("(no Gantt chart: every op of this step takes 0 ms)", style="dim")
     label_width = len(f"dev {timeline.num_devices - 1} ")
     cells = max(10, width - label_width)
-    scale = cells / timeline.makespan if timeline.makespan > 0 else 0.0
+    scale = cells / timeline.makespan
     coverage = [[(0.0, "")] * cells for _ in range(timeline.num_devices)]
     for entry in timeline.entries:
         first, last = int(entry.start * scale), min(cells - 1, int(max(entry.start, entry.end - 1e-12) * scale))

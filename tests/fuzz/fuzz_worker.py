@@ -56,7 +56,7 @@ def main() -> None:
             "traceback": tb,
             "timed_out": timed_out,
             "seconds": round(time.monotonic() - start, 3),
-            "output": "\n".join(output.strip().splitlines()[-6:]),
+            "output": output.strip()[-4000:],
         }
         real_stdout.write(MARK + json.dumps(report) + "\n")
         real_stdout.flush()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.spec import ModelSpec, check_sizes
 
 
 class Embedding(nn.Module):
@@ -127,8 +127,7 @@ def gpt(
     dropout: float = 0.0,
 ) -> ModelSpec:
     """Decoder-only transformer: token + position embedding, pre-LN blocks, final norm, LM head."""
-    if min(layers, hidden, heads, seq, vocab) < 1:
-        raise ValueError("layers, hidden, heads, seq and vocab must be positive")
+    check_sizes(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
     if hidden % heads:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
     if not 0.0 <= dropout < 1.0:

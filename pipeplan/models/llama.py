@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeplan.models.gpt import lm_loss
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.spec import ModelSpec, check_sizes
 
 
 class RMSNorm(nn.Module):
@@ -162,8 +162,9 @@ def llama(
     rope_theta: float = 10000.0,
 ) -> ModelSpec:
     """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, untied LM head."""
-    if min(layers, hidden, heads, kv_heads, intermediate, seq, vocab) < 1:
-        raise ValueError("layers, hidden, heads, kv_heads, intermediate, seq and vocab must be positive")
+    check_sizes(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seq=seq, vocab=vocab
+    )
     if hidden % heads or (hidden // heads) % 2:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}) into an even head size")
     if heads % kv_heads:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.spec import ModelSpec, check_sizes
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -34,8 +34,7 @@ class MLPStack(nn.Module):
 
 def mlp(layers: int = 8, hidden: int = 256, activation: str = "relu") -> ModelSpec:
     """`layers` x (Linear(hidden, hidden) + activation), trained with MSE against a random target."""
-    if layers < 1 or hidden < 1:
-        raise ValueError("layers and hidden must be positive")
+    check_sizes(layers=layers, hidden=hidden)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     options = dict(layers=layers, hidden=hidden, activation=activation)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.spec import ModelSpec, check_sizes
 
 
 def _norm(channels: int) -> nn.GroupNorm:
@@ -69,8 +69,7 @@ def resnet(
     blocks: int = 4, channels: int = 16, image: int = 16, classes: int = 10, long_skip: bool = True
 ) -> ModelSpec:
     """Residual CNN on `image` x `image` RGB inputs with `blocks` residual blocks of `channels` channels."""
-    if min(blocks, channels, image, classes) < 1:
-        raise ValueError("blocks, channels, image and classes must be positive")
+    check_sizes(blocks=blocks, channels=channels, image=image, classes=classes)
     options = dict(blocks=blocks, channels=channels, image=image, classes=classes, long_skip=long_skip)
 
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):

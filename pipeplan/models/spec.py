@@ -17,6 +17,30 @@ Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 EXPECTED_BATCH = "((inputs, ...), target): a tuple of input tensors for forward, then the loss target tensor"
 
 
+# Upper bounds of the built-in models' size options: past them a model cannot be built, traced or partitioned in
+# reasonable time or memory (the partitioner is quadratic in layers; llama-405b has 126 layers, hidden 16384).
+SIZE_LIMITS = {
+    "layers": 1024,
+    "blocks": 1024,
+    "hidden": 131_072,
+    "intermediate": 524_288,
+    "channels": 65_536,
+    "heads": 1024,
+    "kv_heads": 1024,
+    "seq": 1 << 20,
+    "vocab": 1 << 22,
+    "image": 8192,
+    "classes": 1 << 20,
+}
+
+
+def check_sizes(**sizes: int) -> None:
+    """Each size option is >= 1 and at most its SIZE_LIMITS bound (ValueError naming the option otherwise)."""
+    for name, value in sizes.items():
+        if not 1 <= value <= SIZE_LIMITS[name]:
+            raise ValueError(f"{name} must be positive and at most {SIZE_LIMITS[name]:,}, got {value:,}")
+
+
 def check_batch(batch: Any, where: str) -> Batch:
     """`batch` if it has the `((inputs, ...), target)` structure, else one ModelError line showing it."""
     ok = (

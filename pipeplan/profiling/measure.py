@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeplan.console import progress as progress_bar
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
+from pipeplan.profiling.host_memory import check_fits_host
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
 from pipeplan.profiling.stage import StageModule, build_stage_module
@@ -332,6 +333,7 @@ def profile_model(
     config = MeasureConfig(
         batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer
     )
+    check_fits_host(spec, batch_size=batch_size, device=device)
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
     traced.module.train()

@@ -1,0 +1,50 @@
+"""Refuse, before anything is allocated, a measured profile whose model or batch cannot fit this machine: the
+weights (and their gradients) counted on the meta device, the inputs from one sample. One line names what to change,
+instead of an allocation failure, swapping or the kernel's OOM killer."""
+
+from __future__ import annotations
+
+
+import torch
+
+from pipeplan.errors import ConfigError
+from pipeplan.models.spec import ModelSpec
+from pipeplan.units import format_bytes
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory of `device` (cpu: MemAvailable; cuda: free device memory); None where it cannot be read."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _sample_bytes(spec: ModelSpec) -> int:
+    (inputs, target) = spec.sample_batch(1)
+    tensors = [*inputs, target] if isinstance(target, torch.Tensor) else list(inputs)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def check_fits_host(spec: ModelSpec, *, batch_size: int, device: str) -> None:
+    """Weights + gradients + the batch's inputs must fit the device's free memory (a lower bound of what measuring
+    needs: activations come on top)."""
+    free = available_bytes(device)
+    if free is None:
+        return
+    with torch.device("meta"):
+        module = spec.build()
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    needed = 2 * weights + batch_size * _sample_bytes(spec)
+    if needed > free:
+        raise ConfigError(
+            f"measuring {spec.name} at --batch-size {batch_size} needs at least {format_bytes(needed)} (weights, "
+            f"gradients, inputs) but {device} has {format_bytes(free)} free; use smaller options or batch, or "
+            "estimate it with --device meta --hardware NAME"
+        )

@@ -4,7 +4,6 @@ instead of an allocation failure, swapping or the kernel's OOM killer."""
 
 from __future__ import annotations
 
-
 import torch
 
 from pipeplan.errors import ConfigError

@@ -25,14 +25,15 @@ LOG_ENV = "PIPEPLAN_FUZZ_LOG"  # a file to append every case and result to (for 
 class Worker:
     """The worker subprocess; restarted after a case that killed or hung it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cwd: Path) -> None:
         self.proc: subprocess.Popen | None = None
+        self.cwd = cwd  # a scratch directory: a case that writes to "." must not touch the checkout
 
     def _start(self) -> subprocess.Popen:
         env = {**os.environ, "PIPEPLAN_HEARTBEAT_TIMEOUT": "10", "COLUMNS": "120"}
         return subprocess.Popen(
             [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env=env,
+            text=True, env=env, cwd=self.cwd,
         )  # fmt: skip
 
     def run(self, case: Case) -> dict:
@@ -87,8 +88,8 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker():
-    w = Worker()
+def worker(tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("fuzz-cwd"))
     yield w
     w.close()
 

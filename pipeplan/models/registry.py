@@ -165,6 +165,12 @@ def _exec_model_file(path: Path, location: str):
         raise ModelError(
             f"importing model file {location!r} failed: {type(exc).__name__}: {_first_line(exc)}"
         ) from None
+    except SystemExit as exc:  # sys.exit() at import time (a script, not a module): not a success
+        del sys.modules[module_name]
+        raise ModelError(
+            f"importing model file {location!r} called sys.exit({exc.code!r}); a model file must define a factory "
+            "and not exit when imported (guard script code with `if __name__ == \"__main__\":`)"
+        ) from None
     return module
 
 

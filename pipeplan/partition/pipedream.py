@@ -122,6 +122,8 @@ def read_pipedream_graph(path: str | os.PathLike) -> Profile:
             text = handle.read()
     except OSError as exc:
         raise FormatError(f"cannot read PipeDream profile {name!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise FormatError(f"PipeDream profile {name!r} is not text (a graph.txt is UTF-8 lines)") from None
     nodes, edges = _parse(text, name)
     if any(" -- stage_id=" in line for line in text.splitlines()):
         warnings.warn(f"{name}: stage_id annotations are ignored (the partitioner chooses stages)", stacklevel=2)

@@ -112,6 +112,12 @@ def capacity(
     from pipeplan.profiling.hardware import load_hardware
 
     counts = parse_device_counts(devices)
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be >= 1, got {global_batch_size}")
+    if days is not None and not (math.isfinite(days) and days > 0):
+        raise ConfigError(f"--days must be a finite number > 0, got {days}")
+    if target_tokens is not None and not parse_count(target_tokens, option="--target-tokens") > 0:
+        raise ConfigError(f"--target-tokens must be > 0, got {target_tokens!r}")
     spec_hardware = load_hardware(hardware, hardware_file=hardware_file)
     sizes = microbatch_candidates(microbatch_size, global_batch_size or 1)
     target = parse_count(target_tokens, option="--target-tokens") if target_tokens is not None else None

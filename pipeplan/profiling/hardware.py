@@ -8,6 +8,7 @@ the vendor datasheets. A user file (`--hardware-file`) has the same shape: `{"sc
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -101,8 +102,8 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
                 raise FormatError(f"{where}: {key} must be a string")
             kwargs[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise FormatError(f"{where}: {key} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise FormatError(f"{where}: {key} must be a finite number, got {value!r}")
         attr, scale = _FILE_FIELDS[key]
         kwargs[attr] = int(value * scale) if attr == "memory_bytes" else float(value * scale)
     required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]

@@ -63,6 +63,8 @@ def make_files(root: Path) -> Files:
     (root / "a_file").write_text("not a directory\n")
     (root / "binary.bin").write_bytes(bytes(range(256)) * 8)
     (root / "empty.json").write_text("")
+    (root / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    (root / "raises.py").write_text("def build():\n    raise RuntimeError('boom')\n")
     base = json.loads((Path(__file__).parents[2] / "pipeplan/profiling/hardware.json").read_text())["hardware"]["h100"]
     for name, field, value in (
         ("nan_hw.json", "hbm_tb_per_s", math.nan),
@@ -88,7 +90,7 @@ def option_cases(f: Files) -> list[Case]:
     profile = ("profile", "mlp", "-a", "layers=2", "-a", "hidden=8", "--batch-size", "2", "-o", str(f.root / "p.json"))
     plan = ("plan", "--profile", str(f.profile), "--devices", "2", "-o", str(f.root / "out"))
     run = ("run", str(f.runnable), "--steps", "1")
-    capacity = ("capacity", "gpt2-small", "--hardware", "h100", "--devices", "8")
+    capacity = ("capacity", "gpt2-124m", "--hardware", "h100", "--devices", "8")
     table: list[tuple[tuple[str, ...], str, list[str]]] = [
         (simulate, "-p", BAD_COUNT[:-1] + ["100000"]),
         (simulate, "-m", BAD_COUNT),
@@ -150,6 +152,10 @@ def option_cases(f: Files) -> list[Case]:
         Case(("export", str(f.plan), "-o", str(f.a_dir))),
         Case(("profile", "nosuch_model")),
         Case(("profile", str(f.a_file) + ":build")),
+        Case(("profile", str(f.root / "exits.py") + ":build")),
+        Case(("profile", str(f.root / "raises.py") + ":build")),
+        Case(("plan", "--profile", str(f.binary), "--profile-format", "pipedream", "--devices", "2")),
+        Case(("capacity", "gpt2-124m", "--hardware", "h100", "--devices", "8", "-B", "0")),
     ]
     return cases
 

@@ -103,7 +103,7 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
             kwargs[key] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise FormatError(f"{where}: {key} must be a finite number, got {value!r}")
+            raise FormatError(f"{where}: {key} must be a number (finite), got {value!r}")
         attr, scale = _FILE_FIELDS[key]
         kwargs[attr] = int(value * scale) if attr == "memory_bytes" else float(value * scale)
     required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]

@@ -9,6 +9,7 @@ import typer
 from pipeplan.console import err, out, print_json
 from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
+from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.summary import fidelity_line, profile_table
 
@@ -25,7 +26,7 @@ def _check_device(device: str, hardware: str | None) -> None:
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
-def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware: str, granularity, quiet: bool):
+def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware, granularity, quiet: bool):
     from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
 
     given = {key: spec.options.get(key, value) for key, value in options.items()}
@@ -64,6 +65,7 @@ def profile(
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Samples per profiled microbatch."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware)."),
     hardware: str = typer.Option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...)."),
+    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate)."),
     granularity: int = typer.Option(None, "--granularity", help="Module depth of a layer (default: repeated blocks)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs per layer before measuring."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
@@ -82,6 +84,7 @@ def profile(
     _set_threads(threads, device)
     spec = load_model(model, options)
     if device == "meta":
+        hardware = load_hardware(hardware, hardware_file=hardware_file) if hardware_file is not None else hardware
         if warmup != 2 or repeats != 5 or timer != "wall":
             err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
@@ -89,8 +92,8 @@ def profile(
             granularity=granularity, quiet=as_json,
         )  # fmt: skip
     else:
-        if hardware:
-            err.print(f"[yellow]warning:[/] --hardware {hardware} is ignored with --device {device} (measured)")
+        if hardware or hardware_file:
+            err.print(f"[yellow]warning:[/] --hardware/--hardware-file are ignored with --device {device} (measured)")
         from pipeplan.profiling.measure import profile_model
 
         result = profile_model(

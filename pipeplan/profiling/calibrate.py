@@ -310,6 +310,8 @@ def calibrate(config: CalibrateConfig, *, advance: Callable[[str], None] | None 
     if config.links:
         from pipeplan.profiling.calibrate_links import measure_links
 
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the link processes need GPU 0's memory too
         result.links, note = measure_links(config.kind, sizes)
         if note:
             result.notes.append(note)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import sys
 import time
 from datetime import timedelta
 
@@ -24,6 +25,7 @@ from pipeplan.profiling.calibrate import LinkResult, Sizes
 
 _TIMEOUT_S = 120
 _MAX_GPUS = 8
+_LATENCY_ROUND_TRIPS = 20
 
 
 def _free_port() -> int:
@@ -37,7 +39,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, sizes: Sizes) -> float:
+def _timed(fn, device: torch.device, sizes: Sizes, inner: int = 1) -> float:
+    """Median seconds of one `fn()`: samples of `inner` calls, the device synchronized around each sample."""
     import torch.distributed as dist
 
     for _ in range(sizes.warmup):
@@ -47,9 +50,10 @@ def _timed(fn, device: torch.device, sizes: Sizes) -> float:
         _sync(device)
         dist.barrier()
         began = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         _sync(device)
-        samples.append(time.perf_counter() - began)
+        samples.append((time.perf_counter() - began) / inner)
     return statistics.median(samples)
 
 
@@ -68,6 +72,16 @@ def _ping_pong(tensor: torch.Tensor, rank: int):
 
 
 def _worker(rank: int, world: int, backend: str, port: int, sizes: Sizes, results) -> None:
+    """One rank; rank 0 puts ("ok", LinkResult) on `results`, a failing rank ("error", one line) and exits 1."""
+    try:
+        _measure(rank, world, backend, port, sizes, results)
+    except Exception as exc:  # reported by the parent as one line, not a traceback per process
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        results.put(("error", f"rank {rank}: {type(exc).__name__}: {first}"))
+        sys.exit(1)
+
+
+def _measure(rank: int, world: int, backend: str, port: int, sizes: Sizes, results) -> None:
     import torch.distributed as dist
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
@@ -81,19 +95,15 @@ def _worker(rank: int, world: int, backend: str, port: int, sizes: Sizes, result
         big = torch.ones(sizes.link_bytes // 4, device=device)
         small = torch.ones(1, device=device)
         p2p = _timed(_ping_pong(big, rank), device, sizes) / 2
-        latency = _timed(_ping_pong(small, rank), device, sizes) / 2
+        latency = _timed(_ping_pong(small, rank), device, sizes, inner=_LATENCY_ROUND_TRIPS) / 2
         reduce = _timed(lambda: dist.all_reduce(big), device, sizes)
         if rank == 0:
-            results.put(
-                LinkResult(
-                    backend=backend,
-                    ranks=world,
-                    message_bytes=big.numel() * 4,
-                    latency_s=latency,
-                    p2p_bytes_per_s=big.numel() * 4 / p2p,
-                    allreduce_bus_bytes_per_s=2 * (world - 1) / world * big.numel() * 4 / reduce,
-                )  # fmt: skip
-            )
+            size = big.numel() * 4
+            link = LinkResult(
+                backend=backend, ranks=world, message_bytes=size, latency_s=latency, p2p_bytes_per_s=size / p2p,
+                allreduce_bus_bytes_per_s=2 * (world - 1) / world * size / reduce,
+            )  # fmt: skip
+            results.put(("ok", link))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -109,17 +119,25 @@ def _run(world: int, backend: str, sizes: Sizes) -> LinkResult:
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + _TIMEOUT_S * 2
-    for proc in procs:
-        proc.join(max(deadline - time.monotonic(), 0))
+    while time.monotonic() < deadline and any(proc.is_alive() for proc in procs):
+        if any(proc.exitcode not in (None, 0) for proc in procs):
+            break  # one rank failed: the others would wait for it until the timeout
+        time.sleep(0.05)
     alive = [proc for proc in procs if proc.is_alive()]
+    failed = any(proc.exitcode not in (None, 0) for proc in procs)
     for proc in alive:
         proc.kill()
         proc.join()
-    failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
-    if alive or failed or results.empty():
-        why = "timed out" if alive else f"exit codes {failed}"
+    messages = []
+    while not results.empty():
+        messages.append(results.get())
+    errors = [text for kind, text in messages if kind == "error"]
+    found = [value for kind, value in messages if kind == "ok"]
+    if failed or alive or errors or not found:
+        why = errors[0] if errors else f"exit codes {[p.exitcode for p in procs]}"
+        why = "timed out" if alive and not failed else why
         raise RunError(f"calibrate: the {backend} link measurement between {world} processes failed ({why})")
-    return results.get()
+    return found[0]
 
 
 def measure_links(kind: str, sizes: Sizes) -> tuple[LinkResult | None, str]:

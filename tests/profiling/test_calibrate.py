@@ -211,3 +211,12 @@ def test_cuda_calibration_makes_analytic_match_bf16_autocast(tmp_path_factory, o
     measured = measured_step_ms(spec, batch_size, "cuda", dtype=torch.bfloat16)
     predicted = analytic_step_ms(spec, batch_size, hardware)
     assert measured / predicted == pytest.approx(1.0, abs=0.10), (measured, predicted)
+
+
+def test_a_failing_link_process_is_one_error_naming_the_rank():
+    from pipeplan.errors import RunError
+    from pipeplan.profiling.calibrate import SIZES
+    from pipeplan.profiling.calibrate_links import _run
+
+    with pytest.raises(RunError, match=r"bogus link measurement between 2 processes failed \(rank \d: "):
+        _run(2, "bogus", SIZES[("cpu", True)])

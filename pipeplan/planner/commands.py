@@ -28,6 +28,7 @@ from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir
 from pipeplan.planner.search import SearchConfig, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
+from pipeplan.profiling.hardware import load_hardware
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.schedules.simulate import Timeline
@@ -57,6 +58,7 @@ def plan(
     devices_per_node: int = typer.Option(None, "--devices-per-node", help="Devices per node (default: min(N, 8))."),
     memory_per_device: str = typer.Option(None, "--memory-per-device", help="e.g. 80GiB (default: hardware/RAM)."),
     hardware: str = typer.Option(None, "--hardware", help="Preset for links and memory (h100, a100-80gb, ...)."),
+    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate)."),
     device: str = typer.Option("cpu", "--device", help="Profile on cpu or cuda (measured) or meta (analytic)."),
     global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (default 4 x N)."),
     microbatch_size: str = typer.Option(
@@ -85,6 +87,8 @@ def plan(
 
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     """
+    if hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
+        hardware = load_hardware(hardware or "", hardware_file=hardware_file)
     cluster = make_cluster(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
     )

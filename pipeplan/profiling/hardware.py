@@ -210,6 +210,8 @@ def load_hardware(name: str | Hardware, *, hardware_file: str | os.PathLike | No
         return name
     available = load_hardware_file(hardware_file) if hardware_file is not None else hardware_presets()
     key = name.strip().lower()
+    if not key:
+        raise ConfigError(f"--hardware NAME is needed; choose one of: {', '.join(sorted(available))}")
     if key not in available:
         raise ConfigError(f"unknown --hardware {name!r}; choose one of: {', '.join(sorted(available))}")
     return available[key]

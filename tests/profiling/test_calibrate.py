@@ -68,6 +68,18 @@ def test_profile_meta_with_the_calibrated_file(cpu_file, tmp_path):
     assert f"{spec.measured_bf16_flops / 1e12:.1f} TFLOP/s" in profile.provenance.notes
 
 
+def test_plan_with_the_calibrated_file_uses_its_memory_and_links(cpu_file, tmp_path):
+    args = ("plan", *GPT, "--device", "meta", "--hardware", "mycpu", "--hardware-file", cpu_file, "--devices", "2")
+    result = _run(*args, "-o", tmp_path / "plan", "--json")
+    assert result.exit_code == 0, result.output
+    cluster = json.loads((tmp_path / "plan" / "plan.json").read_text())["cluster"]
+    spec = load_hardware("mycpu", hardware_file=cpu_file)
+    assert cluster["hardware"] == "mycpu" and cluster["memory_per_device"] == spec.memory_bytes
+    assert cluster["intra_node_bandwidth"] == pytest.approx(spec.nvlink_bandwidth)
+    missing = _run("plan", *GPT, "--device", "meta", "--hardware-file", cpu_file, "-o", tmp_path / "p2")
+    assert missing.exit_code == 1 and "--hardware NAME is needed; choose one of:" in missing.output
+
+
 def test_calibrate_json_prints_only_the_file(tmp_path):
     result = _run("calibrate", "--device", "cpu", "--quick", "--dtype", "fp32", "--json")
     assert result.exit_code == 0, result.output

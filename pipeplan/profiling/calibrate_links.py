@@ -39,16 +39,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, sizes: Sizes, inner: int = 1) -> float:
-    """Median seconds of one `fn()`: samples of `inner` calls, the device synchronized around each sample."""
+def _barrier(device: torch.device) -> None:
     import torch.distributed as dist
 
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])  # nccl: on this rank's GPU, not a guessed one
+    else:
+        dist.barrier()
+
+
+def _timed(fn, device: torch.device, sizes: Sizes, inner: int = 1) -> float:
+    """Median seconds of one `fn()`: samples of `inner` calls, the device synchronized around each sample."""
     for _ in range(sizes.warmup):
         fn()
     samples = []
     for _ in range(sizes.repeats):
         _sync(device)
-        dist.barrier()
+        _barrier(device)
         began = time.perf_counter()
         for _ in range(inner):
             fn()
@@ -104,7 +111,7 @@ def _measure(rank: int, world: int, backend: str, port: int, sizes: Sizes, resul
                 allreduce_bus_bytes_per_s=2 * (world - 1) / world * size / reduce,
             )  # fmt: skip
             results.put(("ok", link))
-        dist.barrier()
+        _barrier(device)
     finally:
         dist.destroy_process_group()
 

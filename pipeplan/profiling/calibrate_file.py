@@ -61,7 +61,7 @@ def _rate(measured: float | None, peak: float | None, what: str, notes: list[str
     if measured is None:
         return peak, None
     if measured > peak:
-        notes.append(f"measured {what} exceeds the preset peak; peak raised to the measurement")
+        notes.append(f"measured {what} exceeds the preset peak, so the peak is raised to the measurement")
         return measured, 1.0
     return peak, measured / peak
 
@@ -70,10 +70,11 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     low = cal.matmul_flops_per_s("bf16") or cal.matmul_flops_per_s("fp16")
     f32 = cal.matmul_flops_per_s("tf32" if cal.device == "cuda" else "fp32")
     any_f32 = f32 or cal.matmul_flops_per_s("fp32")
-    if preset is None and (low is None or any_f32 is None):
+    if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
         notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
-    peak_low, eff_low = _rate(low or any_f32, preset and preset.peak_bf16_flops, "bf16 matmul", notes)
-    peak_f32, eff_f32 = _rate(any_f32 or low, preset and preset.peak_tf32_flops, "tf32 matmul", notes)
+        low, any_f32 = low or any_f32, any_f32 or low
+    peak_low, eff_low = _rate(low, preset and preset.peak_bf16_flops, "bf16 matmul", notes)
+    peak_f32, eff_f32 = _rate(any_f32, preset and preset.peak_tf32_flops, "tf32 matmul", notes)
     peak_mem, eff_mem = _rate(cal.memory_bytes_per_s, preset and preset.hbm_bandwidth, "memory bandwidth", notes)
     fields: dict[str, Any] = {
         "peak_bf16_tflops": peak_low / 1e12,

@@ -127,6 +127,15 @@ def test_a_known_gpu_keeps_datasheet_peaks_and_derives_efficiencies(tmp_path):
     assert forced.flops_per_s == pytest.approx(989.4e12 * 0.5)
 
 
+def test_a_known_gpu_measured_in_tf32_only_keeps_the_bf16_peak_unmeasured(tmp_path):
+    cal = _synthetic("NVIDIA H100 80GB HBM3", 85.0, bf16=1.0, tf32=400.0)
+    cal.matmul = [sample for sample in cal.matmul if sample.dtype == "tf32"]
+    spec = _load(tmp_path, hardware_entry(cal))
+    assert spec.measured_bf16_flops is None and spec.peak_bf16_flops == load_hardware("h100").peak_bf16_flops
+    assert spec.matmul_efficiency == pytest.approx(400.0 / 494.7)
+    assert AnalyticConfig(batch_size=1, hardware=spec).roofline.flops_per_s == pytest.approx(989.4e12 * 400 / 494.7)
+
+
 def test_an_unknown_gpu_uses_its_measurements_as_peaks_and_names_the_link_fallback(tmp_path):
     spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0)))
     assert spec.peak_bf16_flops == pytest.approx(400e12) and spec.matmul_efficiency == 1.0
@@ -144,8 +153,15 @@ def test_measured_links_and_a_rate_above_the_preset_peak(tmp_path):
     spec = _load(tmp_path, entry)
     assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.intra_node_latency_s == pytest.approx(12e-6)
     assert spec.network_bandwidth == load_hardware("h200").network_bandwidth and "network NOT measured" in spec.sources
-    assert spec.peak_bf16_flops == pytest.approx(1200e12) and "peak raised" in spec.sources
+    assert spec.peak_bf16_flops == pytest.approx(1200e12) and "peak is raised" in spec.sources
     assert entry["calibration"]["links"]["allreduce_bus_gb_per_s"] == pytest.approx(360.0)
+
+
+def test_calibrated_hardware_round_trips_through_its_file_entry(tmp_path):
+    spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 80GB HBM3", 85.0, bf16=700.0, tf32=380.0)))
+    (tmp_path / "sub").mkdir()
+    assert _load(tmp_path / "sub", spec.to_file_entry()) == spec
+    assert "measured_fp16_tflops" not in spec.to_file_entry()  # not measured: left out, not written as null
 
 
 def test_write_keeps_other_entries_of_an_existing_file(tmp_path):

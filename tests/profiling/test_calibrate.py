@@ -248,3 +248,15 @@ def test_a_failing_link_process_is_one_error_naming_the_rank():
 
     with pytest.raises(RunError, match=r"bogus link measurement between 2 processes failed \(rank \d: "):
         _run(2, "bogus", SIZES[("cpu", True)])
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_whole_model_check_runs_on_cpu_in_bf16(autocast):
+    """The helpers the gpu test and bench_calibrate use, on a tiny model (autocast, or bf16 parameters)."""
+    from pipeplan.models import load_model
+    from pipeplan.profiling.calibrate_check import analytic_step_ms, measured_step_ms
+
+    spec = load_model("gpt", {"layers": "1", "hidden": "32", "heads": "2", "seq": "16"})
+    measured = measured_step_ms(spec, 2, "cpu", dtype=torch.bfloat16, autocast=autocast, warmup=0, repeats=1)
+    predicted = analytic_step_ms(spec, 2, load_hardware("h100"))
+    assert measured > 0 and predicted > 0

@@ -7,8 +7,9 @@ work, then a synchronize; CPU: `time.perf_counter`):
   dtype is the median over the shapes (they are transformer-like: tokens x hidden x 4·hidden and squares), since
   the analytic model applies one rate to every matmul. `tf32` is a float32 matmul with TF32 allowed
   (`torch.set_float32_matmul_precision("high")`), `fp32` one without; on a CPU `fp32` is the float32 figure.
-- memory bandwidth: a large `copy_` (reads + writes 2·size bytes) and `add` (3·size bytes); the figure kept is
-  their mean.
+- memory bandwidth: `copy_` (reads + writes 2·size bytes) and `add` (3·size bytes) at a few sizes, from
+  activation-sized tensors to ones far beyond the caches; the figure kept is the median over sizes of the mean of
+  copy and add (mid-sized kernels reach less than a huge copy, and a model's elementwise ops are mid-sized).
 - kernel launch overhead: the time per op of many back-to-back `x.add_(1)` on a one-element tensor (what a tiny op
   costs when the host's dispatch and launch, not the device, is the limit).
 - links (`calibrate_links`): point-to-point and all-reduce bandwidth and the small-message latency between local
@@ -46,7 +47,7 @@ class Sizes:
     """How much work each measurement does (`quick` shrinks everything to test sizes)."""
 
     matmul_shapes: tuple[tuple[int, int, int], ...]  # (m, n, k)
-    memory_bytes: int  # per tensor
+    memory_sizes: tuple[int, ...]  # bytes per tensor
     launch_ops: int  # tiny ops per timed sample
     link_bytes: int
     warmup: int
@@ -57,7 +58,7 @@ class Sizes:
 SIZES: dict[tuple[str, bool], Sizes] = {
     ("cuda", False): Sizes(
         ((8192, 1024, 1024), (8192, 4096, 1024), (8192, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192)),
-        memory_bytes=1 << 30,
+        memory_sizes=(16 << 20, 64 << 20, 256 << 20, 1 << 30),
         launch_ops=500,
         link_bytes=256 << 20,
         warmup=3,
@@ -66,7 +67,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
     ),  # fmt: skip
     ("cuda", True): Sizes(
         ((4096, 1024, 1024), (2048, 2048, 2048)),
-        memory_bytes=128 << 20,
+        memory_sizes=(16 << 20, 128 << 20),
         launch_ops=200,
         link_bytes=32 << 20,
         warmup=2,
@@ -75,7 +76,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
     ),  # fmt: skip
     ("cpu", False): Sizes(
         ((512, 512, 512), (1024, 1024, 1024), (1024, 2048, 512)),
-        memory_bytes=128 << 20,
+        memory_sizes=(32 << 20, 128 << 20),
         launch_ops=1000,
         link_bytes=32 << 20,
         warmup=1,
@@ -84,7 +85,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
     ),  # fmt: skip
     ("cpu", True): Sizes(
         ((64, 64, 64), (128, 128, 128)),
-        memory_bytes=4 << 20,
+        memory_sizes=(1 << 20, 4 << 20),
         launch_ops=100,
         link_bytes=1 << 20,
         warmup=2,
@@ -141,6 +142,13 @@ class MatmulSample:
 
 
 @dataclass(frozen=True)
+class MemorySample:
+    num_bytes: int  # per tensor
+    copy_bytes_per_s: float  # 2 x size per copy
+    add_bytes_per_s: float  # 3 x size per add
+
+
+@dataclass(frozen=True)
 class LinkResult:
     backend: str
     ranks: int
@@ -156,8 +164,7 @@ class Calibration:
     device_name: str
     memory_bytes: int  # device memory (CUDA) or physical RAM (CPU)
     matmul: list[MatmulSample] = field(default_factory=list)
-    copy_bytes_per_s: float = 0.0
-    add_bytes_per_s: float = 0.0
+    memory: list[MemorySample] = field(default_factory=list)
     launch_s: float = 0.0
     links: LinkResult | None = None
     notes: list[str] = field(default_factory=list)
@@ -170,7 +177,8 @@ class Calibration:
 
     @property
     def memory_bytes_per_s(self) -> float:
-        return (self.copy_bytes_per_s + self.add_bytes_per_s) / 2
+        """The median over the measured sizes of the mean of copy and add bandwidth."""
+        return statistics.median((s.copy_bytes_per_s + s.add_bytes_per_s) / 2 for s in self.memory)
 
     def to_dict(self) -> dict[str, Any]:
         """The raw measurements (what the hardware file's `calibration` object holds)."""
@@ -190,9 +198,17 @@ class Calibration:
             }  # fmt: skip
         return {
             "device": self.device, "device_name": self.device_name, "torch_version": self.torch_version,
-            "matmul": matmul, "copy_gb_per_s": self.copy_bytes_per_s / 1e9, "add_gb_per_s": self.add_bytes_per_s / 1e9,
+            "matmul": matmul, "memory": [_memory_dict(m) for m in self.memory],
             "kernel_launch_us": self.launch_s * 1e6, "links": links, "notes": list(self.notes),
         }  # fmt: skip
+
+
+def _memory_dict(sample: MemorySample) -> dict[str, float]:
+    return {
+        "bytes": sample.num_bytes,
+        "copy_gb_per_s": sample.copy_bytes_per_s / 1e9,
+        "add_gb_per_s": sample.add_bytes_per_s / 1e9,
+    }
 
 
 def median_seconds(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int, inner: int = 1) -> float:
@@ -248,14 +264,15 @@ def measure_matmul(dtype: str, shape: tuple[int, int, int], device: torch.device
     return MatmulSample(dtype=dtype, shape=shape, seconds=seconds)
 
 
-def measure_memory(device: torch.device, sizes: Sizes) -> tuple[float, float]:
-    """(copy, add) achieved bytes/s on tensors of `sizes.memory_bytes` each."""
-    numel = sizes.memory_bytes // 4
+def measure_memory(num_bytes: int, device: torch.device, sizes: Sizes) -> MemorySample:
+    """Achieved copy and add bytes/s on float32 tensors of `num_bytes` each."""
+    numel = num_bytes // 4
     a, b, c = (torch.full((numel,), 1.0, device=device) for _ in range(3))  # filled: pages touched before timing
-    kwargs = dict(warmup=sizes.warmup, repeats=sizes.repeats)
+    inner = max(1, (64 << 20) // num_bytes) if device.type == "cuda" else 1  # small copies: several per sample
+    kwargs = dict(warmup=sizes.warmup, repeats=sizes.repeats, inner=inner)
     copy = median_seconds(lambda: c.copy_(a), device, **kwargs)
     add = median_seconds(lambda: torch.add(a, b, out=c), device, **kwargs)
-    return 2 * numel * 4 / copy, 3 * numel * 4 / add
+    return MemorySample(num_bytes=numel * 4, copy_bytes_per_s=2 * numel * 4 / copy, add_bytes_per_s=3 * numel * 4 / add)
 
 
 def measure_launch(device: torch.device, sizes: Sizes) -> float:
@@ -303,8 +320,9 @@ def calibrate(config: CalibrateConfig, *, advance: Callable[[str], None] | None 
         for shape in sizes.matmul_shapes:
             result.matmul.append(measure_matmul(dtype, shape, device, sizes))
             step(f"matmul {dtype} {'x'.join(map(str, shape))}")
-    result.copy_bytes_per_s, result.add_bytes_per_s = measure_memory(device, sizes)
-    step("memory bandwidth")
+    for num_bytes in sizes.memory_sizes:
+        result.memory.append(measure_memory(num_bytes, device, sizes))
+        step(f"memory bandwidth {num_bytes >> 20} MiB")
     result.launch_s = measure_launch(device, sizes)
     step("kernel launch")
     if config.links:
@@ -320,7 +338,7 @@ def calibrate(config: CalibrateConfig, *, advance: Callable[[str], None] | None 
 
 
 def num_steps(config: CalibrateConfig) -> int:
-    return len(config.dtypes) * len(config.sizes.matmul_shapes) + 2 + int(config.links)
+    return len(config.dtypes) * len(config.sizes.matmul_shapes) + len(config.sizes.memory_sizes) + 1 + int(config.links)
 
 
 def dtype_list(values: Sequence[str] | None) -> tuple[str, ...]:

@@ -23,7 +23,10 @@ def _table(name: str, entry: dict, cal: Calibration) -> Table:
         table.add_row(f"matmul {sample.dtype} {shape}", f"{sample.flops_per_s / 1e12:.3f} TFLOP/s")
     for dtype in dict.fromkeys(s.dtype for s in cal.matmul):
         table.add_row(f"matmul {dtype} (median)", f"{cal.matmul_flops_per_s(dtype) / 1e12:.3f} TFLOP/s")
-    table.add_row("memory copy / add", f"{cal.copy_bytes_per_s / 1e9:.1f} / {cal.add_bytes_per_s / 1e9:.1f} GB/s")
+    for mem in cal.memory:
+        copy, add = mem.copy_bytes_per_s / 1e9, mem.add_bytes_per_s / 1e9
+        table.add_row(f"memory copy / add {mem.num_bytes >> 20} MiB", f"{copy:.1f} / {add:.1f} GB/s")
+    table.add_row("memory (median)", f"{cal.memory_bytes_per_s / 1e9:.1f} GB/s")
     table.add_row("kernel launch", f"{cal.launch_s * 1e6:.2f} us")
     if cal.links is not None:
         link = cal.links

@@ -15,6 +15,7 @@ from pipeplan.profiling.calibrate import (
     Calibration,
     LinkResult,
     MatmulSample,
+    MemorySample,
     median_seconds,
 )
 from pipeplan.profiling.calibrate_file import hardware_entry, nearest_preset, write_hardware_file
@@ -96,7 +97,8 @@ def _synthetic(device_name: str, memory_gb: float, *, bf16: float, tf32: float, 
     matmul += [MatmulSample("tf32", (1024, 1024, 1024), 2 * 1024**3 / (tf32 * 1e12))]
     return Calibration(
         device="cuda", device_name=device_name, memory_bytes=int(memory_gb * 1e9), matmul=matmul,
-        copy_bytes_per_s=2.9e12, add_bytes_per_s=3.1e12, launch_s=4e-6, links=links,
+        memory=[MemorySample(1 << 30, 2.9e12, 3.1e12), MemorySample(1 << 24, 2.0e12, 2.2e12),
+                MemorySample(1 << 26, 2.8e12, 3.2e12)], launch_s=4e-6, links=links,
         notes=["links not measured: 1 GPU visible (point-to-point and all-reduce need 2+)"] if links is None else [],
     )  # fmt: skip
 

@@ -115,7 +115,7 @@ def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict
 
 def hardware_entry(cal: Calibration, *, when: _dt.datetime | None = None) -> dict[str, Any]:
     """The `--hardware-file` entry for a calibration (see the module docstring for the mapping)."""
-    stamp = (when or _dt.datetime.now(_dt.UTC)).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = (when or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
     if cal.device == "cuda":
         preset, matched = nearest_preset(cal.device_name, cal.memory_bytes)

@@ -10,6 +10,7 @@ analytic model prefers over peak x efficiency (`Hardware.matmul_flops_per_s`; se
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -83,8 +84,10 @@ class Hardware:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be positive, got {getattr(self, attr)!r}")
         for attr in _MEASURED_ATTRS:
             value = getattr(self, attr)
-            if value is not None and not value > 0:
-                raise ConfigError(f"hardware {self.name!r}: {attr} must be positive, got {value!r}")
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
+        if not self.kernel_launch_s < math.inf:
+            raise ConfigError(f"hardware {self.name!r}: kernel_launch_s must be finite, got {self.kernel_launch_s!r}")
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s"):
             if not getattr(self, attr) >= 0:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)!r}")

@@ -262,3 +262,21 @@ def test_whole_model_check_runs_on_cpu_in_bf16(autocast):
     measured = measured_step_ms(spec, 2, "cpu", dtype=torch.bfloat16, autocast=autocast, warmup=0, repeats=1)
     predicted = analytic_step_ms(spec, 2, load_hardware("h100"))
     assert measured > 0 and predicted > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("measured_bf16_tflops", 0, "must be positive and finite"),
+        ("measured_hbm_tb_per_s", float("inf"), "must be positive and finite"),
+        ("kernel_launch_us", -1, "must be >= 0"),
+        ("calibration", "text", "calibration must be a JSON object"),
+    ],
+)
+def test_bad_calibrated_fields_are_format_errors(tmp_path, field, value, match):
+    from pipeplan.errors import FormatError
+
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"schema_version": 1, "hardware": {"h100": {field: value}}}))
+    with pytest.raises(FormatError, match=match):
+        load_hardware_file(path)

@@ -42,7 +42,7 @@ def calibrate(
     output: Path = typer.Option(None, "--output", "-o", help="Hardware file to write (an existing one gains NAME)."),
     name: str = typer.Option(None, "--name", help="Entry name (default: the GPU's name slugged, or 'cpu')."),
     dtypes: list[str] = typer.Option(
-        None, "--dtype", help="Matmul dtypes: bf16, fp16, tf32, fp32 (repeatable or comma list; default: all)."
+        None, "--dtype", help="bf16, fp16, tf32, fp32; repeat or comma-list (default: all; cpu: fp32,bf16)."
     ),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes and few repeats (a smoke test, not a calibration)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the hardware file JSON on stdout."),
@@ -75,3 +75,5 @@ def calibrate(
         out.print(f"  {note}", highlight=False)
     if output is not None:
         out.print(f"wrote {output} (use: --hardware-file {output} --hardware {key})", highlight=False)
+    else:
+        out.print("nothing written: add -o FILE to save this as a hardware file", highlight=False)

@@ -36,6 +36,7 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("export", "pipeplan.planner.commands:export"),
     ("run", "pipeplan.runtime.commands:run"),
     ("capacity", "pipeplan.planner.capacity_commands:capacity"),
+    ("calibrate", "pipeplan.profiling.calibrate_commands:calibrate"),
 ]
 
 

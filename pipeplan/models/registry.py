@@ -169,7 +169,7 @@ def _exec_model_file(path: Path, location: str):
         del sys.modules[module_name]
         raise ModelError(
             f"importing model file {location!r} called sys.exit({exc.code!r}); a model file must define a factory "
-            "and not exit when imported (guard script code with `if __name__ == \"__main__\":`)"
+            'and not exit when imported (guard script code with `if __name__ == "__main__":`)'
         ) from None
     return module
 

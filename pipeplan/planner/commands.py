@@ -30,6 +30,7 @@ from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir
 from pipeplan.planner.search import SearchConfig, default_memory_reserve, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
+from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import SCHEDULE_NAMES
@@ -68,6 +69,7 @@ def plan(
         "fragmentation), e.g. 2GiB or 0 (default: max(1GiB, 5% of device memory)).",
     ),
     hardware: str = typer.Option(None, "--hardware", help="Preset for links and memory (h100, a100-80gb, ...)."),
+    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate)."),
     device: str = typer.Option("cpu", "--device", help="Profile on cpu or cuda (measured) or meta (analytic)."),
     global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (default 4 x N)."),
     microbatch_size: str = typer.Option(
@@ -100,6 +102,8 @@ def plan(
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
     """
+    if hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
+        hardware = load_hardware(hardware or "", hardware_file=hardware_file)
     cluster = make_cluster(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
     )

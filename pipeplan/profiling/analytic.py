@@ -16,8 +16,9 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
   I + W >= B, the difference being what fusing saves.
 
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does. Times are the sum of per-op
-rooflines `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`: no kernel-launch overhead and no overlap
-between ops, so small models are optimistic.
+rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)` (`opcount.Roofline.seconds`; the rates are
+peak × efficiency, or what `pipeplan calibrate` measured; the launch floor is 0 unless calibrated) with no overlap
+between ops.
 """
 
 from __future__ import annotations
@@ -67,11 +68,10 @@ class AnalyticConfig:
 
     @property
     def roofline(self) -> Roofline:
-        matmul = self.matmul_efficiency or self.hardware.matmul_efficiency
-        memory = self.memory_efficiency or self.hardware.memory_efficiency
         return Roofline(
-            flops_per_s=self.hardware.peak_flops(self.torch_dtype) * matmul,
-            bytes_per_s=self.hardware.hbm_bandwidth * memory,
+            flops_per_s=self.hardware.matmul_flops_per_s(self.torch_dtype, self.matmul_efficiency),
+            bytes_per_s=self.hardware.memory_bytes_per_s(self.memory_efficiency),
+            launch_s=self.hardware.kernel_launch_s,
         )
 
 
@@ -291,8 +291,11 @@ def _provenance(
 ) -> Provenance:
     roofline = config.roofline
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
+    calibrated = config.matmul_efficiency is None and config.hardware.measured_flops(config.torch_dtype) is not None
+    basis = f"calibrated {peak}" if calibrated else f"{peak} tensor-core peak x efficiency"
+    launch = f", {roofline.launch_s * 1e6:.1f} us kernel launch floor" if roofline.launch_s else ""
     notes = (
-        f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({peak} tensor-core peak x efficiency), "
+        f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
         f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "
         "last layer includes loss_fn"
     )

@@ -10,20 +10,19 @@ from pipeplan.console import err, out, print_json
 from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
 from pipeplan.paths import check_output_file
+from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.summary import fidelity_line, profile_table
 from pipeplan.profiling.trace import check_tracer
 
 
-def _check_device(device: str, hardware: str | None) -> None:
+def _check_device(device: str, hardware: str | None, hardware_file: Path | None = None) -> None:
     if device not in ("cpu", "cuda", "meta") and not device.startswith("cuda:"):
         raise ConfigError(f"--device must be cpu, cuda or meta, got {device!r}")
     if device == "meta" and not hardware:
         raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
     if hardware:
-        from pipeplan.profiling.hardware import load_hardware
-
-        load_hardware(hardware)  # an unknown name is an error even where the option is then ignored
+        load_hardware(hardware, hardware_file=hardware_file)  # an unknown name is an error even where then ignored
     if device.startswith("cuda"):
         import torch
 
@@ -31,9 +30,7 @@ def _check_device(device: str, hardware: str | None) -> None:
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
-def _analytic(
-    spec, *, model: str, options: dict, batch_size: int, hardware: str, granularity, quiet: bool, tracer: str
-):
+def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware, granularity, quiet: bool, tracer: str):
     from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
 
     given = {key: spec.options.get(key, value) for key, value in options.items()}
@@ -72,6 +69,7 @@ def profile(
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Samples per profiled microbatch."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware)."),
     hardware: str = typer.Option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...)."),
+    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate)."),
     granularity: int = typer.Option(None, "--granularity", help="Module depth of a layer (default: repeated blocks)."),
     tracer: str = typer.Option(
         "auto", "--tracer", help="fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
@@ -90,11 +88,12 @@ def profile(
     """
     options = parse_assignments(assignments)
     output = check_output_file(output, "--output") if output is not None else None
-    _check_device(device, hardware)
+    _check_device(device, hardware, hardware_file)
     check_tracer(tracer)
     _set_threads(threads, device)
     spec = load_model(model, options)
     if device == "meta":
+        hardware = load_hardware(hardware, hardware_file=hardware_file) if hardware_file is not None else hardware
         if warmup != 2 or repeats != 5 or timer != "wall":
             err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
@@ -102,8 +101,8 @@ def profile(
             granularity=granularity, quiet=as_json, tracer=tracer,
         )  # fmt: skip
     else:
-        if hardware:
-            err.print(f"[yellow]warning:[/] --hardware {hardware} is ignored with --device {device} (measured)")
+        if hardware or hardware_file:
+            err.print(f"[yellow]warning:[/] --hardware/--hardware-file are ignored with --device {device} (measured)")
         from pipeplan.profiling.measure import profile_model
 
         result = profile_model(

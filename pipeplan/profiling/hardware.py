@@ -3,6 +3,8 @@
 The figures live in `hardware.json` beside this file, in datasheet units with a `sources` note per entry naming
 the vendor datasheets. A user file (`--hardware-file`) has the same shape: `{"schema_version": 1, "hardware":
 {name: {...}}}`; an entry named like a preset overrides only the fields it gives, a new name must give them all.
+`pipeplan calibrate` writes such entries with optional `measured_*` figures and `kernel_launch_us`, which the
+analytic model prefers over peak x efficiency (`Hardware.matmul_flops_per_s`; see calibrate_file.py).
 """
 
 from __future__ import annotations
@@ -35,8 +37,15 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
     "matmul_efficiency": ("matmul_efficiency", 1.0),
     "memory_efficiency": ("memory_efficiency", 1.0),
+    # optional, written by `pipeplan calibrate` (see pipeplan/profiling/calibrate.py): what this machine achieved
+    "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
+    "measured_fp16_tflops": ("measured_fp16_flops", 1e12),
+    "measured_tf32_tflops": ("measured_tf32_flops", 1e12),
+    "measured_hbm_tb_per_s": ("measured_hbm_bandwidth", 1e12),
+    "kernel_launch_us": ("kernel_launch_s", 1e-6),
 }
 _TEXT_FIELDS = ("description", "sources")
+_RECORD_FIELDS = ("calibration",)  # free-form JSON objects kept in the file for people; the model reads none
 _REQUIRED_ATTRS = frozenset(
     ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth", "nvlink_bandwidth", "network_bandwidth")
 )
@@ -57,6 +66,12 @@ class Hardware:
     inter_node_latency_s: float = 20e-6
     matmul_efficiency: float = 0.6  # fraction of peak FLOP/s a large matmul reaches
     memory_efficiency: float = 0.75  # fraction of HBM bandwidth a memory-bound kernel reaches
+    # measured by `pipeplan calibrate`; when given they replace peak x efficiency (see `matmul_flops_per_s`)
+    measured_bf16_flops: float | None = None
+    measured_fp16_flops: float | None = None
+    measured_tf32_flops: float | None = None  # float32 matmuls (TF32 on tensor cores; plain fp32 on a CPU)
+    measured_hbm_bandwidth: float | None = None
+    kernel_launch_s: float = 0.0  # per-kernel floor on an op's time (eager dispatch + launch of a tiny op)
     description: str = ""
     sources: str = ""
 
@@ -67,7 +82,13 @@ class Hardware:
         for attr in (*positive, "nvlink_bandwidth", "network_bandwidth"):
             if not getattr(self, attr) > 0:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be positive, got {getattr(self, attr)!r}")
-        for attr in ("intra_node_latency_s", "inter_node_latency_s"):
+        for attr in _MEASURED_ATTRS:
+            value = getattr(self, attr)
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
+        if not self.kernel_launch_s < math.inf:
+            raise ConfigError(f"hardware {self.name!r}: kernel_launch_s must be finite, got {self.kernel_launch_s!r}")
+        for attr in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s"):
             if not getattr(self, attr) >= 0:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)!r}")
         for attr in ("matmul_efficiency", "memory_efficiency"):
@@ -80,23 +101,54 @@ class Hardware:
             return self.peak_bf16_flops
         return self.peak_tf32_flops
 
+    def measured_flops(self, dtype: torch.dtype) -> float | None:
+        """The calibrated dense matmul FLOP/s for `dtype` (None when not calibrated)."""
+        if dtype == torch.bfloat16:
+            return self.measured_bf16_flops
+        if dtype == torch.float16:
+            return self.measured_fp16_flops or self.measured_bf16_flops
+        return self.measured_tf32_flops
+
+    def matmul_flops_per_s(self, dtype: torch.dtype, efficiency: float | None = None) -> float:
+        """The matmul rate the analytic model uses: peak x `efficiency` when one is given (an explicit override),
+        else the calibrated figure when there is one, else peak x matmul_efficiency."""
+        measured = self.measured_flops(dtype)
+        if efficiency is None and measured is not None:
+            return measured
+        return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency)
+
+    def memory_bytes_per_s(self, efficiency: float | None = None) -> float:
+        """The memory-bound rate the analytic model uses (same precedence as `matmul_flops_per_s`)."""
+        if efficiency is None and self.measured_hbm_bandwidth is not None:
+            return self.measured_hbm_bandwidth
+        return self.hbm_bandwidth * (efficiency or self.memory_efficiency)
+
     def to_file_entry(self) -> dict[str, Any]:
-        """The entry as `hardware.json` writes it (datasheet units)."""
+        """The entry as `hardware.json` writes it (datasheet units; unset optional figures left out)."""
         entry: dict[str, Any] = {key: getattr(self, key) for key in _TEXT_FIELDS}
         for key, (attr, scale) in _FILE_FIELDS.items():
-            entry[key] = getattr(self, attr) / scale
+            value = getattr(self, attr)
+            if value is not None and not (attr == "kernel_launch_s" and value == 0):
+                entry[key] = value / scale
         return entry
+
+
+_MEASURED_ATTRS = ("measured_bf16_flops", "measured_fp16_flops", "measured_tf32_flops", "measured_hbm_bandwidth")
 
 
 def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(entry, dict):
         raise FormatError(f"{where} must be a JSON object")
-    known = set(_FILE_FIELDS) | set(_TEXT_FIELDS)
+    known = set(_FILE_FIELDS) | set(_TEXT_FIELDS) | set(_RECORD_FIELDS)
     unknown = sorted(set(entry) - known)
     if unknown:
         raise FormatError(f"{where} has unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
     kwargs = dict(base or {})
     for key, value in entry.items():
+        if key in _RECORD_FIELDS:
+            if not isinstance(value, dict):
+                raise FormatError(f"{where}: {key} must be a JSON object")
+            continue
         if key in _TEXT_FIELDS:
             if not isinstance(value, str):
                 raise FormatError(f"{where}: {key} must be a string")
@@ -143,6 +195,11 @@ def hardware_presets() -> dict[str, Hardware]:
     return dict(_PRESETS)
 
 
+def validate_hardware_data(data: dict[str, Any], *, where: str) -> dict[str, Hardware]:
+    """The entries a hardware-file's contents would give (presets merged); a bad entry is a FormatError."""
+    return _parse_entries(data, where=where, base=hardware_presets())
+
+
 def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
     """Presets merged with the entries of a `--hardware-file` (file entries override presets field by field)."""
     where = f"hardware file {str(path)!r}"
@@ -156,6 +213,8 @@ def load_hardware(name: str | Hardware, *, hardware_file: str | os.PathLike | No
         return name
     available = load_hardware_file(hardware_file) if hardware_file is not None else hardware_presets()
     key = name.strip().lower()
+    if not key:
+        raise ConfigError(f"--hardware NAME is needed; choose one of: {', '.join(sorted(available))}")
     if key not in available:
         raise ConfigError(f"unknown --hardware {name!r}; choose one of: {', '.join(sorted(available))}")
     return available[key]

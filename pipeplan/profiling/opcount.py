@@ -44,12 +44,17 @@ class Roofline:
 
     flops_per_s: float
     bytes_per_s: float
+    launch_s: float = 0.0  # calibrated per-kernel floor (Hardware.kernel_launch_s); 0: none
 
     def __post_init__(self) -> None:
         assert self.flops_per_s > 0 and self.bytes_per_s > 0, "roofline rates must be positive"
+        assert self.launch_s >= 0, "kernel launch time must be >= 0"
 
     def seconds(self, flops: float, num_bytes: float) -> float:
-        return max(flops / self.flops_per_s, num_bytes / self.bytes_per_s)
+        """One op's time: max(compute, memory traffic, kernel launch); an op that moves nothing (a view) is free."""
+        if flops == 0 and num_bytes == 0:
+            return 0.0
+        return max(flops / self.flops_per_s, num_bytes / self.bytes_per_s, self.launch_s)
 
 
 @dataclass

@@ -79,10 +79,7 @@ class Hardware:
         if not self.name:
             raise ConfigError("hardware name must be non-empty")
         positive = ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth")
-        for attr in (*positive, "nvlink_bandwidth", "network_bandwidth"):
-            if not getattr(self, attr) > 0:
-                raise ConfigError(f"hardware {self.name!r}: {attr} must be positive, got {getattr(self, attr)!r}")
-        for attr in _MEASURED_ATTRS:
+        for attr in (*positive, "nvlink_bandwidth", "network_bandwidth", *_MEASURED_ATTRS):
             value = getattr(self, attr)
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
@@ -154,8 +151,8 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
                 raise FormatError(f"{where}: {key} must be a string")
             kwargs[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise FormatError(f"{where}: {key} must be a number (finite), got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise FormatError(f"{where}: {key} must be a number, got {value!r}")
         attr, scale = _FILE_FIELDS[key]
         kwargs[attr] = int(value * scale) if attr == "memory_bytes" else float(value * scale)
     required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]

@@ -4,25 +4,37 @@ instead of an allocation failure, swapping or the kernel's OOM killer."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
 from pipeplan.units import format_bytes
 
+HOST_MEMORY_ENV = "PIPEPLAN_HOST_MEMORY"  # bytes of host memory to assume available (tests set it)
 
-def available_bytes(device: str) -> int | None:
-    """Free memory of `device` (cpu: MemAvailable; cuda: free device memory); None where it cannot be read."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+
+def host_memory_available() -> int:
+    """Host memory available now: MemAvailable, else physical memory (or HOST_MEMORY_ENV when set)."""
+    raw = os.environ.get(HOST_MEMORY_ENV)
+    if raw:
+        return int(float(raw))
     try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory of `device` (cpu: host_memory_available; cuda: free device memory; None without CUDA)."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+    return host_memory_available()
 
 
 def _sample_bytes(spec: ModelSpec) -> int:

@@ -18,7 +18,6 @@ Without `init_module` such a model is refused with one line. The whole-model ref
 
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -28,8 +27,8 @@ from torch import nn
 
 from pipeplan.errors import ModelError, RunError
 from pipeplan.models.spec import ModelSpec
+from pipeplan.profiling.host_memory import host_memory_available
 
-HOST_MEMORY_ENV = "PIPEPLAN_HOST_MEMORY"  # bytes available for whole-model builds on this host (tests set it)
 HOST_MEMORY_FRACTION = 0.8  # of the host's available memory the simultaneous whole-model builds may use
 
 
@@ -79,20 +78,6 @@ def whole_model_bytes(module: nn.Module) -> int:
     for _, tensor in named_tensors(module):
         seen[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
-
-
-def host_memory_available() -> int:
-    raw = os.environ.get(HOST_MEMORY_ENV)
-    if raw:
-        return int(float(raw))
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def whole_build_fits(meta_module: nn.Module, ranks_on_host: int) -> tuple[bool, int, int]:

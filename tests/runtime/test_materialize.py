@@ -14,6 +14,7 @@ from rt_helpers import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.models import load_model
+from pipeplan.profiling.host_memory import HOST_MEMORY_ENV
 from pipeplan.profiling.trace import trace_module
 from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
@@ -94,14 +95,14 @@ def test_seed_changes_the_weights(tmp_path):
 
 def test_too_large_model_without_initializer_is_refused(tmp_path, monkeypatch):
     _, plan = make_plan(tmp_path, "big", QUIRKY, {}, schedule="1f1b", pipeline_devices=2)
-    monkeypatch.setenv(mat.HOST_MEMORY_ENV, "1000")
+    monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
     with pytest.raises(RunError, match="too large to build whole on this host.*init_module"):
         build_pipeline_model(plan, 0, torch.device("cpu"))
 
 
 def test_too_large_model_with_initializer_takes_the_meta_path(tmp_path, monkeypatch, capfd):
     _, plan = make_plan(tmp_path, "big", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
-    monkeypatch.setenv(mat.HOST_MEMORY_ENV, "1000")
+    monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
     first = build_pipeline_model(plan, 0, torch.device("cpu"))
     second = build_pipeline_model(plan, 1, torch.device("cpu"))
     assert "initializes its part from the meta device" in capfd.readouterr().err

@@ -175,7 +175,11 @@ def _exec_model_file(path: Path, location: str):
 
 
 def file_of(ref: str) -> Path | None:
-    """The model file of a `path/to/file.py:factory` reference (None for built-ins and pkg.mod:factory)."""
+    """The file a reference's graph comes from: `path/to/file.py` of `path/to/file.py:factory`, or the config.json
+    of a Hugging Face model directory `hf:path/to/dir` (None for built-ins, pkg.mod:factory and hf:<model_type>)."""
+    if ref.startswith("hf:"):
+        folder = Path(ref.removeprefix("hf:"))
+        return folder / "config.json" if (folder / "config.json").is_file() else None
     location, sep, _ = ref.rpartition(":")
     return Path(location) if sep and location.endswith(".py") else None
 
@@ -185,11 +189,13 @@ def file_sha256(path: str | Path) -> str:
 
 
 def canonical_ref(ref: str) -> tuple[str, str]:
-    """(reference to record in a plan, sha256 of its model file or ""): a `file.py:factory` reference becomes
-    absolute, so the plan runs from any directory, and its file's hash lets `run` refuse an edited file."""
+    """(reference to record in a plan, sha256 of its model file or ""): a `file.py:factory` or `hf:dir` reference
+    becomes absolute, so the plan runs from any directory, and its file's hash lets `run` refuse an edited file."""
     path = file_of(ref)
     if path is None or not path.is_file():
         return ref, ""
+    if ref.startswith("hf:"):
+        return f"hf:{path.parent.resolve()}", file_sha256(path)
     return f"{path.resolve()}:{ref.rpartition(':')[2]}", file_sha256(path)
 
 

@@ -148,3 +148,20 @@ def test_ranks_start_from_the_directory_weights(tmp_path):
         model = build_pipeline_model(plan, rank, torch.device("cpu"))
         for name, param in model.params.items():
             assert torch.equal(param.detach(), expected[name]), name
+
+
+def test_a_model_directory_is_recorded_absolute_with_its_config_hash(tmp_path, monkeypatch):
+    from pipeplan.errors import RunError
+    from pipeplan.runtime.manual_plan import manual_plan
+    from pipeplan.runtime.stages import check_model_file
+
+    config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model", safe_serialization=True)
+    monkeypatch.chdir(tmp_path)
+    plan = manual_plan("hf:model", {"seq_len": "8"}, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
+    assert plan.model.ref == f"hf:{(tmp_path / 'model').resolve()}" and plan.model.file_sha256
+    monkeypatch.chdir(tmp_path.parent)
+    check_model_file(plan)  # found from anywhere
+    (tmp_path / "model" / "config.json").write_text((tmp_path / "model" / "config.json").read_text() + "\n")
+    with pytest.raises(RunError, match="changed since the plan was made"):
+        check_model_file(plan)

@@ -1,0 +1,99 @@
+"""The dtype each graph value really has when the model runs under a precision mode: the traced graph runs once on
+fake tensors (no memory, no compute) of the run's device type, under that mode's autocast or with its
+low-precision parameters. Autocast's op lists differ between CPU and CUDA (e.g. CUDA keeps layer_norm and
+softmax in fp32), so the dtypes are those of `device_type`. The runtime sends cut values in these dtypes, and
+profiles count the bytes crossing a cut with them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from pipeplan.errors import TraceError
+from pipeplan.precision import get_precision
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.dtypes: dict[str, object] = {}
+
+    def run_node(self, node: fx.Node):
+        result = super().run_node(node)
+        self.dtypes[node.name] = tree_map(lambda v: v.dtype if isinstance(v, torch.Tensor) else None, result)
+        return result
+
+
+class _Runner(nn.Module):
+    def __init__(self, graph_module: fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = graph_module
+        self.recorder: _Recorder | None = None
+
+    def forward(self, *inputs):
+        self.recorder = _Recorder(self.gm)
+        return self.recorder.run(*inputs)
+
+
+def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
+    """Graph node name -> dtype of its output (a pytree of dtypes for container values) under `precision`."""
+    mode = get_precision(precision)
+    runner = _Runner(traced.graph_module)
+    sample, _ = traced.spec.sample_batch(traced.batch_size, generator=torch.Generator().manual_seed(0))
+    device = torch.device(device_type)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        dtype = mode.param_dtype if t.is_floating_point() else t.dtype
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=device)
+
+    try:
+        with FakeTensorMode():
+            state = {f"gm.{name}": fake(t) for name, t in _tensors(traced.graph_module)}
+            inputs = tuple(fake(t) for t in sample)
+            with mode.autocast(device_type), torch.enable_grad():
+                torch.func.functional_call(runner, state, inputs, tie_weights=True, strict=False)
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(
+            f"could not run {traced.spec.name!r} on fake tensors to find its dtypes under --precision {precision} "
+            f"({type(exc).__name__}: {first}); use --precision fp32"
+        ) from None
+    assert runner.recorder is not None
+    return runner.recorder.dtypes
+
+
+def _tensors(module: nn.Module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def value_dtype(dtypes: dict[str, object], name: str) -> torch.dtype | None:
+    """The dtype of a stage value: a node's output, or element i of a container output (`name.i`)."""
+    if name in dtypes:
+        found = dtypes[name]
+        return found if isinstance(found, torch.dtype) else None
+    base, _, index = name.rpartition(".")
+    if base in dtypes and index.isdigit():
+        found = dtypes[base]
+        if isinstance(found, list | tuple) and int(index) < len(found):
+            item = found[int(index)]
+            return item if isinstance(item, torch.dtype) else None
+    return None
+
+
+def cut_bytes_under(cut, dtypes: dict[str, object]) -> int:
+    """Bytes of the values crossing one cut (TensorInfo list) in the dtypes they have under a precision mode."""
+    total = 0
+    for info in cut:
+        dtype = value_dtype(dtypes, info.producer)
+        if dtype is None:  # not a tensor (0 bytes), or a container: as traced
+            total += info.bytes
+            continue
+        numel = 1
+        for dim in info.shape:
+            numel *= dim
+        total += numel * torch.empty((), dtype=dtype).element_size()
+    return total

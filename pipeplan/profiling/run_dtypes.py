@@ -66,8 +66,8 @@ def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
 
 
 def _tensors(module: nn.Module):
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+    yield from module.named_parameters()  # one name per tied tensor: functional_call(tie_weights=True) ties
+    yield from module.named_buffers()
 
 
 def value_dtype(dtypes: dict[str, object], name: str) -> torch.dtype | None:

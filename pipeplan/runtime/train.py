@@ -19,11 +19,13 @@ import torch.distributed as dist
 from pipeplan.console import out
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
+from pipeplan.precision import get_precision
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import PipelineModel, build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
@@ -39,10 +41,10 @@ class RunResult:
 
 
 def microbatches_for(
-    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device
+    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
 ) -> dict[int, MicroBatch]:
     """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
-    the m-th run of b samples."""
+    the m-th run of b samples. Floating inputs take `param_dtype` (bf16 parameters get bf16 inputs)."""
     inputs, target = batch
     b, m = plan.training.microbatch_size, plan.training.num_microbatches
     base = plan.ranks[rank].pipeline * m * b
@@ -54,7 +56,8 @@ def microbatches_for(
     sliced: dict[int, MicroBatch] = {}
     for mb in wanted:
         lo = base + mb * b
-        sliced[mb] = (tuple(x[lo : lo + b].to(device) for x in inputs), target[lo : lo + b].to(device))
+        pieces = tuple(x[lo : lo + b].to(device, param_dtype if x.is_floating_point() else x.dtype) for x in inputs)
+        sliced[mb] = (pieces, target[lo : lo + b].to(device))
     return sliced
 
 
@@ -71,11 +74,16 @@ class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
         self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
+        self.precision = get_precision(plan.training.precision)
+        apply_param_dtype(self.model, self.precision)
+        apply_wire_dtypes(self.model, self.precision, device.type)
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
         # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
         groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None
         self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
-        self.executor.sync_per_op = device.type == "cuda" and bool(config.trace_path)
+        self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
+        self.executor.autocast = lambda: self.precision.autocast(device.type)
+        self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
         self.optimizer = _optimizer(plan, config, self.model)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
@@ -86,7 +94,10 @@ class Trainer:
         anywhere stops every rank at this step, before the optimizer touches the weights."""
         for param in self.model.params.values():
             param.grad = None
-        record = self.executor.run_step(microbatches_for(self.plan, self.rank, batch, self.wanted, self.device))
+        if self.scaler is not None:
+            self.executor.loss_grad = self.scaler.scale
+        pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
+        record = self.executor.run_step(pieces)
         self.sync.all_reduce()
         grads = [p.grad for p in self.model.params.values() if p.grad is not None]
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms
@@ -96,13 +107,20 @@ class Trainer:
             stats[1] += torch.stack(torch._foreach_norm(grads)).double().sum()
         dist.all_reduce(stats)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
         loss, grad_norms = stats.tolist()
+        if self.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norms):
+            self.scaler.overflowed()  # fp16: every rank saw the same all-reduced norms and skips this step
+            return loss, record.op_times
         if not (math.isfinite(loss) and math.isfinite(grad_norms)):
             what = f"loss is {loss}" if not math.isfinite(loss) else "gradients are not finite"
             raise RunError(
                 f"step {step + 1}: {what}; stopped before the optimizer step (nothing saved): lower --lr or check "
                 "the model and data"
             )
+        if self.scaler is not None:
+            self.scaler.unscale_(grads)
         self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.stepped()
         return loss, record.op_times
 
     def grads(self) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ def test_activation_column_from_the_analytic_profile(gpt2_profile):
     cfg = CapacityConfig(hardware=load_hardware("h100"), device_counts=(8,), global_batch_size=16)
     row = capacity_sweep(gpt2_profile, cfg).rows[0]
     assert row.fits and row.memory.activations > 0
-    assert row.memory.weights + row.memory.gradients + row.memory.optimizer == 18 * row.memory.param_count
+    assert row.memory.weights + row.memory.gradients + row.memory.optimizer == 16 * row.memory.param_count
 
 
 def test_cli_table_with_target_tokens():
@@ -63,7 +63,7 @@ def test_cli_json_and_plot(tmp_path):
     for row in data["rows"]:
         assert row["fits"] and row["binding"] in ("memory", "bubble", "communication", "compute")
         memory = row["memory"]
-        assert memory["weights"] + memory["gradients"] + memory["optimizer"] == 18 * memory["param_count"]
+        assert memory["weights"] + memory["gradients"] + memory["optimizer"] == 16 * memory["param_count"]
     assert data["answer"] is None
     assert set(data["per_schedule"]) >= {"1f1b", "zbv"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -43,7 +43,7 @@ def _blocks(profile):
 
 @pytest.fixture(scope="module")
 def flash_profile():
-    return _profile(_gpt(), flash_attention=True)
+    return _profile(_gpt(), flash_attention=True, precision="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +204,25 @@ def test_profile_metadata_cuts_and_round_trip(flash_profile, tmp_path):
 
 def test_float32_profile_doubles_bytes():
     spec = _gpt(dropout=0.0, layers=1)
-    half, full = _profile(spec, dtype="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
+    half, full = _profile(spec, precision="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
     assert half.provenance.dtype == "bfloat16" and full.provenance.dtype == "float32"
+    assert (half.provenance.precision, full.provenance.precision) == ("bf16", "fp32")
     assert full.provenance.model == "mine" and full.provenance.model_options == {}
     assert half.provenance.model == "gpt" and "tf32" in full.provenance.notes
     assert full.cut_bytes[0] == 2 * half.cut_bytes[0]
     assert full.layers[1].param_bytes == 2 * half.layers[1].param_bytes
     assert full.layers[1].flops == half.layers[1].flops
+
+
+def test_bf16_mixed_profile_counts_fp32_parameters_and_the_dtypes_autocast_sends():
+    """Under autocast the parameters and gradients stay fp32 and the residual stream crossing each cut is fp32
+    (embedding output + bf16 block outputs promote to fp32), while the block computes in bf16."""
+    spec = _gpt(dropout=0.0, layers=1)
+    mixed, pure = _profile(spec), _profile(spec, precision="bf16")
+    assert (mixed.provenance.precision, mixed.provenance.dtype) == ("bf16-mixed", "bfloat16")
+    assert mixed.layers[1].param_bytes == 4 * mixed.layers[1].param_count == 2 * pure.layers[1].param_bytes
+    assert mixed.cut_bytes == tuple(2 * b for b in pure.cut_bytes)
+    assert mixed.layers[1].forward_ms == pytest.approx(pure.layers[1].forward_ms)
 
 
 def test_llama_profile_with_grouped_query_attention():

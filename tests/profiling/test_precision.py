@@ -82,7 +82,10 @@ def test_plan_memory_changes_as_the_byte_table_says(measured):
         cuts = [(s.first_layer, s.last_layer) for s in best.partition.stages]
         peaks[precision] = (best.device_memory_bytes, best.memory.static_bytes, cuts)
     assert peaks["fp32"][2] == peaks["bf16"][2] and len(peaks["fp32"][2]) == 2  # same cuts: only static bytes differ
-    for fp32, bf16, in zip(peaks["fp32"][1], peaks["bf16"][1], strict=True):
+    for (
+        fp32,
+        bf16,
+    ) in zip(peaks["fp32"][1], peaks["bf16"][1], strict=True):
         assert fp32 == pytest.approx(2 * bf16)  # 16 vs 8 B/param (adamw)
     for (fp32, bf16), static in zip(zip(peaks["fp32"][0], peaks["bf16"][0]), peaks["bf16"][1], strict=True):
         assert fp32 - bf16 == pytest.approx(static, abs=2)

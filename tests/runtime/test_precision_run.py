@@ -70,6 +70,7 @@ def test_run_refuses_another_precision_than_the_plans(tmp_path):
     path, _ = make_plan(tmp_path, "p", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
     with pytest.raises(ConfigError, match="--precision bf16-mixed but the plan was made for fp32"):
         launch_local(path, RunConfig(steps=1, precision="bf16-mixed"))
-    path, _ = make_plan(tmp_path, "q", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2, precision="fp16-mixed")
+    options = dict(schedule="1f1b", pipeline_devices=2, precision="fp16-mixed")
+    path, _ = make_plan(tmp_path, "q", "gpt", TINY_GPT_TIED, **options)
     with pytest.raises(ConfigError, match="fp16-mixed needs CUDA"):
         launch_local(path, RunConfig(steps=1, device="cpu"))

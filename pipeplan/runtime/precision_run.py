@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from pipeplan.precision import Precision
 from pipeplan.profiling.run_dtypes import value_dtype, value_dtypes
@@ -59,3 +60,36 @@ def apply_wire_dtypes(model, mode: Precision, device_type: str) -> None:
         dtype = value_dtype(dtypes, name)
         metas[name] = replace(meta, dtype=dtype) if dtype is not None else meta
     model.value_meta = metas
+
+
+GIB = 1024**3
+MAX_LOGGED_RANKS = 8
+
+
+def gather_peak_memory(device: torch.device) -> list[int] | None:
+    """Every rank's torch.cuda.max_memory_allocated (one all_gather; every rank must call it), None on CPU."""
+    if device.type != "cuda":
+        return None
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.int64, device=device)
+    found = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(found, mine)
+    return [int(t.item()) for t in found]
+
+
+def memory_versus(plan, peaks: list[int] | None) -> str:
+    """`r0 1.20/1.31 r1 ...`: measured / predicted GiB per rank (the worst ratio's rank beyond 8 ranks)."""
+    if peaks is None:
+        return ""
+    predicted = plan.predicted.peak_memory_bytes
+    rows = [(r, peak, predicted[r] if r < len(predicted) else 0) for r, peak in enumerate(peaks)]
+    if len(rows) > MAX_LOGGED_RANKS:
+        worst = max(rows, key=lambda row: row[1] / row[2] if row[2] else 0.0)
+        rows = [worst]
+        prefix = f"worst of {len(peaks)} ranks: "
+    else:
+        prefix = ""
+    cells = [
+        f"r{r} {peak / GIB:.2f}/{expected / GIB:.2f}" if expected else f"r{r} {peak / GIB:.2f}/-"
+        for r, peak, expected in rows
+    ]
+    return prefix + " ".join(cells) + " (measured/predicted)"

@@ -25,7 +25,14 @@ from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
-from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
+from pipeplan.runtime.precision_run import (
+    GIB,
+    LossScaler,
+    apply_param_dtype,
+    apply_wire_dtypes,
+    gather_peak_memory,
+    memory_versus,
+)
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import PipelineModel, build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
@@ -182,6 +189,8 @@ def train(
     for _ in range(start):  # the same data order as an uninterrupted run
         next(batches)
     last_times: list[tuple[str, float, float]] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(start, config.steps):
         _maybe_fail(fault, rank, step, watchdog, trainer)
         batch = next(batches)
@@ -192,8 +201,10 @@ def train(
         result.step_ms.append(step_ms)
         if capture_grads and step == start:
             result.grads = trainer.grads()
-        if rank == 0 and not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
-            _log_step(plan, step, loss, step_ms)
+        if not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
+            peaks = gather_peak_memory(device)  # every rank takes part (one small all_gather on CUDA)
+            if rank == 0:
+                _log_step(plan, step, loss, step_ms, peaks)
         if config.check_every and (step + 1) % config.check_every == 0:
             trainer.sync.check_in_sync(step)
         if config.checkpoint_dir and _checkpoint_due(config, step):
@@ -202,8 +213,10 @@ def train(
         trainer.sync.check_in_sync(config.steps - 1)
     if config.trace_path:
         write_trace(config.trace_path, rank, last_times, world_size=plan.world_size)
-    if rank == 0 and not config.quiet and result.step_ms:
-        _log_summary(plan, result.step_ms)
+    if not config.quiet and result.step_ms:
+        peaks = gather_peak_memory(device)
+        if rank == 0:
+            _log_summary(plan, result.step_ms, peaks)
     return result
 
 
@@ -233,11 +246,13 @@ def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer
         time.sleep(3600)
 
 
-def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
+def _log_step(plan: Plan, step: int, loss: float, step_ms: float, peaks: list[int] | None = None) -> None:
     samples = plan.training.global_batch_size / (step_ms / 1000.0)
     tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
     predicted = plan.predicted.step_ms
     versus = f"  predicted {predicted:.1f} ms ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
+    memory = memory_versus(plan, peaks)
+    versus += f"  mem GiB {memory}" if memory else ""
     out.print(
         f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}{versus}",
         highlight=False,
@@ -245,7 +260,7 @@ def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
     )
 
 
-def _log_summary(plan: Plan, step_ms: list[float]) -> None:
+def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = None) -> None:
     timed = step_ms[1:] if len(step_ms) > 1 else step_ms  # the first step includes warm-up
     median = statistics.median(timed)
     predicted = plan.predicted.step_ms
@@ -255,3 +270,13 @@ def _log_summary(plan: Plan, step_ms: list[float]) -> None:
         else " (the plan has no prediction)"
     )
     out.print(f"summary: median step {median:.1f} ms over {len(timed)} steps{versus}", highlight=False, soft_wrap=True)
+    if peaks is None:
+        out.print("peak memory: not measured on CPU (CUDA runs report each rank's)", highlight=False)
+        return
+    predicted = plan.predicted.peak_memory_bytes
+    for rank, peak in enumerate(peaks):
+        expected = predicted[rank] if rank < len(predicted) else 0
+        versus = f" vs predicted {expected / GIB:.2f} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
+        out.print(
+            f"rank {rank}: peak memory {peak / GIB:.2f} GiB (torch.cuda.max_memory_allocated){versus}", highlight=False
+        )

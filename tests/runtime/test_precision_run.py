@@ -4,6 +4,8 @@ other than its plan's, and fp16-mixed on the CPU, with one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from rt_helpers import TINY_GPT_TIED, gathered_grads, make_plan
@@ -12,6 +14,8 @@ from pipeplan.errors import ConfigError
 from pipeplan.precision import get_precision
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
+from pipeplan.runtime.manual_plan import manual_plan
+from pipeplan.runtime.precision_run import LossScaler, memory_versus
 from pipeplan.runtime.stages import build_reference_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,3 +78,27 @@ def test_run_refuses_another_precision_than_the_plans(tmp_path):
     path, _ = make_plan(tmp_path, "q", "gpt", TINY_GPT_TIED, **options)
     with pytest.raises(ConfigError, match="fp16-mixed needs CUDA"):
         launch_local(path, RunConfig(steps=1, device="cpu"))
+
+
+def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    grads = [torch.full((3,), 16.0)]
+    scaler.unscale_(grads)
+    assert torch.equal(grads[0], torch.full((3,), 2.0))
+    scaler.overflowed()
+    assert (scaler.scale, scaler.skipped_steps) == (4.0, 1)
+    scaler.stepped()
+    assert scaler.scale == 4.0
+    scaler.stepped()
+    assert scaler.scale == 8.0
+
+
+def test_memory_line_shows_measured_and_predicted_per_rank():
+    plan = manual_plan("gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
+    plan = dataclasses.replace(
+        plan, predicted=dataclasses.replace(plan.predicted, peak_memory_bytes=(2 << 30, 4 << 30))
+    )
+    assert memory_versus(plan, [1 << 30, 3 << 30]) == "r0 1.00/2.00 r1 3.00/4.00 (measured/predicted)"
+    assert memory_versus(plan, None) == ""  # CPU: not measured
+    many = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, peak_memory_bytes=(1 << 30,) * 9))
+    assert memory_versus(many, [1 << 30] * 8 + [2 << 30]).startswith("worst of 9 ranks: r8 2.00/1.00")

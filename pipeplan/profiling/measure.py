@@ -261,8 +261,9 @@ def profile_traced(
     """Measure every layer of an already traced (real-device) model."""
     spec, graph = traced.spec, traced.layer_graph
     sample, _ = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
-    param_dtype = get_precision(config.precision).param_dtype
-    inputs = tuple(t.to(config.device, param_dtype if t.is_floating_point() else t.dtype) for t in sample)
+    low = get_precision(config.precision).param_dtype
+    low = low if low != torch.float32 else None  # bf16: floating inputs in bf16 too; else as the model gives them
+    inputs = tuple(t.to(config.device, low if low and t.is_floating_point() else t.dtype) for t in sample)
     stages = [build_stage_module(traced, layer.nodes) for layer in graph.layers]
     env = _layer_values(traced, stages, inputs, config)
     seen_params: set[int] = set()
@@ -366,5 +367,6 @@ def profile_model(
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
     traced.module.train()
-    traced.module.to(get_precision(precision).param_dtype)  # bf16: low-precision parameters (in place)
+    if get_precision(precision).param_dtype != torch.float32:
+        traced.module.to(get_precision(precision).param_dtype)  # bf16: low-precision parameters (in place)
     return profile_traced(traced, config, model_ref=model_ref, model_options=model_options, progress=progress)

@@ -46,7 +46,8 @@ def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
     device = torch.device(device_type)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        dtype = mode.param_dtype if t.is_floating_point() else t.dtype
+        low = t.is_floating_point() and mode.param_dtype != torch.float32  # bf16 parameters and inputs
+        dtype = mode.param_dtype if low else t.dtype
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=device)
 
     try:

@@ -51,7 +51,8 @@ def microbatches_for(
     plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
 ) -> dict[int, MicroBatch]:
     """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
-    the m-th run of b samples. Floating inputs take `param_dtype` (bf16 parameters get bf16 inputs)."""
+    the m-th run of b samples. Floating inputs take a low `param_dtype` (bf16 parameters get bf16 inputs)."""
+    low = param_dtype if param_dtype != torch.float32 else None
     inputs, target = batch
     b, m = plan.training.microbatch_size, plan.training.num_microbatches
     base = plan.ranks[rank].pipeline * m * b
@@ -63,7 +64,7 @@ def microbatches_for(
     sliced: dict[int, MicroBatch] = {}
     for mb in wanted:
         lo = base + mb * b
-        pieces = tuple(x[lo : lo + b].to(device, param_dtype if x.is_floating_point() else x.dtype) for x in inputs)
+        pieces = tuple(x[lo : lo + b].to(device, low if low and x.is_floating_point() else x.dtype) for x in inputs)
         sliced[mb] = (pieces, target[lo : lo + b].to(device))
     return sliced
 

@@ -246,6 +246,7 @@ def profile_analytic(
         memory_efficiency=memory_efficiency,
     )
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
+    mixed = value_dtypes(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
@@ -253,8 +254,7 @@ def profile_analytic(
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
     if mode.autocast_dtype is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
         layers = [replace(la, param_bytes=la.param_count * mode.param_bytes) for la in layers]
-        dtypes = value_dtypes(traced, precision, "cpu")
-        cuts = tuple(cut_bytes_under(cut, dtypes) for cut in traced.layer_graph.cuts)
+        cuts = tuple(cut_bytes_under(cut, mixed) for cut in traced.layer_graph.cuts)
     return Profile(
         layers=tuple(layers),
         cut_bytes=cuts,

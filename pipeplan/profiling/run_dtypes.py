@@ -17,33 +17,50 @@ from pipeplan.precision import get_precision
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule) -> None:
+    """Runs the meta-traced graph on fake tensors of `device`: devices the trace baked in (`device=meta` arguments,
+    constant tensors) are moved to it."""
+
+    def __init__(self, module: fx.GraphModule, device: torch.device) -> None:
         super().__init__(module)
+        self.device = device
         self.dtypes: dict[str, object] = {}
 
+    def _move(self, value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=self.device)
+        return value
+
+    def fetch_attr(self, target: str):
+        return self._move(super().fetch_attr(target))
+
     def run_node(self, node: fx.Node):
-        result = super().run_node(node)
+        with self._set_current_node(node):
+            args, kwargs = tree_map(self._move, self.fetch_args_kwargs_from_env(node))
+            result = getattr(self, node.op)(node.target, args, kwargs)
         self.dtypes[node.name] = tree_map(lambda v: v.dtype if isinstance(v, torch.Tensor) else None, result)
         return result
 
 
 class _Runner(nn.Module):
-    def __init__(self, graph_module: fx.GraphModule) -> None:
+    def __init__(self, graph_module: fx.GraphModule, device: torch.device) -> None:
         super().__init__()
         self.gm = graph_module
+        self.device = device
         self.recorder: _Recorder | None = None
 
     def forward(self, *inputs):
-        self.recorder = _Recorder(self.gm)
+        self.recorder = _Recorder(self.gm, self.device)
         return self.recorder.run(*inputs)
 
 
 def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
     """Graph node name -> dtype of its output (a pytree of dtypes for container values) under `precision`."""
     mode = get_precision(precision)
-    runner = _Runner(traced.graph_module)
-    sample, _ = traced.spec.sample_batch(traced.batch_size, generator=torch.Generator().manual_seed(0))
     device = torch.device(device_type)
+    runner = _Runner(traced.graph_module, device)
+    sample, _ = traced.spec.sample_batch(traced.batch_size, generator=torch.Generator().manual_seed(0))
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         low = t.is_floating_point() and mode.param_dtype != torch.float32  # bf16 parameters and inputs

@@ -330,8 +330,7 @@ def _result_row(
         tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * flops_per_token / (config.hardware.peak_bf16_flops * num_devices),
         bubble_rate=best.timeline.bubble_rate,
-        memory=device_memory_split(best, result.profiles[layout.microbatch_size], config.search_config.split),
-        time=time,
+        memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split), time=time,
     )  # fmt: skip
 
 

@@ -35,7 +35,7 @@ from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.hardware import Hardware, load_hardware
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTensors, saved_split
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
+from pipeplan.profiling.run_dtypes import cut_bytes_under, fake_run
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -246,15 +246,15 @@ def profile_analytic(
         memory_efficiency=memory_efficiency,
     )
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
-    mixed = value_dtypes(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
+    mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
     layers = _profile_layers(traced, config, env, lambda output: spec.loss_fn(output, target), progress=progress)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
-    if mode.autocast_dtype is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
-        layers = [replace(la, param_bytes=la.param_count * mode.param_bytes) for la in layers]
-        cuts = tuple(cut_bytes_under(cut, mixed) for cut in traced.layer_graph.cuts)
+    if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
+        layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
+        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
     return Profile(
         layers=tuple(layers),
         cut_bytes=cuts,
@@ -263,6 +263,22 @@ def profile_analytic(
         ),
         input_bytes=_tensor_bytes(model_inputs),
     )
+
+
+def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
+    """fp32 parameter bytes; the low-precision weight copies autocast keeps for backward join the saved activations
+    (kept until W: the matmul's node is re-entered for the weight gradient, as the measured profiler finds)."""
+    extra = [0] * len(layers)
+    for node, sizes in copies.items():
+        extra[traced.node_layer[node]] += sum(sizes.values())
+    return [
+        replace(
+            la,
+            param_bytes=la.param_count * param_bytes,
+            activation_bytes=la.activation_bytes + more,
+        )
+        for la, more in zip(layers, extra, strict=True)
+    ]
 
 
 def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss_fn, *, progress: bool):

@@ -202,7 +202,7 @@ def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
         global_batch_size=GPT_GLOBAL_BATCH,
         microbatch_sizes=(GPT_MICROBATCH_SIZE,),
         optimizer="adamw-fp32",  # what the runtime trains with
-        dtype=source.profile.provenance.dtype,
+        precision=source.profile.provenance.precision,
         replication=False,  # a replicated one-stage plan would be data parallelism, not the schedule
         pipeline_depths=(GPT_PIPELINE_DEPTH,),
     )

@@ -1,28 +1,20 @@
 """PartitionConfig: what the partitioner optimizes for (microbatches, schedule, replication, optimizer, cost model).
 
-Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded):
-
-- `adamw-bf16` = 18 B/param, mixed precision as Megatron-LM counts it: bf16 weights 2 + fp32 gradients 4 +
-  fp32 master weights 4 + Adam first and second moments 4 + 4.
-- `adamw-fp32` = 16 B/param: fp32 weights 4 + fp32 gradients 4 + Adam moments 8.
-- `sgd` = 12 B/param: fp32 weights 4 + fp32 gradients 4 + fp32 momentum buffer 4 (torch.optim.SGD with momentum).
-- `sgd-nomomentum` = 8 B/param: fp32 weights + fp32 gradients.
-- a float: that many bytes per parameter.
+Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded), by
+`pipeplan.precision.static_split(optimizer, precision)`: each in the precision's parameter dtype, e.g. `adamw`
+= 4 + 4 + 8 = 16 B/param under fp32, bf16-mixed and fp16-mixed (the fp32 parameters are the master weights; the
+bf16/fp16 copies autocast makes live with the activations) and 2 + 2 + 4 = 8 under bf16; `sgd` has one momentum
+buffer, `sgd-nomomentum` none; a float is that many bytes per parameter. `adamw-fp32` / `adamw-bf16` are aliases
+of adamw under fp32 / bf16-mixed. `precision` None: the alias's, else bf16-mixed.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
+from pipeplan.precision import bytes_per_param
 
-OPTIMIZER_BYTES_PER_PARAM: dict[str, float] = {
-    "adamw-bf16": 18.0,
-    "adamw-fp32": 16.0,
-    "sgd": 12.0,
-    "sgd-nomomentum": 8.0,
-}
 MODES = ("replicated", "straight")
 COST_MODELS = ("pipeplan", "pipedream")
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")  # run I and W as separate ops
@@ -47,7 +39,8 @@ class PartitionConfig:
     chunks: int | None = None
     mode: str | None = None
     num_stages: int | None = None
-    optimizer: str | float = "adamw-bf16"
+    optimizer: str | float = "adamw"
+    precision: str | None = None  # pipeplan.precision mode the optimizer bytes are counted in
     cost_model: str = "pipeplan"
     memory_limit_microbatches: int | None = None
     max_layer_groups: int = 128
@@ -88,18 +81,7 @@ class PartitionConfig:
 
     @property
     def optimizer_bytes_per_param(self) -> float:
-        if isinstance(self.optimizer, bool):
-            raise ConfigError("optimizer must be a preset name or a number of bytes per parameter")
-        if isinstance(self.optimizer, int | float):
-            if not math.isfinite(self.optimizer) or self.optimizer < 0:
-                raise ConfigError(f"optimizer bytes per parameter must be a finite number >= 0, got {self.optimizer}")
-            return float(self.optimizer)
-        if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
-            raise ConfigError(
-                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZER_BYTES_PER_PARAM)} or give "
-                "bytes per parameter"
-            )
-        return OPTIMIZER_BYTES_PER_PARAM[self.optimizer]
+        return bytes_per_param(self.optimizer, self.precision)
 
     @property
     def splits_backward(self) -> bool:

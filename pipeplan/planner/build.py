@@ -12,13 +12,13 @@ import torch
 
 import pipeplan
 from pipeplan.errors import FormatError
-from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
 from pipeplan.partition.costs import static_bytes
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.planner.rationale import alternatives, rationale
 from pipeplan.planner.search import SearchResult
+from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
 from pipeplan.schedules.ops import Op, Schedule
@@ -46,9 +46,10 @@ def build_plan(
         microbatch_size=layout.microbatch_size,
         num_microbatches=layout.num_microbatches,
         data_parallel=layout.data_parallel,
-        optimizer=result.config.optimizer.split("-")[0],  # the algorithm (adamw, sgd); the preset sets the bytes
-        optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM[result.config.optimizer],
-        dtype=result.config.dtype,
+        optimizer=str(result.config.optimizer).split("-")[0],  # the algorithm (adamw, sgd); --precision the bytes
+        optimizer_bytes_per_param=result.config.per_param,
+        dtype=get_precision(result.config.precision).compute_dtype_name,
+        precision=result.config.precision,
         device=run_device_for(profile.provenance.device),
     )
     pipe = chosen.pipeline

@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.cluster import Cluster
-from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM, SPLIT_BACKWARD_SCHEDULES, PartitionConfig
+from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES, PartitionConfig
 from pipeplan.partition.costs import LayerArrays, static_bytes
 from pipeplan.partition.result import Partition
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
+from pipeplan.precision import bytes_per_param
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import default_chunks, generate
@@ -115,7 +116,7 @@ def pipeline_cluster(cluster: Cluster, pipeline_devices: int) -> Cluster:
     )
 
 
-def partition_config(layout: Layout, optimizer: str) -> PartitionConfig:
+def partition_config(layout: Layout, optimizer: str | float) -> PartitionConfig:
     """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
     return PartitionConfig(
         num_microbatches=layout.num_microbatches,
@@ -126,7 +127,7 @@ def partition_config(layout: Layout, optimizer: str) -> PartitionConfig:
     )
 
 
-def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> int | None:
+def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float) -> int | None:
     """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all)."""
     arrays = LayerArrays.from_profile(profile)
     return min_memory_per_device(
@@ -134,7 +135,9 @@ def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, opti
     )
 
 
-def partition_layout(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str) -> Partition | Rejection:
+def partition_layout(
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float
+) -> Partition | Rejection:
     """Stage cuts and replicas for `layout` from the partitioner (memory screened against
     `cluster.memory_per_device`), or why there are none."""
     try:
@@ -160,7 +163,7 @@ def stage_work_ms(part: Partition) -> tuple[float, ...]:
 
 
 def evaluate(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str, global_batch_size: int
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, global_batch_size: int
 ) -> Evaluation | Rejection:
     """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size."""
     part = partition_layout(layout, profile, cluster, optimizer=optimizer)
@@ -170,7 +173,13 @@ def evaluate(
 
 
 def evaluate_partition(
-    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, *, optimizer: str, global_batch_size: int
+    layout: Layout,
+    part: Partition,
+    profile: Profile,
+    cluster: Cluster,
+    *,
+    optimizer: str | float,
+    global_batch_size: int,
 ) -> Evaluation | Rejection:
     """Generate the schedule for `part`, simulate one step of the layout's op lists, check the simulated peak
     bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
@@ -232,18 +241,20 @@ def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
     return MemoryCosts(activation_bytes=tuple(saved), input_grad_freed_bytes=tuple(freed))
 
 
-def device_static_bytes(part: Partition, pipe: PipelineLayout, optimizer: str) -> tuple[float, ...]:
-    """Per pipeline device: weights + gradients + optimizer state of the stages (chunks) it holds."""
-    per_param = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+def device_static_bytes(part: Partition, pipe: PipelineLayout, optimizer: str | float) -> tuple[float, ...]:
+    """Per pipeline device: weights + gradients + optimizer state of the stages (chunks) it holds. `optimizer`:
+    bytes per parameter (the search resolves --optimizer under --precision), or a name (bf16-mixed unless an
+    alias says otherwise)."""
+    per_param = bytes_per_param(optimizer)
     return tuple(
         float(sum(static_bytes(part.stages[s].param_count, per_param) for s in stages)) for stages in pipe.device_stages
     )
 
 
-def _activation_budget(part: Partition, cluster: Cluster, optimizer: str) -> float:
+def _activation_budget(part: Partition, cluster: Cluster, optimizer: str | float) -> float:
     """Live activation bytes zb-auto (one stage per device) may use per device: memory less the largest stage's
     static bytes."""
-    per_param = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+    per_param = bytes_per_param(optimizer)
     largest = max(float(static_bytes(s.param_count, per_param)) for s in part.stages)
     return max(cluster.memory_per_device - largest, 1e-9)
 

@@ -53,7 +53,8 @@ class CapacityConfig:
     devices_per_node: int = 8
     microbatch_sizes: tuple[int, ...] = (1,)
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
-    optimizer: str = "adamw-bf16"
+    optimizer: str = "adamw"
+    precision: str = "bf16-mixed"  # what the analytic profiles and the optimizer bytes assume
     replication: bool = False
     per_schedule: bool = False  # also the best plan of each schedule (for plots)
     target_tokens: float | None = None
@@ -88,7 +89,7 @@ class CapacityConfig:
         reserve = self.memory_reserve_bytes
         return SearchConfig(
             global_batch_size=self.global_batch_size, microbatch_sizes=self.microbatch_sizes,
-            optimizer=self.optimizer, dtype="bfloat16", replication=self.replication,
+            optimizer=self.optimizer, precision=self.precision, replication=self.replication,
             memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
         )  # fmt: skip
 
@@ -329,7 +330,7 @@ def _result_row(
         tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * flops_per_token / (config.hardware.peak_bf16_flops * num_devices),
         bubble_rate=best.timeline.bubble_rate,
-        memory=device_memory_split(best, result.profiles[layout.microbatch_size], config.optimizer), time=time,
+        memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split), time=time,
     )  # fmt: skip
 
 

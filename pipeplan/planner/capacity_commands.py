@@ -77,7 +77,7 @@ def capacity_profile(
         if not batch_given:
             raise ConfigError(f"model {model!r} does not say its tokens per sample; give --global-batch-size")
         warn(f"model {model!r} does not say its tokens per sample; counting one token per sample")
-    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, dtype="bfloat16", progress=not quiet)
+    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, precision="bf16-mixed", progress=not quiet)
 
 
 def capacity(
@@ -93,7 +93,9 @@ def capacity(
     target_tokens: str = typer.Option(None, "--target-tokens", help="Tokens to train on, e.g. 1T (with --days)."),
     days: float = typer.Option(None, "--days", help="Days the training may take (with --target-tokens)."),
     schedule: str = typer.Option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b."),
-    optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16 (18 B/param), adamw-fp32, sgd."),
+    optimizer: str = typer.Option(
+        "adamw", "--optimizer", help="adamw (16 B/param under bf16-mixed, which capacity assumes), sgd, sgd-nomomentum."
+    ),
     replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
     plot: str = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
     memory_reserve: str = typer.Option(

@@ -1,9 +1,9 @@
 """Per-device memory for capacity reports: the split of a chosen plan's peak device into weights, gradients,
 optimizer state and activations, and a cheap lower bound on what a layout needs (to skip hopeless searches).
 
-Bytes per parameter follow `pipeplan.partition.config.OPTIMIZER_BYTES_PER_PARAM`, split as Megatron-LM counts mixed
-precision: `adamw-bf16` = bf16 weights 2 + fp32 gradients 4 + optimizer 12 (fp32 master weights 4 + Adam moments
-4 + 4) = 18 B/param. Activations are the rest of the simulator's byte peak for that device (the planner's one memory
+Bytes per parameter follow `pipeplan.precision.static_split(optimizer, precision)`: under bf16-mixed
+(torch.autocast) `adamw` = fp32 weights 4 (the master copy) + fp32 gradients 4 + Adam moments 4 + 4 = 16 B/param.
+Activations are the rest of the simulator's byte peak for that device (the planner's one memory
 figure: F adds a stage's saved bytes, I frees its share, W the rest).
 """
 
@@ -16,24 +16,15 @@ import numpy as np
 
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.cluster import Cluster
-from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
 from pipeplan.partition.costs import static_bytes
 from pipeplan.partition.single import held_counts
 from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import SearchConfig, enumerate_layouts
+from pipeplan.precision import bytes_per_param, static_split
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import default_chunks
 from pipeplan.units import format_bytes
-
-# optimizer -> bytes per parameter for (weights, gradients, optimizer state)
-OPTIMIZER_SPLIT: dict[str, tuple[float, float, float]] = {
-    "adamw-bf16": (2.0, 4.0, 12.0),
-    "adamw-fp32": (4.0, 4.0, 8.0),
-    "sgd": (4.0, 4.0, 4.0),
-    "sgd-nomomentum": (4.0, 4.0, 0.0),
-}
-assert all(sum(split) == OPTIMIZER_BYTES_PER_PARAM[name] for name, split in OPTIMIZER_SPLIT.items())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,14 +47,19 @@ class MemorySplit:
         return {name: getattr(self, name) for name in names}
 
 
-def device_memory_split(evaluation: Evaluation, profile: Profile, optimizer: str) -> MemorySplit:
+def device_memory_split(
+    evaluation: Evaluation, profile: Profile, split: tuple[float, float, float] | str
+) -> MemorySplit:
     """The split of the pipeline device with the highest simulated peak (`evaluation.device_memory_bytes`);
-    `profile` is scaled to the layout's microbatch size (the search's `profiles[b]`)."""
+    `profile` is scaled to the layout's microbatch size (the search's `profiles[b]`); `split`: bytes per parameter
+    of (weights, gradients, optimizer state), `SearchConfig.split` (or an optimizer name: bf16-mixed)."""
+    if isinstance(split, str):
+        split = static_split(split)
     part = evaluation.partition
     device = max(range(len(evaluation.device_memory_bytes)), key=lambda d: evaluation.device_memory_bytes[d])
     stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
     params = sum(s.param_count for s in stages)
-    weights, gradients, state = (round(float(static_bytes(params, b))) for b in OPTIMIZER_SPLIT[optimizer])
+    weights, gradients, state = (round(float(static_bytes(params, b))) for b in split)
     return MemorySplit(
         device=device,
         param_count=params,
@@ -74,7 +70,7 @@ def device_memory_split(evaluation: Evaluation, profile: Profile, optimizer: str
     )
 
 
-def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> float:
+def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float) -> float:
     """A lower bound on the memory per device any partition of `layout` needs under the partitioner's model
     (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here).
 
@@ -91,8 +87,8 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str) -> floa
     chunks = default_chunks(layout.schedule)
     held = held_counts(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks)
     inflight = np.asarray([before_i for _, before_i in held])
-    static = np.concatenate([[0.0], np.cumsum([la.param_count * OPTIMIZER_BYTES_PER_PARAM[optimizer] for la in
-                                               profile.layers])])  # fmt: skip
+    per_param = bytes_per_param(optimizer)
+    static = np.concatenate([[0.0], np.cumsum([la.param_count * per_param for la in profile.layers])])
     active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
     if len(inflight) > profile.num_layers:
         return math.inf
@@ -175,7 +171,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     """Split the search's layouts on `cluster` by `memory_floor_bytes` (weights + gradients + optimizer state over
     P devices first: it needs no schedule); a layout's need includes the search's memory reserve."""
     reserve = config.memory_reserve_bytes
-    per_param = OPTIMIZER_BYTES_PER_PARAM[config.optimizer]
+    per_param = config.per_param
     params = sum(layer.param_count for layer in profile.layers)
     scaled = {b: scale_profile(profile, b) for b in config.microbatch_sizes}
     passing: set[str] = set()
@@ -187,7 +183,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
         need = params * per_param / layout.pipeline_devices + reserve
         if need <= cluster.memory_per_device:
             try:
-                floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], config.optimizer)
+                floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], per_param)
                 need = max(need, floor_bytes + reserve)
             except ScheduleError:
                 continue  # the schedule cannot run this shape; the search rejects it too

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -18,6 +17,7 @@ from pipeplan.planner.inputs import (
     ProfileRequest,
     attach_model,
     check_plan_options,
+    check_profile_precision,
     graph_at_microbatch,
     load_profile_input,
     make_cluster,
@@ -30,6 +30,7 @@ from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir
 from pipeplan.planner.search import SearchConfig, default_memory_reserve, search_plans
 from pipeplan.planner.summary import render_summary, summary_dict
+from pipeplan.precision import default_precision
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.ops import Schedule
@@ -81,8 +82,15 @@ def plan(
         "-p",
         help="Devices per pipeline, or candidates like 2,4 (default: all divisors of N).",
     ),
-    optimizer: str = typer.Option("adamw-bf16", "--optimizer", help="adamw-bf16, adamw-fp32 or sgd (memory)."),
-    dtype: str = typer.Option(None, "--dtype", help="Training dtype recorded in the plan (default: the profile's)."),
+    optimizer: str = typer.Option(
+        "adamw", "--optimizer", help="adamw, sgd or sgd-nomomentum: its state, in --precision's dtype (memory)."
+    ),
+    precision: str = typer.Option(
+        None,
+        "--precision",
+        help="fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: the profile's; on the spot bf16-mixed on "
+        "cuda/meta, fp32 on cpu), e.g. --precision bf16-mixed.",
+    ),
     schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
     no_replication: bool = typer.Option(False, "--no-replication", help="Do not try replicated stages."),
     granularity: int = typer.Option(None, "--granularity", help="Layer grouping depth when tracing the model."),
@@ -100,6 +108,7 @@ def plan(
     scaled linearly to the microbatch size.
 
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
+    Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
     """
     if hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
@@ -108,17 +117,21 @@ def plan(
         devices=devices, devices_per_node=devices_per_node, memory_per_device=memory_per_device, hardware=hardware
     )
     batch = global_batch_size if global_batch_size is not None else 4 * cluster.num_devices
-    check_plan_options(schedule=schedule, dtype=dtype, output=output, granularity=granularity)
+    check_plan_options(schedule=schedule, precision=precision, output=output, granularity=granularity)
     output = Path(output)
     _check_source(model, profile, assignments, device, granularity)
     check_tracer(tracer)
     source = load_profile_input(str(profile), profile_format) if profile is not None else None
     if source is not None and model is not None:
         source = attach_model(source, model, parse_assignments(assignments), granularity, tracer)
+    if source is not None:
+        precision = check_profile_precision(source.profile, precision)
+    precision = precision or default_precision(device)
     default_size = source.profile.provenance.batch_size if source is not None else 1
     sizes = microbatch_candidates(microbatch_size, default_size)
     config = SearchConfig(  # validated before the (slow) profiling
-        global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, replication=not no_replication,
+        global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, precision=precision,
+        replication=not no_replication,
         pipeline_depths=pipeline_depth_candidates(pipeline_depth),
         memory_reserve_bytes=memory_reserve_bytes(memory_reserve, cluster.memory_per_device),
     )  # fmt: skip
@@ -126,12 +139,9 @@ def plan(
     if source is None:
         request = ProfileRequest(
             model=model, options=parse_assignments(assignments), batch_size=min(sizes), device=device,
-            hardware=hardware, granularity=granularity, dtype=dtype, quiet=json_output, tracer=tracer,
+            hardware=hardware, granularity=granularity, precision=precision, quiet=json_output, tracer=tracer,
         )  # fmt: skip
         source = profile_model_input(request)
-    elif dtype is not None and dtype != source.profile.provenance.dtype:
-        warn(f"--dtype {dtype} is recorded, but the profile's times are for {source.profile.provenance.dtype}")
-    config = replace(config, dtype=dtype or source.profile.provenance.dtype)
     schedules = None if schedule == "auto" else (schedule,)
     chosen, timeline = _search_and_write(source, cluster, config, schedules, output, quiet=json_output)
     if json_output:

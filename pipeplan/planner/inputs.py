@@ -11,6 +11,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.partition.cluster import Cluster
 from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
+from pipeplan.precision import check_device_precision, get_precision, profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
 from pipeplan.units import parse_int_list, parse_size
@@ -73,7 +74,7 @@ def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
 
 
 def check_plan_options(
-    *, schedule: str, dtype: str | None, output: str | os.PathLike, granularity: int | None = None
+    *, schedule: str, precision: str | None, output: str | os.PathLike, granularity: int | None = None
 ) -> None:
     """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
     from pipeplan.schedules.registry import SCHEDULE_NAMES
@@ -82,11 +83,8 @@ def check_plan_options(
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
     if schedule != "auto" and schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"unknown --schedule {schedule!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
-    if dtype is not None:
-        from pipeplan.profiling.analytic import DTYPE_ALIASES, DTYPES
-
-        if DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) not in DTYPES:
-            raise ConfigError(f"--dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    if precision is not None:
+        get_precision(precision)
     check_output_dir(output, "--output")
 
 
@@ -129,7 +127,7 @@ class ProfileRequest:
     device: str = "cpu"
     hardware: str | None = None
     granularity: int | None = None
-    dtype: str | None = None
+    precision: str = "fp32"
     quiet: bool = False
     tracer: str = "auto"
 
@@ -143,6 +141,18 @@ class ProfileRequest:
 
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+        check_device_precision(self.precision, "cpu" if self.device == "cpu" else "cuda")
+
+
+def check_profile_precision(profile: Profile, precision: str | None) -> str:
+    """The precision to plan for: the profile's; a different --precision is refused (its costs are not those)."""
+    found = profile_precision(profile.provenance)
+    if precision is not None and precision != found:
+        raise ConfigError(
+            f"--precision {precision} but the profile was made for {found}; profile again with --precision "
+            f"{precision} or drop --precision"
+        )
+    return found
 
 
 def profile_model_input(request: ProfileRequest) -> PlanInput:
@@ -154,20 +164,17 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
     if request.device == "meta":
         from pipeplan.profiling.analytic import profile_analytic
 
-        extra = {"dtype": request.dtype} if request.dtype else {}
         profile = profile_analytic(
             spec, batch_size=request.batch_size, hardware=request.hardware, granularity=request.granularity,
-            progress=not request.quiet, tracer=request.tracer, **extra,
+            progress=not request.quiet, tracer=request.tracer, precision=request.precision,
         )  # fmt: skip
     else:
         from pipeplan.profiling.measure import profile_model
 
-        if request.dtype and request.dtype != "float32":
-            warn(f"--dtype {request.dtype} ignored: the measured profiler times the model in float32")
         profile = profile_model(
             spec, batch_size=request.batch_size, device=request.device, granularity=request.granularity,
             progress=not request.quiet, model_ref=request.model, model_options=dict(request.options),
-            tracer=request.tracer,
+            tracer=request.tracer, precision=request.precision,
         )  # fmt: skip
     tracer = profile.provenance.tracer or request.tracer
     traced = trace_model(

@@ -55,11 +55,16 @@ class TrainingConfig:
     optimizer_bytes_per_param: float = 16.0  # memory accounting (weights + grads + optimizer state)
     lr: float = 1e-3
     weight_decay: float = 0.01
-    dtype: str = "float32"
+    dtype: str = "float32"  # the precision's compute dtype
+    precision: str = "fp32"  # pipeplan.precision mode the costs were profiled in and `run` trains in
     seed: int = 0
     device: str = "cpu"  # what the costs were measured or estimated for: cpu, or cuda (one GPU per rank)
 
     def __post_init__(self) -> None:
+        from pipeplan.precision import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise FormatError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.device not in RUN_DEVICES:
             raise FormatError(f"training.device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
         for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel"):

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.partition.cluster import Cluster
-from pipeplan.partition.config import OPTIMIZER_BYTES_PER_PARAM
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,
@@ -48,6 +47,7 @@ from pipeplan.planner.candidate import (
 )
 from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_bound_ms
 from pipeplan.planner.scaling import scale_profile
+from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks
 from pipeplan.units import format_bytes
@@ -76,8 +76,8 @@ class SearchConfig:
 
     global_batch_size: int
     microbatch_sizes: tuple[int, ...] = (1,)
-    optimizer: str = "adamw-bf16"
-    dtype: str = "float32"
+    optimizer: str = "adamw"  # adamw, sgd, sgd-nomomentum (or the aliases adamw-fp32 / adamw-bf16)
+    precision: str | None = None  # pipeplan.precision; None: the optimizer alias's, else bf16-mixed
     replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
@@ -92,14 +92,23 @@ class SearchConfig:
             raise ConfigError(
                 f"--global-batch-size ({self.global_batch_size}) must be divisible by --microbatch-size {bad[0]}"
             )
-        if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
-            raise ConfigError(
-                f"unknown --optimizer {self.optimizer!r}; choose from: {', '.join(OPTIMIZER_BYTES_PER_PARAM)}"
-            )
+        optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "precision", precision)
         if self.memory_reserve_bytes < 0:
             raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
             raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
+
+    @property
+    def per_param(self) -> float:
+        """Bytes per parameter of weights + gradients + optimizer state under the precision."""
+        return bytes_per_param(self.optimizer, self.precision)
+
+    @property
+    def split(self) -> tuple[float, float, float]:
+        """Bytes per parameter of (weights, gradients, optimizer state) under the precision."""
+        return static_split(self.optimizer, self.precision)
 
     def check_devices(self, num_devices: int) -> None:
         """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""
@@ -239,7 +248,7 @@ def search_plans(
             progress(done, len(pending))
     _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
-        smallest = smallest_fitting_memory(rejected, profiles, usable, config.optimizer)
+        smallest = smallest_fitting_memory(rejected, profiles, usable, config.per_param)
         raise InfeasibleError(infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes))
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
@@ -276,7 +285,7 @@ def _evaluate_each_schedule(
         tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
         for layout in tries[:PER_SCHEDULE_TRIES]:
             result = evaluate(
-                layout, profiles[layout.microbatch_size], cluster, optimizer=config.optimizer,
+                layout, profiles[layout.microbatch_size], cluster, optimizer=config.per_param,
                 global_batch_size=config.global_batch_size,
             )  # fmt: skip
             rejected.remove(pruned[id(layout)])
@@ -299,7 +308,7 @@ def _evaluate_unless_pruned(
         )  # fmt: skip
     budget = cluster
     for _ in range(MEMORY_RETRIES + 1):
-        part = partition_layout(layout, profile, budget, optimizer=config.optimizer)
+        part = partition_layout(layout, profile, budget, optimizer=config.per_param)
         if isinstance(part, Rejection):
             return part
         bound = partition_lower_bound_ms(layout, part, profile, cluster)
@@ -309,7 +318,7 @@ def _evaluate_unless_pruned(
                 reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
             )  # fmt: skip
         result = evaluate_partition(
-            layout, part, profile, cluster, optimizer=config.optimizer, global_batch_size=config.global_batch_size
+            layout, part, profile, cluster, optimizer=config.per_param, global_batch_size=config.global_batch_size
         )
         if not isinstance(result, Rejection) or not result.retry_budget_bytes:
             return result
@@ -326,7 +335,7 @@ def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
-    static = params * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / layout.pipeline_devices
+    static = params * config.per_param / layout.pipeline_devices
     if static <= cluster.memory_per_device:
         return None
     return Rejection(
@@ -339,7 +348,7 @@ def _static_memory_rejection(
 
 
 def smallest_fitting_memory(
-    rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, optimizer: str
+    rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, optimizer: str | float
 ) -> int | None:
     """The least memory per device at which some rejected-for-memory candidate fits (the partitioner's binary
     search); candidates whose static lower bound already exceeds the best found are skipped."""

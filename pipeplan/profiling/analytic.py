@@ -24,20 +24,31 @@ between ops.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
+from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.hardware import Hardware, load_hardware
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTensors, saved_split
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.run_dtypes import cut_bytes_under, fake_run
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPE_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16-mixed", "float16": "fp16-mixed"}
+
+
+def precision_of_dtype(dtype: str) -> str:
+    """The precision a bare `dtype` stands for (the compute dtype of: fp32, bf16-mixed, fp16-mixed)."""
+    canonical = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if canonical not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    return DTYPE_PRECISIONS[canonical]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,34 +222,63 @@ def profile_analytic(
     model_ref: str | None = None,
     model_options: dict | None = None,
     tracer: str = "auto",
+    precision: str | None = None,
 ) -> Profile:
     """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
+
+    `precision` (pipeplan.precision) sets the compute dtype (and overrides `dtype`); mixed modes count gradients
+    (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
     from pipeplan.profiling.trace import trace_model
 
+    precision = precision or precision_of_dtype(dtype)
+    mode = get_precision(precision)
     config = AnalyticConfig(
         batch_size=batch_size,
         hardware=load_hardware(hardware),
         granularity=granularity,
-        dtype=dtype,
+        dtype=mode.compute_dtype_name,
         flash_attention=flash_attention,
         matmul_efficiency=matmul_efficiency,
         memory_efficiency=memory_efficiency,
     )
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
+    mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
     layers = _profile_layers(traced, config, env, lambda output: spec.loss_fn(output, target), progress=progress)
+    cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
+    if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
+        layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
+        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
     return Profile(
         layers=tuple(layers),
-        cut_bytes=tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts),
-        provenance=_provenance(spec, config, traced.layer_graph, model_ref, model_options),
+        cut_bytes=cuts,
+        provenance=replace(
+            _provenance(spec, config, traced.layer_graph, model_ref, model_options), precision=precision
+        ),
         input_bytes=_tensor_bytes(model_inputs),
     )
+
+
+def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
+    """fp32 parameter bytes; the low-precision weight copies autocast keeps for backward join the saved activations
+    (kept until W: the matmul's node is re-entered for the weight gradient, as the measured profiler finds)."""
+    extra = [0] * len(layers)
+    for node, sizes in copies.items():
+        extra[traced.node_layer[node]] += sum(sizes.values())
+    return [
+        replace(
+            la,
+            param_bytes=la.param_count * param_bytes,
+            activation_bytes=la.activation_bytes + more,
+        )
+        for la, more in zip(layers, extra, strict=True)
+    ]
 
 
 def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss_fn, *, progress: bool):

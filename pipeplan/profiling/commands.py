@@ -10,6 +10,7 @@ from pipeplan.console import err, out, print_json
 from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
 from pipeplan.paths import check_output_file
+from pipeplan.precision import check_device_precision, default_precision
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.summary import fidelity_line, profile_table
@@ -30,13 +31,16 @@ def _check_device(device: str, hardware: str | None, hardware_file: Path | None 
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
 
 
-def _analytic(spec, *, model: str, options: dict, batch_size: int, hardware, granularity, quiet: bool, tracer: str):
+def _analytic(
+    spec, *, model: str, options: dict, batch_size: int, hardware, granularity, quiet: bool, tracer: str,
+    precision: str,
+):  # fmt: skip
     from pipeplan.profiling.analytic import profile_analytic  # written separately; imported only when needed
 
     given = {key: spec.options.get(key, value) for key, value in options.items()}
     return profile_analytic(
         spec, batch_size=batch_size, hardware=hardware, granularity=granularity, progress=not quiet,
-        model_ref=model, model_options=given, tracer=tracer,
+        model_ref=model, model_options=given, tracer=tracer, precision=precision,
     )  # fmt: skip
 
 
@@ -78,6 +82,12 @@ def profile(
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per layer; the median is kept."),
     threads: int = typer.Option(None, "--threads", help="CPU threads torch may use (default: torch's choice)."),
     timer: str = typer.Option("wall", "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU)."),
+    precision: str = typer.Option(
+        None,
+        "--precision",
+        help="fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: bf16-mixed on cuda/meta, fp32 on cpu), "
+        "e.g. --precision bf16-mixed.",
+    ),
     output: str = typer.Option(None, "--output", "-o", help="Write the Profile JSON here (atomically)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the Profile JSON on stdout."),
 ) -> None:
@@ -85,10 +95,13 @@ def profile(
     times, saved activations, parameters and the bytes crossing each cut.
 
     Example: pipeplan profile gpt -a layers=4 -a hidden=256 --batch-size 4 -o p.json
+    Example: pipeplan profile gpt --precision bf16-mixed -o p-bf16.json
     """
     options = parse_assignments(assignments)
     output = check_output_file(output, "--output") if output is not None else None
     _check_device(device, hardware, hardware_file)
+    precision = precision or default_precision(device)
+    check_device_precision(precision, "cpu" if device == "cpu" else "cuda")
     check_tracer(tracer)
     _set_threads(threads, device)
     spec = load_model(model, options)
@@ -98,7 +111,7 @@ def profile(
             err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
             spec, model=model, options=options, batch_size=batch_size, hardware=hardware,
-            granularity=granularity, quiet=as_json, tracer=tracer,
+            granularity=granularity, quiet=as_json, tracer=tracer, precision=precision,
         )  # fmt: skip
     else:
         if hardware or hardware_file:
@@ -108,6 +121,7 @@ def profile(
         result = profile_model(
             spec, batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats,
             progress=not as_json, model_ref=model, model_options=options, timer=timer, tracer=tracer,
+            precision=precision,
         )  # fmt: skip
     if output is not None:
         result.save(output)

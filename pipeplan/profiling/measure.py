@@ -21,8 +21,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeplan.console import progress as progress_bar
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
+from pipeplan.precision import check_device_precision, get_precision
 from pipeplan.profiling.host_memory import check_fits_host
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
 from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
 from pipeplan.profiling.stage import StageModule, build_stage_module
 from pipeplan.profiling.trace import TracedModel, trace_model
@@ -36,6 +38,7 @@ class MeasureConfig:
     warmup: int = 2
     repeats: int = 5
     timer: str = "wall"  # wall | cpu (process CPU time: immune to other jobs on a shared CPU; use with 1 thread)
+    precision: str = "fp32"  # pipeplan.precision: forwards run under its autocast / with its parameter dtype
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -54,6 +57,15 @@ class MeasureConfig:
             raise ConfigError(f"--timer must be one of {', '.join(TIMERS)}, got {self.timer!r}")
         if self.timer == "cpu" and self.device != "cpu":
             raise ConfigError("--timer cpu measures CPU time and only works with --device cpu; use --timer wall")
+        check_device_precision(self.precision, "cpu" if self.device == "cpu" else "cuda")
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.device == "cpu" else "cuda"
+
+    def autocast(self):
+        """The precision's autocast around every forward (backward follows the forward's dtypes, as in a run)."""
+        return get_precision(self.precision).autocast(self.device_type)
 
 
 TIMERS = ("wall", "cpu")
@@ -112,7 +124,7 @@ def _saved_by_node(node) -> list[torch.Tensor]:
     return found
 
 
-def _forward_memory(stage: StageModule, inputs: list, params: list) -> tuple[int, int, int]:
+def _forward_memory(stage: StageModule, inputs: list, params: list, autocast) -> tuple[int, int, int]:
     """(saved bytes, of which I frees, CUDA peak allocation growth or 0 on CPU) for one forward of `stage`."""
     cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in inputs) or any(p.is_cuda for p in params)
     if cuda:
@@ -128,7 +140,7 @@ def _forward_memory(stage: StageModule, inputs: list, params: list) -> tuple[int
             saved[key] = key[1]
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         outs = stage(*inputs)
     peak = 0
     if cuda:
@@ -165,13 +177,15 @@ def _median(samples: list[float]) -> float:
 def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureConfig) -> dict[str, float]:
     clock = _Clock(config)
     generator = torch.Generator().manual_seed(0)
-    grads = _grad_outputs(stage(*inputs), generator)  # with autograd on: which outputs need a gradient
+    with config.autocast():
+        grads = _grad_outputs(stage(*inputs), generator)  # with autograd on: which outputs need a gradient
     samples: dict[str, list[float]] = {"forward_ms": [], "input_grad_ms": [], "weight_grad_ms": [], "backward_ms": []}
     for step in range(config.warmup + config.repeats):
         for p in params:
             p.grad = None
         clock.start()
-        outs = stage(*inputs)
+        with config.autocast():
+            outs = stage(*inputs)
         fwd = clock.stop()
         clock.start()
         _, state = backward_input(outs, grads, inputs, params)
@@ -182,7 +196,8 @@ def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureC
         del outs, state
         for p in params:
             p.grad = None
-        outs = stage(*inputs)
+        with config.autocast():
+            outs = stage(*inputs)
         clock.start()
         backward_full(outs, grads, inputs, params)
         b_ms = clock.stop()
@@ -193,9 +208,9 @@ def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureC
     return {key: _median(values) for key, values in samples.items()}
 
 
-def _layer_flops(stage: StageModule, inputs: list) -> float:
+def _layer_flops(stage: StageModule, inputs: list, config: MeasureConfig) -> float:
     plain = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]  # no autograd hooks to place
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), config.autocast(), FlopCounterMode(display=False) as counter:
         stage(*plain)
     return float(counter.get_total_flops())
 
@@ -207,14 +222,16 @@ def _whole_model_samples(
     clock = _Clock(config)
     module = traced.module
     generator = torch.Generator().manual_seed(1)
-    probe = [t for t in tree_leaves(module(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    with config.autocast():
+        probe = [t for t in tree_leaves(module(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in probe]
     del probe
     forward, backward = [], []
     for step in range(warmup + config.repeats):
         module.zero_grad(set_to_none=True)
         clock.start()
-        out = module(*inputs)
+        with config.autocast():
+            out = module(*inputs)
         fwd = clock.stop()
         clock.start()
         roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -229,9 +246,11 @@ def _whole_model_samples(
     return forward, backward
 
 
-def _layer_values(traced: TracedModel, stages: list[StageModule], inputs: tuple) -> dict[str, object]:
+def _layer_values(
+    traced: TracedModel, stages: list[StageModule], inputs: tuple, config: MeasureConfig
+) -> dict[str, object]:
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, inputs))
-    with torch.no_grad():
+    with torch.no_grad(), config.autocast():
         for stage in stages:
             env.update(zip(stage.outputs, stage(*[env[name] for name in stage.inputs])))
     return env
@@ -243,9 +262,11 @@ def profile_traced(
     """Measure every layer of an already traced (real-device) model."""
     spec, graph = traced.spec, traced.layer_graph
     sample, _ = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
-    inputs = tuple(t.to(config.device) for t in sample)
+    low = get_precision(config.precision).param_dtype
+    low = low if low != torch.float32 else None  # bf16: floating inputs in bf16 too; else as the model gives them
+    inputs = tuple(t.to(config.device, low if low and t.is_floating_point() else t.dtype) for t in sample)
     stages = [build_stage_module(traced, layer.nodes) for layer in graph.layers]
-    env = _layer_values(traced, stages, inputs)
+    env = _layer_values(traced, stages, inputs, config)
     seen_params: set[int] = set()
     layers: list[LayerProfile] = []
     with progress_bar(quiet=not progress) as bar:
@@ -259,7 +280,7 @@ def profile_traced(
             own = [p for p in stage.parameters() if id(p) not in seen_params]
             seen_params.update(id(p) for p in own)
             times = _time_layer(stage, leaves, params, config)
-            total, freed, peak = _forward_memory(stage, leaves, params)
+            total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
             layers.append(
                 LayerProfile(
                     name=layer.name,
@@ -269,7 +290,7 @@ def profile_traced(
                     param_count=sum(p.numel() for p in own),
                     param_bytes=sum(p.numel() * p.element_size() for p in own),
                     output_bytes=_tensor_bytes([env[name] for name in stage.outputs]),
-                    flops=_layer_flops(stage, leaves),
+                    flops=_layer_flops(stage, leaves, config),
                     peak_memory_bytes=peak,
                     **times,
                 )
@@ -279,12 +300,21 @@ def profile_traced(
         bar.advance(task)
     return Profile(
         layers=tuple(layers),
-        cut_bytes=tuple(graph.cut_bytes(i) for i in range(len(graph.cuts))),
+        cut_bytes=_cut_bytes(traced, config),
         provenance=_provenance(traced, config, model_ref, model_options),
         input_bytes=_tensor_bytes(inputs),
         whole_forward_ms=_median(whole_forward + more_forward),
         whole_backward_ms=_median(whole_backward + more_backward),
     )
+
+
+def _cut_bytes(traced: TracedModel, config: MeasureConfig) -> tuple[int, ...]:
+    """Bytes crossing each cut in the dtypes the values have under the precision (what the runtime sends)."""
+    graph = traced.layer_graph
+    if config.precision == "fp32":
+        return tuple(graph.cut_bytes(i) for i in range(len(graph.cuts)))
+    dtypes = value_dtypes(traced, config.precision, config.device_type)
+    return tuple(cut_bytes_under(cut, dtypes) for cut in graph.cuts)
 
 
 def _given_options(spec: ModelSpec, given: dict | None) -> dict:
@@ -296,14 +326,14 @@ def _given_options(spec: ModelSpec, given: dict | None) -> dict:
 
 def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_options) -> Provenance:
     spec = traced.spec
-    first = next(traced.module.parameters(), None)
     device = config.device
     if device.startswith("cuda"):
         device = f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
     return Provenance(
         source="measured",
         device=device,
-        dtype=str(first.dtype).removeprefix("torch.") if first is not None else "float32",
+        dtype=get_precision(config.precision).compute_dtype_name,
+        precision=config.precision,
         batch_size=config.batch_size,
         torch_version=torch.__version__,
         model=model_ref or spec.name,
@@ -328,13 +358,17 @@ def profile_model(
     model_options: dict | None = None,
     timer: str = "wall",
     tracer: str = "auto",
+    precision: str = "fp32",
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(
-        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer
-    )
+        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer,
+        precision=precision,
+    )  # fmt: skip
     check_fits_host(spec, batch_size=batch_size, device=device)
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
     traced.module.train()
+    if get_precision(precision).param_dtype != torch.float32:
+        traced.module.to(get_precision(precision).param_dtype)  # bf16: low-precision parameters (in place)
     return profile_traced(traced, config, model_ref=model_ref, model_options=model_options, progress=progress)

@@ -53,7 +53,8 @@ class Provenance:
     source: str  # measured | analytic | pipedream
     device: str = "cpu"  # cpu, cuda:NAME, meta
     hardware: str | None = None  # hardware preset for analytic profiles
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype (the precision's)
+    precision: str = ""  # pipeplan.precision mode ("" in older profiles: see precision.profile_precision)
     batch_size: int = 1  # samples per profiled microbatch
     torch_version: str = ""
     model: str = ""  # model reference (name, file.py:factory, pkg.mod:factory)

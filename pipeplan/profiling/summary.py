@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
+from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 
 
@@ -43,7 +44,7 @@ def _ms(value: float) -> str:
 def profile_table(profile: Profile) -> Table:
     source = profile.provenance
     title = (
-        f"{source.model} ({source.source}, {source.device}, {source.dtype}, batch {source.batch_size}, "
+        f"{source.model} ({source.source}, {source.device}, {profile_precision(source)}, batch {source.batch_size}, "
         f"{profile.num_layers} layers)"
     )
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeplan.errors import RunError
 from pipeplan.runtime.routing import Message, Routing
 
 
@@ -83,6 +84,12 @@ class Mailbox:
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         payload = tensor.detach().contiguous()
+        meta = self._meta_of(message)
+        if payload.dtype != meta.dtype or tuple(payload.shape) != meta.shape:
+            raise RunError(
+                f"{message.value!r} is {tuple(payload.shape)} {payload.dtype} but its receiver expects {meta.shape} "
+                f"{meta.dtype}; the model computes another value than traced (try --precision fp32)"
+            )
         group = self._groups.get((self.rank, message.dst))
         work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message], group=group)
         self._sent.append((payload, work))

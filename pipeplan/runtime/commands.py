@@ -33,6 +33,11 @@ def run(
     device: str | None = typer.Option(
         None, "--device", help="cpu (gloo) or cuda (nccl, one GPU per rank); default: the plan's device."
     ),
+    precision: str | None = typer.Option(
+        None,
+        "--precision",
+        help="fp32, bf16-mixed, fp16-mixed (CUDA) or bf16; must be the plan's (default), e.g. --precision bf16-mixed.",
+    ),
     threads: int | None = typer.Option(
         None, "--threads", help="CPU threads per rank (default on CPU: the cores divided by the ranks on this machine)."
     ),
@@ -66,6 +71,7 @@ def run(
         init_from=str(init_from.resolve()) if init_from else None,
         heartbeat_timeout_s=heartbeat_timeout if heartbeat_timeout is not None else heartbeat_timeout_from_env(),
         device=device,
+        precision=precision,
     )
     results = launch_local(plan, config, threads=threads)
     if trace:

@@ -32,6 +32,7 @@ class RunConfig:
     quiet: bool = False  # no per-step log lines (benchmarks)
     direction_groups: bool = False  # one process group per transfer direction (always on with NCCL; tests force it)
     device: str | None = None  # cpu (gloo) or cuda (nccl, one GPU per rank); None: the plan's training.device
+    precision: str | None = None  # pipeplan.precision; None: the plan's (a different one is refused)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -57,6 +58,20 @@ class RunConfig:
             raise ConfigError(
                 f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
             )
+
+    def run_precision(self, plan_precision: str, device: str) -> str:
+        """The plan's precision; --precision must name the same (the plan's costs and memory are for it)."""
+        from pipeplan.precision import check_device_precision, get_precision
+
+        if self.precision is not None:
+            get_precision(self.precision)
+            if self.precision != plan_precision:
+                raise ConfigError(
+                    f"--precision {self.precision} but the plan was made for {plan_precision}; re-run `pipeplan plan "
+                    f"--precision {self.precision}` or drop --precision"
+                )
+        check_device_precision(plan_precision, device)
+        return plan_precision
 
     @property
     def pg_timeout_s(self) -> float:

@@ -10,6 +10,7 @@ gradients summed over microbatches, replicas and pipelines are those of the mean
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -64,7 +65,9 @@ class Executor:
             rank=rank, routing=routing, meta_of=self._meta_of, device=device, direction_groups=direction_groups
         )
         self.receives = [self._receives_of(o) for o in self.ops]
-        self.sync_per_op = False  # CUDA: synchronize around every op so its measured time is real (for --trace)
+        self.cuda_events = False  # CUDA --trace: time each op with a pair of CUDA events, read after the step
+        self.autocast = contextlib.nullcontext  # the precision's autocast around each stage forward and the loss
+        self.loss_grad = 1.0  # the loss's seed gradient: fp16 loss scaling's scale
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
 
     def _meta_of(self, message: Message):
@@ -103,11 +106,14 @@ class Executor:
         self._weight_state: dict[tuple[int, int], object] = {}
         record = StepRecord()
         start = time.perf_counter()
+        events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        origin = self._event() if self.cuda_events else None
         for index, o in enumerate(self.ops):
             if index + 1 < len(self.ops):
                 self.mailbox.prefetch(self.receives[index + 1])
             self.mailbox.release_sent()
             self._began = time.perf_counter()  # moved past any receive wait by _computing()
+            self._start_event = self._event() if self.cuda_events else None
             if o.kind == "F":
                 loss = self._forward(o, microbatches[o.microbatch])
                 if loss is not None:
@@ -116,18 +122,28 @@ class Executor:
                 backward_weight(self._weight_state.pop((o.stage, o.microbatch)))
             else:
                 self._backward(o)
-            if self.sync_per_op:
-                torch.cuda.synchronize(self.device)
-            record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
+            if self.cuda_events:
+                events.append((str(o), self._start_event, self._event()))
+            else:
+                record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
         self.mailbox.drain()
+        if origin is not None:
+            torch.cuda.synchronize(self.device)
+            record.op_times = [(n, origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3) for n, a, b in events]
         assert not self._saved and not self._weight_state and not self._local and not self._local_grads
         return record
 
     def _computing(self) -> None:
-        """The op's inputs are here: its measured time starts now (waiting is the pipeline's bubble, not the op's)."""
-        if self.sync_per_op:
-            torch.cuda.synchronize(self.device)
+        """The op's inputs are here: its measured time starts now (waiting is the pipeline's bubble, not the op's).
+        On CUDA the start event is recorded on the compute stream after the receives' waits were queued on it."""
+        if self.cuda_events:
+            self._start_event = self._event()
         self._began = time.perf_counter()
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _input_value(self, o: Op, name: str, batch: MicroBatch) -> torch.Tensor:
         if name in self.model.model_inputs:
@@ -149,7 +165,7 @@ class Executor:
         args = [self._input_value(o, name, batch) for name in io.inputs]
         self._computing()
         torch.manual_seed(forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch))
-        with torch.enable_grad():
+        with torch.enable_grad(), self.autocast():
             results = self.model.modules[o.stage](*args)
             outputs = dict(zip(io.outputs, results, strict=True))
             loss = None
@@ -189,7 +205,7 @@ class Executor:
         grads: list[torch.Tensor] = []
         if saved.loss is not None:
             roots.append(saved.loss)
-            grads.append(torch.ones_like(saved.loss))
+            grads.append(torch.full_like(saved.loss, self.loss_grad))
         for name, value in saved.outputs.items():
             grad = self._output_grad(o, name)
             if value.requires_grad:

@@ -59,6 +59,8 @@ def launch_many(
     for plan in plans:
         check_plan_runs(plan)  # fail here, before starting any rank
     world_size = plans[0].world_size
+    for plan, (_, config) in zip(plans, runs):
+        config.run_precision(plan.training.precision, config.run_device(plan.training.device))
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:

@@ -14,6 +14,7 @@ from pipeplan.models.registry import canonical_ref
 from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
+from pipeplan.precision import get_precision
 from pipeplan.profiling.trace import LayerGraph, trace_model
 from pipeplan.schedules.registry import generate
 
@@ -61,6 +62,7 @@ def manual_plan(
     lr: float = 1e-3,
     predicted_step_ms: float = 0.0,
     tracer: str = "auto",
+    precision: str = "fp32",
 ) -> Plan:
     """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication)."""
     options = dict(options or {})
@@ -94,6 +96,8 @@ def manual_plan(
             data_parallel=data_parallel,
             lr=lr,
             seed=seed,
+            precision=precision,
+            dtype=get_precision(precision).compute_dtype_name,
         ),
         schedule=schedule,
         chunks=generated.num_chunks,

@@ -19,11 +19,20 @@ import torch.distributed as dist
 from pipeplan.console import out
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
+from pipeplan.precision import get_precision
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.precision_run import (
+    GIB,
+    LossScaler,
+    apply_param_dtype,
+    apply_wire_dtypes,
+    gather_peak_memory,
+    memory_versus,
+)
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import PipelineModel, build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
@@ -39,10 +48,11 @@ class RunResult:
 
 
 def microbatches_for(
-    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device
+    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
 ) -> dict[int, MicroBatch]:
     """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
-    the m-th run of b samples."""
+    the m-th run of b samples. Floating inputs take a low `param_dtype` (bf16 parameters get bf16 inputs)."""
+    low = param_dtype if param_dtype != torch.float32 else None
     inputs, target = batch
     b, m = plan.training.microbatch_size, plan.training.num_microbatches
     base = plan.ranks[rank].pipeline * m * b
@@ -54,7 +64,8 @@ def microbatches_for(
     sliced: dict[int, MicroBatch] = {}
     for mb in wanted:
         lo = base + mb * b
-        sliced[mb] = (tuple(x[lo : lo + b].to(device) for x in inputs), target[lo : lo + b].to(device))
+        pieces = tuple(x[lo : lo + b].to(device, low if low and x.is_floating_point() else x.dtype) for x in inputs)
+        sliced[mb] = (pieces, target[lo : lo + b].to(device))
     return sliced
 
 
@@ -71,11 +82,16 @@ class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
         self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
+        self.precision = get_precision(plan.training.precision)
+        apply_param_dtype(self.model, self.precision)
+        apply_wire_dtypes(self.model, self.precision, device.type)
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
         # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
         groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None
         self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
-        self.executor.sync_per_op = device.type == "cuda" and bool(config.trace_path)
+        self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
+        self.executor.autocast = lambda: self.precision.autocast(device.type)
+        self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
         self.optimizer = _optimizer(plan, config, self.model)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
@@ -86,9 +102,10 @@ class Trainer:
         anywhere stops every rank at this step, before the optimizer touches the weights."""
         for param in self.model.params.values():
             param.grad = None
-        record = self.executor.run_step(
-            microbatches_for(self.plan, self.rank, batch, self.wanted, self.device), step=step
-        )
+        if self.scaler is not None:
+            self.executor.loss_grad = self.scaler.scale
+        pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
+        record = self.executor.run_step(pieces, step=step)
         self.sync.all_reduce()
         grads = [p.grad for p in self.model.params.values() if p.grad is not None]
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms
@@ -98,13 +115,20 @@ class Trainer:
             stats[1] += torch.stack(torch._foreach_norm(grads)).double().sum()
         dist.all_reduce(stats)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
         loss, grad_norms = stats.tolist()
+        if self.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norms):
+            self.scaler.overflowed()  # fp16: every rank saw the same all-reduced norms and skips this step
+            return loss, record.op_times
         if not (math.isfinite(loss) and math.isfinite(grad_norms)):
             what = f"loss is {loss}" if not math.isfinite(loss) else "gradients are not finite"
             raise RunError(
                 f"step {step + 1}: {what}; stopped before the optimizer step (nothing saved): lower --lr or check "
                 "the model and data"
             )
+        if self.scaler is not None:
+            self.scaler.unscale_(grads)
         self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.stepped()
         return loss, record.op_times
 
     def grads(self) -> dict[str, torch.Tensor]:
@@ -166,6 +190,8 @@ def train(
     for _ in range(start):  # the same data order as an uninterrupted run
         next(batches)
     last_times: list[tuple[str, float, float]] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(start, config.steps):
         _maybe_fail(fault, rank, step, watchdog, trainer)
         batch = next(batches)
@@ -176,8 +202,10 @@ def train(
         result.step_ms.append(step_ms)
         if capture_grads and step == start:
             result.grads = trainer.grads()
-        if rank == 0 and not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
-            _log_step(plan, step, loss, step_ms)
+        if not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
+            peaks = gather_peak_memory(device)  # every rank takes part (one small all_gather on CUDA)
+            if rank == 0:
+                _log_step(plan, step, loss, step_ms, peaks)
         if config.check_every and (step + 1) % config.check_every == 0:
             trainer.sync.check_in_sync(step)
         if config.checkpoint_dir and _checkpoint_due(config, step):
@@ -186,8 +214,10 @@ def train(
         trainer.sync.check_in_sync(config.steps - 1)
     if config.trace_path:
         write_trace(config.trace_path, rank, last_times, world_size=plan.world_size)
-    if rank == 0 and not config.quiet and result.step_ms:
-        _log_summary(plan, result.step_ms)
+    if not config.quiet and result.step_ms:
+        peaks = gather_peak_memory(device)
+        if rank == 0:
+            _log_summary(plan, result.step_ms, peaks)
     return result
 
 
@@ -217,11 +247,13 @@ def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer
         time.sleep(3600)
 
 
-def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
+def _log_step(plan: Plan, step: int, loss: float, step_ms: float, peaks: list[int] | None = None) -> None:
     samples = plan.training.global_batch_size / (step_ms / 1000.0)
     tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
     predicted = plan.predicted.step_ms
     versus = f"  predicted {predicted:.1f} ms ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
+    memory = memory_versus(plan, peaks)
+    versus += f"  mem GiB {memory}" if memory else ""
     out.print(
         f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}{versus}",
         highlight=False,
@@ -229,7 +261,7 @@ def _log_step(plan: Plan, step: int, loss: float, step_ms: float) -> None:
     )
 
 
-def _log_summary(plan: Plan, step_ms: list[float]) -> None:
+def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = None) -> None:
     timed = step_ms[1:] if len(step_ms) > 1 else step_ms  # the first step includes warm-up
     median = statistics.median(timed)
     predicted = plan.predicted.step_ms
@@ -239,3 +271,13 @@ def _log_summary(plan: Plan, step_ms: list[float]) -> None:
         else " (the plan has no prediction)"
     )
     out.print(f"summary: median step {median:.1f} ms over {len(timed)} steps{versus}", highlight=False, soft_wrap=True)
+    if peaks is None:
+        out.print("peak memory: not measured on CPU (CUDA runs report each rank's)", highlight=False)
+        return
+    predicted = plan.predicted.peak_memory_bytes
+    for rank, peak in enumerate(peaks):
+        expected = predicted[rank] if rank < len(predicted) else 0
+        versus = f" vs predicted {expected / GIB:.2f} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
+        out.print(
+            f"rank {rank}: peak memory {peak / GIB:.2f} GiB (torch.cuda.max_memory_allocated){versus}", highlight=False
+        )

@@ -10,7 +10,6 @@ import pytest
 
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.partition import (
-    OPTIMIZER_BYTES_PER_PARAM,
     Cluster,
     PartitionConfig,
     parameter_balanced_partition,
@@ -46,8 +45,10 @@ def make_profile(times, *, params=1_000_000, act=10_000_000, cut=1_000_000, free
 
 
 def test_optimizer_presets_and_override():
-    assert OPTIMIZER_BYTES_PER_PARAM["adamw-bf16"] == 18  # 2 + 4 + 4 + 8, Megatron's count
-    assert OPTIMIZER_BYTES_PER_PARAM["adamw-fp32"] == 16
+    # torch.autocast keeps fp32 parameters (the master copy): 4 + 4 + 8 under bf16-mixed as under fp32
+    assert PartitionConfig(num_microbatches=1, optimizer="adamw-bf16").optimizer_bytes_per_param == 16
+    assert PartitionConfig(num_microbatches=1, optimizer="adamw", precision="bf16").optimizer_bytes_per_param == 8
+    assert PartitionConfig(num_microbatches=1, optimizer="sgd", precision="fp32").optimizer_bytes_per_param == 12
     assert PartitionConfig(num_microbatches=1, optimizer=6.5).optimizer_bytes_per_param == 6.5
     with pytest.raises(ConfigError, match="optimizer"):
         PartitionConfig(num_microbatches=1, optimizer="lion")

@@ -43,12 +43,12 @@ def _blocks(profile):
 
 @pytest.fixture(scope="module")
 def flash_profile():
-    return _profile(_gpt(), flash_attention=True)
+    return _profile(_gpt(), flash_attention=True, precision="bf16")
 
 
 @pytest.fixture(scope="module")
 def math_profile():
-    return _profile(_gpt(), flash_attention=False)
+    return _profile(_gpt(), flash_attention=False, precision="bf16")
 
 
 def _relative_error(value, reference):
@@ -68,7 +68,7 @@ def test_saved_bytes_per_block_match_34sbh_formula(flash, flash_profile, math_pr
 
 def test_dropout_masks_count_one_byte_per_element(flash_profile):
     """Two dropouts per block (attention output, MLP output): 1-byte masks are exactly 2·s·b·h more."""
-    without = _blocks(_profile(_gpt(dropout=0.0)))[0].activation_bytes
+    without = _blocks(_profile(_gpt(dropout=0.0), precision="bf16"))[0].activation_bytes
     assert _blocks(flash_profile)[0].activation_bytes - without == 2 * SEQ * BATCH * HIDDEN
 
 
@@ -204,13 +204,30 @@ def test_profile_metadata_cuts_and_round_trip(flash_profile, tmp_path):
 
 def test_float32_profile_doubles_bytes():
     spec = _gpt(dropout=0.0, layers=1)
-    half, full = _profile(spec, dtype="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
+    half, full = _profile(spec, precision="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
     assert half.provenance.dtype == "bfloat16" and full.provenance.dtype == "float32"
+    assert (half.provenance.precision, full.provenance.precision) == ("bf16", "fp32")
     assert full.provenance.model == "mine" and full.provenance.model_options == {}
     assert half.provenance.model == "gpt" and "tf32" in full.provenance.notes
     assert full.cut_bytes[0] == 2 * half.cut_bytes[0]
     assert full.layers[1].param_bytes == 2 * half.layers[1].param_bytes
     assert full.layers[1].flops == half.layers[1].flops
+
+
+def test_bf16_mixed_profile_counts_fp32_parameters_and_the_dtypes_autocast_sends():
+    """Under autocast the parameters and gradients stay fp32 and the residual stream crossing each cut is fp32
+    (embedding output + bf16 block outputs promote to fp32), while the block computes in bf16."""
+    spec = _gpt(dropout=0.0, layers=1)
+    mixed, pure = _profile(spec), _profile(spec, precision="bf16")
+    assert (mixed.provenance.precision, mixed.provenance.dtype) == ("bf16-mixed", "bfloat16")
+    assert mixed.layers[1].param_bytes == 4 * mixed.layers[1].param_count == 2 * pure.layers[1].param_bytes
+    assert mixed.cut_bytes == tuple(2 * b for b in pure.cut_bytes)
+    assert mixed.layers[1].forward_ms == pytest.approx(pure.layers[1].forward_ms)
+    # autocast's bf16 copies of the block's matmul weights and biases (not the norms') are saved for backward
+    block = mixed.layers[1]
+    linear = sum(p.numel() for n, p in spec.build().named_parameters() if n.startswith("blocks.0.") and "ln" not in n)
+    assert block.activation_bytes - pure.layers[1].activation_bytes == 2 * linear
+    assert block.activation_freed_by_input_grad_bytes == pure.layers[1].activation_freed_by_input_grad_bytes
 
 
 def test_llama_profile_with_grouped_query_attention():
@@ -231,7 +248,7 @@ def test_large_model_profile_fits_time_and_memory_budget():
     """The 6.7B shape (32 layers, hidden 4096, seq 2048): < 30 s, < 2 GiB peak RSS (timings: bench_analytic.py)."""
     spec = load_model("gpt", dict(layers="32", hidden="4096", heads="32", seq="2048", vocab="50257", dropout="0.1"))
     start = time.perf_counter()
-    profile = profile_analytic(spec, batch_size=1, hardware="h100")
+    profile = profile_analytic(spec, batch_size=1, hardware="h100", precision="bf16")  # 34sbh: no weight copies
     elapsed = time.perf_counter() - start
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     assert sum(layer.param_count for layer in profile.layers) > 6.7e9

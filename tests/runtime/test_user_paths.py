@@ -103,7 +103,7 @@ def test_wrong_sample_batch_structure_is_one_line(model_file):
     ("option", "message"),
     [
         (["--schedule", "zbx"], "unknown --schedule 'zbx'"),
-        (["--dtype", "fp7"], "--dtype 'fp7' is not supported"),
+        (["--precision", "fp7"], "--precision 'fp7' is not supported"),
         (["--granularity", "0"], "--granularity must be >= 1"),
     ],
 )

@@ -1,0 +1,146 @@
+"""The dtype each graph value really has when the model runs under a precision mode: the traced graph runs once on
+fake tensors (no memory, no compute) of the run's device type, under that mode's autocast or with its
+low-precision parameters. Autocast's op lists differ between CPU and CUDA (e.g. CUDA keeps layer_norm and
+softmax in fp32), so the dtypes are those of `device_type`. The runtime sends cut values in these dtypes, and
+profiles count the bytes crossing a cut with them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from pipeplan.errors import TraceError
+from pipeplan.precision import get_precision
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the meta-traced graph on fake tensors of `device`: devices the trace baked in (`device=meta` arguments,
+    constant tensors) are moved to it."""
+
+    def __init__(self, module: fx.GraphModule, device: torch.device) -> None:
+        super().__init__(module)
+        self.device = device
+        self.dtypes: dict[str, object] = {}
+        self.current = ""  # the node running now
+
+    def _move(self, value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=self.device)
+        return value
+
+    def fetch_attr(self, target: str):
+        return self._move(super().fetch_attr(target))
+
+    def run_node(self, node: fx.Node):
+        self.current = node.name
+        with self._set_current_node(node):
+            args, kwargs = tree_map(self._move, self.fetch_args_kwargs_from_env(node))
+            result = getattr(self, node.op)(node.target, args, kwargs)
+        self.dtypes[node.name] = tree_map(lambda v: v.dtype if isinstance(v, torch.Tensor) else None, result)
+        return result
+
+
+class _Runner(nn.Module):
+    def __init__(self, graph_module: fx.GraphModule, device: torch.device) -> None:
+        super().__init__()
+        self.gm = graph_module
+        self.device = device
+        self.recorder: _Recorder | None = None
+
+    def forward(self, *inputs):
+        self.recorder = _Recorder(self.gm, self.device)
+        return self.recorder.run(*inputs)
+
+
+class _CastWatch(TorchDispatchMode):
+    """Counts the low-precision copies autocast makes of parameters (its cache: one per parameter per forward), by
+    the graph node that asked for them: they are saved for backward like activations."""
+
+    def __init__(self, recorder_of, params: dict[int, torch.Tensor], dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.recorder_of, self.params, self.dtype = recorder_of, params, dtype
+        self.copies: dict[str, dict[int, int]] = {}  # node name -> {parameter id: bytes}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params and kwargs.get("dtype") == self.dtype:
+            node = self.recorder_of().current
+            size = args[0].numel() * torch.empty((), dtype=self.dtype).element_size()
+            self.copies.setdefault(node, {})[id(args[0])] = size
+        return func(*args, **kwargs)
+
+
+def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
+    """Graph node name -> dtype of its output (a pytree of dtypes for container values) under `precision`."""
+    return fake_run(traced, precision, device_type)[0]
+
+
+def fake_run(traced, precision: str, device_type: str) -> tuple[dict[str, object], dict[str, dict[int, int]]]:
+    """(value dtypes by node, autocast's parameter copies by node) from one run on fake tensors."""
+    mode = get_precision(precision)
+    device = torch.device(device_type)
+    runner = _Runner(traced.graph_module, device)
+    sample, _ = traced.spec.sample_batch(traced.batch_size, generator=torch.Generator().manual_seed(0))
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        low = t.is_floating_point() and mode.param_dtype != torch.float32  # bf16 parameters and inputs
+        dtype = mode.param_dtype if low else t.dtype
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=device)
+
+    try:
+        with FakeTensorMode():
+            state = {f"gm.{name}": fake(t) for name, t in _tensors(traced.graph_module)}
+            for name, _ in traced.graph_module.named_parameters():
+                state[f"gm.{name}"].requires_grad_(state[f"gm.{name}"].is_floating_point())  # autocast's cache
+            inputs = tuple(fake(t) for t in sample)
+            watch = _CastWatch(lambda: runner.recorder, {id(t): t for t in state.values()}, mode.autocast_dtype)
+            with mode.autocast(device_type), torch.enable_grad(), watch:
+                torch.func.functional_call(runner, state, inputs, tie_weights=True, strict=False)
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(
+            f"could not run {traced.spec.name!r} on fake tensors to find its dtypes under --precision {precision} "
+            f"({type(exc).__name__}: {first}); use --precision fp32"
+        ) from None
+    assert runner.recorder is not None
+    return runner.recorder.dtypes, watch.copies
+
+
+def _tensors(module: nn.Module):
+    yield from module.named_parameters()  # one name per tied tensor: functional_call(tie_weights=True) ties
+    yield from module.named_buffers()
+
+
+def value_dtype(dtypes: dict[str, object], name: str) -> torch.dtype | None:
+    """The dtype of a stage value: a node's output, or element i of a container output (`name.i`)."""
+    if name in dtypes:
+        found = dtypes[name]
+        return found if isinstance(found, torch.dtype) else None
+    base, _, index = name.rpartition(".")
+    if base in dtypes and index.isdigit():
+        found = dtypes[base]
+        if isinstance(found, list | tuple) and int(index) < len(found):
+            item = found[int(index)]
+            return item if isinstance(item, torch.dtype) else None
+    return None
+
+
+def cut_bytes_under(cut, dtypes: dict[str, object]) -> int:
+    """Bytes of the values crossing one cut (TensorInfo list) in the dtypes they have under a precision mode."""
+    total = 0
+    for info in cut:
+        dtype = value_dtype(dtypes, info.producer)
+        if dtype is None:  # not a tensor (0 bytes), or a container: as traced
+            total += info.bytes
+            continue
+        numel = 1
+        for dim in info.shape:
+            numel *= dim
+        total += numel * torch.empty((), dtype=dtype).element_size()
+    return total

@@ -79,16 +79,19 @@ def load_spec(plan: Plan) -> ModelSpec:
     return load_model(plan.model.ref, dict(plan.model.options))
 
 
-def check_plan_runs(plan: Plan) -> None:
+def check_plan_runs(plan: Plan, *, trace: bool = True) -> None:
     """Everything about a plan that can be checked before a rank starts: runnable (stage FX nodes), a recorded
-    graph fingerprint, the model file unchanged, and its op lists executable (the same re-simulation `show` does:
-    completeness, order, deadlock)."""
+    graph fingerprint that the model still traces to, every node in exactly one stage, the model file unchanged,
+    and its op lists executable (the same re-simulation `show` does: completeness, order, deadlock)."""
     from pipeplan.planner.build import plan_timeline
 
     plan.require_runnable()
     if not plan.model.fingerprint:
         raise RunError("the plan records no model fingerprint, so the model it was made for cannot be checked; re-plan")
-    check_model_file(plan)
+    if trace:  # (a rank skips it here: building its stages traces the model the same way)
+        trace_for_plan(plan, load_spec(plan))  # the model file unchanged, its graph the plan's, each node in one stage
+    else:
+        check_model_file(plan)
     try:
         plan_timeline(plan)
     except PipeplanError as exc:
@@ -118,6 +121,11 @@ def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
         unknown = [name for name in stage.node_names if name not in known]
         if unknown:
             raise RunError(f"plan stage {stage.index} names FX nodes {unknown[:3]} the model does not have; re-plan")
+    layered = sorted(name for layer in traced.layer_graph.layers for name in layer.nodes)
+    named = sorted(name for stage in plan.stages for name in stage.node_names)
+    if named != layered:  # each of the model's nodes computed by exactly one stage
+        missing = sorted(set(layered) - set(named)) or sorted({n for n in named if named.count(n) > 1})
+        raise RunError(f"the plan's stages do not compute each FX node exactly once (e.g. {missing[:3]}); re-plan")
     return traced
 
 

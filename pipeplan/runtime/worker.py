@@ -70,7 +70,7 @@ def run_plans(
     try:
         plans = [Plan.load(path) for path, _ in runs]
         for plan in plans:
-            check_plan_runs(plan)
+            check_plan_runs(plan, trace=False)
             if world_size != plan.world_size:
                 raise RunError(
                     f"the plan needs {plan.world_size} ranks but {world_size} were started; start {plan.world_size}"

@@ -215,4 +215,8 @@ def corrupted_plans(f: Files) -> list[Case]:
             cases.append(Case(("export", str(path), "-o", str(f.root / f"bad_{label}_{i}.csv")), expect))
             if label == "runnable":  # must be refused before any rank starts
                 cases.append(Case(("run", str(path), "--steps", "1"), "error"))
+    dropped = json.loads(f.runnable.read_text())  # a stage that lost one of its FX nodes: only tracing shows it
+    dropped["stages"][1]["node_names"] = dropped["stages"][1]["node_names"][1:]
+    (f.root / "dropped_node.json").write_text(json.dumps(dropped))
+    cases.append(Case(("run", str(f.root / "dropped_node.json"), "--steps", "1"), "error"))
     return cases

@@ -27,12 +27,11 @@ from pipeplan.partition.costs import (
     stage_memory_bytes,
     transfer_ms,
 )
-from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.memory import Held, held_per_stage
 from pipeplan.schedules.registry import generate
 from pipeplan.schedules.simulate import MemoryCosts
 
 Stages = list[tuple[int, int, int]]  # (first item, last item, replicas)
-Held = tuple[int, int]  # (microbatches in flight, of which before their I) on one stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,28 +82,6 @@ def held_counts(
         memory_limit=limit,
     )  # fmt: skip
     return held_per_stage(schedule)
-
-
-def held_per_stage(schedule: Schedule) -> tuple[Held, ...]:
-    """(max in flight, max in flight before I) per stage; a stage's ops run in list order on its device."""
-    total, before = [0] * schedule.num_stages, [0] * schedule.num_stages
-    peak_total, peak_before = [0] * schedule.num_stages, [0] * schedule.num_stages
-    for ops in schedule.device_ops:
-        for o in ops:
-            s = o.stage
-            if o.kind == "F":
-                total[s] += 1
-                before[s] += 1
-                peak_total[s] = max(peak_total[s], total[s])
-                peak_before[s] = max(peak_before[s], before[s])
-            elif o.kind == "I":
-                before[s] -= 1
-            elif o.kind == "W":
-                total[s] -= 1
-            else:
-                total[s] -= 1
-                before[s] -= 1
-    return tuple(zip(peak_total, peak_before))
 
 
 def stages_fit(level: Level, stages: Stages) -> bool:

@@ -1,26 +1,41 @@
-"""In-flight microbatch counts from the op order (zb-auto's in-flight limit, until it schedules by bytes).
+"""In-flight microbatch counts per stage, read from the op order alone (a stage's ops run in list order on its
+device, so the counts hold for any op timings).
 
-Planning no longer counts microbatches: the one memory figure is the simulator's per-device peak in bytes
+These are counts, not the memory figure: planning checks the simulator's per-device peak in bytes
 (`schedules.simulate.peak_activation_per_device` / `Timeline.peak_memory_bytes`: F adds a stage's saved bytes, I
-frees what the profile says it frees, W the rest, B all). The partitioner screens with its own per-stage bound
-(`partition.single.inflight_counts`).
+frees what the profile says it frees, W the rest, B all). The partitioner screens candidate cuts with these counts
+(`partition.single.inflight_counts`), which it can combine per stage before any schedule is timed.
 """
 
 from __future__ import annotations
 
 from pipeplan.schedules.ops import Schedule
 
+Held = tuple[int, int]  # (microbatches in flight, of which before their I) on one stage
+
+
+def held_per_stage(schedule: Schedule) -> tuple[Held, ...]:
+    """Per stage: (max in flight: F run, W or B not yet; max before I: F run, I or B not yet)."""
+    total, before = [0] * schedule.num_stages, [0] * schedule.num_stages
+    peak_total, peak_before = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for ops in schedule.device_ops:
+        for o in ops:
+            s = o.stage
+            if o.kind == "F":
+                total[s] += 1
+                before[s] += 1
+                peak_total[s] = max(peak_total[s], total[s])
+                peak_before[s] = max(peak_before[s], before[s])
+            elif o.kind == "I":
+                before[s] -= 1
+            elif o.kind == "W":
+                total[s] -= 1
+            else:
+                total[s] -= 1
+                before[s] -= 1
+    return tuple(zip(peak_total, peak_before))
+
 
 def inflight_per_stage(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the max number of microbatches whose activations are alive (F done, W or B not yet done)."""
-    alive = [0] * schedule.num_stages
-    peak = [0] * schedule.num_stages
-    for ops in schedule.device_ops:
-        for o in ops:
-            if o.kind == "F":
-                alive[o.stage] += 1
-                if alive[o.stage] > peak[o.stage]:
-                    peak[o.stage] = alive[o.stage]
-            elif o.kind == "B" or o.kind == "W":
-                alive[o.stage] -= 1
-    return tuple(peak)
+    return tuple(total for total, _ in held_per_stage(schedule))

@@ -18,8 +18,8 @@ from pipeplan.partition import (
 )
 from pipeplan.partition.api import min_memory_per_device
 from pipeplan.partition.costs import LayerArrays
-from pipeplan.partition.single import held_per_stage
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.schedules.memory import held_per_stage
 from pipeplan.schedules.registry import generate
 from pipeplan.schedules.simulate import MemoryCosts, peak_activation_per_device
 

@@ -30,7 +30,8 @@ class Worker:
         self.cwd = cwd  # a scratch directory: a case that writes to "." must not touch the checkout
 
     def _start(self) -> subprocess.Popen:
-        env = {**os.environ, "PIPEPLAN_HEARTBEAT_TIMEOUT": "10", "COLUMNS": "120"}
+        # CPU only (the cases are CPU cases; a CUDA context would also blow the memory cap on a GPU machine)
+        env = {**os.environ, "PIPEPLAN_HEARTBEAT_TIMEOUT": "10", "COLUMNS": "120", "CUDA_VISIBLE_DEVICES": ""}
         return subprocess.Popen(
             [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, env=env, cwd=self.cwd,

@@ -22,13 +22,13 @@ from pipeplan.partition import (
     PartitionConfig,
     parameter_balanced_partition,
     partition,
-    read_pipedream_graph,
     uniform_partition,
 )
+from pipeplan.profiling.pipedream import read_pipedream_graph
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = Path("/work/shared/reference/pipedream-profiles")
+PROFILES = ROOT / "tests" / "data" / "pipedream-profiles"  # PipeDream (MIT), see its README and LICENSE
 REFERENCE_NAMES = ("alexnet", "vgg16", "resnet50", "resnet101", "gnmt", "gnmt_large")
 GIB = 2**30
 

@@ -35,7 +35,7 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("show", "pipeplan.planner.commands:show"),
     ("export", "pipeplan.planner.commands:export"),
     ("run", "pipeplan.runtime.commands:run"),
-    ("capacity", "pipeplan.planner.capacity_commands:capacity"),
+    ("capacity", "pipeplan.capacity.commands:capacity"),
     ("calibrate", "pipeplan.profiling.calibrate_commands:calibrate"),
 ]
 

@@ -1,14 +1,14 @@
 """Cost model and dynamic program: stage cuts, replication, chunk placement, memory check.
 
 Public API: `partition(profile, cluster, config) -> Partition`, `PartitionConfig`,
-`bytes_per_param` (pipeplan.precision), `uniform_partition`, `parameter_balanced_partition`, `read_pipedream_graph`.
+`bytes_per_param` (pipeplan.precision), `uniform_partition`, `parameter_balanced_partition`.
+PipeDream's graph.txt reader lives in pipeplan.profiling.pipedream.
 """
 
+from pipeplan.cluster import Cluster
 from pipeplan.partition.api import partition
 from pipeplan.partition.baselines import parameter_balanced_partition, uniform_partition
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.pipedream import read_pipedream_graph
 from pipeplan.partition.result import Partition, StageAssignment
 from pipeplan.precision import bytes_per_param
 
@@ -20,6 +20,5 @@ __all__ = [
     "bytes_per_param",
     "parameter_balanced_partition",
     "partition",
-    "read_pipedream_graph",
     "uniform_partition",
 ]

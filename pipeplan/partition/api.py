@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.partition import single
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_memory_bytes
 from pipeplan.partition.result import Partition, StageAssignment

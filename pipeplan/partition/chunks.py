@@ -16,9 +16,9 @@ import dataclasses
 
 import numpy as np
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ScheduleError
 from pipeplan.partition import dp, single
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_memory_bytes
 from pipeplan.schedules.registry import stage_device

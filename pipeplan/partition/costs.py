@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeplan.partition.cluster import Cluster
+from pipeplan.cluster import Cluster
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.profiling.profile import Profile
 

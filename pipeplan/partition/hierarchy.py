@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from pipeplan.cluster import Cluster
 from pipeplan.partition import dp, single
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import (
     LayerArrays,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES, PartitionConfig
 from pipeplan.partition.costs import LayerArrays, static_bytes
 from pipeplan.partition.result import Partition

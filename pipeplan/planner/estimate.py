@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from pipeplan.partition.cluster import Cluster
+from pipeplan.cluster import Cluster
 from pipeplan.partition.result import Partition
 from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
 from pipeplan.profiling.profile import Profile

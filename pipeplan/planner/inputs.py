@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from pipeplan.cluster import Cluster
 from pipeplan.console import err
 from pipeplan.errors import ConfigError
-from pipeplan.partition.cluster import Cluster
 from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
 from pipeplan.precision import check_device_precision, get_precision, profile_precision
@@ -101,7 +101,7 @@ def load_profile_input(path: str, profile_format: str) -> PlanInput:
     if profile_format not in PROFILE_FORMATS:
         raise ConfigError(f"--profile-format must be one of {', '.join(PROFILE_FORMATS)}, got {profile_format!r}")
     if profile_format == "pipedream":
-        from pipeplan.partition import read_pipedream_graph
+        from pipeplan.profiling.pipedream import read_pipedream_graph
 
         profile = read_pipedream_graph(path)
     else:

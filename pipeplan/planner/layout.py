@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeplan.partition.cluster import Cluster
+from pipeplan.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.replicate import replicate_paced, simulate_expanded

@@ -18,9 +18,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import FormatError, PipeplanError, RunError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
-from pipeplan.partition.cluster import Cluster
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.jsonio import read_json
-from pipeplan.partition.cluster import Cluster
 
 HARDWARE_SCHEMA_VERSION = 1
 _PRESETS_PATH = Path(__file__).with_name("hardware.json")

@@ -136,7 +136,7 @@ def test_local_directory_gives_config_and_initial_weights(tmp_path):
 
 
 def test_ranks_start_from_the_directory_weights(tmp_path):
-    from pipeplan.runtime.manual_plan import manual_plan
+    from pipeplan.planner.manual_plan import manual_plan
     from pipeplan.runtime.stages import build_pipeline_model
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
@@ -152,7 +152,7 @@ def test_ranks_start_from_the_directory_weights(tmp_path):
 
 def test_a_model_directory_is_recorded_absolute_with_its_config_hash(tmp_path, monkeypatch):
     from pipeplan.errors import RunError
-    from pipeplan.runtime.manual_plan import manual_plan
+    from pipeplan.planner.manual_plan import manual_plan
     from pipeplan.runtime.stages import check_model_file
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)

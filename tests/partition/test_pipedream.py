@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipeplan.errors import FormatError
-from pipeplan.partition import Cluster, PartitionConfig, partition, read_pipedream_graph
+from pipeplan.partition import Cluster, PartitionConfig, partition
+from pipeplan.profiling.pipedream import read_pipedream_graph
 
-PROFILES = Path("/work/shared/reference/pipedream-profiles")
-needs_profiles = pytest.mark.skipif(not PROFILES.is_dir(), reason="PipeDream reference profiles not present")
+PROFILES = Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles"  # MIT, see its README and LICENSE
 
 _spec = importlib.util.spec_from_file_location(
     "pipedream_reference", Path(__file__).with_name("pipedream_reference.py")
@@ -36,7 +36,6 @@ def pipedream_partition(name: str, num_devices: int, *, mode: str = "replicated"
     return profile, partition(profile, pipedream_cluster(num_devices), config)
 
 
-@needs_profiles
 def test_vgg16_on_4_devices_reproduces_pipedream_output():
     _, result = pipedream_partition("vgg16", 4)
     assert result.stage_ranges == VGG16_4["ranges"]
@@ -47,7 +46,6 @@ def test_vgg16_on_4_devices_reproduces_pipedream_output():
     assert result.stages[0].devices == (0, 1, 2) and result.stages[1].devices == (3,)
 
 
-@needs_profiles
 @pytest.mark.parametrize("name", ["vgg16", "alexnet"])
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 8])
 def test_chain_profiles_equal_pipedream_objective(name, num_devices):
@@ -57,7 +55,6 @@ def test_chain_profiles_equal_pipedream_objective(name, num_devices):
     assert sum(result.replicas) == num_devices
 
 
-@needs_profiles
 @pytest.mark.parametrize("name", ["vgg16", "alexnet"])
 def test_straight_chain_equals_pipedream_straight(name):
     _, result = pipedream_partition(name, 4, mode="straight")
@@ -66,7 +63,6 @@ def test_straight_chain_equals_pipedream_straight(name):
     assert result.replicas == (1, 1, 1, 1)
 
 
-@needs_profiles
 @pytest.mark.parametrize(("name", "num_devices"), [("gnmt", 4), ("gnmt", 8), ("resnet50", 4)])
 def test_dag_linearization_within_2_percent_of_pipedream_antichains(name, num_devices):
     _, result = pipedream_partition(name, num_devices)
@@ -74,7 +70,6 @@ def test_dag_linearization_within_2_percent_of_pipedream_antichains(name, num_de
     assert result.objective_ms <= ref * 1000 * 1.02
 
 
-@needs_profiles
 def test_reader_structure():
     vgg = read_pipedream_graph(PROFILES / "vgg16.txt")
     assert vgg.num_layers == 40  # node1 (Input) dropped

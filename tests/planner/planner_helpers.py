@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeplan.partition.cluster import Cluster
+from pipeplan.cluster import Cluster
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
 

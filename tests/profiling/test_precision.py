@@ -11,9 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
-from pipeplan.partition.cluster import Cluster
 from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.measure import profile_model
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from pipeplan.planner.manual_plan import manual_plan
 from pipeplan.planner.plan import Plan
-from pipeplan.runtime.manual_plan import manual_plan
 from pipeplan.runtime.stages import build_reference_model
 
 TINY_GPT = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError, RunError
+from pipeplan.planner.manual_plan import manual_plan
 from pipeplan.planner.plan import Plan, run_device_for
 from pipeplan.runtime import launch, worker
 from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.manual_plan import manual_plan
 
 TINY = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pipeplan.planner.capacity import CapacityReport
+from pipeplan.capacity.sweep import CapacityReport
 
 
 def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ScheduleError
-from pipeplan.partition.cluster import Cluster
 from pipeplan.partition.costs import static_bytes
 from pipeplan.partition.single import held_counts
 from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection

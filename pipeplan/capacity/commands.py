@@ -11,10 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeplan.console import out, print_json, progress
-from pipeplan.errors import ConfigError, ModelError
-from pipeplan.paths import check_output_file
-from pipeplan.planner.capacity import (
+from pipeplan.capacity.sweep import (
     DEFAULT_SCHEDULES,
     CapacityConfig,
     CapacityReport,
@@ -22,6 +19,9 @@ from pipeplan.planner.capacity import (
     capacity_sweep,
     default_global_batch,
 )
+from pipeplan.console import out, print_json, progress
+from pipeplan.errors import ConfigError, ModelError
+from pipeplan.paths import check_output_file
 from pipeplan.planner.inputs import microbatch_candidates, warn
 from pipeplan.planner.search import REPLICABLE_SCHEDULES
 from pipeplan.profiling.profile import Profile
@@ -35,7 +35,7 @@ def parse_device_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:
-    """`auto` (every schedule but zb-auto, see pipeplan.planner.capacity), `all`, or names like 1f1b,zbv."""
+    """`auto` (every schedule but zb-auto, see pipeplan.capacity.sweep), `all`, or names like 1f1b,zbv."""
     if text == "auto":
         return DEFAULT_SCHEDULES
     if text == "all":
@@ -148,7 +148,7 @@ def capacity(
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
         )  # fmt: skip
     if plot is not None:
-        from pipeplan.planner.capacity_plot import plot_capacity
+        from pipeplan.capacity.plot import plot_capacity
 
         plot_capacity(report, plot)
     if json_output:

@@ -3,7 +3,7 @@ devices a token budget needs — `capacity_sweep(profile, config)`.
 
 For each device count N the planner's search (`search_plans`) runs on `cluster_for(hardware, N)`; a row reports
 its best plan with step time, tokens/s, MFU, bubble rate, the peak device's memory split into weights / gradients /
-optimizer state / activations (pipeplan.planner.capacity_memory) and what binds:
+optimizer state / activations (pipeplan.capacity.memory) and what binds:
 
 - `memory`: a layout the search rejected for memory would have been faster (its balanced-stage estimate is below
   the chosen step time);
@@ -28,9 +28,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from pipeplan.capacity.memory import MemorySplit, device_memory_split, screen_layouts
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.planner.candidate import Evaluation, Rejection
-from pipeplan.planner.capacity_memory import MemorySplit, device_memory_split, screen_layouts
 from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.models.registry import canonical_ref
-from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
 from pipeplan.precision import get_precision

@@ -8,9 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from pipeplan.capacity.commands import capacity_profile
+from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, model_flops_per_token
 from pipeplan.cli import app
-from pipeplan.planner.capacity import CapacityConfig, capacity_sweep, model_flops_per_token
-from pipeplan.planner.capacity_commands import capacity_profile
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.memory_formulas import activation_bytes_per_layer
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from planner_helpers import make_cluster, synthetic_profile
 
-from pipeplan.errors import ConfigError
-from pipeplan.planner.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
-from pipeplan.planner.capacity import (
+from pipeplan.capacity.memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
+from pipeplan.capacity.sweep import (
     CapacityConfig,
     CapacityRow,
     answer_devices,
@@ -22,7 +21,8 @@ from pipeplan.planner.capacity import (
     model_flops_per_token,
     time_split,
 )
-from pipeplan.planner.capacity_memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
+from pipeplan.errors import ConfigError
+from pipeplan.planner.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for

@@ -51,6 +51,7 @@ def build_plan(
         dtype=get_precision(result.config.precision).compute_dtype_name,
         precision=result.config.precision,
         device=run_device_for(profile.provenance.device),
+        zero=result.config.zero,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel

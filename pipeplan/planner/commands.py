@@ -91,6 +91,12 @@ def plan(
         help="fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: the profile's; on the spot bf16-mixed on "
         "cuda/meta, fp32 on cpu), e.g. --precision bf16-mixed.",
     ),
+    zero: int = typer.Option(
+        0,
+        "--zero",
+        help="1: `run` shards the optimizer state over the ranks holding the same parameters (ZeRO-1); 0: off. "
+        "The search's memory and time do not count it yet.",
+    ),
     schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
     no_replication: bool = typer.Option(False, "--no-replication", help="Do not try replicated stages."),
     granularity: int = typer.Option(None, "--granularity", help="Layer grouping depth when tracing the model."),
@@ -133,7 +139,7 @@ def plan(
         global_batch_size=batch, microbatch_sizes=sizes, optimizer=optimizer, precision=precision,
         replication=not no_replication,
         pipeline_depths=pipeline_depth_candidates(pipeline_depth),
-        memory_reserve_bytes=memory_reserve_bytes(memory_reserve, cluster.memory_per_device),
+        memory_reserve_bytes=memory_reserve_bytes(memory_reserve, cluster.memory_per_device), zero=zero,
     )  # fmt: skip
     config.check_devices(cluster.num_devices)
     if source is None:

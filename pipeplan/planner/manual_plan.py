@@ -63,6 +63,7 @@ def manual_plan(
     predicted_step_ms: float = 0.0,
     tracer: str = "auto",
     precision: str = "fp32",
+    zero: int = 0,
 ) -> Plan:
     """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication)."""
     options = dict(options or {})
@@ -98,6 +99,7 @@ def manual_plan(
             seed=seed,
             precision=precision,
             dtype=get_precision(precision).compute_dtype_name,
+            zero=zero,
         ),
         schedule=schedule,
         chunks=generated.num_chunks,

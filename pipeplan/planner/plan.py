@@ -21,6 +21,7 @@ from typing import Any
 from pipeplan.cluster import Cluster
 from pipeplan.errors import FormatError, PipeplanError, RunError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.partition.zero_costs import ZERO_STAGES
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
@@ -59,6 +60,7 @@ class TrainingConfig:
     precision: str = "fp32"  # pipeplan.precision mode the costs were profiled in and `run` trains in
     seed: int = 0
     device: str = "cpu"  # what the costs were measured or estimated for: cpu, or cuda (one GPU per rank)
+    zero: int = 0  # ZeRO stage: 0, or 1 = optimizer state sharded over the ranks holding the same parameters
 
     def __post_init__(self) -> None:
         from pipeplan.precision import PRECISIONS
@@ -67,6 +69,11 @@ class TrainingConfig:
             raise FormatError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.device not in RUN_DEVICES:
             raise FormatError(f"training.device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
+        if self.zero not in ZERO_STAGES:
+            raise FormatError(
+                f"training.zero must be 0 or 1 (ZeRO-1 shards optimizer state; stages 2 and 3 are not supported), "
+                f"got {self.zero}"
+            )
         for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel"):
             if getattr(self, name) < 1:
                 raise FormatError(f"training.{name} must be >= 1")

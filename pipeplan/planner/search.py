@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
+from pipeplan.partition.zero_costs import check_zero_stage
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,
@@ -81,6 +82,7 @@ class SearchConfig:
     replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
+    zero: int = 0  # ZeRO stage `run` executes (0, or 1: sharded optimizer state); recorded in the plan
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -92,6 +94,7 @@ class SearchConfig:
             raise ConfigError(
                 f"--global-batch-size ({self.global_batch_size}) must be divisible by --microbatch-size {bad[0]}"
             )
+        check_zero_stage(self.zero)
         optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "precision", precision)

@@ -144,7 +144,8 @@ def _headline(plan: Plan) -> Text:
     text.append("Plan: ", style="bold")
     text.append(describe(plan) + "\n")
     text.append("Predicted: ", style="bold")
-    text.append(f"{p.step_ms:.2f} ms/step in {plan.training.precision}, {p.samples_per_s:.2f} samples/s")
+    zero = ", ZeRO-1 optimizer sharding" if plan.training.zero else ""
+    text.append(f"{p.step_ms:.2f} ms/step in {plan.training.precision}{zero}, {p.samples_per_s:.2f} samples/s")
     if p.tokens_per_s:
         text.append(f", {p.tokens_per_s:,.0f} tokens/s")
     peak = max(p.peak_memory_bytes, default=0)

@@ -46,13 +46,14 @@ def save_stage(
     names: tuple[str, ...],
     params: dict[str, nn.Parameter],
     buffers: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer_states: dict[str, dict[str, Any]],
     fingerprint: str,
     partition: str,
     num_stages: int,
 ) -> None:
     """Write one stage's state atomically (temp file in the same directory, then rename): its parameters, their
-    optimizer state, its buffers (running statistics), and what partition it belongs to."""
+    optimizer state (`optimizer_states`: name -> that parameter's full state, whether the run shards it or not),
+    its buffers (running statistics), and what partition it belongs to."""
     state = {
         "step": step,
         "stage": stage,
@@ -61,7 +62,7 @@ def save_stage(
         "num_stages": num_stages,
         "params": {name: params[name].detach().cpu() for name in names},
         "buffers": {name: value.detach().cpu() for name, value in buffers.items()},
-        "optimizer": {name: _cpu(optimizer.state.get(params[name], {})) for name in names},
+        "optimizer": {name: _cpu(optimizer_states.get(name, {})) for name in names},
         "rng": torch.get_rng_state(),
     }
     target = stage_file(root, step, stage)
@@ -117,11 +118,11 @@ def load_stage(
     stage: int,
     params: dict[str, nn.Parameter],
     buffers: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
     fingerprint: str,
     partition: str,
-) -> None:
-    """Copy a stage's saved parameters, buffers and optimizer state into this rank's (same names, same shapes)."""
+) -> dict[str, dict[str, Any]]:
+    """Copy a stage's saved parameters and buffers into this rank's (same names, same shapes); returns the saved
+    optimizer state of each parameter (name -> state, CPU tensors) for the optimizer to install."""
     path = stage_file(root, step, stage)
     if not path.is_file():
         raise RunError(f"checkpoint file {str(path)!r} is missing; resume from an intact checkpoint directory")
@@ -141,13 +142,9 @@ def load_stage(
             if name not in params or params[name].shape != value.shape:
                 raise RunError(f"checkpoint {str(path)!r} has parameter {name!r} this plan's stage {stage} lacks")
             params[name].copy_(value)
-            saved = state["optimizer"].get(name) or {}
-            device = params[name].device
-            optimizer.state[params[name]] = {
-                k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in saved.items()
-            }
         for name, value in state.get("buffers", {}).items():
             if name not in buffers or buffers[name].shape != value.shape:
                 raise RunError(f"checkpoint {str(path)!r} has buffer {name!r} this plan's stage {stage} lacks")
             buffers[name].copy_(value)
     torch.set_rng_state(state["rng"])
+    return {name: dict(state["optimizer"].get(name) or {}) for name in state["params"]}

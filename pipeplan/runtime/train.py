@@ -34,8 +34,9 @@ from pipeplan.runtime.precision_run import (
     memory_versus,
 )
 from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import PipelineModel, build_pipeline_model
+from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
+from pipeplan.runtime.zero import make_step_optimizer
 
 
 @dataclass
@@ -45,6 +46,8 @@ class RunResult:
     step_ms: list[float] = field(default_factory=list)
     first_step: int = 0
     grads: dict[str, torch.Tensor] | None = None  # after the first step's all-reduce (when asked for)
+    optimizer_state_numel: int = 0  # elements of AdamW state this rank holds at the end (1/d of shared ones: zero=1)
+    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
 
 
 def microbatches_for(
@@ -69,13 +72,13 @@ def microbatches_for(
     return sliced
 
 
-def _optimizer(plan: Plan, config: RunConfig, model: PipelineModel) -> torch.optim.Optimizer:
+def _adamw(plan: Plan, config: RunConfig):
+    """AdamW over given tensors with the run's learning rate and weight decay."""
     if plan.training.optimizer.lower() != "adamw":
         raise RunError(f"plan optimizer {plan.training.optimizer!r} is not supported; pipeplan run trains with adamw")
     lr = config.lr if config.lr is not None else plan.training.lr
     decay = config.weight_decay if config.weight_decay is not None else plan.training.weight_decay
-    params = [model.params[name] for name in sorted(model.params)]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+    return lambda tensors: torch.optim.AdamW(tensors, lr=lr, weight_decay=decay)
 
 
 class Trainer:
@@ -93,21 +96,22 @@ class Trainer:
         self.executor.autocast = lambda: self.precision.autocast(device.type)
         self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
-        self.optimizer = _optimizer(plan, config, self.model)
+        self.optimizer = make_step_optimizer(
+            plan.training.zero, self.sync, self.model.params, _adamw(plan, config), rank
+        )  # zero=1: AdamW state sharded over each group of ranks holding the same parameters (zero.py)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
 
     def one_step(self, step: int, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
         """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
         anywhere stops every rank at this step, before the optimizer touches the weights."""
-        for param in self.model.params.values():
-            param.grad = None
+        self.optimizer.zero_grad()
         if self.scaler is not None:
             self.executor.loss_grad = self.scaler.scale
         pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
-        self.sync.all_reduce()
-        grads = [p.grad for p in self.model.params.values() if p.grad is not None]
+        self.optimizer.reduce_gradients()
+        grads = self.optimizer.grads()
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms
         if record.loss_sum is not None:
             stats[0] += record.loss_sum
@@ -132,15 +136,17 @@ class Trainer:
         return loss, record.op_times
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {
-            n: (p.grad.detach().cpu().clone() if p.grad is not None else None) for n, p in self.model.params.items()
-        }
+        """Every held parameter's summed gradient (collective under zero=1: every rank calls it)."""
+        return self.optimizer.full_grads()
 
     def save(self, step: int) -> None:
         """Pipeline 0's first replica of each stage writes it; rank 0 publishes `latest` once all are written."""
         root = self.config.checkpoint_dir
         info = self.plan.ranks[self.rank]
-        if info.pipeline == 0 and info.stage_replica == 0:
+        writes = info.pipeline == 0 and info.stage_replica == 0
+        wanted = {n for stage in info.stages for n in self.model.stage_params[stage]} if writes else set()
+        states = self.optimizer.gathered_states(wanted)  # collective under zero=1
+        if writes:
             for stage in info.stages:
                 names = self.model.stage_params[stage]
                 checkpoint.save_stage(
@@ -150,7 +156,7 @@ class Trainer:
                     names=names,
                     params=self.model.params,
                     buffers=dict(self.model.modules[stage].named_buffers()),
-                    optimizer=self.optimizer,
+                    optimizer_states=states,
                     fingerprint=self.fingerprint,
                     partition=checkpoint.partition_key(self.plan),
                     num_stages=len(self.plan.stages),
@@ -163,17 +169,18 @@ class Trainer:
     def restore(self) -> int:
         step = checkpoint.latest_step(self.config.checkpoint_dir)
         checkpoint.check_complete(self.config.checkpoint_dir, step, len(self.plan.stages))
+        states = {}
         for stage in self.plan.ranks[self.rank].stages:
-            checkpoint.load_stage(
+            states |= checkpoint.load_stage(
                 self.config.checkpoint_dir,
                 step=step,
                 stage=stage,
                 params=self.model.params,
                 buffers=dict(self.model.modules[stage].named_buffers()),
-                optimizer=self.optimizer,
                 fingerprint=self.fingerprint,
                 partition=checkpoint.partition_key(self.plan),
             )
+        self.optimizer.load_states(states)
         return step
 
 
@@ -212,6 +219,9 @@ def train(
             trainer.save(step + 1)
     if config.check_every:
         trainer.sync.check_in_sync(config.steps - 1)
+    result.optimizer_state_numel = trainer.optimizer.state_numel()
+    if device.type == "cuda":
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
         write_trace(config.trace_path, rank, last_times, world_size=plan.world_size)
     if not config.quiet and result.step_ms:

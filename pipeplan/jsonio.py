@@ -42,8 +42,11 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def read_json(path: str | os.PathLike, *, kind: str, schema_version: int) -> dict[str, Any]:
-    """Read a `kind` file (e.g. "profile") and check its schema_version; errors name the file."""
+def read_json(
+    path: str | os.PathLike, *, kind: str, schema_version: int, older_versions: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """Read a `kind` file (e.g. "profile") and check its schema_version: the current one, or one of
+    `older_versions` that the caller still reads (it fills in what they lack); errors name the file."""
     target = Path(path)
     if not target.is_file():
         raise FormatError(f"{kind} file {str(target)!r} does not exist")
@@ -54,7 +57,7 @@ def read_json(path: str | os.PathLike, *, kind: str, schema_version: int) -> dic
     if not isinstance(data, dict):
         raise FormatError(f"{kind} file {str(target)!r} must hold a JSON object")
     found = data.get("schema_version")
-    if found != schema_version:
+    if found != schema_version and (isinstance(found, bool) or found not in older_versions):
         raise FormatError(
             f"{kind} file {str(target)!r} has schema_version {found!r}; this pipeplan reads version "
             f"{schema_version} (re-create the file with this version)"

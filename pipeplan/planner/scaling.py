@@ -1,10 +1,11 @@
 """Rescale a Profile to another microbatch size.
 
 A profile holds costs for one microbatch of `provenance.batch_size` samples. The planner scales every
-per-microbatch quantity linearly by `microbatch_size / batch_size`: op times, activation / output / cut / input
-bytes and FLOPs. Parameter counts and bytes do not depend on the batch. Linear time scaling is exact for
-compute-bound layers and pessimistic when growing the batch on an under-utilized device (real kernels get more
-efficient), so the planner profiles at the smallest microbatch size it considers and only scales up.
+per-microbatch quantity linearly by `microbatch_size / batch_size`: op times, activation (under every recompute
+mode) / output / cut / input bytes, recompute times and FLOPs. Parameter counts and bytes do not depend on the
+batch. Linear time scaling is exact for compute-bound layers and pessimistic when growing the batch on an
+under-utilized device (real kernels get more efficient), so the planner profiles at the smallest microbatch size
+it considers and only scales up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def _scale_layer(layer: LayerProfile, factor: float) -> LayerProfile:
         activation_freed_by_input_grad_bytes=freed,
         output_bytes=round(layer.output_bytes * factor),
         flops=layer.flops * factor,
+        selective_activation_bytes=min(activation, round(layer.selective_activation_bytes * factor)),
+        full_activation_bytes=round(layer.full_activation_bytes * factor),
+        full_recompute_ms=layer.full_recompute_ms * factor,
+        selective_recompute_ms=layer.selective_recompute_ms * factor,
     )
 
 

@@ -36,6 +36,7 @@ from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.hardware import Hardware, load_hardware
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTensors, saved_split
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.recompute import analytic_recompute
 from pipeplan.profiling.run_dtypes import cut_bytes_under, fake_run
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -276,6 +277,7 @@ def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_byt
             la,
             param_bytes=la.param_count * param_bytes,
             activation_bytes=la.activation_bytes + more,
+            selective_activation_bytes=la.selective_activation_bytes + more,  # the weight copies stay saved
         )
         for la, more in zip(layers, extra, strict=True)
     ]
@@ -296,15 +298,21 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
             if index == graph.num_layers - 1 and set(graph.output_names) <= set(stage.outputs):
                 names = stage.outputs
                 loss = lambda outputs, n=names: loss_fn(traced.build_output(dict(zip(n, outputs))))  # noqa: E731
+            needs = [name not in graph.input_names for name in stage.inputs]
             try:
                 counts = count_layer(
                     stage,
                     [env[name] for name in stage.inputs],
                     roofline=config.roofline,
                     flash_attention=config.flash_attention,
-                    input_needs_grad=[name not in graph.input_names for name in stage.inputs],
+                    input_needs_grad=needs,
                     loss=loss,
                 )
+                recompute = analytic_recompute(
+                    stage, [env[name] for name in stage.inputs], roofline=config.roofline, input_needs_grad=needs,
+                    forward_ms=counts.forward.seconds * 1e3,
+                    context=lambda: GpuSemantics(flash_attention=config.flash_attention),
+                )  # fmt: skip
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 raise ConfigError(
@@ -312,7 +320,8 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
                     "profile with --device cpu or cuda instead"
                 ) from None
             env.update(zip(stage.outputs, counts.outputs))
-            layers.append(layer_profile(layer.name, layer.module_path, counts))
+            profile = layer_profile(layer.name, layer.module_path, counts)
+            layers.append(replace(profile, **recompute.layer_fields(profile.activation_bytes)))
             bar.advance(task)
     return layers
 

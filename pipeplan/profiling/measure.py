@@ -24,6 +24,7 @@ from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import check_device_precision, get_precision
 from pipeplan.profiling.host_memory import check_fits_host
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.recompute import measured_recompute
 from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
 from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
 from pipeplan.profiling.stage import StageModule, build_stage_module
@@ -281,6 +282,10 @@ def profile_traced(
             seen_params.update(id(p) for p in own)
             times = _time_layer(stage, leaves, params, config)
             total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
+            recompute = measured_recompute(
+                stage, leaves, autocast=config.autocast, clock=_Clock(config), warmup=config.warmup,
+                repeats=config.repeats,
+            )  # fmt: skip
             layers.append(
                 LayerProfile(
                     name=layer.name,
@@ -293,6 +298,7 @@ def profile_traced(
                     flops=_layer_flops(stage, leaves, config),
                     peak_memory_bytes=peak,
                     **times,
+                    **recompute.layer_fields(total),
                 )
             )
             bar.advance(task)

@@ -3,19 +3,34 @@
 Times are milliseconds for one microbatch of `batch_size` samples; bytes are per microbatch (activations) or
 totals (parameters). `cut_bytes[i]` is everything live across the cut between layer i and layer i+1 (skip
 connections included), so `len(cut_bytes) == len(layers) - 1`.
+
+Activation recomputation (schema 2): each layer records what it keeps for backward between its forward and its
+backward under each mode of RECOMPUTE_MODES, and what recomputing costs (see `profiling.recompute` for how the
+measured and analytic profilers fill them):
+- none: `activation_bytes`, nothing recomputed;
+- selective: `selective_activation_bytes` = activation_bytes less the attention internals (the s×s scores,
+  probabilities and dropout masks, Korthikanti et al.'s 5·a·s²·b); `selective_recompute_ms` re-runs that attention
+  core (0 and equal bytes for layers without one, or with a fused attention kernel that saves none);
+- full: `full_activation_bytes` = the layer's inputs only; `full_recompute_ms` = the layer's forward again.
+Around a split backward, recomputation happens when the layer's backward starts (I, or B), so what must live from I
+to W is `activation_kept_until_weight_grad_bytes` in every mode; only the bytes held from F to I/B change.
+Layers without recorded data (PipeDream imports, schema-1 files) get: selective = none, full = the bytes crossing
+the cut before the layer (`input_bytes` for the first), full recompute = forward_ms, selective recompute = 0.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipeplan.errors import FormatError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+OLDER_PROFILE_VERSIONS = (1,)  # still read: they lack the recompute fields, which get the defaults above
 SOURCES = ("measured", "analytic", "pipedream")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,19 +48,50 @@ class LayerProfile:
     flops: float = 0.0  # forward FLOPs per microbatch
     peak_memory_bytes: int = 0  # measured on CUDA: peak allocation growth during the forward (0 = not measured)
     module_path: str = ""
+    selective_activation_bytes: int | None = None  # kept under selective recompute (None: = activation_bytes)
+    full_activation_bytes: int | None = None  # kept under full recompute: the inputs (None: Profile fills it)
+    full_recompute_ms: float | None = None  # full recompute: the forward again (None: = forward_ms)
+    selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
 
     def __post_init__(self) -> None:
-        for f in ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms"):
+        if self.selective_activation_bytes is None:
+            object.__setattr__(self, "selective_activation_bytes", self.activation_bytes)
+        if self.full_recompute_ms is None:
+            object.__setattr__(self, "full_recompute_ms", self.forward_ms)
+        for f in ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "full_recompute_ms"):
             if getattr(self, f) < 0:
                 raise FormatError(f"layer {self.name!r}: {f} must be >= 0")
+        if self.selective_recompute_ms < 0 or (self.full_activation_bytes or 0) < 0:
+            raise FormatError(f"layer {self.name!r}: recompute times and bytes must be >= 0")
         if not 0 <= self.activation_freed_by_input_grad_bytes <= max(self.activation_bytes, 0):
             raise FormatError(
                 f"layer {self.name!r}: activation_freed_by_input_grad_bytes must lie in [0, activation_bytes]"
             )
+        if not 0 <= self.selective_activation_bytes <= max(self.activation_bytes, 0):
+            raise FormatError(f"layer {self.name!r}: selective_activation_bytes must lie in [0, activation_bytes]")
 
     @property
     def activation_kept_until_weight_grad_bytes(self) -> int:
         return self.activation_bytes - self.activation_freed_by_input_grad_bytes
+
+    def kept_bytes(self, recompute: str) -> int:
+        """Bytes held from this layer's forward to its backward under `recompute` (one of RECOMPUTE_MODES)."""
+        _check_mode(recompute)
+        if recompute == "full":
+            assert self.full_activation_bytes is not None, "full_activation_bytes is filled by Profile"
+            return self.full_activation_bytes
+        return self.selective_activation_bytes if recompute == "selective" else self.activation_bytes
+
+    def recompute_ms(self, recompute: str) -> float:
+        """Time the backward spends re-running forward work under `recompute` (0 for none)."""
+        _check_mode(recompute)
+        if recompute == "full":
+            return self.full_recompute_ms
+        return self.selective_recompute_ms if recompute == "selective" else 0.0
+
+
+def _check_mode(recompute: str) -> None:
+    assert recompute in RECOMPUTE_MODES, f"recompute mode must be one of {RECOMPUTE_MODES}, got {recompute!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +133,13 @@ class Profile:
             raise FormatError(
                 f"profile has {len(self.layers)} layers but {len(self.cut_bytes)} cut_bytes (need layers-1)"
             )
+        if any(layer.full_activation_bytes is None for layer in self.layers):
+            entering = (self.input_bytes, *self.cut_bytes)  # what crosses the cut before each layer
+            filled = tuple(
+                layer if layer.full_activation_bytes is not None else replace(layer, full_activation_bytes=before)
+                for layer, before in zip(self.layers, entering, strict=True)
+            )
+            object.__setattr__(self, "layers", filled)
 
     @property
     def num_layers(self) -> int:
@@ -105,5 +158,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
-        data = read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION)
+        data = read_json(
+            path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION, older_versions=OLDER_PROFILE_VERSIONS
+        )
         return cls.from_dict(data, where=f"profile file {str(path)!r}")

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.profile import PROFILE_SCHEMA_VERSION, Profile
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_model.py"
 QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1", "--timer", "cpu"]
@@ -45,7 +45,7 @@ def test_json_prints_only_the_profile(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     saved = json.loads(target.read_text())
-    assert data["schema_version"] == 1 and len(data["layers"]) == 3
+    assert data["schema_version"] == PROFILE_SCHEMA_VERSION and len(data["layers"]) == 3
     assert [layer["name"] for layer in data["layers"]] == [layer["name"] for layer in saved["layers"]]
     assert data["cut_bytes"] == saved["cut_bytes"]
 

@@ -33,7 +33,7 @@ def parse_device_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:
-    """`auto` (every schedule but zb-auto, see pipeplan.capacity.sweep), `all`, or names like 1f1b,zbv."""
+    """`auto` (the registry's capacity_default schedules: all but zb-auto), `all`, or names like 1f1b,zbv."""
     if text == "auto":
         return schedule_names(capacity_default=True)
     if text == "all":

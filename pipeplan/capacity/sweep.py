@@ -16,10 +16,10 @@ profile's forward FLOPs per token (backward = 2 x forward): every matmul, i.e. 6
 attention scores' 12·L·s·h (full, non-causal attention, as torch's FLOP counter and PaLM's MFU count it); the
 embedding lookup costs no FLOPs; no recomputation is counted.
 
-Pruning (capacity only): the default schedules leave out zb-auto (its list scheduling is slow at this scale and, on
-uniform transformer stacks, it matches zb-h1/zb-h2); replicated stages are off unless asked for; and a device
-count whose every layout has a memory lower bound above the device's memory (capacity_memory.memory_floor_bytes)
-is reported as not fitting without running the search.
+Pruning (capacity only): the default schedules (ScheduleInfo.capacity_default) leave out zb-auto (its list
+scheduling is slow at this scale and, on uniform transformer stacks, it matches zb-h1/zb-h2); replicated stages
+are off unless asked for; and a device count whose every layout has a memory lower bound above the device's
+memory (capacity_memory.memory_floor_bytes) is reported as not fitting without running the search.
 """
 
 from __future__ import annotations

@@ -35,3 +35,7 @@ class RunError(PipeplanError):
 
 class OutputError(PipeplanError):
     """A file or directory pipeplan must write cannot be written (a directory in the way, a full disk, ...)."""
+
+
+class UnknownScheduleError(ScheduleError, ConfigError):
+    """A schedule name that is not in the registry (a bad option value, hence also a ConfigError)."""

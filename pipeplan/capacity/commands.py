@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeplan.capacity.sweep import (
-    DEFAULT_SCHEDULES,
     CapacityConfig,
     CapacityReport,
     CapacityRow,
@@ -23,9 +22,8 @@ from pipeplan.console import out, print_json, progress
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.paths import check_output_file
 from pipeplan.planner.inputs import microbatch_candidates, warn
-from pipeplan.planner.search import REPLICABLE_SCHEDULES
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
 from pipeplan.units import format_bytes, parse_count, parse_int_list
 
 
@@ -35,9 +33,9 @@ def parse_device_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:
-    """`auto` (every schedule but zb-auto, see pipeplan.capacity.sweep), `all`, or names like 1f1b,zbv."""
+    """`auto` (the registry's capacity_default schedules: all but zb-auto), `all`, or names like 1f1b,zbv."""
     if text == "auto":
-        return DEFAULT_SCHEDULES
+        return schedule_names(capacity_default=True)
     if text == "all":
         return SCHEDULE_NAMES
     return tuple(part.strip() for part in text.split(",") if part.strip())
@@ -132,7 +130,7 @@ def capacity(
         optimizer=optimizer, replication=replication, per_schedule=plot is not None, target_tokens=target, days=days,
         memory_reserve_bytes=memory_reserve_bytes(memory_reserve, spec_hardware.memory_bytes),
     )  # fmt: skip
-    if replication and not set(config.schedules) & set(REPLICABLE_SCHEDULES):
+    if replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
     profile = capacity_profile(
         model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),

@@ -16,10 +16,10 @@ profile's forward FLOPs per token (backward = 2 x forward): every matmul, i.e. 6
 attention scores' 12·L·s·h (full, non-causal attention, as torch's FLOP counter and PaLM's MFU count it); the
 embedding lookup costs no FLOPs; no recomputation is counted.
 
-Pruning (capacity only): the default schedules leave out zb-auto (its list scheduling is slow at this scale and, on
-uniform transformer stacks, it matches zb-h1/zb-h2); replicated stages are off unless asked for; and a device
-count whose every layout has a memory lower bound above the device's memory (capacity_memory.memory_floor_bytes)
-is reported as not fitting without running the search.
+Pruning (capacity only): the default schedules (ScheduleInfo.capacity_default) leave out zb-auto (its list
+scheduling is slow at this scale and, on uniform transformer stacks, it matches zb-h1/zb-h2); replicated stages
+are off unless asked for; and a device count whose every layout has a memory lower bound above the device's
+memory (capacity_memory.memory_floor_bytes) is reported as not fitting without running the search.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from pipeplan.planner.candidate import Evaluation, Rejection
 from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import schedule_info, schedule_names
 from pipeplan.units import format_bytes
 
-DEFAULT_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "zb-auto")
 DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per step
 SECONDS_PER_DAY = 86_400.0
 MINOR_SHARE = 0.05  # bubble and communication both below this share of the step: compute binds
@@ -52,7 +51,7 @@ class CapacityConfig:
     global_batch_size: int
     devices_per_node: int = 8
     microbatch_sizes: tuple[int, ...] = (1,)
-    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    schedules: tuple[str, ...] = schedule_names(capacity_default=True)
     optimizer: str = "adamw"
     precision: str = "bf16-mixed"  # what the analytic profiles and the optimizer bytes assume
     replication: bool = False
@@ -71,9 +70,8 @@ class CapacityConfig:
         for n in self.device_counts:
             if n > self.devices_per_node and n % self.devices_per_node:
                 raise ConfigError(f"--devices {n} is not a multiple of --devices-per-node ({self.devices_per_node})")
-        unknown = [s for s in self.schedules if s not in SCHEDULE_NAMES]
-        if not self.schedules or unknown:
-            raise ConfigError(f"unknown --schedule {unknown[:1]}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
+        for name in self.schedules or ("",):  # none named: the unknown-schedule error lists the choices
+            schedule_info(name, also_accepted=("auto", "all"))
         if (self.target_tokens is None) != (self.days is None):
             raise ConfigError("--target-tokens and --days go together; give both or neither")
         if self.target_tokens is not None and not (self.target_tokens > 0 and self.days > 0):

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 from pipeplan.precision import bytes_per_param
+from pipeplan.schedules.registry import schedule_info
 
 MODES = ("replicated", "straight")
 COST_MODELS = ("pipeplan", "pipedream")
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")  # run I and W as separate ops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,18 +46,13 @@ class PartitionConfig:
     max_layer_groups: int = 128
 
     def __post_init__(self) -> None:
-        from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks
-
         if self.num_microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, got {self.num_microbatches}")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(
-                f"unknown schedule {self.schedule!r}; choose --schedule from: {', '.join(SCHEDULE_NAMES)}"
-            )
+        info = schedule_info(self.schedule)
         if self.chunks is not None and self.chunks < 1:
             raise ConfigError(f"--chunks must be >= 1, got {self.chunks}")
         if self.chunks is None:
-            object.__setattr__(self, "chunks", default_chunks(self.schedule))
+            object.__setattr__(self, "chunks", info.default_chunks)
         if self.mode is None:
             object.__setattr__(self, "mode", "straight" if self.chunks > 1 else "replicated")
         if self.mode not in MODES:
@@ -86,4 +81,4 @@ class PartitionConfig:
     @property
     def splits_backward(self) -> bool:
         """True when the schedule runs I and W separately (compute = F + I + W, else F + B)."""
-        return self.schedule in SPLIT_BACKWARD_SCHEDULES
+        return schedule_info(self.schedule).split_backward

@@ -22,14 +22,14 @@ from dataclasses import dataclass, replace
 from pipeplan.cluster import Cluster
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
-from pipeplan.partition.config import SPLIT_BACKWARD_SCHEDULES, PartitionConfig
+from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import LayerArrays, static_bytes
 from pipeplan.partition.result import Partition
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
 from pipeplan.precision import bytes_per_param
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import default_chunks, generate
+from pipeplan.schedules.registry import default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 from pipeplan.units import format_bytes
 
@@ -155,7 +155,7 @@ def partition_layout(
 
 def stage_work_ms(part: Partition) -> tuple[float, ...]:
     """Per stage, one microbatch's compute as simulated: F + I + W split, F + B fused; / replicas."""
-    split = part.schedule in SPLIT_BACKWARD_SCHEDULES
+    split = schedule_info(part.schedule).split_backward
     return tuple(
         (s.forward_ms + (s.input_grad_ms + s.weight_grad_ms if split else s.backward_ms)) / s.replicas
         for s in part.stages
@@ -185,7 +185,7 @@ def evaluate_partition(
     bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
     all-reduce."""
     memory = memory_costs(part, profile)
-    auto = layout.schedule == "zb-auto"
+    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
     try:
         schedule = generate(
             layout.schedule,

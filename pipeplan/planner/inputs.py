@@ -14,6 +14,7 @@ from pipeplan.planner.plan import ModelRef
 from pipeplan.precision import check_device_precision, get_precision, profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import parse_int_list, parse_size
 
 PROFILE_FORMATS = ("pipeplan", "pipedream")
@@ -77,12 +78,10 @@ def check_plan_options(
     *, schedule: str, precision: str | None, output: str | os.PathLike, granularity: int | None = None
 ) -> None:
     """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
-    from pipeplan.schedules.registry import SCHEDULE_NAMES
-
     if granularity is not None and granularity < 1:
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
-    if schedule != "auto" and schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown --schedule {schedule!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
+    if schedule != "auto":
+        schedule_info(schedule, also_accepted=("auto",))
     if precision is not None:
         get_precision(precision)
     check_output_dir(output, "--output")

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.cluster import Cluster
-from pipeplan.errors import FormatError, PipeplanError, RunError
+from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
 from pipeplan.partition.zero_costs import ZERO_STAGES
 from pipeplan.schedules.ops import Op
-from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import schedule_info
+from pipeplan.schedules.validate import check_complete
 
 PLAN_SCHEMA_VERSION = 1
 RUN_DEVICES = ("cpu", "cuda")
@@ -180,8 +181,10 @@ class Plan:
 
 def _check_plan(plan: Plan) -> None:
     """One clear FormatError per inconsistency a hand-edited or truncated plan.json could have."""
-    if plan.schedule not in SCHEDULE_NAMES:
-        raise FormatError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+    try:
+        schedule_info(plan.schedule)
+    except UnknownScheduleError as exc:
+        raise FormatError(f"plan file: {exc}") from None
     if not plan.stages:
         raise FormatError("plan has no stages")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
@@ -230,30 +233,23 @@ def _check_replicas(plan: Plan) -> None:
 
 def _check_rank_ops(plan: Plan) -> None:
     """Each rank runs only its own stages; in each pipeline every (stage, microbatch) runs F once and B or I+W
-    once. (Deadlock freedom is the generator's invariant; the runtime checks it again before running.)"""
+    once (`schedules.validate.check_complete`). (Deadlock freedom is the generator's invariant; the runtime
+    checks it again before running.)"""
     num_mb = plan.training.num_microbatches
-    seen: list[dict[tuple[int, int], str]] = [{} for _ in range(plan.training.data_parallel)]
+    pipeline_ops: list[list[Op]] = [[] for _ in range(plan.training.data_parallel)]
     for info, ops in zip(plan.ranks, plan.rank_ops):
         for text in ops:
             try:
                 op = Op.parse(text)
             except PipeplanError as exc:
                 raise FormatError(f"plan rank {info.rank}: {exc}") from None
-            stage, kind, mb = op.stage, op.kind, op.microbatch
-            if stage not in info.stages:
-                raise FormatError(f"plan rank {info.rank} runs op {text} of stage {stage}, which it does not hold")
-            if mb >= num_mb:
+            if op.stage not in info.stages:
+                raise FormatError(f"plan rank {info.rank} runs op {text} of stage {op.stage}, which it does not hold")
+            if op.microbatch >= num_mb:
                 raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
-            kinds = seen[info.pipeline].setdefault((stage, mb), "")
-            if kind in kinds:
-                raise FormatError(f"plan pipeline {info.pipeline} runs op {text} twice")
-            seen[info.pipeline][(stage, mb)] = kinds + kind
-    for pipeline, kinds_of in enumerate(seen):
-        for stage in range(len(plan.stages)):
-            for mb in range(num_mb):
-                kinds = "".join(sorted(kinds_of.get((stage, mb), "")))
-                if kinds not in ("BF", "FIW"):
-                    raise FormatError(
-                        f"plan pipeline {pipeline} runs ops {kinds or 'none'} for stage {stage} microbatch {mb}; "
-                        "each needs F and either B or I and W"
-                    )
+            pipeline_ops[info.pipeline].append(op)
+    for pipeline, ops in enumerate(pipeline_ops):
+        try:
+            check_complete(ops, len(plan.stages), num_mb)
+        except ScheduleError as exc:
+            raise FormatError(f"plan pipeline {pipeline}: {exc}") from None

@@ -50,11 +50,9 @@ from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_boun
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks
+from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
 from pipeplan.units import format_bytes
 
-# One stage per device and a fixed op order (regenerated from the name alone): replicas split the microbatches.
-REPLICABLE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
 PREDICTION_MARGIN = 0.02
@@ -79,7 +77,7 @@ class SearchConfig:
     microbatch_sizes: tuple[int, ...] = (1,)
     optimizer: str = "adamw"  # adamw, sgd, sgd-nomomentum (or the aliases adamw-fp32 / adamw-bf16)
     precision: str | None = None  # pipeplan.precision; None: the optimizer alias's, else bf16-mixed
-    replication: bool = True  # also try PipeDream replicated stages (REPLICABLE_SCHEDULES)
+    replication: bool = True  # also try PipeDream replicated stages (schedules whose ScheduleInfo is replicable)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
     zero: int = 0  # ZeRO stage `run` executes (0, or 1: sharded optimizer state); recorded in the plan
@@ -178,7 +176,7 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
             m = config.global_batch_size // (d * b)
             for name in schedules:
                 modes = [STRAIGHT]
-                if config.replication and name in REPLICABLE_SCHEDULES and p > 1:
+                if config.replication and schedule_info(name).replicable and p > 1:
                     modes.append(REPLICATED)
                 for mode in modes:
                     layout = Layout(
@@ -215,9 +213,8 @@ def search_plans(
 ) -> SearchResult:
     """Rank every layout that fits; raise InfeasibleError naming the binding constraint when none does."""
     names = tuple(schedules) if schedules else SCHEDULE_NAMES
-    unknown = [s for s in names if s not in SCHEDULE_NAMES]
-    if unknown:
-        raise ConfigError(f"unknown --schedule {unknown[0]!r}; choose from: auto, {', '.join(SCHEDULE_NAMES)}")
+    for name in names:
+        schedule_info(name, also_accepted=("auto",))
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
     usable = usable_cluster(cluster, config)
     pending: list[tuple[float, Layout]] = []

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pipeplan.errors import RunError
+from pipeplan.errors import RunError, ScheduleError
 from pipeplan.planner.plan import Plan
 from pipeplan.schedules.ops import Op
+from pipeplan.schedules.validate import check_complete
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,25 +64,24 @@ def parse_rank_ops(plan: Plan) -> list[list[Op]]:
 
 
 def op_owners(plan: Plan, rank_ops: list[list[Op]]) -> dict[tuple[int, int, int], int]:
-    """(pipeline, stage, microbatch) -> rank, checking each is forwarded once and backpropagated on that rank."""
+    """(pipeline, stage, microbatch) -> rank, checking each pipeline's ops are complete (F once, B or I+W once:
+    `schedules.validate.check_complete`) and each backward runs on its forward's rank."""
     owner: dict[tuple[int, int, int], int] = {}
+    pipeline_ops: list[list[Op]] = [[] for _ in range(plan.training.data_parallel)]
     for rank, ops in enumerate(rank_ops):
         pipeline = plan.ranks[rank].pipeline
         held = set(plan.ranks[rank].stages)
         for o in ops:
             if o.stage not in held:
                 raise RunError(f"plan rank {rank} runs {o} but holds stages {sorted(held)}; re-create the plan")
+            pipeline_ops[pipeline].append(o)
             if o.kind == "F":
-                key = (pipeline, o.stage, o.microbatch)
-                if key in owner:
-                    raise RunError(f"plan runs {o} of pipeline {pipeline} on ranks {owner[key]} and {rank}")
-                owner[key] = rank
-    num_mb = plan.training.num_microbatches
-    for pipeline in range(plan.training.data_parallel):
-        for stage in range(len(plan.stages)):
-            missing = [mb for mb in range(num_mb) if (pipeline, stage, mb) not in owner]
-            if missing:
-                raise RunError(f"plan pipeline {pipeline} never runs stage {stage} forward for microbatches {missing}")
+                owner[(pipeline, o.stage, o.microbatch)] = rank
+    for pipeline, ops in enumerate(pipeline_ops):
+        try:
+            check_complete(ops, len(plan.stages), plan.training.num_microbatches)
+        except ScheduleError as exc:
+            raise RunError(f"plan pipeline {pipeline}: {exc}; re-create the plan") from None
     for rank, ops in enumerate(rank_ops):
         pipeline = plan.ranks[rank].pipeline
         for o in ops:

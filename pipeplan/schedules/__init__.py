@@ -1,10 +1,22 @@
-"""Pipeline schedules as pure data: Op type, generators (gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, zbv,
-dualpipev), validate, the activation-memory model, simulate, and rendering (terminal Gantt, Chrome trace).
-No torch import anywhere in this package."""
+"""Pipeline schedules as pure data: Op type, placements, generators (gpipe, 1f1b, interleaved, zb-h1, zb-h2,
+zb-auto, zbv, dualpipev), the registry (name -> ScheduleInfo), validate, the timing engine, the activation-memory
+model, simulate, and rendering (terminal Gantt, Chrome trace). No torch import anywhere in this package.
+
+Each module imports only ones below it: ops and placement at the bottom; then engine, validate, simulate; then
+the generators; the registry (which imports the generators); replicate and commands on top. A test checks the
+import graph has no cycle."""
 
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, generate, stage_device
+from pipeplan.schedules.registry import (
+    SCHEDULE_NAMES,
+    ScheduleInfo,
+    default_chunks,
+    generate,
+    schedule_info,
+    schedule_names,
+    stage_device,
+)
 from pipeplan.schedules.simulate import (
     MemoryCosts,
     StageCosts,
@@ -21,6 +33,7 @@ __all__ = [
     "MemoryCosts",
     "Op",
     "Schedule",
+    "ScheduleInfo",
     "StageCosts",
     "Timeline",
     "TimelineEntry",
@@ -28,6 +41,8 @@ __all__ = [
     "generate",
     "inflight_per_stage",
     "peak_activation_per_device",
+    "schedule_info",
+    "schedule_names",
     "simulate",
     "stage_device",
     "unit_memory",

@@ -13,7 +13,8 @@ from pipeplan.jsonio import write_json
 from pipeplan.paths import check_output_file
 from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, stage_device
+from pipeplan.schedules.placement import LOOPED
+from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, schedule_info
 from pipeplan.schedules.render import gantt, timeline_to_chrome_trace
 from pipeplan.schedules.simulate import PAPER_INPUT_GRAD_FREES, StageCosts, Timeline, unit_memory
 from pipeplan.schedules.simulate import simulate as simulate_schedule
@@ -36,7 +37,7 @@ def _run(
     """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
     if f + b + w <= 0:
         raise ConfigError("--f, --b and --w are all 0: give at least one op a time > 0")
-    v = len(stage_device(name, devices, chunks)) // devices
+    v = schedule_info(name).resolve_chunks(chunks)
     costs = StageCosts(forward_ms=f / v, input_grad_ms=b / v, weight_grad_ms=w / v, comm_ms=comm)
     memory = unit_memory(v, input_grad_frees=input_grad_frees)
     schedule = generate(
@@ -145,7 +146,7 @@ def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | Non
     results, skipped = [], []
     for name in SCHEDULE_NAMES:
         try:
-            per_name = {"chunks": options["chunks"] if name == "interleaved" else None}
+            per_name = {"chunks": options["chunks"] if schedule_info(name).placement == LOOPED else None}
             if name != "dualpipev":
                 per_name["overlap_ms"] = None
             plan, timeline = _run(name, **{**options, **per_name})
@@ -163,5 +164,5 @@ def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | Non
     out.print(_metrics_table(results, title=title))
     for row in skipped:
         out.print(f"[dim]skipped {row['schedule']}: {row['reason']}[/]", highlight=False)
-    if highlight and highlight not in {row["schedule"] for row in results} | {r["schedule"] for r in skipped}:
-        raise ScheduleError(f"unknown schedule {highlight!r}; choose --schedule from: {', '.join(SCHEDULE_NAMES)}")
+    if highlight:
+        schedule_info(highlight)  # every known schedule is in `results` or `skipped`; an unknown one raises

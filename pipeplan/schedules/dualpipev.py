@@ -16,13 +16,14 @@ from collections import deque
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 
 
 class _Device:
     """Counters of one device while emitting its ops (forward/backward microbatch per chunk, deferred Ws)."""
 
     def __init__(self, p: int, device: int) -> None:
-        self.stage = (device, 2 * p - 1 - device)
+        self.stage = v_stages(device, p)
         self.fwd = [0, 0]
         self.bwd = [0, 0]
         self.deferred_w: deque[Op] = deque()
@@ -88,8 +89,7 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     if m < 2 * p:
         raise ScheduleError(f"dualpipev needs --microbatches >= 2 x --stages ({2 * p}); got {m}")
     device_ops = [_device_ops(p, d, m) for d in range(p)]
-    stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-    return make_schedule("dualpipev", m, stage_device, device_ops)
+    return make_schedule("dualpipev", m, stage_devices(V_SHAPED, p, 2), device_ops)
 
 
 def overlapped_pairs(schedule: Schedule) -> tuple[tuple[int, int], ...]:

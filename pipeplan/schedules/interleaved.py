@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.placement import LOOPED, chunk_stage, stage_devices
 
 
 def _virtual(k: int, num_devices: int, chunks: int, *, backward: bool) -> tuple[int, int]:
@@ -32,16 +33,15 @@ def interleaved(num_devices: int, num_microbatches: int, chunks: int = 2) -> Sch
 
         def fwd(k: int, device: int = device) -> Op:
             chunk, mb = _virtual(k, p, v, backward=False)
-            return Op("F", chunk * p + device, mb)
+            return Op("F", chunk_stage(LOOPED, device, chunk, p), mb)
 
         def bwd(k: int, device: int = device) -> Op:
             chunk, mb = _virtual(k, p, v, backward=True)
-            return Op("B", chunk * p + device, mb)
+            return Op("B", chunk_stage(LOOPED, device, chunk, p), mb)
 
         ops = [fwd(k) for k in range(warmup)]  # warm-up: 2(p-1-d) + (v-1)p forwards
         for k in range(total - warmup):  # steady: one forward, one backward
             ops += [fwd(warmup + k), bwd(k)]
         ops += [bwd(k) for k in range(total - warmup, total)]  # cool-down: the remaining backwards
         device_ops.append(ops)
-    stage_device = tuple(s % p for s in range(p * v))
-    return make_schedule("interleaved", m, stage_device, device_ops)
+    return make_schedule("interleaved", m, stage_devices(LOOPED, p, v), device_ops)

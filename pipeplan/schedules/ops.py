@@ -17,8 +17,10 @@ from typing import Any
 from pipeplan.errors import FormatError, ScheduleError
 
 KINDS = ("F", "B", "I", "W")
+KIND_INDEX = {kind: index for index, kind in enumerate(KINDS)}
 SCHEMA_VERSION = 1
 _OP_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_GRID_ROWS = 12  # rows format_grid shows either side of the first marked step
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +170,27 @@ def make_schedule(
         stage_device=tuple(stage_device),
         device_ops=tuple(tuple(ops) for ops in device_ops),
     )
+
+
+def format_grid(schedule: Schedule, *, marks: set[tuple[int, int]]) -> str:
+    """Step (row) x device (column) grid of op strings; (device, step) pairs in `marks` print as `[1F3]!`.
+    Long schedules show the rows around the first mark."""
+    num_steps = max((len(ops) for ops in schedule.device_ops), default=0)
+    focus = min((step for _, step in marks), default=0)
+    first = max(0, focus - _GRID_ROWS)
+    last = min(num_steps, focus + _GRID_ROWS + 1) if marks else min(num_steps, 2 * _GRID_ROWS)
+    cells: list[list[str]] = []
+    for step in range(first, last):
+        row = [f"step {step}"]
+        for device, ops in enumerate(schedule.device_ops):
+            text = str(ops[step]) if step < len(ops) else ""
+            row.append(f"[{text}]!" if (device, step) in marks else text)
+        cells.append(row)
+    header = ["", *(f"dev {d}" for d in range(schedule.num_devices))]
+    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *cells]]
+    if first > 0:
+        lines.insert(1, f"... ({first} earlier steps)")
+    if last < num_steps:
+        lines.append(f"... ({num_steps - last} later steps)")
+    return "\n".join(lines)

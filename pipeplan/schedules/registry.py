@@ -1,57 +1,132 @@
-"""Schedule name -> generator. Every generator is a pure function of (devices, microbatches, ...)."""
+"""Schedule name -> ScheduleInfo: the generator and every property other modules ask about (placement, chunks,
+split backward, replication, capacity default, memory behaviour). Every generator is a pure function of
+(devices, microbatches, ...). The registry imports the generators; nothing they import imports the registry."""
 
 from __future__ import annotations
 
-from pipeplan.errors import ScheduleError
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+from pipeplan.errors import ScheduleError, UnknownScheduleError
 from pipeplan.schedules.dualpipev import dualpipev
 from pipeplan.schedules.gpipe import gpipe
 from pipeplan.schedules.interleaved import interleaved
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import (
+    LOOPED,
+    ONE_PER_DEVICE,
+    PLACEMENTS,
+    V_SHAPED,
+    check_chunks,
+    fixed_chunks,
+    stage_devices,
+)
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, fits_limit, peak_activation_per_device, unit_memory
 from pipeplan.schedules.zb_auto import zb_auto
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
 from pipeplan.schedules.zbv import zbv
 
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")
-_V_SHAPED = ("zbv", "dualpipev")  # device d holds stages d and 2p-1-d; always 2 chunks
-_LOOPED = ("interleaved",)  # stage s on device s % p; any number of chunks
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleInfo:
+    """What the rest of pipeplan knows about one schedule.
+
+    generator: (p, m) -> Schedule; looped ones take (p, m, chunks); cost-driven ones take (p, m, costs=, memory=,
+    memory_limit=). placement: `placement.PLACEMENTS` (it fixes the allowed chunks: one-per-device 1, V-shaped 2,
+    looped any >= 1). split_backward: runs I and W as separate ops (compute F + I + W, else F + B).
+    replicable: PipeDream replicated stages allowed (one stage per device and a fixed order, regenerated from the
+    name alone). capacity_default: swept by `capacity` when --schedule is auto. cost_driven: the op order depends
+    on the stage costs and memory (else fixed by p, m and chunks). within_memory_limit: generated under
+    --memory-limit (default 1F1B's peak); other schedules are checked against it after generation.
+    asynchronous: weight updates without a pipeline flush (PipeDream-style).
+    """
+
+    name: str
+    generator: Callable[..., Schedule]
+    placement: str
+    split_backward: bool
+    default_chunks: int = 1
+    replicable: bool = False
+    capacity_default: bool = True
+    cost_driven: bool = False
+    within_memory_limit: bool = False
+    asynchronous: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.placement in PLACEMENTS, self.placement
+        assert self.default_chunks >= 1 and fixed_chunks(self.placement) in (None, self.default_chunks), self.name
+        assert not self.replicable or (self.placement == ONE_PER_DEVICE and not self.cost_driven), self.name
+        assert not self.within_memory_limit or self.cost_driven, self.name
+
+    @property
+    def allowed_chunks(self) -> tuple[int, ...] | None:
+        """The chunk counts per device this schedule can run; None: any >= 1."""
+        fixed = fixed_chunks(self.placement)
+        return None if fixed is None else (fixed,)
+
+    def resolve_chunks(self, chunks: int | None) -> int:
+        """`chunks` (None: the default) checked against the placement."""
+        if chunks is None:
+            return self.default_chunks
+        check_chunks(self.placement, self.name, chunks)
+        return chunks
+
+    def stage_device(self, num_devices: int, chunks: int | None = None) -> tuple[int, ...]:
+        """Global stage id -> device on `num_devices` devices."""
+        return stage_devices(self.placement, num_devices, self.resolve_chunks(chunks))
 
 
-def _check_name(name: str) -> None:
-    if name not in SCHEDULE_NAMES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose --schedule from: {', '.join(SCHEDULE_NAMES)}")
+_INFOS = (
+    ScheduleInfo(name="gpipe", generator=gpipe, placement=ONE_PER_DEVICE, split_backward=False, replicable=True),
+    ScheduleInfo(name="1f1b", generator=one_f_one_b, placement=ONE_PER_DEVICE, split_backward=False, replicable=True),
+    ScheduleInfo(name="interleaved", generator=interleaved, placement=LOOPED, split_backward=False, default_chunks=2),
+    ScheduleInfo(name="zb-h1", generator=zb_h1, placement=ONE_PER_DEVICE, split_backward=True, replicable=True),
+    ScheduleInfo(name="zb-h2", generator=zb_h2, placement=ONE_PER_DEVICE, split_backward=True, replicable=True),
+    ScheduleInfo(
+        name="zb-auto",
+        generator=zb_auto,
+        placement=ONE_PER_DEVICE,
+        split_backward=True,
+        capacity_default=False,
+        cost_driven=True,
+        within_memory_limit=True,
+    ),
+    ScheduleInfo(
+        name="zbv", generator=zbv, placement=V_SHAPED, split_backward=True, default_chunks=2, cost_driven=True
+    ),
+    ScheduleInfo(name="dualpipev", generator=dualpipev, placement=V_SHAPED, split_backward=True, default_chunks=2),
+)
+_BY_NAME = {info.name: info for info in _INFOS}
+SCHEDULE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def schedule_info(name: str, *, also_accepted: Sequence[str] = ()) -> ScheduleInfo:
+    """The info of schedule `name`; anything else raises the one unknown-schedule error, which lists the valid
+    names (after `also_accepted`: other words the caller takes in their place, e.g. "auto")."""
+    info = _BY_NAME.get(name)
+    if info is None:
+        choices = ", ".join((*also_accepted, *SCHEDULE_NAMES))
+        raise UnknownScheduleError(f"unknown --schedule {name!r}; choose from: {choices}")
+    return info
+
+
+def schedule_names(**properties: object) -> tuple[str, ...]:
+    """Schedule names in registry order, only those whose info has each given value, e.g. `replicable=True`."""
+    known = {f.name for f in fields(ScheduleInfo)}
+    assert set(properties) <= known, set(properties) - known
+    return tuple(info.name for info in _INFOS if all(getattr(info, k) == v for k, v in properties.items()))
 
 
 def default_chunks(name: str) -> int:
     """Stages per device when --chunks is not given."""
-    _check_name(name)
-    return 2 if name in _V_SHAPED or name in _LOOPED else 1
-
-
-def _resolve_chunks(name: str, chunks: int | None) -> int:
-    _check_name(name)
-    if chunks is None:
-        return default_chunks(name)
-    if name in _V_SHAPED and chunks != 2:
-        raise ScheduleError(f"{name} always uses 2 chunks per device; drop --chunks or set --chunks 2")
-    if name not in _V_SHAPED and name not in _LOOPED and chunks != 1:
-        raise ScheduleError(f"{name} runs one stage per device; drop --chunks or set --chunks 1")
-    if chunks < 1:
-        raise ScheduleError(f"--chunks must be >= 1, got {chunks}")
-    return chunks
+    return schedule_info(name).default_chunks
 
 
 def stage_device(name: str, num_devices: int, chunks: int | None = None) -> tuple[int, ...]:
     """Global stage id -> device for schedule `name` (looped, V-shaped or one stage per device)."""
-    v = _resolve_chunks(name, chunks)
-    p = num_devices
-    if p < 1:
-        raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {p}")
-    if name in _V_SHAPED:
-        return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-    return tuple(s % p for s in range(p * v))
+    return schedule_info(name).stage_device(num_devices, chunks)
 
 
 MAX_SCHEDULE_OPS = 1_000_000  # every op is held (and simulated) in memory: ~1 GB and tens of seconds at this size
@@ -77,11 +152,12 @@ def generate(
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer zb-auto and zbv (the others are fixed orders). `memory_limit`
-    caps the live activation bytes per device, in the units of `memory` (static bytes not included;
-    `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is generated under it
-    (default: 1F1B's peak), the other schedules are checked against it."""
-    v = _resolve_chunks(name, chunks)
+    """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed
+    orders). `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not
+    included; `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is
+    generated under it (default: 1F1B's peak), the other schedules are checked against it."""
+    info = schedule_info(name)
+    v = info.resolve_chunks(chunks)
     if num_devices < 1:
         raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {num_devices}")
     if num_microbatches < 1:
@@ -90,16 +166,13 @@ def generate(
         raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
     check_schedule_size(num_devices, num_microbatches, v)
     p, m = num_devices, num_microbatches
-    if name == "zb-auto":
-        return zb_auto(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
-    if name == "interleaved":
-        schedule = interleaved(p, m, v)
-    elif name == "zbv":
-        schedule = zbv(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
+    if info.cost_driven:
+        schedule = info.generator(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
+    elif info.placement == LOOPED:
+        schedule = info.generator(p, m, v)
     else:
-        fixed = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "dualpipev": dualpipev}
-        schedule = fixed[name](p, m)
-    if memory_limit is not None:
+        schedule = info.generator(p, m)
+    if memory_limit is not None and not info.within_memory_limit:
         peak = max(peak_activation_per_device(schedule, memory or unit_memory(v)))
         if not fits_limit(peak, memory_limit):
             raise ScheduleError(

@@ -28,13 +28,16 @@ different devices). Only fixed-order schedules are replicated, so the original i
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.errors import ScheduleError
+from pipeplan.schedules.engine import execute
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, _timeline
-from pipeplan.schedules.validate import _check_complete, _execute
+from pipeplan.schedules.registry import generate
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, build_timeline
+from pipeplan.schedules.validate import check_complete
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,16 +124,14 @@ def replicate_paced(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSc
 @functools.lru_cache(maxsize=256)
 def _pattern(name: str, num_devices: int, num_microbatches: int) -> tuple[Op, ...]:
     """The first device's op list of `name` on `num_devices` devices (stage 0, microbatches 0..m-1)."""
-    from pipeplan.schedules.registry import generate
-
     return generate(name, num_devices=num_devices, num_microbatches=num_microbatches).device_ops[0]
 
 
 def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
     """Raise ScheduleError if the expanded lists are incomplete or deadlock (they never should; this guards the
-    invariant). Runs validate's completeness check and in-order executor directly: its placement check would
-    reject a stage on several devices, and with zero durations the `stage_device` given (each stage's first
-    replica) only decides comm charges, which are unused."""
+    invariant). Runs the completeness check and the timing engine directly (validate's placement check would
+    reject a stage on several devices); with zero durations the `stage_device` given (each stage's first replica)
+    only decides comm charges, which are unused."""
     first_device = {s: d for d, s in reversed(list(enumerate(expanded.device_stage)))}
     probe = Schedule(
         name=expanded.name,
@@ -140,7 +141,7 @@ def check_deadlock_free(expanded: ReplicatedSchedule) -> None:
         stage_device=tuple(first_device[s] for s in range(len(expanded.replicas))),
         device_ops=expanded.device_ops,
     )
-    _execute(probe, _check_complete(probe), None, None)
+    execute(probe, _backward_kinds(probe))
 
 
 def simulate_expanded(probe: Schedule, costs: StageCosts, memory: MemoryCosts) -> Timeline:
@@ -149,9 +150,14 @@ def simulate_expanded(probe: Schedule, costs: StageCosts, memory: MemoryCosts) -
     `simulate`; `memory.static_bytes` per device."""
     cost = costs.per_stage(probe.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = _execute(probe, _check_complete(probe), op_ms, cost.comm_ms)  # type: ignore[arg-type]
+    starts, ends = execute(probe, _backward_kinds(probe), op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
     placed = [
         [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
         for device, ops in enumerate(probe.device_ops)
     ]
-    return _timeline(probe, placed, memory)
+    return build_timeline(probe, placed, memory)
+
+
+def _backward_kinds(probe: Schedule) -> bytearray:
+    ops = itertools.chain.from_iterable(probe.device_ops)
+    return check_complete(ops, probe.num_stages, probe.num_microbatches)

@@ -149,7 +149,7 @@ def simulate(
         [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
         for device, ops in enumerate(schedule.device_ops)
     ]
-    return _timeline(schedule, placed, memory or MemoryCosts())
+    return build_timeline(schedule, placed, memory or MemoryCosts())
 
 
 def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tuple[float, float]:
@@ -161,7 +161,8 @@ def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tu
     return max(e for _, e in rows), max(e - s for s, e in rows)
 
 
-def _timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> Timeline:
+def build_timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> Timeline:
+    """The Timeline (metrics and peak bytes) of timed entries, one row per device in list order."""
     num_devices = schedule.num_devices
     makespan = max((row[-1].end for row in placed if row), default=0.0)
     span = tuple(row[-1].end - row[0].start if row else 0.0 for row in placed)

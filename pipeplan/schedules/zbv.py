@@ -7,6 +7,7 @@ activations. Built for max(m, 2p-1) microbatches; with fewer the extra ops are d
 from __future__ import annotations
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 from pipeplan.schedules.simulate import (
     MemoryCosts,
     StageCosts,
@@ -20,7 +21,7 @@ from pipeplan.schedules.zbv_greedy import greedy_candidates
 
 
 def _device_ops(p: int, device: int, n: int) -> list[Op]:
-    s0, s1 = device, 2 * p - 1 - device  # chunk 0 (down the V) and chunk 1 (back up)
+    s0, s1 = v_stages(device, p)  # chunk 0 (down the V) and chunk 1 (back up)
     f0 = f1 = b0 = b1 = 0
     ops: list[Op] = []
     for _ in range(2 * (p - device) - 1):  # warm-up 1: forwards of chunk 0
@@ -62,8 +63,7 @@ def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
     p, m = num_devices, num_microbatches
     n = max(m, 2 * p - 1)
     device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]
-    stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-    return make_schedule("zbv", m, stage_device, device_ops)
+    return make_schedule("zbv", m, stage_devices(V_SHAPED, p, 2), device_ops)
 
 
 def _fixed_is_optimal(costs: StageCosts, m: int) -> bool:

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
+from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 from pipeplan.schedules.simulate import StageCosts
 
 _KINDS = {"F": 0, "I": 1, "W": 2}
@@ -49,12 +50,14 @@ class _VRun:
         self.max_allowance = max(self.allowance)
         self.pending: list[deque[int]] = [deque() for _ in range(p)]
         self.ops: list[list[Op]] = [[] for _ in range(p)]
+        self.stages = tuple(v_stages(d, p) for d in range(p))  # per device: (stage a, stage b)
+        self.placement = stage_devices(V_SHAPED, p, 2)
 
     def stage(self, d: int, chunk: int) -> int:
-        return d if chunk == 0 else 2 * self.p - 1 - d
+        return self.stages[d][chunk]
 
     def device(self, s: int) -> int:
-        return s if s < self.p else 2 * self.p - 1 - s
+        return self.placement[s]
 
     def arrival(self, kind: int, s: int) -> float | None:
         """When the input of the next `kind` op of stage s arrives from another device (None: same device or
@@ -119,7 +122,7 @@ class _VRun:
 
 
 def _warmup(run: _VRun) -> None:
-    p, m, a, b = run.p, run.m, (lambda d: d), (lambda d: 2 * run.p - 1 - d)
+    p, m, a, b = run.p, run.m, (lambda d: run.stages[d][0]), (lambda d: run.stages[d][1])
     for d in range(p):
         run.put(0, a(d))
     for d in range(p - 1, -1, -1):
@@ -149,7 +152,7 @@ def _warmup(run: _VRun) -> None:
 def _backward_round(run: _VRun, fill_i: bool) -> None:
     p, first, second = run.p, [], []
     for d in range(p):  # `first`: stage-b I (its input comes from the device before); `second`: stage a's
-        a, b = d, 2 * p - 1 - d
+        a, b = run.stages[d]
         if run.count[1][a] >= run.count[1][b]:
             first.append(d)
         elif d == p - 1 or run.end[1][a + 1][run.count[1][a]] >= 0 or run.count[1][b] >= run.m:
@@ -165,7 +168,7 @@ def _backward_round(run: _VRun, fill_i: bool) -> None:
 def _forward_round(run: _VRun, fill_f: bool) -> None:
     p, m = run.p, run.m
     for d in range(p):
-        a, b = d, 2 * p - 1 - d
+        a, b = run.stages[d]
         fa, fb = run.count[0][a], run.count[0][b]
         if fb >= m:
             continue
@@ -216,9 +219,8 @@ def greedy_run(
                 run.put_w(d)
     except _Abandon:
         return Outcome(None, run.idle, (0.0, 0.0), frozenset(run.mattered))
-    stage_device = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     key = (max(run.free), max(f - s for f, s in zip(run.free, run.first)))
-    return Outcome(make_schedule("zbv", m, stage_device, run.ops), run.idle, key, frozenset(run.mattered))
+    return Outcome(make_schedule("zbv", m, run.placement, run.ops), run.idle, key, frozenset(run.mattered))
 
 
 def _chain(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float, fill_f: bool, fill_i: bool):  # type: ignore[no-untyped-def]

@@ -55,7 +55,7 @@ def test_unknown_schedule_exits_1_with_one_line():
     result = runner.invoke(app, ["simulate", "--schedule", "nope", "--stages", "2", "--microbatches", "2"])
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "unknown schedule" in lines[0] and "zb-h1" in lines[0]
+    assert len(lines) == 1 and "unknown --schedule 'nope'" in lines[0] and "zb-h1" in lines[0]
 
 
 def test_unsupported_combination_exits_1():

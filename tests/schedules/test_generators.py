@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, default_chunks, generate, stage_device, validate
-from pipeplan.schedules.registry import _V_SHAPED
+from pipeplan.schedules.placement import V_SHAPED
+from pipeplan.schedules.registry import schedule_info
 
 
 def _supported(name: str, p: int, m: int, v: int) -> bool:
-    if name in _V_SHAPED:
+    if schedule_info(name).placement == V_SHAPED:
         return v == 2 and (name != "dualpipev" or m >= 2 * p)
     if name == "interleaved":
         return m % p == 0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules import Op, Schedule, generate, validate
-from pipeplan.schedules.ops import make_schedule
+from pipeplan.schedules.ops import KIND_INDEX, make_schedule
+from pipeplan.schedules.validate import check_complete
 
 
 def _edit(schedule: Schedule, device: int, ops: list[Op]) -> Schedule:
@@ -82,3 +85,20 @@ def test_grid_is_windowed_for_long_schedules():
         validate(broken)
     message = str(info.value)
     assert "[1F63]!" in message and "earlier steps" in message and len(message.splitlines()) < 40
+
+
+def test_check_complete_is_the_one_completeness_rule():
+    ops = [Op("F", 0, 0), Op("B", 0, 0), Op("F", 0, 1), Op("I", 0, 1), Op("W", 0, 1)]
+    assert list(check_complete(reversed(ops), 1, 2)) == [KIND_INDEX["B"], KIND_INDEX["I"]]
+    cases = [
+        (ops[:4], "stage 0 microbatch 1 0W1 is missing"),
+        ([*ops, Op("W", 0, 1)], "0W1 runs twice"),
+        ([*ops, Op("I", 0, 0), Op("W", 0, 0)], "both a full backward B and a split backward I/W"),
+        ([*ops, Op("F", 1, 0)], "op 1F0 is outside 1 stage(s) x 2 microbatch(es)"),
+        ([o for o in ops if o != Op("F", 0, 1)], "no forward 0F1"),
+        ([ops[0], *ops[2:]], "no backward: 0B0 (or 0I0 and 0W0) is missing"),
+    ]
+    for broken, message in cases:
+        with pytest.raises(ScheduleError, match=re.escape(message)) as info:
+            check_complete(broken, 1, 2)
+        assert "\n" not in str(info.value)

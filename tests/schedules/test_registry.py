@@ -1,0 +1,177 @@
+"""The registry's ScheduleInfo agrees with what each generator emits; unknown names raise one error everywhere;
+the modules of pipeplan.schedules import each other without a cycle."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
+from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED
+from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info, schedule_names
+from pipeplan.schedules.replicate import replicate_paced
+from pipeplan.schedules.simulate import StageCosts
+
+SCHEDULES_DIR = Path(__file__).resolve().parents[2] / "pipeplan" / "schedules"
+
+
+def _generate(name: str, p: int, chunks: int | None = None, **kwargs):
+    return generate(name, num_devices=p, num_microbatches=4 * p, chunks=chunks, **kwargs)
+
+
+def _expected_device(placement: str, stage: int, p: int) -> int:
+    """The published placements, written out independently of pipeplan.schedules.placement."""
+    if placement == V_SHAPED:  # ZB-V / DualPipeV: device d holds stages d and 2p-1-d
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p  # looped (Megatron interleaved); one stage per device when there is one chunk
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_placement_and_chunks_match_the_generated_op_lists(name, p):
+    info = schedule_info(name)
+    schedule = _generate(name, p)
+    validate(schedule)
+    assert schedule.num_chunks == info.default_chunks == default_chunks(name)
+    assert schedule.stage_device == info.stage_device(p) == stage_device(name, p)
+    assert schedule.stage_device == tuple(_expected_device(info.placement, s, p) for s in range(schedule.num_stages))
+    for device, ops in enumerate(schedule.device_ops):
+        assert {schedule.stage_device[o.stage] for o in ops} == {device}
+    if info.placement == ONE_PER_DEVICE:
+        assert schedule.stage_device == tuple(range(p))
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_allowed_chunks_are_the_ones_the_generator_accepts(name):
+    info = schedule_info(name)
+    assert info.allowed_chunks is None if info.placement == LOOPED else len(info.allowed_chunks) == 1
+    for chunks in range(1, 5):
+        if info.allowed_chunks is None or chunks in info.allowed_chunks:
+            schedule = _generate(name, 2, chunks)
+            assert schedule.num_chunks == chunks and schedule.stage_device == info.stage_device(2, chunks)
+        else:
+            with pytest.raises(ScheduleError, match="--chunks"):
+                _generate(name, 2, chunks)
+    with pytest.raises(ScheduleError, match="--chunks"):
+        info.resolve_chunks(0)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_split_backward_schedules_emit_i_and_w_the_others_b(name):
+    kinds = {o.kind for ops in _generate(name, 3).device_ops for o in ops}
+    if schedule_info(name).split_backward:
+        assert {"I", "W"} <= kinds
+    else:
+        assert kinds == {"F", "B"}
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_cost_driven_generators_take_costs_and_fixed_ones_do_not(name):
+    info = schedule_info(name)
+    parameters = set(inspect.signature(info.generator).parameters)
+    assert ({"costs", "memory", "memory_limit"} <= parameters) == info.cost_driven
+    if not info.cost_driven:  # a fixed order: costs cannot change it
+        skewed = StageCosts(forward_ms=[1, 5, 1], input_grad_ms=[3, 1, 1], weight_grad_ms=[0.1, 2, 4], comm_ms=2)
+        assert _generate(name, 3).device_ops == _generate(name, 3, costs=skewed).device_ops
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_replicable_schedules_expand_into_replicas(name):
+    info = schedule_info(name)
+    if not info.replicable:
+        assert info.placement != ONE_PER_DEVICE or info.cost_driven
+        return
+    assert info.placement == ONE_PER_DEVICE and not info.cost_driven
+    schedule = generate(name, num_devices=3, num_microbatches=6)
+    expanded = replicate_paced(schedule, (2, 1, 2))
+    assert expanded.num_devices == 5 and expanded.name == name
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_memory_limit_is_met_by_generation_or_refused_after_it(name):
+    p = 4
+    peak = max(peak_activation_per_device(_generate(name, p)))
+    limit = peak / 2
+    if schedule_info(name).within_memory_limit:
+        schedule = _generate(name, p, memory_limit=limit)
+        assert max(peak_activation_per_device(schedule)) <= limit + 1e-9
+    else:
+        with pytest.raises(ScheduleError, match="over --memory-limit"):
+            _generate(name, p, memory_limit=limit)
+
+
+def test_properties_match_the_tables_they_replaced():
+    assert schedule_names(split_backward=True) == ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")
+    assert schedule_names(replicable=True) == ("gpipe", "1f1b", "zb-h1", "zb-h2")
+    assert schedule_names(capacity_default=True) == tuple(n for n in SCHEDULE_NAMES if n != "zb-auto")
+    assert schedule_names(placement=V_SHAPED) == ("zbv", "dualpipev")
+    assert schedule_names(placement=LOOPED) == ("interleaved",)
+    assert schedule_names(asynchronous=True) == ()
+    assert schedule_names() == SCHEDULE_NAMES
+    with pytest.raises(AssertionError):
+        schedule_names(colour="red")
+
+
+def _unknown_message(call) -> str:
+    with pytest.raises(UnknownScheduleError) as info:
+        call()
+    return str(info.value)
+
+
+def test_an_unknown_name_raises_one_error_listing_the_valid_ones():
+    message = _unknown_message(lambda: schedule_info("pipedream"))
+    assert message.startswith("unknown --schedule 'pipedream'; choose from:") and "\n" not in message
+    assert message.endswith(", ".join(SCHEDULE_NAMES))
+    assert issubclass(UnknownScheduleError, ScheduleError) and issubclass(UnknownScheduleError, ConfigError)
+    for call in (
+        lambda: generate("pipedream", num_devices=2, num_microbatches=2),
+        lambda: stage_device("pipedream", 2),
+        lambda: default_chunks("pipedream"),
+        lambda: PartitionConfig(num_microbatches=4, schedule="pipedream"),
+    ):
+        assert _unknown_message(call) == message
+    with_auto = _unknown_message(lambda: schedule_info("pipedream", also_accepted=("auto",)))
+    assert with_auto == message.replace("choose from: ", "choose from: auto, ")
+
+
+def _schedules_imports(path: Path) -> set[str]:
+    """pipeplan.schedules modules `path` imports anywhere in it (function-level imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeplan.schedules"):
+            if node.module == "pipeplan.schedules":  # `from pipeplan.schedules import x`: x may be a module
+                found |= {
+                    f"pipeplan.schedules.{a.name}" for a in node.names if (SCHEDULES_DIR / f"{a.name}.py").exists()
+                }
+                found.add("pipeplan.schedules")
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("pipeplan.schedules")}
+    return found
+
+
+def test_the_schedules_import_graph_has_no_cycle():
+    graph = {
+        "pipeplan.schedules" if path.stem == "__init__" else f"pipeplan.schedules.{path.stem}": _schedules_imports(path)
+        for path in SCHEDULES_DIR.glob("*.py")
+    }
+    assert "pipeplan.schedules.zb_auto" in graph["pipeplan.schedules.registry"]
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", "import cycle: " + " -> ".join((*path, module))
+        state[module] = "open"
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, (*path, module))
+        state[module] = "done"
+
+    for module in sorted(graph):
+        visit(module, ())

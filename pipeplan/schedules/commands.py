@@ -14,10 +14,11 @@ from pipeplan.paths import check_output_file
 from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.placement import LOOPED
-from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, schedule_info
+from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
 from pipeplan.schedules.render import gantt, timeline_to_chrome_trace
-from pipeplan.schedules.simulate import PAPER_INPUT_GRAD_FREES, StageCosts, Timeline, unit_memory
+from pipeplan.schedules.simulate import PAPER_INPUT_GRAD_FREES, StageCosts, Timeline, stream_step_ms, unit_memory
 from pipeplan.schedules.simulate import simulate as simulate_schedule
+from pipeplan.schedules.versions import check_versions
 
 
 def _run(
@@ -33,6 +34,7 @@ def _run(
     memory_limit: float | None,
     input_grad_frees: float,
     overlap_ms: float | None,
+    steps: int | None = None,
 ) -> tuple[Schedule, Timeline]:
     """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
     if f + b + w <= 0:
@@ -48,18 +50,32 @@ def _run(
         costs=costs,
         memory=memory,
         memory_limit=memory_limit,
+        steps=steps if steps is not None else async_stream_steps(name, devices, microbatches),
     )
     fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
     return schedule, simulate_schedule(schedule, costs, memory, fused=fused)
 
 
-def _metrics(schedule: Schedule, timeline: Timeline) -> dict[str, Any]:
+def _metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:
     data = timeline.metrics()
     data["peak_activations"] = max(timeline.peak_memory_bytes)
     data["peak_memory_bytes"] = data.pop("peak_memory_bytes")  # per device, in full-slice microbatches
     data["num_stages"] = schedule.num_stages
     data["num_microbatches"] = schedule.num_microbatches
+    if schedule.asynchronous and per_step:  # a stream: its steady state, and the weight copies it stashes
+        step_ms = stream_step_ms(timeline, per_step)
+        data |= {"steady_step_ms": step_ms, "steady_microbatch_ms": step_ms / per_step}
+        data["weight_versions_per_stage"] = list(check_versions(schedule))
     return data
+
+
+def _steady_line(metrics: dict[str, Any], per_step: int) -> str:
+    versions = metrics["weight_versions_per_stage"]
+    return (
+        f"steady state (no flush): {metrics['steady_microbatch_ms']:.3f} ms per microbatch, "
+        f"{metrics['steady_step_ms']:.3f} ms per step of {per_step}; weight versions held per stage: "
+        f"{', '.join(map(str, versions))}"
+    )
 
 
 def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
@@ -106,6 +122,12 @@ def simulate(
         help="dualpipev: time each overlapped F&B pair as one unit of this many ms, as DualPipe's runtime runs it "
         "(default: the two halves one after the other, as `pipeplan run` executes them). E.g. --overlap-ms 2.5.",
     ),
+    steps: int = typer.Option(
+        None,
+        "--steps",
+        help="pipedream schedules: steps of --microbatches in the simulated stream (default: enough to measure the "
+        "steady state).",
+    ),
     compare: bool = typer.Option(False, "--compare", help="Simulate every schedule and rank by makespan."),
     json_output: bool = typer.Option(False, "--json", help="Print only JSON (metrics + op lists)."),
     trace: str = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
@@ -114,6 +136,9 @@ def simulate(
 
     Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches
     (F allocates one, I frees --input-grad-frees of it, W the rest).
+
+    The asynchronous schedules (pipedream, pipedream-2bw) simulate a stream of several steps without flushes and
+    also print the steady-state time per microbatch and the weight versions each stage holds.
 
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
@@ -129,14 +154,16 @@ def simulate(
         return
     if schedule is None:
         raise typer.BadParameter("pass --schedule NAME (or --compare)", param_hint="--schedule")
-    plan, timeline = _run(schedule, **options)
+    plan, timeline = _run(schedule, **options, steps=steps)
     if trace is not None:
         write_json(trace, timeline_to_chrome_trace(timeline.rows()))
-    metrics = _metrics(plan, timeline)
+    metrics = _metrics(plan, timeline, microbatches)
     if json_output:
         print_json({**metrics, "stage_device": list(plan.stage_device), "device_ops": plan.op_strings()})
         return
-    out.print(_metrics_table([metrics], title=f"{schedule}: {stages} devices, {microbatches} microbatches"))
+    out.print(_metrics_table([metrics], title=f"{schedule}: {stages} devices, {plan.num_microbatches} microbatches"))
+    if plan.asynchronous:
+        out.print(_steady_line(metrics, microbatches), highlight=False)
     out.print(gantt(timeline, width=out.width))
     if trace is not None:
         out.print(f"wrote Chrome trace {trace}")
@@ -145,6 +172,9 @@ def simulate(
 def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | None) -> None:
     results, skipped = [], []
     for name in SCHEDULE_NAMES:
+        if schedule_info(name).asynchronous:  # a stream without a flush: no step makespan to rank
+            skipped.append({"schedule": name, "reason": "asynchronous: simulate it with --schedule to see its stream"})
+            continue
         try:
             per_name = {"chunks": options["chunks"] if schedule_info(name).placement == LOOPED else None}
             if name != "dualpipev":

@@ -4,8 +4,7 @@ validate, the weight-version rule of asynchronous schedules, the timing engine, 
 rendering (terminal Gantt, Chrome trace). No torch import anywhere in this package.
 
 Each module imports only ones below it: ops and placement at the bottom; then engine, versions, validate, simulate;
-then
-the generators; the registry (which imports the generators); replicate and commands on top. A test checks the
+then the generators; the registry (which imports the generators); replicate and commands on top. A test checks the
 import graph has no cycle."""
 
 from pipeplan.schedules.memory import inflight_per_stage

@@ -68,7 +68,9 @@ class ScheduleInfo:
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
         assert self.asynchronous == bool(self.staleness), self.name
-        assert not self.asynchronous or (self.placement == ONE_PER_DEVICE and not self.replicable), self.name
+        assert not self.asynchronous or (
+            self.placement == ONE_PER_DEVICE and not (self.replicable or self.split_backward or self.cost_driven)
+        ), self.name
         assert self.default_chunks >= 1 and fixed_chunks(self.placement) in (None, self.default_chunks), self.name
         assert not self.replicable or (self.placement == ONE_PER_DEVICE and not self.cost_driven), self.name
         assert not self.within_memory_limit or self.cost_driven, self.name

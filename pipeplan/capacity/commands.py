@@ -21,6 +21,7 @@ from pipeplan.capacity.sweep import (
 from pipeplan.console import out, print_json, progress
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.paths import check_output_file
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import microbatch_candidates, warn
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
@@ -95,6 +96,9 @@ def capacity(
         "adamw", "--optimizer", help="adamw (16 B/param under bf16-mixed, which capacity assumes), sgd, sgd-nomomentum."
     ),
     replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
+    allow_async: bool = typer.Option(
+        False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
+    ),
     plot: str = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
     memory_reserve: str = typer.Option(
         None, "--memory-reserve", help="Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
@@ -106,6 +110,7 @@ def capacity(
     --days, how many devices reach the target.
 
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
+    Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     """
     from pipeplan.models import parse_assignments
     from pipeplan.planner.commands import memory_reserve_bytes
@@ -124,10 +129,13 @@ def capacity(
     plot = check_output_file(plot, "--plot") if plot is not None else None
     if plot is not None and plot.suffix.lower() != ".png":
         raise ConfigError(f"--plot {str(plot)!r} must name a .png file")
+    named = schedule not in ("auto", "all")  # an asynchronous one named without --allow-async: refused
+    schedules = searched_schedules(parse_schedules(schedule), allow_async=allow_async, named=named)
     config = CapacityConfig(  # validated before the (slow) profiling; the default batch needs the profile
         hardware=spec_hardware, device_counts=counts, global_batch_size=global_batch_size or math.lcm(*sizes),
-        devices_per_node=devices_per_node, microbatch_sizes=sizes, schedules=parse_schedules(schedule),
-        optimizer=optimizer, replication=replication, per_schedule=plot is not None, target_tokens=target, days=days,
+        devices_per_node=devices_per_node, microbatch_sizes=sizes, optimizer=optimizer, replication=replication,
+        schedules=schedules,
+        per_schedule=plot is not None, target_tokens=target, days=days, allow_async=allow_async,
         memory_reserve_bytes=memory_reserve_bytes(memory_reserve, spec_hardware.memory_bytes),
     )  # fmt: skip
     if replication and not any(schedule_info(name).replicable for name in config.schedules):
@@ -208,9 +216,10 @@ def render_report(report: CapacityReport) -> None:
         table.add_row(*_row_cells(row))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 160))  # pipes: the whole table
     wide.print(table)
+    stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
-        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device; "
-        "* = a count added by doubling",
+        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device"
+        f"{' (A with pipedream stashed weight copies)' if stash else ''}; * = a count added by doubling",
         highlight=False,
     )
     for row in report.rows:

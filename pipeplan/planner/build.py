@@ -13,6 +13,7 @@ import torch
 import pipeplan
 from pipeplan.errors import FormatError
 from pipeplan.partition.costs import static_bytes
+from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
@@ -151,11 +152,13 @@ def plan_memory(plan: Plan) -> MemoryCosts:
         for info in plan.ranks
         if info.pipeline == 0
     ]
-    return MemoryCosts(
+    memory = MemoryCosts(
         activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
         input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
         static_bytes=tuple(static),
     )
+    counts = [s.param_count for s in plan.stages]
+    return with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
 
 
 def _backward(stage: StagePlan) -> float:
@@ -195,9 +198,9 @@ def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
 
 def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
     """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
-    stages in turn; ranks in parallel)."""
+    stages in turn; ranks in parallel); for an asynchronous plan the stream's steady state (planner/asynchronous)."""
     load = [sum(plan.stages[s].allreduce_ms for s in info.stages) for info in plan.ranks]
-    return timeline.makespan + max(load, default=0.0)
+    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, max(load, default=0.0))[0]
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -25,11 +25,12 @@ from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import LayerArrays, static_bytes
 from pipeplan.partition.result import Partition
+from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
-from pipeplan.precision import bytes_per_param
+from pipeplan.precision import bytes_per_param, profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import default_chunks, generate, schedule_info
+from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 from pipeplan.units import format_bytes
 
@@ -195,6 +196,7 @@ def evaluate_partition(
             costs=_stage_costs(part, profile, cluster, pipe=None),
             memory=memory if auto else None,
             memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
+            steps=async_stream_steps(layout.schedule, part.num_stages // part.chunks, layout.num_microbatches),
         )
         pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:
@@ -208,13 +210,18 @@ def evaluate_partition(
         )  # fmt: skip
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
     memory = replace(memory, static_bytes=device_static_bytes(part, pipe, optimizer))
+    counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
+    memory = with_weight_versions(memory, layout.schedule, counts, profile_precision(profile.provenance))
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
     over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
     if over is not None:
         return over
     allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
-    step_ms = timeline.makespan + allreduce_step_ms(part, allreduce_ms)
+    step_ms, bubble = predicted_step(
+        layout.schedule, timeline, layout.num_microbatches, allreduce_step_ms(part, allreduce_ms)
+    )
+    timeline = replace(timeline, bubble_rate=bubble)  # asynchronous: the steady state's, not the stream's
     return Evaluation(
         layout=layout,
         partition=part,

@@ -11,6 +11,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.models import parse_assignments
 from pipeplan.paths import check_output_file
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.build import build_plan, plan_schedule, plan_timeline, timeline_rows
 from pipeplan.planner.inputs import (
     PlanInput,
@@ -34,7 +35,7 @@ from pipeplan.precision import default_precision
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.schedules.simulate import Timeline
 from pipeplan.schedules.validate import validate
 from pipeplan.units import parse_size
@@ -98,6 +99,12 @@ def plan(
         "The search's memory and time do not count it yet.",
     ),
     schedule: str = typer.Option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}."),
+    allow_async: bool = typer.Option(
+        False,
+        "--allow-async",
+        help="Also consider the asynchronous schedules pipedream and pipedream-2bw: no flush, but stale weights "
+        "(they change what training computes; the summary says how stale).",
+    ),
     no_replication: bool = typer.Option(False, "--no-replication", help="Do not try replicated stages."),
     granularity: int = typer.Option(None, "--granularity", help="Layer grouping depth when tracing the model."),
     tracer: str = typer.Option(
@@ -116,6 +123,7 @@ def plan(
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
+    Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
     if hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
         hardware = load_hardware(hardware or "", hardware_file=hardware_file)
@@ -140,8 +148,11 @@ def plan(
         replication=not no_replication,
         pipeline_depths=pipeline_depth_candidates(pipeline_depth),
         memory_reserve_bytes=memory_reserve_bytes(memory_reserve, cluster.memory_per_device), zero=zero,
+        allow_async=allow_async,
     )  # fmt: skip
     config.check_devices(cluster.num_devices)
+    if schedule != "auto":  # an asynchronous one without --allow-async: refused before the (slow) profiling
+        searched_schedules((schedule,), allow_async=allow_async, zero=zero)
     if source is None:
         request = ProfileRequest(
             model=model, options=parse_assignments(assignments), batch_size=min(sizes), device=device,
@@ -212,6 +223,11 @@ def export(
         raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
     output = check_output_file(output, "--output")
     loaded = Plan.load(plan_file)
+    if schedule_info(loaded.schedule).asynchronous:
+        raise ConfigError(
+            f"torch.distributed.pipelining has no asynchronous schedules (weight versions, no flush); {loaded.schedule}"
+            " plans run with `pipeplan run` only"
+        )
     if any(stage.replicas > 1 for stage in loaded.stages):
         raise ConfigError(
             "torch.distributed.pipelining runs each stage on one rank, but this plan replicates stages; "

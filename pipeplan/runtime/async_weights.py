@@ -3,7 +3,8 @@ computes with, and the mid-stream optimizer step that makes a stage's next versi
 
 The stage's Parameters (what AdamW steps and checkpoints save) always hold its newest version. An op of version v
 computes with a *leaf set* of v: plain tensors that alias the storage holding v (`param.data`, with autocast and
-autograd seeing ordinary leaves), passed to the stage module through `torch.func.functional_call`. The autograd
+autograd seeing ordinary leaves), put in the stage's parameter slots for the call (as `torch.func.functional_call`
+does). The autograd
 graph of a forward keeps its leaf set, so the backward runs on exactly the weights the forward used (PipeDream's
 weight stashing). When the stage makes version v+1 while ops still to finish or still to come read v, the
 Parameters first move to a copy of their storage and the leaf set of v keeps the old one: that copy is the stashed
@@ -22,7 +23,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from torch.func import functional_call
 
 from pipeplan.errors import RunError
 from pipeplan.runtime.stages import PipelineModel
@@ -49,7 +49,7 @@ class VersionStore:
         self.describe_group = describe_group  # (stage, group) -> "step 12" for messages
         self.capture = capture  # microbatch -> its weight gradients (tests)
         self.params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
-        self.local_names = {s: _local_names(model, s, self.params[s]) for s in model.modules}
+        self.slots = {s: _parameter_slots(model.modules[s], self.params[s]) for s in model.modules}
         self.readers: Counter[Key] = Counter((o.stage, o.version) for o in ops if o.kind == "F")  # type: ignore[misc]
         self.pending: Counter[Key] = Counter((o.stage, o.microbatch // update_every) for o in ops if o.kind == "B")
         self.groups = {s: 1 + max(u for (stage, u) in self.pending if stage == s) for s in {o.stage for o in ops}}
@@ -66,10 +66,19 @@ class VersionStore:
         return self.leafsets[key]
 
     def call(self, o: Op, args: list[torch.Tensor]):
-        """Run stage `o.stage` on `args` with the weights of `o.version`."""
+        """Run stage `o.stage` on `args` with the weights of `o.version`: each parameter slot of its submodules
+        holds the version's leaf during the call (what `torch.func.functional_call` does, with the slots looked
+        up once instead of on every call), and its Parameter again after it."""
         leaves = self.leaves(o.stage, o.version)  # type: ignore[arg-type]
-        mapping = {local: leaves[index] for local, index in self.local_names[o.stage]}
-        return functional_call(self.model.modules[o.stage], mapping, tuple(args))
+        slots = self.slots[o.stage]
+        try:
+            for owner, attr, index in slots:
+                owner._parameters[attr] = leaves[index]  # type: ignore[assignment]
+            return self.model.modules[o.stage](*args)
+        finally:
+            params = self.params[o.stage]
+            for owner, attr, index in slots:
+                owner._parameters[attr] = params[index]
 
     def grad_leaves(self, o: Op) -> list[torch.Tensor]:
         return [leaf for leaf in self.leafsets[(o.stage, o.version)] if leaf.requires_grad]  # type: ignore[index]
@@ -125,8 +134,15 @@ class VersionStore:
         )
 
 
-def _local_names(model: PipelineModel, stage: int, params: list[torch.nn.Parameter]) -> list[tuple[str, int]]:
-    """(the stage module's own parameter name, index in the stage's canonical parameters), tied names included."""
+def _parameter_slots(
+    module: torch.nn.Module, params: list[torch.nn.Parameter]
+) -> list[tuple[torch.nn.Module, str, int]]:
+    """(submodule, attribute, index in the stage's canonical parameters) of every parameter slot of `module`,
+    tied slots included."""
     index = {id(p): i for i, p in enumerate(params)}
-    module = model.modules[stage]
-    return [(local, index[id(p)]) for local, p in module.named_parameters(remove_duplicate=False)]
+    slots = []
+    for _, owner in module.named_modules(remove_duplicate=False):
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                slots.append((owner, attr, index[id(param)]))
+    return slots

@@ -16,9 +16,11 @@ the gap between its completions of consecutive steps (its last backward of each 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +32,7 @@ from pipeplan.runtime.async_weights import VersionStore
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed
 from pipeplan.runtime.precision_run import gather_peak_memory
-from pipeplan.runtime.routing import build_routing
+from pipeplan.runtime.routing import Message, Routing, build_routing, parse_rank_ops
 from pipeplan.runtime.trace_io import write_trace
 from pipeplan.runtime.train import (
     RunResult,
@@ -71,6 +73,7 @@ class AsyncExecutor(Executor):
         model, rank = trainer.model, trainer.rank
         routing = build_routing(plan, model.stage_io, model.model_inputs, model.differentiable)
         super().__init__(plan, rank, model, routing, trainer.device, direction_groups=trainer.direction_groups)
+        self.mailbox.settled_by = settled_by(routing, parse_rank_ops(plan), rank)
         self.autocast = trainer.executor.autocast
         self.per_step, self.first_step = plan.training.num_microbatches, first_step
         rule = generate(plan.schedule, num_devices=1, num_microbatches=self.per_step)
@@ -103,6 +106,35 @@ class AsyncExecutor(Executor):
         self.weights.backward_done(o, self.first_step * self.per_step + o.microbatch)
         if o.microbatch % self.per_step == self.per_step - 1:
             self.step_done[o.microbatch // self.per_step] = time.perf_counter()
+
+
+def settled_by(routing: Routing, rank_ops: list[list[Op]], rank: int) -> dict[Message, tuple[Message, ...]]:
+    """Per message `rank` receives from a peer, the messages `rank` sent that peer which the peer consumed before
+    sending it: its op list runs in order, so they have arrived once it has (`Mailbox.settled_by`). A stream has no
+    step end to wait for its sends at, and gloo's send handles report completion only when waited."""
+    index = [{_key(o.kind, o.stage, o.microbatch): i for i, o in enumerate(ops)} for ops in rank_ops]
+    sent_at = {m: index[src][_key(o.kind, o.stage, o.microbatch)] for (src, o), ms in routing.sends.items() for m in ms}
+    incoming: dict[int, list[tuple[int, Message]]] = defaultdict(list)  # peer -> (its op index, message), in order
+    for message, position in sent_at.items():
+        if message.dst == rank:
+            incoming[message.src].append((position, message))
+    positions = {peer: sorted(p for p, _ in found) for peer, found in incoming.items()}
+    by_position = {peer: dict(found) for peer, found in incoming.items()}
+    settled: dict[Message, list[Message]] = defaultdict(list)
+    for message in sent_at:
+        if message.src != rank or message.dst not in incoming:
+            continue
+        kind, stage = ("F", message.consumer) if message.kind == "act" else ("B", message.producer)
+        consumed = index[message.dst][_key(kind, stage, message.microbatch)]
+        later = bisect.bisect_left(positions[message.dst], consumed)
+        if later < len(positions[message.dst]):
+            settled[by_position[message.dst][positions[message.dst][later]]].append(message)
+    return {n: tuple(ms) for n, ms in settled.items()}
+
+
+def _key(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
+    """An op's place, versions aside: a forward, or the backward (B or I) that consumes output gradients."""
+    return (kind if kind in "FW" else "BI", stage, microbatch)
 
 
 def stream_rank_ops(plan: Plan, steps: int) -> tuple[tuple[str, ...], ...]:

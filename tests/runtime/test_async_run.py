@@ -16,10 +16,13 @@ import torch
 from async_reference import async_reference
 from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, make_plan
 
+from pipeplan.planner.manual_plan import manual_plan
 from pipeplan.runtime import checkpoint
+from pipeplan.runtime.asynchronous import settled_by, stream_rank_ops
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.stages import build_reference_model
+from pipeplan.runtime.routing import build_routing, parse_rank_ops
+from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -170,3 +173,27 @@ def four_ranks(tmp_path_factory):
 @pytest.mark.parametrize("label", ["2bw dp", "pipedream dp", "pipedream 4 stages", "2bw 4 stages"])
 def test_four_ranks_match_the_version_by_version_reference(four_ranks, label):
     check_against_reference(four_ranks, label)
+
+
+def test_sends_are_settled_by_a_later_message_from_their_receiver():
+    """A stream's sends are waited for (and their tensors dropped) when the receiver's next message arrives: each
+    one the receiver consumed before sending that message, by its own op order; only the drain's last few (at
+    most the p microbatches in flight) are left for the final wait."""
+    plan = manual_plan("mlp", TINY_MLP, schedule="pipedream", pipeline_devices=3, num_microbatches=4)
+    plan = dataclasses.replace(plan, rank_ops=stream_rank_ops(plan, 3))
+    model = build_pipeline_model(plan, 0, torch.device("cpu"))
+    routing = build_routing(plan, model.stage_io, model.model_inputs, model.differentiable)
+    rank_ops = parse_rank_ops(plan)
+    position = [{(o.kind, o.stage, o.microbatch): i for i, o in enumerate(ops)} for ops in rank_ops]
+    sender_op = {m: (src, o) for (src, o), messages in routing.sends.items() for m in messages}
+    for rank in range(plan.world_size):
+        sent = {m for m in routing.tags if m.src == rank}
+        settled = settled_by(routing, rank_ops, rank)
+        for trigger, messages in settled.items():
+            peer, op = sender_op[trigger]
+            assert trigger.dst == rank and all(m.dst == peer and m in sent for m in messages)
+            for m in messages:  # the peer's op consuming m runs before the op after which it sends the trigger
+                consumer = ("F", m.consumer) if m.kind == "act" else ("B", m.producer)
+                assert position[peer][(*consumer, m.microbatch)] <= position[peer][(op.kind, op.stage, op.microbatch)]
+        left = sent - {m for messages in settled.values() for m in messages}
+        assert len(left) <= len(plan.stages), sorted(map(str, left))  # the drain's: at most p in flight

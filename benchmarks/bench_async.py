@@ -7,8 +7,10 @@ Prints a table (final loss: the mean of the last 20 steps; mean and median step 
 results/async_convergence.json (every step's loss and time per schedule) and results/async_convergence.png (loss
 against step and against wall time). What to expect: 2BW follows 1f1b closely (one step of staleness); pipedream
 takes an optimizer step per microbatch (m per step, each on one microbatch's gradient), so per step it moves
-further, with each stage's weights p-1-d updates stale. On a shared CPU the step times are noisy; the throughput
-gain of dropping the flush, (m + p - 1) / m for balanced stages, shows at realistic op times (see the planner).
+further, with each stage's weights p-1-d updates stale. Every schedule runs with one gloo process group per
+transfer direction (the asynchronous ones always do: a stream sends both ways at once, and one shared pair cost
+them 1.7x). The throughput gain of dropping the flush is (m + p - 1) / m for balanced stages; on a shared CPU the
+step times are noisy.
 
     python benchmarks/bench_async.py [--steps 300] [--ranks 2|4] [--lr 2e-3]
 """
@@ -52,7 +54,9 @@ def run(steps: int, ranks: int, lr: float) -> dict[str, dict]:
         )  # fmt: skip
         path = folder / f"{name}.json"
         plan.save(path)
-        config = RunConfig(steps=steps, quiet=True, lr=lr, check_every=0, heartbeat_timeout_s=300.0)
+        config = RunConfig(  # one gloo group per direction for every schedule, as the asynchronous ones always use
+            steps=steps, quiet=True, lr=lr, check_every=0, heartbeat_timeout_s=300.0, direction_groups=True
+        )
         runs.append((str(path), config))
     began = time.perf_counter()
     per_rank = launch_many(runs, threads=1)

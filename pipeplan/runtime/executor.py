@@ -3,9 +3,11 @@
 F receives its stage's inputs (model inputs from the batch, activations from the producing stage: locally when the
 producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
 stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
-back to each producer; W later computes the weight gradients from what I kept. Saved state is dropped as soon as
-its last use is done. The loss (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the
-gradients summed over microbatches, replicas and pipelines are those of the mean loss over the global batch.
+back to each producer; W later computes the weight gradients from what I kept. B, I and W are the profiler's
+implementation (profiling/split_backward.py), so what was measured is what runs; I releases every saved tensor W
+does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done. The loss
+(last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
+microbatches, replicas and pipelines are those of the mean loss over the global batch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeplan.planner.plan import Plan
-from pipeplan.profiling.split_backward import backward_input, backward_weight
+from pipeplan.profiling.saved_tensors import SavedTensors
+from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight
 from pipeplan.runtime.comm import Mailbox
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
 from pipeplan.runtime.stages import PipelineModel
@@ -33,6 +36,7 @@ class _Saved:
     input_names: list[str]
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None
+    tensors: SavedTensors  # what autograd saved (I keeps only what W reads)
 
 
 @dataclass
@@ -164,14 +168,8 @@ class Executor:
         io = self.model.stage_io[o.stage]
         args = [self._input_value(o, name, batch) for name in io.inputs]
         self._computing()
-        torch.manual_seed(forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch))
-        with torch.enable_grad(), self.autocast():
-            results = self.model.modules[o.stage](*args)
-            outputs = dict(zip(io.outputs, results, strict=True))
-            loss = None
-            if o.stage == self.output_stage:
-                output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
-                loss = self.model.spec.loss_fn(output, batch[1]) * self.loss_scale
+        tensors = SavedTensors(hold=False)
+        outputs, loss = self._run_stage(o, args, batch[1], tensors)
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, outputs[message.value])
         for name, value in outputs.items():
@@ -183,8 +181,26 @@ class Executor:
         kept = {
             n: v for n, v in outputs.items() if n in self.differentiable and self.routing.consumers.get((o.stage, n))
         }
-        self._saved[(o.stage, o.microbatch)] = _Saved(inputs=leaves, input_names=names, outputs=kept, loss=loss)
+        self._saved[(o.stage, o.microbatch)] = _Saved(
+            inputs=leaves, input_names=names, outputs=kept, loss=loss, tensors=tensors
+        )
         return None if loss is None else loss.detach().double()
+
+    def _run_stage(
+        self, o: Op, args: list, target: torch.Tensor, tensors: SavedTensors | None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """One forward of `o`'s stage, its random ops seeded by `forward_seed` (dropout repeats exactly), what
+        autograd saves recorded in `tensors` when given: (outputs by name, the scaled loss on the last stage)."""
+        io = self.model.stage_io[o.stage]
+        torch.manual_seed(forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch))
+        with torch.enable_grad(), self.autocast(), tensors or contextlib.nullcontext():
+            results = self.model.modules[o.stage](*args)
+            outputs = dict(zip(io.outputs, results, strict=True))
+            loss = None
+            if o.stage == self.output_stage:
+                output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
+                loss = self.model.spec.loss_fn(output, target) * self.loss_scale
+        return outputs, loss
 
     def _output_grad(self, o: Op, name: str) -> torch.Tensor:
         total = None
@@ -214,9 +230,9 @@ class Executor:
         params = [p for p in self.stage_params[o.stage] if p.requires_grad]
         self._computing()
         if o.kind == "B":
-            input_grads = _full_backward(roots, grads, saved.inputs, params)
+            input_grads = backward_full(roots, grads, saved.inputs, params)
         else:
-            input_grads, state = backward_input(roots, grads, saved.inputs, params)
+            input_grads, state = backward_input(roots, grads, saved.inputs, params, saved=saved.tensors)
             self._weight_state[(o.stage, o.microbatch)] = state
         del saved.outputs, saved.loss
         by_name = dict(zip(saved.input_names, input_grads, strict=True))
@@ -233,13 +249,3 @@ def forward_seed(seed: int, step: int, pipeline: int, stage: int, microbatch: in
     with dropout repeat exactly, and a resumed run draws what the uninterrupted one would have."""
     key = f"{seed}/{step}/{pipeline}/{stage}/{microbatch}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
-
-
-def _full_backward(
-    roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """B: one autograd pass accumulating straight into `.grad` (AccumulateGrad reuses buffers, which
-    autograd.grad + add does not); returns the inputs' gradients (zeros where unused)."""
-    if roots and (inputs or params):
-        torch.autograd.backward(roots, grads, inputs=[*inputs, *params])
-    return [torch.zeros_like(x) if x.grad is None else x.grad for x in inputs]

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.profiling.opcount import Roofline, op_cost
+from pipeplan.profiling.saved_tensors import SavedTensors
 
 aten = torch.ops.aten
 
@@ -95,12 +96,11 @@ class ForwardLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[OpCall] = []
-        self.saved: list[torch.Tensor] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks = SavedTensors()
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.saved.append(tensor)
-        return tensor
+    @property
+    def saved(self) -> list[torch.Tensor]:
+        return self._hooks.tensors
 
     def __enter__(self) -> ForwardLog:
         self._hooks.__enter__()

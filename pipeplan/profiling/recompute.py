@@ -42,6 +42,15 @@ from pipeplan.profiling.saved_tensors import SavedTensors
 
 aten = torch.ops.aten
 
+RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute` (what the runtime executes)
+
+
+def unknown_recompute(mode: object) -> str | None:
+    """Why `mode` is not a recompute mode (one line), or None when it is one."""
+    if mode in RECOMPUTE_MODES:
+        return None
+    return f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}"
+
 
 def _packets(*names: str) -> frozenset:
     """The aten op packets of `names` that this torch build has."""

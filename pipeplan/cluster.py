@@ -20,6 +20,12 @@ def _out(values: np.ndarray):
     return float(values) if values.ndim == 0 else values
 
 
+def ring_bytes_sent(num_bytes, group_size, *, passes: int):
+    """Bytes each device sends in a ring collective of `num_bytes` over `group_size` devices: passes (n-1)/n x bytes
+    (also the nccl-tests "bus bandwidth" factor: bus bandwidth = this / time)."""
+    return passes * (group_size - 1) / group_size * num_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Link:
     """One kind of link between two devices: bytes/s one way (full duplex) and the latency of one message."""
@@ -38,7 +44,7 @@ class Link:
         bytes. Reduce-scatter and all-gather are one pass, all-reduce two (Patarasuk & Yuan, JPDC 2009)."""
         b = np.asarray(num_bytes, dtype=np.float64)
         n = np.asarray(group_size, dtype=np.float64)
-        t = passes * (n - 1) * self.latency_s + passes * (n - 1) / n * b / self.bandwidth
+        t = passes * (n - 1) * self.latency_s + ring_bytes_sent(b, n, passes=passes) / self.bandwidth
         return _out(np.where((n > 1) & (b > 0), t, 0.0))
 
     def allreduce_s(self, num_bytes, group_size):

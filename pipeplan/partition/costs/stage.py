@@ -40,7 +40,9 @@ def compute_ms(forward, input_grad, weight_grad, backward, *, split_backward: bo
 def span_compute_ms(arrays: LayerArrays, config: PartitionConfig, first: np.ndarray | int, last: int) -> np.ndarray:
     """`compute_ms` of items first..last (vectorized over `first`); PipeDream's model always uses F + B."""
     split = config.splits_backward and config.cost_model == "pipeplan"
-    spans = (arrays.span(name, first, last) for name in ("forward", "input_grad", "weight_grad", "backward"))
+    names = ("forward", "input_grad", "weight_grad", "backward")
+    used = ("forward", "input_grad", "weight_grad") if split else ("forward", "backward")
+    spans = (arrays.span(name, first, last) if name in used else None for name in names)  # only what is summed
     return compute_ms(*spans, split_backward=split)
 
 

@@ -20,8 +20,8 @@ from datetime import timedelta
 
 import torch
 
+from pipeplan.cluster import ring_bytes_sent
 from pipeplan.errors import RunError
-from pipeplan.partition.cluster import ring_bytes_sent
 from pipeplan.profiling.calibrate import LinkResult, Sizes
 
 _TIMEOUT_S = 120

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeplan.cluster import Link
 from pipeplan.errors import ConfigError
 from pipeplan.partition import Cluster, PartitionConfig
-from pipeplan.partition.cluster import Link
 from pipeplan.partition.costs import (
     LayerArrays,
     StageCostModel,

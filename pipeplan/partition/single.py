@@ -64,6 +64,12 @@ class Level:
     def replica_link(self) -> Link:
         return self.intra if self.units <= self.devices_per_node else self.inter
 
+    def crosses_node(self, device):
+        """(input cut crosses a node, output cut does) for the stage on `device` of a straight pipeline: the device
+        starts a node (and is not the first) / ends one. Elementwise."""
+        d, g = np.asarray(device), self.devices_per_node
+        return (d % g == 0) & (d > 0), (d + 1) % g == 0
+
     @property
     def exact_units(self) -> bool:
         return self.config.cost_model == "pipedream"
@@ -120,10 +126,8 @@ def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarr
     """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
     `inflight`: one (in flight, before I) pair for every position (returns a broadcast view), or a pair of
     per-position arrays."""
-    model, g = level.model, level.devices_per_node
-    d = np.arange(num_cols)
-    in_inter = (d % g == 0) & (d > 0)
-    out_inter = (d + 1) % g == 0
+    model, d = level.model, np.arange(num_cols)
+    in_inter, out_inter = level.crosses_node(d)
     one = np.ones(1)
     firsts = np.arange(last + 1)
     variants = []
@@ -308,8 +312,9 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
     for s, (a, b, r) in enumerate(stages):
         if straight:
             row = straight_times(level, b, (0, 0), s + 1)[a, s]
-            in_link = level.inter if s % level.devices_per_node == 0 and s > 0 else level.intra
-            out_link = level.inter if (s + 1) % level.devices_per_node == 0 else level.intra
+            in_inter, out_inter = level.crosses_node(s)
+            in_link = level.inter if in_inter else level.intra
+            out_link = level.inter if out_inter else level.intra
         else:
             row = replicated_times(level, b, (0, 0))[a, r - 1]
             in_link = out_link = level.replica_link

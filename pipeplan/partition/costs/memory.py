@@ -64,7 +64,9 @@ def static_split(optimizer: str | float, precision: str | None = None) -> tuple[
 
 
 def bytes_per_param(optimizer: str | float, precision: str | None = None) -> float:
-    """Weights + gradients + optimizer state per parameter: what `static_bytes` multiplies."""
+    """Weights + gradients + optimizer state per parameter: what `static_bytes` multiplies. Sharding options (e.g. a
+    ZeRO degree dividing the optimizer state of `static_split`) belong here as keyword-only arguments, so every
+    static figure downstream follows them."""
     return sum(static_split(optimizer, precision))
 
 

@@ -1,7 +1,7 @@
 """Cost model and dynamic program: stage cuts, replication, chunk placement, memory check.
 
 Public API: `partition(profile, cluster, config) -> Partition`, `PartitionConfig`,
-`bytes_per_param` (costs.memory), `uniform_partition`, `parameter_balanced_partition`.
+`bytes_per_param` (costs.optimizer), `uniform_partition`, `parameter_balanced_partition`.
 PipeDream's graph.txt reader lives in pipeplan.profiling.pipedream.
 """
 

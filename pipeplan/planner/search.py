@@ -34,8 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.partition.costs import bytes_per_param, resolve_optimizer, spread_static_bytes, static_split
-from pipeplan.partition.zero_costs import check_zero_stage
+from pipeplan.partition.costs import (
+    bytes_per_param,
+    check_zero_stage,
+    resolve_optimizer,
+    spread_static_bytes,
+    static_split,
+)
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,

@@ -24,6 +24,7 @@ from pipeplan.partition.costs import (
     pipedream_transfer_ms,
     reduce_scatter_ms,
     replica_share,
+    sharded_bytes_per_param,
     span_compute_ms,
     spread_static_bytes,
     stage_memory_bytes,
@@ -183,6 +184,8 @@ def test_optimizer_bytes_table():
     assert bytes_per_param("sgd", "bf16") == 6.0
     assert bytes_per_param("sgd-nomomentum", "fp16-mixed") == 8.0
     assert static_split(6.5) == (0.0, 0.0, 6.5)
+    assert sharded_bytes_per_param((4.0, 4.0, 8.0), 4) == 4 + 4 + 8 / 4  # the optimizer state split 4 ways
+    assert sharded_bytes_per_param((2.0, 2.0, 4.0), [1, 2]).tolist() == [8.0, 6.0]
     with pytest.raises(ConfigError, match="--optimizer"):
         bytes_per_param("lion")
 

@@ -41,3 +41,10 @@ def pipedream_transfer_ms(cut_bytes, replicas, bandwidth: float):
 def pipedream_sync_ms(param_bytes, replicas, bandwidth: float):
     """PipeDream's weight-synchronization term of a stage replicated r times: 4 (r-1) x bytes / (bandwidth x r)."""
     return 4 * (replicas - 1) * param_bytes / (bandwidth * replicas) * MS_PER_S
+
+
+def zero1_exchange_ms(grad_bytes, param_bytes, group_size, link: Link):
+    """ZeRO-1's exchange per step in place of the gradient all-reduce: a ring reduce-scatter of the gradients and,
+    after the optimizer step, a ring all-gather of the updated parameters. With equal bytes it moves what the ring
+    all-reduce does (Rajbhandari et al. 2020, section 7.2.1), the all-gather after the optimizer step."""
+    return (link.reduce_scatter_s(grad_bytes, group_size) + link.all_gather_s(param_bytes, group_size)) * MS_PER_S

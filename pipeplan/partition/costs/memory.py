@@ -1,73 +1,19 @@
-"""Static memory (weights, gradients, optimizer state with any master copy) and the partitioner's per-stage
-memory screen, in bytes.
-
-Bytes per parameter: `static_split(optimizer, precision)` = (weights, gradients, optimizer state), each in the
-precision's parameter dtype (`pipeplan.precision`): `adamw` holds 2 state tensors per parameter (Adam's moments),
-`sgd` 1 (momentum), `sgd-nomomentum` none, so `adamw` = 4 + 4 + 8 = 16 B/param under fp32, bf16-mixed and
-fp16-mixed (the fp32 parameters are the master weights; autocast's low-precision copies live with the activations)
-and 2 + 2 + 4 = 8 under bf16. A number as optimizer is the whole figure per parameter. `adamw-fp32` /
-`adamw-bf16` are strict aliases of adamw under fp32 / bf16-mixed.
+"""Static memory (weights, gradients, optimizer state with any master copy) of stages and devices, and the
+partitioner's per-stage memory screen, in bytes. Bytes per parameter come from `costs.optimizer`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeplan.errors import ConfigError
 from pipeplan.partition.costs.arrays import LayerArrays
-from pipeplan.precision import PRECISIONS, get_precision
+from pipeplan.partition.costs.optimizer import optimizer_shards
 
 if TYPE_CHECKING:
     from pipeplan.partition.config import PartitionConfig
-
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
-OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
-OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
-
-
-def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[str | float, str]:
-    """(optimizer, precision) with an alias unfolded; precision None takes the alias's, else bf16-mixed. An alias
-    that names another precision than the one given is refused."""
-    if isinstance(optimizer, str) and optimizer in OPTIMIZER_ALIASES:
-        name, implied = OPTIMIZER_ALIASES[optimizer]
-        if precision is not None and precision != implied:
-            raise ConfigError(
-                f"--optimizer {optimizer} means adamw under --precision {implied}, not {precision}; use --optimizer "
-                "adamw (its bytes follow --precision)"
-            )
-        return name, implied
-    precision = precision or "bf16-mixed"
-    get_precision(precision)
-    if isinstance(optimizer, bool) or not isinstance(optimizer, str | int | float):
-        raise ConfigError("--optimizer must be a name or a number of bytes per parameter")
-    if isinstance(optimizer, str) and optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(
-            f"unknown --optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZER_NAMES)} or bytes per parameter"
-        )
-    if not isinstance(optimizer, str) and (not math.isfinite(optimizer) or optimizer < 0):
-        raise ConfigError(f"optimizer bytes per parameter must be a finite number >= 0, got {optimizer}")
-    return optimizer, precision
-
-
-def static_split(optimizer: str | float, precision: str | None = None) -> tuple[float, float, float]:
-    """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
-    number as optimizer is the whole figure (counted as optimizer state)."""
-    optimizer, precision = resolve_optimizer(optimizer, precision)
-    if not isinstance(optimizer, str):
-        return 0.0, 0.0, float(optimizer)
-    size = float(PRECISIONS[precision].param_bytes)
-    return size, size, size * OPTIMIZER_STATES[optimizer]
-
-
-def bytes_per_param(optimizer: str | float, precision: str | None = None) -> float:
-    """Weights + gradients + optimizer state per parameter: what `static_bytes` multiplies. Sharding options (e.g. a
-    ZeRO degree dividing the optimizer state of `static_split`) belong here as keyword-only arguments, so every
-    static figure downstream follows them."""
-    return sum(static_split(optimizer, precision))
 
 
 def static_bytes(param_count, per_param: float):
@@ -75,6 +21,13 @@ def static_bytes(param_count, per_param: float):
     one part of `static_split`): the one static-memory formula the partitioner, planner and capacity use.
     Vectorized; an array in, an array out."""
     return np.asarray(param_count, dtype=np.float64) * per_param
+
+
+def optimizer_state_bytes(param_count, optimizer_bytes_per_param: float, group_size, zero: int) -> np.ndarray:
+    """Optimizer state (master copies included) one device holds for `param_count` parameters held by `group_size`
+    devices: all of it with zero 0, 1/d with zero 1 (the last shard rounds the buffer up to d x ceil(count / d)
+    elements, at most d - 1 more, which this ignores)."""
+    return static_bytes(param_count, optimizer_bytes_per_param) / optimizer_shards(group_size, zero)
 
 
 def spread_static_bytes(param_count, per_param: float, num_devices: int) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 from pipeplan.cluster import Cluster
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
-from pipeplan.partition.zero_costs import ZERO_STAGES
+from pipeplan.partition.costs import ZERO_STAGES
 from pipeplan.profiling.recompute import unknown_recompute
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import schedule_info

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.partition.zero_costs import check_zero_stage
+from pipeplan.partition.costs import (
+    bytes_per_param,
+    check_zero_stage,
+    resolve_optimizer,
+    spread_static_bytes,
+    static_split,
+)
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,
@@ -48,7 +54,6 @@ from pipeplan.planner.candidate import (
 )
 from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_bound_ms
 from pipeplan.planner.scaling import scale_profile
-from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
 from pipeplan.units import format_bytes
@@ -335,7 +340,7 @@ def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
-    static = params * config.per_param / layout.pipeline_devices
+    static = spread_static_bytes(params, config.per_param, layout.pipeline_devices)
     if static <= cluster.memory_per_device:
         return None
     return Rejection(

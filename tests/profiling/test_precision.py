@@ -14,7 +14,7 @@ from pipeplan.cli import app
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
-from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
+from pipeplan.partition.costs import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.measure import profile_model
 
 SMALL_GPT = dict(layers=2, hidden=64, heads=2, seq=32, vocab=128)

@@ -7,10 +7,25 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 out = Console()
 err = Console(stderr=True)
+
+
+_warned: set[str] = set()  # messages printed with once=True in this process
+
+
+def warn(message: str, *, once: bool = False) -> None:
+    """The one way pipeplan warns a user (an input ignored, a fallback taken): `warning: MESSAGE`, one line on
+    stderr, so that stdout stays clean for `--json`. `once`: print a message at most once per process (for
+    warnings raised inside loops, e.g. per microbatch)."""
+    if once:
+        if message in _warned:
+            return
+        _warned.add(message)
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def print_json(data: Any) -> None:

@@ -18,10 +18,10 @@ from pipeplan.capacity.sweep import (
     capacity_sweep,
     default_global_batch,
 )
-from pipeplan.console import out, print_json, progress
+from pipeplan.console import out, print_json, progress, warn
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.paths import check_output_file
-from pipeplan.planner.inputs import microbatch_candidates, warn
+from pipeplan.planner.inputs import microbatch_candidates
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
 from pipeplan.units import format_bytes, parse_count, parse_int_list

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pipeplan.console import err, out, print_json, progress
+from pipeplan.console import err, out, print_json, progress, warn
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.models import parse_assignments
@@ -24,7 +24,6 @@ from pipeplan.planner.inputs import (
     microbatch_candidates,
     pipeline_depth_candidates,
     profile_model_input,
-    warn,
 )
 from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import write_plan_dir

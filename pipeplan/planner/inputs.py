@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster
-from pipeplan.console import err
 from pipeplan.errors import ConfigError
 from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
@@ -19,10 +18,6 @@ from pipeplan.units import parse_int_list, parse_size
 
 PROFILE_FORMATS = ("pipeplan", "pipedream")
 CPU_DEFAULT_DEVICES = 2
-
-
-def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def default_devices() -> int:

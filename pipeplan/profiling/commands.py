@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pipeplan.console import err, out, print_json
+from pipeplan.console import out, print_json, warn
 from pipeplan.errors import ConfigError
 from pipeplan.models.registry import load_model, parse_assignments
 from pipeplan.paths import check_output_file
@@ -50,7 +50,7 @@ def _set_threads(threads: int | None, device: str) -> None:
     if threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     if device == "meta":
-        err.print("[yellow]warning:[/] --threads is ignored with --device meta (nothing is run)")
+        warn("--threads is ignored with --device meta (nothing is run)")
     import torch
 
     torch.set_num_threads(threads)
@@ -108,14 +108,14 @@ def profile(
     if device == "meta":
         hardware = load_hardware(hardware, hardware_file=hardware_file) if hardware_file is not None else hardware
         if warmup != 2 or repeats != 5 or timer != "wall":
-            err.print("[yellow]warning:[/] --warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
+            warn("--warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         result = _analytic(
             spec, model=model, options=options, batch_size=batch_size, hardware=hardware,
             granularity=granularity, quiet=as_json, tracer=tracer, precision=precision,
         )  # fmt: skip
     else:
         if hardware or hardware_file:
-            err.print(f"[yellow]warning:[/] --hardware/--hardware-file are ignored with --device {device} (measured)")
+            warn(f"--hardware/--hardware-file are ignored with --device {device} (measured)")
         from pipeplan.profiling.measure import profile_model
 
         result = profile_model(

@@ -10,13 +10,12 @@ import signal
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pipeplan.console import out
+from pipeplan.console import out, warn
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.precision import get_precision
@@ -191,7 +190,7 @@ def train(
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)
     if start >= config.steps and rank == 0:
-        warnings.warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run", stacklevel=2)
+        warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run")
     fault = FaultSpec.from_env()
     batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
     for _ in range(start):  # the same data order as an uninterrupted run

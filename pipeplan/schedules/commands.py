@@ -7,7 +7,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from pipeplan.console import err, out, print_json
+from pipeplan.console import out, print_json, warn
 from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.jsonio import write_json
 from pipeplan.paths import check_output_file
@@ -124,7 +124,7 @@ def simulate(
     )  # fmt: skip
     if compare:
         if trace is not None:
-            err.print("[yellow]warning:[/] --trace is ignored with --compare (trace one --schedule at a time)")
+            warn("--trace is ignored with --compare (trace one --schedule at a time)")
         _compare(options, json_output=json_output, highlight=schedule)
         return
     if schedule is None:

@@ -24,7 +24,7 @@ from pipeplan.paths import check_output_file
 from pipeplan.planner.inputs import microbatch_candidates
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
-from pipeplan.units import format_bytes, parse_count, parse_int_list
+from pipeplan.units import format_bytes, format_count, format_gib, format_ms, parse_count, parse_int_list
 
 
 def parse_device_counts(text: str) -> tuple[int, ...]:
@@ -157,17 +157,6 @@ def capacity(
         out.print(f"wrote {plot}")
 
 
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.1f}"
-
-
-def _si(value: float) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
-
-
 def _row_cells(row: CapacityRow) -> list[str]:
     count = f"{row.num_devices}{'*' if row.extended else ''}"
     if not row.fits:
@@ -179,14 +168,14 @@ def _row_cells(row: CapacityRow) -> list[str]:
     return [
         count,
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",
-        f"{row.step_ms:,.0f}" if row.step_ms >= 100 else f"{row.step_ms:.3g}",
-        _si(row.tokens_per_s),
+        format_ms(row.step_ms),
+        format_count(row.tokens_per_s),
         f"{row.mfu:.1%}",
         f"{row.bubble_rate:.0%}",
-        _gib(mem.weights),
-        _gib(mem.gradients),
-        _gib(mem.optimizer),
-        _gib(mem.activations),
+        format_gib(mem.weights, digits=1),
+        format_gib(mem.gradients, digits=1),
+        format_gib(mem.optimizer, digits=1),
+        format_gib(mem.activations, digits=1),
         row.binding,
     ]
 
@@ -194,10 +183,10 @@ def _row_cells(row: CapacityRow) -> list[str]:
 def render_report(report: CapacityReport) -> None:
     usable = report.memory_per_device - report.memory_reserve_bytes
     out.print(
-        f"[bold]{report.model}[/] on {report.hardware}: {report.param_count / 1e9:.2f}B parameters, "
+        f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters, "
         f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
-        f"{report.tokens_per_sample} tokens; plans fit in {_gib(usable)}"
-        f" of {_gib(report.memory_per_device)} GiB per device ({_gib(report.memory_reserve_bytes)} GiB reserve)",
+        f"{report.tokens_per_sample} tokens; plans fit in {format_bytes(usable)} of "
+        f"{format_bytes(report.memory_per_device)} per device ({format_bytes(report.memory_reserve_bytes)} reserve)",
         highlight=False,
     )
     table = Table(show_lines=False, pad_edge=False)

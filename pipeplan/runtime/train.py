@@ -25,7 +25,6 @@ from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
 from pipeplan.runtime.precision_run import (
-    GIB,
     LossScaler,
     apply_param_dtype,
     apply_wire_dtypes,
@@ -36,6 +35,7 @@ from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
 from pipeplan.runtime.zero import make_step_optimizer
+from pipeplan.units import format_gib
 
 
 @dataclass
@@ -286,7 +286,6 @@ def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = Non
     predicted = plan.predicted.peak_memory_bytes
     for rank, peak in enumerate(peaks):
         expected = predicted[rank] if rank < len(predicted) else 0
-        versus = f" vs predicted {expected / GIB:.2f} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
-        out.print(
-            f"rank {rank}: peak memory {peak / GIB:.2f} GiB (torch.cuda.max_memory_allocated){versus}", highlight=False
-        )
+        versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
+        measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
+        out.print(measured + versus, highlight=False)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -45,3 +48,12 @@ def progress(*, quiet: bool = False) -> Progress:
         disable=quiet,
         transient=False,
     )
+
+
+@contextmanager
+def progress_task(description: str, *, total: int | None = None, quiet: bool = False) -> Iterator[Callable[..., None]]:
+    """One task's progress bar on stderr; yields the function that moves it (rich's `update`: completed=, total=,
+    advance=, description=)."""
+    with progress(quiet=quiet) as bar:
+        task = bar.add_task(description, total=total)
+        yield functools.partial(bar.update, task)

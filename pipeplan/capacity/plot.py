@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pipeplan.capacity.sweep import CapacityReport
+from pipeplan.capacity.report import CapacityReport
 from pipeplan.units import GIB
 
 

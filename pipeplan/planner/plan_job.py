@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeplan.cluster import Cluster
 from pipeplan.models import parse_assignments
-from pipeplan.partition.cluster import Cluster
 from pipeplan.planner.build import build_plan, timeline_rows
 from pipeplan.planner.inputs import (
     PlanInput,

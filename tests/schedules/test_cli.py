@@ -96,7 +96,7 @@ def test_simulate_unit_memory_options():
 
 
 def test_simulate_generates_once(monkeypatch):
-    import pipeplan.schedules.commands as commands
+    import pipeplan.schedules.uniform as commands
 
     calls = []
     real = commands.generate

@@ -249,9 +249,13 @@ def profile_traced(
             times = _time_layer(stage, leaves, params, config)
             total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
             recompute = measured_recompute(
-                stage, leaves, autocast=config.autocast, clock=_Clock(config), warmup=config.warmup,
+                stage,
+                leaves,
+                autocast=config.autocast,
+                clock=_Clock(config),
+                warmup=config.warmup,
                 repeats=config.repeats,
-            )  # fmt: skip
+            )
             layers.append(
                 LayerProfile(
                     name=layer.name,

@@ -32,10 +32,31 @@ def _argvs(tmp_path) -> list[list[str]]:
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"")
     every = [
-        "plan.json", "--steps", "3", "--trace", str(tmp_path / "t.json"), "--checkpoint-dir", str(tmp_path / "ck"),
-        "--checkpoint-every", "2", "--lr", "0.01", "--weight-decay", "0.1", "--heartbeat-timeout", "9",
-        "--device", "cpu", "--precision", "fp32", "--threads", "2", "--check-every", "4", "--quiet",
-    ]  # fmt: skip
+        "plan.json",
+        "--steps",
+        "3",
+        "--trace",
+        str(tmp_path / "t.json"),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "2",
+        "--lr",
+        "0.01",
+        "--weight-decay",
+        "0.1",
+        "--heartbeat-timeout",
+        "9",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--threads",
+        "2",
+        "--check-every",
+        "4",
+        "--quiet",
+    ]
     resumed = ["plan.json", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
     initialized = ["plan.json", "--init-from", str(weights)]
     return [every, resumed, initialized]

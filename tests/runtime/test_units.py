@@ -131,9 +131,14 @@ def test_checkpoint_round_trip_and_missing_marker(tmp_path):
     params, running = {"w": param}, torch.randn(2)
     common = dict(step=5, stage=0, fingerprint="f", partition="p1")
     checkpoint.save_stage(
-        tmp_path, names=("w",), params=params, buffers={"bn.mean": running},
-        optimizer_states={"w": optimizer.state[param]}, num_stages=1, **common,
-    )  # fmt: skip
+        tmp_path,
+        names=("w",),
+        params=params,
+        buffers={"bn.mean": running},
+        optimizer_states={"w": optimizer.state[param]},
+        num_stages=1,
+        **common,
+    )
     with pytest.raises(RunError, match="no complete checkpoint"):
         checkpoint.latest_step(tmp_path)  # the marker comes last
     checkpoint.mark_latest(tmp_path, 5)

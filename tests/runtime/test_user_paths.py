@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.planner import commands as plan_commands
+from pipeplan.planner import plan_job
 from pipeplan.planner.plan import Plan
 
 runner = CliRunner()
@@ -111,13 +111,13 @@ def test_plan_options_fail_before_profiling(monkeypatch, tmp_path, option, messa
     def no_profiling(*_args, **_kwargs):
         raise AssertionError("profiled before checking the options")
 
-    monkeypatch.setattr(plan_commands, "profile_model_input", no_profiling)
+    monkeypatch.setattr(plan_job, "profile_model_input", no_profiling)
     line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", *option, "-o", str(tmp_path)]))
     assert message in line
 
 
 def test_output_that_is_a_file_fails_before_profiling(monkeypatch, tmp_path):
-    monkeypatch.setattr(plan_commands, "profile_model_input", None)  # calling it would be a TypeError traceback
+    monkeypatch.setattr(plan_job, "profile_model_input", None)  # calling it would be a TypeError traceback
     (tmp_path / "taken").write_text("x")
     line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", "-o", str(tmp_path / "taken")]))
     assert "--output" in line and "is a file" in line

@@ -84,6 +84,11 @@ def format_count(num: float) -> str:
     return f"{num:.3g}"
 
 
+def format_percent(fraction: float, *, digits: int = 1) -> str:
+    """A fraction as a percentage: `0.123` -> `12.3%`."""
+    return f"{fraction * 100.0:.{digits}f}%"
+
+
 def format_ms(ms: float) -> str:
     """Milliseconds for table cells, about four significant digits: `0.123`, `12.3`, `1,234`."""
     if abs(ms) < 10:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.errors import ConfigError
-from pipeplan.units import format_bytes, format_count, format_gib, format_ms, parse_count, parse_size
+from pipeplan.units import (
+    format_bytes,
+    format_count,
+    format_gib,
+    format_ms,
+    format_percent,
+    parse_count,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +56,10 @@ def test_format_count_rounds_before_choosing_the_suffix():
     assert format_count(999_999) == "1M"  # not 1e+03K
     assert format_count(12_000) == "12K"
     assert format_count(999) == "999" and format_count(0) == "0"
+
+
+def test_format_percent():
+    assert format_percent(0.1234) == "12.3%" and format_percent(0.5, digits=0) == "50%"
 
 
 def test_format_ms():

@@ -78,8 +78,13 @@ class Level:
 def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...]:
     """Per stage position of a straight pipeline of `num_stages` stages: the most microbatches in flight (F run,
     W or B not yet) and the most before their I (F run, I or B not yet), from the op order of the schedule."""
-    return held_counts(config.schedule, num_stages // config.chunks, config.num_microbatches, config.chunks,
-                       config.memory_limit_microbatches)  # fmt: skip
+    return held_counts(
+        config.schedule,
+        num_stages // config.chunks,
+        config.num_microbatches,
+        config.chunks,
+        config.memory_limit_microbatches,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -88,9 +93,13 @@ def held_counts(
 ) -> tuple[Held, ...]:
     """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
     schedule = generate(  # the limit counts whole microbatches in flight (one unit each, nothing freed by I)
-        name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory=MemoryCosts(),
+        name,
+        num_devices=devices,
+        num_microbatches=microbatches,
+        chunks=chunks,
+        memory=MemoryCosts(),
         memory_limit=limit,
-    )  # fmt: skip
+    )
     return held_per_stage(schedule)
 
 

@@ -94,9 +94,13 @@ class Evaluation:
     def resimulate(self, costs: StageCosts) -> Timeline:
         """This candidate's op lists simulated again under other `costs` (e.g. free transfers)."""
         return simulate_layout(
-            self.pipeline, self.schedule.name, self.partition.num_stages, self.layout.num_microbatches, costs,
+            self.pipeline,
+            self.schedule.name,
+            self.partition.num_stages,
+            self.layout.num_microbatches,
+            costs,
             self.memory,
-        )  # fmt: skip
+        )
 
     @property
     def label_with_replicas(self) -> str:
@@ -212,9 +216,10 @@ def evaluate_partition(
     if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
         # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
         return Rejection(
-            layout=layout, kind="topology",
+            layout=layout,
+            kind="topology",
             reason=f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline",
-        )  # fmt: skip
+        )
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
     static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, bytes_per_param(optimizer))
     memory = replace(memory, static_bytes=static)
@@ -271,12 +276,15 @@ def _memory_rejection(
     screened = sum(part.stages[s].memory_bytes for s in pipe.device_stages[worst])
     budget = min(limit, screened) * limit / device_bytes[worst]
     return Rejection(
-        layout=layout, kind="memory", needed_memory_bytes=None, retry_budget_bytes=int(budget),
+        layout=layout,
+        kind="memory",
+        needed_memory_bytes=None,
+        retry_budget_bytes=int(budget),
         reason=(
             f"out of memory on pipeline device {worst} (stage {stage}) by {format_bytes(device_bytes[worst] - limit)}"
             " (simulated peak: static + live activations)"
         ),
-    )  # fmt: skip
+    )
 
 
 def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: PipelineLayout | None) -> StageCosts:

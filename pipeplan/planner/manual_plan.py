@@ -60,6 +60,18 @@ def _recompute_modes(recompute: Sequence[str] | None, num_stages: int) -> tuple[
     return modes
 
 
+def _model_ref(model: str, options: dict[str, Any], spec, graph) -> ModelRef:
+    ref, digest = canonical_ref(model)
+    return ModelRef(
+        ref=ref,
+        options=options,
+        fingerprint=graph.fingerprint,
+        tokens_per_sample=spec.tokens_per_sample,
+        file_sha256=digest,
+        tracer=graph.tracer,
+    )
+
+
 def manual_plan(
     model: str,
     options: dict[str, Any] | None = None,
@@ -85,7 +97,6 @@ def manual_plan(
     options = dict(options or {})
     spec = load_model(model, options)
     graph = trace_model(spec, batch_size=microbatch_size, device="meta", tracer=tracer).layer_graph
-    ref, digest = canonical_ref(model)
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
     replicas = tuple(replicas or (1,) * num_stages)
@@ -98,14 +109,7 @@ def manual_plan(
     cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=1 << 40)
     global_batch = microbatch_size * num_microbatches * data_parallel
     return Plan(
-        model=ModelRef(
-            ref=ref,
-            options=options,
-            fingerprint=graph.fingerprint,
-            tokens_per_sample=spec.tokens_per_sample,
-            file_sha256=digest,
-            tracer=graph.tracer,
-        ),
+        model=_model_ref(model, options, spec, graph),
         cluster=cluster,
         training=TrainingConfig(
             global_batch_size=global_batch,

@@ -56,7 +56,7 @@ from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_boun
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
-from pipeplan.units import format_bytes
+from pipeplan.units import format_bytes, format_percent
 
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
@@ -185,9 +185,13 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
                     modes.append(REPLICATED)
                 for mode in modes:
                     layout = Layout(
-                        schedule=name, microbatch_size=b, data_parallel=d, pipeline_devices=p, num_microbatches=m,
+                        schedule=name,
+                        microbatch_size=b,
+                        data_parallel=d,
+                        pipeline_devices=p,
+                        num_microbatches=m,
                         mode=mode,
-                    )  # fmt: skip
+                    )
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
     return found
 
@@ -290,9 +294,12 @@ def _evaluate_each_schedule(
         tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
         for layout in tries[:PER_SCHEDULE_TRIES]:
             result = evaluate(
-                layout, profiles[layout.microbatch_size], cluster, optimizer=config.per_param,
+                layout,
+                profiles[layout.microbatch_size],
+                cluster,
+                optimizer=config.per_param,
                 global_batch_size=config.global_batch_size,
-            )  # fmt: skip
+            )
             rejected.remove(pruned[id(layout)])
             if isinstance(result, Rejection):
                 rejected.append(result)
@@ -307,10 +314,9 @@ def _evaluate_unless_pruned(
     """Skip the partitioner when the balanced estimate is already slower than the best plan, and the schedule and
     simulation when the partition's lower bound is."""
     if estimate >= best_ms:
-        return Rejection(
-            layout=layout, kind="estimate",
-            reason=f"estimated {_slower(estimate, best_ms)} slower than the best plan even with balanced stages",
-        )  # fmt: skip
+        slower = format_percent(estimate / best_ms - 1.0)
+        reason = f"estimated {slower} slower than the best plan even with balanced stages"
+        return Rejection(layout=layout, kind="estimate", reason=reason)
     budget = cluster
     for _ in range(MEMORY_RETRIES + 1):
         part = partition_layout(layout, profile, budget, optimizer=config.per_param)
@@ -318,10 +324,9 @@ def _evaluate_unless_pruned(
             return part
         bound = partition_lower_bound_ms(layout, part, profile, cluster)
         if bound >= best_ms:
-            return Rejection(
-                layout=layout, kind="bound",
-                reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
-            )  # fmt: skip
+            slower = format_percent(bound / best_ms - 1.0)
+            reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
+            return Rejection(layout=layout, kind="bound", reason=reason)
         result = evaluate_partition(
             layout, part, profile, cluster, optimizer=config.per_param, global_batch_size=config.global_batch_size
         )
@@ -332,10 +337,6 @@ def _evaluate_unless_pruned(
     return result
 
 
-def _slower(ms: float, best_ms: float) -> str:
-    return f"{(ms / best_ms - 1.0) * 100.0:.1f}%"
-
-
 def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
@@ -344,12 +345,14 @@ def _static_memory_rejection(
     if static <= cluster.memory_per_device:
         return None
     return Rejection(
-        layout=layout, kind="memory", needed_memory_bytes=int(static),
+        layout=layout,
+        kind="memory",
+        needed_memory_bytes=int(static),
         reason=(
             f"out of memory: weights, gradients and optimizer state alone need {format_bytes(static)} per device "
             f"over {layout.pipeline_devices} device(s), limit {format_bytes(cluster.memory_per_device)}"
         ),
-    )  # fmt: skip
+    )
 
 
 def smallest_fitting_memory(

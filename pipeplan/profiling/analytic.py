@@ -318,10 +318,13 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
                     loss=loss,
                 )
                 recompute = analytic_recompute(
-                    stage, [env[name] for name in stage.inputs], roofline=config.roofline, input_needs_grad=needs,
+                    stage,
+                    [env[name] for name in stage.inputs],
+                    roofline=config.roofline,
+                    input_needs_grad=needs,
                     forward_ms=counts.forward.seconds * 1e3,
                     context=lambda: GpuSemantics(flash_attention=config.flash_attention),
-                )  # fmt: skip
+                )
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 raise ConfigError(

@@ -249,9 +249,13 @@ def profile_traced(
             times = _time_layer(stage, leaves, params, config)
             total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
             recompute = measured_recompute(
-                stage, leaves, autocast=config.autocast, clock=_Clock(config), warmup=config.warmup,
+                stage,
+                leaves,
+                autocast=config.autocast,
+                clock=_Clock(config),
+                warmup=config.warmup,
                 repeats=config.repeats,
-            )  # fmt: skip
+            )
             layers.append(
                 LayerProfile(
                     name=layer.name,
@@ -334,9 +338,14 @@ def profile_model(
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(
-        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer,
+        batch_size=batch_size,
+        device=device,
+        granularity=granularity,
+        warmup=warmup,
+        repeats=repeats,
+        timer=timer,
         precision=precision,
-    )  # fmt: skip
+    )
     check_fits_host(spec, batch_size=batch_size, device=device)
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)

@@ -22,13 +22,13 @@ weight-side node also feeds such an edge does W fall back to one backward from t
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from pipeplan.console import warn
 from pipeplan.profiling.saved_tensors import SavedTensors, storages_saved_by
 
 
@@ -210,11 +210,10 @@ def backward_input(
     info = analyze(outs, inputs, params)
     kept = storages_saved_by(info.weight_grad_nodes) if saved is not None else set()
     if info.conflict:
-        warnings.warn(
+        warn(
             "split backward: a weight-side node feeds an edge shared by several input-side paths; W recomputes "
             "the backward to the parameters",
-            RuntimeWarning,
-            stacklevel=2,
+            once=True,  # analyzed per microbatch: say it once
         )
         state.fallback = (outs, grads)
         input_grads = _input_grads(outs, grads, list(inputs))[0]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass
 
+from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge)
@@ -51,7 +51,7 @@ class RunConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and not self.checkpoint_dir:
-            warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
+            warn("--checkpoint-every is ignored without --checkpoint-dir")
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):

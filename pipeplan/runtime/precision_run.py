@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipeplan.precision import Precision
 from pipeplan.profiling.run_dtypes import value_dtype, value_dtypes
+from pipeplan.units import format_gib
 
 
 class LossScaler:
@@ -62,7 +63,6 @@ def apply_wire_dtypes(model, mode: Precision, device_type: str) -> None:
     model.value_meta = metas
 
 
-GIB = 1024**3
 MAX_LOGGED_RANKS = 8
 
 
@@ -89,7 +89,7 @@ def memory_versus(plan, peaks: list[int] | None) -> str:
     else:
         prefix = ""
     cells = [
-        f"r{r} {peak / GIB:.2f}/{expected / GIB:.2f}" if expected else f"r{r} {peak / GIB:.2f}/-"
+        f"r{r} {format_gib(peak)}/{format_gib(expected)}" if expected else f"r{r} {format_gib(peak)}/-"
         for r, peak, expected in rows
     ]
     return prefix + " ".join(cells) + " (measured/predicted)"

@@ -10,13 +10,12 @@ import signal
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pipeplan.console import out
+from pipeplan.console import out, warn
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.precision import get_precision
@@ -26,7 +25,6 @@ from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
 from pipeplan.runtime.precision_run import (
-    GIB,
     LossScaler,
     apply_param_dtype,
     apply_wire_dtypes,
@@ -37,6 +35,7 @@ from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.runtime.trace_io import write_trace
 from pipeplan.runtime.zero import make_step_optimizer
+from pipeplan.units import format_gib
 
 
 @dataclass
@@ -191,7 +190,7 @@ def train(
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)
     if start >= config.steps and rank == 0:
-        warnings.warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run", stacklevel=2)
+        warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run")
     fault = FaultSpec.from_env()
     batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
     for _ in range(start):  # the same data order as an uninterrupted run
@@ -287,7 +286,6 @@ def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = Non
     predicted = plan.predicted.peak_memory_bytes
     for rank, peak in enumerate(peaks):
         expected = predicted[rank] if rank < len(predicted) else 0
-        versus = f" vs predicted {expected / GIB:.2f} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
-        out.print(
-            f"rank {rank}: peak memory {peak / GIB:.2f} GiB (torch.cuda.max_memory_allocated){versus}", highlight=False
-        )
+        versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
+        measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
+        out.print(measured + versus, highlight=False)

@@ -9,7 +9,7 @@ import typer
 from pipeplan.console import out
 from pipeplan.errors import ConfigError
 from pipeplan.paths import check_output_dir, check_output_file
-from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+from pipeplan.runtime.config import CLIP_HELP, POST_VALIDATE_HELP, RunConfig, heartbeat_timeout_from_env
 
 
 def run(
@@ -41,6 +41,8 @@ def run(
     threads: int | None = typer.Option(
         None, "--threads", help="CPU threads per rank (default on CPU: the cores divided by the ranks on this machine)."
     ),
+    clip_grad_norm: float | None = typer.Option(None, "--clip-grad-norm", help=CLIP_HELP),
+    post_validate: bool = typer.Option(False, "--post-validate", help=POST_VALIDATE_HELP),
 ) -> None:
     """Run a plan's ranks locally on torch.distributed (gloo on CPU, nccl on CUDA: the plan's device unless
     --device says otherwise) and compare the measured step time with the plan's prediction. Across nodes, use
@@ -72,6 +74,8 @@ def run(
         heartbeat_timeout_s=heartbeat_timeout if heartbeat_timeout is not None else heartbeat_timeout_from_env(),
         device=device,
         precision=precision,
+        clip_grad_norm=clip_grad_norm,
+        post_validate=post_validate,
     )
     results = launch_local(plan, config, threads=threads)
     if trace:

@@ -3,7 +3,7 @@
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m pipeplan.runtime.worker DIR/plan.json [--steps N] [--trace FILE] [--checkpoint-dir DIR]
         [--checkpoint-every K] [--resume] [--init-from FILE] [--lr X] [--weight-decay X] [--heartbeat-timeout S]
-        [--check-every K] [--threads T] [--device cpu|cuda] [--quiet]
+        [--check-every K] [--threads T] [--device cpu|cuda] [--quiet] [--clip-grad-norm X] [--post-validate]
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
@@ -144,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
     parser.add_argument("--threads", type=int)
     parser.add_argument("--device", choices=("cpu", "cuda"))
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--clip-grad-norm", type=float)
+    parser.add_argument("--post-validate", action="store_true")
     args = parser.parse_args(argv)
     config = RunConfig(
         steps=args.steps,
@@ -160,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | Non
         ),
         quiet=args.quiet,
         device=args.device,
+        clip_grad_norm=args.clip_grad_norm,
+        post_validate=args.post_validate,
     )
     return args.plan, config, args.threads
 

@@ -85,48 +85,56 @@ class StateChain:
 
 class StepUndo:
     """A copy of what one optimizer step changes, taken before it; `restore()` puts it back bit for bit (parameters
-    and every state tensor, AdamW's step count included; a parameter that had no state yet loses the new one)."""
+    and every state tensor, AdamW's step count included; a parameter that had no state yet loses the new one).
+    The copy buffers are allocated once and reused."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, written: list[torch.Tensor]) -> None:
         self.optimizer, self.written = optimizer, written
         self.copies = [torch.empty_like(t) for t in written]
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.state_copies: dict[torch.Tensor, dict[str, object]] = {}
-        self.without_state: set[int] = set()  # ids of parameters that had no optimizer state at take()
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), key) -> copy of that state tensor
+        self.kept: dict[int, dict[str, object] | None] = {}  # id(param) -> state at take() (None: no state yet)
 
     @torch.no_grad()
     def take(self) -> None:
         if self.written:
             torch._foreach_copy_(self.copies, self.written)
-        self.without_state = set()
         for param in self.params:
             state = self.optimizer.state.get(param)
-            if not state:
-                self.without_state.add(id(param))
-                continue
-            kept = self.state_copies.setdefault(param, {})
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    if key not in kept or not isinstance(kept[key], torch.Tensor) or kept[key].shape != value.shape:
-                        kept[key] = torch.empty_like(value)
-                    kept[key].copy_(value)
-                else:
-                    kept[key] = value
+            self.kept[id(param)] = (
+                {key: self._keep(param, key, value) for key, value in state.items()} if state else None
+            )
+
+    def _keep(self, param: torch.Tensor, key: str, value: object) -> object:
+        if not isinstance(value, torch.Tensor):
+            return value
+        buffer = self.buffers.get((id(param), key))
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = self.buffers[(id(param), key)] = torch.empty_like(value)
+        return buffer.copy_(value)
 
     @torch.no_grad()
     def restore(self) -> None:
         if self.written:
             torch._foreach_copy_(self.written, self.copies)
         for param in self.params:
-            if id(param) in self.without_state:
+            kept = self.kept[id(param)]
+            if kept is None:
                 self.optimizer.state.pop(param, None)
                 continue
             state = self.optimizer.state[param]
-            for key, value in self.state_copies[param].items():
-                if isinstance(value, torch.Tensor):
-                    state[key].copy_(value)
+            for key in [k for k in state if k not in kept]:
+                del state[key]
+            for key, value in kept.items():
+                current = state.get(key)
+                if (
+                    isinstance(value, torch.Tensor)
+                    and isinstance(current, torch.Tensor)
+                    and current.shape == value.shape
+                ):
+                    current.copy_(value)
                 else:
-                    state[key] = value
+                    state[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class PostValidator:

@@ -1,6 +1,7 @@
 """The training loop each rank runs (inside an initialized process group): build the rank's stages, then per
-step draw the global batch, run the planned op list, all-reduce shared gradients, step AdamW, log on rank 0, and
-write checkpoints and the measured trace."""
+step draw the global batch, run the planned op list, all-reduce shared gradients, check the step globally (loss,
+gradient norm, NaN/inf: step_checks.py; after an eager step with --post-validate: post_validate.py), step AdamW, log
+on rank 0, and write checkpoints and the measured trace."""
 
 from __future__ import annotations
 

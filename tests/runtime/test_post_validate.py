@@ -41,8 +41,13 @@ LAYOUTS_2 = {
     "tied zb-h1 zero1": ("gpt", TINY_GPT_TIED, dict(schedule="zb-h1", pipeline_devices=2, zero=1)),
     "dp zero1": ("gpt", TINY_GPT, dict(schedule="1f1b", pipeline_devices=1, data_parallel=2, zero=1)),
 }
-LAUNCHED_2 = [("1f1b", None), ("1f1b", CLIP_ALL), ("1f1b", CLIP_SOME), ("tied zb-h1 zero1", CLIP_SOME),
-              ("dp zero1", CLIP_SOME)]  # fmt: skip
+LAUNCHED_2 = [
+    ("1f1b", None),
+    ("1f1b", CLIP_ALL),
+    ("1f1b", CLIP_SOME),
+    ("tied zb-h1 zero1", CLIP_SOME),
+    ("dp zero1", CLIP_SOME),
+]
 
 
 def _label(layout: str, clip: float | None, post: bool) -> str:
@@ -235,8 +240,8 @@ def test_injected_nan_stops_a_post_validated_run_and_saves_nothing_of_it(tmp_pat
 
 def test_cli_flags_reach_the_ranks_and_the_summary(tmp_path):
     path, _ = make_plan(tmp_path, "cli", "gpt", TINY_GPT_TIED, schedule="zb-h1", pipeline_devices=2)
-    args = [sys.executable, "-m", "pipeplan", "run", path, "--steps", "2", "--threads", "1", "--clip-grad-norm",
-            str(CLIP_ALL), "--post-validate"]  # fmt: skip
+    flags = ["--steps", "2", "--threads", "1", "--clip-grad-norm", str(CLIP_ALL), "--post-validate"]
+    args = [sys.executable, "-m", "pipeplan", "run", path, *flags]
     proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=200)
     assert proc.returncode == 0, proc.stderr
     assert "clipped 2 of 2 steps (--clip-grad-norm 0.01)" in proc.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_dir, check_output_file
-from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+from pipeplan.runtime.config import CLIP_HELP, POST_VALIDATE_HELP, RunConfig, heartbeat_timeout_from_env
 
 INIT_FROM_HELP = (
     "Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); each rank "
@@ -46,6 +46,8 @@ class RunOptions:
         10, "--check-every", help="Steps between checks that replicas and tied weights agree (0: never)."
     )
     quiet: bool = option(False, "--quiet", help="No per-step log lines (the summary is still printed).")
+    clip_grad_norm: float | None = option(None, "--clip-grad-norm", help=CLIP_HELP)
+    post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)
     config: RunConfig = dataclasses.field(init=False, repr=False)  # what the ranks run with, built from the above
 
     def __post_init__(self) -> None:
@@ -72,5 +74,7 @@ class RunOptions:
             quiet=self.quiet,
             device=self.device,
             precision=self.precision,
+            clip_grad_norm=self.clip_grad_norm,
+            post_validate=self.post_validate,
         )
         object.__setattr__(self, "config", config)

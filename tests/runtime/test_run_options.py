@@ -56,6 +56,9 @@ def _argvs(tmp_path) -> list[list[str]]:
         "--check-every",
         "4",
         "--quiet",
+        "--clip-grad-norm",
+        "1.5",
+        "--post-validate",
     ]
     resumed = ["plan.json", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
     initialized = ["plan.json", "--init-from", str(weights)]

@@ -49,9 +49,14 @@ def run(steps: int, ranks: int, lr: float) -> dict[str, dict]:
     runs = []
     for name in SCHEDULES:
         plan = manual_plan(
-            MODEL, {}, schedule=name, pipeline_devices=ranks, num_microbatches=MICROBATCHES,
-            microbatch_size=MICROBATCH_SIZE, lr=lr,
-        )  # fmt: skip
+            MODEL,
+            {},
+            schedule=name,
+            pipeline_devices=ranks,
+            num_microbatches=MICROBATCHES,
+            microbatch_size=MICROBATCH_SIZE,
+            lr=lr,
+        )
         path = folder / f"{name}.json"
         plan.save(path)
         config = RunConfig(  # one gloo group per direction for every schedule, as the asynchronous ones always use
@@ -122,9 +127,13 @@ def main() -> None:
     base = found["1f1b"]["median_step_ms"]
     for name, row in found.items():
         table.add_row(
-            name, f"{row['final_loss']:.4f}", f"{row['mean_step_ms']:.1f}", f"{row['median_step_ms']:.1f}",
-            f"{row['median_step_ms'] / base:.2f}x", row["staleness"],
-        )  # fmt: skip
+            name,
+            f"{row['final_loss']:.4f}",
+            f"{row['mean_step_ms']:.1f}",
+            f"{row['median_step_ms']:.1f}",
+            f"{row['median_step_ms'] / base:.2f}x",
+            row["staleness"],
+        )
     Console(width=160).print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(found, RESULTS / "async_convergence.png", entropy_floor())
@@ -133,11 +142,16 @@ def main() -> None:
         {
             "benchmark": "async_convergence",
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
-            "model": MODEL.split("/")[-1], "ranks": args.ranks, "steps": args.steps, "lr": args.lr,
-            "microbatches": MICROBATCHES, "microbatch_size": MICROBATCH_SIZE, "loss_floor": entropy_floor(),
+            "model": MODEL.split("/")[-1],
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "lr": args.lr,
+            "microbatches": MICROBATCHES,
+            "microbatch_size": MICROBATCH_SIZE,
+            "loss_floor": entropy_floor(),
             "schedules": found,
         },
-    )  # fmt: skip
+    )
     print(f"wrote {RESULTS / 'async_convergence.png'} and {RESULTS / 'async_convergence.json'}")
 
 

@@ -83,9 +83,14 @@ def main() -> int:
     for row in rows:
         preset = f"{row['measured_over_preset']:.2f} ({row['preset']})" if "preset" in row else "-"
         table.add_row(
-            row["case"], str(row["batch"]), row["dtype"], f"{row['measured_ms']:.2f}", f"{row['analytic_ms']:.2f}",
-            f"{row['measured_over_analytic']:.2f}", preset,
-        )  # fmt: skip
+            row["case"],
+            str(row["batch"]),
+            row["dtype"],
+            f"{row['measured_ms']:.2f}",
+            f"{row['analytic_ms']:.2f}",
+            f"{row['measured_over_analytic']:.2f}",
+            preset,
+        )
     Console().print(table)
     figures = {k: entry[k] for k in entry if k.startswith(("measured_", "kernel_", "peak_", "hbm_", "nvlink"))}
     print("calibrated:", ", ".join(f"{k}={v:.4g}" for k, v in figures.items()))
@@ -97,11 +102,17 @@ def main() -> int:
     write_json(
         ROOT / "benchmarks" / "results" / "calibrate.json",
         dict(
-            schema_version=1, machine=platform.platform(), device=device, device_name=cal.device_name,
-            torch=torch.__version__, target=TARGET if cuda else None, target_met=met, hardware_entry=entry,
+            schema_version=1,
+            machine=platform.platform(),
+            device=device,
+            device_name=cal.device_name,
+            torch=torch.__version__,
+            target=TARGET if cuda else None,
+            target_met=met,
+            hardware_entry=entry,
             results=rows,
         ),
-    )  # fmt: skip
+    )
     return 0
 
 

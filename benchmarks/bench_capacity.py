@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipeplan.capacity.commands import capacity_profile  # noqa: E402
+from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.profiling.hardware import load_hardware  # noqa: E402
@@ -31,8 +31,18 @@ from pipeplan.profiling.hardware import load_hardware  # noqa: E402
 REPEATS = 3
 TARGET_S = 60.0
 MODEL, HARDWARE, DEVICES = "llama-70b", "h100", (64, 256, 1024)
-COMMAND = [sys.executable, "-m", "pipeplan", "capacity", MODEL, "--hardware", HARDWARE,
-           "--devices", ",".join(map(str, DEVICES)), "--json"]  # fmt: skip
+COMMAND = [
+    sys.executable,
+    "-m",
+    "pipeplan",
+    "capacity",
+    MODEL,
+    "--hardware",
+    HARDWARE,
+    "--devices",
+    ",".join(map(str, DEVICES)),
+    "--json",
+]
 
 
 def _run_cli() -> tuple[float, float, dict]:
@@ -64,8 +74,9 @@ def main() -> None:
     for column in ("what", "median s", "runs s", "target s", "ratio to target"):
         table.add_column(column, justify="left" if column == "what" else "right")
     wall, cpu = statistics.median(walls), statistics.median(cpus)
-    table.add_row("CLI wall", f"{wall:.1f}", " ".join(f"{w:.1f}" for w in walls), f"{TARGET_S:.0f}",
-                  f"{wall / TARGET_S:.2f}")  # fmt: skip
+    table.add_row(
+        "CLI wall", f"{wall:.1f}", " ".join(f"{w:.1f}" for w in walls), f"{TARGET_S:.0f}", f"{wall / TARGET_S:.2f}"
+    )
     table.add_row("CLI CPU", f"{cpu:.1f}", " ".join(f"{c:.1f}" for c in cpus), "", f"{cpu / TARGET_S:.2f}")
     table.add_row("  analytic profile", f"{parts['profile_s']:.1f}", "(1 run)", "", "")
     table.add_row("  sweep (screen + search)", f"{parts['sweep_s']:.1f}", "(1 run)", "", "")
@@ -74,8 +85,11 @@ def main() -> None:
     for column in ("devices", "plan", "tokens/s", "MFU", "binds"):
         rows.add_column(column)
     for row in report["rows"]:
-        plan = (f"{row['schedule']} {row['pipeline_devices']}x{row['data_parallel']} m={row['num_microbatches']}"
-                if row["fits"] else "does not fit")  # fmt: skip
+        plan = (
+            f"{row['schedule']} {row['pipeline_devices']}x{row['data_parallel']} m={row['num_microbatches']}"
+            if row["fits"]
+            else "does not fit"
+        )
         speed = f"{row['tokens_per_s']:,.0f}" if row["fits"] else ""
         mfu = f"{row['mfu']:.1%}" if row["fits"] else ""
         rows.add_row(str(row["num_devices"]), plan, speed, mfu, row["binding"])
@@ -83,12 +97,18 @@ def main() -> None:
     write_json(
         ROOT / "benchmarks" / "results" / "capacity.json",
         {
-            "schema_version": 1, "command": " ".join(COMMAND[1:]), "target_s": TARGET_S,
-            "wall_s": walls, "cpu_s": cpus, "median_wall_s": wall, "median_cpu_s": cpu, "parts_s": parts,
-            "rows": report["rows"], "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                "python": platform.python_version()},
+            "schema_version": 1,
+            "command": " ".join(COMMAND[1:]),
+            "target_s": TARGET_S,
+            "wall_s": walls,
+            "cpu_s": cpus,
+            "median_wall_s": wall,
+            "median_cpu_s": cpu,
+            "parts_s": parts,
+            "rows": report["rows"],
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         },
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

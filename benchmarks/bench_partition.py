@@ -203,9 +203,17 @@ def run_pipedream(devices: list[int]) -> list[dict]:
             ours = partition(profile, cluster, PartitionConfig(num_microbatches=4, cost_model="pipedream"))
             diff = ours.objective_ms / (ref * 1000) - 1
             print(f"{name:12} {n:4d} {states:7d} {ref:16.6f} {ours.objective_ms / 1000:12.6f} {diff:10.2e}")
-            rows.append({"profile": name, "devices": n, "antichain_states": states, "pipedream_s": ref,
-                         "pipeplan_s": ours.objective_ms / 1000, "replicas": ours.replicas,
-                         "stages": ours.stage_ranges})  # fmt: skip
+            rows.append(
+                {
+                    "profile": name,
+                    "devices": n,
+                    "antichain_states": states,
+                    "pipedream_s": ref,
+                    "pipeplan_s": ours.objective_ms / 1000,
+                    "replicas": ours.replicas,
+                    "stages": ours.stage_ranges,
+                }
+            )
     return rows
 
 

@@ -70,9 +70,25 @@ def speed(workdir: Path) -> dict:
     cluster = cluster_for(HARDWARE, 64, 8)
     config = SearchConfig(global_batch_size=256)
     search_s, result = median_seconds(lambda: search_plans(profile, cluster, config), REPEATS)
-    command = [sys.executable, "-m", "pipeplan", "plan", "--profile", str(path), "--hardware", HARDWARE,
-               "--devices", "64", "--devices-per-node", "8", "--global-batch-size", "256",
-               "-o", str(workdir / "plan64"), "--json"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pipeplan",
+        "plan",
+        "--profile",
+        str(path),
+        "--hardware",
+        HARDWARE,
+        "--devices",
+        "64",
+        "--devices-per-node",
+        "8",
+        "--global-batch-size",
+        "256",
+        "-o",
+        str(workdir / "plan64"),
+        "--json",
+    ]
     cpu_times: list[float] = []
     cli_s, _ = median_seconds(lambda: cpu_times.append(_run(command)), REPEATS)
     return {
@@ -96,18 +112,20 @@ def _uniform_1f1b(profile: Profile, devices: int, global_batch: int, microbatch:
     """Samples/s of equal-layer-count stages on every device (d = 1) with 1f1b; None if it does not fit."""
     cluster = cluster_for(QUALITY_HARDWARE, devices, 8)
     layout = Layout(
-        schedule="1f1b", microbatch_size=microbatch, data_parallel=1, pipeline_devices=devices,
-        num_microbatches=global_batch // microbatch, mode="straight",
-    )  # fmt: skip
+        schedule="1f1b",
+        microbatch_size=microbatch,
+        data_parallel=1,
+        pipeline_devices=devices,
+        num_microbatches=global_batch // microbatch,
+        mode="straight",
+    )
     bounds = [round(profile.num_layers * s / devices) for s in range(devices + 1)]
     part = fixed_cut_partition(
         profile, pipeline_cluster(cluster, devices), partition_config(layout, "adamw-bf16"), bounds
     )
     if max(part.device_memory_bytes) > cluster.memory_per_device:
         return None
-    result = evaluate_partition(
-        layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch
-    )  # fmt: skip
+    result = evaluate_partition(layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch)
     return getattr(result, "samples_per_s", None)
 
 
@@ -135,15 +153,24 @@ def quality() -> list[dict]:
                     per_schedule[schedule] = search_plans(profile, cluster, config, [schedule]).best.samples_per_s
                 except Exception as exc:  # noqa: BLE001  (a schedule with no feasible layout scores 0)
                     per_schedule[schedule] = 0.0 if "no plan" in str(exc) else float("nan")
-            rows.append({
-                "model": name, "devices": devices, "global_batch_size": global_batch, "microbatch_size": microbatch,
-                "chosen": best.layout.label, "chosen_samples_per_s": best.samples_per_s,
-                "uniform_1f1b_samples_per_s": _uniform_1f1b(profile, devices, global_batch, microbatch),
-                "per_schedule_samples_per_s": per_schedule,
-            })  # fmt: skip
-    fixed = max(SCHEDULE_NAMES, key=lambda s: statistics.geometric_mean(
-        [max(r["per_schedule_samples_per_s"][s], 1e-9) / r["chosen_samples_per_s"] for r in rows]
-    ))  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "devices": devices,
+                    "global_batch_size": global_batch,
+                    "microbatch_size": microbatch,
+                    "chosen": best.layout.label,
+                    "chosen_samples_per_s": best.samples_per_s,
+                    "uniform_1f1b_samples_per_s": _uniform_1f1b(profile, devices, global_batch, microbatch),
+                    "per_schedule_samples_per_s": per_schedule,
+                }
+            )
+    fixed = max(
+        SCHEDULE_NAMES,
+        key=lambda s: statistics.geometric_mean(
+            [max(r["per_schedule_samples_per_s"][s], 1e-9) / r["chosen_samples_per_s"] for r in rows]
+        ),
+    )
     for row in rows:
         row["best_fixed_schedule"] = fixed
         row["best_fixed_samples_per_s"] = row["per_schedule_samples_per_s"][fixed]
@@ -173,10 +200,15 @@ def _print(speed_row: dict, rows: list[dict]) -> None:
     for row in rows:
         uniform = row["uniform_1f1b_samples_per_s"]
         table.add_row(
-            row["model"], str(row["devices"]), row["chosen"], f"{row['chosen_samples_per_s']:.1f}",
-            f"{uniform:.1f}" if uniform else "OOM", f"{row['vs_uniform_1f1b']:.2f}" if uniform else "-",
-            f"{row['best_fixed_schedule']} {row['best_fixed_samples_per_s']:.1f}", f"{row['vs_best_fixed']:.2f}",
-        )  # fmt: skip
+            row["model"],
+            str(row["devices"]),
+            row["chosen"],
+            f"{row['chosen_samples_per_s']:.1f}",
+            f"{uniform:.1f}" if uniform else "OOM",
+            f"{row['vs_uniform_1f1b']:.2f}" if uniform else "-",
+            f"{row['best_fixed_schedule']} {row['best_fixed_samples_per_s']:.1f}",
+            f"{row['vs_best_fixed']:.2f}",
+        )
     console.print(table)
 
 
@@ -187,9 +219,14 @@ def main() -> int:
     _print(speed_row, rows)
     write_json(
         ROOT / "benchmarks" / "results" / "planner.json",
-        {"schema_version": 1, "machine": platform.node(), "python": platform.python_version(),
-         "speed": speed_row, "quality": rows},
-    )  # fmt: skip
+        {
+            "schema_version": 1,
+            "machine": platform.node(),
+            "python": platform.python_version(),
+            "speed": speed_row,
+            "quality": rows,
+        },
+    )
     return 0 if speed_row["ok"] else 1
 
 

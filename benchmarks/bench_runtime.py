@@ -267,14 +267,27 @@ def _table_b(console: Console, measured: dict, gpt_plans: dict[str, str], skippe
         ratio = ours / guess
         layers = [f"{s.first_layer}-{s.last_layer}" for s in plan.stages]
         rows.append(
-            {"schedule": name, "stage_layers": layers, "num_microbatches": plan.training.num_microbatches,
-             "measured_ms": ours, "predicted_ms": guess, "ratio": ratio, "replayed_ms": replay}
-        )  # fmt: skip
+            {
+                "schedule": name,
+                "stage_layers": layers,
+                "num_microbatches": plan.training.num_microbatches,
+                "measured_ms": ours,
+                "predicted_ms": guess,
+                "ratio": ratio,
+                "replayed_ms": replay,
+            }
+        )
         within = "yes" if abs(ratio - 1) <= PREDICTION_TOLERANCE else "no"
         table.add_row(
-            name, " ".join(layers), f"{ours:.1f}", f"{guess:.1f}", f"{ratio:.2f}", within, f"{replay:.1f}",
+            name,
+            " ".join(layers),
+            f"{ours:.1f}",
+            f"{guess:.1f}",
+            f"{ratio:.2f}",
+            within,
+            f"{replay:.1f}",
             f"{ours / replay:.2f}",
-        )  # fmt: skip
+        )
     console.print(table)
     for name, reason in skipped.items():
         console.print(f"skipped {name}: {reason}", highlight=False)

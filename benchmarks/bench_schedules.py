@@ -55,10 +55,16 @@ def _speed_case(name: str, p: int, m: int, costs: StageCosts, target: float | No
     stage_costs = StageCosts(forward_ms=1.0 / v, input_grad_ms=1.0 / v, weight_grad_ms=1.0 / v, comm_ms=0.05)
     sim_s, timeline = median_seconds(lambda: simulate(schedule, stage_costs), REPEATS)
     row = {
-        "schedule": name, "devices": p, "microbatches": m, "ops": sum(map(len, schedule.device_ops)),
-        "generate_s": gen_s, "simulate_s": sim_s, "target_s": target, "target_of": timed,
+        "schedule": name,
+        "devices": p,
+        "microbatches": m,
+        "ops": sum(map(len, schedule.device_ops)),
+        "generate_s": gen_s,
+        "simulate_s": sim_s,
+        "target_s": target,
+        "target_of": timed,
         "makespan_ms": timeline.makespan,
-    }  # fmt: skip
+    }
     row["ok"] = target is None or row[timed] <= target
     return row
 
@@ -76,12 +82,19 @@ def speed() -> list[dict]:
         f"schedule speed: median of {REPEATS} runs (seconds)",
         ["schedule", "p", "m", "ops", "generate", "simulate", "target", "ok"],
         [
-            [r["schedule"], str(r["devices"]), str(r["microbatches"]), str(r["ops"]), f"{r['generate_s']:.3f}",
-             f"{r['simulate_s']:.3f}", "-" if r["target_s"] is None else f"{r['target_of'][:-2]} < {r['target_s']:g}",
-             "yes" if r["ok"] else "NO"]
+            [
+                r["schedule"],
+                str(r["devices"]),
+                str(r["microbatches"]),
+                str(r["ops"]),
+                f"{r['generate_s']:.3f}",
+                f"{r['simulate_s']:.3f}",
+                "-" if r["target_s"] is None else f"{r['target_of'][:-2]} < {r['target_s']:g}",
+                "yes" if r["ok"] else "NO",
+            ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     return rows
 
 
@@ -97,23 +110,45 @@ def paper() -> list[dict]:
             timeline = simulate(auto, costs)
             runs = heuristic_runs(m, costs.per_stage(p), activation_deltas(unit_memory(1), p), limit)
             best_span = min(r.max_span for r in runs)
-            rows.append({
-                "case": label, "devices": p, "microbatches": m, "f": f, "i": i, "w": w, "comm": c, "limit": limit,
-                "paper_span": figure, "heuristic_best_span": best_span, "zb_auto_span": timeline.max_span,
-                "zb_auto_makespan": timeline.makespan, "span_vs_paper": best_span / figure,
-                "zb_auto_span_vs_paper": timeline.max_span / figure,
-                "span_vs_no_bubble": timeline.max_span / (m * (f + i + w)), "generate_s": gen_s,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "case": label,
+                    "devices": p,
+                    "microbatches": m,
+                    "f": f,
+                    "i": i,
+                    "w": w,
+                    "comm": c,
+                    "limit": limit,
+                    "paper_span": figure,
+                    "heuristic_best_span": best_span,
+                    "zb_auto_span": timeline.max_span,
+                    "zb_auto_makespan": timeline.makespan,
+                    "span_vs_paper": best_span / figure,
+                    "zb_auto_span_vs_paper": timeline.max_span / figure,
+                    "span_vs_no_bubble": timeline.max_span / (m * (f + i + w)),
+                    "generate_s": gen_s,
+                }
+            )
     _table(
         "zb-auto vs the paper (spans; zb-auto ranks its candidates by makespan)",
         ["case", "p", "m", "F/I/W/c", "paper", "heuristic", "zb-auto span", "makespan", "span/bound", "gen s"],
         [
-            [r["case"], str(r["devices"]), str(r["microbatches"]), _costs_text(r),
-             f"{r['paper_span']:g}", f"{r['heuristic_best_span']:g}", f"{r['zb_auto_span']:g}",
-             f"{r['zb_auto_makespan']:g}", f"{r['span_vs_no_bubble']:.3f}", f"{r['generate_s']:.4f}"]
+            [
+                r["case"],
+                str(r["devices"]),
+                str(r["microbatches"]),
+                _costs_text(r),
+                f"{r['paper_span']:g}",
+                f"{r['heuristic_best_span']:g}",
+                f"{r['zb_auto_span']:g}",
+                f"{r['zb_auto_makespan']:g}",
+                f"{r['span_vs_no_bubble']:.3f}",
+                f"{r['generate_s']:.4f}",
+            ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     return rows
 
 
@@ -127,22 +162,44 @@ def zbv_grid() -> dict:
         fixed = simulate(zbv_fixed(p, m), costs).makespan
         gen_s, adaptive = median_seconds(partial(generate, "zbv", num_devices=p, num_microbatches=m, costs=costs), 1)
         makespan = simulate(adaptive, costs).makespan
-        rows.append({"devices": p, "microbatches": m, "f": f, "i": i, "w": w, "comm": c,
-                     "fixed_makespan": fixed, "adaptive_makespan": makespan, "ratio": makespan / fixed,
-                     "generate_s": gen_s})  # fmt: skip
+        rows.append(
+            {
+                "devices": p,
+                "microbatches": m,
+                "f": f,
+                "i": i,
+                "w": w,
+                "comm": c,
+                "fixed_makespan": fixed,
+                "adaptive_makespan": makespan,
+                "ratio": makespan / fixed,
+                "generate_s": gen_s,
+            }
+        )
     ratios = [r["ratio"] for r in rows]
     summary = {
-        "cases": len(rows), "better_by_1pct": sum(r < 0.99 for r in ratios), "worse": sum(r > 1 + 1e-9 for r in ratios),
-        "min_ratio": min(ratios), "median_ratio": statistics.median(ratios),
+        "cases": len(rows),
+        "better_by_1pct": sum(r < 0.99 for r in ratios),
+        "worse": sum(r > 1 + 1e-9 for r in ratios),
+        "min_ratio": min(ratios),
+        "median_ratio": statistics.median(ratios),
         "median_generate_s": statistics.median(r["generate_s"] for r in rows),
-    }  # fmt: skip
+    }
     _table(
         "zbv adaptive / fixed makespan (per stage: F, I in {1,2}, W in {0.5,1,2}, comm in {0,0.2}; p in {2,4,8}, "
         "m in {2p,3p,4p}; at the fixed order's peak memory)",
         ["cases", "better by >1%", "worse", "best ratio", "median ratio", "median generate s"],
-        [[str(summary["cases"]), str(summary["better_by_1pct"]), str(summary["worse"]),
-          f"{summary['min_ratio']:.4f}", f"{summary['median_ratio']:.4f}", f"{summary['median_generate_s']:.3f}"]],
-    )  # fmt: skip
+        [
+            [
+                str(summary["cases"]),
+                str(summary["better_by_1pct"]),
+                str(summary["worse"]),
+                f"{summary['min_ratio']:.4f}",
+                f"{summary['median_ratio']:.4f}",
+                f"{summary['median_generate_s']:.3f}",
+            ]
+        ],
+    )
     return {"summary": summary, "rows": rows}
 
 
@@ -153,10 +210,18 @@ def _costs_text(row: dict) -> str:
 
 def milp() -> list[dict]:
     heavy = StageCosts(forward_ms=3, input_grad_ms=3, weight_grad_ms=2, comm_ms=1)
-    cases = [(2, 4, StageCosts(), 2), (3, 4, StageCosts(), 3), (3, 4, StageCosts(), 6), (4, 4, StageCosts(), 4),
-             (3, 6, heavy, 3), (3, 6, heavy, 6), (4, 5, heavy, 4), (4, 5, heavy, 8),
-             (4, 5, StageCosts(forward_ms=(1, 2, 1, 1), input_grad_ms=(1, 2, 1, 1), comm_ms=0.3), 4),
-             (3, 5, StageCosts(forward_ms=2, input_grad_ms=1, weight_grad_ms=2), 2)]  # fmt: skip
+    cases = [
+        (2, 4, StageCosts(), 2),
+        (3, 4, StageCosts(), 3),
+        (3, 4, StageCosts(), 6),
+        (4, 4, StageCosts(), 4),
+        (3, 6, heavy, 3),
+        (3, 6, heavy, 6),
+        (4, 5, heavy, 4),
+        (4, 5, heavy, 8),
+        (4, 5, StageCosts(forward_ms=(1, 2, 1, 1), input_grad_ms=(1, 2, 1, 1), comm_ms=0.3), 4),
+        (3, 5, StageCosts(forward_ms=2, input_grad_ms=1, weight_grad_ms=2), 2),
+    ]
     rows = []
     for p, m, costs, limit in cases:
         auto = simulate(generate("zb-auto", num_devices=p, num_microbatches=m, costs=costs, memory_limit=limit), costs)
@@ -164,28 +229,55 @@ def milp() -> list[dict]:
             partial(solve_milp, p, m, costs=costs, memory_limit=limit, time_limit=MILP_TIME_LIMIT_S), 1
         )
         assert result is not None
-        rows.append({"devices": p, "microbatches": m, "f": costs.forward_ms, "i": costs.input_grad_ms,
-                     "w": costs.weight_grad_ms, "comm": costs.comm_ms, "limit": limit,
-                     "zb_auto_makespan": auto.makespan, "milp_makespan": result.value, "milp_bound": result.bound,
-                     "proven": result.proven, "heuristic_over_optimal": auto.makespan / result.value,
-                     "solve_s": solve_s})  # fmt: skip
+        rows.append(
+            {
+                "devices": p,
+                "microbatches": m,
+                "f": costs.forward_ms,
+                "i": costs.input_grad_ms,
+                "w": costs.weight_grad_ms,
+                "comm": costs.comm_ms,
+                "limit": limit,
+                "zb_auto_makespan": auto.makespan,
+                "milp_makespan": result.value,
+                "milp_bound": result.bound,
+                "proven": result.proven,
+                "heuristic_over_optimal": auto.makespan / result.value,
+                "solve_s": solve_s,
+            }
+        )
     _table(
         f"zb-auto / MILP optimum (makespan; HiGHS, time limit {MILP_TIME_LIMIT_S:g} s)",
         ["p", "m", "F/I/W/c", "limit", "zb-auto", "MILP", "proven", "ratio", "solve s"],
         [
-            [str(r["devices"]), str(r["microbatches"]), _costs_text(r), f"{r['limit']:g}",
-             f"{r['zb_auto_makespan']:g}", f"{r['milp_makespan']:.4g}", "yes" if r["proven"] else "no",
-             f"{r['heuristic_over_optimal']:.4f}", f"{r['solve_s']:.1f}"]
+            [
+                str(r["devices"]),
+                str(r["microbatches"]),
+                _costs_text(r),
+                f"{r['limit']:g}",
+                f"{r['zb_auto_makespan']:g}",
+                f"{r['milp_makespan']:.4g}",
+                "yes" if r["proven"] else "no",
+                f"{r['heuristic_over_optimal']:.4f}",
+                f"{r['solve_s']:.1f}",
+            ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     return rows
 
 
 def main() -> int:
     rows = speed()
-    results = {"schema_version": 2, "python": platform.python_version(), "machine": platform.machine(),
-               "rows": rows, "paper": paper(), "zbv": zbv_grid(), "milp": milp()}  # fmt: skip
+    results = {
+        "schema_version": 2,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "rows": rows,
+        "paper": paper(),
+        "zbv": zbv_grid(),
+        "milp": milp(),
+    }
     write_json(ROOT / "benchmarks" / "results" / "schedules.json", results)
     return 0 if all(row["ok"] for row in rows) else 1
 

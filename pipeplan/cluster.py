@@ -1,12 +1,63 @@
-"""Cluster: the devices a plan runs on, with a two-level topology (inside a node / across nodes)."""
+"""Cluster: the devices a plan runs on, with a two-level topology (inside a node / across nodes), and `Link`: the
+one place that turns bytes into seconds on a link (point-to-point transfers and ring collectives).
+
+Every formula here is vectorized over numpy arrays (bytes, group sizes) and returns a float for scalar inputs: the
+partitioner calls it on whole DP columns, the planner on one boundary, with the same arithmetic."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from pipeplan.errors import ConfigError
 
 MAX_DEVICES = 16_384  # a plan holds one op list per rank: planning 16k devices takes seconds, 100k minutes
+
+
+def _out(values: np.ndarray):
+    """A float for a scalar result, else the array."""
+    return float(values) if values.ndim == 0 else values
+
+
+def ring_bytes_sent(num_bytes, group_size, *, passes: int):
+    """Bytes each device sends in a ring collective of `num_bytes` over `group_size` devices: passes (n-1)/n x bytes
+    (also the nccl-tests "bus bandwidth" factor: bus bandwidth = this / time)."""
+    return passes * (group_size - 1) / group_size * num_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One kind of link between two devices: bytes/s one way (full duplex) and the latency of one message."""
+
+    bandwidth: float
+    latency_s: float
+
+    def transfer_s(self, num_bytes):
+        """Seconds to move `num_bytes` point-to-point: latency + bytes / bandwidth; nothing to send costs 0."""
+        b = np.asarray(num_bytes, dtype=np.float64)
+        return _out(np.where(b > 0, self.latency_s + b / self.bandwidth, 0.0))
+
+    def ring_s(self, num_bytes, group_size, *, passes: int):
+        """A ring collective of `num_bytes` per device over `group_size` devices, in `passes` sweeps of n - 1 steps
+        that each move bytes / n: passes (n-1) latency + passes (n-1)/n bytes / bandwidth; 0 for one device or no
+        bytes. Reduce-scatter and all-gather are one pass, all-reduce two (Patarasuk & Yuan, JPDC 2009)."""
+        b = np.asarray(num_bytes, dtype=np.float64)
+        n = np.asarray(group_size, dtype=np.float64)
+        t = passes * (n - 1) * self.latency_s + ring_bytes_sent(b, n, passes=passes) / self.bandwidth
+        return _out(np.where((n > 1) & (b > 0), t, 0.0))
+
+    def allreduce_s(self, num_bytes, group_size):
+        """Ring all-reduce: a reduce-scatter then an all-gather, 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latency."""
+        return self.ring_s(num_bytes, group_size, passes=2)
+
+    def reduce_scatter_s(self, num_bytes, group_size):
+        """Ring reduce-scatter of `num_bytes` (each device keeps 1/n, reduced): (n-1)/n x bytes / bandwidth."""
+        return self.ring_s(num_bytes, group_size, passes=1)
+
+    def all_gather_s(self, num_bytes, group_size):
+        """Ring all-gather into `num_bytes` per device (each contributes 1/n): (n-1)/n x bytes / bandwidth."""
+        return self.ring_s(num_bytes, group_size, passes=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,19 +99,31 @@ class Cluster:
     def node_of(self, device: int) -> int:
         return device // self.devices_per_node
 
-    def transfer_s(self, num_bytes: float, *, same_node: bool) -> float:
-        """Seconds to move `num_bytes` point-to-point: latency + bytes / bandwidth."""
-        if num_bytes <= 0:
-            return 0.0
-        if same_node:
-            return self.intra_node_latency_s + num_bytes / self.intra_node_bandwidth
-        return self.inter_node_latency_s + num_bytes / self.inter_node_bandwidth
+    @property
+    def intra_link(self) -> Link:
+        return Link(bandwidth=self.intra_node_bandwidth, latency_s=self.intra_node_latency_s)
 
-    def allreduce_s(self, num_bytes: float, group_size: int, *, same_node: bool) -> float:
-        """Ring all-reduce time of `num_bytes` over `group_size` devices: 2 (n-1)/n × bytes / bandwidth."""
-        if group_size <= 1 or num_bytes <= 0:
-            return 0.0
-        bandwidth = self.intra_node_bandwidth if same_node else self.inter_node_bandwidth
-        latency = self.intra_node_latency_s if same_node else self.inter_node_latency_s
-        steps = 2 * (group_size - 1)
-        return steps * latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
+    @property
+    def inter_link(self) -> Link:
+        return Link(bandwidth=self.inter_node_bandwidth, latency_s=self.inter_node_latency_s)
+
+    def link(self, *, same_node: bool) -> Link:
+        """The link inside a node, or the one across nodes."""
+        return self.intra_link if same_node else self.inter_link
+
+    def link_for_consecutive(self, num_devices: int) -> Link:
+        """The link `num_devices` consecutive devices starting a node talk over: intra-node when they fit in one."""
+        return self.link(same_node=num_devices <= self.devices_per_node)
+
+    def link_between(self, devices) -> Link:
+        """The link a group of devices talks over: intra-node when they all sit in one node, else inter-node (the
+        slowest hop bounds a ring or a stage boundary)."""
+        return self.link(same_node=len({self.node_of(d) for d in devices}) <= 1)
+
+    def transfer_s(self, num_bytes, *, same_node: bool):
+        """Seconds to move `num_bytes` point-to-point (`Link.transfer_s` of the chosen link)."""
+        return self.link(same_node=same_node).transfer_s(num_bytes)
+
+    def allreduce_s(self, num_bytes, group_size, *, same_node: bool):
+        """Ring all-reduce time of `num_bytes` over `group_size` devices (`Link.allreduce_s` of the chosen link)."""
+        return self.link(same_node=same_node).allreduce_s(num_bytes, group_size)

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 out = Console()
 err = Console(stderr=True)
+
+
+_warned: set[str] = set()  # messages printed with once=True in this process
+
+
+def warn(message: str, *, once: bool = False) -> None:
+    """The one way pipeplan warns a user (an input ignored, a fallback taken): `warning: MESSAGE`, one line on
+    stderr, so that stdout stays clean for `--json`. `once`: print a message at most once per process (for
+    warnings raised inside loops, e.g. per microbatch)."""
+    if once:
+        if message in _warned:
+            return
+        _warned.add(message)
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def print_json(data: Any) -> None:
@@ -30,3 +48,12 @@ def progress(*, quiet: bool = False) -> Progress:
         disable=quiet,
         transient=False,
     )
+
+
+@contextmanager
+def progress_task(description: str, *, total: int | None = None, quiet: bool = False) -> Iterator[Callable[..., None]]:
+    """One task's progress bar on stderr; yields the function that moves it (rich's `update`: completed=, total=,
+    advance=, description=)."""
+    with progress(quiet=quiet) as bar:
+        task = bar.add_task(description, total=total)
+        yield functools.partial(bar.update, task)

@@ -8,17 +8,15 @@
 - `bf16`: bf16 parameters, gradients and optimizer state (AdamW's moments take the parameters' dtype); no fp32
   master copy, no autocast: the cheapest and least accurate mode.
 
-Static memory per parameter is weights + gradients + optimizer state (master copies included), each in its own
-dtype: `static_split(optimizer, precision)`. `--optimizer` names the algorithm (`adamw`: 2 states, `sgd`: 1
-momentum buffer, `sgd-nomomentum`: none) or gives bytes per parameter; `adamw-fp32` and `adamw-bf16` remain as
-strict aliases of `adamw` under `fp32` and `bf16-mixed`. Activations are counted in the compute dtype (measured
-profiles measure them under the mode's autocast); bytes crossing a cut in the dtype the runtime sends.
+Bytes per parameter (weights, gradients, optimizer state by optimizer and mode) are a cost: the one table is in
+`pipeplan.partition.costs.optimizer`, reading `Precision.param_bytes` from here. Activations are counted in the
+compute dtype (measured profiles measure them under the mode's autocast); bytes crossing a cut in the dtype the
+runtime sends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +56,6 @@ PRECISIONS: dict[str, Precision] = {
     "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, grad_scaler=True),
     "bf16": Precision("bf16", torch.bfloat16, None),
 }
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
-OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
-OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
 
 
 def get_precision(name: str, *, option: str = "--precision") -> Precision:
@@ -88,45 +83,6 @@ def check_device_precision(precision: str, device: str) -> None:
         raise ConfigError(
             "--precision fp16-mixed needs CUDA (its gradient scaler is not supported on the CPU); use bf16-mixed"
         )
-
-
-def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[str | float, str]:
-    """(optimizer, precision) with an alias unfolded; precision None takes the alias's, else bf16-mixed. An alias
-    that names another precision than the one given is refused."""
-    if isinstance(optimizer, str) and optimizer in OPTIMIZER_ALIASES:
-        name, implied = OPTIMIZER_ALIASES[optimizer]
-        if precision is not None and precision != implied:
-            raise ConfigError(
-                f"--optimizer {optimizer} means adamw under --precision {implied}, not {precision}; use --optimizer "
-                "adamw (its bytes follow --precision)"
-            )
-        return name, implied
-    precision = precision or "bf16-mixed"
-    get_precision(precision)
-    if isinstance(optimizer, bool) or not isinstance(optimizer, str | int | float):
-        raise ConfigError("--optimizer must be a name or a number of bytes per parameter")
-    if isinstance(optimizer, str) and optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(
-            f"unknown --optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZER_NAMES)} or bytes per parameter"
-        )
-    if not isinstance(optimizer, str) and (not math.isfinite(optimizer) or optimizer < 0):
-        raise ConfigError(f"optimizer bytes per parameter must be a finite number >= 0, got {optimizer}")
-    return optimizer, precision
-
-
-def static_split(optimizer: str | float, precision: str | None = None) -> tuple[float, float, float]:
-    """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
-    number as optimizer is the whole figure (counted as optimizer state)."""
-    optimizer, precision = resolve_optimizer(optimizer, precision)
-    if not isinstance(optimizer, str):
-        return 0.0, 0.0, float(optimizer)
-    size = float(PRECISIONS[precision].param_bytes)
-    return size, size, size * OPTIMIZER_STATES[optimizer]
-
-
-def bytes_per_param(optimizer: str | float, precision: str | None = None) -> float:
-    """Weights + gradients + optimizer state per parameter: what `partition.costs.static_bytes` multiplies."""
-    return sum(static_split(optimizer, precision))
 
 
 def wire_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""Parsing and printing sizes and counts: `80GiB`, `1.5e9`, `1T` tokens."""
+"""Parsing and printing sizes, counts and times: `80GiB`, `1.5e9`, `1T` tokens. Every number pipeplan prints as
+bytes, GiB, a count or milliseconds goes through one of the `format_*` functions here."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ import re
 
 from pipeplan.errors import ConfigError
 
-_BYTE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
+_DECIMAL_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BINARY_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = {"": 1, "b": 1, **_DECIMAL_UNITS, **_BINARY_UNITS, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -59,8 +57,40 @@ def parse_int_list(text: str, *, option: str, example: str = "2,4") -> tuple[int
     return tuple(sorted(set(values)))
 
 
-def format_bytes(num: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+GIB = 2**30
+_BINARY_STEPS = (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10))
+_COUNT_STEPS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
+
+
+def format_bytes(num: float, *, compact: bool = False) -> str:
+    """`1.50 GiB` (binary units); `compact` for narrow table cells: `1.5G`, `4.0K`, `512B`."""
+    for unit, scale in _BINARY_STEPS:
         if abs(num) >= scale:
-            return f"{num / scale:.2f} {unit}"
-    return f"{int(num)} B"
+            return f"{num / scale:.1f}{unit}" if compact else f"{num / scale:.2f} {unit}iB"
+    return f"{int(num)}B" if compact else f"{int(num)} B"
+
+
+def format_gib(num: float, *, digits: int = 2) -> str:
+    """Bytes as a number of GiB without the unit (`1.25`), for columns and lines that say GiB once."""
+    return f"{num / GIB:.{digits}f}"
+
+
+def format_count(num: float) -> str:
+    """A count with a K/M/B/T suffix and three significant digits: `124M` parameters, `1.5B`, `3.2K` tokens/s."""
+    num = float(f"{num:.3g}")  # rounded first, so that 999,999 reads 1M, not 1e+03K
+    for unit, scale in _COUNT_STEPS:
+        if abs(num) >= scale:
+            return f"{num / scale:.3g}{unit}"
+    return f"{num:.3g}"
+
+
+def format_percent(fraction: float, *, digits: int = 1) -> str:
+    """A fraction as a percentage: `0.123` -> `12.3%`."""
+    return f"{fraction * 100.0:.{digits}f}%"
+
+
+def format_ms(ms: float) -> str:
+    """Milliseconds for table cells, about four significant digits: `0.123`, `12.3`, `1,234`."""
+    if abs(ms) < 10:
+        return f"{ms:.3f}"
+    return f"{ms:.1f}" if abs(ms) < 100 else f"{ms:,.0f}"

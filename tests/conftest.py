@@ -12,6 +12,20 @@ settings.register_profile(
 settings.load_profile("pipeplan")
 
 
+@pytest.fixture
+def console_warnings(capsys, monkeypatch):
+    """Read the `warning:` lines pipeplan.console.warn printed on stderr so far (its once-per-process registry is
+    emptied for the test, so a warning another test already printed shows again)."""
+    import pipeplan.console
+
+    monkeypatch.setattr(pipeplan.console, "_warned", set())
+
+    def read() -> list[str]:
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+
+    return read
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

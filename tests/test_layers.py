@@ -1,6 +1,6 @@
 """Imports point one way: each room imports only rooms at a lower layer (or its own).
 
-    base (errors, units, console, jsonio, paths, precision, cluster)
+    base (errors, units, console, options, jsonio, paths, precision, cluster)
       < models < profiling < schedules < partition < planner < capacity < runtime < cli
 
 schedules/ is pure op-list code and knows nothing of profiles; partition/ asks schedules/ for the memory model;
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeplan"
-BASE = ("errors", "units", "console", "jsonio", "paths", "precision", "cluster", "__init__", "__main__")
+BASE = ("errors", "units", "console", "options", "jsonio", "paths", "precision", "cluster", "__init__", "__main__")
 LAYERS = ("models", "profiling", "schedules", "partition", "planner", "capacity", "runtime", "cli")
 
 

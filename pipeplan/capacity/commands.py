@@ -1,110 +1,22 @@
 """`pipeplan capacity`: analytic profile of a model for a hardware preset -> best plan per device count -> table,
-JSON or plot, and how many devices a token budget needs."""
+JSON or plot, and how many devices a token budget needs (parse -> library call -> render)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-from pathlib import Path
-
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeplan.capacity.sweep import (
-    CapacityConfig,
-    CapacityReport,
-    CapacityRow,
-    capacity_sweep,
-    default_global_batch,
-)
-from pipeplan.console import out, print_json, progress
-from pipeplan.errors import ConfigError, ModelError
-from pipeplan.paths import check_output_file
-from pipeplan.planner.asynchronous import searched_schedules
-from pipeplan.planner.inputs import microbatch_candidates, warn
-from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
-from pipeplan.units import format_bytes, parse_count, parse_int_list
+from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job
+from pipeplan.capacity.options import CapacityOptions
+from pipeplan.capacity.report import CapacityReport, CapacityRow
+from pipeplan.console import out, print_json, progress_task
+from pipeplan.options import command
+from pipeplan.schedules.registry import schedule_info
+from pipeplan.units import format_bytes, format_count, format_gib, format_ms
 
 
-def parse_device_counts(text: str) -> tuple[int, ...]:
-    """`"8,64,512"` -> (8, 64, 512)."""
-    return parse_int_list(text, option="--devices", example="8,64,512")
-
-
-def parse_schedules(text: str) -> tuple[str, ...]:
-    """`auto` (the registry's capacity_default schedules: all but zb-auto), `all`, or names like 1f1b,zbv."""
-    if text == "auto":
-        return schedule_names(capacity_default=True)
-    if text == "all":
-        return SCHEDULE_NAMES
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def capacity_profile(
-    model: str,
-    options: dict[str, str],
-    *,
-    seq: int | None,
-    hardware,
-    batch_size: int,
-    quiet: bool,
-    batch_given: bool = True,
-) -> Profile:
-    """The analytic profile (meta device, bf16, flash attention); `seq` replaces the model's (a preset's too).
-    Without `batch_given` the default global batch counts tokens, so the model must say its tokens per sample."""
-    from pipeplan.models import load_model
-    from pipeplan.models.registry import BUILTINS, call_factory
-    from pipeplan.profiling.analytic import profile_analytic
-
-    if seq is not None:
-        if seq < 1:
-            raise ConfigError(f"--seq must be >= 1, got {seq}")
-        if "seq" in options:
-            warn(f"-a seq={options['seq']} ignored: --seq {seq} given")
-        options = {**options, "seq": str(seq)}
-    builtin = BUILTINS.get(model)
-    if seq is not None and builtin is not None and builtin.preset and "seq" in builtin.preset:
-        fixed = sorted((set(options) - {"seq"}) & set(builtin.preset))
-        if fixed:
-            raise ModelError(f"preset {model!r} fixes {', '.join(fixed)}; use the base model to change them")
-        spec = call_factory(builtin.factory, {**builtin.preset, **options}, ref=model)
-    else:
-        spec = load_model(model, options)
-    if spec.tokens_per_sample is None:
-        if not batch_given:
-            raise ConfigError(f"model {model!r} does not say its tokens per sample; give --global-batch-size")
-        warn(f"model {model!r} does not say its tokens per sample; counting one token per sample")
-    return profile_analytic(spec, batch_size=batch_size, hardware=hardware, precision="bf16-mixed", progress=not quiet)
-
-
-def capacity(
-    model: str = typer.Argument(..., help="Built-in model name, path/to/file.py:factory or package.module:factory."),
-    assignments: list[str] = typer.Option(None, "--arg", "-a", help="Model option key=value (repeatable)."),
-    hardware: str = typer.Option(..., "--hardware", help="Hardware preset (h100, h200, a100-80gb, b200, ...)."),
-    hardware_file: Path = typer.Option(None, "--hardware-file", help="JSON file adding or overriding presets."),
-    devices: str = typer.Option(..., "--devices", "-n", help="Device counts to plan for, e.g. 8,64,512."),
-    devices_per_node: int = typer.Option(8, "--devices-per-node", help="Devices per node."),
-    global_batch_size: int = typer.Option(None, "--global-batch-size", "-B", help="Samples per step (~1M tokens)."),
-    microbatch_size: str = typer.Option("1", "--microbatch-size", "-b", help="b, or candidates like 1,2."),
-    seq: int = typer.Option(None, "--seq", help="Sequence length (replaces the model's seq option)."),
-    target_tokens: str = typer.Option(None, "--target-tokens", help="Tokens to train on, e.g. 1T (with --days)."),
-    days: float = typer.Option(None, "--days", help="Days the training may take (with --target-tokens)."),
-    schedule: str = typer.Option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b."),
-    optimizer: str = typer.Option(
-        "adamw", "--optimizer", help="adamw (16 B/param under bf16-mixed, which capacity assumes), sgd, sgd-nomomentum."
-    ),
-    replication: bool = typer.Option(False, "--replication", help="Also try replicated stages (slow)."),
-    allow_async: bool = typer.Option(
-        False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
-    ),
-    plot: str = typer.Option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG)."),
-    memory_reserve: str = typer.Option(
-        None, "--memory-reserve", help="Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
-    ),
-    json_output: bool = typer.Option(False, "--json", help="Print only JSON (rows and the answer)."),
-) -> None:
+@command(CapacityOptions)
+def capacity(options: CapacityOptions) -> None:
     """Best pipeline plan for a model on each of several cluster sizes: step time, tokens/s, MFU, bubble,
     per-device memory (weights / gradients / optimizer / activations) and what binds; with --target-tokens and
     --days, how many devices reach the target.
@@ -112,68 +24,17 @@ def capacity(
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
     Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     """
-    from pipeplan.models import parse_assignments
-    from pipeplan.planner.commands import memory_reserve_bytes
-    from pipeplan.profiling.hardware import load_hardware
-
-    counts = parse_device_counts(devices)
-    if global_batch_size is not None and global_batch_size < 1:
-        raise ConfigError(f"--global-batch-size must be >= 1, got {global_batch_size}")
-    if days is not None and not (math.isfinite(days) and days > 0):
-        raise ConfigError(f"--days must be a finite number > 0, got {days}")
-    if target_tokens is not None and not parse_count(target_tokens, option="--target-tokens") > 0:
-        raise ConfigError(f"--target-tokens must be > 0, got {target_tokens!r}")
-    spec_hardware = load_hardware(hardware, hardware_file=hardware_file)
-    sizes = microbatch_candidates(microbatch_size, global_batch_size or 1)
-    target = parse_count(target_tokens, option="--target-tokens") if target_tokens is not None else None
-    plot = check_output_file(plot, "--plot") if plot is not None else None
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise ConfigError(f"--plot {str(plot)!r} must name a .png file")
-    named = schedule not in ("auto", "all")  # an asynchronous one named without --allow-async: refused
-    schedules = searched_schedules(parse_schedules(schedule), allow_async=allow_async, named=named)
-    config = CapacityConfig(  # validated before the (slow) profiling; the default batch needs the profile
-        hardware=spec_hardware, device_counts=counts, global_batch_size=global_batch_size or math.lcm(*sizes),
-        devices_per_node=devices_per_node, microbatch_sizes=sizes, optimizer=optimizer, replication=replication,
-        schedules=schedules,
-        per_schedule=plot is not None, target_tokens=target, days=days, allow_async=allow_async,
-        memory_reserve_bytes=memory_reserve_bytes(memory_reserve, spec_hardware.memory_bytes),
-    )  # fmt: skip
-    if replication and not any(schedule_info(name).replicable for name in config.schedules):
-        warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
-    profile = capacity_profile(
-        model, parse_assignments(assignments), seq=seq, hardware=spec_hardware, batch_size=min(sizes),
-        quiet=json_output, batch_given=global_batch_size is not None,
-    )  # fmt: skip
-    if global_batch_size is None:
-        batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
-        config = replace(config, global_batch_size=batch)
-    with progress(quiet=json_output) as bar:
-        task = bar.add_task("planning", total=len(config.device_counts))
-        report = capacity_sweep(
-            profile, config, model=model,
-            progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
-        )  # fmt: skip
-    if plot is not None:
-        from pipeplan.capacity.plot import plot_capacity
-
-        plot_capacity(report, plot)
-    if json_output:
+    job = prepare_capacity(options)
+    with progress_task("planning", total=len(job.config.device_counts), quiet=options.json_output) as update:
+        report = run_capacity_job(
+            job, progress=lambda done, total, what: update(completed=done, total=total, description=what)
+        )
+    if options.json_output:
         print_json(report.to_dict())
         return
     render_report(report)
-    if plot is not None:
-        out.print(f"wrote {plot}")
-
-
-def _gib(num: int) -> str:
-    return f"{num / 2**30:.1f}"
-
-
-def _si(value: float) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
+    if job.plot is not None:
+        out.print(f"wrote {job.plot}")
 
 
 def _row_cells(row: CapacityRow) -> list[str]:
@@ -187,14 +48,14 @@ def _row_cells(row: CapacityRow) -> list[str]:
     return [
         count,
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",
-        f"{row.step_ms:,.0f}" if row.step_ms >= 100 else f"{row.step_ms:.3g}",
-        _si(row.tokens_per_s),
+        format_ms(row.step_ms),
+        format_count(row.tokens_per_s),
         f"{row.mfu:.1%}",
         f"{row.bubble_rate:.0%}",
-        _gib(mem.weights),
-        _gib(mem.gradients),
-        _gib(mem.optimizer),
-        _gib(mem.activations),
+        format_gib(mem.weights, digits=1),
+        format_gib(mem.gradients, digits=1),
+        format_gib(mem.optimizer, digits=1),
+        format_gib(mem.activations, digits=1),
         row.binding,
     ]
 
@@ -202,10 +63,10 @@ def _row_cells(row: CapacityRow) -> list[str]:
 def render_report(report: CapacityReport) -> None:
     usable = report.memory_per_device - report.memory_reserve_bytes
     out.print(
-        f"[bold]{report.model}[/] on {report.hardware}: {report.param_count / 1e9:.2f}B parameters, "
+        f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters, "
         f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
-        f"{report.tokens_per_sample} tokens; plans fit in {_gib(usable)}"
-        f" of {_gib(report.memory_per_device)} GiB per device ({_gib(report.memory_reserve_bytes)} GiB reserve)",
+        f"{report.tokens_per_sample} tokens; plans fit in {format_bytes(usable)} of "
+        f"{format_bytes(report.memory_per_device)} per device ({format_bytes(report.memory_reserve_bytes)} reserve)",
         highlight=False,
     )
     table = Table(show_lines=False, pad_edge=False)

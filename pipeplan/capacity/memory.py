@@ -1,7 +1,7 @@
 """Per-device memory for capacity reports: the split of a chosen plan's peak device into weights, gradients,
 optimizer state and activations, and a cheap lower bound on what a layout needs (to skip hopeless searches).
 
-Bytes per parameter follow `pipeplan.precision.static_split(optimizer, precision)`: under bf16-mixed
+Bytes per parameter follow `pipeplan.partition.costs.static_split(optimizer, precision)`: under bf16-mixed
 (torch.autocast) `adamw` = fp32 weights 4 (the master copy) + fp32 gradients 4 + Adam moments 4 + 4 = 16 B/param.
 Activations are the rest of the simulator's byte peak for that device (the planner's one memory
 figure: F adds a stage's saved bytes, I frees its share, W the rest).
@@ -16,12 +16,11 @@ import numpy as np
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ScheduleError
-from pipeplan.partition.costs import static_bytes
+from pipeplan.partition.costs import bytes_per_param, spread_static_bytes, static_bytes, static_split
 from pipeplan.partition.single import held_counts
 from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import SearchConfig, enumerate_layouts
-from pipeplan.precision import bytes_per_param, static_split
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import default_chunks
 from pipeplan.units import format_bytes
@@ -88,7 +87,7 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float)
     held = held_counts(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks)
     inflight = np.asarray([before_i for _, before_i in held])
     per_param = bytes_per_param(optimizer)
-    static = np.concatenate([[0.0], np.cumsum([la.param_count * per_param for la in profile.layers])])
+    static = np.concatenate([[0.0], np.cumsum(static_bytes([la.param_count for la in profile.layers], per_param))])
     active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
     if len(inflight) > profile.num_layers:
         return math.inf
@@ -180,7 +179,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
         if isinstance(layout, Rejection):
             continue
-        need = params * per_param / layout.pipeline_devices + reserve
+        need = spread_static_bytes(params, per_param, layout.pipeline_devices) + reserve
         if need <= cluster.memory_per_device:
             try:
                 floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], per_param)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from pipeplan.capacity.sweep import CapacityReport
+from pipeplan.capacity.report import CapacityReport
+from pipeplan.units import GIB
 
 
 def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:
@@ -21,8 +22,8 @@ def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:
             continue
         counts = [row.num_devices for row in fits]
         speed.plot(counts, [row.tokens_per_s for row in fits], marker="o", label=name)
-        memory.plot(counts, [row.memory.total / 2**30 for row in fits], marker="o", label=name)
-    memory.axhline(report.memory_per_device / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
+        memory.plot(counts, [row.memory.total / GIB for row in fits], marker="o", label=name)
+    memory.axhline(report.memory_per_device / GIB, color="black", linestyle="--", linewidth=1, label="device memory")
     for axis, label in ((speed, "tokens/s"), (memory, "peak memory per device (GiB)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("devices")

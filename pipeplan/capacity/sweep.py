@@ -26,9 +26,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from pipeplan.capacity.memory import MemorySplit, device_memory_split, screen_layouts
+from pipeplan.capacity.memory import device_memory_split, screen_layouts
+from pipeplan.capacity.report import (
+    SECONDS_PER_DAY,
+    CapacityReport,
+    CapacityRow,
+    TimeSplit,
+    answer_devices,
+    target_answer,
+)
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.planner.asynchronous import busy_per_step, searched_schedules
 from pipeplan.planner.candidate import Evaluation, Rejection
@@ -40,7 +48,6 @@ from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.units import format_bytes
 
 DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per step
-SECONDS_PER_DAY = 86_400.0
 MINOR_SHARE = 0.05  # bubble and communication both below this share of the step: compute binds
 
 
@@ -92,11 +99,14 @@ class CapacityConfig:
     def search_config(self) -> SearchConfig:
         reserve = self.memory_reserve_bytes
         return SearchConfig(
-            global_batch_size=self.global_batch_size, microbatch_sizes=self.microbatch_sizes,
-            optimizer=self.optimizer, precision=self.precision, replication=self.replication,
+            global_batch_size=self.global_batch_size,
+            microbatch_sizes=self.microbatch_sizes,
+            optimizer=self.optimizer,
+            precision=self.precision,
+            replication=self.replication,
             memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
             allow_async=self.allow_async,
-        )  # fmt: skip
+        )
 
     @property
     def tokens_per_s_needed(self) -> float | None:
@@ -118,90 +128,6 @@ def model_flops_per_token(profile: Profile) -> float:
     return 3.0 * sum(layer.flops for layer in profile.layers) / tokens
 
 
-@dataclass(frozen=True, kw_only=True)
-class TimeSplit:
-    """The step (ms) as compute of the busiest device + its bubble + exposed communication; they sum to the step."""
-
-    compute_ms: float
-    bubble_ms: float
-    comm_ms: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class CapacityRow:
-    """The best plan on `num_devices` devices, or (schedule None) why none fits and what would."""
-
-    num_devices: int
-    binding: str  # memory | bubble | communication | compute | does-not-fit
-    reason: str = ""
-    schedule: str | None = None
-    pipeline_devices: int | None = None
-    data_parallel: int | None = None
-    num_microbatches: int | None = None
-    microbatch_size: int | None = None
-    step_ms: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    bubble_rate: float | None = None
-    memory: MemorySplit | None = None
-    time: TimeSplit | None = None
-    needed_memory_bytes: int | None = None  # lower bound on the memory per device (rows that do not fit)
-    needed_devices: int | None = None  # the smallest swept count that fits (rows that do not fit)
-    extended: bool = False  # a count added by doubling beyond the listed ones
-
-    @property
-    def fits(self) -> bool:
-        return self.schedule is not None
-
-    def to_dict(self) -> dict:
-        data = {k: v for k, v in self.__dict__.items() if k not in ("memory", "time")}
-        data["fits"] = self.fits
-        data["memory"] = self.memory.to_dict() if self.memory else None
-        data["time"] = dict(self.time.__dict__) if self.time else None
-        return data
-
-
-@dataclass(frozen=True, kw_only=True)
-class TargetAnswer:
-    """How many devices reach `target_tokens` in `days` (None: no count searched does)."""
-
-    target_tokens: float
-    days: float
-    tokens_per_s_needed: float
-    num_devices: int | None
-    tokens_per_s: float | None
-    days_needed: float | None
-    message: str
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CapacityReport:
-    model: str
-    hardware: str
-    memory_per_device: int
-    global_batch_size: int
-    tokens_per_sample: int
-    memory_reserve_bytes: int = 0  # of memory_per_device, kept free (plans fit in the rest)
-    param_count: int
-    flops_per_token: float
-    rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
-    per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
-    answer: TargetAnswer | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model, "hardware": self.hardware, "memory_per_device": self.memory_per_device,
-            "memory_reserve_bytes": self.memory_reserve_bytes, "global_batch_size": self.global_batch_size,
-            "tokens_per_sample": self.tokens_per_sample, "param_count": self.param_count,
-            "flops_per_token": self.flops_per_token, "rows": [row.to_dict() for row in self.rows],
-            "per_schedule": {name: [r.to_dict() for r in rows] for name, rows in self.per_schedule.items()},
-            "answer": self.answer.to_dict() if self.answer else None,
-        }  # fmt: skip
-
-
 Progress = Callable[[int, int, str], None]  # (done, total, what is being searched)
 
 
@@ -219,20 +145,28 @@ def capacity_sweep(
     if progress is not None:
         progress(len(counts), len(counts), "done")
     needed = config.tokens_per_s_needed
-    if not any(sweep.rows[n].fits for n in counts) or (needed is not None and answer_devices(sweep.listed(), needed)
-                                                         is None):  # fmt: skip
+    if not any(sweep.rows[n].fits for n in counts) or (
+        needed is not None and answer_devices(sweep.listed(), needed) is None
+    ):
         sweep.extend(lambda row: row.fits and (needed is None or (row.tokens_per_s or 0.0) >= needed), progress)
     rows = sweep.all_rows()
     rows = tuple(_with_needed_devices(row, rows) for row in rows)
-    answer = target_answer(rows, config) if needed is not None else None
+    answer = None
+    if needed is not None:
+        answer = target_answer(rows, target_tokens=config.target_tokens, days=config.days, tokens_per_s_needed=needed)
     return CapacityReport(
-        model=model or profile.provenance.model, hardware=config.hardware.name,
+        model=model or profile.provenance.model,
+        hardware=config.hardware.name,
         memory_per_device=config.hardware.memory_bytes,
         memory_reserve_bytes=config.search_config.memory_reserve_bytes,
-        global_batch_size=config.global_batch_size, tokens_per_sample=profile.provenance.tokens_per_sample or 1,
-        param_count=sum(layer.param_count for layer in profile.layers), flops_per_token=sweep.flops_per_token,
-        rows=rows, per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()}, answer=answer,
-    )  # fmt: skip
+        global_batch_size=config.global_batch_size,
+        tokens_per_sample=profile.provenance.tokens_per_sample or 1,
+        param_count=sum(layer.param_count for layer in profile.layers),
+        flops_per_token=sweep.flops_per_token,
+        rows=rows,
+        per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()},
+        answer=answer,
+    )
 
 
 class _Sweep:
@@ -290,8 +224,12 @@ def plan_device_count(
             results[group] = exc
     found = [r for r in results.values() if isinstance(r, SearchResult)]
     over = [rej for r in found for rej in r.rejected if rej.kind == "memory"] + list(screen.rejected)
-    no_fit = CapacityRow(num_devices=num_devices, binding="does-not-fit", reason=screen.reason(cluster),
-                         needed_memory_bytes=_ceil_or_none(screen.floor_bytes))  # fmt: skip
+    no_fit = CapacityRow(
+        num_devices=num_devices,
+        binding="does-not-fit",
+        reason=screen.reason(cluster),
+        needed_memory_bytes=_ceil_or_none(screen.floor_bytes),
+    )
     if config.per_schedule and schedule_rows is not None:
         for name in config.schedules:
             result = results.get((name,))
@@ -303,8 +241,10 @@ def plan_device_count(
         if not screen.rejected:
             return replace(no_fit, reason=min(map(str, results.values())), needed_memory_bytes=None)
         floor = min(r.needed_memory_bytes or 0 for r in screen.rejected)
-        reason = (f"out of memory: no {'/'.join(names)} plan fits (searched) and every other layout needs at least "
-                  f"{format_bytes(floor)} per device")  # fmt: skip
+        reason = (
+            f"out of memory: no {'/'.join(names)} plan fits (searched) and every other layout needs at least "
+            f"{format_bytes(floor)} per device"
+        )
         return replace(no_fit, reason=reason, needed_memory_bytes=None)
     best = min(found, key=lambda r: r.best.step_ms)
     return _result_row(best, num_devices, config, flops_per_token, over)
@@ -329,14 +269,21 @@ def _result_row(
     time = time_split(best)
     binding, reason = _binding(best, time, rejected, result)
     return CapacityRow(
-        num_devices=num_devices, binding=binding, reason=reason, schedule=layout.schedule,
-        pipeline_devices=layout.pipeline_devices, data_parallel=layout.data_parallel,
-        num_microbatches=layout.num_microbatches, microbatch_size=layout.microbatch_size, step_ms=best.step_ms,
+        num_devices=num_devices,
+        binding=binding,
+        reason=reason,
+        schedule=layout.schedule,
+        pipeline_devices=layout.pipeline_devices,
+        data_parallel=layout.data_parallel,
+        num_microbatches=layout.num_microbatches,
+        microbatch_size=layout.microbatch_size,
+        step_ms=best.step_ms,
         tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * flops_per_token / (config.hardware.peak_bf16_flops * num_devices),
         bubble_rate=best.timeline.bubble_rate,
-        memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split), time=time,
-    )  # fmt: skip
+        memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split),
+        time=time,
+    )
 
 
 def time_split(best: Evaluation) -> TimeSplit:
@@ -381,31 +328,3 @@ def _with_needed_devices(row: CapacityRow, rows: tuple[CapacityRow, ...]) -> Cap
         return row
     larger = [r.num_devices for r in rows if r.fits and r.num_devices > row.num_devices]
     return replace(row, needed_devices=min(larger)) if larger else row
-
-
-def answer_devices(rows: list[CapacityRow] | tuple[CapacityRow, ...], tokens_per_s_needed: float) -> int | None:
-    """The smallest device count whose best plan reaches `tokens_per_s_needed` (None: none does)."""
-    enough = [r.num_devices for r in rows if r.fits and (r.tokens_per_s or 0.0) >= tokens_per_s_needed]
-    return min(enough) if enough else None
-
-
-def target_answer(rows: tuple[CapacityRow, ...], config: CapacityConfig) -> TargetAnswer:
-    needed = config.tokens_per_s_needed
-    assert needed is not None
-    n = answer_devices(rows, needed)
-    target, days = config.target_tokens, config.days
-    head = f"{target:.3g} tokens in {days:g} days need {needed:,.0f} tokens/s"
-    if n is None:
-        fastest = max((r for r in rows if r.fits), key=lambda r: r.tokens_per_s or 0.0, default=None)
-        best = (f"; the fastest, {fastest.num_devices} devices, reaches {fastest.tokens_per_s:,.0f} tokens/s"
-                if fastest else "")  # fmt: skip
-        message = (f"{head}: no device count up to {max(r.num_devices for r in rows)} reaches it{best} "
-                   "(raise --days or --global-batch-size, or list more --devices)")  # fmt: skip
-        return TargetAnswer(target_tokens=target, days=days, tokens_per_s_needed=needed, num_devices=None,
-                            tokens_per_s=None, days_needed=None, message=message)  # fmt: skip
-    row = next(r for r in rows if r.num_devices == n)
-    days_needed = target / row.tokens_per_s / SECONDS_PER_DAY
-    extended = " (beyond the listed counts)" if row.extended else ""
-    message = f"{head}: {n} devices{extended} reach {row.tokens_per_s:,.0f} tokens/s, {days_needed:.1f} days"
-    return TargetAnswer(target_tokens=target, days=days, tokens_per_s_needed=needed, num_devices=n,
-                        tokens_per_s=row.tokens_per_s, days_needed=days_needed, message=message)  # fmt: skip

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from pipeplan.console import out, print_json
 from pipeplan.models.registry import BUILTINS, load_model
+from pipeplan.units import format_count
 
 
 @functools.cache
@@ -37,13 +38,6 @@ def model_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _human(num: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if num >= scale:
-            return f"{num / scale:.1f}{unit}"
-    return str(num)
-
-
 def models(as_json: bool = typer.Option(False, "--json", help="Print only JSON on stdout.")) -> None:
     """List the built-in models (use one as MODEL; `-a key=value` changes its options).
 
@@ -58,7 +52,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print only JSON o
     table.add_column("description")
     table.add_column("params", justify="right")
     for row in rows:
-        table.add_row(row["name"], row["description"], _human(row["params"]))
+        table.add_row(row["name"], row["description"], format_count(row["params"]))
     out.print(table)
     out.print("Custom models: MODEL may also be path/to/file.py:factory or package.module:factory.", highlight=False)
     out.print(

@@ -1,7 +1,7 @@
 """Cost model and dynamic program: stage cuts, replication, chunk placement, memory check.
 
 Public API: `partition(profile, cluster, config) -> Partition`, `PartitionConfig`,
-`bytes_per_param` (pipeplan.precision), `uniform_partition`, `parameter_balanced_partition`.
+`bytes_per_param` (costs.optimizer), `uniform_partition`, `parameter_balanced_partition`.
 PipeDream's graph.txt reader lives in pipeplan.profiling.pipedream.
 """
 
@@ -9,8 +9,8 @@ from pipeplan.cluster import Cluster
 from pipeplan.partition.api import partition
 from pipeplan.partition.baselines import parameter_balanced_partition, uniform_partition
 from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.costs import bytes_per_param
 from pipeplan.partition.result import Partition, StageAssignment
-from pipeplan.precision import bytes_per_param
 
 __all__ = [
     "Cluster",

@@ -10,7 +10,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.partition import single
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_memory_bytes
+from pipeplan.partition.costs import LayerArrays, device_totals, stage_memory_bytes, stages_per_device, static_bytes
 from pipeplan.partition.result import Partition, StageAssignment
 from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes
@@ -63,7 +63,7 @@ def _solve(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memor
 def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float) -> single.Level:
     """A single DP level over all devices. Replicated pipelines on several nodes charge every link as inter-node;
     straight ones know which cuts cross a node boundary; the pipedream cost model uses no latency."""
-    intra, inter = intra_link(cluster), inter_link(cluster)
+    intra, inter = cluster.intra_link, cluster.inter_link
     if config.cost_model == "pipedream":
         intra = dataclasses.replace(intra, latency_s=0.0)
         inter = dataclasses.replace(inter, latency_s=0.0)
@@ -116,12 +116,9 @@ def build_partition(
             )
         )
     used = sorted({d for s in stages for d in s.devices})
-    load = [0.0] * (used[-1] + 1)
-    mem = [0] * (used[-1] + 1)
-    for s in stages:
-        for d in s.devices:
-            load[d] += s.time_ms
-            mem[d] += s.memory_bytes
+    held = stages_per_device([s.devices for s in stages])
+    load = [float(ms) for ms in device_totals([s.time_ms for s in stages], held)]
+    mem = device_totals([s.memory_bytes for s in stages], held)
     assert np.isclose(max(s.time_ms for s in stages), objective, rtol=1e-9, atol=1e-12), "objective mismatch"
     return Partition(
         stages=tuple(stages),
@@ -152,11 +149,12 @@ def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: Partiti
         exact = single.min_memory_from_end(one_level(arrays, cluster, config, np.inf))
         if exact is not None:
             return int(np.ceil(exact)) if np.isfinite(exact) else None
-    layer = np.diff(arrays.param_count) * config.optimizer_bytes_per_param + np.diff(arrays.activation)
+    per_param = config.optimizer_bytes_per_param
+    layer = static_bytes(np.diff(arrays.param_count), per_param) + np.diff(arrays.activation)
     lo = float(max(layer.max(), 0.0))
     if _solve(arrays, cluster, config, float(cluster.memory_per_device)) is None:
         lo = max(lo, float(cluster.memory_per_device))
-    total = float(arrays.param_count[-1] * config.optimizer_bytes_per_param + arrays.activation[-1] * 1.0)
+    total = float(static_bytes(arrays.param_count[-1], per_param) + arrays.activation[-1] * 1.0)
     ceiling = 4 * max(total * config.num_microbatches, lo, 1.0)
     hi = max(2 * lo, 1024.0)
     while _solve(arrays, cluster, config, hi) is None:

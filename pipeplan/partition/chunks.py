@@ -20,12 +20,12 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ScheduleError
 from pipeplan.partition import dp, single
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, inter_link, intra_link, stage_memory_bytes
+from pipeplan.partition.costs import LayerArrays, stage_memory_bytes
 from pipeplan.schedules.registry import stage_device
 
 
 def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit: float, *, spans_nodes: bool):
-    intra, inter = intra_link(cluster), inter_link(cluster)
+    intra, inter = cluster.intra_link, cluster.inter_link
     return single.Level(
         arrays=arrays,
         config=config,

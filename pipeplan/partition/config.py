@@ -1,11 +1,8 @@
 """PartitionConfig: what the partitioner optimizes for (microbatches, schedule, replication, optimizer, cost model).
 
-Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded), by
-`pipeplan.precision.static_split(optimizer, precision)`: each in the precision's parameter dtype, e.g. `adamw`
-= 4 + 4 + 8 = 16 B/param under fp32, bf16-mixed and fp16-mixed (the fp32 parameters are the master weights; the
-bf16/fp16 copies autocast makes live with the activations) and 2 + 2 + 4 = 8 under bf16; `sgd` has one momentum
-buffer, `sgd-nomomentum` none; a float is that many bytes per parameter. `adamw-fp32` / `adamw-bf16` are aliases
-of adamw under fp32 / bf16-mixed. `precision` None: the alias's, else bf16-mixed.
+Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded) by
+`pipeplan.partition.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is. `precision`
+None: the optimizer alias's, else bf16-mixed.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
-from pipeplan.precision import bytes_per_param
+from pipeplan.partition.costs.optimizer import bytes_per_param
 from pipeplan.schedules.registry import schedule_info
 
 MODES = ("replicated", "straight")

@@ -29,9 +29,10 @@ from pipeplan.partition.costs import (
     StageCostModel,
     allreduce_ms,
     balanced_bounds,
-    inter_link,
-    intra_link,
+    compute_ms,
+    exposed_transfer_ms,
     stage_memory_bytes,
+    stage_ms,
     transfer_ms,
 )
 
@@ -128,14 +129,15 @@ def _block_stages(inner: _Inner, start: int, last: int, units: int) -> single.St
 
 def solve_two_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float):
     """(objective, raw stages, layer groups) or None."""
-    weights = np.diff(arrays.forward) + np.diff(arrays.backward)
+    items = (np.diff(getattr(arrays, name)) for name in ("forward", "input_grad", "weight_grad", "backward"))
+    weights = compute_ms(*items, split_backward=False)  # F + B per item: groups of equal compute
     grouped = arrays.grouped(balanced_bounds(arrays, config.max_layer_groups, weights))
     inner_level = single.Level(
         arrays=grouped,
         config=config,
         units=cluster.devices_per_node,
-        intra=intra_link(cluster),
-        inter=intra_link(cluster),
+        intra=cluster.intra_link,
+        inter=cluster.intra_link,
         devices_per_node=cluster.devices_per_node,
         memory_limit=memory_limit,
     )
@@ -156,7 +158,7 @@ def solve_two_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConf
 def _solve(grouped: LayerArrays, cluster: Cluster, config: PartitionConfig, inner: _Inner):
     a1, units1 = _block_costs(inner)
     g, n = cluster.devices_per_node, grouped.num_items
-    link = inter_link(cluster)
+    link = cluster.inter_link
     outer = StageCostModel(arrays=grouped, config=config, link=link, num_microbatches=config.num_microbatches)
     reps = np.arange(1, cluster.num_nodes + 1)
 
@@ -182,26 +184,25 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
     level, config = inner.level, inner.level.config
     cut, link = level.arrays.cut, outer.link
     params = level.arrays.span("param_bytes", a, b) / g
-    reduce_inter = float(allreduce_ms(params, np.asarray(copies), link))
-    edge_comm = float(transfer_ms(cut[a], link) + transfer_ms(cut[b + 1], link)) / copies
+    reduce_inter = float(allreduce_ms(params, copies, link))
+    edge_comm = float(exposed_transfer_ms(transfer_ms(cut[a], link), transfer_ms(cut[b + 1], link), copies))
     out, local = [], 0
     for i, (x, y, r) in enumerate(stages):
         rows = _block_rows(inner, a, y, end=(y == b))
-        t1 = float(rows[x - a, r - 1])
-        time = t1 / copies + reduce_inter / config.num_microbatches
-        if i in (0, len(stages) - 1):
-            time = max(time, edge_comm)
+        edge = edge_comm if i in (0, len(stages) - 1) else 0.0  # the block's own cuts: its first and last stage
+        t1 = float(rows[x - a, r - 1])  # the level-1 stage time (with its cuts inside the block)
+        time = stage_ms(t1, copies, allreduce=reduce_inter, num_microbatches=config.num_microbatches, transfers=edge)
         t_in = transfer_ms(cut[x], level.intra) if x > a else 0.0
         t_out = transfer_ms(cut[y + 1], level.intra) if y < b else 0.0
         devices = tuple((node_offset + k) * g + local + j for k in range(copies) for j in range(r))
-        reduce_intra = float(allreduce_ms(level.arrays.span("param_bytes", x, y), np.asarray(r), level.intra))
+        reduce_intra = float(allreduce_ms(level.arrays.span("param_bytes", x, y), r, level.intra))
         out.append(
             single.RawStage(
                 first_item=x,
                 last_item=y,
                 devices=devices,
-                time_ms=time,
-                comm_ms=float(t_in + t_out) / (r * copies) + (edge_comm if i in (0, len(stages) - 1) else 0.0),
+                time_ms=float(time),
+                comm_ms=float(exposed_transfer_ms(t_in, t_out, r * copies)) + edge,
                 allreduce_ms=reduce_intra + reduce_inter,
                 output_transfer_ms=float(transfer_ms(cut[y + 1], link if y == b else level.intra)),
                 inflight=(0, 0),

@@ -17,13 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeplan.cluster import Link
 from pipeplan.partition import dp
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import (
     LayerArrays,
-    Link,
     StageCostModel,
     allreduce_ms,
+    exposed_transfer_ms,
+    pipedream_sync_ms,
+    pipedream_transfer_ms,
+    replica_share,
     stage_memory_bytes,
     transfer_ms,
 )
@@ -60,6 +64,12 @@ class Level:
     def replica_link(self) -> Link:
         return self.intra if self.units <= self.devices_per_node else self.inter
 
+    def crosses_node(self, device):
+        """(input cut crosses a node, output cut does) for the stage on `device` of a straight pipeline: the device
+        starts a node (and is not the first) / ends one. Elementwise."""
+        d, g = np.asarray(device), self.devices_per_node
+        return (d % g == 0) & (d > 0), (d + 1) % g == 0
+
     @property
     def exact_units(self) -> bool:
         return self.config.cost_model == "pipedream"
@@ -68,8 +78,13 @@ class Level:
 def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...]:
     """Per stage position of a straight pipeline of `num_stages` stages: the most microbatches in flight (F run,
     W or B not yet) and the most before their I (F run, I or B not yet), from the op order of the schedule."""
-    return held_counts(config.schedule, num_stages // config.chunks, config.num_microbatches, config.chunks,
-                       config.memory_limit_microbatches)  # fmt: skip
+    return held_counts(
+        config.schedule,
+        num_stages // config.chunks,
+        config.num_microbatches,
+        config.chunks,
+        config.memory_limit_microbatches,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -78,9 +93,13 @@ def held_counts(
 ) -> tuple[Held, ...]:
     """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
     schedule = generate(  # the limit counts whole microbatches in flight (one unit each, nothing freed by I)
-        name, num_devices=devices, num_microbatches=microbatches, chunks=chunks, memory=MemoryCosts(),
+        name,
+        num_devices=devices,
+        num_microbatches=microbatches,
+        chunks=chunks,
+        memory=MemoryCosts(),
         memory_limit=limit,
-    )  # fmt: skip
+    )
     return held_per_stage(schedule)
 
 
@@ -116,10 +135,8 @@ def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarr
     """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
     `inflight`: one (in flight, before I) pair for every position (returns a broadcast view), or a pair of
     per-position arrays."""
-    model, g = level.model, level.devices_per_node
-    d = np.arange(num_cols)
-    in_inter = (d % g == 0) & (d > 0)
-    out_inter = (d + 1) % g == 0
+    model, d = level.model, np.arange(num_cols)
+    in_inter, out_inter = level.crosses_node(d)
     one = np.ones(1)
     firsts = np.arange(last + 1)
     variants = []
@@ -286,13 +303,14 @@ class RawStage:
 def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: Link) -> tuple[float, float, float]:
     """(transfers per microbatch / replicas, replica all-reduce per step, one-way output transfer) of a stage."""
     cut, params = level.arrays.cut, level.arrays.span("param_bytes", a, b)
-    send = float(transfer_ms(cut[b + 1], out_link))
-    if level.config.cost_model == "pipedream":  # PipeDream's terms: 2 x bytes / bandwidth, first stage uncharged
-        bw = level.replica_link.bandwidth
-        comm = 0.0 if a == 0 else 2 * max(cut[a], cut[b + 1]) / (bw * r) * 1e3
-        return float(comm), float(4 * (r - 1) * params / (bw * r) * 1e3), float(cut[b + 1] / bw * 1e3)
-    comm = (transfer_ms(cut[a], in_link) + transfer_ms(cut[b + 1], out_link)) / r
-    return float(comm), float(allreduce_ms(params, np.asarray(r), level.replica_link)), send
+    if level.config.cost_model == "pipedream":  # PipeDream's terms (no latency), first stage uncharged
+        link = level.replica_link
+        comm = 0.0 if a == 0 else pipedream_transfer_ms(max(cut[a], cut[b + 1]), r, link.bandwidth)
+        sync = pipedream_sync_ms(params, r, link.bandwidth)
+        return float(comm), float(sync), float(transfer_ms(cut[b + 1], link))
+    comm = exposed_transfer_ms(transfer_ms(cut[a], in_link), transfer_ms(cut[b + 1], out_link), r)
+    send = transfer_ms(cut[b + 1], out_link)
+    return float(comm), float(allreduce_ms(params, r, level.replica_link)), float(send)
 
 
 def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[RawStage]:
@@ -303,8 +321,9 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
     for s, (a, b, r) in enumerate(stages):
         if straight:
             row = straight_times(level, b, (0, 0), s + 1)[a, s]
-            in_link = level.inter if s % level.devices_per_node == 0 and s > 0 else level.intra
-            out_link = level.inter if (s + 1) % level.devices_per_node == 0 else level.intra
+            in_inter, out_inter = level.crosses_node(s)
+            in_link = level.inter if in_inter else level.intra
+            out_link = level.inter if out_inter else level.intra
         else:
             row = replicated_times(level, b, (0, 0))[a, r - 1]
             in_link = out_link = level.replica_link
@@ -326,5 +345,6 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
 
 
 def per_replica(held: Held, replicas: int) -> Held:
-    """A replica's round-robin share of a stage's counts (ceil; microbatches run in order)."""
-    return (-(-held[0] // replicas), -(-held[1] // replicas))
+    """A replica's round-robin share of a stage's counts (`costs.replica_share`)."""
+    total, before_i = replica_share(held, replicas)
+    return int(total), int(before_i)

@@ -12,7 +12,7 @@ import torch
 
 import pipeplan
 from pipeplan.errors import FormatError
-from pipeplan.partition.costs import static_bytes
+from pipeplan.partition.costs import busiest_device_ms, device_static_bytes
 from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
@@ -146,16 +146,14 @@ def plan_costs(plan: Plan) -> StageCosts:
 
 def plan_memory(plan: Plan) -> MemoryCosts:
     """Per stage activation bytes (and I's frees), per pipeline-0 rank static bytes, as the search simulated."""
-    per_param = plan.training.optimizer_bytes_per_param
-    static = [
-        float(sum(static_bytes(plan.stages[s].param_count, per_param) for s in info.stages))
-        for info in plan.ranks
-        if info.pipeline == 0
-    ]
+    device_stages = [info.stages for info in plan.ranks if info.pipeline == 0]
+    static = device_static_bytes(
+        [s.param_count for s in plan.stages], device_stages, plan.training.optimizer_bytes_per_param
+    )
     memory = MemoryCosts(
         activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
         input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
-        static_bytes=tuple(static),
+        static_bytes=static,
     )
     counts = [s.param_count for s in plan.stages]
     return with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
@@ -199,8 +197,8 @@ def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
 def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
     """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
     stages in turn; ranks in parallel); for an asynchronous plan the stream's steady state (planner/asynchronous)."""
-    load = [sum(plan.stages[s].allreduce_ms for s in info.stages) for info in plan.ranks]
-    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, max(load, default=0.0))[0]
+    allreduce = busiest_device_ms([s.allreduce_ms for s in plan.stages], [info.stages for info in plan.ranks])
+    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, allreduce)[0]
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -6,8 +6,8 @@ memory with a per-stage bound), generate the schedule with the partition's per-s
 activation bytes left after static memory), simulate one step of the op lists `run` executes — replicated stages
 as their expanded per-replica lists (pipeplan.schedules.replicate), every op at its full single-device time — and
 add the gradient all-reduce that follows the pipeline flush: every stage's replicas across all pipelines reduce
-that stage's gradients (ring all-reduce, Cluster.allreduce_s); a device reduces its stages (chunks) in turn and the
-devices reduce in parallel, so the step pays the busiest device.
+that stage's gradients (ring all-reduce, `partition.costs.allreduce_ms`); a device reduces its stages (chunks) in
+turn and the devices reduce in parallel, so the step pays the busiest device.
 
 Memory: the simulator's per-device peak in bytes (`Timeline.peak_memory_bytes`: static bytes of the stages the
 device holds — weights, gradients, optimizer state, `partition.costs.static_bytes` — plus the most live activation
@@ -23,11 +23,21 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, static_bytes
+from pipeplan.partition.costs import (
+    LayerArrays,
+    allreduce_ms,
+    busiest_device_ms,
+    bytes_per_param,
+    compute_ms,
+    device_static_bytes,
+    stages_per_device,
+    static_bytes,
+    transfer_ms,
+)
 from pipeplan.partition.result import Partition
 from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
-from pipeplan.precision import bytes_per_param, profile_precision
+from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
@@ -86,9 +96,13 @@ class Evaluation:
     def resimulate(self, costs: StageCosts) -> Timeline:
         """This candidate's op lists simulated again under other `costs` (e.g. free transfers)."""
         return simulate_layout(
-            self.pipeline, self.schedule.name, self.partition.num_stages, self.layout.num_microbatches, costs,
+            self.pipeline,
+            self.schedule.name,
+            self.partition.num_stages,
+            self.layout.num_microbatches,
+            costs,
             self.memory,
-        )  # fmt: skip
+        )
 
     @property
     def label_with_replicas(self) -> str:
@@ -158,7 +172,7 @@ def stage_work_ms(part: Partition) -> tuple[float, ...]:
     """Per stage, one microbatch's compute as simulated: F + I + W split, F + B fused; / replicas."""
     split = schedule_info(part.schedule).split_backward
     return tuple(
-        (s.forward_ms + (s.input_grad_ms + s.weight_grad_ms if split else s.backward_ms)) / s.replicas
+        compute_ms(s.forward_ms, s.input_grad_ms, s.weight_grad_ms, s.backward_ms, split_backward=split) / s.replicas
         for s in part.stages
     )
 
@@ -186,30 +200,21 @@ def evaluate_partition(
     bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
     all-reduce."""
     memory = memory_costs(part, profile)
-    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
-    try:
-        schedule = generate(
-            layout.schedule,
-            num_devices=part.num_stages // part.chunks,
-            num_microbatches=layout.num_microbatches,
-            chunks=part.chunks,
-            costs=_stage_costs(part, profile, cluster, pipe=None),
-            memory=memory if auto else None,
-            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
-            steps=async_stream_steps(layout.schedule, part.num_stages // part.chunks, layout.num_microbatches),
-        )
-        pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
-    except ScheduleError as exc:
-        return Rejection(layout=layout, kind="schedule", reason=str(exc))
+    generated = _generate(layout, part, profile, cluster, memory, optimizer)
+    if isinstance(generated, Rejection):
+        return generated
+    schedule, pipe = generated
     assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
     if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
         # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
         return Rejection(
-            layout=layout, kind="topology",
+            layout=layout,
+            kind="topology",
             reason=f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline",
-        )  # fmt: skip
+        )
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
-    memory = replace(memory, static_bytes=device_static_bytes(part, pipe, optimizer))
+    static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, bytes_per_param(optimizer))
+    memory = replace(memory, static_bytes=static)
     counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
     memory = with_weight_versions(memory, layout.schedule, counts, profile_precision(profile.provenance))
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
@@ -237,25 +242,38 @@ def evaluate_partition(
     )
 
 
+def _generate(
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, memory: MemoryCosts, optimizer: str | float
+) -> tuple[Schedule, PipelineLayout] | Rejection:
+    """The schedule for `part` (an asynchronous one: the stream whose steady state the step is) and its
+    per-pipeline-device layout, or why the schedule cannot run this shape."""
+    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
+    devices = part.num_stages // part.chunks
+    try:
+        schedule = generate(
+            layout.schedule,
+            num_devices=devices,
+            num_microbatches=layout.num_microbatches,
+            chunks=part.chunks,
+            costs=_stage_costs(part, profile, cluster, pipe=None),
+            memory=memory if auto else None,
+            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
+            steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
+        )
+        return schedule, pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
+    except ScheduleError as exc:
+        return Rejection(layout=layout, kind="schedule", reason=str(exc))
+
+
 def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
     """Per stage: one microbatch's saved activation bytes and the part of them I frees (static bytes per device
-    are added once the layout is known, `device_static_bytes`)."""
+    are added once the layout is known, `partition.costs.device_static_bytes`)."""
     saved, freed = [], []
     for s in part.stages:
         layers = profile.layers[s.first_layer : s.last_layer + 1]
         saved.append(float(sum(la.activation_bytes for la in layers)))
         freed.append(float(sum(la.activation_freed_by_input_grad_bytes for la in layers)))
     return MemoryCosts(activation_bytes=tuple(saved), input_grad_freed_bytes=tuple(freed))
-
-
-def device_static_bytes(part: Partition, pipe: PipelineLayout, optimizer: str | float) -> tuple[float, ...]:
-    """Per pipeline device: weights + gradients + optimizer state of the stages (chunks) it holds. `optimizer`:
-    bytes per parameter (the search resolves --optimizer under --precision), or a name (bf16-mixed unless an
-    alias says otherwise)."""
-    per_param = bytes_per_param(optimizer)
-    return tuple(
-        float(sum(static_bytes(part.stages[s].param_count, per_param) for s in stages)) for stages in pipe.device_stages
-    )
 
 
 def _activation_budget(part: Partition, cluster: Cluster, optimizer: str | float) -> float:
@@ -278,25 +296,27 @@ def _memory_rejection(
     screened = sum(part.stages[s].memory_bytes for s in pipe.device_stages[worst])
     budget = min(limit, screened) * limit / device_bytes[worst]
     return Rejection(
-        layout=layout, kind="memory", needed_memory_bytes=None, retry_budget_bytes=int(budget),
+        layout=layout,
+        kind="memory",
+        needed_memory_bytes=None,
+        retry_budget_bytes=int(budget),
         reason=(
             f"out of memory on pipeline device {worst} (stage {stage}) by {format_bytes(device_bytes[worst] - limit)}"
             " (simulated peak: static + live activations)"
         ),
-    )  # fmt: skip
+    )
 
 
 def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: PipelineLayout | None) -> StageCosts:
     """Per-stage op times on one device (a replica runs each of its ops in full) and the transfer across each
     boundary: the cut's bytes over the link between the two stages' devices (inter-node if any pair crosses a
-    node)."""
+    node; intra-node before the layout is known)."""
     comm = []
     for stage in part.stages[:-1]:
-        same_node = True
+        link = cluster.intra_link
         if pipe is not None:
-            here, there = pipe.stage_devices(stage.index), pipe.stage_devices(stage.index + 1)
-            same_node = len({cluster.node_of(d) for d in here + there}) == 1
-        comm.append(cluster.transfer_s(profile.cut_bytes[stage.last_layer], same_node=same_node) * 1000.0)
+            link = cluster.link_between(pipe.stage_devices(stage.index) + pipe.stage_devices(stage.index + 1))
+        comm.append(transfer_ms(profile.cut_bytes[stage.last_layer], link))
     return StageCosts(
         forward_ms=tuple(s.forward_ms for s in part.stages),
         input_grad_ms=tuple(s.input_grad_ms for s in part.stages),
@@ -316,16 +336,11 @@ def stage_allreduce_ms(profile: Profile, cluster: Cluster, part: Partition, data
     times = []
     for stage in part.stages:
         group = [k * part.num_devices + d for k in range(data_parallel) for d in stage.devices]
-        same_node = len({cluster.node_of(rank) for rank in group}) == 1
         grad_bytes = stage_param_bytes(profile, stage.first_layer, stage.last_layer)
-        times.append(cluster.allreduce_s(grad_bytes, len(group), same_node=same_node) * 1000.0)
+        times.append(allreduce_ms(grad_bytes, len(group), cluster.link_between(group)))
     return tuple(times)
 
 
 def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:
     """After the flush each device reduces its stages (chunks) one after another; devices run in parallel."""
-    load: dict[int, float] = {}
-    for stage, ms in zip(part.stages, per_stage_ms):
-        for device in stage.devices:
-            load[device] = load.get(device, 0.0) + ms
-    return max(load.values())
+    return busiest_device_ms(per_stage_ms, stages_per_device([s.devices for s in part.stages]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from pipeplan.cluster import Cluster
+from pipeplan.partition.costs import allreduce_ms, busiest_device_ms, stages_per_device, transfer_ms
 from pipeplan.partition.result import Partition
 from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
 from pipeplan.profiling.profile import Profile
@@ -52,8 +53,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> 
     weight_grad = sum(layer.weight_grad_ms for layer in profile.layers) / stages
     backward = sum(layer.backward_ms for layer in profile.layers) / stages
     cuts = profile.cut_bytes or (0,)
-    same_node = p <= cluster.devices_per_node
-    comm = cluster.transfer_s(sum(cuts) / len(cuts), same_node=same_node) * 1000.0 if p > 1 else 0.0
+    comm = transfer_ms(sum(cuts) / len(cuts), cluster.link_for_consecutive(p)) if p > 1 else 0.0
     costs = StageCosts(
         forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, backward_ms=backward, comm_ms=comm
     )
@@ -125,16 +125,12 @@ def allreduce_lower_bound_ms(layout: Layout, profile: Profile, cluster: Cluster)
     if layout.data_parallel == 1:
         return 0.0
     grad_bytes = sum(layer.param_bytes for layer in profile.layers) / layout.pipeline_devices
-    same_node = layout.pipeline_devices * layout.data_parallel <= cluster.devices_per_node
-    return cluster.allreduce_s(grad_bytes, layout.data_parallel, same_node=same_node) * 1000.0
+    link = cluster.link_for_consecutive(layout.pipeline_devices * layout.data_parallel)
+    return allreduce_ms(grad_bytes, layout.data_parallel, link)
 
 
 def partition_lower_bound_ms(layout: Layout, part: Partition, profile: Profile, cluster: Cluster) -> float:
     """m x the busiest device's work per microbatch (its stages' F + backward, / replicas) + the all-reduce."""
-    work = stage_work_ms(part)
-    load: dict[int, float] = {}
-    for stage, stage_ms in zip(part.stages, work):
-        for device in stage.devices:
-            load[device] = load.get(device, 0.0) + stage_ms
+    busiest = busiest_device_ms(stage_work_ms(part), stages_per_device([s.devices for s in part.stages]))
     allreduce = allreduce_step_ms(part, stage_allreduce_ms(profile, cluster, part, layout.data_parallel))
-    return layout.num_microbatches * max(load.values()) + allreduce
+    return layout.num_microbatches * busiest + allreduce

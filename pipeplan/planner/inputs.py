@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster
-from pipeplan.console import err
 from pipeplan.errors import ConfigError
 from pipeplan.paths import check_output_dir
 from pipeplan.planner.plan import ModelRef
@@ -19,10 +18,6 @@ from pipeplan.units import parse_int_list, parse_size
 
 PROFILE_FORMATS = ("pipeplan", "pipedream")
 CPU_DEFAULT_DEVICES = 2
-
-
-def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def default_devices() -> int:
@@ -65,6 +60,15 @@ def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
     if text is None:
         return (default,)
     return parse_int_list(text, option="--microbatch-size", example="1,2,4")
+
+
+def memory_reserve_bytes(text: str | None, memory_per_device: int) -> int:
+    """--memory-reserve as bytes (`0` keeps nothing back); the documented default when not given."""
+    from pipeplan.planner.search import default_memory_reserve
+
+    if text is None:
+        return default_memory_reserve(memory_per_device)
+    return parse_size(text, option="--memory-reserve") if text.strip() not in ("0", "0B") else 0
 
 
 def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
@@ -164,17 +168,28 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
         from pipeplan.profiling.analytic import profile_analytic
 
         profile = profile_analytic(
-            spec, batch_size=request.batch_size, hardware=request.hardware, granularity=request.granularity,
-            progress=not request.quiet, tracer=request.tracer, precision=request.precision,
-        )  # fmt: skip
+            spec,
+            batch_size=request.batch_size,
+            hardware=request.hardware,
+            granularity=request.granularity,
+            progress=not request.quiet,
+            tracer=request.tracer,
+            precision=request.precision,
+        )
     else:
         from pipeplan.profiling.measure import profile_model
 
         profile = profile_model(
-            spec, batch_size=request.batch_size, device=request.device, granularity=request.granularity,
-            progress=not request.quiet, model_ref=request.model, model_options=dict(request.options),
-            tracer=request.tracer, precision=request.precision,
-        )  # fmt: skip
+            spec,
+            batch_size=request.batch_size,
+            device=request.device,
+            granularity=request.granularity,
+            progress=not request.quiet,
+            model_ref=request.model,
+            model_options=dict(request.options),
+            tracer=request.tracer,
+            precision=request.precision,
+        )
     tracer = profile.provenance.tracer or request.tracer
     traced = trace_model(
         spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer

@@ -15,6 +15,7 @@ from pipeplan.models.registry import canonical_ref
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
 from pipeplan.precision import get_precision
+from pipeplan.profiling.recompute import unknown_recompute
 from pipeplan.profiling.trace import LayerGraph, trace_model
 from pipeplan.schedules.registry import generate
 
@@ -32,7 +33,9 @@ def even_cuts(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return cuts
 
 
-def _stages(graph: LayerGraph, cuts: Sequence[tuple[int, int]], replicas: Sequence[int]) -> tuple[StagePlan, ...]:
+def _stages(
+    graph: LayerGraph, cuts: Sequence[tuple[int, int]], replicas: Sequence[int], recompute: Sequence[str]
+) -> tuple[StagePlan, ...]:
     return tuple(
         StagePlan(
             index=index,
@@ -41,8 +44,31 @@ def _stages(graph: LayerGraph, cuts: Sequence[tuple[int, int]], replicas: Sequen
             layer_names=tuple(layer.name for layer in graph.layers[first : last + 1]),
             node_names=tuple(node for layer in graph.layers[first : last + 1] for node in layer.nodes),
             replicas=replicas[index],
+            recompute=recompute[index],
         )
         for index, (first, last) in enumerate(cuts)
+    )
+
+
+def _recompute_modes(recompute: Sequence[str] | None, num_stages: int) -> tuple[str, ...]:
+    modes = tuple(recompute or ("none",) * num_stages)
+    if len(modes) != num_stages:
+        raise ConfigError(f"recompute gives {len(modes)} modes for {num_stages} stages")
+    for mode in modes:
+        if (problem := unknown_recompute(mode)) is not None:
+            raise ConfigError(problem)
+    return modes
+
+
+def _model_ref(model: str, options: dict[str, Any], spec, graph) -> ModelRef:
+    ref, digest = canonical_ref(model)
+    return ModelRef(
+        ref=ref,
+        options=options,
+        fingerprint=graph.fingerprint,
+        tokens_per_sample=spec.tokens_per_sample,
+        file_sha256=digest,
+        tracer=graph.tracer,
     )
 
 
@@ -64,31 +90,26 @@ def manual_plan(
     tracer: str = "auto",
     precision: str = "fp32",
     zero: int = 0,
+    recompute: Sequence[str] | None = None,
 ) -> Plan:
-    """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication)."""
+    """A runnable plan: `schedule` on `pipeline_devices` devices per pipeline (before replication); `recompute`
+    gives each stage's activation recomputation mode (pipeplan.recompute; default none)."""
     options = dict(options or {})
     spec = load_model(model, options)
     graph = trace_model(spec, batch_size=microbatch_size, device="meta", tracer=tracer).layer_graph
-    ref, digest = canonical_ref(model)
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
     replicas = tuple(replicas or (1,) * num_stages)
     if len(replicas) != num_stages:
         raise ConfigError(f"replicas gives {len(replicas)} values for {num_stages} stages")
     cuts = list(cuts or even_cuts(graph.num_layers, num_stages))
+    recompute = _recompute_modes(recompute, num_stages)
     layout = pipeline_layout(generated, replicas)
     world = layout.num_devices * data_parallel
     cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=1 << 40)
     global_batch = microbatch_size * num_microbatches * data_parallel
     return Plan(
-        model=ModelRef(
-            ref=ref,
-            options=options,
-            fingerprint=graph.fingerprint,
-            tokens_per_sample=spec.tokens_per_sample,
-            file_sha256=digest,
-            tracer=graph.tracer,
-        ),
+        model=_model_ref(model, options, spec, graph),
         cluster=cluster,
         training=TrainingConfig(
             global_batch_size=global_batch,
@@ -103,7 +124,7 @@ def manual_plan(
         ),
         schedule=schedule,
         chunks=generated.num_chunks,
-        stages=_stages(graph, cuts, replicas),
+        stages=_stages(graph, cuts, replicas, recompute),
         ranks=rank_infos(layout, data_parallel, cluster),
         rank_ops=tuple(layout.device_ops[rank % layout.num_devices] for rank in range(world)),
         predicted=Prediction(

@@ -24,7 +24,8 @@ from typing import Any
 from pipeplan.cluster import Cluster
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.jsonio import build_dataclass, read_json, write_json
-from pipeplan.partition.zero_costs import ZERO_STAGES
+from pipeplan.partition.costs import ZERO_STAGES
+from pipeplan.profiling.recompute import unknown_recompute
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import check_complete
@@ -107,6 +108,11 @@ class StagePlan:
     activation_bytes: int = 0  # saved for backward per microbatch (what F adds to its device's memory)
     activation_freed_by_input_grad_bytes: int = 0  # the part of it I frees (W frees the rest, B all)
     allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines
+    recompute: str = "none"  # activation recomputation the runtime applies to this stage (pipeplan.recompute)
+
+    def __post_init__(self) -> None:
+        if (problem := unknown_recompute(self.recompute)) is not None:
+            raise FormatError(f"plan stage {self.index}: {problem}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.partition.zero_costs import check_zero_stage
+from pipeplan.partition.costs import (
+    bytes_per_param,
+    check_zero_stage,
+    resolve_optimizer,
+    spread_static_bytes,
+    static_split,
+)
 from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.candidate import (
     REPLICATED,
@@ -49,10 +55,9 @@ from pipeplan.planner.candidate import (
 )
 from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_bound_ms
 from pipeplan.planner.scaling import scale_profile
-from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
-from pipeplan.units import format_bytes
+from pipeplan.units import format_bytes, format_percent
 
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
@@ -182,9 +187,13 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
                     modes.append(REPLICATED)
                 for mode in modes:
                     layout = Layout(
-                        schedule=name, microbatch_size=b, data_parallel=d, pipeline_devices=p, num_microbatches=m,
+                        schedule=name,
+                        microbatch_size=b,
+                        data_parallel=d,
+                        pipeline_devices=p,
+                        num_microbatches=m,
                         mode=mode,
-                    )  # fmt: skip
+                    )
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
     return found
 
@@ -288,9 +297,12 @@ def _evaluate_each_schedule(
         tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
         for layout in tries[:PER_SCHEDULE_TRIES]:
             result = evaluate(
-                layout, profiles[layout.microbatch_size], cluster, optimizer=config.per_param,
+                layout,
+                profiles[layout.microbatch_size],
+                cluster,
+                optimizer=config.per_param,
                 global_batch_size=config.global_batch_size,
-            )  # fmt: skip
+            )
             rejected.remove(pruned[id(layout)])
             if isinstance(result, Rejection):
                 rejected.append(result)
@@ -305,10 +317,9 @@ def _evaluate_unless_pruned(
     """Skip the partitioner when the balanced estimate is already slower than the best plan, and the schedule and
     simulation when the partition's lower bound is."""
     if estimate >= best_ms:
-        return Rejection(
-            layout=layout, kind="estimate",
-            reason=f"estimated {_slower(estimate, best_ms)} slower than the best plan even with balanced stages",
-        )  # fmt: skip
+        slower = format_percent(estimate / best_ms - 1.0)
+        reason = f"estimated {slower} slower than the best plan even with balanced stages"
+        return Rejection(layout=layout, kind="estimate", reason=reason)
     budget = cluster
     for _ in range(MEMORY_RETRIES + 1):
         part = partition_layout(layout, profile, budget, optimizer=config.per_param)
@@ -316,10 +327,9 @@ def _evaluate_unless_pruned(
             return part
         bound = partition_lower_bound_ms(layout, part, profile, cluster)
         if bound >= best_ms:
-            return Rejection(
-                layout=layout, kind="bound",
-                reason=f"at least {_slower(bound, best_ms)} slower than the best plan (busiest device's compute bound)",
-            )  # fmt: skip
+            slower = format_percent(bound / best_ms - 1.0)
+            reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
+            return Rejection(layout=layout, kind="bound", reason=reason)
         result = evaluate_partition(
             layout, part, profile, cluster, optimizer=config.per_param, global_batch_size=config.global_batch_size
         )
@@ -330,24 +340,22 @@ def _evaluate_unless_pruned(
     return result
 
 
-def _slower(ms: float, best_ms: float) -> str:
-    return f"{(ms / best_ms - 1.0) * 100.0:.1f}%"
-
-
 def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
-    static = params * config.per_param / layout.pipeline_devices
+    static = spread_static_bytes(params, config.per_param, layout.pipeline_devices)
     if static <= cluster.memory_per_device:
         return None
     return Rejection(
-        layout=layout, kind="memory", needed_memory_bytes=int(static),
+        layout=layout,
+        kind="memory",
+        needed_memory_bytes=int(static),
         reason=(
             f"out of memory: weights, gradients and optimizer state alone need {format_bytes(static)} per device "
             f"over {layout.pipeline_devices} device(s), limit {format_bytes(cluster.memory_per_device)}"
         ),
-    )  # fmt: skip
+    )
 
 
 def smallest_fitting_memory(

@@ -65,9 +65,13 @@ def per_schedule(plan: Plan) -> list[dict[str, Any]]:
     """Per schedule the search tried: its best fitting candidate (step, bubble, peak memory) or why none fits."""
     p = plan.predicted
     chosen = {
-        "schedule": plan.schedule, "label": _chosen_label(plan), "step_ms": p.step_ms, "bubble_rate": p.bubble_rate,
-        "peak_memory_bytes": max(p.peak_memory_bytes, default=0), "chosen": True,
-    }  # fmt: skip
+        "schedule": plan.schedule,
+        "label": _chosen_label(plan),
+        "step_ms": p.step_ms,
+        "bubble_rate": p.bubble_rate,
+        "peak_memory_bytes": max(p.peak_memory_bytes, default=0),
+        "chosen": True,
+    }
     rows: dict[str, dict[str, Any]] = {plan.schedule: chosen}
     for alt in plan.alternatives:  # fastest first: a schedule's first row is its best
         name = alt["schedule"]

@@ -5,12 +5,14 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 - forward FLOPs, bytes and roofline time per aten op (`OpRecorder`), with dropout and attention swapped for their
   CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path);
-- tensors saved for backward (`SavedTensors`), storages de-duplicated, parameters excluded, split into what the
-  input-gradient (I) pass frees and what the weight-gradient (W) pass still reads;
-- the backward, run for real on meta tensors twice: once for the layer's input gradients only (autograd then skips
-  every weight-gradient kernel, e.g. the `mat1ᵀ @ grad` of a Linear), once for inputs and parameters together
-  (B). I is the first pass's roofline time, B the second's, and W = B - I: the ops the full pass adds. For a
-  Linear this gives I ≈ W ≈ F, the 2:1 rule, without assuming it; layers without floating-point inputs (the
+- tensors saved for backward (`saved_tensors.SavedTensors`), storages de-duplicated, parameters and buffers
+  excluded, split into what the input-gradient (I) pass frees and what the weight-gradient (W) pass still reads,
+  by the rule the measured profiler and the runtime follow;
+- the backward, run for real on meta tensors by the implementation the runtime runs (`split_backward`), twice:
+  once for the layer's input gradients only (I: autograd then skips every weight-gradient kernel, e.g. the
+  `mat1ᵀ @ grad` of a Linear), once for inputs and parameters together (B). I is the first pass's roofline
+  time, B the second's, and W = B - I: the ops the full pass adds. For a Linear this gives I ≈ W ≈ F, the 2:1
+  rule, without assuming it; layers without floating-point inputs (the
   embedding) have I = 0 and W = B. Kernels that compute input and weight gradients in one launch (convolution,
   layer/batch norm backward) are timed as two kernels when taking W, as a split backward runs them; so
   I + W >= B, the difference being what fusing saves.
@@ -34,10 +36,12 @@ from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.hardware import Hardware, load_hardware
-from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline, SavedTensors, saved_split
+from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import analytic_recompute
 from pipeplan.profiling.run_dtypes import cut_bytes_under, fake_run
+from pipeplan.profiling.saved_tensors import SavedTensors, saved_split
+from pipeplan.profiling.split_backward import analyze, backward_full, backward_input
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -125,11 +129,14 @@ def _leaf_input(value, needs_grad: bool):
     return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
 
 
-def _backward_pass(roots, grads, wrt, roofline: Roofline, *, retain: bool) -> OpTotals:
-    if not roots or not wrt:
-        return OpTotals()
+def _record(roofline: Roofline, run: Callable[[], object], params: Sequence[torch.Tensor]) -> OpTotals:
+    """The ops one backward pass launches (parameter gradients cleared before and after)."""
+    for p in params:
+        p.grad = None
     with OpRecorder(roofline) as recorder:
-        torch.autograd.grad(roots, wrt, grads, retain_graph=retain, allow_unused=True)
+        run()
+    for p in params:
+        p.grad = None
     return recorder.totals
 
 
@@ -155,12 +162,14 @@ def count_layer(
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
-    split = saved_split(saved, roots, exclude=[*params, *module.buffers()])
     grads = [torch.empty_like(r) if r.dim() else torch.ones_like(r) for r in roots]
     grad_inputs = [leaf for leaf in leaves if _requires_grad(leaf)]
     weights = [p for p in params if p.requires_grad]
-    input_grad = _backward_pass(roots, grads, grad_inputs, roofline, retain=True)
-    backward = _backward_pass(roots, grads, grad_inputs + weights, roofline, retain=False)
+    info = analyze(roots, grad_inputs, weights)
+    split = saved_split(saved, info.weight_grad_nodes, exclude=[*params, *module.buffers()])
+    # the passes the runtime runs (split_backward): B with the graph kept, then I (W is B's ops less I's)
+    backward = _record(roofline, lambda: backward_full(roots, grads, grad_inputs, weights, retain_graph=True), weights)
+    input_grad = _record(roofline, lambda: backward_input(roots, grads, grad_inputs, weights), weights)
     param_count = sum(p.numel() for p in params)
     return LayerCounts(
         forward=forward.totals,
@@ -309,10 +318,13 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
                     loss=loss,
                 )
                 recompute = analytic_recompute(
-                    stage, [env[name] for name in stage.inputs], roofline=config.roofline, input_needs_grad=needs,
+                    stage,
+                    [env[name] for name in stage.inputs],
+                    roofline=config.roofline,
+                    input_needs_grad=needs,
                     forward_ms=counts.forward.seconds * 1e3,
                     context=lambda: GpuSemantics(flash_attention=config.flash_attention),
-                )  # fmt: skip
+                )
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 raise ConfigError(

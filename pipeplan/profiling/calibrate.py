@@ -64,7 +64,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
         warmup=3,
         repeats=10,
         matmul_inner=5,
-    ),  # fmt: skip
+    ),
     ("cuda", True): Sizes(
         ((4096, 1024, 1024), (2048, 2048, 2048)),
         memory_sizes=(16 << 20, 128 << 20),
@@ -73,7 +73,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
         warmup=2,
         repeats=5,
         matmul_inner=3,
-    ),  # fmt: skip
+    ),
     ("cpu", False): Sizes(
         ((512, 512, 512), (1024, 1024, 1024), (1024, 2048, 512)),
         memory_sizes=(32 << 20, 128 << 20),
@@ -82,7 +82,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
         warmup=1,
         repeats=5,
         matmul_inner=1,
-    ),  # fmt: skip
+    ),
     ("cpu", True): Sizes(
         ((64, 64, 64), (128, 128, 128)),
         memory_sizes=(1 << 20, 4 << 20),
@@ -91,7 +91,7 @@ SIZES: dict[tuple[str, bool], Sizes] = {
         warmup=2,
         repeats=3,
         matmul_inner=1,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -191,16 +191,23 @@ class Calibration:
         if self.links is not None:
             link = self.links
             links = {
-                "backend": link.backend, "ranks": link.ranks, "message_bytes": link.message_bytes,
+                "backend": link.backend,
+                "ranks": link.ranks,
+                "message_bytes": link.message_bytes,
                 "p2p_gb_per_s": link.p2p_bytes_per_s / 1e9,
                 "allreduce_bus_gb_per_s": link.allreduce_bus_bytes_per_s / 1e9,
                 "latency_us": link.latency_s * 1e6,
-            }  # fmt: skip
+            }
         return {
-            "device": self.device, "device_name": self.device_name, "torch_version": self.torch_version,
-            "matmul": matmul, "memory": [_memory_dict(m) for m in self.memory],
-            "kernel_launch_us": self.launch_s * 1e6, "links": links, "notes": list(self.notes),
-        }  # fmt: skip
+            "device": self.device,
+            "device_name": self.device_name,
+            "torch_version": self.torch_version,
+            "matmul": matmul,
+            "memory": [_memory_dict(m) for m in self.memory],
+            "kernel_launch_us": self.launch_s * 1e6,
+            "links": links,
+            "notes": list(self.notes),
+        }
 
 
 def _memory_dict(sample: MemorySample) -> dict[str, float]:
@@ -258,9 +265,12 @@ def measure_matmul(dtype: str, shape: tuple[int, int, int], device: torch.device
     c = torch.empty(m, n, device=device, dtype=torch_dtype)
     with _float32_precision(precision):
         seconds = median_seconds(
-            lambda: torch.matmul(a, b, out=c), device, warmup=sizes.warmup, repeats=sizes.repeats,
+            lambda: torch.matmul(a, b, out=c),
+            device,
+            warmup=sizes.warmup,
+            repeats=sizes.repeats,
             inner=sizes.matmul_inner,
-        )  # fmt: skip
+        )
     return MatmulSample(dtype=dtype, shape=shape, seconds=seconds)
 
 

@@ -7,11 +7,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pipeplan.console import out, print_json, progress
-from pipeplan.errors import ConfigError
+from pipeplan.console import out, print_json, progress_task
 from pipeplan.profiling.calibrate import CalibrateConfig, Calibration, dtype_list, num_steps
 from pipeplan.profiling.calibrate import calibrate as run_calibration
-from pipeplan.profiling.calibrate_file import check_output, default_name, hardware_entry, write_hardware_file
+from pipeplan.profiling.calibrate_file import check_entry_target, entry_name, hardware_entry, write_hardware_file
 
 
 def _table(name: str, entry: dict, cal: Calibration) -> Table:
@@ -56,20 +55,19 @@ def calibrate(
     Example: pipeplan calibrate --device cuda -o hw.json
     """
     config = CalibrateConfig(device=device, dtypes=dtype_list(dtypes), quick=quick)
-    if name is not None and not name.strip():
-        raise ConfigError("--name must be non-empty")
-    if output is not None:
-        check_output(output)
-    with progress(quiet=as_json) as bar:
-        task = bar.add_task(f"calibrate {device}", total=num_steps(config))
-        cal = run_calibration(config, advance=lambda what: bar.update(task, advance=1, description=what))
-    key = (name or default_name(cal)).strip().lower()
-    entry = hardware_entry(cal)
+    check_entry_target(name, output)
+    with progress_task(f"calibrate {device}", total=num_steps(config), quiet=as_json) as update:
+        cal = run_calibration(config, advance=lambda what: update(advance=1, description=what))
+    key, entry = entry_name(name, cal), hardware_entry(cal)
     if output is not None:
         write_hardware_file(output, key, entry)
     if as_json:
         print_json({"schema_version": 1, "hardware": {key: entry}})
         return
+    _render(key, entry, cal, output)
+
+
+def _render(key: str, entry: dict, cal: Calibration, output: Path | None) -> None:
     out.print(_table(key, entry, cal))
     for note in entry["sources"].removeprefix("pipeplan calibrate: ").split("; "):
         out.print(f"  {note}", highlight=False)

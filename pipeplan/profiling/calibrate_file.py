@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeplan.errors import FormatError, OutputError
+from pipeplan.errors import ConfigError, FormatError, OutputError
 from pipeplan.jsonio import read_json, write_json
 from pipeplan.profiling.calibrate import Calibration
 from pipeplan.profiling.hardware import HARDWARE_SCHEMA_VERSION, Hardware, hardware_presets, validate_hardware_data
@@ -96,10 +96,11 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
 
 def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict[str, Any]:
     copied = {
-        "nvlink_gb_per_s": fallback.nvlink_bandwidth / 1e9, "network_gb_per_s": fallback.network_bandwidth / 1e9,
+        "nvlink_gb_per_s": fallback.nvlink_bandwidth / 1e9,
+        "network_gb_per_s": fallback.network_bandwidth / 1e9,
         "intra_node_latency_us": fallback.intra_node_latency_s * 1e6,
         "inter_node_latency_us": fallback.inter_node_latency_s * 1e6,
-    }  # fmt: skip
+    }
     link = cal.links
     if link is None:
         notes.append(f"links NOT measured ({', '.join(cal.notes) or 'skipped'}): copied from preset {fallback.name!r}")
@@ -107,8 +108,11 @@ def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict
     measured = {"nvlink_gb_per_s": link.p2p_bytes_per_s / 1e9, "intra_node_latency_us": link.latency_s * 1e6}
     if cal.device == "cpu":
         notes.append(f"links: {link.backend} between {link.ranks} local processes, also used for the inter-node fields")
-        return {**measured, "network_gb_per_s": measured["nvlink_gb_per_s"], "inter_node_latency_us": measured[
-            "intra_node_latency_us"]}  # fmt: skip
+        return {
+            **measured,
+            "network_gb_per_s": measured["nvlink_gb_per_s"],
+            "inter_node_latency_us": measured["intra_node_latency_us"],
+        }
     notes.append(f"links: {link.backend} over {link.ranks} GPUs, network NOT measured: copied from {fallback.name!r}")
     return {**copied, **measured}
 
@@ -143,6 +147,19 @@ def hardware_entry(cal: Calibration, *, when: _dt.datetime | None = None) -> dic
 
 def _cpu_fallback() -> Hardware:
     return hardware_presets()["h100"]  # only reached when links were skipped on a CPU; named in `sources`
+
+
+def check_entry_target(name: str | None, output: Path | None) -> None:
+    """Refuse, before measuring anything, an empty --name or an -o that cannot take the entry."""
+    if name is not None and not name.strip():
+        raise ConfigError("--name must be non-empty")
+    if output is not None:
+        check_output(output)
+
+
+def entry_name(name: str | None, calibration: Calibration) -> str:
+    """The hardware entry's key: --name, or the measured device's (lower case)."""
+    return (name or default_name(calibration)).strip().lower()
 
 
 def check_output(path: Path) -> None:

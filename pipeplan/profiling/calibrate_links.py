@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 
+from pipeplan.cluster import ring_bytes_sent
 from pipeplan.errors import RunError
 from pipeplan.profiling.calibrate import LinkResult, Sizes
 
@@ -107,9 +108,13 @@ def _measure(rank: int, world: int, backend: str, port: int, sizes: Sizes, resul
         if rank == 0:
             size = big.numel() * 4
             link = LinkResult(
-                backend=backend, ranks=world, message_bytes=size, latency_s=latency, p2p_bytes_per_s=size / p2p,
-                allreduce_bus_bytes_per_s=2 * (world - 1) / world * size / reduce,
-            )  # fmt: skip
+                backend=backend,
+                ranks=world,
+                message_bytes=size,
+                latency_s=latency,
+                p2p_bytes_per_s=size / p2p,
+                allreduce_bus_bytes_per_s=ring_bytes_sent(size, world, passes=2) / reduce,
+            )
             results.put(("ok", link))
         _barrier(device)
     finally:

@@ -16,12 +16,13 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from pipeplan.console import warn
 
 aten = torch.ops.aten
 
@@ -117,10 +118,9 @@ class GpuSemantics(TorchFunctionMode):
         use_flash = self.flash_attention and bound["attn_mask"] is None and q.dim() == 4
         if self.flash_attention and not use_flash and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 "flash_attention ignored for an attention call with an explicit mask or non-4D inputs "
-                "(profiled as the math path)",
-                stacklevel=2,
+                "(profiled as the math path)"
             )
         if use_flash:
             return _FlashAttention.apply(q, k, v, bound["dropout_p"], bound["is_causal"], bound["scale"])

@@ -1,14 +1,14 @@
 """Measured profiler: run each layer of a traced model as its own stage module and time forward (F), input-gradient
 (I), weight-gradient (W) and fused backward (B), medians over `repeats` after `warmup` runs, on CPU or CUDA.
 
-Memory per layer: the bytes autograd saves for backward (saved_tensors_hooks; storages de-duplicated, parameters
-excluded), split into what I frees and what must live until W (tensors saved by the nodes W re-enters or runs, see
-split_backward). Whole-model forward and backward times are measured too, to check that the per-layer sums agree.
+Memory per layer: the bytes autograd saves for backward (storages de-duplicated, parameters and buffers excluded),
+split into what I frees and what must live until W, by the one rule the runtime follows (saved_tensors). F, I, W
+and B run the backward implementation the runtime runs (split_backward). Whole-model forward and backward times
+are measured too, to check that the per-layer sums agree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,6 +26,7 @@ from pipeplan.profiling.host_memory import check_fits_host
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import measured_recompute
 from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
+from pipeplan.profiling.saved_tensors import SavedTensors, saved_split
 from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
 from pipeplan.profiling.stage import StageModule, build_stage_module
 from pipeplan.profiling.trace import TracedModel, trace_model
@@ -99,30 +100,8 @@ class _Clock:
         return (self._now() - self._began) * 1e3
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
 def _tensor_bytes(values: Sequence[object]) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-
-
-def _saved_by_node(node) -> list[torch.Tensor]:
-    """Tensors an autograd node saved for its backward (C++ nodes expose them as `_saved_*` attributes)."""
-    found: list[torch.Tensor] = []
-    for attr in dir(node):
-        if not attr.startswith("_saved_"):
-            continue
-        try:
-            value = getattr(node, attr)
-        except RuntimeError:  # already freed, or not a tensor slot
-            continue
-        items = value if isinstance(value, list | tuple) else (value,)
-        found.extend(v for v in items if isinstance(v, torch.Tensor))
-    with contextlib.suppress(RuntimeError):  # custom autograd.Function nodes
-        found.extend(t for t in getattr(node, "saved_tensors", ()) if isinstance(t, torch.Tensor))
-    return found
 
 
 def _forward_memory(stage: StageModule, inputs: list, params: list, autocast) -> tuple[int, int, int]:
@@ -132,28 +111,15 @@ def _forward_memory(stage: StageModule, inputs: list, params: list, autocast) ->
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    param_keys = {_storage_key(p) for p in params}
-    saved: dict[tuple[int, int], int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in param_keys and key[0] != 0:
-            saved[key] = key[1]
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+    with SavedTensors() as saved, autocast():
         outs = stage(*inputs)
     peak = 0
     if cuda:
         torch.cuda.synchronize()
         peak = max(0, torch.cuda.max_memory_allocated() - base)
     info = analyze([o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad], inputs, params)
-    kept: set[tuple[int, int]] = set()
-    for node in info.weight_grad_nodes:
-        kept.update(_storage_key(t) for t in _saved_by_node(node))
-    total = sum(saved.values())
-    kept_bytes = sum(size for key, size in saved.items() if key in kept)
-    return total, total - kept_bytes, peak
+    split = saved_split(saved, info.weight_grad_nodes, exclude=[*stage.parameters(), *stage.buffers()])
+    return split.total_bytes, split.total_bytes - split.kept_until_weight_grad_bytes, peak
 
 
 def _leaves(values: Sequence[object]) -> list:
@@ -185,16 +151,16 @@ def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureC
         for p in params:
             p.grad = None
         clock.start()
-        with config.autocast():
+        with SavedTensors(hold=False) as saved, config.autocast():  # as the runtime runs it
             outs = stage(*inputs)
         fwd = clock.stop()
         clock.start()
-        _, state = backward_input(outs, grads, inputs, params)
+        _, state = backward_input(outs, grads, inputs, params, saved=saved)
         i_ms = clock.stop()
         clock.start()
         backward_weight(state)
         w_ms = clock.stop()
-        del outs, state
+        del outs, state, saved
         for p in params:
             p.grad = None
         with config.autocast():
@@ -283,9 +249,13 @@ def profile_traced(
             times = _time_layer(stage, leaves, params, config)
             total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
             recompute = measured_recompute(
-                stage, leaves, autocast=config.autocast, clock=_Clock(config), warmup=config.warmup,
+                stage,
+                leaves,
+                autocast=config.autocast,
+                clock=_Clock(config),
+                warmup=config.warmup,
                 repeats=config.repeats,
-            )  # fmt: skip
+            )
             layers.append(
                 LayerProfile(
                     name=layer.name,
@@ -368,9 +338,14 @@ def profile_model(
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(
-        batch_size=batch_size, device=device, granularity=granularity, warmup=warmup, repeats=repeats, timer=timer,
+        batch_size=batch_size,
+        device=device,
+        granularity=granularity,
+        warmup=warmup,
+        repeats=repeats,
+        timer=timer,
         precision=precision,
-    )  # fmt: skip
+    )
     check_fits_host(spec, batch_size=batch_size, device=device)
     torch.manual_seed(0)
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)

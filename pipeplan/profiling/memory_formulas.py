@@ -26,7 +26,8 @@ data-parallel size; activations in 16-bit (2 bytes per element) with 1-byte drop
   4·b·s²·h (scores and scores × values), counting 2 FLOPs per multiply-add and full (non-causal) attention, as
   torch.utils.flop_counter does. The 4·b·s²·h part is what selective recomputation runs again.
 - Tensor-parallel communication per layer: `tensor_parallel_comm_per_layer` (Korthikanti et al. §4.2.2).
-- Optimizer-state bytes per parameter, with and without Megatron's distributed optimizer: `adam_bytes_per_parameter`.
+- Optimizer-state bytes per parameter, with and without Megatron's distributed optimizer, are a cost:
+  `pipeplan.partition.costs.optimizer.adam_bytes_per_parameter`, on the one bytes-per-parameter formula.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 from pipeplan.errors import ConfigError
 
 RECOMPUTE = ("none", "selective", "full")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _check_positive(**values: int) -> None:
@@ -139,28 +139,3 @@ def tensor_parallel_comm_per_layer(
     else:
         one_pass = (Collective("all-reduce", 2, message),)
     return TensorParallelComm(forward=one_pass, backward=one_pass)
-
-
-def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel: int, distributed: bool) -> float:
-    """Bytes per parameter for the model's parameters and gradients and Adam's state (fp32 main parameters, fp32
-    main gradients, fp32 first and second moments), as Megatron-LM's distributed-optimizer guide tabulates them
-    (docs/source/api-guide/dist_optimizer.md; https://docs.nvidia.com/megatron-core/developer-guide/latest/
-    api-guide/dist_optimizer.html):
-
-        parameters, gradients   non-distributed   distributed over d
-        16-bit, 16-bit          20                4 + 16/d
-        16-bit, fp32            18                6 + 12/d
-        fp32, fp32              16                8 + 8/d
-
-    The model's parameters and gradients are replicated; the distributed optimizer shards the rest over the d
-    data-parallel ranks: Adam's moments (8) and the fp32 main copies the model's own dtypes do not already
-    provide (main parameters 4 for 16-bit parameters, main gradients 4 for 16-bit gradients)."""
-    for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
-        if dtype not in DTYPE_BYTES:
-            raise ConfigError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    if DTYPE_BYTES[grad_dtype] < DTYPE_BYTES[param_dtype]:
-        raise ConfigError(f"{grad_dtype} gradients for {param_dtype} parameters are not a Megatron configuration")
-    _check_positive(data_parallel=data_parallel)
-    replicated = DTYPE_BYTES[param_dtype] + DTYPE_BYTES[grad_dtype]
-    sharded = 8 + (4 if param_dtype != "fp32" else 0) + (4 if grad_dtype != "fp32" else 0)
-    return replicated + sharded / (data_parallel if distributed else 1)

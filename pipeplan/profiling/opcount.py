@@ -1,15 +1,11 @@
-"""Counting what a meta-device run would cost on a GPU: per-op FLOPs/bytes with a roofline, and saved tensors.
+"""Counting what a meta-device run would cost on a GPU: per-op FLOPs/bytes with a roofline.
 
 - `OpRecorder` (a TorchDispatchMode) sees every aten op after autograd, with its inputs and outputs. FLOPs come
   from `torch.utils.flop_counter`'s registry (matmuls, convolutions, attention -- exactly what FlopCounterMode
   counts); bytes moved are the inputs' plus the outputs' sizes (views and allocations move nothing). Each op's
   time is its roofline `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`, summed; `split_seconds`
   also times fused input+weight gradient kernels (conv, norms) as the two kernels a split backward launches.
-- `SavedTensors` (saved_tensors_hooks) records every tensor autograd saves; `saved_split` de-duplicates storages,
-  drops parameters/buffers and splits the rest into "freed once I is done" and "kept until W": a storage is kept
-  until W when a weight-gradient computation reads it, i.e. it is saved by an autograd node with an edge that
-  leads (through tensor-free reshapes/transposes/casts) to a parameter's AccumulateGrad -- the input of a Linear,
-  a norm's input and statistics, the normalized input of an RMSNorm's weight multiply.
+(What a run saves for backward is counted by `saved_tensors`.)
 """
 
 from __future__ import annotations
@@ -135,98 +131,3 @@ class OpRecorder(TorchDispatchMode):
         self.totals.split_seconds += sum(self.roofline.seconds(f, b) for f, b in parts)
         self.totals.num_ops += 1
         return out
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage (works on meta tensors, which have no data pointer)."""
-    return tensor.untyped_storage()._cdata
-
-
-class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """Records every tensor autograd saves in the block it wraps (the tensors stay referenced by `tensors`)."""
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        super().__init__(self._pack, self._unpack)
-
-    def __enter__(self) -> SavedTensors:
-        super().__enter__()
-        return self
-
-    def _pack(self, tensor: torch.Tensor) -> int:
-        self.tensors.append(tensor)
-        return len(self.tensors) - 1
-
-    def _unpack(self, index: int) -> torch.Tensor:
-        return self.tensors[index]
-
-
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
-
-
-def _node_saved_tensors(node) -> list[torch.Tensor]:
-    kind = type(node)
-    if kind not in _SAVED_ATTRS:
-        _SAVED_ATTRS[kind] = tuple(name for name in dir(node) if name.startswith("_saved_"))
-    found: list[torch.Tensor] = []
-    for name in _SAVED_ATTRS[kind]:
-        try:
-            value = getattr(node, name)
-        except RuntimeError:  # already freed or not applicable
-            continue
-        values = value if isinstance(value, tuple | list) else (value,)
-        found.extend(v for v in values if isinstance(v, torch.Tensor))
-    if hasattr(node, "saved_tensors"):  # custom autograd.Function
-        found.extend(node.saved_tensors)
-    return found
-
-
-def _reaches_parameter(node, param_ids: set[int]) -> bool:
-    """Whether `node` leads, through single-input nodes that save no tensors, to a parameter's AccumulateGrad."""
-    while node is not None:
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            return id(variable) in param_ids
-        nexts = [fn for fn, _ in node.next_functions if fn is not None]
-        if len(nexts) != 1 or _node_saved_tensors(node):
-            return False
-        node = nexts[0]
-    return False
-
-
-def _autograd_nodes(roots: Iterable[torch.Tensor]) -> list:
-    seen: set[int] = set()
-    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    nodes = []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        nodes.append(node)
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return nodes
-
-
-@dataclass(frozen=True, kw_only=True)
-class SavedSplit:
-    total_bytes: int  # de-duplicated storages saved for backward, parameters and buffers excluded
-    kept_until_weight_grad_bytes: int  # storages a weight-gradient computation reads
-
-
-def saved_split(saved: SavedTensors, outputs: Iterable[torch.Tensor], exclude: Iterable[torch.Tensor]) -> SavedSplit:
-    """Split what `saved` recorded into freed-by-I and kept-until-W bytes; call before running backward."""
-    excluded = {storage_key(t) for t in exclude}
-    storages: dict[int, int] = {}
-    for tensor in saved.tensors:
-        key = storage_key(tensor)
-        if key not in excluded:
-            storages[key] = tensor.untyped_storage().nbytes()
-    param_ids = {id(t) for t in exclude}
-    kept: set[int] = set()
-    for node in _autograd_nodes(outputs):
-        if not any(_reaches_parameter(fn, param_ids) for fn, _ in node.next_functions if fn is not None):
-            continue
-        kept.update(storage_key(t) for t in _node_saved_tensors(node))
-    kept_bytes = sum(size for key, size in storages.items() if key in kept)
-    return SavedSplit(total_bytes=sum(storages.values()), kept_until_weight_grad_bytes=kept_bytes)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 import os
 import re
-import warnings
 
+from pipeplan.console import warn
 from pipeplan.errors import FormatError
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
@@ -126,7 +126,7 @@ def read_pipedream_graph(path: str | os.PathLike) -> Profile:
         raise FormatError(f"PipeDream profile {name!r} is not text (a graph.txt is UTF-8 lines)") from None
     nodes, edges = _parse(text, name)
     if any(" -- stage_id=" in line for line in text.splitlines()):
-        warnings.warn(f"{name}: stage_id annotations are ignored (the partitioner chooses stages)", stacklevel=2)
+        warn(f"{name}: stage_id annotations are ignored (the partitioner chooses stages)")
     succ: dict[str, set[str]] = {n: set() for n in nodes}
     pred: dict[str, set[str]] = {n: set() for n in nodes}
     for a, b in edges:

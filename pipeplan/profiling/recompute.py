@@ -38,8 +38,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.profiling.opcount import Roofline, op_cost
+from pipeplan.profiling.saved_tensors import SavedTensors
 
 aten = torch.ops.aten
+
+RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute` (what the runtime executes)
+
+
+def unknown_recompute(mode: object) -> str | None:
+    """Why `mode` is not a recompute mode (one line), or None when it is one."""
+    if mode in RECOMPUTE_MODES:
+        return None
+    return f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}"
 
 
 def _packets(*names: str) -> frozenset:
@@ -95,12 +105,11 @@ class ForwardLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[OpCall] = []
-        self.saved: list[torch.Tensor] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks = SavedTensors()
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.saved.append(tensor)
-        return tensor
+    @property
+    def saved(self) -> list[torch.Tensor]:
+        return self._hooks.tensors
 
     def __enter__(self) -> ForwardLog:
         self._hooks.__enter__()

@@ -1,5 +1,8 @@
-"""Split one backward pass into I (gradients w.r.t. the inputs only) and W (gradients w.r.t. the parameters only),
-for any module, without W redoing I's work. Zero-bubble schedules run I early and W later to fill bubbles.
+"""The backward passes, one implementation for the profilers and the runtime's executor: B (`backward_full`: input
+and parameter gradients in one pass), and B split into I (gradients w.r.t. the inputs only) and W (gradients w.r.t.
+the parameters only), for any module, without W redoing I's work. Zero-bubble schedules run I early and W later to
+fill bubbles. What each pass keeps alive is `SplitAnalysis.weight_grad_nodes` (see saved_tensors): given the
+forward's `SavedTensors`, I releases everything else it saved, so memory between I and W is what profiles count.
 
 How: walk the autograd graph from the outputs. `input side` = nodes with a path to an input that needs a gradient;
 `weight side` = nodes with a path to a parameter but none to an input. A *frontier* node is an input-side node with
@@ -19,12 +22,14 @@ weight-side node also feeds such an edge does W fall back to one backward from t
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from pipeplan.console import warn
+from pipeplan.profiling.saved_tensors import SavedTensors, storages_saved_by
 
 
 @dataclass
@@ -37,10 +42,14 @@ class SplitAnalysis:
     weight_roots: list[int]  # indices of outputs whose grad_fn is weight side
     conflict: bool  # W must fall back to one backward from the outputs (see the module docstring)
     input_captures: list = field(default_factory=list)  # shared weight-side edges whose gradient I captures
+    param_paths: set = field(default_factory=set)  # nodes with a path to a parameter (what the fallback W runs)
 
     @property
     def weight_grad_nodes(self) -> set:
-        """Nodes W runs (frontier + weight side): their saved tensors live until W."""
+        """Nodes W runs (frontier + weight side; every node on a path to a parameter when W falls back): their
+        saved tensors live until W, everything else saved is freed once I is done."""
+        if self.conflict:
+            return set(self.param_paths)
         return set(self.frontier) | self.weight_side
 
 
@@ -128,7 +137,8 @@ def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], par
     frontier = {node: [e for e in edges if e[0] not in shared] for node, edges in frontier.items()}
     frontier = {node: edges for node, edges in frontier.items() if edges}
     weight_roots = [i for i, root in enumerate(roots) if root is not None and root in weight_side]
-    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict, input_captures)
+    param_paths = {n for n in order if reaches_param[n]}
+    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict, input_captures, param_paths)
 
 
 def _live_outputs(outputs, grad_outputs):
@@ -184,24 +194,38 @@ def backward_input(
     grad_outputs: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    *,
+    saved: SavedTensors | None = None,
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightGradState]:
     """I: gradients of `inputs` (None where an input does not require grad; zeros where unused). Outputs with no
-    grad_output (None) or no grad are skipped. Returns the state `backward_weight` needs."""
+    grad_output (None) or no grad are skipped. Returns the state `backward_weight` needs. `saved`: the recorder
+    the forward ran under; once I is done it keeps only what W reads (`SplitAnalysis.weight_grad_nodes`)."""
     params = _trainable(params)
     outs, grads = _live_outputs(list(outputs), list(grad_outputs))
     state = WeightGradState(params=params)
     if not outs:
+        if saved is not None:
+            saved.release(set())
         return _input_grads([], [], list(inputs))[0], state
     info = analyze(outs, inputs, params)
+    kept = storages_saved_by(info.weight_grad_nodes) if saved is not None else set()
     if info.conflict:
-        warnings.warn(
+        warn(
             "split backward: a weight-side node feeds an edge shared by several input-side paths; W recomputes "
             "the backward to the parameters",
-            RuntimeWarning,
-            stacklevel=2,
+            once=True,  # analyzed per microbatch: say it once
         )
         state.fallback = (outs, grads)
-        return _input_grads(outs, grads, list(inputs))[0], state
+        input_grads = _input_grads(outs, grads, list(inputs))[0]
+    else:
+        input_grads = _split_input_pass(info, outs, grads, inputs, state)
+    if saved is not None:
+        saved.release(kept)
+    return input_grads, state
+
+
+def _split_input_pass(info: SplitAnalysis, outs: list, grads: list, inputs, state: WeightGradState) -> tuple:
+    """Run I, capturing at the frontier what W will need (into `state`); returns the input gradients."""
     # outputs on the weight side never reach an input: W starts from them, I leaves them out
     on_input_side = [i for i in range(len(outs)) if i not in set(info.weight_roots)]
     captured: dict = {}
@@ -221,7 +245,7 @@ def backward_input(
             state.frontier_calls.append((roots, [g for _, g in slots], [GradientEdge(n, nr) for n, nr in edges]))
     state.weight_roots = [(get_gradient_edge(outs[i]), grads[i]) for i in info.weight_roots]
     state.weight_roots += [(edge, grad) for edge, grad in zip(shared, shared_grads) if grad is not None]
-    return input_grads, state
+    return input_grads
 
 
 def _capture(captured: dict, node):
@@ -275,19 +299,26 @@ def backward_full(
     grad_outputs: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    *,
+    retain_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
-    """B: input gradients (returned) and parameter gradients (accumulated into .grad) in one pass."""
+    """B: input gradients (returned; None where an input needs none, zeros where unused) and parameter gradients
+    (accumulated into `.grad`) in one autograd pass. It accumulates straight into `.grad`, so AccumulateGrad can
+    reuse buffers (autograd.grad + add cannot); the inputs' own `.grad` is left as it was."""
     params = _trainable(params)
     outs, grads = _live_outputs(list(outputs), list(grad_outputs))
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [inputs[i] for i in wanted]
+    stashed = [leaf.grad for leaf in leaves]
     result: list[torch.Tensor | None] = [None] * len(inputs)
-    if not outs:
-        for i in wanted:
-            result[i] = torch.zeros_like(inputs[i])
-        return tuple(result)
-    targets = [inputs[i] for i in wanted] + params
-    computed = torch.autograd.grad(outs, targets, grads, allow_unused=True)
-    for i, grad in zip(wanted, computed[: len(wanted)]):
-        result[i] = grad if grad is not None else torch.zeros_like(inputs[i])
-    accumulate_grads(params, computed[len(wanted) :])
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        if outs and (leaves or params):
+            torch.autograd.backward(outs, grads, inputs=[*leaves, *params], retain_graph=retain_graph)
+        for i, leaf in zip(wanted, leaves):
+            result[i] = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+    finally:
+        for leaf, grad in zip(leaves, stashed):
+            leaf.grad = grad
     return tuple(result)

@@ -7,14 +7,7 @@ from rich.table import Table
 
 from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
-
-
-def _bytes(num: float) -> str:
-    """Compact binary size for table cells: 512B, 4.0K, 2.3M, 1.1G."""
-    for unit, scale in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if abs(num) >= scale:
-            return f"{num / scale:.1f}{unit}"
-    return f"{int(num)}B"
+from pipeplan.units import format_bytes, format_count, format_ms
 
 
 def fidelity(profile: Profile) -> dict[str, float | None]:
@@ -30,17 +23,6 @@ def fidelity(profile: Profile) -> dict[str, float | None]:
     }
 
 
-def _count(num: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if num >= scale:
-            return f"{num / scale:.1f}{unit}"
-    return str(num)
-
-
-def _ms(value: float) -> str:
-    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
-
-
 def profile_table(profile: Profile) -> Table:
     source = profile.provenance
     title = (
@@ -52,29 +34,29 @@ def profile_table(profile: Profile) -> Table:
     for column in ("F ms", "I ms", "W ms", "B ms", "act", "to W", "params", "cut"):
         table.add_column(column, justify="right", no_wrap=True)
     for i, layer in enumerate(profile.layers):
-        cut = _bytes(profile.cut_bytes[i]) if i < len(profile.cut_bytes) else "-"
+        cut = format_bytes(profile.cut_bytes[i], compact=True) if i < len(profile.cut_bytes) else "-"
         table.add_row(
             layer.name,
-            _ms(layer.forward_ms),
-            _ms(layer.input_grad_ms),
-            _ms(layer.weight_grad_ms),
-            _ms(layer.backward_ms),
-            _bytes(layer.activation_bytes),
-            _bytes(layer.activation_kept_until_weight_grad_bytes),
-            _count(layer.param_count),
+            format_ms(layer.forward_ms),
+            format_ms(layer.input_grad_ms),
+            format_ms(layer.weight_grad_ms),
+            format_ms(layer.backward_ms),
+            format_bytes(layer.activation_bytes, compact=True),
+            format_bytes(layer.activation_kept_until_weight_grad_bytes, compact=True),
+            format_count(layer.param_count),
             cut,
         )
     layers = profile.layers
     table.add_section()
     table.add_row(
         "total",
-        _ms(sum(x.forward_ms for x in layers)),
-        _ms(sum(x.input_grad_ms for x in layers)),
-        _ms(sum(x.weight_grad_ms for x in layers)),
-        _ms(sum(x.backward_ms for x in layers)),
-        _bytes(sum(x.activation_bytes for x in layers)),
-        _bytes(sum(x.activation_kept_until_weight_grad_bytes for x in layers)),
-        _count(sum(x.param_count for x in layers)),
+        format_ms(sum(x.forward_ms for x in layers)),
+        format_ms(sum(x.input_grad_ms for x in layers)),
+        format_ms(sum(x.weight_grad_ms for x in layers)),
+        format_ms(sum(x.backward_ms for x in layers)),
+        format_bytes(sum(x.activation_bytes for x in layers), compact=True),
+        format_bytes(sum(x.activation_kept_until_weight_grad_bytes for x in layers), compact=True),
+        format_count(sum(x.param_count for x in layers)),
         "",
     )
     return table

@@ -26,12 +26,13 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from pipeplan.errors import RunError
+from pipeplan.errors import ConfigError, RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.runtime.async_weights import VersionStore
 from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed
+from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.precision_run import gather_peak_memory
 from pipeplan.runtime.routing import Message, Routing, build_routing, parse_rank_ops
 from pipeplan.runtime.trace_io import write_trace
@@ -45,7 +46,7 @@ from pipeplan.runtime.train import (
     microbatches_for,
 )
 from pipeplan.schedules.ops import Op
-from pipeplan.schedules.registry import generate
+from pipeplan.schedules.registry import generate, schedule_info
 
 
 class StreamBatches:
@@ -80,9 +81,13 @@ class AsyncExecutor(Executor):
         rule = generate(plan.schedule, num_devices=1, num_microbatches=self.per_step)
         self.loss_grad = self.per_step / rule.update_every  # each update's gradient: its microbatches' mean loss
         self.weights = VersionStore(
-            model, self.ops, update_every=rule.update_every, optimizer=trainer.optimizer, capture=capture,
+            model,
+            self.ops,
+            update_every=rule.update_every,
+            optimizer=trainer.optimizer,
+            capture=capture,
             describe_group=lambda stage, group: f"step {first_step + group * rule.update_every // self.per_step + 1}",
-        )  # fmt: skip
+        )
         steps = plan.num_op_microbatches // self.per_step
         self.step_losses = torch.zeros(steps, dtype=torch.float64, device=trainer.device)
         self.step_done = [0.0] * steps
@@ -167,11 +172,22 @@ def segments(start: int, config: RunConfig) -> list[tuple[int, int]]:
     return found
 
 
+def check_async_run(plan: Plan, config: RunConfig) -> None:
+    """What an asynchronous plan cannot run with (--post-validate: runtime/post_validate.py says it)."""
+    if schedule_info(plan.schedule).asynchronous and config.clip_grad_norm is not None:
+        raise ConfigError(
+            f"--clip-grad-norm clips the global gradient of a synchronized step, but {plan.schedule} steps each stage "
+            "on its own; drop --clip-grad-norm or plan a synchronous schedule"
+        )
+
+
 def train_async(
     plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
 ) -> RunResult:
     """`train` for an asynchronous plan (same result; `microbatch_grads` instead of `grads` when captured)."""
     check_stream(plan)
+    check_async_run(plan, config)
+    check_post_validate(plan, config.post_validate)
     trainer = Trainer(plan, config, rank=rank, device=device)
     if trainer.direction_groups is None:  # gloo too: a stream sends both ways at once, and one pair for both
         trainer.direction_groups = make_direction_groups(trainer.executor.routing)  # directions measured 1.7x slower

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass
 
+from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 
-FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge)
+FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
-FAULT_MODES = ("exit", "hang", "stop", "diverge")
+FAULT_MODES = ("exit", "hang", "stop", "diverge", "nan")
+FAULT_FORMAT = "rank=1,step=2,mode=" + "|".join(FAULT_MODES)
+
+CLIP_HELP = (
+    "Clip the gradients to this global L2 norm (all stages and replicas), as torch.nn.utils.clip_grad_norm_ does "
+    "(default: no clipping)."
+)
+POST_VALIDATE_HELP = (
+    "Step the optimizer without waiting for the global gradient checks (norm for --clip-grad-norm, NaN/inf); they "
+    "follow along the pipeline and a step they invalidate is rolled back exactly and redone (Zero Bubble's "
+    "post-validation)."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +44,8 @@ class RunConfig:
     direction_groups: bool = False  # one process group per transfer direction (always on with NCCL; tests force it)
     device: str | None = None  # cpu (gloo) or cuda (nccl, one GPU per rank); None: the plan's training.device
     precision: str | None = None  # pipeplan.precision; None: the plan's (a different one is refused)
+    clip_grad_norm: float | None = None  # max global gradient norm (torch.nn.utils.clip_grad_norm_); None: no clipping
+    post_validate: bool = False  # step before the global checks arrive, roll back if they fail (post_validate.py)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -51,9 +64,11 @@ class RunConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and not self.checkpoint_dir:
-            warnings.warn("--checkpoint-every is ignored without --checkpoint-dir", stacklevel=2)
+            warn("--checkpoint-every is ignored without --checkpoint-dir")
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):
+            raise ConfigError(f"--clip-grad-norm must be a finite number > 0, got {self.clip_grad_norm}")
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
             raise ConfigError(
                 f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
@@ -105,7 +120,8 @@ def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> 
 class FaultSpec:
     """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it (Python
     still runs), `stop` sends it SIGSTOP (nothing runs, signals wait), `diverge` nudges its copy of a shared
-    (replicated or tied) parameter so the divergence check must catch it."""
+    (replicated or tied) parameter so the divergence check must catch it, `nan` puts a NaN into one of its
+    gradients after that step's backward passes (the step's non-finite check must catch it)."""
 
     rank: int
     step: int
@@ -126,9 +142,9 @@ class FaultSpec:
         for part in raw.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in ("rank", "step", "mode"):
-                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge")
+                raise ConfigError(f"{FAULT_ENV}={raw!r} must look like {FAULT_FORMAT}")
             fields[key.strip()] = value.strip()
         try:
             return cls(rank=int(fields["rank"]), step=int(fields["step"]), mode=fields.get("mode", "exit"))
         except (KeyError, ValueError):
-            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like rank=1,step=2,mode=exit|hang|stop|diverge") from None
+            raise ConfigError(f"{FAULT_ENV}={raw!r} must look like {FAULT_FORMAT}") from None

@@ -3,9 +3,11 @@
 F receives its stage's inputs (model inputs from the batch, activations from the producing stage: locally when the
 producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
 stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
-back to each producer; W later computes the weight gradients from what I kept. Saved state is dropped as soon as
-its last use is done. The loss (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the
-gradients summed over microbatches, replicas and pipelines are those of the mean loss over the global batch.
+back to each producer; W later computes the weight gradients from what I kept. B, I and W are the profiler's
+implementation (profiling/split_backward.py), so what was measured is what runs; I releases every saved tensor W
+does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done. The loss
+(last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
+microbatches, replicas and pipelines are those of the mean loss over the global batch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeplan.planner.plan import Plan
-from pipeplan.profiling.split_backward import backward_input, backward_weight
+from pipeplan.profiling.saved_tensors import SavedTensors, storage_bytes, storage_key
+from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight
 from pipeplan.runtime.comm import Mailbox
+from pipeplan.runtime.recompute_run import SelectiveRecompute
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
 from pipeplan.runtime.stages import PipelineModel
 from pipeplan.schedules.ops import Op
@@ -31,14 +35,18 @@ MicroBatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]  # (model inputs, tar
 class _Saved:
     inputs: list[torch.Tensor]  # leaves whose gradients go back to producers (differentiable cut inputs)
     input_names: list[str]
-    outputs: dict[str, torch.Tensor]
+    output_names: list[str]  # differentiable outputs whose gradients consumers send back
+    outputs: dict[str, torch.Tensor]  # (empty under full recomputation: the forward is rerun)
     loss: torch.Tensor | None
+    tensors: SavedTensors  # what autograd saved (I keeps only what W reads)
+    rerun: tuple[list, torch.Tensor] | None = None  # full recomputation: (every stage input, target)
 
 
 @dataclass
 class StepRecord:
     loss_sum: torch.Tensor | None = None  # float64 sum of the scaled microbatch losses (no host sync per op)
     op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s)
+    saved_peak_bytes: int = 0  # with Executor.track_saved: the most `held_activation_bytes` after any op
 
 
 class Executor:
@@ -66,9 +74,11 @@ class Executor:
         )
         self.receives = [self._receives_of(o) for o in self.ops]
         self.cuda_events = False  # CUDA --trace: time each op with a pair of CUDA events, read after the step
+        self.track_saved = False  # record the peak of held_activation_bytes over the step's ops (a diagnostic)
         self.autocast = contextlib.nullcontext  # the precision's autocast around each stage forward and the loss
         self.loss_grad = 1.0  # the loss's seed gradient: fp16 loss scaling's scale
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
+        self.recompute = {s: plan.stages[s].recompute for s in model.modules}  # none | selective | full
 
     def _meta_of(self, message: Message):
         return self.model.value_meta[message.value]
@@ -103,7 +113,7 @@ class Executor:
         self._local: dict[tuple, torch.Tensor] = {}  # (consumer stage, value, mb) -> activation
         self._local_grads: dict[tuple, torch.Tensor] = {}  # (producer stage, value, mb, consumer) -> gradient
         self._saved: dict[tuple[int, int], _Saved] = {}
-        self._weight_state: dict[tuple[int, int], object] = {}
+        self._weight_state: dict[tuple[int, int], tuple[object, SavedTensors]] = {}
         record = StepRecord()
         start = time.perf_counter()
         events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -119,7 +129,7 @@ class Executor:
                 if loss is not None:
                     record.loss_sum = loss if record.loss_sum is None else record.loss_sum + loss
             elif o.kind == "W":
-                backward_weight(self._weight_state.pop((o.stage, o.microbatch)))
+                backward_weight(self._weight_state.pop((o.stage, o.microbatch))[0])
                 self._backward_done(o)
             else:
                 self._backward(o)
@@ -129,12 +139,29 @@ class Executor:
                 events.append((str(o), self._start_event, self._event()))
             else:
                 record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
+            if self.track_saved:
+                record.saved_peak_bytes = max(record.saved_peak_bytes, self.held_activation_bytes())
         self.mailbox.drain()
         if origin is not None:
             torch.cuda.synchronize(self.device)
             record.op_times = [(n, origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3) for n, a, b in events]
         assert not self._saved and not self._weight_state and not self._local and not self._local_grads
         return record
+
+    def held_activation_bytes(self) -> int:
+        """Bytes held on this rank for the backward passes still to run (B, I or W): what autograd saved, or a
+        fully recomputed stage's inputs; storages counted once, parameters and buffers left out. Recomputation
+        lowers it (as the profiles' selective and full bytes say); I lowers it to what W reads."""
+        held: dict[int, int] = {}
+        recorders = [((s, m), v.tensors) for (s, m), v in self._saved.items()]
+        recorders += [(key, tensors) for key, (_, tensors) in self._weight_state.items()]
+        for (stage, _), tensors in recorders:
+            module = self.model.modules[stage]
+            held.update(tensors.storage_bytes(exclude=[*self.stage_params[stage], *module.buffers()]))
+        for saved in self._saved.values():
+            inputs = saved.rerun[0] if saved.rerun is not None else ()
+            held.update({storage_key(v): storage_bytes(v) for v in inputs if isinstance(v, torch.Tensor)})
+        return sum(held.values())
 
     def _computing(self) -> None:
         """The op's inputs are here: its measured time starts now (waiting is the pipeline's bubble, not the op's).
@@ -167,14 +194,9 @@ class Executor:
         io = self.model.stage_io[o.stage]
         args = [self._input_value(o, name, batch) for name in io.inputs]
         self._computing()
-        torch.manual_seed(self._forward_seed(o))
-        with torch.enable_grad(), self.autocast():
-            results = self._call_stage(o, args)
-            outputs = dict(zip(io.outputs, results, strict=True))
-            loss = None
-            if o.stage == self.output_stage:
-                output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
-                loss = self.model.spec.loss_fn(output, batch[1]) * self.loss_scale
+        tensors = SavedTensors(hold=False)
+        full = self.recompute[o.stage] == "full"  # keep only the inputs; rerun with grad before I or B
+        outputs, loss = self._run_stage(o, args, batch[1], tensors, grad=not full)
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, outputs[message.value])
         for name, value in outputs.items():
@@ -183,11 +205,35 @@ class Executor:
                     self._local[(consumer, name, o.microbatch)] = value.detach()
         names = [n for n in io.inputs if n in self.differentiable and n not in self.model.model_inputs]
         leaves = [args[io.inputs.index(n)] for n in names]
-        kept = {
-            n: v for n, v in outputs.items() if n in self.differentiable and self.routing.consumers.get((o.stage, n))
-        }
-        self._saved[(o.stage, o.microbatch)] = _Saved(inputs=leaves, input_names=names, outputs=kept, loss=loss)
+        kept = [n for n in outputs if n in self.differentiable and self.routing.consumers.get((o.stage, n))]
+        self._saved[(o.stage, o.microbatch)] = _Saved(
+            inputs=leaves,
+            input_names=names,
+            output_names=kept,
+            outputs={} if full else {n: outputs[n] for n in kept},
+            loss=None if full else loss,
+            tensors=tensors,
+            rerun=(args, batch[1]) if full else None,
+        )
         return None if loss is None else loss.detach().double()
+
+    def _run_stage(
+        self, o: Op, args: list, target: torch.Tensor, tensors: SavedTensors, *, grad: bool = True
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """One forward of `o`'s stage (without a graph when not `grad`), its random ops seeded by `forward_seed`
+        (dropout repeats exactly, a recomputation draws what the forward drew), what autograd saves recorded in
+        `tensors`: (outputs by name, the scaled loss on the last stage)."""
+        io = self.model.stage_io[o.stage]
+        torch.manual_seed(self._forward_seed(o))
+        selective = SelectiveRecompute() if self.recompute[o.stage] == "selective" else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), self.autocast(), tensors, selective:
+            results = self._call_stage(o, args)
+            outputs = dict(zip(io.outputs, results, strict=True))
+            loss = None
+            if o.stage == self.output_stage:
+                output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
+                loss = self.model.spec.loss_fn(output, target) * self.loss_scale
+        return outputs, loss
 
     def _output_grad(self, o: Op, name: str) -> torch.Tensor:
         total = None
@@ -204,23 +250,28 @@ class Executor:
 
     def _backward(self, o: Op) -> None:
         saved = self._saved.pop((o.stage, o.microbatch))
+        output_grads = {name: self._output_grad(o, name) for name in saved.output_names}
+        self._computing()
+        if saved.rerun is not None:  # full recomputation: the forward again, with grad, right before I or B
+            args, target = saved.rerun
+            outputs, saved.loss = self._run_stage(o, args, target, saved.tensors)
+            saved.outputs = {name: outputs[name] for name in saved.output_names}
+            saved.rerun = None
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if saved.loss is not None:
             roots.append(saved.loss)
             grads.append(torch.full_like(saved.loss, self.loss_grad))
         for name, value in saved.outputs.items():
-            grad = self._output_grad(o, name)
             if value.requires_grad:
                 roots.append(value)
-                grads.append(grad)
+                grads.append(output_grads[name])
         params = self._grad_params(o)
-        self._computing()
         if o.kind == "B":
-            input_grads = _full_backward(roots, grads, saved.inputs, params)
+            input_grads = backward_full(roots, grads, saved.inputs, params)
         else:
-            input_grads, state = backward_input(roots, grads, saved.inputs, params)
-            self._weight_state[(o.stage, o.microbatch)] = state
+            input_grads, state = backward_input(roots, grads, saved.inputs, params, saved=saved.tensors)
+            self._weight_state[(o.stage, o.microbatch)] = (state, saved.tensors)
         del saved.outputs, saved.loss
         by_name = dict(zip(saved.input_names, input_grads, strict=True))
         for message in self.routing.sends[(self.rank, o)]:
@@ -250,13 +301,3 @@ def forward_seed(seed: int, step: int, pipeline: int, stage: int, microbatch: in
     with dropout repeat exactly, and a resumed run draws what the uninterrupted one would have."""
     key = f"{seed}/{step}/{pipeline}/{stage}/{microbatch}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
-
-
-def _full_backward(
-    roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """B: one autograd pass accumulating straight into `.grad` (AccumulateGrad reuses buffers, which
-    autograd.grad + add does not); returns the inputs' gradients (zeros where unused)."""
-    if roots and (inputs or params):
-        torch.autograd.backward(roots, grads, inputs=[*inputs, *params])
-    return [torch.zeros_like(x) if x.grad is None else x.grad for x in inputs]

@@ -20,7 +20,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
+from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.stages import check_plan_runs
 from pipeplan.runtime.train import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
@@ -61,6 +63,8 @@ def launch_many(
     world_size = plans[0].world_size
     for plan, (_, config) in zip(plans, runs):
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
+        check_post_validate(plan, config.post_validate)
+        check_async_run(plan, config)
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:

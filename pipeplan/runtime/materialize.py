@@ -28,6 +28,7 @@ from torch import nn
 from pipeplan.errors import ModelError, RunError
 from pipeplan.models.spec import ModelSpec
 from pipeplan.profiling.host_memory import host_memory_available
+from pipeplan.units import format_bytes
 
 HOST_MEMORY_FRACTION = 0.8  # of the host's available memory the simultaneous whole-model builds may use
 
@@ -215,8 +216,7 @@ def materialize(
 
 def refuse_or_announce_meta_path(spec: ModelSpec, *, rank: int, needed: int, available: int, ranks: int) -> None:
     """The whole model does not fit on this host: refuse without a complete initializer, else say so once."""
-    gib = 1024**3
-    sizes = f"{needed / gib:.1f} GiB for {ranks} rank(s) building it whole, {available / gib:.1f} GiB available"
+    sizes = f"{format_bytes(needed)} for {ranks} rank(s) building it whole, {format_bytes(available)} available"
     if spec.init_module is None:
         raise RunError(
             f"model {spec.name!r} is too large to build whole on this host ({sizes}); give its ModelSpec an "

@@ -2,10 +2,10 @@
 values' wire dtypes under the mode (runtime/comm.py allocates receive buffers with them), and fp16 loss scaling.
 
 fp16 loss scaling is one global scale: every rank seeds its loss gradient with the same `scale`, the step's
-gradient check is the all-reduced statistics `Trainer.one_step` already gathers (a non-finite gradient norm on any
-rank is non-finite on all), so every rank skips an overflowing step together and halves the scale; after
-`growth_interval` clean steps it doubles, as torch.amp.GradScaler does. (GradScaler's own inf check is per process
-and would let ranks disagree, so the runtime keeps this small equivalent instead.)
+gradient check is the global state every rank learns (runtime/step_checks.py: a non-finite gradient norm on any
+rank is non-finite on all, synchronized or post-validated), so every rank skips an overflowing step together and
+halves the scale; after `growth_interval` clean steps it doubles, as torch.amp.GradScaler does. (GradScaler's own
+inf check is per process and would let ranks disagree, so the runtime keeps this small equivalent instead.)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipeplan.precision import Precision
 from pipeplan.profiling.run_dtypes import value_dtype, value_dtypes
+from pipeplan.units import format_gib
 
 
 class LossScaler:
@@ -62,7 +63,6 @@ def apply_wire_dtypes(model, mode: Precision, device_type: str) -> None:
     model.value_meta = metas
 
 
-GIB = 1024**3
 MAX_LOGGED_RANKS = 8
 
 
@@ -89,7 +89,7 @@ def memory_versus(plan, peaks: list[int] | None) -> str:
     else:
         prefix = ""
     cells = [
-        f"r{r} {peak / GIB:.2f}/{expected / GIB:.2f}" if expected else f"r{r} {peak / GIB:.2f}/-"
+        f"r{r} {format_gib(peak)}/{format_gib(expected)}" if expected else f"r{r} {format_gib(peak)}/-"
         for r, peak, expected in rows
     ]
     return prefix + " ".join(cells) + " (measured/predicted)"

@@ -34,6 +34,7 @@ from pipeplan.runtime.materialize import (
     refuse_or_announce_meta_path,
     whole_build_fits,
 )
+from pipeplan.runtime.recompute_run import check_recompute
 from pipeplan.runtime.routing import StageIO
 
 
@@ -126,6 +127,7 @@ def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
     if named != layered:  # each of the model's nodes computed by exactly one stage
         missing = sorted(set(layered) - set(named)) or sorted({n for n in named if named.count(n) > 1})
         raise RunError(f"the plan's stages do not compute each FX node exactly once (e.g. {missing[:3]}); re-plan")
+    check_recompute(plan, traced)
     return traced
 
 

@@ -1,22 +1,21 @@
 """The training loop each rank runs (inside an initialized process group): build the rank's stages, then per
-step draw the global batch, run the planned op list, all-reduce shared gradients, step AdamW, log on rank 0, and
-write checkpoints and the measured trace."""
+step draw the global batch, run the planned op list, all-reduce shared gradients, check the step globally (loss,
+gradient norm, NaN/inf: step_checks.py; after an eager step with --post-validate: post_validate.py), step AdamW, log
+on rank 0, and write checkpoints and the measured trace."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pipeplan.console import out
+from pipeplan.console import out, warn
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
 from pipeplan.precision import get_precision
@@ -25,8 +24,8 @@ from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.post_validate import PostValidator
 from pipeplan.runtime.precision_run import (
-    GIB,
     LossScaler,
     apply_param_dtype,
     apply_wire_dtypes,
@@ -35,9 +34,11 @@ from pipeplan.runtime.precision_run import (
 )
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.step_checks import GlobalState, apply_verdict, clip_coefficient, gather_rows, judge, local_row
 from pipeplan.runtime.trace_io import write_trace
 from pipeplan.runtime.zero import make_step_optimizer
 from pipeplan.schedules.registry import schedule_info
+from pipeplan.units import format_gib
 
 
 @dataclass
@@ -49,6 +50,8 @@ class RunResult:
     grads: dict[str, torch.Tensor] | None = None  # after the first step's all-reduce (when asked for)
     optimizer_state_numel: int = 0  # elements of AdamW state this rank holds at the end (1/d of shared ones: zero=1)
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
+    grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
+    rollbacks: int = 0  # --post-validate: eager optimizer steps undone (clipping, NaN/inf or overflow found after)
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
 
 
@@ -104,39 +107,47 @@ class Trainer:
         )  # zero=1: AdamW state sharded over each group of ranks holding the same parameters (zero.py)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
+        self.post_validator = (
+            PostValidator(plan, rank, device, self.optimizer, config.clip_grad_norm) if config.post_validate else None
+        )  # --post-validate: step eagerly, check after (post_validate.py)
+        self.inject_nan_at: int | None = None  # PIPEPLAN_FAULT mode=nan: a NaN gradient at this step
+        self.last_state: GlobalState | None = None  # the last step's global loss and gradient norm
 
     def one_step(self, step: int, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
         """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
-        anywhere stops every rank at this step, before the optimizer touches the weights."""
+        anywhere stops every rank at this step with the weights as before it (fp16: every rank skips the step)."""
+        record = self._gradients(step, batch)
+        row = self._local_row(record)
+        if self.post_validator is not None:
+            self.last_state = self.post_validator.update(step, row, self.scaler)
+        else:
+            self.last_state = self._synchronized_update(step, row)
+        return self.last_state.loss, record.op_times
+
+    def _gradients(self, step: int, batch: MicroBatch):
+        """The step's forward and backward passes, then the gradient reductions among each parameter's holders."""
         self.optimizer.zero_grad()
         if self.scaler is not None:
             self.executor.loss_grad = self.scaler.scale
         pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
+        if self.inject_nan_at == step:
+            _poison_a_gradient(self.model.params)
         self.optimizer.reduce_gradients()
-        grads = self.optimizer.grads()
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, sum of gradient norms
-        if record.loss_sum is not None:
-            stats[0] += record.loss_sum
-        if grads:
-            stats[1] += torch.stack(torch._foreach_norm(grads)).double().sum()
-        dist.all_reduce(stats)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
-        loss, grad_norms = stats.tolist()
-        if self.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norms):
-            self.scaler.overflowed()  # fp16: every rank saw the same all-reduced norms and skips this step
-            return loss, record.op_times
-        if not (math.isfinite(loss) and math.isfinite(grad_norms)):
-            what = f"loss is {loss}" if not math.isfinite(loss) else "gradients are not finite"
-            raise RunError(
-                f"step {step + 1}: {what}; stopped before the optimizer step (nothing saved): lower --lr or check "
-                "the model and data"
-            )
+        return record
+
+    def _local_row(self, record) -> torch.Tensor:
+        """This rank's contribution to the global checks (fp16: of the unscaled gradients)."""
         if self.scaler is not None:
-            self.scaler.unscale_(grads)
-        self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.stepped()
-        return loss, record.op_times
+            self.scaler.unscale_(self.optimizer.grads())
+        return local_row(record.loss_sum, self.optimizer.owned_grads(), self.device)
+
+    def _synchronized_update(self, step: int, row: torch.Tensor) -> GlobalState:
+        """Wait for every rank's row (one all-gather), then step as the global state says (step_checks.py)."""
+        state = GlobalState.from_table(gather_rows(row))  # only output-stage ranks add a loss, pre-scaled
+        verdict = judge(state, step=step, max_norm=self.config.clip_grad_norm, loss_scaling=self.scaler is not None)
+        apply_verdict(verdict, self.optimizer, self.scaler)
+        return state
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Every held parameter's summed gradient (collective under zero=1: every rank calls it)."""
@@ -198,7 +209,7 @@ def train(
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)
     if start >= config.steps and rank == 0:
-        warnings.warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run", stacklevel=2)
+        warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run")
     fault = FaultSpec.from_env()
     batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
     for _ in range(start):  # the same data order as an uninterrupted run
@@ -214,6 +225,7 @@ def train(
         step_ms = (time.perf_counter() - began) * 1000.0
         result.losses.append(loss)
         result.step_ms.append(step_ms)
+        result.grad_norms.append(trainer.last_state.grad_norm)
         if capture_grads and step == start:
             result.grads = trainer.grads()
         if not config.quiet and config.log_every and (step + 1) % config.log_every == 0:
@@ -227,6 +239,7 @@ def train(
     if config.check_every:
         trainer.sync.check_in_sync(config.steps - 1)
     result.optimizer_state_numel = trainer.optimizer.state_numel()
+    result.rollbacks = trainer.post_validator.rollbacks if trainer.post_validator is not None else 0
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
@@ -235,6 +248,7 @@ def train(
         peaks = gather_peak_memory(device)
         if rank == 0:
             _log_summary(plan, result.step_ms, peaks)
+            _log_checks(config, result)
     return result
 
 
@@ -250,6 +264,9 @@ def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer
     print(f"pipeplan rank {rank}: injected fault ({fault.mode}) at step {step}", file=sys.stderr, flush=True)
     if fault.mode == "exit":
         os._exit(1)
+    if fault.mode == "nan":
+        trainer.inject_nan_at = step
+        return
     if fault.mode == "diverge":
         shared = trainer.sync.shared_names
         assert shared, "mode=diverge needs a rank holding a replicated or tied parameter"
@@ -262,6 +279,24 @@ def _maybe_fail(fault: FaultSpec | None, rank: int, step: int, watchdog, trainer
         watchdog.freeze()
     while True:
         time.sleep(3600)
+
+
+def _poison_a_gradient(params: dict[str, torch.nn.Parameter]) -> None:
+    """PIPEPLAN_FAULT mode=nan: one element of this rank's first gradient (by name) becomes NaN."""
+    name = next(n for n in sorted(params) if params[n].grad is not None)
+    grad = params[name].grad
+    grad[(0,) * grad.dim()] = float("nan")
+
+
+def _log_checks(config: RunConfig, result: RunResult) -> None:
+    """How often --clip-grad-norm clipped and --post-validate rolled back."""
+    steps = len(result.grad_norms)
+    if config.clip_grad_norm is not None:
+        clipped = sum(clip_coefficient(norm, config.clip_grad_norm) < 1.0 for norm in result.grad_norms)
+        out.print(f"clipped {clipped} of {steps} steps (--clip-grad-norm {config.clip_grad_norm:g})", highlight=False)
+    if config.post_validate:
+        rolled = f"post-validate: {result.rollbacks} of {steps} eager optimizer steps rolled back and redone"
+        out.print(rolled, highlight=False)
 
 
 def _log_step(plan: Plan, step: int, loss: float, step_ms: float, peaks: list[int] | None = None) -> None:
@@ -294,7 +329,6 @@ def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = Non
     predicted = plan.predicted.peak_memory_bytes
     for rank, peak in enumerate(peaks):
         expected = predicted[rank] if rank < len(predicted) else 0
-        versus = f" vs predicted {expected / GIB:.2f} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
-        out.print(
-            f"rank {rank}: peak memory {peak / GIB:.2f} GiB (torch.cuda.max_memory_allocated){versus}", highlight=False
-        )
+        versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
+        measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
+        out.print(measured + versus, highlight=False)

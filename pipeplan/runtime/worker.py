@@ -1,9 +1,11 @@
 """One rank of `pipeplan run`: what the planner's launch.sh runs under torchrun on every node.
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m pipeplan.runtime.worker DIR/plan.json [--steps N] [--trace FILE] [--checkpoint-dir DIR]
-        [--checkpoint-every K] [--resume] [--init-from FILE] [--lr X] [--weight-decay X] [--heartbeat-timeout S]
-        [--check-every K] [--threads T] [--device cpu|cuda] [--quiet]
+        -m pipeplan.runtime.worker DIR/plan.json [OPTIONS]
+
+OPTIONS are `pipeplan run`'s (pipeplan.runtime.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
+--checkpoint-every, --resume, --init-from, --lr, --weight-decay, --heartbeat-timeout, --device, --precision,
+--threads, --check-every, --quiet, --clip-grad-norm, --post-validate.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
@@ -12,7 +14,6 @@ the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -24,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.errors import PipeplanError, RunError
+from pipeplan.options import parse_options
 from pipeplan.planner.plan import Plan
-from pipeplan.runtime.config import RunConfig, heartbeat_timeout_from_env
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.run_options import RunOptions
 from pipeplan.runtime.stages import check_plan_runs
 from pipeplan.runtime.train import RunResult, train
 from pipeplan.runtime.watchdog import Watchdog, record_error
@@ -129,39 +132,9 @@ def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | None]:
-    parser = argparse.ArgumentParser(prog="python -m pipeplan.runtime.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("plan")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--trace")
-    parser.add_argument("--checkpoint-dir")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--init-from")
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--weight-decay", type=float)
-    parser.add_argument("--heartbeat-timeout", type=float, default=None)
-    parser.add_argument("--check-every", type=int, default=10)
-    parser.add_argument("--threads", type=int)
-    parser.add_argument("--device", choices=("cpu", "cuda"))
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    config = RunConfig(
-        steps=args.steps,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        trace_path=args.trace,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        init_from=args.init_from,
-        check_every=args.check_every,
-        heartbeat_timeout_s=(
-            args.heartbeat_timeout if args.heartbeat_timeout is not None else heartbeat_timeout_from_env()
-        ),
-        quiet=args.quiet,
-        device=args.device,
-    )
-    return args.plan, config, args.threads
+    """The plan path, run config and threads from `pipeplan run`'s options (one definition: RunOptions)."""
+    options = parse_options(RunOptions, argv, prog="python -m pipeplan.runtime.worker", help=__doc__.splitlines()[0])
+    return str(options.plan), options.config, options.threads
 
 
 def main(argv: list[str] | None = None) -> None:

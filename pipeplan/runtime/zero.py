@@ -75,6 +75,16 @@ class FullOptimizer:
     def step(self) -> None:
         self.optimizer.step()
 
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank counts in the global gradient norm: every element of every parameter's summed
+        gradient is counted by exactly one rank (a shared parameter by the first of its holders)."""
+        elsewhere = {name for ranks, _, _, names in self.sync.buckets if ranks[0] != self.sync.rank for name in names}
+        return [p.grad for name, p in self.local.items() if p.grad is not None and name not in elsewhere]
+
+    def written_by_step(self) -> list[torch.Tensor]:
+        """The parameter storage `step()` writes (what post-validation copies to undo a step exactly)."""
+        return list(self.local.values())
+
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every held parameter's summed gradient, on the CPU (tests compare them with a reference)."""
         return {n: (p.grad.detach().cpu().clone() if p.grad is not None else None) for n, p in self.params.items()}
@@ -194,6 +204,14 @@ class ShardedOptimizer(FullOptimizer):
         self.optimizer.step()
         for bucket in self.buckets:
             bucket.all_gather_params()
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's unshared gradients and its slice of each bucket's summed gradient (slices are disjoint)."""
+        return self.grads()
+
+    def written_by_step(self) -> list[torch.Tensor]:
+        """Unshared parameters and each bucket's whole flat buffer (the all-gather rewrites every slice)."""
+        return list(self.local.values()) + [bucket.flat for bucket in self.buckets]
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Collective (every rank calls it): the buckets' gradient slices gathered, plus the local gradients."""

@@ -4,78 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import typer
 from rich.table import Table
 
-from pipeplan.console import err, out, print_json
-from pipeplan.errors import ConfigError, ScheduleError
-from pipeplan.jsonio import write_json
-from pipeplan.paths import check_output_file
-from pipeplan.schedules.dualpipev import fused_pairs
-from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.placement import LOOPED
-from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
-from pipeplan.schedules.render import gantt, timeline_to_chrome_trace
-from pipeplan.schedules.simulate import PAPER_INPUT_GRAD_FREES, StageCosts, Timeline, stream_step_ms, unit_memory
-from pipeplan.schedules.simulate import simulate as simulate_schedule
-from pipeplan.schedules.versions import check_versions
-
-
-def _run(
-    name: str,
-    *,
-    devices: int,
-    microbatches: int,
-    chunks: int | None,
-    f: float,
-    b: float,
-    w: float,
-    comm: float,
-    memory_limit: float | None,
-    input_grad_frees: float,
-    overlap_ms: float | None,
-    steps: int | None = None,
-) -> tuple[Schedule, Timeline]:
-    """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
-    if f + b + w <= 0:
-        raise ConfigError("--f, --b and --w are all 0: give at least one op a time > 0")
-    v = schedule_info(name).resolve_chunks(chunks)
-    costs = StageCosts(forward_ms=f / v, input_grad_ms=b / v, weight_grad_ms=w / v, comm_ms=comm)
-    memory = unit_memory(v, input_grad_frees=input_grad_frees)
-    schedule = generate(
-        name,
-        num_devices=devices,
-        num_microbatches=microbatches,
-        chunks=chunks,
-        costs=costs,
-        memory=memory,
-        memory_limit=memory_limit,
-        steps=steps if steps is not None else async_stream_steps(name, devices, microbatches),
-    )
-    fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
-    return schedule, simulate_schedule(schedule, costs, memory, fused=fused)
-
-
-def _metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:
-    data = timeline.metrics()
-    data["peak_activations"] = max(timeline.peak_memory_bytes)
-    data["peak_memory_bytes"] = data.pop("peak_memory_bytes")  # per device, in full-slice microbatches
-    data["num_stages"] = schedule.num_stages
-    data["num_microbatches"] = schedule.num_microbatches
-    if schedule.asynchronous and per_step:  # a stream: its steady state, and the weight copies it stashes
-        step_ms = stream_step_ms(timeline, per_step)
-        data |= {"steady_step_ms": step_ms, "steady_microbatch_ms": step_ms / per_step}
-        data["weight_versions_per_stage"] = list(check_versions(schedule))
-    return data
-
-
-def _steady_line(metrics: dict[str, Any], per_step: int) -> str:
-    versions = metrics["weight_versions_per_stage"]
-    return (
-        f"steady state (no flush): {metrics['steady_microbatch_ms']:.3f} ms per microbatch, "
-        f"{metrics['steady_step_ms']:.3f} ms per step of {per_step}; weight versions held per stage: "
-        f"{', '.join(map(str, versions))}"
-    )
+from pipeplan.console import out, print_json
+from pipeplan.options import command
+from pipeplan.schedules.render import gantt
+from pipeplan.schedules.simulate_options import SimulateOptions
+from pipeplan.schedules.uniform import compare_schedules, schedule_metrics, simulate_one
 
 
 def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
@@ -95,43 +30,8 @@ def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
     return table
 
 
-def simulate(
-    schedule: str = typer.Option(None, "--schedule", "-s", help=f"One of: {', '.join(SCHEDULE_NAMES)}."),
-    stages: int = typer.Option(..., "--stages", "-p", help="Pipeline devices P."),
-    microbatches: int = typer.Option(..., "--microbatches", "-m", help="Microbatches per step M."),
-    chunks: int = typer.Option(None, "--chunks", "-v", help="Stages per device (interleaved; default per schedule)."),
-    f: float = typer.Option(1.0, "--f", help="Forward ms of one device's model slice."),
-    b: float = typer.Option(1.0, "--b", help="Input-gradient (I) ms of one device's slice; full B = I + W."),
-    w: float = typer.Option(1.0, "--w", help="Weight-gradient (W) ms of one device's slice."),
-    comm: float = typer.Option(0.0, "--comm", help="Transfer ms across each device boundary."),
-    memory_limit: float = typer.Option(
-        None,
-        "--memory-limit",
-        help="Max live activations per device, in microbatches of a device's full slice (zb-auto is generated "
-        "under it, default p = 1F1B's; other schedules are checked against it). E.g. --memory-limit 8.",
-    ),
-    input_grad_frees: float = typer.Option(
-        PAPER_INPUT_GRAD_FREES,
-        "--input-grad-frees",
-        help="Fraction of a microbatch's activations the input-gradient pass I frees (W frees the rest); "
-        "0.5 is the Zero Bubble paper's setting. E.g. --input-grad-frees 0.4.",
-    ),
-    overlap_ms: float = typer.Option(
-        None,
-        "--overlap-ms",
-        help="dualpipev: time each overlapped F&B pair as one unit of this many ms, as DualPipe's runtime runs it "
-        "(default: the two halves one after the other, as `pipeplan run` executes them). E.g. --overlap-ms 2.5.",
-    ),
-    steps: int = typer.Option(
-        None,
-        "--steps",
-        help="pipedream schedules: steps of --microbatches in the simulated stream (default: enough to measure the "
-        "steady state).",
-    ),
-    compare: bool = typer.Option(False, "--compare", help="Simulate every schedule and rank by makespan."),
-    json_output: bool = typer.Option(False, "--json", help="Print only JSON (metrics + op lists)."),
-    trace: str = typer.Option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto)."),
-) -> None:
+@command(SimulateOptions)
+def simulate(options: SimulateOptions) -> None:
     """Simulate a pipeline schedule: makespan, bubbles, peak activations and a Gantt chart.
 
     Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches
@@ -142,57 +42,37 @@ def simulate(
 
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
-    trace = check_output_file(trace, "--trace") if trace is not None else None
-    options = dict(
-        devices=stages, microbatches=microbatches, chunks=chunks, f=f, b=b, w=w, comm=comm,
-        memory_limit=memory_limit, input_grad_frees=input_grad_frees, overlap_ms=overlap_ms,
-    )  # fmt: skip
-    if compare:
-        if trace is not None:
-            err.print("[yellow]warning:[/] --trace is ignored with --compare (trace one --schedule at a time)")
-        _compare(options, json_output=json_output, highlight=schedule)
+    if options.compare:
+        _render_ranking(*compare_schedules(options), options)
         return
-    if schedule is None:
-        raise typer.BadParameter("pass --schedule NAME (or --compare)", param_hint="--schedule")
-    plan, timeline = _run(schedule, **options, steps=steps)
-    if trace is not None:
-        write_json(trace, timeline_to_chrome_trace(timeline.rows()))
-    metrics = _metrics(plan, timeline, microbatches)
-    if json_output:
-        print_json({**metrics, "stage_device": list(plan.stage_device), "device_ops": plan.op_strings()})
+    schedule, timeline = simulate_one(options)
+    metrics = schedule_metrics(schedule, timeline, options.microbatches)
+    if options.json_output:
+        print_json({**metrics, "stage_device": list(schedule.stage_device), "device_ops": schedule.op_strings()})
         return
-    out.print(_metrics_table([metrics], title=f"{schedule}: {stages} devices, {plan.num_microbatches} microbatches"))
-    if plan.asynchronous:
-        out.print(_steady_line(metrics, microbatches), highlight=False)
+    title = f"{options.schedule}: {options.stages} devices, {schedule.num_microbatches} microbatches"
+    out.print(_metrics_table([metrics], title=title))
+    if schedule.asynchronous:
+        out.print(_steady_line(metrics, options.microbatches), highlight=False)
     out.print(gantt(timeline, width=out.width))
-    if trace is not None:
-        out.print(f"wrote Chrome trace {trace}")
+    if options.trace is not None:
+        out.print(f"wrote Chrome trace {options.trace}")
 
 
-def _compare(options: dict[str, Any], *, json_output: bool, highlight: str | None) -> None:
-    results, skipped = [], []
-    for name in SCHEDULE_NAMES:
-        if schedule_info(name).asynchronous:  # a stream without a flush: no step makespan to rank
-            skipped.append({"schedule": name, "reason": "asynchronous: simulate it with --schedule to see its stream"})
-            continue
-        try:
-            per_name = {"chunks": options["chunks"] if schedule_info(name).placement == LOOPED else None}
-            if name != "dualpipev":
-                per_name["overlap_ms"] = None
-            plan, timeline = _run(name, **{**options, **per_name})
-        except ScheduleError as exc:
-            skipped.append({"schedule": name, "reason": str(exc)})
-            continue
-        results.append(_metrics(plan, timeline))
-    results.sort(key=lambda row: (row["makespan_ms"], row["peak_activations"]))
-    if not results:
-        raise ScheduleError(f"no schedule could be simulated; {skipped[0]['schedule']}: {skipped[0]['reason']}")
-    if json_output:
+def _steady_line(metrics: dict[str, Any], per_step: int) -> str:
+    versions = metrics["weight_versions_per_stage"]
+    return (
+        f"steady state (no flush): {metrics['steady_microbatch_ms']:.3f} ms per microbatch, "
+        f"{metrics['steady_step_ms']:.3f} ms per step of {per_step}; weight versions held per stage: "
+        f"{', '.join(map(str, versions))}"
+    )
+
+
+def _render_ranking(results: list[dict], skipped: list[dict], options: SimulateOptions) -> None:
+    if options.json_output:
         print_json({"results": results, "skipped": skipped})
         return
-    title = f"{options['devices']} devices, {options['microbatches']} microbatches, ranked by makespan"
+    title = f"{options.stages} devices, {options.microbatches} microbatches, ranked by makespan"
     out.print(_metrics_table(results, title=title))
     for row in skipped:
         out.print(f"[dim]skipped {row['schedule']}: {row['reason']}[/]", highlight=False)
-    if highlight:
-        schedule_info(highlight)  # every known schedule is in `results` or `skipped`; an unknown one raises

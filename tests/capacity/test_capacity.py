@@ -40,9 +40,17 @@ def transformer_profile(num_layers: int = 8, *, flash_attention: bool = True, cu
         seq=SEQ, batch=1, hidden=HIDDEN, heads=HEADS, flash_attention=flash_attention
     )
     flops = float(forward_flops_per_layer(seq=SEQ, batch=1, hidden=HIDDEN))
-    layer = dict(forward_ms=1.0, input_grad_ms=1.0, weight_grad_ms=1.0, backward_ms=2.0, activation_bytes=activation,
-                 activation_freed_by_input_grad_bytes=activation // 2, param_count=LAYER_PARAMS,
-                 param_bytes=2 * LAYER_PARAMS, flops=flops)  # fmt: skip
+    layer = dict(
+        forward_ms=1.0,
+        input_grad_ms=1.0,
+        weight_grad_ms=1.0,
+        backward_ms=2.0,
+        activation_bytes=activation,
+        activation_freed_by_input_grad_bytes=activation // 2,
+        param_count=LAYER_PARAMS,
+        param_bytes=2 * LAYER_PARAMS,
+        flops=flops,
+    )
     cut = int(2 * SEQ * HIDDEN * cut_scale)
     return Profile(
         layers=tuple(LayerProfile(name=f"block{i}", **layer) for i in range(num_layers)),
@@ -53,9 +61,14 @@ def transformer_profile(num_layers: int = 8, *, flash_attention: bool = True, cu
 
 def hardware(memory_gb: float = 40.0, network_gb_per_s: float = 50.0) -> Hardware:
     return Hardware(
-        name="test-gpu", peak_bf16_flops=1e15, peak_tf32_flops=5e14, memory_bytes=int(memory_gb * 1e9),
-        hbm_bandwidth=3e12, nvlink_bandwidth=4.5e11, network_bandwidth=network_gb_per_s * 1e9,
-    )  # fmt: skip
+        name="test-gpu",
+        peak_bf16_flops=1e15,
+        peak_tf32_flops=5e14,
+        memory_bytes=int(memory_gb * 1e9),
+        hbm_bandwidth=3e12,
+        nvlink_bandwidth=4.5e11,
+        network_bandwidth=network_gb_per_s * 1e9,
+    )
 
 
 def config(**overrides) -> CapacityConfig:
@@ -70,8 +83,13 @@ def all_evaluations(profile: Profile, cfg: CapacityConfig, num_devices: int) -> 
     for layout in enumerate_layouts(profile.num_layers, cluster, cfg.search_config, cfg.schedules):
         if isinstance(layout, Rejection):
             continue
-        result = evaluate(layout, scale_profile(profile, layout.microbatch_size), cluster, optimizer=cfg.optimizer,
-                          global_batch_size=cfg.global_batch_size)  # fmt: skip
+        result = evaluate(
+            layout,
+            scale_profile(profile, layout.microbatch_size),
+            cluster,
+            optimizer=cfg.optimizer,
+            global_batch_size=cfg.global_batch_size,
+        )
         if isinstance(result, Evaluation):
             found.append(result)
     return found
@@ -160,8 +178,9 @@ def test_tokens_per_s_and_mfu():
 
 
 def test_binding_names_communication_bubble_and_memory():
-    slow_network = capacity_sweep(transformer_profile(cut_scale=200.0), config(
-        hardware=hardware(network_gb_per_s=0.05), device_counts=(8,))).rows[0]  # fmt: skip
+    slow_network = capacity_sweep(
+        transformer_profile(cut_scale=200.0), config(hardware=hardware(network_gb_per_s=0.05), device_counts=(8,))
+    ).rows[0]
     assert slow_network.binding == "communication"
     assert slow_network.time.comm_ms > slow_network.time.bubble_ms
     few_microbatches = capacity_sweep(transformer_profile(), config(device_counts=(8,), global_batch_size=2)).rows[0]
@@ -225,8 +244,9 @@ def test_cuttable_and_least_total_match_brute_force():
         cuts = []
         for inner in itertools.combinations(range(1, n), stages - 1):
             bounds = (0, *inner, n)
-            cuts.append([static[b] - static[a] + c * (active[b] - active[a])
-                         for a, b, c in zip(bounds, bounds[1:], inflight)])  # fmt: skip
+            cuts.append(
+                [static[b] - static[a] + c * (active[b] - active[a]) for a, b, c in zip(bounds, bounds[1:], inflight)]
+            )
         best = min(max(costs) for costs in cuts)
         assert _cuttable(static, active, inflight, best)
         assert not _cuttable(static, active, inflight, best - 0.5)

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipeplan.capacity.commands import capacity_profile
+from pipeplan.capacity.inputs import capacity_profile
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, model_flops_per_token
 from pipeplan.cli import app
 from pipeplan.profiling.hardware import load_hardware

@@ -73,10 +73,17 @@ def make_files(root: Path) -> Files:
         entry = {**base, field: value, "description": "fuzz"}
         (root / name).write_text(json.dumps({"schema_version": 1, "hardware": {name.split("_")[0] + "chip": entry}}))
     return Files(
-        root=root, profile=profile, plan=plan_dir / "plan.json", runnable=runnable, a_dir=root / "a_dir",
-        a_file=root / "a_file", binary=root / "binary.bin", empty=root / "empty.json",
-        nan_hardware=root / "nan_hw.json", inf_hardware=root / "inf_hw.json",
-    )  # fmt: skip
+        root=root,
+        profile=profile,
+        plan=plan_dir / "plan.json",
+        runnable=runnable,
+        a_dir=root / "a_dir",
+        a_file=root / "a_file",
+        binary=root / "binary.bin",
+        empty=root / "empty.json",
+        nan_hardware=root / "nan_hw.json",
+        inf_hardware=root / "inf_hw.json",
+    )
 
 
 BAD_COUNT = ["0", "-1", "-7", "abc", "", "1.5", "1000000000"]

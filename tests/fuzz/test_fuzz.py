@@ -33,9 +33,14 @@ class Worker:
         # CPU only (the cases are CPU cases; a CUDA context would also blow the memory cap on a GPU machine)
         env = {**os.environ, "PIPEPLAN_HEARTBEAT_TIMEOUT": "10", "COLUMNS": "120", "CUDA_VISIBLE_DEVICES": ""}
         return subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env=env, cwd=self.cwd,
-        )  # fmt: skip
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=self.cwd,
+        )
 
     def run(self, case: Case) -> dict:
         if self.proc is None or self.proc.poll() is not None:

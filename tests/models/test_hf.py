@@ -68,9 +68,14 @@ def test_gpt2_exports_into_blocks_whose_stages_compose_to_the_model():
     assert traced.tracer == "export"
     names = [layer.name for layer in traced.layer_graph.layers]
     assert names == [
-        "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
-        "transformer.ln_f", "lm_head",
-    ]  # fmt: skip
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.drop",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "lm_head",
+    ]
     (ids,), target = spec.sample_batch(2, generator=torch.Generator().manual_seed(1))
     env = {"input_ids": ids}
     for layer in traced.layer_graph.layers:

@@ -126,8 +126,10 @@ def brute_force(profile, cluster, config):
             continue
         inflight = memory_model(config.schedule, p, config.num_microbatches, 1, None)
         for reps in assignments:
-            if any(stage_memory(profile, config, stages, s, reps[s], inflight[s]) > cluster.memory_per_device
-                   for s in range(p)):  # fmt: skip
+            if any(
+                stage_memory(profile, config, stages, s, reps[s], inflight[s]) > cluster.memory_per_device
+                for s in range(p)
+            ):
                 continue
             worst = max(
                 stage_time(profile, cluster, config, stages, s, reps[s], not (s % g == 0 and s > 0), (s + 1) % g != 0)

@@ -149,9 +149,12 @@ def test_replication_divides_compute_and_inflight():
 def test_two_level_keeps_subpipelines_inside_nodes():
     profile = make_profile([1.0 + (i % 3) for i in range(24)], params=10_000_000, cut=50_000_000)
     cluster = Cluster(
-        num_devices=8, devices_per_node=4, memory_per_device=64 * GIB, inter_node_bandwidth=1e8,
+        num_devices=8,
+        devices_per_node=4,
+        memory_per_device=64 * GIB,
+        inter_node_bandwidth=1e8,
         intra_node_bandwidth=1e11,
-    )  # fmt: skip
+    )
     result = partition(profile, cluster, PartitionConfig(num_microbatches=16))
     devices = [d for s in result.stages for d in s.devices]
     assert len(devices) == len(set(devices)) == result.num_devices <= 8

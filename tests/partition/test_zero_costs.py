@@ -1,4 +1,4 @@
-"""ZeRO-1 cost formulas (pipeplan/partition/zero_costs.py) against their sources: Megatron's distributed-optimizer
+"""ZeRO-1 cost formulas (pipeplan/partition/costs/) against their sources: Megatron's distributed-optimizer
 bytes-per-parameter table and the ring all-reduce they replace."""
 
 from __future__ import annotations
@@ -6,17 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeplan.cluster import Cluster
+from pipeplan.cluster import Cluster, Link
 from pipeplan.errors import ConfigError
-from pipeplan.partition.zero_costs import (
+from pipeplan.partition.costs import (
+    adam_bytes_per_parameter,
     check_zero_stage,
     optimizer_state_bytes,
-    ring_all_gather_s,
-    ring_reduce_scatter_s,
-    zero1_exchange_s,
+    static_split,
+    zero1_exchange_ms,
     zero_bytes_per_param,
 )
-from pipeplan.precision import static_split
 
 # Megatron Core developer guide, "Distributed Optimizer" (docs.nvidia.com/megatron-core/developer-guide/latest/
 # distrib_optimizer.html): (param dtype, grad dtype) -> (bytes without it, (constant, numerator) of c + n/d).
@@ -66,19 +65,19 @@ def test_reduce_scatter_plus_all_gather_is_the_ring_all_reduce():
         latency = cluster.intra_node_latency_s if same_node else cluster.inter_node_latency_s
         for d in (1, 2, 3, 8, 64):
             for size in (0.0, 1e3, 4e9):
-                link = dict(bandwidth=bandwidth, latency_s=latency)
-                both = zero1_exchange_s(size, size, d, **link)
+                link = Link(bandwidth=bandwidth, latency_s=latency)
+                both = zero1_exchange_ms(size, size, d, link) / 1e3
                 assert float(both) == pytest.approx(cluster.allreduce_s(size, d, same_node=same_node), rel=1e-12)
 
 
 def test_each_ring_half_moves_d_minus_one_over_d_of_the_buffer():
-    link = dict(bandwidth=100e9, latency_s=5e-6)
+    link = Link(bandwidth=100e9, latency_s=5e-6)
     d = np.array([2, 4, 8])
     expected = (d - 1) * 5e-6 + (d - 1) / d * 1e9 / 100e9  # d - 1 steps of 1/d of a 1 GB buffer
-    np.testing.assert_allclose(ring_reduce_scatter_s(1e9, d, **link), expected)
-    np.testing.assert_allclose(ring_all_gather_s(1e9, d, **link), expected)
+    np.testing.assert_allclose(link.reduce_scatter_s(1e9, d), expected)
+    np.testing.assert_allclose(link.all_gather_s(1e9, d), expected)
     # bf16 parameters gathered, fp32 gradients reduce-scattered (Megatron's float16-param, fp32-grad row)
-    np.testing.assert_allclose(zero1_exchange_s(4e9, 2e9, 8, **link), 2 * 7 * 5e-6 + 7 / 8 * 6e9 / 100e9)
+    np.testing.assert_allclose(zero1_exchange_ms(4e9, 2e9, 8, link) / 1e3, 2 * 7 * 5e-6 + 7 / 8 * 6e9 / 100e9)
 
 
 def test_only_zero_stages_0_and_1():
@@ -88,3 +87,27 @@ def test_only_zero_stages_0_and_1():
             check_zero_stage(bad)
     with pytest.raises(ConfigError):
         zero_bytes_per_param((4, 4, 8), 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype", "plain", "sharded_over_8"),
+    [
+        ("fp16", "fp16", 20, 4 + 16 / 8),
+        ("bf16", "bf16", 20, 4 + 16 / 8),
+        ("bf16", "fp32", 18, 6 + 12 / 8),
+        ("fp16", "fp32", 18, 6 + 12 / 8),
+        ("fp32", "fp32", 16, 8 + 8 / 8),
+    ],
+)
+def test_optimizer_bytes_match_megatron_distributed_optimizer_table(param_dtype, grad_dtype, plain, sharded_over_8):
+    kwargs = dict(param_dtype=param_dtype, grad_dtype=grad_dtype)
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=False) == plain
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=1, distributed=True) == plain
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=True) == sharded_over_8
+
+
+def test_optimizer_bytes_refuse_unknown_configurations():
+    with pytest.raises(ConfigError, match="param_dtype must be one of"):
+        adam_bytes_per_parameter(param_dtype="int8", grad_dtype="fp32", data_parallel=2, distributed=True)
+    with pytest.raises(ConfigError, match="not a Megatron configuration"):
+        adam_bytes_per_parameter(param_dtype="fp32", grad_dtype="bf16", data_parallel=2, distributed=True)

@@ -72,9 +72,10 @@ def test_plan_file_states_staleness_and_reproduces_the_prediction(tmp_path):
     assert max(timeline.peak_memory_bytes) == max(plan.predicted.peak_memory_bytes)
     stale = summary_dict(loaded)["staleness"]
     assert stale == "pipedream-2bw: weights 1 step stale; 2 weight versions per stage"
-    assert summary_dict(manual_plan("mlp", TINY_MLP, schedule="1f1b", pipeline_devices=2, num_microbatches=2))[
-        "staleness"
-    ] is None  # fmt: skip
+    assert (
+        summary_dict(manual_plan("mlp", TINY_MLP, schedule="1f1b", pipeline_devices=2, num_microbatches=2))["staleness"]
+        is None
+    )
     shown = runner.invoke(app, ["show", str(tmp_path / "plan.json")])
     assert shown.exit_code == 0 and "Staleness: pipedream-2bw: weights 1 step stale" in " ".join(shown.output.split())
 

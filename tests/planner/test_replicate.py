@@ -52,10 +52,13 @@ def _probe(expanded):
     for device, stage in reversed(list(enumerate(expanded.device_stage))):
         first[stage] = device
     return Schedule(
-        name=expanded.name, num_devices=expanded.num_devices, num_stages=len(expanded.replicas),
-        num_microbatches=expanded.num_microbatches, stage_device=tuple(first[s] for s in range(len(expanded.replicas))),
+        name=expanded.name,
+        num_devices=expanded.num_devices,
+        num_stages=len(expanded.replicas),
+        num_microbatches=expanded.num_microbatches,
+        stage_device=tuple(first[s] for s in range(len(expanded.replicas))),
         device_ops=expanded.device_ops,
-    )  # fmt: skip
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -114,8 +117,9 @@ def test_heavily_replicated_pipeline_stays_near_a_straight_one(name):
     (round-robin filtering is about 8x slower here)."""
     replicas, m = (16, 2, 2, 2, 2, 35, 5), 280
     schedule = generate(name, num_devices=len(replicas), num_microbatches=m)
-    costs = StageCosts(forward_ms=replicas, input_grad_ms=replicas, weight_grad_ms=replicas,
-                       backward_ms=tuple(2 * r for r in replicas))  # fmt: skip
+    costs = StageCosts(
+        forward_ms=replicas, input_grad_ms=replicas, weight_grad_ms=replicas, backward_ms=tuple(2 * r for r in replicas)
+    )
     paced = simulate_expanded(_probe(replicate_paced(schedule, replicas)), costs, MemoryCosts())
     unit = StageCosts(forward_ms=1.0, input_grad_ms=1.0, weight_grad_ms=1.0, backward_ms=2.0)
     reference = simulate(generate(name, num_devices=sum(replicas), num_microbatches=m), unit).makespan

@@ -173,9 +173,11 @@ def test_unknown_schedule_lists_the_valid_ones():
 
 def _fake(step_ms, replicas, microbatches, peak, label):
     return SimpleNamespace(
-        step_ms=step_ms, peak_memory_bytes=peak, partition=SimpleNamespace(replicas=replicas),
+        step_ms=step_ms,
+        peak_memory_bytes=peak,
+        partition=SimpleNamespace(replicas=replicas),
         layout=SimpleNamespace(num_microbatches=microbatches, label=label),
-    )  # fmt: skip
+    )
 
 
 def test_simpler_layout_preferred_only_within_the_prediction_margin():

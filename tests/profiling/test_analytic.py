@@ -22,8 +22,9 @@ from pipeplan.profiling.memory_formulas import (
     forward_flops_per_layer,
     lm_head_flops,
 )
-from pipeplan.profiling.opcount import Roofline, SavedTensors, split_parts
+from pipeplan.profiling.opcount import Roofline, split_parts
 from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.saved_tensors import SavedTensors
 
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 256, 2, 256, 4, 128
 

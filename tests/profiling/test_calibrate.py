@@ -96,11 +96,19 @@ def _synthetic(device_name: str, memory_gb: float, *, bf16: float, tf32: float, 
     matmul = [MatmulSample("bf16", (1024, 1024, 1024), 2 * 1024**3 / (bf16 * 1e12))]
     matmul += [MatmulSample("tf32", (1024, 1024, 1024), 2 * 1024**3 / (tf32 * 1e12))]
     return Calibration(
-        device="cuda", device_name=device_name, memory_bytes=int(memory_gb * 1e9), matmul=matmul,
-        memory=[MemorySample(1 << 30, 2.9e12, 3.1e12), MemorySample(1 << 24, 2.0e12, 2.2e12),
-                MemorySample(1 << 26, 2.8e12, 3.2e12)], launch_s=4e-6, links=links,
+        device="cuda",
+        device_name=device_name,
+        memory_bytes=int(memory_gb * 1e9),
+        matmul=matmul,
+        memory=[
+            MemorySample(1 << 30, 2.9e12, 3.1e12),
+            MemorySample(1 << 24, 2.0e12, 2.2e12),
+            MemorySample(1 << 26, 2.8e12, 3.2e12),
+        ],
+        launch_s=4e-6,
+        links=links,
         notes=["links not measured: 1 GPU visible (point-to-point and all-reduce need 2+)"] if links is None else [],
-    )  # fmt: skip
+    )
 
 
 def _load(tmp_path, entry: dict, name: str = "gpu") -> Hardware:
@@ -148,9 +156,13 @@ def test_an_unknown_gpu_uses_its_measurements_as_peaks_and_names_the_link_fallba
 
 def test_measured_links_and_a_rate_above_the_preset_peak(tmp_path):
     link = LinkResult(
-        backend="nccl", ranks=8, p2p_bytes_per_s=380e9, allreduce_bus_bytes_per_s=360e9, latency_s=12e-6,
+        backend="nccl",
+        ranks=8,
+        p2p_bytes_per_s=380e9,
+        allreduce_bus_bytes_per_s=360e9,
+        latency_s=12e-6,
         message_bytes=1 << 28,
-    )  # fmt: skip
+    )
     entry = hardware_entry(_synthetic("NVIDIA H200", 150.0, bf16=1200.0, tf32=400.0, links=link))
     spec = _load(tmp_path, entry)
     assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.intra_node_latency_s == pytest.approx(12e-6)

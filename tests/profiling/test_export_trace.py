@@ -126,9 +126,12 @@ def test_data_dependent_leaf_traces_on_meta_with_shapes_from_a_cpu_run():
 def test_model_that_fails_everywhere_is_one_trace_error():
     spec = _spec("moe")
     bad = type(spec)(
-        name="bad", build=spec.build, loss_fn=spec.loss_fn, leaf_modules=spec.leaf_modules,
+        name="bad",
+        build=spec.build,
+        loss_fn=spec.loss_fn,
+        leaf_modules=spec.leaf_modules,
         sample_batch=lambda b, generator=None: ((torch.randn(b, 5, 7),), torch.zeros(b, dtype=torch.long)),
-    )  # fmt: skip
+    )
     with pytest.raises(TraceError, match="sample_batch") as info:
         trace_model(bad, device="meta")
     assert "\n" not in str(info.value)
@@ -148,9 +151,11 @@ def test_in_place_change_read_by_a_later_layer_is_refused():
             return self.b(y) + h  # eager reads the modified h here
 
     spec = ModelSpec(
-        name="aliased", build=Aliased, loss_fn=lambda out, target: out.sum(),
+        name="aliased",
+        build=Aliased,
+        loss_fn=lambda out, target: out.sum(),
         sample_batch=lambda b, generator=None: ((torch.randn(b, 4, generator=generator),), torch.zeros(b)),
-    )  # fmt: skip
+    )
     with pytest.raises(TraceError, match="modified in place by 'act' and read afterwards by 'add'"):
         trace_model(spec)
     # torch.export reads the modified value from the in-place op's own output: layer by layer equals eager

@@ -14,7 +14,7 @@ from pipeplan.cli import app
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
-from pipeplan.precision import bytes_per_param, resolve_optimizer, static_split
+from pipeplan.partition.costs import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.measure import profile_model
 
 SMALL_GPT = dict(layers=2, hidden=64, heads=2, seq=32, vocab=128)
@@ -111,8 +111,10 @@ def test_profile_plan_and_run_honour_the_precision(tmp_path):
     assert runner.invoke(app, args).exit_code == 0
     training = json.loads((out / "plan.json").read_text())["training"]
     assert (training["precision"], training["dtype"], training["optimizer_bytes_per_param"]) == (
-        "bf16-mixed", "bfloat16", 16.0,
-    )  # fmt: skip
+        "bf16-mixed",
+        "bfloat16",
+        16.0,
+    )
     line = _one_line(runner.invoke(app, ["run", str(out / "plan.json"), "--precision", "fp32"]))
     assert "--precision fp32 but the plan was made for bf16-mixed" in line
     line = _one_line(runner.invoke(app, ["profile", "gpt", "--precision", "fp16-mixed"]))

@@ -141,9 +141,13 @@ def test_analytic_attention_core_is_the_4bs2h_matmuls_plus_the_softmax_chain():
         block = Block(HIDDEN, HEADS, 0.1).to(torch.bfloat16)
     x = torch.empty(BATCH, SEQ, HIDDEN, device="meta", dtype=torch.bfloat16)
     costs = recompute.analytic_recompute(
-        block, [x], roofline=Roofline(flops_per_s=1e12, bytes_per_s=1e12), forward_ms=1.0, input_needs_grad=[True],
+        block,
+        [x],
+        roofline=Roofline(flops_per_s=1e12, bytes_per_s=1e12),
+        forward_ms=1.0,
+        input_needs_grad=[True],
         context=lambda: GpuSemantics(flash_attention=False),
-    )  # fmt: skip
+    )
     assert costs.attention_flops == attention_core_flops(seq=SEQ, batch=BATCH, hidden=HIDDEN)
     assert costs.attention_bytes == 5 * HEADS * SEQ**2 * BATCH + SEQ**2  # + the causal mask
     assert costs.input_bytes == 2 * SEQ * BATCH * HIDDEN and costs.full_recompute_ms == 1.0

@@ -13,6 +13,7 @@ from torch import nn
 from pipeplan.models.gpt import Block, Embedding
 from pipeplan.models.mlp import LinearAct
 from pipeplan.models.resnet import ResidualBlock
+from pipeplan.profiling.saved_tensors import SavedTensors, saved_split
 from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
 
 
@@ -63,10 +64,11 @@ def _reference(module, inputs, grad_outputs):
 def _split(module, inputs, grad_outputs):
     module.zero_grad(set_to_none=True)
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    outs = module(*leaves)
+    with SavedTensors() as saved:  # as the runtime runs it: I releases what W does not read
+        outs = module(*leaves)
     outs = outs if isinstance(outs, tuple) else (outs,)
     params = list(module.parameters())
-    input_grads, state = backward_input(outs, grad_outputs, leaves, params)
+    input_grads, state = backward_input(outs, grad_outputs, leaves, params, saved=saved)
     assert all(p.grad is None for p in params), "I must not touch parameter gradients"
     backward_weight(state)
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
@@ -103,13 +105,14 @@ def test_mlp_layer():
     _check(LinearAct(16, "gelu"), [torch.randn(4, 16)])
 
 
-def test_parameter_used_in_two_places():
+def test_parameter_used_in_two_places(console_warnings):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback: the weight-side branches meet only below the frontier
+        warnings.simplefilter("error")
         _check(SharedScale(), [torch.randn(4, 8)])
+    assert not console_warnings()  # no fallback: the weight-side branches meet only below the frontier
 
 
-def test_same_linear_in_parallel_branches():
+def test_same_linear_in_parallel_branches(console_warnings):
     """One Linear on two inputs (tied weights within a stage): both uses are frontier nodes, W sums them."""
 
     class Parallel(nn.Module):
@@ -123,13 +126,15 @@ def test_same_linear_in_parallel_branches():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _check(Parallel(), [torch.randn(4, 8), torch.randn(4, 8)])
+    assert not console_warnings()  # no fallback
 
 
-def test_module_applied_twice_in_a_row():
+def test_module_applied_twice_in_a_row(console_warnings):
     """The bias node is reached from both uses, one behind the other: I captures it, W does the rest."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _check(TwiceLinear(), [torch.randn(4, 8)])
+    assert not console_warnings()  # no fallback
     module, x = TwiceLinear(), torch.randn(4, 8, requires_grad=True)
     info = analyze([module(x)], [x], list(module.parameters()))
     assert not info.conflict and len(info.input_captures) == 1
@@ -150,9 +155,9 @@ class SharedAndTransformed(nn.Module):
         return nn.functional.linear(h, self.weight, self.bias) * self.bias.exp()
 
 
-def test_fallback_is_correct_and_warns():
-    with pytest.warns(RuntimeWarning, match="recomputes"):
-        _check(SharedAndTransformed(), [torch.randn(4, 8)])
+def test_fallback_is_correct_and_warns(console_warnings):
+    _check(SharedAndTransformed(), [torch.randn(4, 8)])
+    assert any("recomputes" in line for line in console_warnings())
 
 
 def test_first_stage_with_integer_inputs():
@@ -196,6 +201,38 @@ def test_backward_full_matches_reference():
     torch.testing.assert_close(dx, ref_inputs[0])
     for name, p in module.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name])
+
+
+def test_backward_full_returns_input_grads_and_leaves_their_grad_alone():
+    module = LinearAct(8, "relu")
+    x = torch.randn(4, 8, requires_grad=True)
+    x.grad = torch.full_like(x, 7.0)
+    (dx,) = backward_full([module(x)], [torch.ones(4, 8)], [x], list(module.parameters()))
+    expected = torch.autograd.grad(module(x), x, torch.ones(4, 8))[0]
+    torch.testing.assert_close(dx, expected)
+    assert torch.equal(x.grad, torch.full_like(x, 7.0))
+
+
+def test_input_grad_keeps_only_what_the_weight_grad_reads():
+    """After I, the recorder holds exactly the kept-until-W bytes the profiles count: a Linear chain keeps each
+    Linear's input (dW = x^T g) and drops the GELU input and Tanh output that only I reads; W is still exact."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh())
+    params = list(module.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensors() as saved:
+        out = module(x)
+    split = saved_split(saved, analyze([out], [x], params).weight_grad_nodes, exclude=params)
+    tensor = 4 * 8 * 4
+    assert (split.total_bytes, split.kept_until_weight_grad_bytes) == (4 * tensor, 2 * tensor)
+    _, state = backward_input([out], [torch.ones_like(out)], [x], params, saved=saved)
+    assert sum(saved.storage_bytes(exclude=params).values()) == split.kept_until_weight_grad_bytes
+    backward_weight(state)
+    got = [p.grad.clone() for p in params]
+    module.zero_grad(set_to_none=True)
+    module(x).backward(torch.ones(4, 8))
+    for g, p in zip(got, params):
+        torch.testing.assert_close(g, p.grad)
 
 
 def test_grads_accumulate_across_microbatches():
@@ -268,6 +305,4 @@ class RandomProgram(nn.Module):
 @given(st.lists(st.tuples(*(st.integers(0, 4),) + (st.integers(0, 9),) * 3), min_size=1, max_size=7))
 def test_random_programs_split_exactly(steps):
     torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback is allowed here; exactness is not optional
-        _check(RandomProgram(steps), [torch.randn(4, 8), torch.randn(4, 8)])
+    _check(RandomProgram(steps), [torch.randn(4, 8), torch.randn(4, 8)])  # a fallback (warned) is allowed here

@@ -68,9 +68,11 @@ def test_model_input_consumed_later_crosses_cuts():
             return self.b(self.a(x)) + x
 
     spec = ModelSpec(
-        name="late", build=Late, sample_batch=lambda b, generator=None: ((torch.randn(b, 4),), torch.randn(b, 4)),
+        name="late",
+        build=Late,
+        sample_batch=lambda b, generator=None: ((torch.randn(b, 4),), torch.randn(b, 4)),
         loss_fn=nn.functional.mse_loss,
-    )  # fmt: skip
+    )
     graph = trace_model(spec, batch_size=5).layer_graph
     assert [layer.name for layer in graph.layers] == ["a", "b"]
     assert {info.producer for info in graph.cuts[0]} == {"x", "a"}
@@ -128,9 +130,12 @@ class Outer(nn.Module):
 
 def _spec(build, leaf_modules=()):
     return ModelSpec(
-        name="outer", build=build, sample_batch=lambda b, generator=None: ((torch.randn(b, 4),), torch.randn(b, 4)),
-        loss_fn=nn.functional.mse_loss, leaf_modules=leaf_modules,
-    )  # fmt: skip
+        name="outer",
+        build=build,
+        sample_batch=lambda b, generator=None: ((torch.randn(b, 4),), torch.randn(b, 4)),
+        loss_fn=nn.functional.mse_loss,
+        leaf_modules=leaf_modules,
+    )
 
 
 def test_untraceable_model_names_the_module_and_the_fix():
@@ -166,9 +171,11 @@ def test_meta_tracing_of_a_huge_gpt_is_cheap():
 
 def _toy_spec(build, width=4):
     return ModelSpec(
-        name="toy", build=build, loss_fn=nn.functional.mse_loss,
+        name="toy",
+        build=build,
+        loss_fn=nn.functional.mse_loss,
         sample_batch=lambda b, generator=None: ((torch.randn(b, width),), torch.randn(b, width)),
-    )  # fmt: skip
+    )
 
 
 def test_single_child_wrapper_is_looked_through():
@@ -244,9 +251,11 @@ def test_second_input_joins_its_first_user_and_crosses_earlier_cuts():
             return self.c(self.b(self.a(x)) * mask)
 
     spec = ModelSpec(
-        name="two", build=TwoInputs, loss_fn=nn.functional.mse_loss,
+        name="two",
+        build=TwoInputs,
+        loss_fn=nn.functional.mse_loss,
         sample_batch=lambda b, generator=None: ((torch.randn(b, 4), torch.ones(b, 4)), torch.randn(b, 4)),
-    )  # fmt: skip
+    )
     graph = trace_model(spec, batch_size=2).layer_graph
     assert graph.input_names == ("x", "mask")
     assert [layer.name for layer in graph.layers] == ["a", "b", "c"]

@@ -35,8 +35,11 @@ def _stage_versions(plan: Plan, steps: int) -> tuple[dict[tuple[int, int], int],
 
 def async_reference(plan: Plan, segments: list[tuple[int, int]], *, lr: float, weight_decay: float) -> Reference:
     spec, module = build_reference_model(plan)
-    stage_of = {name: s for s, names in enumerate(build_pipeline_model(plan, 0, torch.device("cpu")).stage_params)
-                for name in names}  # fmt: skip
+    stage_of = {
+        name: s
+        for s, names in enumerate(build_pipeline_model(plan, 0, torch.device("cpu")).stage_params)
+        for name in names
+    }
     params = dict(module.named_parameters())
     optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=weight_decay)
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)

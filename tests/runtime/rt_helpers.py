@@ -8,6 +8,7 @@ import torch
 
 from pipeplan.planner.manual_plan import manual_plan
 from pipeplan.planner.plan import Plan
+from pipeplan.runtime import checkpoint
 from pipeplan.runtime.stages import build_reference_model
 
 TINY_GPT = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
@@ -27,6 +28,12 @@ def make_plan(folder: Path, name: str, model: str, options: dict, **layout) -> t
     layout.setdefault("microbatch_size", 2)
     plan = manual_plan(model, options, **layout)
     return save_plan(folder, name, plan), plan
+
+
+def checkpoint_files(root: str) -> dict[str, dict]:
+    """The latest checkpoint's stage files in `root`: file name -> its saved dict (params, optimizer, ...)."""
+    step = checkpoint.latest_step(root)
+    return {p.name: torch.load(p, weights_only=True) for p in sorted(checkpoint.step_dir(root, step).glob("*.pt"))}
 
 
 def reference_step(plan: Plan) -> tuple[float, dict[str, torch.Tensor]]:

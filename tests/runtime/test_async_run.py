@@ -144,10 +144,13 @@ def test_2bw_parameters_follow_the_one_step_stale_rule(two_ranks):
         inputs, target = next(batches)
         stale = {n: t.clone().requires_grad_() for n, t in previous.items()}
         loss = sum(
-            spec.loss_fn(torch.func.functional_call(module, stale, tuple(x[i * b : (i + 1) * b] for x in inputs)),
-                         target[i * b : (i + 1) * b]) / m
+            spec.loss_fn(
+                torch.func.functional_call(module, stale, tuple(x[i * b : (i + 1) * b] for x in inputs)),
+                target[i * b : (i + 1) * b],
+            )
+            / m
             for i in range(m)
-        )  # fmt: skip
+        )
         grads = torch.autograd.grad(loss, list(stale.values()))
         previous = {n: t.detach().clone() for n, t in params.items()}  # W(t) becomes the next step's W(t-1)
         for param, grad in zip(params.values(), grads):

@@ -109,8 +109,9 @@ def test_interrupt_is_one_line_exit_130_and_leaves_no_rank(tmp_path, how):
     path, _ = make_plan(tmp_path, "int", "gpt", TINY_GPT_TIED, schedule="1f1b", pipeline_devices=2)
     args = [sys.executable, "-m", "pipeplan", "run", path, "--steps", "100000", "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     for line in proc.stdout:  # wait until the ranks train
         if line.startswith("step "):
             break

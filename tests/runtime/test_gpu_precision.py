@@ -50,9 +50,23 @@ def test_bf16_mixed_cuda_profile():
 
 def test_one_gpu_bf16_mixed_plan_and_run_within_ten_percent(tmp_path):
     _pipeplan(
-        "plan", "gpt", *GPT_ARGS, "--device", "cuda", "--devices", "1", "--precision", "bf16-mixed",
-        "-B", "8", "-b", "4", "-o", "plan", cwd=tmp_path,
-    )  # fmt: skip
+        "plan",
+        "gpt",
+        *GPT_ARGS,
+        "--device",
+        "cuda",
+        "--devices",
+        "1",
+        "--precision",
+        "bf16-mixed",
+        "-B",
+        "8",
+        "-b",
+        "4",
+        "-o",
+        "plan",
+        cwd=tmp_path,
+    )
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["training"]["precision"] == "bf16-mixed" and plan["training"]["device"] == "cuda"
     output = _pipeplan("run", "plan/plan.json", "--steps", "12", "--trace", "trace.json", cwd=tmp_path)
@@ -70,9 +84,21 @@ def test_one_gpu_bf16_mixed_plan_and_run_within_ten_percent(tmp_path):
 def test_one_gpu_fp16_mixed_run_scales_the_loss(tmp_path):
     small = ["-a", "layers=2", "-a", "hidden=256", "-a", "heads=4", "-a", "seq=128"]
     _pipeplan(
-        "plan", "gpt", *small, "--device", "cuda", "--devices", "1", "--precision", "fp16-mixed", "-B", "8",
-        "-o", "plan", cwd=tmp_path,
-    )  # fmt: skip
+        "plan",
+        "gpt",
+        *small,
+        "--device",
+        "cuda",
+        "--devices",
+        "1",
+        "--precision",
+        "fp16-mixed",
+        "-B",
+        "8",
+        "-o",
+        "plan",
+        cwd=tmp_path,
+    )
     output = _pipeplan("run", "plan/plan.json", "--steps", "5", cwd=tmp_path)
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+|nan|inf)", output)]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses))), output

@@ -1,7 +1,7 @@
 """GPU check for ZeRO-1 (issue 14), marked `gpu`: skipped without CUDA (conftest) and below 2 GPUs (NCCL runs one
 rank per GPU). Two data-parallel replicas of a model whose parameters dominate its memory, bf16-mixed, run with
 zero=0 and zero=1: the losses agree and each rank's measured peak (torch.cuda.max_memory_allocated) drops by what
-zero_costs predicts, the optimizer state's (d-1)/d."""
+the cost model predicts, the optimizer state's (d-1)/d."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 from rt_helpers import make_plan
 
-from pipeplan.partition.zero_costs import optimizer_state_bytes
-from pipeplan.precision import static_split
+from pipeplan.partition.costs import optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 from pipeplan.runtime.stages import build_reference_model

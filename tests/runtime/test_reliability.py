@@ -54,10 +54,16 @@ def test_two_launch_scripts_at_once_outside_the_venv(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "VIRTUAL_ENV")}
     env.update(PATH="/usr/bin:/bin", OMP_NUM_THREADS="1")
     runs = [
-        subprocess.Popen(["bash", str(d / "launch.sh"), "--steps", "2", "--threads", "1", "--quiet"], cwd=tmp_path,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            ["bash", str(d / "launch.sh"), "--steps", "2", "--threads", "1", "--quiet"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for d in dirs
-    ]  # fmt: skip
+    ]
     for run in runs:
         _, stderr = run.communicate(timeout=200)
         assert run.returncode == 0, stderr[-2000:]

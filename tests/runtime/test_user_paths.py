@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.planner import commands as plan_commands
+from pipeplan.planner import plan_job
 from pipeplan.planner.plan import Plan
 
 runner = CliRunner()
@@ -111,13 +111,13 @@ def test_plan_options_fail_before_profiling(monkeypatch, tmp_path, option, messa
     def no_profiling(*_args, **_kwargs):
         raise AssertionError("profiled before checking the options")
 
-    monkeypatch.setattr(plan_commands, "profile_model_input", no_profiling)
+    monkeypatch.setattr(plan_job, "profile_model_input", no_profiling)
     line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", *option, "-o", str(tmp_path)]))
     assert message in line
 
 
 def test_output_that_is_a_file_fails_before_profiling(monkeypatch, tmp_path):
-    monkeypatch.setattr(plan_commands, "profile_model_input", None)  # calling it would be a TypeError traceback
+    monkeypatch.setattr(plan_job, "profile_model_input", None)  # calling it would be a TypeError traceback
     (tmp_path / "taken").write_text("x")
     line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", "-o", str(tmp_path / "taken")]))
     assert "--output" in line and "is a file" in line
@@ -164,8 +164,12 @@ def test_plan_is_relocatable_and_refuses_an_edited_model_file(model_file, tmp_pa
     }
     done = subprocess.run(
         ["bash", "launch.sh", "--steps", "2", "--threads", "1", "--init-from", str(weights)],
-        cwd=tmp_path / "plan", env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=tmp_path / "plan",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step     2" in done.stdout
     model_file.write_text(model_file.read_text() + "\n# edited\n")
@@ -192,18 +196,30 @@ def test_sbatch_finds_its_plan_when_submitted_from_elsewhere(tmp_path):
     spool = tmp_path / "spool-copy.sbatch"  # SLURM runs a copy of the script, not the submitted file
     spool.write_text(sbatch_script(plan))
     record = tmp_path / "torchrun-args"
-    _stub(stubs / "scontrol", f'[ "$1 $2" = "show job" ] && echo "   Command={plan_dir}/job.sbatch"; '
-                              '[ "$2" = "hostnames" ] && echo node0; true')  # fmt: skip
+    _stub(
+        stubs / "scontrol",
+        f'[ "$1 $2" = "show job" ] && echo "   Command={plan_dir}/job.sbatch"; '
+        '[ "$2" = "hostnames" ] && echo node0; true',
+    )
     _stub(stubs / "srun", 'exec "$@"')
     _stub(stubs / "python", f'echo "$@" > {record}')
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
-           "PIPEPLAN_PYTHON": str(stubs / "python"),
-           "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(elsewhere)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_NNODES": "1",
+        "PIPEPLAN_PYTHON": str(stubs / "python"),
+        "SLURM_JOB_NODELIST": "node0",
+        "SLURM_SUBMIT_DIR": str(elsewhere),
+    }
     env.pop("PLAN", None)
     done = subprocess.run(
-        ["bash", str(spool), "--steps", "3", "--init-from", "w.pt"], cwd=elsewhere, env=env, capture_output=True,
+        ["bash", str(spool), "--steps", "3", "--init-from", "w.pt"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert f"-m pipeplan.runtime.worker {plan_dir}/plan.json --steps 3 --init-from w.pt" in record.read_text()
 

@@ -152,13 +152,13 @@ def test_four_ranks_replicated_stages_and_data_parallel(tmp_path):
     layouts = {
         "mlp stage 0 x2": ("mlp", TINY_MLP, dict(schedule="1f1b", pipeline_devices=3, replicas=(2, 1, 1))),
         # stage 1 on 3 ranks (a padded buffer); the tied embedding on all 4
-        "gpt tied, last stage x3": (
-            "gpt", TINY_GPT_TIED, dict(schedule="zb-h1", pipeline_devices=2, replicas=(1, 3))
-        ),
+        "gpt tied, last stage x3": ("gpt", TINY_GPT_TIED, dict(schedule="zb-h1", pipeline_devices=2, replicas=(1, 3))),
         "mlp 1 stage x2, dp2": (
-            "mlp", TINY_MLP, dict(schedule="1f1b", pipeline_devices=1, replicas=(2,), data_parallel=2)
+            "mlp",
+            TINY_MLP,
+            dict(schedule="1f1b", pipeline_devices=1, replicas=(2,), data_parallel=2),
         ),
-    }  # fmt: skip
+    }
     for label, (model, options, layout) in layouts.items():
         for zero in (0, 1):
             launch.add(f"{label} zero{zero}", model, options, zero=zero, **layout)

@@ -80,10 +80,11 @@ def test_validate_catches_a_forward_reading_a_version_not_made_yet():
     wrong = Schedule(
         **{
             **schedule.__dict__,
-            "device_ops": tuple(tuple(Op(o.kind, o.stage, o.microbatch, o.microbatch // 2) for o in ops)
-                                for ops in schedule.device_ops),
+            "device_ops": tuple(
+                tuple(Op(o.kind, o.stage, o.microbatch, o.microbatch // 2) for o in ops) for ops in schedule.device_ops
+            ),
         }
-    )  # fmt: skip
+    )
     with pytest.raises(ScheduleError, match="reads weight version 1 of stage 0, which is not made yet"):
         validate(wrong)
 

@@ -18,8 +18,24 @@ def test_simulate_table_and_gantt():
 
 
 def test_simulate_json():
-    args = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--f", "2", "--b", "1",
-            "--w", "1", "--comm", "0.5", "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--f",
+        "2",
+        "--b",
+        "1",
+        "--w",
+        "1",
+        "--comm",
+        "0.5",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -45,8 +61,15 @@ def test_compare_ranks_all():
     spans = [row["makespan_ms"] for row in data["results"]]
     assert spans == sorted(spans)
     assert {row["schedule"] for row in data["results"]} | {row["schedule"] for row in data["skipped"]} >= {
-        "gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev", "interleaved"
-    }  # fmt: skip
+        "gpipe",
+        "1f1b",
+        "zb-h1",
+        "zb-h2",
+        "zb-auto",
+        "zbv",
+        "dualpipev",
+        "interleaved",
+    }
     plain = runner.invoke(app, ["simulate", "--compare", "--stages", "4", "--microbatches", "8"])
     assert plain.exit_code == 0 and "ranked by makespan" in plain.output
 
@@ -96,7 +119,7 @@ def test_simulate_unit_memory_options():
 
 
 def test_simulate_generates_once(monkeypatch):
-    import pipeplan.schedules.commands as commands
+    import pipeplan.schedules.uniform as commands
 
     calls = []
     real = commands.generate

@@ -14,9 +14,15 @@ def test_chrome_trace_from_plain_rows():
     trace = timeline_to_chrome_trace([(0, "0F0", 0.0, 1.5), (1, "1I3", 2.0, 2.25)])
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert events[0] == {
-        "name": "0F0", "cat": "F", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 1500.0,
+        "name": "0F0",
+        "cat": "F",
+        "ph": "X",
+        "pid": 0,
+        "tid": 0,
+        "ts": 0.0,
+        "dur": 1500.0,
         "args": {"stage": 0, "microbatch": 0, "kind": "F"},
-    }  # fmt: skip
+    }
     assert events[1]["pid"] == 1 and events[1]["ts"] == 2000.0 and events[1]["dur"] == 250.0
     assert events[1]["args"] == {"stage": 1, "microbatch": 3, "kind": "I"}
     json.dumps(trace)

@@ -56,12 +56,14 @@ def test_comm_grows_makespan_monotonically():
 
 
 def test_memory_bytes_with_split_free():
-    schedule = make_schedule("x", 2, (0,), [[Op("F", 0, 0), Op("F", 0, 1), Op("I", 0, 0), Op("I", 0, 1),
-                                             Op("W", 0, 0), Op("W", 0, 1)]])  # fmt: skip
+    schedule = make_schedule(
+        "x", 2, (0,), [[Op("F", 0, 0), Op("F", 0, 1), Op("I", 0, 0), Op("I", 0, 1), Op("W", 0, 0), Op("W", 0, 1)]]
+    )
     mem = MemoryCosts(activation_bytes=10, input_grad_freed_bytes=6, static_bytes=100)
     assert simulate(schedule, memory=mem).peak_memory_bytes == (120,)
-    late_f = make_schedule("x", 2, (0,), [[Op("F", 0, 0), Op("I", 0, 0), Op("F", 0, 1), Op("W", 0, 0),
-                                           Op("I", 0, 1), Op("W", 0, 1)]])  # fmt: skip
+    late_f = make_schedule(
+        "x", 2, (0,), [[Op("F", 0, 0), Op("I", 0, 0), Op("F", 0, 1), Op("W", 0, 0), Op("I", 0, 1), Op("W", 0, 1)]]
+    )
     assert simulate(late_f, memory=mem).peak_memory_bytes == (100 + 4 + 10,)
 
 
@@ -82,8 +84,10 @@ def test_cost_validation():
     with pytest.raises(ConfigError, match="comm_ms"):
         StageCosts(comm_ms=-1)
     with pytest.raises(ConfigError, match="input_grad_freed_bytes"):
-        simulate(generate("1f1b", num_devices=1, num_microbatches=1),
-                 memory=MemoryCosts(activation_bytes=1, input_grad_freed_bytes=2))  # fmt: skip
+        simulate(
+            generate("1f1b", num_devices=1, num_microbatches=1),
+            memory=MemoryCosts(activation_bytes=1, input_grad_freed_bytes=2),
+        )
 
 
 def test_metrics_dict_and_rows():

@@ -1,0 +1,52 @@
+"""`pipeplan capacity`'s options, declared once and checked before the (slow) analytic profile."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeplan.errors import ConfigError
+from pipeplan.options import argument, option
+from pipeplan.paths import check_output_file
+from pipeplan.units import parse_count
+
+MODEL_HELP = "Built-in model name, path/to/file.py:factory or package.module:factory."
+OPTIMIZER_HELP = "adamw (16 B/param under bf16-mixed, which capacity assumes), sgd, sgd-nomomentum."
+RESERVE_HELP = "Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityOptions:
+    model: str = argument(help=MODEL_HELP)
+    assignments: list[str] | None = option(None, "--arg", "-a", help="Model option key=value (repeatable).")
+    hardware: str = option(..., "--hardware", help="Hardware preset (h100, h200, a100-80gb, b200, ...).")
+    hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding or overriding presets.")
+    devices: str = option(..., "--devices", "-n", help="Device counts to plan for, e.g. 8,64,512.")
+    devices_per_node: int = option(8, "--devices-per-node", help="Devices per node.")
+    global_batch_size: int | None = option(None, "--global-batch-size", "-B", help="Samples per step (~1M tokens).")
+    microbatch_size: str = option("1", "--microbatch-size", "-b", help="b, or candidates like 1,2.")
+    seq: int | None = option(None, "--seq", help="Sequence length (replaces the model's seq option).")
+    target_tokens: str | None = option(None, "--target-tokens", help="Tokens to train on, e.g. 1T (with --days).")
+    days: float | None = option(None, "--days", help="Days the training may take (with --target-tokens).")
+    schedule: str = option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b.")
+    optimizer: str = option("adamw", "--optimizer", help=OPTIMIZER_HELP)
+    replication: bool = option(False, "--replication", help="Also try replicated stages (slow).")
+    allow_async: bool = option(
+        False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
+    )
+    plot: str | None = option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG).")
+    memory_reserve: str | None = option(None, "--memory-reserve", help=RESERVE_HELP)
+    json_output: bool = option(False, "--json", help="Print only JSON (rows and the answer).")
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.days is not None and not (math.isfinite(self.days) and self.days > 0):
+            raise ConfigError(f"--days must be a finite number > 0, got {self.days}")
+        if self.target_tokens is not None and not parse_count(self.target_tokens, option="--target-tokens") > 0:
+            raise ConfigError(f"--target-tokens must be > 0, got {self.target_tokens!r}")
+        if self.plot is not None:  # checked, and the path kept as it will be written (~ expanded)
+            object.__setattr__(self, "plot", str(check_output_file(self.plot, "--plot")))
+            if not self.plot.lower().endswith(".png"):
+                raise ConfigError(f"--plot {self.plot!r} must name a .png file")

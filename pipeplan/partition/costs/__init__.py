@@ -1,0 +1,99 @@
+"""The cost model: every formula that turns a profile and a cluster into milliseconds or bytes, in one place each.
+Partition, planner, capacity and the plans `show` and `run` re-simulate all call these.
+
+    link: latency + bytes / bandwidth; ring collectives   pipeplan.cluster.Link (Cluster picks intra/inter node)
+    per-boundary transfer, all-reduce, reduce-scatter,    costs.comm: transfer_ms, allreduce_ms, reduce_scatter_ms,
+    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms
+    PipeDream's transfer and 4 (r-1) replication terms    costs.comm: pipedream_transfer_ms, pipedream_sync_ms
+    compute per microbatch (F + I + W or F + B)           costs.stage: compute_ms (span_compute_ms over layers)
+    stage time (pipeplan / PipeDream)                     costs.stage: stage_ms, exposed_transfer_ms,
+                                                          pipedream_stage_ms; StageCostModel for DP columns
+    a device's stages one after another, the busiest      costs.stage: device_totals, busiest_device_ms
+    bytes per parameter: weights + gradients +            costs.optimizer: sharded_bytes_per_param; the parts by
+    optimizer state / shards (one formula)                mode (static_split, OPTIMIZER_STATES) or Megatron's
+                                                          dtypes (megatron_adam_split); bytes_per_param,
+                                                          zero_bytes_per_param, adam_bytes_per_parameter
+    static memory (weights, gradients, optimizer state)   costs.memory: static_bytes (optimizer_state_bytes,
+                                                          spread_static_bytes, device_static_bytes)
+    in-flight microbatches per replica                    costs.memory: replica_share
+    the partitioner's per-stage memory screen             costs.memory: stage_memory_bytes
+"""
+
+from pipeplan.partition.costs.arrays import LayerArrays, balanced_bounds
+from pipeplan.partition.costs.comm import (
+    all_gather_ms,
+    allreduce_ms,
+    pipedream_sync_ms,
+    pipedream_transfer_ms,
+    reduce_scatter_ms,
+    transfer_ms,
+    zero1_exchange_ms,
+)
+from pipeplan.partition.costs.memory import (
+    device_static_bytes,
+    optimizer_state_bytes,
+    replica_share,
+    spread_static_bytes,
+    stage_memory_bytes,
+    static_bytes,
+)
+from pipeplan.partition.costs.optimizer import (
+    OPTIMIZER_NAMES,
+    ZERO_STAGES,
+    adam_bytes_per_parameter,
+    bytes_per_param,
+    check_zero_stage,
+    megatron_adam_split,
+    resolve_optimizer,
+    sharded_bytes_per_param,
+    static_split,
+    zero_bytes_per_param,
+)
+from pipeplan.partition.costs.stage import (
+    StageCostModel,
+    busiest_device_ms,
+    compute_ms,
+    device_totals,
+    exposed_transfer_ms,
+    pipedream_stage_ms,
+    span_compute_ms,
+    stage_ms,
+    stages_per_device,
+)
+
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "ZERO_STAGES",
+    "LayerArrays",
+    "StageCostModel",
+    "adam_bytes_per_parameter",
+    "all_gather_ms",
+    "allreduce_ms",
+    "balanced_bounds",
+    "busiest_device_ms",
+    "bytes_per_param",
+    "check_zero_stage",
+    "compute_ms",
+    "device_static_bytes",
+    "device_totals",
+    "exposed_transfer_ms",
+    "megatron_adam_split",
+    "optimizer_state_bytes",
+    "pipedream_stage_ms",
+    "pipedream_sync_ms",
+    "pipedream_transfer_ms",
+    "reduce_scatter_ms",
+    "replica_share",
+    "resolve_optimizer",
+    "sharded_bytes_per_param",
+    "span_compute_ms",
+    "spread_static_bytes",
+    "stage_memory_bytes",
+    "stage_ms",
+    "stages_per_device",
+    "static_bytes",
+    "static_split",
+    "transfer_ms",
+    "zero1_exchange_ms",
+    "zero_bytes_per_param",
+]

@@ -1,0 +1,83 @@
+"""Per-layer profile data as prefix sums, the form every cost formula of the partitioner reads a stage from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeplan.profiling.profile import Profile
+
+
+@dataclass(frozen=True, eq=False)
+class LayerArrays:
+    """Prefix sums over layers (index k = sum of the first k layers) and cut bytes per boundary.
+
+    `cut[k]` = bytes live across the boundary before layer k; cut[0] = cut[n] = 0."""
+
+    forward: np.ndarray
+    input_grad: np.ndarray
+    weight_grad: np.ndarray
+    backward: np.ndarray
+    activation: np.ndarray
+    freed: np.ndarray  # activation bytes freed by the input-gradient pass (I)
+    param_bytes: np.ndarray
+    param_count: np.ndarray
+    cut: np.ndarray
+    bounds: np.ndarray  # layer index where each item starts, plus num_layers (items may group layers)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> LayerArrays:
+        layers = profile.layers
+
+        def prefix(values: list[float]) -> np.ndarray:
+            return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+
+        cut = np.zeros(len(layers) + 1)
+        cut[1:-1] = np.asarray(profile.cut_bytes, dtype=np.float64)
+        return cls(
+            forward=prefix([la.forward_ms for la in layers]),
+            input_grad=prefix([la.input_grad_ms for la in layers]),
+            weight_grad=prefix([la.weight_grad_ms for la in layers]),
+            backward=prefix([la.backward_ms for la in layers]),
+            activation=prefix([la.activation_bytes for la in layers]),
+            freed=prefix([la.activation_freed_by_input_grad_bytes for la in layers]),
+            param_bytes=prefix([la.param_bytes for la in layers]),
+            param_count=prefix([la.param_count for la in layers]),
+            cut=cut,
+            bounds=np.arange(len(layers) + 1),
+        )
+
+    @property
+    def num_items(self) -> int:
+        return len(self.bounds) - 1
+
+    def grouped(self, bounds: np.ndarray) -> LayerArrays:
+        """Items = groups of consecutive current items starting at `bounds` (first 0, last num_items)."""
+        b = np.asarray(bounds)
+        assert b[0] == 0 and b[-1] == self.num_items and np.all(np.diff(b) > 0)
+        pick = {name: getattr(self, name)[b] for name in self._SUMS}
+        return LayerArrays(**pick, cut=self.cut[b], bounds=self.bounds[b])
+
+    def reversed(self) -> LayerArrays:
+        """The same items in reverse order (prefix sums rebuilt, cuts mirrored)."""
+        sums = {name: getattr(self, name)[-1] - getattr(self, name)[::-1] for name in self._SUMS}
+        return LayerArrays(**sums, cut=self.cut[::-1].copy(), bounds=self.bounds[-1] - self.bounds[::-1])
+
+    _SUMS = ("forward", "input_grad", "weight_grad", "backward", "activation", "freed", "param_bytes", "param_count")
+
+    def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Sum of `name` over items first..last (inclusive), vectorized over `first`."""
+        values = getattr(self, name)
+        return values[last + 1] - values[first]
+
+
+def balanced_bounds(arrays: LayerArrays, max_groups: int, weights: np.ndarray) -> np.ndarray:
+    """At most `max_groups` groups of consecutive items with about equal total weight (prefix-sum quantiles)."""
+    n = arrays.num_items
+    if n <= max_groups:
+        return np.arange(n + 1)
+    cumulative = np.concatenate([[0.0], np.cumsum(weights + 1e-12)])
+    targets = np.linspace(0.0, cumulative[-1], max_groups + 1)[1:-1]
+    inner = np.searchsorted(cumulative, targets, side="left")
+    return np.unique(np.concatenate([[0], np.clip(inner, 1, n - 1), [n]]))

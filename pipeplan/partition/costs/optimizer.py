@@ -1,0 +1,131 @@
+"""Bytes per parameter of static memory: weights, gradients and optimizer state (master copies included), by
+optimizer and precision, sharded or not. One formula, `sharded_bytes_per_param`: weights + gradients + optimizer
+state / d, with d the devices that share the optimizer state (1 without ZeRO); two ways to name the parts:
+
+- pipeplan's modes, `static_split(optimizer, precision)`: each part in the precision's parameter dtype
+  (`pipeplan.precision`). `adamw` holds 2 state tensors per parameter (Adam's moments), `sgd` 1 (momentum),
+  `sgd-nomomentum` none, so `adamw` = 4 + 4 + 8 = 16 B/param under fp32, bf16-mixed and fp16-mixed (the fp32
+  parameters are the master weights; autocast's low-precision copies live with the activations) and 2 + 2 + 4 = 8
+  under bf16. A number as optimizer is the whole figure per parameter. `adamw-fp32` / `adamw-bf16` are strict
+  aliases of adamw under fp32 / bf16-mixed.
+- Megatron-LM's distributed-optimizer table, `megatron_adam_split(param_dtype, grad_dtype)` (Megatron Core
+  developer guide, "Distributed Optimizer", https://docs.nvidia.com/megatron-core/developer-guide/latest/
+  api-guide/dist_optimizer.html), bytes per parameter unsharded -> sharded over d:
+      16-bit parameters, 16-bit gradients   20  ->  4 + 16/d
+      16-bit parameters, fp32 gradients     18  ->  6 + 12/d
+      fp32 parameters, fp32 gradients       16  ->  8 + 8/d
+  The optimizer state is Adam's fp32 moments (8) plus the fp32 main copies the model's own dtypes do not already
+  provide. pipeplan's fp32 and bf16-mixed are the last row; bf16 (no master copy, moments in bf16) is 4 + 4/d.
+
+ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a
+stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/zero.py);
+stages 2 and 3 are refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeplan.errors import ConfigError
+from pipeplan.precision import PRECISIONS, get_precision
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
+OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
+OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
+MEGATRON_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ZERO_STAGES = (0, 1)  # 2 (gradients sharded) and 3 (parameters sharded) are not supported
+
+
+def sharded_bytes_per_param(split: tuple[float, float, float], shards):
+    """weights + gradients + optimizer state / shards, from `split` = (weights, gradients, optimizer state with
+    master copies) per parameter; elementwise over `shards`."""
+    weights, gradients, optimizer = split
+    return weights + gradients + optimizer / np.asarray(shards, dtype=np.float64)
+
+
+def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[str | float, str]:
+    """(optimizer, precision) with an alias unfolded; precision None takes the alias's, else bf16-mixed. An alias
+    that names another precision than the one given is refused."""
+    if isinstance(optimizer, str) and optimizer in OPTIMIZER_ALIASES:
+        name, implied = OPTIMIZER_ALIASES[optimizer]
+        if precision is not None and precision != implied:
+            raise ConfigError(
+                f"--optimizer {optimizer} means adamw under --precision {implied}, not {precision}; use --optimizer "
+                "adamw (its bytes follow --precision)"
+            )
+        return name, implied
+    precision = precision or "bf16-mixed"
+    get_precision(precision)
+    if isinstance(optimizer, bool) or not isinstance(optimizer, str | int | float):
+        raise ConfigError("--optimizer must be a name or a number of bytes per parameter")
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"unknown --optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZER_NAMES)} or bytes per parameter"
+        )
+    if not isinstance(optimizer, str) and (not math.isfinite(optimizer) or optimizer < 0):
+        raise ConfigError(f"optimizer bytes per parameter must be a finite number >= 0, got {optimizer}")
+    return optimizer, precision
+
+
+def static_split(optimizer: str | float, precision: str | None = None) -> tuple[float, float, float]:
+    """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
+    number as optimizer is the whole figure (counted as optimizer state)."""
+    optimizer, precision = resolve_optimizer(optimizer, precision)
+    if not isinstance(optimizer, str):
+        return 0.0, 0.0, float(optimizer)
+    size = float(PRECISIONS[precision].param_bytes)
+    return size, size, size * OPTIMIZER_STATES[optimizer]
+
+
+def bytes_per_param(optimizer: str | float, precision: str | None = None) -> float:
+    """Weights + gradients + optimizer state per parameter, unsharded: what `static_bytes` multiplies. Sharding
+    options (a ZeRO stage and group size) belong here as keyword-only arguments, so every static figure downstream
+    follows them; until the search models ZeRO, `zero_bytes_per_param` gives the sharded figure."""
+    return float(sharded_bytes_per_param(static_split(optimizer, precision), 1))
+
+
+def check_zero_stage(zero: int, *, option: str = "--zero") -> int:
+    """`zero` if pipeplan supports that ZeRO stage, else one ConfigError naming the option."""
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ConfigError(
+            f"{option} {zero} is not supported: pipeplan shards optimizer state only (ZeRO-1); use {option} 0 or 1"
+        )
+    return zero
+
+
+def optimizer_shards(group_size, zero: int) -> np.ndarray:
+    """How many ways the optimizer state is split: the group size d under ZeRO-1, else 1 (elementwise)."""
+    d = np.asarray(group_size, dtype=np.float64)
+    if np.any(d < 1):
+        raise ValueError("group sizes must be >= 1")
+    return d if check_zero_stage(zero) == 1 else np.ones_like(d)
+
+
+def zero_bytes_per_param(split: tuple[float, float, float], group_size, zero: int) -> np.ndarray:
+    """Bytes per parameter on one device of a group of `group_size` holding the same parameters, under ZeRO stage
+    `zero`: weights + gradients + optimizer state / d (d = 1 when zero is 0)."""
+    return sharded_bytes_per_param(split, optimizer_shards(group_size, zero))
+
+
+def megatron_adam_split(param_dtype: str, grad_dtype: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) per parameter in Megatron's table: the model's own dtypes, and Adam's
+    fp32 moments (8) plus fp32 main parameters (4, for 16-bit parameters) and main gradients (4, for 16-bit
+    gradients)."""
+    for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
+        if dtype not in MEGATRON_DTYPE_BYTES:
+            raise ConfigError(f"{name} must be one of {', '.join(MEGATRON_DTYPE_BYTES)}, got {dtype!r}")
+    if MEGATRON_DTYPE_BYTES[grad_dtype] < MEGATRON_DTYPE_BYTES[param_dtype]:
+        raise ConfigError(f"{grad_dtype} gradients for {param_dtype} parameters are not a Megatron configuration")
+    state = 8 + (4 if param_dtype != "fp32" else 0) + (4 if grad_dtype != "fp32" else 0)
+    return MEGATRON_DTYPE_BYTES[param_dtype], MEGATRON_DTYPE_BYTES[grad_dtype], state
+
+
+def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel: int, distributed: bool) -> float:
+    """Megatron-LM's bytes per parameter (parameters, gradients, Adam state with main copies), its distributed
+    optimizer sharding the state over the `data_parallel` ranks when `distributed`."""
+    split = megatron_adam_split(param_dtype, grad_dtype)
+    if data_parallel < 1:
+        raise ConfigError(f"data_parallel must be >= 1, got {data_parallel}")
+    return float(sharded_bytes_per_param(split, data_parallel if distributed else 1))

@@ -1,0 +1,81 @@
+"""`pipeplan profile`'s options, declared once and checked before the model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeplan.console import warn
+from pipeplan.errors import ConfigError
+from pipeplan.models.registry import parse_assignments
+from pipeplan.options import argument, option
+from pipeplan.paths import check_output_file
+from pipeplan.precision import check_device_precision, default_precision
+from pipeplan.profiling.hardware import load_hardware
+from pipeplan.profiling.trace import check_tracer
+
+MODEL_HELP = "Built-in model name (`pipeplan models`), file.py:factory or pkg.mod:factory."
+PRECISION_HELP = (
+    "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: bf16-mixed on cuda/meta, fp32 on cpu), "
+    "e.g. --precision bf16-mixed."
+)
+TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    model: str = argument(help=MODEL_HELP)
+    assignments: list[str] | None = option(None, "--arg", "-a", help="Model option key=value (repeatable).")
+    batch_size: int = option(1, "--batch-size", "-b", help="Samples per profiled microbatch.")
+    device: str = option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware).")
+    hardware: str | None = option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...).")
+    hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate).")
+    granularity: int | None = option(None, "--granularity", help="Module depth of a layer (default: repeated blocks).")
+    tracer: str = option("auto", "--tracer", help=TRACER_HELP)
+    warmup: int = option(DEFAULT_WARMUP, "--warmup", help="Untimed runs per layer before measuring.")
+    repeats: int = option(DEFAULT_REPEATS, "--repeats", help="Timed runs per layer; the median is kept.")
+    threads: int | None = option(None, "--threads", help="CPU threads torch may use (default: torch's choice).")
+    timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
+    precision: str | None = option(None, "--precision", help=PRECISION_HELP)
+    output: str | None = option(None, "--output", "-o", help="Write the Profile JSON here (atomically).")
+    as_json: bool = option(False, "--json", help="Print only the Profile JSON on stdout.")
+
+    def __post_init__(self) -> None:
+        parse_assignments(self.assignments)
+        if self.output is not None:  # checked, and the path kept as it will be written (~ expanded)
+            object.__setattr__(self, "output", str(check_output_file(self.output, "--output")))
+        self._check_device()
+        check_device_precision(self.run_precision, "cpu" if self.device == "cpu" else "cuda")
+        check_tracer(self.tracer)
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        self._warn_ignored()
+
+    @property
+    def run_precision(self) -> str:
+        """--precision, or the device's default."""
+        return self.precision or default_precision(self.device)
+
+    def _check_device(self) -> None:
+        device = self.device
+        if device not in ("cpu", "cuda", "meta") and not device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu, cuda or meta, got {device!r}")
+        if device == "meta" and not self.hardware:
+            raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
+        if self.hardware:  # an unknown name is an error even where it is then ignored
+            load_hardware(self.hardware, hardware_file=self.hardware_file)
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+
+    def _warn_ignored(self) -> None:
+        if self.device == "meta":
+            if self.threads is not None:
+                warn("--threads is ignored with --device meta (nothing is run)")
+            if (self.warmup, self.repeats, self.timer) != (DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER):
+                warn("--warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
+        elif self.hardware or self.hardware_file:
+            warn(f"--hardware/--hardware-file are ignored with --device {self.device} (measured)")

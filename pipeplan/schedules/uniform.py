@@ -1,0 +1,86 @@
+"""Schedules simulated with uniform per-device costs (`pipeplan simulate`): one schedule's timeline and metrics, or
+every schedule ranked by makespan. Memory is counted in full-slice microbatches (unit memory). An asynchronous
+schedule (pipedream, pipedream-2bw) is simulated as a stream of several steps; its metrics add the steady state and
+the weight versions each stage holds (it is left out of the ranking: a stream has no step makespan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeplan.errors import ScheduleError
+from pipeplan.jsonio import write_json
+from pipeplan.schedules.dualpipev import fused_pairs
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import LOOPED
+from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
+from pipeplan.schedules.render import timeline_to_chrome_trace
+from pipeplan.schedules.simulate import StageCosts, Timeline, simulate, stream_step_ms, unit_memory
+from pipeplan.schedules.simulate_options import SimulateOptions
+from pipeplan.schedules.versions import check_versions
+
+
+def simulate_uniform(
+    name: str, options: SimulateOptions, *, chunks: int | None, overlap_ms: float | None
+) -> tuple[Schedule, Timeline]:
+    """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
+    devices = options.stages
+    v = schedule_info(name).resolve_chunks(chunks)
+    costs = StageCosts(
+        forward_ms=options.f / v, input_grad_ms=options.b / v, weight_grad_ms=options.w / v, comm_ms=options.comm
+    )
+    memory = unit_memory(v, input_grad_frees=options.input_grad_frees)
+    schedule = generate(
+        name,
+        num_devices=devices,
+        num_microbatches=options.microbatches,
+        chunks=chunks,
+        costs=costs,
+        memory=memory,
+        memory_limit=options.memory_limit,
+        steps=options.steps if options.steps is not None else async_stream_steps(name, devices, options.microbatches),
+    )
+    fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
+    return schedule, simulate(schedule, costs, memory, fused=fused)
+
+
+def schedule_metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:
+    data = timeline.metrics()
+    data["peak_activations"] = max(timeline.peak_memory_bytes)
+    data["peak_memory_bytes"] = data.pop("peak_memory_bytes")  # per device, in full-slice microbatches
+    data["num_stages"] = schedule.num_stages
+    data["num_microbatches"] = schedule.num_microbatches
+    if schedule.asynchronous and per_step:  # a stream: its steady state, and the weight copies it stashes
+        step_ms = stream_step_ms(timeline, per_step)
+        data |= {"steady_step_ms": step_ms, "steady_microbatch_ms": step_ms / per_step}
+        data["weight_versions_per_stage"] = list(check_versions(schedule))
+    return data
+
+
+def simulate_one(options: SimulateOptions) -> tuple[Schedule, Timeline]:
+    """--schedule's op lists and timeline; writes the timeline as a Chrome trace when --trace is given."""
+    assert options.schedule is not None  # SimulateOptions requires it without --compare
+    schedule, timeline = simulate_uniform(
+        options.schedule, options, chunks=options.chunks, overlap_ms=options.overlap_ms
+    )
+    if options.trace is not None:
+        write_json(options.trace, timeline_to_chrome_trace(timeline.rows()))
+    return schedule, timeline
+
+
+def compare_schedules(options: SimulateOptions) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every schedule's metrics, fastest first (ties: less memory), and the schedules these options rule out."""
+    results, skipped = [], []
+    for name in SCHEDULE_NAMES:
+        if schedule_info(name).asynchronous:  # a stream without a flush: no step makespan to rank
+            skipped.append({"schedule": name, "reason": "asynchronous: simulate it with --schedule to see its stream"})
+            continue
+        chunks = options.chunks if schedule_info(name).placement == LOOPED else None
+        overlap_ms = options.overlap_ms if name == "dualpipev" else None
+        try:
+            results.append(schedule_metrics(*simulate_uniform(name, options, chunks=chunks, overlap_ms=overlap_ms)))
+        except ScheduleError as exc:
+            skipped.append({"schedule": name, "reason": str(exc)})
+    results.sort(key=lambda row: (row["makespan_ms"], row["peak_activations"]))
+    if not results:
+        raise ScheduleError(f"no schedule could be simulated; {skipped[0]['schedule']}: {skipped[0]['reason']}")
+    return results, skipped

@@ -1,0 +1,83 @@
+"""`pipeplan run` and the per-rank worker (what launch.sh and job.sbatch start) parse the same option definitions
+(RunOptions): the same arguments give the same RunConfig and threads."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+import pipeplan.runtime.launch as launch
+from pipeplan.cli import app
+from pipeplan.runtime import worker
+from pipeplan.runtime.run_options import RunOptions
+
+
+def _through_run(monkeypatch, argv: list[str]):
+    captured = {}
+
+    def fake_launch(plan, config, threads=None):
+        captured.update(plan=str(plan), config=config, threads=threads)
+        return [SimpleNamespace(first_step=0, losses=[1.0])]
+
+    monkeypatch.setattr(launch, "launch_local", fake_launch)
+    result = CliRunner().invoke(app, ["run", *argv])
+    assert result.exit_code == 0, result.output
+    return captured["plan"], captured["config"], captured["threads"]
+
+
+def _argvs(tmp_path) -> list[list[str]]:
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"")
+    every = [
+        "plan.json",
+        "--steps",
+        "3",
+        "--trace",
+        str(tmp_path / "t.json"),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "2",
+        "--lr",
+        "0.01",
+        "--weight-decay",
+        "0.1",
+        "--heartbeat-timeout",
+        "9",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--threads",
+        "2",
+        "--check-every",
+        "4",
+        "--quiet",
+        "--clip-grad-norm",
+        "1.5",
+        "--post-validate",
+    ]
+    resumed = ["plan.json", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
+    initialized = ["plan.json", "--init-from", str(weights)]
+    return [every, resumed, initialized]
+
+
+def test_run_and_worker_parse_every_option_alike(tmp_path, monkeypatch):
+    argvs = _argvs(tmp_path)
+    flags = {arg for argv in argvs for arg in argv if arg.startswith("--")}
+    declared = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RunOptions) if f.init and f.name != "plan"}
+    assert flags == declared  # the arguments below exercise every run option
+    for argv in argvs:
+        assert _through_run(monkeypatch, argv) == worker.parse_args(argv)
+
+
+def test_worker_refuses_what_run_refuses(tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        worker.main(["plan.json", "--steps", "0"])
+    assert stopped.value.code == 2
+    with pytest.raises(SystemExit) as stopped:
+        worker.main(["plan.json", "--no-such-option"])
+    assert stopped.value.code == 2

@@ -115,6 +115,15 @@ def test_plans_refuse_what_async_schedules_cannot_run_with():
         manual_plan("mlp", TINY_MLP, zero=1, **layout)
     with pytest.raises(FormatError, match="fp16-mixed"):
         manual_plan("mlp", TINY_MLP, precision="fp16-mixed", **layout)
+    from pipeplan.runtime.asynchronous import check_async_run
+    from pipeplan.runtime.config import RunConfig
+    from pipeplan.runtime.post_validate import check_post_validate
+
+    plan = manual_plan("mlp", TINY_MLP, **layout)
+    with pytest.raises(ConfigError, match="drop --clip-grad-norm"):
+        check_async_run(plan, RunConfig(clip_grad_norm=1.0))
+    with pytest.raises(ConfigError, match="drop --post-validate"):
+        check_post_validate(plan, True)
 
 
 def test_run_refuses_op_lists_that_are_not_the_generators_stream():

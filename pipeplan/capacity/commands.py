@@ -11,6 +11,7 @@ from pipeplan.capacity.options import CapacityOptions
 from pipeplan.capacity.report import CapacityReport, CapacityRow
 from pipeplan.console import out, print_json, progress_task
 from pipeplan.options import command
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_bytes, format_count, format_gib, format_ms
 
 
@@ -21,6 +22,7 @@ def capacity(options: CapacityOptions) -> None:
     --days, how many devices reach the target.
 
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
+    Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     """
     job = prepare_capacity(options)
     with progress_task("planning", total=len(job.config.device_counts), quiet=options.json_output) as update:
@@ -75,9 +77,10 @@ def render_report(report: CapacityReport) -> None:
         table.add_row(*_row_cells(row))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 160))  # pipes: the whole table
     wide.print(table)
+    stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
-        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device; "
-        "* = a count added by doubling",
+        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device"
+        f"{' (A with pipedream stashed weight copies)' if stash else ''}; * = a count added by doubling",
         highlight=False,
     )
     for row in report.rows:

@@ -14,6 +14,7 @@ from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_glob
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import parse_assignments
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import memory_reserve_bytes, microbatch_candidates
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.profile import Profile
@@ -94,7 +95,12 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         global_batch_size=options.global_batch_size or math.lcm(*sizes),
         devices_per_node=options.devices_per_node,
         microbatch_sizes=sizes,
-        schedules=parse_schedules(options.schedule),
+        schedules=searched_schedules(  # an asynchronous one named without --allow-async: refused
+            parse_schedules(options.schedule),
+            allow_async=options.allow_async,
+            named=options.schedule not in ("auto", "all"),
+        ),
+        allow_async=options.allow_async,
         optimizer=options.optimizer,
         replication=options.replication,
         per_schedule=options.plot is not None,

@@ -32,6 +32,9 @@ class CapacityOptions:
     schedule: str = option("auto", "--schedule", "-s", help="auto (all but zb-auto), all, or names a,b.")
     optimizer: str = option("adamw", "--optimizer", help=OPTIMIZER_HELP)
     replication: bool = option(False, "--replication", help="Also try replicated stages (slow).")
+    allow_async: bool = option(
+        False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
+    )
     plot: str | None = option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG).")
     memory_reserve: str | None = option(None, "--memory-reserve", help=RESERVE_HELP)
     json_output: bool = option(False, "--json", help="Print only JSON (rows and the answer).")

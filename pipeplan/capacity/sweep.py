@@ -38,11 +38,13 @@ from pipeplan.capacity.report import (
     target_answer,
 )
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
+from pipeplan.planner.asynchronous import busy_per_step, searched_schedules
 from pipeplan.planner.candidate import Evaluation, Rejection
 from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
+from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.units import format_bytes
 
 DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per step
@@ -67,6 +69,7 @@ class CapacityConfig:
     days: float | None = None
     max_devices: int | None = None
     memory_reserve_bytes: int | None = None  # device memory kept free; None: search.default_memory_reserve
+    allow_async: bool = False  # keep the asynchronous schedules (pipedream, pipedream-2bw) in `schedules`
 
     def __post_init__(self) -> None:
         if not self.device_counts or any(n < 1 for n in self.device_counts):
@@ -79,6 +82,9 @@ class CapacityConfig:
                 raise ConfigError(f"--devices {n} is not a multiple of --devices-per-node ({self.devices_per_node})")
         for name in self.schedules or ("",):  # none named: the unknown-schedule error lists the choices
             schedule_info(name, also_accepted=("auto", "all"))
+        object.__setattr__(
+            self, "schedules", searched_schedules(self.schedules, allow_async=self.allow_async, named=False)
+        )
         if (self.target_tokens is None) != (self.days is None):
             raise ConfigError("--target-tokens and --days go together; give both or neither")
         if self.target_tokens is not None and not (self.target_tokens > 0 and self.days > 0):
@@ -99,6 +105,7 @@ class CapacityConfig:
             precision=self.precision,
             replication=self.replication,
             memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
+            allow_async=self.allow_async,
         )
 
     @property
@@ -281,8 +288,14 @@ def _result_row(
 
 def time_split(best: Evaluation) -> TimeSplit:
     """compute = the busiest device's op time; bubble = the rest of the step with free transfers; comm = what the
-    transfers add to the simulated step, plus the all-reduce after the flush."""
-    no_comm = best.resimulate(replace(best.costs, comm_ms=0.0)).makespan
+    transfers add to the simulated step, plus the all-reduce after the flush (asynchronous schedules: per step of
+    their steady state, and the all-reduces of their updates)."""
+    free = best.resimulate(replace(best.costs, comm_ms=0.0))
+    if schedule_info(best.layout.schedule).asynchronous:
+        m = best.layout.num_microbatches
+        no_comm, compute = stream_step_ms(free, m), max(busy_per_step(best.timeline, m))
+        return TimeSplit(compute_ms=compute, bubble_ms=max(no_comm - compute, 0.0), comm_ms=best.step_ms - no_comm)
+    no_comm = free.makespan
     compute = max(best.timeline.device_busy)
     return TimeSplit(
         compute_ms=compute,

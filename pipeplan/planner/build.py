@@ -13,6 +13,7 @@ import torch
 import pipeplan
 from pipeplan.errors import FormatError
 from pipeplan.partition.costs import busiest_device_ms, device_static_bytes
+from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
@@ -149,11 +150,13 @@ def plan_memory(plan: Plan) -> MemoryCosts:
     static = device_static_bytes(
         [s.param_count for s in plan.stages], device_stages, plan.training.optimizer_bytes_per_param
     )
-    return MemoryCosts(
+    memory = MemoryCosts(
         activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
         input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
         static_bytes=static,
     )
+    counts = [s.param_count for s in plan.stages]
+    return with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
 
 
 def _backward(stage: StagePlan) -> float:
@@ -193,9 +196,9 @@ def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
 
 def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
     """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
-    stages in turn; ranks in parallel)."""
+    stages in turn; ranks in parallel); for an asynchronous plan the stream's steady state (planner/asynchronous)."""
     allreduce = busiest_device_ms([s.allreduce_ms for s in plan.stages], [info.stages for info in plan.ranks])
-    return timeline.makespan + allreduce
+    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, allreduce)[0]
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -35,10 +35,12 @@ from pipeplan.partition.costs import (
     transfer_ms,
 )
 from pipeplan.partition.result import Partition
+from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
+from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import default_chunks, generate, schedule_info
+from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 from pipeplan.units import format_bytes
 
@@ -198,20 +200,10 @@ def evaluate_partition(
     bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
     all-reduce."""
     memory = memory_costs(part, profile)
-    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
-    try:
-        schedule = generate(
-            layout.schedule,
-            num_devices=part.num_stages // part.chunks,
-            num_microbatches=layout.num_microbatches,
-            chunks=part.chunks,
-            costs=_stage_costs(part, profile, cluster, pipe=None),
-            memory=memory if auto else None,
-            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
-        )
-        pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
-    except ScheduleError as exc:
-        return Rejection(layout=layout, kind="schedule", reason=str(exc))
+    generated = _generate(layout, part, profile, cluster, memory, optimizer)
+    if isinstance(generated, Rejection):
+        return generated
+    schedule, pipe = generated
     assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
     if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
         # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
@@ -223,13 +215,18 @@ def evaluate_partition(
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
     static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, bytes_per_param(optimizer))
     memory = replace(memory, static_bytes=static)
+    counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
+    memory = with_weight_versions(memory, layout.schedule, counts, profile_precision(profile.provenance))
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
     over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
     if over is not None:
         return over
     allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
-    step_ms = timeline.makespan + allreduce_step_ms(part, allreduce_ms)
+    step_ms, bubble = predicted_step(
+        layout.schedule, timeline, layout.num_microbatches, allreduce_step_ms(part, allreduce_ms)
+    )
+    timeline = replace(timeline, bubble_rate=bubble)  # asynchronous: the steady state's, not the stream's
     return Evaluation(
         layout=layout,
         partition=part,
@@ -243,6 +240,29 @@ def evaluate_partition(
         samples_per_s=global_batch_size / step_ms * 1000.0,
         device_memory_bytes=device_bytes,
     )
+
+
+def _generate(
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, memory: MemoryCosts, optimizer: str | float
+) -> tuple[Schedule, PipelineLayout] | Rejection:
+    """The schedule for `part` (an asynchronous one: the stream whose steady state the step is) and its
+    per-pipeline-device layout, or why the schedule cannot run this shape."""
+    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
+    devices = part.num_stages // part.chunks
+    try:
+        schedule = generate(
+            layout.schedule,
+            num_devices=devices,
+            num_microbatches=layout.num_microbatches,
+            chunks=part.chunks,
+            costs=_stage_costs(part, profile, cluster, pipe=None),
+            memory=memory if auto else None,
+            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
+            steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
+        )
+        return schedule, pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
+    except ScheduleError as exc:
+        return Rejection(layout=layout, kind="schedule", reason=str(exc))
 
 
 def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:

@@ -17,6 +17,7 @@ from pipeplan.planner.plan_job import prepare_plan, run_plan_job
 from pipeplan.planner.plan_options import PlanOptions
 from pipeplan.planner.summary import render_summary, summary_dict
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import validate
 
 EXPORT_FORMATS = ("torch-csv",)
@@ -34,6 +35,7 @@ def plan(options: PlanOptions) -> None:
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
+    Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
     job = prepare_plan(options)
     with progress_task("searching plans", quiet=options.json_output) as update:
@@ -77,6 +79,11 @@ def export(
         raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
     output = check_output_file(output, "--output")
     loaded = Plan.load(plan_file)
+    if schedule_info(loaded.schedule).asynchronous:
+        raise ConfigError(
+            f"torch.distributed.pipelining has no asynchronous schedules (weight versions, no flush); {loaded.schedule}"
+            " plans run with `pipeplan run` only"
+        )
     if any(stage.replicas > 1 for stage in loaded.stages):
         raise ConfigError(
             "torch.distributed.pipelining runs each stage on one rank, but this plan replicates stages; "

@@ -25,7 +25,7 @@ from pipeplan.partition.result import Partition
 from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import default_chunks, generate
+from pipeplan.schedules.registry import default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts, simulate
 
 
@@ -63,9 +63,9 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> 
     m0 = probe_microbatches(p, m)
     schedule = _schedule(probe, p, m0)
     busiest = per_device_bound_ms(layout, profile, backward_kinds(schedule))
-    if layout.mode == REPLICATED:
+    if layout.mode == REPLICATED or schedule_info(layout.schedule).asynchronous:
         # the partitioner may replicate stages down to fewer than P stages (even one: plain data parallelism, no
-        # bubble), so only the bubble-free bound is safe here
+        # bubble), so only the bubble-free bound is safe here; an asynchronous stream has no flush either
         pipeline = m * busiest
     else:
         makespan = simulate(schedule, costs).makespan

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pipeplan.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced, simulate_expanded
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
@@ -86,20 +87,26 @@ def simulate_layout(
     layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int, costs: StageCosts, memory: MemoryCosts
 ) -> Timeline:
     """Time the op lists one pipeline runs (`layout.device_ops`, device = pipeline device): the step the search
-    predicts, `show` draws and `run` is compared with. `costs`: one op's time on one device per stage and the
-    transfer per boundary; `memory.static_bytes` per pipeline device."""
+    predicts, `show` draws and `run` is compared with — for an asynchronous schedule the stream it steps through
+    (`schedules.simulate.stream_step_ms`). `costs`: one op's time on one device per stage and the transfer per
+    boundary; `memory.static_bytes` per pipeline device."""
     device_ops = tuple(tuple(Op.parse(text) for text in ops) for ops in layout.device_ops)
     first_device = {}
     for device, stages in reversed(list(enumerate(layout.device_stages))):
         for stage in stages:
             first_device[stage] = device
+    stream: dict[str, int] = {"num_microbatches": num_microbatches}
+    if schedule_info(name).asynchronous:  # the version rule of `name` (one step of it says which) over the stream
+        rule = generate(name, num_devices=layout.num_devices, num_microbatches=num_microbatches)
+        total = 1 + max(o.microbatch for ops in device_ops for o in ops)
+        stream = dict(num_microbatches=total, update_every=rule.update_every, weight_versions=rule.weight_versions)
     schedule = Schedule(
         name=name,
         num_devices=layout.num_devices,
         num_stages=num_stages,
-        num_microbatches=num_microbatches,
         stage_device=tuple(first_device[s] for s in range(num_stages)),
         device_ops=device_ops,
+        **stream,
     )
     if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
         return simulate(schedule, costs, memory)

@@ -8,6 +8,9 @@ Layout vocabulary:
 - a *rank* is one process/device; it holds one or more stages (chunks: interleaved, zbv, dualpipev) of one pipeline.
 `rank_ops[rank]` is the ordered op list that rank executes (`{stage}{kind}{microbatch}`, microbatches numbered per
 pipeline); which rank handles (stage, microbatch) is read off these lists — they are the single source of truth.
+For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the search simulated (several steps of
+`num_microbatches`, weight versions on the ops, `num_op_microbatches` in all); `run` regenerates the stream its
+--steps need from the same generator and checks these lists are that generator's.
 A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
 start with `require_runnable()`, which raises one clear RunError.
 """
@@ -156,6 +159,13 @@ class Plan:
         return len(self.ranks)
 
     @property
+    def num_op_microbatches(self) -> int:
+        """Microbatches the op lists cover: one step's, or an asynchronous schedule's whole stream."""
+        if not schedule_info(self.schedule).asynchronous:
+            return self.training.num_microbatches
+        return 1 + max((Op.parse(text).microbatch for ops in self.rank_ops for text in ops), default=-1)
+
+    @property
     def runnable(self) -> bool:
         """False for plans made from a profile file alone (no model to trace, so no FX node names per stage)."""
         return all(stage.node_names for stage in self.stages)
@@ -217,7 +227,23 @@ def _check_plan(plan: Plan) -> None:
         if info.node != info.rank // plan.cluster.devices_per_node:
             raise FormatError(f"plan rank {info.rank} is on node {info.node}; expected rank // devices_per_node")
     _check_replicas(plan)
+    _check_asynchronous(plan)
     _check_rank_ops(plan)
+
+
+def _check_asynchronous(plan: Plan) -> None:
+    """What asynchronous schedules do not run with: replicated stages, ZeRO-1, fp16 loss scaling."""
+    if not schedule_info(plan.schedule).asynchronous:
+        return
+    problem = None
+    if any(stage.replicas > 1 for stage in plan.stages):
+        problem = "replicated stages (their replicas would have to agree on every update mid-stream)"
+    elif plan.training.zero:
+        problem = "ZeRO-1 (its flat parameter buffers cannot keep stashed weight versions); use --zero 0"
+    elif plan.training.precision == "fp16-mixed":
+        problem = "fp16-mixed (loss scaling skips whole steps; a stream has none); use bf16-mixed or fp32"
+    if problem:
+        raise FormatError(f"plan schedule {plan.schedule} is asynchronous and runs without {problem}")
 
 
 def _check_replicas(plan: Plan) -> None:
@@ -241,7 +267,11 @@ def _check_rank_ops(plan: Plan) -> None:
     """Each rank runs only its own stages; in each pipeline every (stage, microbatch) runs F once and B or I+W
     once (`schedules.validate.check_complete`). (Deadlock freedom is the generator's invariant; the runtime
     checks it again before running.)"""
-    num_mb = plan.training.num_microbatches
+    num_mb = plan.num_op_microbatches
+    if num_mb % plan.training.num_microbatches:
+        raise FormatError(
+            f"plan rank_ops cover {num_mb} microbatches, not whole steps of {plan.training.num_microbatches}"
+        )
     pipeline_ops: list[list[Op]] = [[] for _ in range(plan.training.data_parallel)]
     for info, ops in zip(plan.ranks, plan.rank_ops):
         for text in ops:
@@ -251,7 +281,7 @@ def _check_rank_ops(plan: Plan) -> None:
                 raise FormatError(f"plan rank {info.rank}: {exc}") from None
             if op.stage not in info.stages:
                 raise FormatError(f"plan rank {info.rank} runs op {text} of stage {op.stage}, which it does not hold")
-            if op.microbatch >= num_mb:
+            if op.microbatch >= num_mb:  # (never for a stream: num_op_microbatches counts its highest)
                 raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
             pipeline_ops[info.pipeline].append(op)
     for pipeline, ops in enumerate(pipeline_ops):

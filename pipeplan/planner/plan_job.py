@@ -73,6 +73,7 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         pipeline_depths=pipeline_depth_candidates(options.pipeline_depth),
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, cluster.memory_per_device),
         zero=options.zero,
+        allow_async=options.allow_async,
     )
     config.check_devices(cluster.num_devices)
     if source is None:

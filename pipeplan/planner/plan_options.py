@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import check_plan_options
 from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.registry import SCHEDULE_NAMES
@@ -27,6 +28,10 @@ ZERO_HELP = (
     "memory and time do not count it yet."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+ASYNC_HELP = (
+    "Also consider the asynchronous schedules pipedream and pipedream-2bw: no flush, but stale weights (they change "
+    "what training computes; the summary says how stale)."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +60,7 @@ class PlanOptions:
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
     zero: int = option(0, "--zero", help=ZERO_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
+    allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
     granularity: int | None = option(None, "--granularity", help="Layer grouping depth when tracing the model.")
     tracer: str = option("auto", "--tracer", help=TRACER_HELP)
@@ -74,3 +80,5 @@ class PlanOptions:
             if ignored:
                 warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
         check_tracer(self.tracer)
+        if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
+            searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)

@@ -3,9 +3,9 @@ predicted throughput that fits memory — `search_plans(profile, cluster, config
 
 Enumeration: for each microbatch size b and each data-parallel degree d dividing the device count N (each
 pipeline gets P = N / d devices, m = B / (d b) microbatches; `SearchConfig.pipeline_depths` keeps only the given
-P), every schedule, straight (one stage per device, or
-per chunk) and — for fixed-order schedules with one stage per device (gpipe, 1f1b, zb-h1, zb-h2) — PipeDream-style
-replicated stages (the partitioner picks the number of stages <= P and their replicas).
+P), every schedule (the asynchronous pipedream ones only with `allow_async`: planner/asynchronous.py), straight
+(one stage per device, or per chunk) and — for fixed-order schedules with one stage per device (gpipe, 1f1b, zb-h1,
+zb-h2) — PipeDream-style replicated stages (the partitioner picks the number of stages <= P and their replicas).
 
 Pruning keeps it fast (pipeplan.planner.estimate): weights + gradients + optimizer state spread evenly over P
 devices bound memory from below, so a pipeline too short to hold the model is rejected before partitioning.
@@ -41,6 +41,7 @@ from pipeplan.partition.costs import (
     spread_static_bytes,
     static_split,
 )
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.candidate import (
     REPLICATED,
     STRAIGHT,
@@ -86,6 +87,7 @@ class SearchConfig:
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
     zero: int = 0  # ZeRO stage `run` executes (0, or 1: sharded optimizer state); recorded in the plan
+    allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -224,6 +226,7 @@ def search_plans(
     names = tuple(schedules) if schedules else SCHEDULE_NAMES
     for name in names:
         schedule_info(name, also_accepted=("auto",))
+    names = searched_schedules(names, allow_async=config.allow_async, zero=config.zero, named=bool(schedules))
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
     usable = usable_cluster(cluster, config)
     pending: list[tuple[float, Layout]] = []

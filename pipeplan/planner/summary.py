@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from pipeplan.planner.asynchronous import staleness
 from pipeplan.planner.plan import Plan
 from pipeplan.planner.scripts import describe
 from pipeplan.schedules.render import gantt
@@ -56,6 +57,7 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
         "alternatives": list(plan.alternatives),
         "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
+        "staleness": staleness(plan.schedule, plan.world_size // plan.training.data_parallel) or None,
     }
 
 
@@ -157,6 +159,10 @@ def _headline(plan: Plan) -> Text:
         f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
         f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
     )
+    stale = staleness(plan.schedule, plan.world_size // plan.training.data_parallel)
+    if stale:  # asynchronous: what the speed costs in optimization semantics
+        text.append("\nStaleness: ", style="bold yellow")
+        text.append(f"{stale} (asynchronous: no flush, each stage steps on its own)")
     if not plan.runnable:
         text.append("\nNot runnable: ", style="bold yellow")
         text.append("planned from a profile without a model; re-plan with MODEL to run it.")

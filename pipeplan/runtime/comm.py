@@ -48,7 +48,10 @@ class Mailbox:
         self._position = dict.fromkeys(self._incoming, 0)
         self._index = {m: i for messages in self._incoming.values() for i, m in enumerate(messages)}
         self._posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
-        self._sent: list[tuple[torch.Tensor, dist.Work]] = []
+        self._sent: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
+        # message received -> our sends its sender consumed before sending it (done: waited and dropped on receipt).
+        # gloo's send handles report completion only once waited, so without this a stream keeps every send.
+        self.settled_by: dict[Message, tuple[Message, ...]] = {}
 
     def reset(self) -> None:
         """Start a new step: every peer's sequence starts again at its first message."""
@@ -75,6 +78,10 @@ class Mailbox:
             self.post_up_to(message)
         buffer, work = self._posted.pop(message)
         work.wait()
+        for sent in self.settled_by.get(message, ()):
+            done = self._sent.pop(sent, None)
+            if done is not None:
+                done[1].wait()  # the peer had received it before sending `message`: no wait in fact
         return buffer
 
     def prefetch(self, messages: list[Message]) -> None:
@@ -92,16 +99,16 @@ class Mailbox:
             )
         group = self._groups.get((self.rank, message.dst))
         work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message], group=group)
-        self._sent.append((payload, work))
+        self._sent[message] = (payload, work)
 
     def release_sent(self) -> None:
         """Drop completed sends, so a sent activation's memory goes as soon as the receiver has it."""
         if self._sent:
-            self._sent = [(t, w) for t, w in self._sent if not w.is_completed()]
+            self._sent = {m: (t, w) for m, (t, w) in self._sent.items() if not w.is_completed()}
 
     def drain(self) -> None:
         """Wait for every send of the step (their receivers consumed them)."""
-        for _, work in self._sent:
+        for _, work in self._sent.values():
             work.wait()
         self._sent.clear()
 

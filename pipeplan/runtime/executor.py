@@ -130,8 +130,11 @@ class Executor:
                     record.loss_sum = loss if record.loss_sum is None else record.loss_sum + loss
             elif o.kind == "W":
                 backward_weight(self._weight_state.pop((o.stage, o.microbatch))[0])
+                self._backward_done(o)
             else:
                 self._backward(o)
+                if o.kind == "B":
+                    self._backward_done(o)
             if self.cuda_events:
                 events.append((str(o), self._start_event, self._event()))
             else:
@@ -221,10 +224,10 @@ class Executor:
         (dropout repeats exactly, a recomputation draws what the forward drew), what autograd saves recorded in
         `tensors`: (outputs by name, the scaled loss on the last stage)."""
         io = self.model.stage_io[o.stage]
-        torch.manual_seed(forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch))
+        torch.manual_seed(self._forward_seed(o))
         selective = SelectiveRecompute() if self.recompute[o.stage] == "selective" else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), self.autocast(), tensors, selective:
-            results = self.model.modules[o.stage](*args)
+            results = self._call_stage(o, args)
             outputs = dict(zip(io.outputs, results, strict=True))
             loss = None
             if o.stage == self.output_stage:
@@ -263,7 +266,7 @@ class Executor:
             if value.requires_grad:
                 roots.append(value)
                 grads.append(output_grads[name])
-        params = [p for p in self.stage_params[o.stage] if p.requires_grad]
+        params = self._grad_params(o)
         if o.kind == "B":
             input_grads = backward_full(roots, grads, saved.inputs, params)
         else:
@@ -277,6 +280,20 @@ class Executor:
             producer = self.routing.producer[name]
             if self._owner(producer, o.microbatch) == self.rank:
                 self._local_grads[(producer, name, o.microbatch, o.stage)] = grad
+
+    # ---- what asynchronous schedules change (runtime/asynchronous.py): the weights an op uses, its seed, and a
+    # hook after each microbatch's last backward (B, or W) on this rank
+    def _call_stage(self, o: Op, args: list[torch.Tensor]):
+        return self.model.modules[o.stage](*args)
+
+    def _grad_params(self, o: Op) -> list[torch.Tensor]:
+        return [p for p in self.stage_params[o.stage] if p.requires_grad]
+
+    def _forward_seed(self, o: Op) -> int:
+        return forward_seed(self.plan.training.seed, self.step, self.pipeline, o.stage, o.microbatch)
+
+    def _backward_done(self, o: Op) -> None:
+        pass
 
 
 def forward_seed(seed: int, step: int, pipeline: int, stage: int, microbatch: int) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
+from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.stages import check_plan_runs
@@ -63,6 +64,7 @@ def launch_many(
     for plan, (_, config) in zip(plans, runs):
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
         check_post_validate(plan, config.post_validate)
+        check_async_run(plan, config)
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:

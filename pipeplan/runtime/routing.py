@@ -79,7 +79,7 @@ def op_owners(plan: Plan, rank_ops: list[list[Op]]) -> dict[tuple[int, int, int]
                 owner[(pipeline, o.stage, o.microbatch)] = rank
     for pipeline, ops in enumerate(pipeline_ops):
         try:
-            check_complete(ops, len(plan.stages), plan.training.num_microbatches)
+            check_complete(ops, len(plan.stages), plan.num_op_microbatches)
         except ScheduleError as exc:
             raise RunError(f"plan pipeline {pipeline}: {exc}; re-create the plan") from None
     for rank, ops in enumerate(rank_ops):

@@ -37,6 +37,7 @@ from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.runtime.step_checks import GlobalState, apply_verdict, clip_coefficient, gather_rows, judge, local_row
 from pipeplan.runtime.trace_io import write_trace
 from pipeplan.runtime.zero import make_step_optimizer
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_gib
 
 
@@ -51,6 +52,7 @@ class RunResult:
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
     rollbacks: int = 0  # --post-validate: eager optimizer steps undone (clipping, NaN/inf or overflow found after)
+    microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
 
 
 def microbatches_for(
@@ -94,6 +96,7 @@ class Trainer:
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
         # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py)
         groups = make_direction_groups(routing) if dist.get_backend() == "nccl" or config.direction_groups else None
+        self.direction_groups = groups
         self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
         self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
         self.executor.autocast = lambda: self.precision.autocast(device.type)
@@ -198,6 +201,10 @@ class Trainer:
 def train(
     plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
 ) -> RunResult:
+    if schedule_info(plan.schedule).asynchronous:  # a stream without flushes (runtime/asynchronous.py)
+        from pipeplan.runtime.asynchronous import train_async
+
+        return train_async(plan, config, rank=rank, device=device, capture_grads=capture_grads, watchdog=watchdog)
     trainer = Trainer(plan, config, rank=rank, device=device)
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)

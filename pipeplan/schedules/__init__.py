@@ -1,9 +1,10 @@
 """Pipeline schedules as pure data: Op type, placements, generators (gpipe, 1f1b, interleaved, zb-h1, zb-h2,
-zb-auto, zbv, dualpipev), the registry (name -> ScheduleInfo), validate, the timing engine, the activation-memory
-model, simulate, and rendering (terminal Gantt, Chrome trace). No torch import anywhere in this package.
+zb-auto, zbv, dualpipev, and the asynchronous pipedream and pipedream-2bw), the registry (name -> ScheduleInfo),
+validate, the weight-version rule of asynchronous schedules, the timing engine, the memory model, simulate, and
+rendering (terminal Gantt, Chrome trace). No torch import anywhere in this package.
 
-Each module imports only ones below it: ops and placement at the bottom; then engine, validate, simulate; then
-the generators; the registry (which imports the generators); replicate and commands on top. A test checks the
+Each module imports only ones below it: ops and placement at the bottom; then engine, versions, validate, simulate;
+then the generators; the registry (which imports the generators); replicate and commands on top. A test checks the
 import graph has no cycle."""
 
 from pipeplan.schedules.memory import inflight_per_stage

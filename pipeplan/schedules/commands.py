@@ -37,21 +37,35 @@ def simulate(options: SimulateOptions) -> None:
     Times are per device: with v chunks per device each stage gets T/v. Peak activations count full-slice microbatches
     (F allocates one, I frees --input-grad-frees of it, W the rest).
 
+    The asynchronous schedules (pipedream, pipedream-2bw) simulate a stream of several steps without flushes and
+    also print the steady-state time per microbatch and the weight versions each stage holds.
+
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
     if options.compare:
         _render_ranking(*compare_schedules(options), options)
         return
     schedule, timeline = simulate_one(options)
-    metrics = schedule_metrics(schedule, timeline)
+    metrics = schedule_metrics(schedule, timeline, options.microbatches)
     if options.json_output:
         print_json({**metrics, "stage_device": list(schedule.stage_device), "device_ops": schedule.op_strings()})
         return
-    title = f"{options.schedule}: {options.stages} devices, {options.microbatches} microbatches"
+    title = f"{options.schedule}: {options.stages} devices, {schedule.num_microbatches} microbatches"
     out.print(_metrics_table([metrics], title=title))
+    if schedule.asynchronous:
+        out.print(_steady_line(metrics, options.microbatches), highlight=False)
     out.print(gantt(timeline, width=out.width))
     if options.trace is not None:
         out.print(f"wrote Chrome trace {options.trace}")
+
+
+def _steady_line(metrics: dict[str, Any], per_step: int) -> str:
+    versions = metrics["weight_versions_per_stage"]
+    return (
+        f"steady state (no flush): {metrics['steady_microbatch_ms']:.3f} ms per microbatch, "
+        f"{metrics['steady_step_ms']:.3f} ms per step of {per_step}; weight versions held per stage: "
+        f"{', '.join(map(str, versions))}"
+    )
 
 
 def _render_ranking(results: list[dict], skipped: list[dict], options: SimulateOptions) -> None:

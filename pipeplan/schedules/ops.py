@@ -4,6 +4,18 @@ torch.distributed.pipelining (`2F0`, `1I3`, `0W2`), and `Schedule`, one ordered 
 Kinds: F forward, B full backward (input + weight gradients), I input-gradient backward, W weight-gradient backward.
 (The zero-bubble papers call I "B".) A schedule's CSV form has one row per device, one op string per cell — the
 "compute_only" format torch's `PipelineScheduleMulti._load_csv` reads.
+
+Weight versions (asynchronous schedules, PipeDream-style). A synchronous schedule (`update_every == 0`) changes the
+weights only between steps, after its flush; its ops carry no version. An asynchronous one (`update_every = k >= 1`)
+is a stream of microbatches without flushes and carries the versions explicitly, on every op: `Op.version` is the
+version of its stage's weights the op computes with (text `{stage}{kind}{mb}v{version}`, e.g. `0F5v2`; a B, I or W
+uses the version its F used — the forward's weights are stashed until then). Where the versions change is a rule,
+not an op: stage s makes version u+1 (from version u and the summed gradients of update group u, the microbatches
+[u*k, (u+1)*k)) as soon as its last backward op (B, or W) of that group has run. So version 0 is the initial
+weights, PipeDream (k = 1) updates after every microbatch and PipeDream-2BW (k = m) once per step.
+`weight_versions` bounds how many versions a stage may hold at once (the current one, and every older one an op
+still reads); `schedules.versions` checks the rule and the bound, and the memory model charges each held version
+beyond the first.
 """
 
 from __future__ import annotations
@@ -19,35 +31,38 @@ from pipeplan.errors import FormatError, ScheduleError
 KINDS = ("F", "B", "I", "W")
 KIND_INDEX = {kind: index for index, kind in enumerate(KINDS)}
 SCHEMA_VERSION = 1
-_OP_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_OP_RE = re.compile(r"^(\d+)([FBIW])(\d+)(?:v(\d+))?$")
 _GRID_ROWS = 12  # rows format_grid shows either side of the first marked step
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One compute op: `kind` on global stage `stage` for microbatch `microbatch` (positional: `Op("F", 2, 0)`)."""
+    """One compute op: `kind` on global stage `stage` for microbatch `microbatch` (positional: `Op("F", 2, 0)`);
+    `version`: the stage's weight version it computes with (asynchronous schedules only, else None)."""
 
     kind: str
     stage: int
     microbatch: int
+    version: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(f"op kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.stage < 0 or self.microbatch < 0:
+        if self.stage < 0 or self.microbatch < 0 or (self.version is not None and self.version < 0):
             raise ScheduleError(f"op {self.stage}{self.kind}{self.microbatch} has a negative index")
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        text = f"{self.stage}{self.kind}{self.microbatch}"
+        return text if self.version is None else f"{text}v{self.version}"
 
     @classmethod
     def parse(cls, text: str) -> Op:
-        """Parse `2F0` / `1I3` / `0W2` (surrounding whitespace ignored)."""
+        """Parse `2F0` / `1I3` / `0W2`, or `0F5v2` with a weight version (surrounding whitespace ignored)."""
         match = _OP_RE.match(text.strip())
         if match is None:
             raise FormatError(f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0")
-        stage, kind, microbatch = match.groups()
-        return cls(kind=kind, stage=int(stage), microbatch=int(microbatch))
+        stage, kind, microbatch, version = match.groups()
+        return cls(kind, int(stage), int(microbatch), None if version is None else int(version))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -61,8 +76,21 @@ class Schedule:
     num_microbatches: int
     stage_device: tuple[int, ...]
     device_ops: tuple[tuple[Op, ...], ...]
+    update_every: int = 0  # 0: synchronous; k: a stage makes a new weight version per k microbatches (module doc)
+    weight_versions: int = 1  # the most weight versions a stage may hold at once
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.update_every > 0
 
     def __post_init__(self) -> None:
+        if self.update_every < 0 or self.weight_versions < 1:
+            raise ScheduleError(f"schedule {self.name!r}: update_every must be >= 0 and weight_versions >= 1")
+        if self.update_every and self.num_microbatches % self.update_every:
+            raise ScheduleError(
+                f"schedule {self.name!r}: {self.num_microbatches} microbatches are not whole update groups of "
+                f"{self.update_every}"
+            )
         if self.num_devices < 1 or self.num_stages < 1 or self.num_microbatches < 1:
             raise ScheduleError(
                 f"schedule {self.name!r} needs >= 1 device, stage and microbatch; got devices="
@@ -90,6 +118,11 @@ class Schedule:
 
     # ---- CSV (torch.distributed.pipelining "compute_only" format) ----
     def to_csv(self) -> str:
+        if self.asynchronous:
+            raise ScheduleError(
+                f"{self.name} is asynchronous (weight versions on every op); torch's CSV schedules have none: "
+                "export a synchronous schedule"
+            )
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         for row in self.op_strings():
@@ -106,11 +139,13 @@ class Schedule:
         if not rows:
             raise FormatError("schedule CSV is empty: expected one row of op strings per device")
         device_ops = tuple(tuple(Op.parse(cell) for cell in row) for row in rows)
+        if any(o.version is not None for ops in device_ops for o in ops):
+            raise FormatError("schedule CSV ops carry weight versions (e.g. 0F5v2); CSV holds synchronous schedules")
         return _from_device_ops(name, device_ops, num_microbatches)
 
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
             "num_devices": self.num_devices,
@@ -119,6 +154,9 @@ class Schedule:
             "stage_device": list(self.stage_device),
             "device_ops": self.op_strings(),
         }
+        if self.asynchronous:
+            data |= {"update_every": self.update_every, "weight_versions": self.weight_versions}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
@@ -133,6 +171,8 @@ class Schedule:
             num_microbatches=int(data["num_microbatches"]),
             stage_device=tuple(int(d) for d in data["stage_device"]),
             device_ops=tuple(tuple(Op.parse(s) for s in row) for row in data["device_ops"]),
+            update_every=int(data.get("update_every", 0)),
+            weight_versions=int(data.get("weight_versions", 1)),
         )
 
 
@@ -159,7 +199,13 @@ def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...], num_micr
 
 
 def make_schedule(
-    name: str, num_microbatches: int, stage_device: tuple[int, ...], device_ops: list[list[Op]]
+    name: str,
+    num_microbatches: int,
+    stage_device: tuple[int, ...],
+    device_ops: list[list[Op]],
+    *,
+    update_every: int = 0,
+    weight_versions: int = 1,
 ) -> Schedule:
     """Build a Schedule from a generator's lists (num_devices/num_stages derived)."""
     return Schedule(
@@ -169,6 +215,8 @@ def make_schedule(
         num_microbatches=num_microbatches,
         stage_device=tuple(stage_device),
         device_ops=tuple(tuple(ops) for ops in device_ops),
+        update_every=update_every,
+        weight_versions=weight_versions,
     )
 
 

@@ -13,6 +13,7 @@ from pipeplan.schedules.gpipe import gpipe
 from pipeplan.schedules.interleaved import interleaved
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.pipedream import pipedream, pipedream_2bw
 from pipeplan.schedules.placement import (
     LOOPED,
     ONE_PER_DEVICE,
@@ -22,7 +23,14 @@ from pipeplan.schedules.placement import (
     fixed_chunks,
     stage_devices,
 )
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, fits_limit, peak_activation_per_device, unit_memory
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    StageCosts,
+    fits_limit,
+    peak_activation_per_device,
+    stream_steps,
+    unit_memory,
+)
 from pipeplan.schedules.zb_auto import zb_auto
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
@@ -40,7 +48,9 @@ class ScheduleInfo:
     name alone). capacity_default: swept by `capacity` when --schedule is auto. cost_driven: the op order depends
     on the stage costs and memory (else fixed by p, m and chunks). within_memory_limit: generated under
     --memory-limit (default 1F1B's peak); other schedules are checked against it after generation.
-    asynchronous: weight updates without a pipeline flush (PipeDream-style).
+    asynchronous: weight updates without a pipeline flush (PipeDream-style): the generator takes (p, m, steps) and
+    emits one stream of steps x m microbatches whose ops carry weight versions; `staleness` says, for `describe`,
+    how stale the weights are and how many versions a stage keeps ({p}: the pipeline devices).
     """
 
     name: str
@@ -53,9 +63,14 @@ class ScheduleInfo:
     cost_driven: bool = False
     within_memory_limit: bool = False
     asynchronous: bool = False
+    staleness: str = ""
 
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
+        assert self.asynchronous == bool(self.staleness), self.name
+        assert not self.asynchronous or (
+            self.placement == ONE_PER_DEVICE and not (self.replicable or self.split_backward or self.cost_driven)
+        ), self.name
         assert self.default_chunks >= 1 and fixed_chunks(self.placement) in (None, self.default_chunks), self.name
         assert not self.replicable or (self.placement == ONE_PER_DEVICE and not self.cost_driven), self.name
         assert not self.within_memory_limit or self.cost_driven, self.name
@@ -77,6 +92,10 @@ class ScheduleInfo:
         """Global stage id -> device on `num_devices` devices."""
         return stage_devices(self.placement, num_devices, self.resolve_chunks(chunks))
 
+    def describe_staleness(self, num_devices: int) -> str:
+        """e.g. `pipedream-2bw: weights 1 step stale; 2 weight versions per stage` ("" when synchronous)."""
+        return f"{self.name}: {self.staleness.format(p=num_devices, p1=num_devices - 1)}" if self.staleness else ""
+
 
 _INFOS = (
     ScheduleInfo(name="gpipe", generator=gpipe, placement=ONE_PER_DEVICE, split_backward=False, replicable=True),
@@ -97,6 +116,23 @@ _INFOS = (
         name="zbv", generator=zbv, placement=V_SHAPED, split_backward=True, default_chunks=2, cost_driven=True
     ),
     ScheduleInfo(name="dualpipev", generator=dualpipev, placement=V_SHAPED, split_backward=True, default_chunks=2),
+    ScheduleInfo(
+        name="pipedream",
+        generator=pipedream,
+        placement=ONE_PER_DEVICE,
+        split_backward=False,
+        asynchronous=True,
+        staleness="weights updated after every microbatch, stage d's {p1}-d updates stale (weight stashing); up to "
+        "{p} weight versions on the first stage",
+    ),
+    ScheduleInfo(
+        name="pipedream-2bw",
+        generator=pipedream_2bw,
+        placement=ONE_PER_DEVICE,
+        split_backward=False,
+        asynchronous=True,
+        staleness="weights 1 step stale; 2 weight versions per stage",
+    ),
 )
 _BY_NAME = {info.name: info for info in _INFOS}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
@@ -129,6 +165,12 @@ def stage_device(name: str, num_devices: int, chunks: int | None = None) -> tupl
     return schedule_info(name).stage_device(num_devices, chunks)
 
 
+def async_stream_steps(name: str, num_devices: int, num_microbatches: int) -> int | None:
+    """Steps to generate schedule `name` for when simulating its steady state: `stream_steps` for an asynchronous
+    schedule, None (one step) for a synchronous one."""
+    return stream_steps(num_devices, num_microbatches) if schedule_info(name).asynchronous else None
+
+
 MAX_SCHEDULE_OPS = 1_000_000  # every op is held (and simulated) in memory: ~1 GB and tens of seconds at this size
 
 
@@ -151,12 +193,17 @@ def generate(
     costs: StageCosts | None = None,
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
+    steps: int | None = None,
 ) -> Schedule:
     """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed
     orders). `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not
     included; `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is
-    generated under it (default: 1F1B's peak), the other schedules are checked against it."""
+    generated under it (default: 1F1B's peak), the other schedules are checked against it. `steps`: the length
+    of an asynchronous schedule's stream in steps of `num_microbatches` (default 1; `stream_steps` gives enough
+    for its steady state); synchronous schedules are one step."""
     info = schedule_info(name)
+    if steps is not None and steps != 1 and not info.asynchronous:
+        raise ScheduleError(f"{name} is synchronous: one step per op list (--steps applies to pipedream schedules)")
     v = info.resolve_chunks(chunks)
     if num_devices < 1:
         raise ScheduleError(f"--stages (pipeline devices) must be >= 1, got {num_devices}")
@@ -164,9 +211,11 @@ def generate(
         raise ScheduleError(f"--microbatches must be >= 1, got {num_microbatches}")
     if memory_limit is not None and not memory_limit > 0:
         raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
-    check_schedule_size(num_devices, num_microbatches, v)
+    check_schedule_size(num_devices, num_microbatches * (steps or 1), v)
     p, m = num_devices, num_microbatches
-    if info.cost_driven:
+    if info.asynchronous:
+        schedule = info.generator(p, m, steps or 1)
+    elif info.cost_driven:
         schedule = info.generator(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
     elif info.placement == LOOPED:
         schedule = info.generator(p, m, v)

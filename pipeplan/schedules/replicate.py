@@ -62,6 +62,10 @@ class ReplicatedSchedule:
 def replicate(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule:
     """Expand `schedule` (one stage per device) so stage `s` runs on `replicas[s]` consecutive devices."""
     replicas = tuple(int(r) for r in replicas)
+    if schedule.asynchronous and any(r > 1 for r in replicas):
+        raise ScheduleError(
+            f"{schedule.name} is asynchronous: its stages run without replicas (use data-parallel pipelines)"
+        )
     if schedule.num_stages != schedule.num_devices:
         raise ScheduleError(f"replicated stages need one stage per device; {schedule.name} has chunks > 1")
     if len(replicas) != schedule.num_stages or any(r < 1 for r in replicas):

@@ -3,6 +3,10 @@
 An op starts when its device is free (each device runs its list in order) and its dependencies are done, plus
 the stage-boundary comm time when the producing stage sits on another device (a same-device hand-off is free).
 Deterministic: the result is the longest-path timing of the op DAG, independent of processing order.
+
+Asynchronous schedules (PipeDream, PipeDream-2BW) are streams without a flush: `stream_steps` says how many steps
+of one to simulate and `stream_step_ms` reads the steady-state step time off its timeline; their memory adds each
+stashed weight version a stage holds beyond the first (`MemoryCosts.weight_version_bytes`, `versions.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pipeplan.errors import ConfigError
+from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.validate import run_in_order
+from pipeplan.schedules.versions import held_versions
 
 Number = float | int
 PAPER_INPUT_GRAD_FREES = 0.5  # Zero Bubble paper: I frees half of a microbatch's activations (F +2, I -1, W -1)
@@ -67,14 +72,17 @@ class StageCosts:
 @dataclass(kw_only=True, frozen=True)
 class MemoryCosts:
     """Activation bytes per microbatch per stage (allocated when F starts), the part of them freed when I ends
-    (the rest when W ends; B frees all), and static bytes per device (weights, optimizer state)."""
+    (the rest when W ends; B frees all), static bytes per device (weights, optimizer state), and per stage the
+    bytes of one more copy of its weights: what each weight version an asynchronous schedule holds beyond the
+    first costs (the first is in the static bytes)."""
 
     activation_bytes: PerStage = 1.0
     input_grad_freed_bytes: PerStage = 0.0
     static_bytes: PerStage = 0.0
+    weight_version_bytes: PerStage = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("activation_bytes", "input_grad_freed_bytes", "static_bytes"):
+        for name in ("activation_bytes", "input_grad_freed_bytes", "static_bytes", "weight_version_bytes"):
             value = getattr(self, name)
             _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
 
@@ -216,9 +224,14 @@ def unit_memory(schedule_chunks: int, *, input_grad_frees: float = PAPER_INPUT_G
 
 
 def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = None) -> tuple[float, ...]:
-    """Per device, the most live activation bytes at once (static bytes not included). Exact from the op order:
-    a device runs its list in order, so the peak holds for any op timings. `memory=None`: unit mode."""
-    delta = activation_deltas(memory or unit_memory(schedule.num_chunks), schedule.num_stages)
+    """Per device, the most live activation bytes at once, with the stashed weight versions of asynchronous
+    schedules (static bytes not included). Exact from the op order: a device runs its list in order, so the peak
+    holds for any op timings. `memory=None`: unit mode."""
+    memory = memory or unit_memory(schedule.num_chunks)
+    delta = activation_deltas(memory, schedule.num_stages)
+    version_bytes = _broadcast(memory.weight_version_bytes, schedule.num_stages, option="weight_version_bytes")
+    if schedule.asynchronous and any(version_bytes):
+        return _peaks_with_versions(schedule, delta, version_bytes)
     peaks = []
     for ops in schedule.device_ops:
         live = peak = 0.0
@@ -228,6 +241,45 @@ def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = 
                 peak = live
         peaks.append(peak)
     return tuple(peaks)
+
+
+def _peaks_with_versions(
+    schedule: Schedule, delta: dict[str, tuple[float, ...]], version_bytes: tuple[float, ...]
+) -> tuple[float, ...]:
+    """Activations plus (versions held - 1) x a weight copy per stage, after every op (`versions.held_versions`)."""
+    peaks = [0.0] * schedule.num_devices
+    live = [0.0] * schedule.num_devices
+    held: dict[int, int] = {}  # stage -> versions it holds (each stage is on one device)
+    for device, _, o, count in held_versions(schedule):
+        live[device] += delta[o.kind][o.stage] + (count - held.get(o.stage, 1)) * version_bytes[o.stage]
+        held[o.stage] = count
+        peaks[device] = max(peaks[device], live[device])
+    return tuple(peaks)
+
+
+def stream_steps(num_devices: int, num_microbatches: int) -> int:
+    """Steps of m microbatches an asynchronous schedule is simulated for: the fill reaches into the first
+    ceil((p-1)/m) steps and the drain into as many last ones; two steady steps are measured between them."""
+    lead = -(-(num_devices - 1) // num_microbatches)
+    return 2 * lead + 3
+
+
+def stream_step_ms(timeline: Timeline, num_microbatches: int) -> float:
+    """Steady-state time of one step (m microbatches) of an asynchronous stream, no flush: the mean gap between
+    the completions of consecutive steps (a step completes with its last microbatch's last op) over the steps
+    neither the fill nor the drain reaches (see `stream_steps`)."""
+    done: dict[int, float] = {}
+    for entry in timeline.entries:
+        step = entry.op.microbatch // num_microbatches
+        done[step] = max(done.get(step, 0.0), entry.end)
+    lead = -(-(timeline.num_devices - 1) // num_microbatches)
+    first, last = lead, len(done) - 1 - lead
+    if last - first < 2:
+        raise ScheduleError(
+            f"a stream of {len(done)} steps has no steady part to measure; simulate at least "
+            f"{stream_steps(timeline.num_devices, num_microbatches)} (--steps)"
+        )
+    return (done[last] - done[first]) / (last - first)
 
 
 def fits_limit(peak: float, limit: float) -> bool:

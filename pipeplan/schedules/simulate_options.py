@@ -26,6 +26,11 @@ OVERLAP_HELP = (
     "the two halves one after the other, as `pipeplan run` executes them). E.g. --overlap-ms 2.5."
 )
 
+STEPS_HELP = (
+    "pipedream schedules: steps of --microbatches in the simulated stream (default: enough to measure the steady "
+    "state)."
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SimulateOptions:
@@ -40,6 +45,7 @@ class SimulateOptions:
     memory_limit: float | None = option(None, "--memory-limit", help=MEMORY_LIMIT_HELP)
     input_grad_frees: float = option(PAPER_INPUT_GRAD_FREES, "--input-grad-frees", help=INPUT_GRAD_FREES_HELP)
     overlap_ms: float | None = option(None, "--overlap-ms", help=OVERLAP_HELP)
+    steps: int | None = option(None, "--steps", help=STEPS_HELP)
     compare: bool = option(False, "--compare", help="Simulate every schedule and rank by makespan.")
     json_output: bool = option(False, "--json", help="Print only JSON (metrics + op lists).")
     trace: str | None = option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto).")

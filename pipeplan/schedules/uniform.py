@@ -1,5 +1,7 @@
 """Schedules simulated with uniform per-device costs (`pipeplan simulate`): one schedule's timeline and metrics, or
-every schedule ranked by makespan. Memory is counted in full-slice microbatches (unit memory)."""
+every schedule ranked by makespan. Memory is counted in full-slice microbatches (unit memory). An asynchronous
+schedule (pipedream, pipedream-2bw) is simulated as a stream of several steps; its metrics add the steady state and
+the weight versions each stage holds (it is left out of the ranking: a stream has no step makespan)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from pipeplan.jsonio import write_json
 from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.placement import LOOPED
-from pipeplan.schedules.registry import SCHEDULE_NAMES, generate, schedule_info
+from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
 from pipeplan.schedules.render import timeline_to_chrome_trace
-from pipeplan.schedules.simulate import StageCosts, Timeline, simulate, unit_memory
+from pipeplan.schedules.simulate import StageCosts, Timeline, simulate, stream_step_ms, unit_memory
 from pipeplan.schedules.simulate_options import SimulateOptions
+from pipeplan.schedules.versions import check_versions
 
 
 def simulate_uniform(
@@ -34,17 +37,22 @@ def simulate_uniform(
         costs=costs,
         memory=memory,
         memory_limit=options.memory_limit,
+        steps=options.steps if options.steps is not None else async_stream_steps(name, devices, options.microbatches),
     )
     fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
     return schedule, simulate(schedule, costs, memory, fused=fused)
 
 
-def schedule_metrics(schedule: Schedule, timeline: Timeline) -> dict[str, Any]:
+def schedule_metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:
     data = timeline.metrics()
     data["peak_activations"] = max(timeline.peak_memory_bytes)
     data["peak_memory_bytes"] = data.pop("peak_memory_bytes")  # per device, in full-slice microbatches
     data["num_stages"] = schedule.num_stages
     data["num_microbatches"] = schedule.num_microbatches
+    if schedule.asynchronous and per_step:  # a stream: its steady state, and the weight copies it stashes
+        step_ms = stream_step_ms(timeline, per_step)
+        data |= {"steady_step_ms": step_ms, "steady_microbatch_ms": step_ms / per_step}
+        data["weight_versions_per_stage"] = list(check_versions(schedule))
     return data
 
 
@@ -63,6 +71,9 @@ def compare_schedules(options: SimulateOptions) -> tuple[list[dict[str, Any]], l
     """Every schedule's metrics, fastest first (ties: less memory), and the schedules these options rule out."""
     results, skipped = [], []
     for name in SCHEDULE_NAMES:
+        if schedule_info(name).asynchronous:  # a stream without a flush: no step makespan to rank
+            skipped.append({"schedule": name, "reason": "asynchronous: simulate it with --schedule to see its stream"})
+            continue
         chunks = options.chunks if schedule_info(name).placement == LOOPED else None
         overlap_ms = options.overlap_ms if name == "dualpipev" else None
         try:

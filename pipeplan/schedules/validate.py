@@ -1,6 +1,8 @@
 """One `validate(schedule)`: every (stage, microbatch) runs F, then B or (I then W), exactly once, on its stage's
-device; cross-stage dependencies hold; the per-device lists run in order without deadlock. Failures raise
-ScheduleError with a step x device grid of op strings, the failing op marked `[1F3]!`.
+device; cross-stage dependencies hold; the per-device lists run in order without deadlock; asynchronous schedules
+follow the weight-version rule (`versions.check_versions`: each backward uses its forward's version, a stage holds
+at most `weight_versions`). Failures raise ScheduleError with a step x device grid of op strings, the failing op
+marked `[1F3]!`.
 
 `check_complete` is the one completeness rule (each (stage, microbatch) has one F and either one B or one I and
 one W): validate, the plan-file check and the runtime's routing call it. The dependencies are the timing
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.engine import execute
 from pipeplan.schedules.ops import KIND_INDEX, Op, Schedule, format_grid
+from pipeplan.schedules.versions import check_versions
 
 _F, _B, _I, _W = (1 << KIND_INDEX[kind] for kind in "FBIW")
 COMPLETE_RULE = "each needs F and either B or I and W"
@@ -41,6 +44,7 @@ def run_in_order(
         backward_kind = check_complete(ops, schedule.num_stages, schedule.num_microbatches)
     except ScheduleError as exc:
         raise ScheduleError(f"schedule {schedule.name!r}: {exc}\n" + format_grid(schedule, marks=set())) from None
+    check_versions(schedule)
     return execute(schedule, backward_kind, op_ms=op_ms, comm_ms=comm_ms, fused=fused)
 
 

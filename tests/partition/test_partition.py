@@ -60,7 +60,7 @@ def test_optimizer_presets_and_override():
     ("kwargs", "match"),
     [
         ({"num_microbatches": 0}, "--microbatches"),
-        ({"num_microbatches": 4, "schedule": "pipedream-2bw"}, "--schedule"),
+        ({"num_microbatches": 4, "schedule": "chimera"}, "--schedule"),
         ({"num_microbatches": 4, "mode": "tensor"}, "mode"),
         ({"num_microbatches": 4, "schedule": "zbv", "mode": "replicated"}, "straight"),
         ({"num_microbatches": 4, "cost_model": "alpa"}, "cost_model"),

@@ -94,7 +94,8 @@ def test_every_schedule_reports_its_best_candidate_or_why_none_fits():
     """The balanced-stage estimate prunes most schedules here; each still gets its best-estimated candidate
     simulated, so the summary lists every schedule with figures or a real reason (not "pruned")."""
     profile = synthetic_profile(num_layers=8, cut_bytes=CUT)
-    result = search_plans(profile, make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
+    config = SearchConfig(global_batch_size=16, allow_async=True)  # every schedule, the asynchronous ones too
+    result = search_plans(profile, make_cluster(4, memory=2**32), config)
     assert any(r.kind in ("estimate", "bound") for r in result.rejected)  # pruning did happen
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
     rows = {row["schedule"]: row for row in summary_dict(plan)["per_schedule"]}

@@ -10,6 +10,7 @@ import pytest
 from planner_helpers import make_cluster, synthetic_profile
 
 from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.candidate import Evaluation, Rejection, evaluate
 from pipeplan.planner.scaling import scale_profile
 from pipeplan.planner.search import (
@@ -25,9 +26,10 @@ from pipeplan.units import parse_size
 
 
 def _brute_force(profile, cluster, config) -> list[Evaluation]:
-    """Every layout evaluated, no pruning."""
+    """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`)."""
     found = []
-    for item in enumerate_layouts(profile.num_layers, cluster, config, SCHEDULE_NAMES):
+    names = searched_schedules(SCHEDULE_NAMES, allow_async=config.allow_async, named=False)
+    for item in enumerate_layouts(profile.num_layers, cluster, config, names):
         if isinstance(item, Rejection):
             continue
         result = evaluate(
@@ -47,10 +49,11 @@ def _brute_force(profile, cluster, config) -> list[Evaluation]:
     [(1_000_000, 2**30, 2.0), (50_000_000, 2**30, 2.0), (1_000_000, 120 * 2**20, 2.0), (50_000_000, 2**30, 1.2)],
     ids=["cheap-comm", "costly-comm", "tight-memory", "cheap-fused-backward"],
 )
-def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused):
+@pytest.mark.parametrize("allow_async", [False, True])
+def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused, allow_async):
     profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0, fused_backward=fused)
     cluster = make_cluster(4, memory=memory)
-    config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2))
+    config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2), allow_async=allow_async)
     result = search_plans(profile, cluster, config)
     brute = _brute_force(profile, cluster, config)
     assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in brute))

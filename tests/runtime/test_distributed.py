@@ -25,7 +25,9 @@ from rt_helpers import (
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.stages import build_pipeline_model
-from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import schedule_names
+
+SYNCHRONOUS = schedule_names(asynchronous=False)  # asynchronous schedules: tests/runtime/test_async_run.py
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +47,7 @@ def two_rank_runs(tmp_path_factory):
         cases[label] = (len(runs), plan)
         runs.append((path, config))
 
-    for index, schedule in enumerate(SCHEDULE_NAMES):
+    for index, schedule in enumerate(SYNCHRONOUS):
         options = TINY_GPT_TIED if index % 2 else TINY_GPT  # tied embeddings on half the schedules
         add(
             f"gpt {schedule}",
@@ -72,7 +74,7 @@ def _per_rank(results, index):
     return [per_rank[index] for per_rank in results]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+@pytest.mark.parametrize("schedule", SYNCHRONOUS)
 def test_every_schedule_matches_single_process(two_rank_runs, schedule):
     cases, results, _ = two_rank_runs
     index, plan = cases[f"gpt {schedule}"]

@@ -55,7 +55,7 @@ def test_placements():
 
 def test_unknown_name_lists_valid_ones():
     with pytest.raises(ScheduleError) as info:
-        generate("pipedream", num_devices=2, num_microbatches=2)
+        generate("chimera", num_devices=2, num_microbatches=2)
     for name in SCHEDULE_NAMES:
         assert name in str(info.value)
 

@@ -84,7 +84,9 @@ def test_cost_driven_generators_take_costs_and_fixed_ones_do_not(name):
 def test_replicable_schedules_expand_into_replicas(name):
     info = schedule_info(name)
     if not info.replicable:
-        assert info.placement != ONE_PER_DEVICE or info.cost_driven
+        assert (
+            info.placement != ONE_PER_DEVICE or info.cost_driven or info.asynchronous
+        )  # async: tests/schedules/test_async.py
         return
     assert info.placement == ONE_PER_DEVICE and not info.cost_driven
     schedule = generate(name, num_devices=3, num_microbatches=6)
@@ -111,7 +113,7 @@ def test_properties_match_the_tables_they_replaced():
     assert schedule_names(capacity_default=True) == tuple(n for n in SCHEDULE_NAMES if n != "zb-auto")
     assert schedule_names(placement=V_SHAPED) == ("zbv", "dualpipev")
     assert schedule_names(placement=LOOPED) == ("interleaved",)
-    assert schedule_names(asynchronous=True) == ()
+    assert schedule_names(asynchronous=True) == ("pipedream", "pipedream-2bw")
     assert schedule_names() == SCHEDULE_NAMES
     with pytest.raises(AssertionError):
         schedule_names(colour="red")
@@ -124,18 +126,18 @@ def _unknown_message(call) -> str:
 
 
 def test_an_unknown_name_raises_one_error_listing_the_valid_ones():
-    message = _unknown_message(lambda: schedule_info("pipedream"))
-    assert message.startswith("unknown --schedule 'pipedream'; choose from:") and "\n" not in message
+    message = _unknown_message(lambda: schedule_info("chimera"))
+    assert message.startswith("unknown --schedule 'chimera'; choose from:") and "\n" not in message
     assert message.endswith(", ".join(SCHEDULE_NAMES))
     assert issubclass(UnknownScheduleError, ScheduleError) and issubclass(UnknownScheduleError, ConfigError)
     for call in (
-        lambda: generate("pipedream", num_devices=2, num_microbatches=2),
-        lambda: stage_device("pipedream", 2),
-        lambda: default_chunks("pipedream"),
-        lambda: PartitionConfig(num_microbatches=4, schedule="pipedream"),
+        lambda: generate("chimera", num_devices=2, num_microbatches=2),
+        lambda: stage_device("chimera", 2),
+        lambda: default_chunks("chimera"),
+        lambda: PartitionConfig(num_microbatches=4, schedule="chimera"),
     ):
         assert _unknown_message(call) == message
-    with_auto = _unknown_message(lambda: schedule_info("pipedream", also_accepted=("auto",)))
+    with_auto = _unknown_message(lambda: schedule_info("chimera", also_accepted=("auto",)))
     assert with_auto == message.replace("choose from: ", "choose from: auto, ")
 
 

@@ -1,0 +1,78 @@
+"""What planning asynchronous schedules (pipedream, pipedream-2bw) changes, in one place.
+
+- They change the optimization (stale weights: `ScheduleInfo.staleness`), so the search considers them only when
+  asked (`--allow-async`); naming one without the flag is refused in one line.
+- A candidate simulates the stream of `schedules.simulate.stream_steps` steps `run` would start with and predicts
+  its steady state: the step is `stream_step_ms` (no fill, no drain, no flush), plus one gradient all-reduce per
+  update (m per step for pipedream, one for 2BW) — each stage blocks for it where its update group completes.
+  The bubble is the steady state's idle share: 1 - busy per step / (devices x step).
+- Memory adds each stage's stashed weight copies: one more copy of a stage's parameters (in the precision's
+  parameter dtype) per version it holds beyond the first (`MemoryCosts.weight_version_bytes`, counted by the
+  simulator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipeplan.errors import ConfigError
+from pipeplan.precision import get_precision
+from pipeplan.schedules.registry import generate, schedule_info
+from pipeplan.schedules.simulate import MemoryCosts, Timeline, stream_step_ms
+
+
+def searched_schedules(
+    names: Sequence[str], *, allow_async: bool, zero: int = 0, named: bool = True
+) -> tuple[str, ...]:
+    """The schedules to search among `names`: the asynchronous ones only with `allow_async` and ZeRO off. When the
+    user `named` them (not `auto`), an asynchronous one without --allow-async, or with --zero 1, is refused."""
+    found = [name for name in names if schedule_info(name).asynchronous]
+    if found and named and not allow_async:
+        raise ConfigError(
+            f"--schedule {found[0]} is asynchronous (stale weights, no flush: it changes what training computes); "
+            "pass --allow-async to plan with it"
+        )
+    if found and named and zero:
+        raise ConfigError(f"--schedule {found[0]} runs with --zero 0 (ZeRO-1 cannot keep stashed weight versions)")
+    keep = allow_async and not zero
+    return tuple(name for name in names if keep or not schedule_info(name).asynchronous)
+
+
+def with_weight_versions(memory: MemoryCosts, name: str, param_counts: Sequence[int], precision: str) -> MemoryCosts:
+    """`memory` with each stage's bytes per stashed weight copy when `name` is asynchronous: its parameters in the
+    precision's parameter dtype (what `run` stashes)."""
+    if not schedule_info(name).asynchronous:
+        return memory
+    size = get_precision(precision).param_bytes
+    return replace(memory, weight_version_bytes=tuple(float(count * size) for count in param_counts))
+
+
+def updates_per_step(name: str, num_microbatches: int) -> int:
+    """Weight updates (each with its gradient all-reduce) per step: 0 for a synchronous schedule (its one
+    all-reduce follows the flush), m / update_every for an asynchronous one."""
+    if not schedule_info(name).asynchronous:
+        return 0
+    return num_microbatches // generate(name, num_devices=1, num_microbatches=num_microbatches).update_every
+
+
+def predicted_step(name: str, timeline: Timeline, num_microbatches: int, allreduce_ms: float) -> tuple[float, float]:
+    """(step ms, bubble rate) of a simulated step or stream: synchronous: the makespan plus the all-reduce after
+    the flush, the timeline's bubble; asynchronous: the steady state (module docstring)."""
+    if not schedule_info(name).asynchronous:
+        return timeline.makespan + allreduce_ms, timeline.bubble_rate
+    step = stream_step_ms(timeline, num_microbatches)
+    busy = sum(busy_per_step(timeline, num_microbatches))
+    bubble = max(0.0, 1.0 - busy / (timeline.num_devices * step)) if step > 0 else 0.0
+    return step + updates_per_step(name, num_microbatches) * allreduce_ms, bubble
+
+
+def busy_per_step(timeline: Timeline, num_microbatches: int) -> tuple[float, ...]:
+    """Per device, its compute per step of a stream's timeline (every step of a stream does the same work)."""
+    steps = 1 + max(entry.op.microbatch for entry in timeline.entries) // num_microbatches
+    return tuple(busy / steps for busy in timeline.device_busy)
+
+
+def staleness(name: str, num_devices: int) -> str:
+    """The summary's staleness line ("" for synchronous schedules)."""
+    return schedule_info(name).describe_staleness(num_devices)

@@ -10,7 +10,15 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.partition import single
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, device_totals, stage_memory_bytes, stages_per_device, static_bytes
+from pipeplan.partition.costs import (
+    LayerArrays,
+    backward_op_ms,
+    device_totals,
+    stage_memory_bytes,
+    stage_recompute_ms,
+    stages_per_device,
+    static_bytes,
+)
 from pipeplan.partition.result import Partition, StageAssignment
 from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes
@@ -93,7 +101,9 @@ def build_partition(
     for index, st in enumerate(raw):
         a, b = st.first_item, st.last_item
         replicas = len(st.devices)
-        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight)
+        group = replicas * config.data_parallel
+        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
+        recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
         stages.append(
             StageAssignment(
                 index=index,
@@ -102,9 +112,11 @@ def build_partition(
                 replicas=replicas,
                 devices=st.devices,
                 forward_ms=float(arrays.span("forward", a, b)),
-                input_grad_ms=float(arrays.span("input_grad", a, b)),
+                input_grad_ms=float(backward_op_ms(arrays.span("input_grad", a, b), recompute)),
                 weight_grad_ms=float(arrays.span("weight_grad", a, b)),
-                backward_ms=float(arrays.span("backward", a, b)),
+                backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
+                recompute=st.recompute,
+                recompute_ms=recompute,
                 comm_ms=st.comm_ms,
                 allreduce_ms=st.allreduce_ms,
                 output_transfer_ms=st.output_transfer_ms,

@@ -104,12 +104,18 @@ class StagePlan:
     comm_ms: float = 0.0  # transfer to the next stage as simulated (activations forward, gradients backward)
     activation_bytes: int = 0  # saved for backward per microbatch (what F adds to its device's memory)
     activation_freed_by_input_grad_bytes: int = 0  # the part of it I frees (W frees the rest, B all)
-    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines
+    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines (ZeRO-1:
+    # its reduce-scatter + all-gather)
     recompute: str = "none"  # activation recomputation the runtime applies to this stage (pipeplan.recompute)
+    recompute_ms: float = 0.0  # what recomputation adds per microbatch, included in input_grad_ms / backward_ms
+    kept_bytes: int | None = None  # held from F to I or B under `recompute` (None: activation_bytes)
+    recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:
             raise FormatError(f"plan stage {self.index}: {problem}")
+        if min(self.kept_bytes or 0, self.recompute_bytes, self.recompute_ms) < 0:
+            raise FormatError(f"plan stage {self.index}: kept_bytes, recompute_bytes and recompute_ms must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

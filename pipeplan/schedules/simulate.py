@@ -256,16 +256,19 @@ def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = 
     memory = memory or unit_memory(schedule.num_chunks)
     delta = activation_deltas(memory, schedule.num_stages)
     rise = activation_rises(memory, schedule.num_stages)
-    peaks = []
-    for ops in schedule.device_ops:
-        live = peak = 0.0
-        for o in ops:
-            top = live + rise[o.kind][o.stage]
-            if top > peak:
-                peak = top
-            live += delta[o.kind][o.stage]
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(device_activation_peak(ops, delta, rise) for ops in schedule.device_ops)
+
+
+def device_activation_peak(ops: Sequence[Op], delta: Mapping, rise: Mapping) -> float:
+    """The most live activation bytes while one device runs `ops` in order (`activation_deltas`, `activation_rises`
+    of the memory)."""
+    live = peak = 0.0
+    for o in ops:
+        top = live + rise[o.kind][o.stage]
+        if top > peak:
+            peak = top
+        live += delta[o.kind][o.stage]
+    return peak
 
 
 def fits_limit(peak: float, limit: float) -> bool:

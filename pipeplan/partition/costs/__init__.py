@@ -3,7 +3,8 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
 
     link: latency + bytes / bandwidth; ring collectives   pipeplan.cluster.Link (Cluster picks intra/inter node)
     per-boundary transfer, all-reduce, reduce-scatter,    costs.comm: transfer_ms, allreduce_ms, reduce_scatter_ms,
-    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms
+    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms; gradient_sync_ms
+                                                          (all-reduce, or ZeRO-1's exchange)
     PipeDream's transfer and 4 (r-1) replication terms    costs.comm: pipedream_transfer_ms, pipedream_sync_ms
     compute per microbatch (F + I + W or F + B)           costs.stage: compute_ms (span_compute_ms over layers)
     an I or B op with recomputation                       costs.stage: backward_op_ms
@@ -27,6 +28,7 @@ from pipeplan.partition.costs.arrays import LayerArrays, balanced_bounds
 from pipeplan.partition.costs.comm import (
     all_gather_ms,
     allreduce_ms,
+    gradient_sync_ms,
     pipedream_sync_ms,
     pipedream_transfer_ms,
     reduce_scatter_ms,
@@ -93,6 +95,7 @@ __all__ = [
     "device_static_bytes",
     "device_totals",
     "exposed_transfer_ms",
+    "gradient_sync_ms",
     "least_stage_memory_bytes",
     "megatron_adam_split",
     "mode_offered",

@@ -43,10 +43,12 @@ def spread_static_bytes(param_count, per_param: float, num_devices: int) -> floa
 
 
 def device_static_bytes(
-    stage_param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], per_param: float
+    stage_param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], per_param: float | Sequence[float]
 ) -> tuple[float, ...]:
-    """Per device: `static_bytes` of the stages (chunks) it holds (`device_stages[d]`: their indices)."""
-    return tuple(float(sum(static_bytes(stage_param_counts[s], per_param) for s in stages)) for stages in device_stages)
+    """Per device: `static_bytes` of the stages (chunks) it holds (`device_stages[d]`: their indices); `per_param`
+    one figure, or one per stage (ZeRO-1: each stage's group shards its optimizer state)."""
+    each = [per_param] * len(stage_param_counts) if np.ndim(per_param) == 0 else list(per_param)  # type: ignore[arg-type]
+    return tuple(float(sum(static_bytes(stage_param_counts[s], each[s]) for s in stages)) for stages in device_stages)
 
 
 def replica_share(count, replicas) -> np.ndarray:

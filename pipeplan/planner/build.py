@@ -18,7 +18,7 @@ from pipeplan.partition.costs import busiest_device_ms, bytes_per_param, device_
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
-from pipeplan.planner.rationale import alternatives, rationale
+from pipeplan.planner.rationale import alternatives, memory_choices, rationale
 from pipeplan.planner.search import SearchResult
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
@@ -78,6 +78,7 @@ def build_plan(
         ),
         alternatives=alternatives(result, chosen, limit=num_alternatives),
         rationale=rationale(result, chosen),
+        memory_choices=memory_choices(result, chosen),
         pipeplan_version=pipeplan.__version__,
         torch_version=torch.__version__,
     )

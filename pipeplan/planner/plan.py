@@ -151,6 +151,7 @@ class Plan:
     predicted: Prediction
     alternatives: tuple[dict[str, Any], ...] = ()
     rationale: str = ""
+    memory_choices: tuple[str, ...] = ()  # each memory option used (recomputation per stage, ZeRO-1) and why
     pipeplan_version: str = ""
     torch_version: str = ""
 

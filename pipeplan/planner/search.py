@@ -67,6 +67,17 @@ PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none
 GIB = 1 << 30
 
 
+def parse_zero(text: str) -> int | str:
+    """`--zero`'s value: auto, or a ZeRO stage pipeplan supports (one ConfigError line otherwise)."""
+    if text == "auto":
+        return text
+    try:
+        stage = int(text)
+    except ValueError:
+        raise ConfigError(f"--zero must be auto, 0 or 1, got {text!r}") from None
+    return check_zero_stage(stage)
+
+
 def default_memory_reserve(memory_per_device: int) -> int:
     """max(1 GiB, 5% of device memory), at most a quarter of it: a CUDA context with cuBLAS/cuDNN workspaces
     takes 0.5-1 GiB, NCCL's point-to-point and all-reduce buffers a few hundred MiB more, and the caching

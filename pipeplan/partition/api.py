@@ -24,14 +24,17 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes
 
 
-def partition(profile: Profile, cluster: Cluster, config: PartitionConfig) -> Partition:
+def partition(profile: Profile, cluster: Cluster, config: PartitionConfig, *, explain: bool = True) -> Partition:
     """The partition with the smallest bottleneck stage time that fits in memory (see `costs` for the model).
 
-    Raises InfeasibleError naming the memory per device that would fit when none does."""
+    Raises InfeasibleError naming the memory per device that would fit when none does (`explain`; that takes a
+    binary search over the memory, so callers that will try again with other options may skip it)."""
     arrays = LayerArrays.from_profile(profile)
     _check_sizes(arrays, cluster, config)
     raw = _solve(arrays, cluster, config, float(cluster.memory_per_device))
     if raw is None:
+        if not explain:
+            raise InfeasibleError(_no_fit(cluster, config))
         raise _infeasible(arrays, cluster, config)
     objective, stages, layer_groups = raw
     return build_partition(arrays, cluster, config, stages, objective=objective, layer_groups=layer_groups)
@@ -190,7 +193,13 @@ def _infeasible(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) 
             f"{config.schedule}; change --devices or num_stages"
         )
     return InfeasibleError(
+        f"{_no_fit(cluster, config)}; raise --memory-per-device to at least {format_bytes(need)}, add devices, or "
+        "use fewer microbatches"
+    )
+
+
+def _no_fit(cluster: Cluster, config: PartitionConfig) -> str:
+    return (
         f"no partition fits in {format_bytes(cluster.memory_per_device)} per device with {cluster.num_devices} "
-        f"devices and {config.num_microbatches} microbatches ({config.schedule}); raise --memory-per-device to at "
-        f"least {format_bytes(need)}, add devices, or use fewer microbatches"
+        f"devices and {config.num_microbatches} microbatches ({config.schedule})"
     )

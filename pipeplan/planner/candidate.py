@@ -181,13 +181,14 @@ def min_memory_bytes(
 
 
 def partition_layout(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, **options
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, explain: bool = True, **options
 ) -> Partition | Rejection:
     """Stage cuts and replicas for `layout` from the partitioner (memory screened against
-    `cluster.memory_per_device`), or why there are none; `options` as `partition_config` takes them."""
+    `cluster.memory_per_device`), or why there are none (with the memory that would fit when `explain`);
+    `options` as `partition_config` takes them."""
     try:
         config = partition_config(layout, optimizer, **options)
-        part = partition(profile, pipeline_cluster(cluster, layout.pipeline_devices), config)
+        part = partition(profile, pipeline_cluster(cluster, layout.pipeline_devices), config, explain=explain)
     except InfeasibleError as exc:
         return Rejection(layout=layout, kind="memory", reason=str(exc))
     except ScheduleError as exc:

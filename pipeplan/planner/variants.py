@@ -11,7 +11,8 @@
   the schedule's op order does not depend on memory, it would repeat the same step and is not simulated.
 Each evaluation is pruned as before: not partitioned when the balanced estimate is slower than the best plan so
 far, not simulated when the partition's busiest-device bound is; a simulated peak over memory re-partitions with a
-tighter screen (at most MEMORY_RETRIES times).
+tighter screen (at most MEMORY_RETRIES times). A layout the partitioner finds no fit for is rejected without the
+binary search for the memory that would fit (the search's own error names the smallest memory for all layouts).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def evaluate_layout(
 def _with_recompute_if_needed(
     layout: Layout, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig, zero: int
 ) -> Evaluation | Rejection:
+    """Without recomputation, then (when that is over memory and the search may) with it."""
     result = _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="none")
     if isinstance(result, Rejection) and result.kind == "memory" and config.recompute == "auto":
         return _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="auto")
@@ -103,7 +105,7 @@ def _evaluate_with_retries(
     options = _options(config, **choice)
     budget = cluster
     for _ in range(MEMORY_RETRIES + 1):
-        part = partition_layout(layout, profile, budget, **options)
+        part = partition_layout(layout, profile, budget, explain=False, **options)
         if isinstance(part, Rejection):
             return part
         bound = partition_lower_bound_ms(layout, part, profile, cluster)

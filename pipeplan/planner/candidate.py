@@ -36,6 +36,7 @@ from pipeplan.partition.costs import (
     compute_ms,
     device_static_bytes,
     gradient_sync_ms,
+    stage_freed_bytes,
     stages_per_device,
     static_bytes,
     transfer_ms,
@@ -309,19 +310,19 @@ def stage_bytes_per_param(
 
 
 def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
-    """Per stage: one microbatch's saved activation bytes and the part of them I frees, and under recomputation
-    what each stage keeps until its backward and re-creates while it runs (`costs.recompute`; static bytes per
-    device are added once the layout is known, `partition.costs.device_static_bytes`)."""
-    saved, freed = [], []
-    for s in part.stages:
-        layers = profile.layers[s.first_layer : s.last_layer + 1]
-        saved.append(float(sum(la.activation_bytes for la in layers)))
-        freed.append(float(sum(la.activation_freed_by_input_grad_bytes for la in layers)))
-    memory = MemoryCosts(activation_bytes=tuple(saved), input_grad_freed_bytes=tuple(freed))
+    """Per stage: one microbatch's saved activation bytes and the part of them I frees (none on the model's first
+    stage, `costs.stage_freed_bytes`), and under recomputation what each stage keeps until its backward and
+    re-creates while it runs (`costs.recompute`; static bytes per device are added once the layout is known,
+    `partition.costs.device_static_bytes`)."""
+    arrays = LayerArrays.from_profile(profile)
+    ranges = part.stage_ranges
+    memory = MemoryCosts(
+        activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in ranges),
+        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, "none", a, b)) for a, b in ranges),
+    )
     if all(s.recompute == "none" for s in part.stages):
         return memory
-    arrays = LayerArrays.from_profile(profile)
-    return with_recompute_bytes(memory, arrays, part.stage_ranges, [s.recompute for s in part.stages])
+    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages])
 
 
 def _activation_budget(part: Partition, cluster: Cluster, per_param) -> float:

@@ -23,6 +23,7 @@ from pipeplan.partition.costs import (
     backward_op_ms,
     device_totals,
     mode_offered,
+    stage_freed_bytes,
     stage_kept_bytes,
     stage_memory_bytes,
     stage_recompute_bytes,
@@ -39,10 +40,14 @@ from pipeplan.units import format_bytes
 def with_recompute_bytes(
     memory: MemoryCosts, arrays: LayerArrays, ranges: Sequence[tuple[int, int]], modes: Sequence[str]
 ) -> MemoryCosts:
-    """`memory` with each stage's kept and re-created bytes under its mode (`costs.recompute`)."""
-    kept = tuple(float(stage_kept_bytes(arrays, m, a, b)) for (a, b), m in zip(ranges, modes, strict=True))
-    rise = tuple(float(stage_recompute_bytes(arrays, m, a, b)) for (a, b), m in zip(ranges, modes, strict=True))
-    return replace(memory, kept_bytes=kept, recompute_bytes=rise)
+    """`memory` with each stage's kept, re-created and I-freed bytes under its mode (`costs.recompute`)."""
+    pairs = list(zip(ranges, modes, strict=True))
+    return replace(
+        memory,
+        kept_bytes=tuple(float(stage_kept_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+        recompute_bytes=tuple(float(stage_recompute_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+    )
 
 
 class _Peaks:
@@ -53,7 +58,7 @@ class _Peaks:
         self.ops = [[Op.parse(text) for text in ops] for ops in device_ops]
         self.base = MemoryCosts(
             activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in self.ranges),
-            input_grad_freed_bytes=tuple(float(arrays.span("freed", a, b)) for a, b in self.ranges),
+            input_grad_freed_bytes=(0.0,) * len(self.ranges),  # each mode's own: with_recompute_bytes
         )
 
     def of(self, modes: Sequence[str], devices: Sequence[int]) -> list[float]:
@@ -142,10 +147,7 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
     for stage, mode in enumerate(modes):
         if mode == "none":
             continue
-        kept = list(memory.kept_bytes)  # type: ignore[arg-type]
-        rise = list(memory.recompute_bytes) if isinstance(memory.recompute_bytes, tuple | list) else [0.0] * len(kept)
-        kept[stage], rise[stage] = memory.activation_bytes[stage], 0.0  # type: ignore[index]
-        without = replace(memory, kept_bytes=tuple(kept), recompute_bytes=tuple(rise))
+        without = _without_recompute(memory, stage, len(modes))
         delta, rises = activation_deltas(without, len(modes)), activation_rises(without, len(modes))
         holders = [d for d, row in enumerate(ops) if any(o.stage == stage for o in row)]
         need = max(static[d] + device_activation_peak(ops[d], delta, rises) for d in holders)
@@ -153,3 +155,14 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
             f"stage {stage} recomputes ({mode}): without it needs {format_bytes(need)} of {format_bytes(limit)}"
         )
     return lines
+
+
+def _without_recompute(memory: MemoryCosts, stage: int, num_stages: int) -> MemoryCosts:
+    """`memory` with `stage` keeping all its saved bytes (mode none)."""
+    kept = list(memory.kept_bytes)  # type: ignore[arg-type]
+    rise = list(activation_rises(memory, num_stages)["B"])  # the re-created bytes (B's rise is exactly them)
+    freed = list(memory.input_grad_freed_bytes)  # type: ignore[arg-type]
+    kept[stage], rise[stage] = memory.activation_bytes[stage], 0.0  # type: ignore[index]
+    if stage == 0:
+        freed[0] = 0.0  # the model's first stage frees nothing at I without recomputation (stage_freed_bytes)
+    return replace(memory, kept_bytes=tuple(kept), recompute_bytes=tuple(rise), input_grad_freed_bytes=tuple(freed))

@@ -60,6 +60,7 @@ from pipeplan.partition.costs.optimizer import (
 from pipeplan.partition.costs.recompute import (
     RECOMPUTE_CHOICES,
     mode_offered,
+    stage_freed_bytes,
     stage_kept_bytes,
     stage_recompute_bytes,
     stage_recompute_ms,
@@ -110,6 +111,7 @@ __all__ = [
     "sharded_bytes_per_param",
     "span_compute_ms",
     "spread_static_bytes",
+    "stage_freed_bytes",
     "stage_kept_bytes",
     "stage_memory_bytes",
     "stage_ms",

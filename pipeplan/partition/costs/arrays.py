@@ -133,6 +133,13 @@ class LayerArrays:
         suffix = np.maximum.accumulate(values[last::-1])[::-1]  # suffix[a] = max over a..last
         return suffix[np.asarray(first)]
 
+    def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
+        model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
+        and everything saved lives until W (runtime/executor.py)."""
+        first_in_model = (np.asarray(first) == 0) if not self.reversed_order else (last == self.num_items - 1)
+        return np.where(first_in_model, 0.0, self.span("freed", first, last))
+
     def stage_start(self, first: np.ndarray | int, last: int) -> np.ndarray:
         """Per-item `entering` of a stage's first layer in model order (its last item when reversed)."""
         return self.entering[last] if self.reversed_order else self.entering[np.asarray(first)]

@@ -13,6 +13,7 @@ from pipeplan.partition.costs.arrays import LayerArrays
 from pipeplan.partition.costs.optimizer import optimizer_shards
 from pipeplan.partition.costs.recompute import (
     mode_offered,
+    stage_freed_bytes,
     stage_kept_bytes,
     stage_recompute_bytes,
     stage_recompute_ms,
@@ -80,7 +81,7 @@ def stage_memory_bytes(
     candidate's exact peak with the simulator."""
     total, before_i = held
     total_r, before_r = replica_share(total, replicas), replica_share(before_i, replicas)
-    saved, freed = arrays.span("activation", first, last), arrays.span("freed", first, last)
+    saved, freed = arrays.span("activation", first, last), stage_freed_bytes(arrays, mode, first, last)
     group = np.asarray(replicas, dtype=np.float64) * config.data_parallel if group_size is None else group_size
     params = static_bytes(arrays.span("param_count", first, last), config.static_bytes_per_param(group))
     if mode == "none":

@@ -9,7 +9,8 @@ executes them (runtime/executor.py, runtime/recompute_run.py) over the per-layer
     full       the bytes entering the stage    A - K (the stage's forward re-run    sum full_recompute_ms
                (its inputs; the model's inputs  with grad right before I or B)      (the forward again)
                for the first stage)
-After I a stage holds A - f (kept until W) in every mode. `schedules.simulate.MemoryCosts` (kept_bytes,
+After I a stage holds A - f (kept until W) in every mode (`stage_freed_bytes`: the first stage's I frees nothing,
+or only the attention internals selective recomputation dropped). `schedules.simulate.MemoryCosts` (kept_bytes,
 recompute_bytes) carries K and R into the simulator's memory model; the partitioner's screen bounds the same.
 
 Full recomputation keeps the stage's inputs: the bytes crossing the cut before it, which is exact for sequential
@@ -34,6 +35,18 @@ def stage_kept_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, la
     if mode == "full":
         return np.broadcast_to(arrays.stage_start(first, last), np.shape(first)).astype(np.float64)
     return arrays.span("selective" if mode == "selective" else "activation", first, last)
+
+
+def stage_freed_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+    """f: bytes the stage's I frees, leaving A - f until W. Its layers' `freed` (what no weight-gradient node
+    saved), except on the model's first stage, whose inputs are the model's own: its I has no input gradient to
+    compute, so W runs the whole backward and keeps everything — less, under selective recomputation, the attention
+    internals that were never kept (`LayerArrays.stage_freed`)."""
+    base = arrays.stage_freed(first, last)
+    if mode != "selective":
+        return base
+    dropped = arrays.span("activation", first, last) - arrays.span("selective", first, last)
+    return np.maximum(base, dropped)
 
 
 def stage_recompute_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:

@@ -88,11 +88,13 @@ def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
         without = _peak_without_zero(result, chosen)
         if without > limit:
             lines.append(f"{head}: without it needs {format_bytes(without)} of {format_bytes(limit)}")
+        elif result.config.zero != "auto":
+            lines.append(f"{head}: as --zero 1 asks")
         elif plain:
             gap = plain[0].step_ms / chosen.step_ms - 1.0
             lines.append(f"{head}: {gap:.1%} faster than the best plan without it ({plain[0].layout.label})")
         else:
-            lines.append(f"{head}: no plan fits without it")
+            lines.append(f"{head}: no plan without it fits")
     return tuple(lines)
 
 

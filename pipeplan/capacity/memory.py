@@ -16,7 +16,13 @@ import numpy as np
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ScheduleError
-from pipeplan.partition.costs import bytes_per_param, spread_static_bytes, static_bytes, static_split
+from pipeplan.partition.costs import (
+    bytes_per_param,
+    optimizer_state_bytes,
+    spread_static_bytes,
+    static_bytes,
+    static_split,
+)
 from pipeplan.partition.single import held_counts
 from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
 from pipeplan.planner.scaling import scale_profile
@@ -58,7 +64,11 @@ def device_memory_split(
     device = max(range(len(evaluation.device_memory_bytes)), key=lambda d: evaluation.device_memory_bytes[d])
     stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
     params = sum(s.param_count for s in stages)
-    weights, gradients, state = (round(float(static_bytes(params, b))) for b in split)
+    weights, gradients = (round(float(static_bytes(params, b))) for b in split[:2])
+    groups = [s.replicas * evaluation.layout.data_parallel for s in stages]  # ZeRO-1 splits the state over them
+    state = round(
+        sum(float(optimizer_state_bytes(s.param_count, split[2], g, evaluation.zero)) for s, g in zip(stages, groups))
+    )
     return MemorySplit(
         device=device,
         param_count=params,
@@ -69,9 +79,12 @@ def device_memory_split(
     )
 
 
-def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float) -> float:
+def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float, *, recompute: bool = False) -> float:
     """A lower bound on the memory per device any partition of `layout` needs under the partitioner's model
-    (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here).
+    (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here). `optimizer`
+    may be the bytes per parameter (the least a device can hold, e.g. with ZeRO-1). With `recompute` a
+    stage may recompute, so it is only bounded by one microbatch of what selective recomputation keeps (every mode
+    holds at least that while a backward runs: full re-creates all of a stage's saved bytes).
 
     Straight pipelines cut the layers into exactly S = P x chunks non-empty contiguous stages; stage s holds c_s
     microbatches in flight (the schedule's memory model) and its parameters x bytes/param. A device holds at least
@@ -88,7 +101,10 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float)
     inflight = np.asarray([before_i for _, before_i in held])
     per_param = bytes_per_param(optimizer)
     static = np.concatenate([[0.0], np.cumsum(static_bytes([la.param_count for la in profile.layers], per_param))])
-    active = np.concatenate([[0.0], np.cumsum([float(la.activation_bytes) for la in profile.layers])])
+    if recompute:
+        inflight = np.ones_like(inflight)
+    kept = [float(la.selective_activation_bytes if recompute else la.activation_bytes) for la in profile.layers]
+    active = np.concatenate([[0.0], np.cumsum(kept)])
     if len(inflight) > profile.num_layers:
         return math.inf
     devices = layout.pipeline_devices
@@ -170,7 +186,6 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     """Split the search's layouts on `cluster` by `memory_floor_bytes` (weights + gradients + optimizer state over
     P devices first: it needs no schedule); a layout's need includes the search's memory reserve."""
     reserve = config.memory_reserve_bytes
-    per_param = config.per_param
     params = sum(layer.param_count for layer in profile.layers)
     scaled = {b: scale_profile(profile, b) for b in config.microbatch_sizes}
     passing: set[str] = set()
@@ -179,10 +194,13 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
         if isinstance(layout, Rejection):
             continue
+        per_param = config.least_per_param(layout.data_parallel)
         need = spread_static_bytes(params, per_param, layout.pipeline_devices) + reserve
         if need <= cluster.memory_per_device:
             try:
-                floor_bytes = memory_floor_bytes(layout, scaled[layout.microbatch_size], per_param)
+                floor_bytes = memory_floor_bytes(
+                    layout, scaled[layout.microbatch_size], per_param, recompute=config.recompute != "none"
+                )
                 need = max(need, floor_bytes + reserve)
             except ScheduleError:
                 continue  # the schedule cannot run this shape; the search rejects it too

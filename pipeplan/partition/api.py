@@ -10,20 +10,31 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.partition import single
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, device_totals, stage_memory_bytes, stages_per_device, static_bytes
+from pipeplan.partition.costs import (
+    LayerArrays,
+    backward_op_ms,
+    device_totals,
+    stage_memory_bytes,
+    stage_recompute_ms,
+    stages_per_device,
+    static_bytes,
+)
 from pipeplan.partition.result import Partition, StageAssignment
 from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes
 
 
-def partition(profile: Profile, cluster: Cluster, config: PartitionConfig) -> Partition:
+def partition(profile: Profile, cluster: Cluster, config: PartitionConfig, *, explain: bool = True) -> Partition:
     """The partition with the smallest bottleneck stage time that fits in memory (see `costs` for the model).
 
-    Raises InfeasibleError naming the memory per device that would fit when none does."""
+    Raises InfeasibleError naming the memory per device that would fit when none does (`explain`; that takes a
+    binary search over the memory, so callers that will try again with other options may skip it)."""
     arrays = LayerArrays.from_profile(profile)
     _check_sizes(arrays, cluster, config)
     raw = _solve(arrays, cluster, config, float(cluster.memory_per_device))
     if raw is None:
+        if not explain:
+            raise InfeasibleError(_no_fit(cluster, config))
         raise _infeasible(arrays, cluster, config)
     objective, stages, layer_groups = raw
     return build_partition(arrays, cluster, config, stages, objective=objective, layer_groups=layer_groups)
@@ -93,7 +104,9 @@ def build_partition(
     for index, st in enumerate(raw):
         a, b = st.first_item, st.last_item
         replicas = len(st.devices)
-        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight)
+        group = replicas * config.data_parallel
+        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
+        recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
         stages.append(
             StageAssignment(
                 index=index,
@@ -102,9 +115,11 @@ def build_partition(
                 replicas=replicas,
                 devices=st.devices,
                 forward_ms=float(arrays.span("forward", a, b)),
-                input_grad_ms=float(arrays.span("input_grad", a, b)),
+                input_grad_ms=float(backward_op_ms(arrays.span("input_grad", a, b), recompute)),
                 weight_grad_ms=float(arrays.span("weight_grad", a, b)),
-                backward_ms=float(arrays.span("backward", a, b)),
+                backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
+                recompute=st.recompute,
+                recompute_ms=recompute,
                 comm_ms=st.comm_ms,
                 allreduce_ms=st.allreduce_ms,
                 output_transfer_ms=st.output_transfer_ms,
@@ -178,7 +193,13 @@ def _infeasible(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) 
             f"{config.schedule}; change --devices or num_stages"
         )
     return InfeasibleError(
+        f"{_no_fit(cluster, config)}; raise --memory-per-device to at least {format_bytes(need)}, add devices, or "
+        "use fewer microbatches"
+    )
+
+
+def _no_fit(cluster: Cluster, config: PartitionConfig) -> str:
+    return (
         f"no partition fits in {format_bytes(cluster.memory_per_device)} per device with {cluster.num_devices} "
-        f"devices and {config.num_microbatches} microbatches ({config.schedule}); raise --memory-per-device to at "
-        f"least {format_bytes(need)}, add devices, or use fewer microbatches"
+        f"devices and {config.num_microbatches} microbatches ({config.schedule})"
     )

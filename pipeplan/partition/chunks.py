@@ -7,7 +7,8 @@ The DP balances the p*v stages (chunks) themselves: the objective is the largest
 (the sum of its chunks) is reported in Partition.device_load_ms. Transfers between consecutive stages are charged
 on the inter-node link whenever the pipeline spans more than one node (p > devices_per_node), else intra-node.
 Memory is per device, the sum over its chunks of parameters + in-flight activations; the fast path checks it after
-the DP, and if the optimum does not fit, a position-aware DP per p caps each chunk at memory / v (conservative).
+the DP, and if the optimum does not fit, a position-aware DP per p caps each chunk at memory / v (conservative;
+each chunk's recomputation mode is then the one that fits memory / v).
 """
 
 from __future__ import annotations
@@ -38,12 +39,19 @@ def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit:
 
 
 def _device_memory_fits(level: single.Level, stages: single.Stages, num_devices: int) -> bool:
+    """Whether each device's chunks fit together, each in the recomputation mode the DP gave it (with one
+    microbatch in flight), which must also be the mode its exact counts give it (so the DP's times stand)."""
     config = level.config
     inflight = single.inflight_counts(config, len(stages))
+    if config.recompute != "none" and not single.stages_fit(level, stages):
+        return False
+    modes = single.stage_modes(level, stages, inflight)
+    if None in modes:
+        return False
     placement = stage_device(config.schedule, num_devices, config.chunks)
     used = np.zeros(num_devices)
     for s, (a, b, _) in enumerate(stages):
-        used[placement[s]] += stage_memory_bytes(level.arrays, config, a, b, 1, inflight[s])
+        used[placement[s]] += stage_memory_bytes(level.arrays, config, a, b, 1, inflight[s], mode=modes[s])
     return bool(np.all(used <= level.memory_limit))
 
 
@@ -102,6 +110,5 @@ def _fallback(arrays, cluster, config, memory_limit, candidates):
         )
         found = single.solve_fixed_stages(level, p * config.chunks)
         if found is not None and (best is None or found[0] < best[0]):
-            full = dataclasses.replace(level, memory_limit=memory_limit)
-            best = (found[0], p, full, found[1])
+            best = (found[0], p, level, found[1])  # described at memory / v: the modes the DP counted
     return best

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
-from pipeplan.partition.costs.optimizer import bytes_per_param
+from pipeplan.partition.costs.optimizer import bytes_per_param, check_zero_stage
+from pipeplan.partition.costs.recompute import RECOMPUTE_CHOICES, modes_for
 from pipeplan.schedules.registry import schedule_info
 
 MODES = ("replicated", "straight")
@@ -29,6 +30,10 @@ class PartitionConfig:
     objective of PipeDream's optimizer_graph_hierarchical.py with activation_compression_ratio=1).
     memory_limit_microbatches: passed to the schedule's memory model (caps in-flight microbatches for zb-auto).
     max_layer_groups: with several nodes the DP runs on at most this many groups of consecutive layers.
+    recompute: `none`, or `auto`: each stage takes the recomputation mode (`costs.recompute`) that passes the
+    memory screen with the least added time (none first on ties), so cuts and modes are chosen together.
+    zero / data_parallel: ZeRO stage and the number of data-parallel pipelines; with zero 1 a stage's optimizer
+    state is split over its replicas in every pipeline (replicas x data_parallel devices) in the memory screen.
     """
 
     num_microbatches: int
@@ -41,6 +46,9 @@ class PartitionConfig:
     cost_model: str = "pipeplan"
     memory_limit_microbatches: int | None = None
     max_layer_groups: int = 128
+    recompute: str = "none"
+    zero: int = 0
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
@@ -70,10 +78,30 @@ class PartitionConfig:
             raise ConfigError(f"max_layer_groups must be >= 2, got {self.max_layer_groups}")
         bytes_per_param = self.optimizer_bytes_per_param  # validates
         assert bytes_per_param >= 0
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
+        if self.recompute != "none" and self.cost_model == "pipedream":
+            raise ConfigError("cost_model='pipedream' models no recomputation; use recompute='none'")
+        if self.data_parallel < 1:
+            raise ConfigError(f"data_parallel must be >= 1, got {self.data_parallel}")
+        check_zero_stage(self.zero)
+        self.static_bytes_per_param(1)  # validates the optimizer for ZeRO
 
     @property
     def optimizer_bytes_per_param(self) -> float:
         return bytes_per_param(self.optimizer, self.precision)
+
+    def static_bytes_per_param(self, group_size):
+        """Weights + gradients + optimizer state per parameter on one device of a group of `group_size` devices
+        holding the same parameters (`costs.optimizer.bytes_per_param`; the group matters only with zero 1)."""
+        if not self.zero:
+            return self.optimizer_bytes_per_param
+        return bytes_per_param(self.optimizer, self.precision, zero=self.zero, group_size=group_size)
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The modes each stage may take, cheapest first."""
+        return modes_for(self.recompute)
 
     @property
     def splits_backward(self) -> bool:

@@ -43,29 +43,34 @@ class _Inner:
     and the output cut are charged (they are not at block edges)."""
 
     level: single.Level
+    inflight: single.Held  # what the level-1 screen assumed in flight on every stage
     mid: list[np.ndarray]  # mid[last]: (last+1, G), both cuts charged
     no_in: list[np.ndarray]
     no_out: list[np.ndarray]
     none: list[np.ndarray]
 
 
-def _inner(level: single.Level, inflight: float) -> _Inner:
+def _inner(level: single.Level, inflight: single.Held) -> _Inner:
     model, g = level.model, level.units
     reps = np.arange(1, g + 1)
     variants = {"mid": [], "no_in": [], "no_out": [], "none": []}
+    recomputes = level.config.recompute != "none"
     for last in range(level.arrays.num_items):
         zero_in = np.zeros(last + 1)
-        mask = single._memory_mask(level, last, reps, inflight)
+        added = single._recompute_ms(level, last, reps[None, :], inflight)
         for key, in_link, out_link in (
             ("mid", level.intra, level.intra),
             ("no_in", zero_in, level.intra),
             ("no_out", level.intra, None),
             ("none", zero_in, None),
         ):
-            t = model.times(last, reps, in_link=in_link, out_link=out_link)
-            t[mask] = np.inf
+            if recomputes:
+                t = model.times(last, reps, in_link=in_link, out_link=out_link, recompute_ms=added)
+            else:
+                t = model.times(last, reps, in_link=in_link, out_link=out_link)
+                t[~np.isfinite(added)] = np.inf
             variants[key].append(t)
-    return _Inner(level=level, **variants)
+    return _Inner(level=level, inflight=inflight, **variants)
 
 
 def _block_rows(inner: _Inner, start: int, last: int, *, end: bool) -> np.ndarray:
@@ -187,6 +192,7 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
     reduce_inter = float(allreduce_ms(params, copies, link))
     edge_comm = float(exposed_transfer_ms(transfer_ms(cut[a], link), transfer_ms(cut[b + 1], link), copies))
     out, local = [], 0
+    modes = single.stage_modes(level, stages, [inner.inflight] * len(stages))
     for i, (x, y, r) in enumerate(stages):
         rows = _block_rows(inner, a, y, end=(y == b))
         edge = edge_comm if i in (0, len(stages) - 1) else 0.0  # the block's own cuts: its first and last stage
@@ -206,6 +212,7 @@ def _describe_block(inner, outer, stages, copies, node_offset, g, a, b) -> list[
                 allreduce_ms=reduce_intra + reduce_inter,
                 output_transfer_ms=float(transfer_ms(cut[y + 1], link if y == b else level.intra)),
                 inflight=(0, 0),
+                recompute=modes[i] or "none",
             )
         )
         local += r
@@ -220,8 +227,20 @@ def _with_inflight(config: PartitionConfig, raw: list[single.RawStage]) -> list[
 
 
 def _fits(grouped: LayerArrays, config: PartitionConfig, raw: list[single.RawStage], memory_limit: float) -> bool:
+    """Every stage fits with its exact per-replica counts in the recomputation mode level 1 gave it."""
     return all(
-        stage_memory_bytes(grouped, config, st.first_item, st.last_item, 1, st.inflight) <= memory_limit for st in raw
+        stage_memory_bytes(
+            grouped,
+            config,
+            st.first_item,
+            st.last_item,
+            1,
+            st.inflight,
+            mode=st.recompute,
+            group_size=len(st.devices) * config.data_parallel,
+        )
+        <= memory_limit
+        for st in raw
     )
 
 

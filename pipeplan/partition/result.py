@@ -13,9 +13,10 @@ class StageAssignment:
     """One pipeline stage (a chunk, for chunked schedules). Times are per microbatch unless noted.
 
     forward_ms / input_grad_ms / weight_grad_ms / backward_ms: the stage's layers summed (one replica's work for one
-    microbatch, not divided by replicas). comm_ms: transfer time of its input and output cuts per microbatch, divided
-    by replicas. output_transfer_ms: latency + bytes / bandwidth of one microbatch's output cut (what a simulator
-    charges between this stage and the next). allreduce_ms: the replicas' gradient all-reduce, once per step.
+    microbatch, not divided by replicas), I and B with the recomputation that runs before them (`recompute_ms`).
+    comm_ms: transfer time of its input and output cuts per microbatch, divided by replicas. output_transfer_ms:
+    latency + bytes / bandwidth of one microbatch's output cut (what a simulator charges between this stage and the
+    next). allreduce_ms: the replicas' gradient all-reduce, once per step.
     time_ms: the stage's term in the objective (compute / replicas + all-reduce / microbatches, or communication,
     whichever is larger; the PipeDream formula under cost_model='pipedream'). memory_bytes: the partitioner's screen
     on one of its devices (static bytes + a bound on live activations, `costs.stage_memory_bytes`); the planner's
@@ -38,6 +39,8 @@ class StageAssignment:
     inflight_before_input_grad: int  # per replica: of those, most before their I (or B)
     param_count: int
     memory_bytes: int
+    recompute: str = "none"  # activation recomputation mode (costs.recompute); none, selective or full
+    recompute_ms: float = 0.0  # what it adds per microbatch, included in input_grad_ms and backward_ms
 
     @property
     def num_layers(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +26,11 @@ from pipeplan.partition.costs import (
     StageCostModel,
     allreduce_ms,
     exposed_transfer_ms,
+    least_stage_memory_bytes,
     pipedream_sync_ms,
     pipedream_transfer_ms,
     replica_share,
-    stage_memory_bytes,
+    screened_recompute,
     transfer_ms,
 )
 from pipeplan.schedules.memory import Held, held_per_stage
@@ -103,57 +105,76 @@ def held_counts(
     return held_per_stage(schedule)
 
 
-def stages_fit(level: Level, stages: Stages) -> bool:
-    inflight = inflight_counts(level.config, len(stages))
-    for (a, b, r), count in zip(stages, inflight):
-        if stage_memory_bytes(level.arrays, level.config, a, b, r, count) > level.memory_limit:
-            return False
-    return True
+def stage_modes(level: Level, stages: Stages, held: Sequence[Held]) -> list[str | None]:
+    """Per stage, the recomputation mode the screen gives it with `held` microbatches (None: nothing fits)."""
+    modes: list[str | None] = []
+    for (a, b, r), count in zip(stages, held):
+        added, index = screened_recompute(level.arrays, level.config, a, b, r, count, level.memory_limit)
+        modes.append(level.config.recompute_modes[int(index)] if np.isfinite(added) else None)
+    return modes
 
 
-def _memory_mask(level: Level, last: int, replicas: np.ndarray, inflight) -> np.ndarray:
+def stages_fit(level: Level, stages: Stages, assumed: Held = (1, 1)) -> bool:
+    """Whether the stages pass the screen with their exact in-flight counts, each with the recomputation mode the
+    DP gave it under `assumed` counts (so the DP's times stand)."""
+    exact = stage_modes(level, stages, inflight_counts(level.config, len(stages)))
+    if level.config.recompute == "none":
+        return None not in exact
+    return exact == stage_modes(level, stages, [assumed] * len(stages))
+
+
+def _recompute_ms(level: Level, last: int, replicas, inflight) -> np.ndarray:
+    """(first, replicas) grid of what recomputation adds to the stage's I or B, inf where no mode fits memory
+    (`costs.screened_recompute`)."""
     firsts = np.arange(last + 1)[:, None]
-    return (
-        stage_memory_bytes(level.arrays, level.config, firsts, last, replicas[None, :], inflight) > level.memory_limit
-    )
+    return screened_recompute(level.arrays, level.config, firsts, last, replicas, inflight, level.memory_limit)[0]
 
 
 def replicated_times(level: Level, last: int, inflight, cache: dict | None = None) -> np.ndarray:
     replicas = np.arange(1, level.units + 1)
     link = level.replica_link
+    added = _recompute_ms(level, last, replicas[None, :], inflight)
+    if level.config.recompute != "none":
+        return level.model.times(last, replicas, in_link=link, out_link=link, recompute_ms=added)
     if cache is not None and last in cache:
         times = cache[last].copy()
     else:
         times = level.model.times(last, replicas, in_link=link, out_link=link)
         if cache is not None:
             cache[last] = times.copy()
-    times[_memory_mask(level, last, replicas, inflight)] = np.inf
+    times[~np.isfinite(added)] = np.inf
     return times
+
+
+def _link_variants(level: Level, last: int, num_cols: int):
+    """(columns, input transfer ms per first item, output link) for each combination of the stage's input and output
+    cut crossing a node boundary that some device column has."""
+    in_inter, out_inter = level.crosses_node(np.arange(num_cols))
+    firsts = np.arange(last + 1)
+    for in_is_inter in (False, True):
+        t_in = transfer_ms(level.arrays.cut[firsts], level.inter if in_is_inter else level.intra)
+        for out_is_inter in (False, True):
+            cols = (in_inter == in_is_inter) & (out_inter == out_is_inter)
+            if cols.any():
+                yield cols, t_in, level.inter if out_is_inter else level.intra
 
 
 def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarray:
     """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
     `inflight`: one (in flight, before I) pair for every position (returns a broadcast view), or a pair of
     per-position arrays."""
-    model, d = level.model, np.arange(num_cols)
-    in_inter, out_inter = level.crosses_node(d)
+    if level.config.recompute != "none":
+        return _straight_recompute_times(level, last, inflight, num_cols)
     one = np.ones(1)
-    firsts = np.arange(last + 1)
-    variants = []
-    for in_is_inter in (False, True):
-        t_in = transfer_ms(level.arrays.cut[firsts], level.inter if in_is_inter else level.intra)
-        for out_is_inter in (False, True):
-            cols = (in_inter == in_is_inter) & (out_inter == out_is_inter)
-            if cols.any():
-                out_link = level.inter if out_is_inter else level.intra
-                variants.append((cols, model.times(last, one, in_link=t_in, out_link=out_link)))
+    variants = [
+        (cols, level.model.times(last, one, in_link=t_in, out_link=out_link))
+        for cols, t_in, out_link in _link_variants(level, last, num_cols)
+    ]
     if np.ndim(inflight[0]) == 0:
         mask = _memory_mask_straight(level, last, (np.full(1, inflight[0]), np.full(1, inflight[1])))
         if len(variants) == 1:
             return np.broadcast_to(np.where(mask, np.inf, variants[0][1]), (last + 1, num_cols))
-        counts = (np.full(num_cols, float(inflight[0])), np.full(num_cols, float(inflight[1])))
-    else:
-        counts = (np.asarray(inflight[0], dtype=np.float64), np.asarray(inflight[1], dtype=np.float64))
+    counts = _column_counts(inflight, num_cols)
     out = np.empty((last + 1, num_cols))
     for cols, col in variants:
         out[:, cols] = col
@@ -161,10 +182,24 @@ def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarr
     return out
 
 
+def _column_counts(inflight, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
+    if np.ndim(inflight[0]) == 0:
+        return np.full(num_cols, float(inflight[0])), np.full(num_cols, float(inflight[1]))
+    return np.asarray(inflight[0], dtype=np.float64), np.asarray(inflight[1], dtype=np.float64)
+
+
+def _straight_recompute_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarray:
+    """`straight_times` when stages may recompute: each cell's mode from its column's in-flight counts."""
+    counts = _column_counts(inflight, num_cols)
+    added = _recompute_ms(level, last, 1, (counts[0][None, :], counts[1][None, :]))
+    out = np.empty((last + 1, num_cols))
+    for cols, t_in, out_link in _link_variants(level, last, num_cols):
+        out[:, cols] = level.model.times(last, np.ones(1), in_link=t_in, out_link=out_link, recompute_ms=added[:, cols])
+    return out
+
+
 def _memory_mask_straight(level: Level, last: int, counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    firsts = np.arange(last + 1)[:, None]
-    mem = stage_memory_bytes(level.arrays, level.config, firsts, last, 1, (counts[0][None, :], counts[1][None, :]))
-    return mem > level.memory_limit
+    return ~np.isfinite(_recompute_ms(level, last, 1, (counts[0][None, :], counts[1][None, :])))
 
 
 def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | None:
@@ -280,7 +315,7 @@ def min_memory_from_end(level: Level) -> float | None:
     replicas = np.arange(1, level.units + 1)[None, :]
 
     def memory(last: int, q: int) -> np.ndarray:
-        return stage_memory_bytes(rev, level.config, np.arange(last + 1)[:, None], last, replicas, g[q])
+        return least_stage_memory_bytes(rev, level.config, np.arange(last + 1)[:, None], last, replicas, g[q])
 
     tables = dp.replicated_dp_by_stage(n, level.units, len(g), memory, at_most=True)
     return float(min(t.value[n, level.units] for t in tables[1:]))
@@ -298,6 +333,7 @@ class RawStage:
     allreduce_ms: float
     output_transfer_ms: float  # one microbatch's output cut, one way (0 for the last stage)
     inflight: Held  # per replica: (in flight, before I)
+    recompute: str = "none"  # the stage's recomputation mode (costs.recompute), as its time_ms counts it
 
 
 def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: Link) -> tuple[float, float, float]:
@@ -314,18 +350,21 @@ def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: L
 
 
 def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[RawStage]:
-    """Per-stage costs of a solved one-level pipeline, recomputed from the cost model (devices in stage order)."""
+    """Per-stage costs of a solved one-level pipeline, recomputed from the cost model (devices in stage order)
+    with the stages' exact in-flight counts, which also give each stage its recomputation mode."""
     inflight = inflight_counts(level.config, len(stages))
+    modes = stage_modes(level, stages, inflight)
+    assert None not in modes, "describing stages that do not fit"
     straight = level.config.mode == "straight"
     out, device = [], first_device
     for s, (a, b, r) in enumerate(stages):
         if straight:
-            row = straight_times(level, b, (0, 0), s + 1)[a, s]
+            row = straight_times(level, b, inflight[s], s + 1)[a, s]
             in_inter, out_inter = level.crosses_node(s)
             in_link = level.inter if in_inter else level.intra
             out_link = level.inter if out_inter else level.intra
         else:
-            row = replicated_times(level, b, (0, 0))[a, r - 1]
+            row = replicated_times(level, b, inflight[s])[a, r - 1]
             in_link = out_link = level.replica_link
         comm, reduce, send = _comm_terms(level, a, b, r, in_link, out_link)
         out.append(
@@ -338,6 +377,7 @@ def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[Raw
                 allreduce_ms=reduce,
                 output_transfer_ms=send,
                 inflight=per_replica(inflight[s], r),
+                recompute=modes[s] or "none",
             )
         )
         device += r

@@ -23,19 +23,21 @@ from pipeplan.schedules.simulate import MemoryCosts, Timeline, stream_step_ms
 
 
 def searched_schedules(
-    names: Sequence[str], *, allow_async: bool, zero: int = 0, named: bool = True
+    names: Sequence[str], *, allow_async: bool, zero: int | str = 0, named: bool = True
 ) -> tuple[str, ...]:
-    """The schedules to search among `names`: the asynchronous ones only with `allow_async` and ZeRO off. When the
-    user `named` them (not `auto`), an asynchronous one without --allow-async, or with --zero 1, is refused."""
+    """The schedules to search among `names`: the asynchronous ones only with `allow_async` and ZeRO off (`auto`
+    evaluates them with ZeRO 0). When the user `named` them (not `auto`), an asynchronous one without
+    --allow-async, or with --zero 1, is refused."""
+    sharded = zero not in (0, "0", "auto")
     found = [name for name in names if schedule_info(name).asynchronous]
     if found and named and not allow_async:
         raise ConfigError(
             f"--schedule {found[0]} is asynchronous (stale weights, no flush: it changes what training computes); "
             "pass --allow-async to plan with it"
         )
-    if found and named and zero:
+    if found and named and sharded:
         raise ConfigError(f"--schedule {found[0]} runs with --zero 0 (ZeRO-1 cannot keep stashed weight versions)")
-    keep = allow_async and not zero
+    keep = allow_async and not sharded
     return tuple(name for name in names if keep or not schedule_info(name).asynchronous)
 
 

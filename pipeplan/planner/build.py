@@ -8,16 +8,18 @@ pipeline, so every pipeline runs the same lists.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import pipeplan
 from pipeplan.errors import FormatError
-from pipeplan.partition.costs import busiest_device_ms, device_static_bytes
+from pipeplan.partition.costs import busiest_device_ms, bytes_per_param, device_static_bytes
 from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
 from pipeplan.planner.candidate import Evaluation
 from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
-from pipeplan.planner.rationale import alternatives, rationale
+from pipeplan.planner.rationale import alternatives, memory_choices, rationale
 from pipeplan.planner.search import SearchResult
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
@@ -52,7 +54,7 @@ def build_plan(
         dtype=get_precision(result.config.precision).compute_dtype_name,
         precision=result.config.precision,
         device=run_device_for(profile.provenance.device),
-        zero=result.config.zero,
+        zero=chosen.zero,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel
@@ -77,6 +79,7 @@ def build_plan(
         ),
         alternatives=alternatives(result, chosen, limit=num_alternatives),
         rationale=rationale(result, chosen),
+        memory_choices=memory_choices(result, chosen),
         pipeplan_version=pipeplan.__version__,
         torch_version=torch.__version__,
     )
@@ -118,9 +121,24 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 activation_bytes=int(chosen.memory.activation_bytes[index]),
                 activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
+                **_recompute_fields(chosen, index),
             )
         )
     return tuple(plans)
+
+
+def _recompute_fields(chosen: Evaluation, index: int) -> dict:
+    """The stage's recomputation as searched: mode, added time, kept and re-created bytes."""
+    stage, memory = chosen.partition.stages[index], chosen.memory
+    if memory.kept_bytes is None:
+        return {}
+    rise = memory.recompute_bytes
+    return dict(
+        recompute=stage.recompute,
+        recompute_ms=stage.recompute_ms,
+        kept_bytes=int(memory.kept_bytes[index]),  # type: ignore[index]
+        recompute_bytes=int(rise[index] if isinstance(rise, tuple | list) else rise),
+    )
 
 
 def plan_pipeline(plan: Plan) -> PipelineLayout:
@@ -145,18 +163,35 @@ def plan_costs(plan: Plan) -> StageCosts:
 
 
 def plan_memory(plan: Plan) -> MemoryCosts:
-    """Per stage activation bytes (and I's frees), per pipeline-0 rank static bytes, as the search simulated."""
+    """Per stage activation bytes (and I's frees, and under recomputation what is kept and re-created), per
+    pipeline-0 rank static bytes (ZeRO-1: each stage's optimizer state split over its holders), as searched."""
     device_stages = [info.stages for info in plan.ranks if info.pipeline == 0]
-    static = device_static_bytes(
-        [s.param_count for s in plan.stages], device_stages, plan.training.optimizer_bytes_per_param
-    )
+    training = plan.training
+    per_param: float | list[float] = training.optimizer_bytes_per_param
+    if training.zero:
+        per_param = [
+            float(
+                bytes_per_param(
+                    training.optimizer, training.precision, zero=1, group_size=s.replicas * training.data_parallel
+                )
+            )
+            for s in plan.stages
+        ]
+    static = device_static_bytes([s.param_count for s in plan.stages], device_stages, per_param)
     memory = MemoryCosts(
         activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
         input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
         static_bytes=static,
     )
     counts = [s.param_count for s in plan.stages]
-    return with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
+    memory = with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
+    if all(s.kept_bytes is None for s in plan.stages):
+        return memory
+    return replace(
+        memory,
+        kept_bytes=tuple(float(s.activation_bytes if s.kept_bytes is None else s.kept_bytes) for s in plan.stages),
+        recompute_bytes=tuple(float(s.recompute_bytes) for s in plan.stages),
+    )
 
 
 def _backward(stage: StagePlan) -> float:

@@ -10,9 +10,15 @@ that stage's gradients (ring all-reduce, `partition.costs.allreduce_ms`); a devi
 turn and the devices reduce in parallel, so the step pays the busiest device.
 
 Memory: the simulator's per-device peak in bytes (`Timeline.peak_memory_bytes`: static bytes of the stages the
-device holds — weights, gradients, optimizer state, `partition.costs.static_bytes` — plus the most live activation
-bytes, F adding a stage's saved bytes, I freeing what the profile says it frees, W the rest, B all) is the one
-figure checked against the device memory (less the search's reserve) and reported.
+device holds — weights, gradients, optimizer state, `partition.costs.static_bytes`, the state split over a stage's
+replicas in every pipeline under ZeRO-1 — plus the most live activation bytes, F adding what a stage keeps, I
+freeing what the profile says it frees, W the rest, B all, recomputation re-creating its bytes while I or B runs)
+is the one figure checked against the device memory (less the search's reserve) and reported.
+
+Options per candidate (`zero`, `recompute`; planner/variants.py tries them): ZeRO-1 shards the optimizer state and
+replaces each stage's gradient all-reduce by a reduce-scatter + all-gather (`costs.comm.gradient_sync_ms`);
+`recompute="auto"` lets the partitioner give each stage its cheapest fitting recomputation mode, which
+`planner.recompute_choice` then settles on the simulator's exact peaks.
 """
 
 from __future__ import annotations
@@ -25,18 +31,18 @@ from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import (
     LayerArrays,
-    allreduce_ms,
-    busiest_device_ms,
     bytes_per_param,
     compute_ms,
     device_static_bytes,
-    stages_per_device,
+    stage_freed_bytes,
     static_bytes,
     transfer_ms,
 )
 from pipeplan.partition.result import Partition
 from pipeplan.planner.asynchronous import predicted_step, with_weight_versions
+from pipeplan.planner.gradient_sync import allreduce_step_ms, stage_allreduce_ms
 from pipeplan.planner.layout import PipelineLayout, pipeline_layout, simulate_layout
+from pipeplan.planner.recompute_choice import settle_recompute, with_recompute_bytes
 from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
@@ -80,10 +86,11 @@ class Evaluation:
     costs: StageCosts  # per stage as simulated: one op's time on one device; comm_ms per boundary
     memory: MemoryCosts  # per stage activation bytes, per pipeline device static bytes, as simulated
     timeline: Timeline
-    stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush
+    stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush (ZeRO-1: its exchange)
     step_ms: float
     samples_per_s: float
     device_memory_bytes: tuple[int, ...]  # the simulator's peak per pipeline device (static + activations)
+    zero: int = 0  # ZeRO stage the memory and gradient exchange were counted with
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -106,11 +113,21 @@ class Evaluation:
 
     @property
     def label_with_replicas(self) -> str:
-        """The layout's label, with the stages' replica counts when any stage is replicated."""
+        """The layout's label, with the stages' replica counts when any stage is replicated, and ZeRO-1 /
+        recomputation when used."""
         replicas = self.partition.replicas
+        label = self.layout.label + (" zero1" if self.zero else "")
+        recomputing = self.recomputing
+        if recomputing:
+            label += f" recompute {recompute_label(self.partition)}"
         if max(replicas) == 1:
-            return self.layout.label
-        return f"{self.layout.label} (replicas {','.join(map(str, replicas))})"
+            return label
+        return f"{label} (replicas {','.join(map(str, replicas))})"
+
+    @property
+    def recomputing(self) -> int:
+        """How many stages recompute activations."""
+        return sum(s.recompute != "none" for s in self.partition.stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +148,14 @@ def pipeline_cluster(cluster: Cluster, pipeline_devices: int) -> Cluster:
     )
 
 
-def partition_config(layout: Layout, optimizer: str | float) -> PartitionConfig:
+def recompute_label(part: Partition) -> str:
+    """The stages' recomputation modes, e.g. `full,full,none,none`."""
+    return ",".join(s.recompute for s in part.stages)
+
+
+def partition_config(
+    layout: Layout, optimizer: str | float, precision: str | None = None, *, zero: int = 0, recompute: str = "none"
+) -> PartitionConfig:
     """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
     return PartitionConfig(
         num_microbatches=layout.num_microbatches,
@@ -139,26 +163,33 @@ def partition_config(layout: Layout, optimizer: str | float) -> PartitionConfig:
         mode=layout.mode,
         num_stages=None if layout.mode == REPLICATED else layout.pipeline_devices * default_chunks(layout.schedule),
         optimizer=optimizer,
+        precision=precision,
+        zero=zero,
+        data_parallel=layout.data_parallel,
+        recompute=recompute,
     )
 
 
-def min_memory_bytes(layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float) -> int | None:
-    """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all)."""
+def min_memory_bytes(
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, **options
+) -> int | None:
+    """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all);
+    `options`: precision, zero, recompute as `partition_config` takes them."""
     arrays = LayerArrays.from_profile(profile)
     return min_memory_per_device(
-        arrays, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
+        arrays, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer, **options)
     )
 
 
 def partition_layout(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, explain: bool = True, **options
 ) -> Partition | Rejection:
     """Stage cuts and replicas for `layout` from the partitioner (memory screened against
-    `cluster.memory_per_device`), or why there are none."""
+    `cluster.memory_per_device`), or why there are none (with the memory that would fit when `explain`);
+    `options` as `partition_config` takes them."""
     try:
-        part = partition(
-            profile, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer)
-        )
+        config = partition_config(layout, optimizer, **options)
+        part = partition(profile, pipeline_cluster(cluster, layout.pipeline_devices), config, explain=explain)
     except InfeasibleError as exc:
         return Rejection(layout=layout, kind="memory", reason=str(exc))
     except ScheduleError as exc:
@@ -178,13 +209,16 @@ def stage_work_ms(part: Partition) -> tuple[float, ...]:
 
 
 def evaluate(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, global_batch_size: int
+    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, global_batch_size: int, **options
 ) -> Evaluation | Rejection:
-    """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size."""
-    part = partition_layout(layout, profile, cluster, optimizer=optimizer)
+    """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size; `options`:
+    precision, zero, recompute (`partition_config`)."""
+    part = partition_layout(layout, profile, cluster, optimizer=optimizer, **options)
     if isinstance(part, Rejection):
         return part
-    return evaluate_partition(layout, part, profile, cluster, optimizer=optimizer, global_batch_size=global_batch_size)
+    return evaluate_partition(
+        layout, part, profile, cluster, optimizer=optimizer, global_batch_size=global_batch_size, **options
+    )
 
 
 def evaluate_partition(
@@ -195,26 +229,24 @@ def evaluate_partition(
     *,
     optimizer: str | float,
     global_batch_size: int,
+    precision: str | None = None,
+    zero: int = 0,
+    recompute: str = "none",
 ) -> Evaluation | Rejection:
-    """Generate the schedule for `part`, simulate one step of the layout's op lists, check the simulated peak
-    bytes against `cluster.memory_per_device` (the search passes memory less its reserve) and add the
-    all-reduce."""
-    memory = memory_costs(part, profile)
-    generated = _generate(layout, part, profile, cluster, memory, optimizer)
-    if isinstance(generated, Rejection):
-        return generated
-    schedule, pipe = generated
-    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
-    if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
-        # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
-        return Rejection(
-            layout=layout,
-            kind="topology",
-            reason=f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline",
-        )
+    """Generate the schedule for `part`, settle its stages' recomputation modes on the exact peaks (recompute
+    `auto`), simulate one step of the layout's op lists, check the simulated peak bytes against
+    `cluster.memory_per_device` (the search passes memory less its reserve) and add the gradient exchange."""
+    per_param = stage_bytes_per_param(part, layout.data_parallel, optimizer, precision, zero)
+    made = _schedule_layout(layout, part, profile, cluster, per_param)
+    if isinstance(made, Rejection):
+        return made
+    schedule, pipe = made
+    static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, per_param)
+    if recompute != "none":
+        config = partition_config(layout, optimizer, precision, zero=zero, recompute=recompute)
+        part = settle_recompute(part, profile, pipe, static, cluster.memory_per_device, config)
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
-    static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, bytes_per_param(optimizer))
-    memory = replace(memory, static_bytes=static)
+    memory = replace(memory_costs(part, profile), static_bytes=static)
     counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
     memory = with_weight_versions(memory, layout.schedule, counts, profile_precision(profile.provenance))
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
@@ -222,7 +254,7 @@ def evaluate_partition(
     over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
     if over is not None:
         return over
-    allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel)
+    allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel, zero=zero)
     step_ms, bubble = predicted_step(
         layout.schedule, timeline, layout.num_microbatches, allreduce_step_ms(part, allreduce_ms)
     )
@@ -239,14 +271,15 @@ def evaluate_partition(
         step_ms=step_ms,
         samples_per_s=global_batch_size / step_ms * 1000.0,
         device_memory_bytes=device_bytes,
+        zero=zero,
     )
 
 
-def _generate(
-    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, memory: MemoryCosts, optimizer: str | float
+def _schedule_layout(
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param
 ) -> tuple[Schedule, PipelineLayout] | Rejection:
-    """The schedule for `part` (an asynchronous one: the stream whose steady state the step is) and its
-    per-pipeline-device layout, or why the schedule cannot run this shape."""
+    """The schedule for `part` (zb-auto generated under the activation bytes left after static memory) and the
+    op lists of one pipeline, or why there are none."""
     auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
     devices = part.num_stages // part.chunks
     try:
@@ -256,31 +289,54 @@ def _generate(
             num_microbatches=layout.num_microbatches,
             chunks=part.chunks,
             costs=_stage_costs(part, profile, cluster, pipe=None),
-            memory=memory if auto else None,
-            memory_limit=_activation_budget(part, cluster, optimizer) if auto else None,
+            memory=memory_costs(part, profile) if auto else None,
+            memory_limit=_activation_budget(part, cluster, per_param) if auto else None,
             steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
         )
-        return schedule, pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
+        pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:
         return Rejection(layout=layout, kind="schedule", reason=str(exc))
+    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
+    if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
+        # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
+        reason = f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline"
+        return Rejection(layout=layout, kind="topology", reason=reason)
+    return schedule, pipe
+
+
+def stage_bytes_per_param(
+    part: Partition, data_parallel: int, optimizer: str | float, precision: str | None, zero: int
+) -> float | tuple[float, ...]:
+    """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
+    replicas in every data-parallel pipeline)."""
+    if not zero:
+        return bytes_per_param(optimizer, precision)
+    return tuple(
+        bytes_per_param(optimizer, precision, zero=zero, group_size=s.replicas * data_parallel) for s in part.stages
+    )
 
 
 def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
-    """Per stage: one microbatch's saved activation bytes and the part of them I frees (static bytes per device
-    are added once the layout is known, `partition.costs.device_static_bytes`)."""
-    saved, freed = [], []
-    for s in part.stages:
-        layers = profile.layers[s.first_layer : s.last_layer + 1]
-        saved.append(float(sum(la.activation_bytes for la in layers)))
-        freed.append(float(sum(la.activation_freed_by_input_grad_bytes for la in layers)))
-    return MemoryCosts(activation_bytes=tuple(saved), input_grad_freed_bytes=tuple(freed))
+    """Per stage: one microbatch's saved activation bytes and the part of them I frees (none on the model's first
+    stage, `costs.stage_freed_bytes`), and under recomputation what each stage keeps until its backward and
+    re-creates while it runs (`costs.recompute`; static bytes per device are added once the layout is known,
+    `partition.costs.device_static_bytes`)."""
+    arrays = LayerArrays.from_profile(profile)
+    ranges = part.stage_ranges
+    memory = MemoryCosts(
+        activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in ranges),
+        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, "none", a, b)) for a, b in ranges),
+    )
+    if all(s.recompute == "none" for s in part.stages):
+        return memory
+    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages])
 
 
-def _activation_budget(part: Partition, cluster: Cluster, optimizer: str | float) -> float:
+def _activation_budget(part: Partition, cluster: Cluster, per_param) -> float:
     """Live activation bytes zb-auto (one stage per device) may use per device: memory less the largest stage's
     static bytes."""
-    per_param = bytes_per_param(optimizer)
-    largest = max(float(static_bytes(s.param_count, per_param)) for s in part.stages)
+    each = [per_param] * part.num_stages if isinstance(per_param, float) else per_param
+    largest = max(float(static_bytes(s.param_count, each[s.index])) for s in part.stages)
     return max(cluster.memory_per_device - largest, 1e-9)
 
 
@@ -324,23 +380,3 @@ def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: Pipe
         backward_ms=tuple(s.backward_ms for s in part.stages),
         comm_ms=tuple(comm),
     )
-
-
-def stage_param_bytes(profile: Profile, first_layer: int, last_layer: int) -> int:
-    return sum(layer.param_bytes for layer in profile.layers[first_layer : last_layer + 1])
-
-
-def stage_allreduce_ms(profile: Profile, cluster: Cluster, part: Partition, data_parallel: int) -> tuple[float, ...]:
-    """Per stage, the ring all-reduce of its gradients over its replicas in every pipeline (pipeline k's device d
-    is global rank k x P + d)."""
-    times = []
-    for stage in part.stages:
-        group = [k * part.num_devices + d for k in range(data_parallel) for d in stage.devices]
-        grad_bytes = stage_param_bytes(profile, stage.first_layer, stage.last_layer)
-        times.append(allreduce_ms(grad_bytes, len(group), cluster.link_between(group)))
-    return tuple(times)
-
-
-def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:
-    """After the flush each device reduces its stages (chunks) one after another; devices run in parallel."""
-    return busiest_device_ms(per_stage_ms, stages_per_device([s.devices for s in part.stages]))

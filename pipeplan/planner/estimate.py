@@ -22,7 +22,8 @@ import functools
 from pipeplan.cluster import Cluster
 from pipeplan.partition.costs import allreduce_ms, busiest_device_ms, stages_per_device, transfer_ms
 from pipeplan.partition.result import Partition
-from pipeplan.planner.candidate import REPLICATED, Layout, allreduce_step_ms, stage_allreduce_ms, stage_work_ms
+from pipeplan.planner.candidate import REPLICATED, Layout, stage_work_ms
+from pipeplan.planner.gradient_sync import allreduce_step_ms, stage_allreduce_ms
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import default_chunks, generate, schedule_info

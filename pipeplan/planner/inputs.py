@@ -194,6 +194,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
     traced = trace_model(
         spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer
     )
+    profile = selective_where_runnable(profile, traced)
     ref, digest = canonical_ref(request.model)
     model = ModelRef(
         ref=ref,
@@ -205,6 +206,22 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
         tracer=traced.tracer,
     )
     return PlanInput(profile=profile, model=model, layer_graph=traced.layer_graph)
+
+
+def selective_where_runnable(profile: Profile, traced) -> Profile:
+    """`profile` with selective recomputation data only on layers that call scaled_dot_product_attention: the
+    runtime recomputes only those calls (runtime/recompute_run.py), so elsewhere selective keeps what none keeps
+    and the planner never offers it (a hand-written attention's internals stay saved)."""
+    from pipeplan.profiling.recompute import is_attention
+
+    targets = {node.name: node.target for node in traced.graph_module.graph.nodes if node.op == "call_function"}
+    layers = tuple(
+        layer
+        if any(is_attention(targets.get(name)) for name in graph_layer.nodes)
+        else replace(layer, selective_activation_bytes=layer.activation_bytes, selective_recompute_ms=0.0)
+        for layer, graph_layer in zip(profile.layers, traced.layer_graph.layers, strict=True)
+    )
+    return profile if layers == profile.layers else replace(profile, layers=layers)
 
 
 def attach_model(
@@ -220,9 +237,8 @@ def attach_model(
     prov = source.profile.provenance
     if tracer == "auto" and prov.tracer:
         tracer = prov.tracer
-    graph = trace_model(
-        spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer
-    ).layer_graph
+    traced = trace_model(spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer)
+    graph = traced.layer_graph
     recorded = prov.graph_fingerprint
     names = [layer.name for layer in source.profile.layers]
     if (recorded and recorded != graph.fingerprint) or names != [layer.name for layer in graph.layers]:
@@ -240,7 +256,7 @@ def attach_model(
         tokens_per_sample=spec.tokens_per_sample,
         tracer=graph.tracer,
     )
-    return PlanInput(profile=source.profile, model=ref, layer_graph=graph)
+    return PlanInput(profile=selective_where_runnable(source.profile, traced), model=ref, layer_graph=graph)
 
 
 def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:

@@ -107,12 +107,18 @@ class StagePlan:
     comm_ms: float = 0.0  # transfer to the next stage as simulated (activations forward, gradients backward)
     activation_bytes: int = 0  # saved for backward per microbatch (what F adds to its device's memory)
     activation_freed_by_input_grad_bytes: int = 0  # the part of it I frees (W frees the rest, B all)
-    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines
+    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines (ZeRO-1:
+    # its reduce-scatter + all-gather)
     recompute: str = "none"  # activation recomputation the runtime applies to this stage (pipeplan.recompute)
+    recompute_ms: float = 0.0  # what recomputation adds per microbatch, included in input_grad_ms / backward_ms
+    kept_bytes: int | None = None  # held from F to I or B under `recompute` (None: activation_bytes)
+    recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:
             raise FormatError(f"plan stage {self.index}: {problem}")
+        if min(self.kept_bytes or 0, self.recompute_bytes, self.recompute_ms) < 0:
+            raise FormatError(f"plan stage {self.index}: kept_bytes, recompute_bytes and recompute_ms must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +154,7 @@ class Plan:
     predicted: Prediction
     alternatives: tuple[dict[str, Any], ...] = ()
     rationale: str = ""
+    memory_choices: tuple[str, ...] = ()  # each memory option used (recomputation per stage, ZeRO-1) and why
     pipeplan_version: str = ""
     torch_version: str = ""
 
@@ -240,6 +247,8 @@ def _check_asynchronous(plan: Plan) -> None:
         problem = "replicated stages (their replicas would have to agree on every update mid-stream)"
     elif plan.training.zero:
         problem = "ZeRO-1 (its flat parameter buffers cannot keep stashed weight versions); use --zero 0"
+    elif any(stage.recompute != "none" for stage in plan.stages):
+        problem = "recomputation (a stream keeps every activation); use --recompute none"
     elif plan.training.precision == "fp16-mixed":
         problem = "fp16-mixed (loss scaling skips whole steps; a stream has none); use bf16-mixed or fp32"
     if problem:

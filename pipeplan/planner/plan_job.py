@@ -26,7 +26,7 @@ from pipeplan.planner.inputs import (
 from pipeplan.planner.plan import Plan
 from pipeplan.planner.plan_options import PlanOptions
 from pipeplan.planner.scripts import write_plan_dir
-from pipeplan.planner.search import SearchConfig, search_plans
+from pipeplan.planner.search import SearchConfig, parse_zero, search_plans
 from pipeplan.precision import default_precision
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.schedules.simulate import Timeline
@@ -72,7 +72,8 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         replication=not options.no_replication,
         pipeline_depths=pipeline_depth_candidates(options.pipeline_depth),
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, cluster.memory_per_device),
-        zero=options.zero,
+        zero=parse_zero(options.zero),
+        recompute=options.recompute,
         allow_async=options.allow_async,
     )
     config.check_devices(cluster.num_devices)

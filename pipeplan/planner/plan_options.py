@@ -24,8 +24,11 @@ PRECISION_HELP = (
     "fp32 on cpu), e.g. --precision bf16-mixed."
 )
 ZERO_HELP = (
-    "1: `run` shards the optimizer state over the ranks holding the same parameters (ZeRO-1); 0: off. The search's "
-    "memory and time do not count it yet."
+    "auto: the search tries ZeRO-1 beside 0 where stages have several holders and keeps it when it fits where 0 does "
+    "not or is >2% faster; 1: shard the optimizer state over the ranks holding the same parameters; 0: off."
+)
+RECOMPUTE_HELP = (
+    "auto: stages recompute activations (selective or full, the cheapest that fits) where memory needs it; none: never."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 ASYNC_HELP = (
@@ -58,7 +61,8 @@ class PlanOptions:
         "adamw", "--optimizer", help="adamw, sgd or sgd-nomomentum: its state, in --precision's dtype (memory)."
     )
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
-    zero: int = option(0, "--zero", help=ZERO_HELP)
+    zero: str = option("auto", "--zero", help=ZERO_HELP)
+    recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
     allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")

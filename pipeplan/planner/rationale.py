@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from pipeplan.partition.costs import bytes_per_param, device_static_bytes
 from pipeplan.planner.candidate import Evaluation, Layout
+from pipeplan.planner.recompute_choice import recompute_reasons
 from pipeplan.units import format_bytes
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ def evaluation_dict(evaluation: Evaluation, best: Evaluation) -> dict[str, Any]:
         "allreduce_ms": evaluation.allreduce_ms,
         "peak_memory_bytes": evaluation.peak_memory_bytes,
         "slower_pct": (evaluation.step_ms / best.step_ms - 1.0) * 100.0,
+        "zero": evaluation.zero,
+        "recompute": [s.recompute for s in evaluation.partition.stages],
     }
 
 
@@ -70,6 +74,40 @@ def alternatives(result: SearchResult, chosen: Evaluation, *, limit: int = 3) ->
     return tuple(rows)
 
 
+def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
+    """One line per memory option the chosen plan uses, with why: each recomputing stage and the peak it would
+    reach without recomputing (`recompute_choice.recompute_reasons`), and ZeRO-1 with the peak without it, or how
+    much faster it is than the best plan without it."""
+    limit = result.cluster.memory_per_device - result.config.memory_reserve_bytes
+    modes = [s.recompute for s in chosen.partition.stages]
+    lines = recompute_reasons(chosen.memory, modes, chosen.pipeline.device_ops, limit)
+    if chosen.zero:
+        groups = sorted({s.replicas * chosen.layout.data_parallel for s in chosen.partition.stages})
+        head = f"ZeRO-1 shards the optimizer state over {'/'.join(map(str, groups))} devices"
+        plain = [e for e in result.ranked if not e.zero]
+        without = _peak_without_zero(result, chosen)
+        if without > limit:
+            lines.append(f"{head}: without it needs {format_bytes(without)} of {format_bytes(limit)}")
+        elif result.config.zero != "auto":
+            lines.append(f"{head}: as --zero 1 asks")
+        elif plain:
+            gap = plain[0].step_ms / chosen.step_ms - 1.0
+            lines.append(f"{head}: {gap:.1%} faster than the best plan without it ({plain[0].layout.label})")
+        else:
+            lines.append(f"{head}: no plan without it fits")
+    return tuple(lines)
+
+
+def _peak_without_zero(result: SearchResult, chosen: Evaluation) -> float:
+    """The chosen plan's peak device memory with every optimizer state whole (same activations)."""
+    per_param = bytes_per_param(result.config.optimizer, result.config.precision)
+    counts = [s.param_count for s in chosen.partition.stages]
+    whole = device_static_bytes(counts, chosen.pipeline.device_stages, per_param)
+    static = chosen.memory.static_bytes
+    assert isinstance(static, tuple)
+    return max(p - s + w for p, s, w in zip(chosen.timeline.peak_memory_bytes, static, whole, strict=True))
+
+
 def rejection_counts(result: SearchResult) -> dict[str, int]:
     return dict(Counter(r.kind for r in result.rejected))
 
@@ -81,7 +119,7 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     reserve = result.config.memory_reserve_bytes
     parts = [
         f"Chose {layout.label}: {chosen.samples_per_s:.2f} samples/s predicted "
-        f"({chosen.step_ms:.2f} ms/step, bubble {chosen.timeline.bubble_rate:.1%}, gradient all-reduce "
+        f"({chosen.step_ms:.2f} ms/step, bubble {chosen.timeline.bubble_rate:.1%}, {_sync_words(chosen)} "
         f"{chosen.allreduce_ms:.2f} ms, peak memory {format_bytes(chosen.peak_memory_bytes)} of "
         f"{format_bytes(result.cluster.memory_per_device - reserve)}, after a {format_bytes(reserve)} reserve)."
     ]
@@ -106,7 +144,14 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
         parts.append(f"{len(result.ranked)} candidate(s) fit; {sum(counts.values())} rejected ({words}).")
     else:
         parts.append(f"{len(result.ranked)} candidate(s) fit; none rejected.")
+    choices = memory_choices(result, chosen)
+    if choices:
+        parts.append(f"Memory: {'; '.join(choices)}.")
     return " ".join(parts)
+
+
+def _sync_words(evaluation: Evaluation) -> str:
+    return "gradient reduce-scatter + all-gather" if evaluation.zero else "gradient all-reduce"
 
 
 def _simpler(chosen: Evaluation, other: Evaluation) -> str:
@@ -115,6 +160,10 @@ def _simpler(chosen: Evaluation, other: Evaluation) -> str:
         words.append("no replicated stages")
     elif len(set(chosen.partition.replicas)) < len(set(other.partition.replicas)):
         words.append("fewer distinct replica counts")
+    if chosen.zero < other.zero:
+        words.append("no ZeRO-1")
+    if chosen.recomputing < other.recomputing:
+        words.append("fewer recomputing stages")
     if chosen.layout.num_microbatches < other.layout.num_microbatches:
         words.append(f"{chosen.layout.num_microbatches} microbatches instead of {other.layout.num_microbatches}")
     if chosen.peak_memory_bytes < other.peak_memory_bytes:

@@ -13,18 +13,21 @@ Candidates are evaluated in order of a balanced-stage estimate (the schedule sim
 model); one whose estimate is already slower than the best plan found is not partitioned, and one whose
 partition's busiest-device bound is slower is not simulated. When the simulated peak of a partition is over memory
 (the partitioner's per-stage screen is a bound, not the exact peak: zb-auto and paced replicas hold more), the
-layout is partitioned again with a budget that screens that partition out (at most MEMORY_RETRIES times).
+layout is partitioned again with a budget that screens that partition out (at most `variants.MEMORY_RETRIES` times).
 Every rejected candidate records why it lost. A schedule whose every candidate was pruned still gets its
 best-estimated candidates evaluated (until one fits, at most `PER_SCHEDULE_TRIES`), so the summary can say what
 each schedule would give.
 
 Memory: candidates are checked against the device memory less `SearchConfig.memory_reserve_bytes`, kept free for
 what the model does not count (CUDA context and library workspaces, communication buffers, allocator
-fragmentation); `default_memory_reserve` is the CLI's default.
+fragmentation); `default_memory_reserve` is the CLI's default. Each layout is evaluated under the memory options
+(`planner.variants`): activation recomputation per stage only when it does not fit without, ZeRO-1 beside ZeRO-0
+where stages have several holders.
 
 Choice: among the candidates within `PREDICTION_MARGIN` of the fastest predicted step — differences the
 prediction cannot resolve — the simplest layout is preferred (`simplicity_key`: no replication, then fewer
-distinct replica counts, fewer microbatches, more memory headroom), and the rationale says so.
+distinct replica counts, no ZeRO-1, fewer recomputing stages, fewer microbatches, more memory headroom), and the
+rationale says so.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.partition.costs import (
+    RECOMPUTE_CHOICES,
     bytes_per_param,
     check_zero_stage,
     resolve_optimizer,
@@ -48,23 +52,31 @@ from pipeplan.planner.candidate import (
     Evaluation,
     Layout,
     Rejection,
-    evaluate,
-    evaluate_partition,
     min_memory_bytes,
-    partition_layout,
 )
-from pipeplan.planner.estimate import balanced_estimate_ms, partition_lower_bound_ms
+from pipeplan.planner.estimate import balanced_estimate_ms
 from pipeplan.planner.scaling import scale_profile
+from pipeplan.planner.variants import evaluate_layout, zero_choices
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
-from pipeplan.units import format_bytes, format_percent
+from pipeplan.units import format_bytes
 
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
 PREDICTION_MARGIN = 0.02
 PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none, best estimate first
-MEMORY_RETRIES = 2  # re-partitions with a tighter screen when the simulated peak is over memory
 GIB = 1 << 30
+
+
+def parse_zero(text: str) -> int | str:
+    """`--zero`'s value: auto, or a ZeRO stage pipeplan supports (one ConfigError line otherwise)."""
+    if text == "auto":
+        return text
+    try:
+        stage = int(text)
+    except ValueError:
+        raise ConfigError(f"--zero must be auto, 0 or 1, got {text!r}") from None
+    return check_zero_stage(stage)
 
 
 def default_memory_reserve(memory_per_device: int) -> int:
@@ -86,7 +98,8 @@ class SearchConfig:
     replication: bool = True  # also try PipeDream replicated stages (schedules whose ScheduleInfo is replicable)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
-    zero: int = 0  # ZeRO stage `run` executes (0, or 1: sharded optimizer state); recorded in the plan
+    zero: int | str = "auto"  # ZeRO stage (0, or 1: sharded optimizer state), or auto: the search tries both
+    recompute: str = "auto"  # auto: stages recompute activations where memory needs it; none: never
     allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
 
     def __post_init__(self) -> None:
@@ -99,7 +112,10 @@ class SearchConfig:
             raise ConfigError(
                 f"--global-batch-size ({self.global_batch_size}) must be divisible by --microbatch-size {bad[0]}"
             )
-        check_zero_stage(self.zero)
+        if self.zero != "auto":
+            check_zero_stage(self.zero)
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
         optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "precision", precision)
@@ -107,11 +123,20 @@ class SearchConfig:
             raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
             raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
+        if self.zero == 1:
+            bytes_per_param(self.optimizer, self.precision, zero=1)  # a number of bytes cannot be sharded
 
     @property
     def per_param(self) -> float:
         """Bytes per parameter of weights + gradients + optimizer state under the precision."""
         return bytes_per_param(self.optimizer, self.precision)
+
+    def least_per_param(self, data_parallel: int) -> float:
+        """The fewest bytes per parameter a device of a layout with `data_parallel` pipelines can hold: with ZeRO-1
+        allowed, the optimizer state split over at least the pipelines."""
+        if self.zero == 0 or data_parallel == 1 or not isinstance(self.optimizer, str):
+            return self.per_param
+        return bytes_per_param(self.optimizer, self.precision, zero=1, group_size=data_parallel)
 
     @property
     def split(self) -> tuple[float, float, float]:
@@ -146,11 +171,14 @@ class SearchResult:
 
 
 def simplicity_key(evaluation: Evaluation, memory_per_device: int) -> tuple:
-    """Simpler first: no replication, fewer distinct replica counts, fewer microbatches, more memory headroom."""
+    """Simpler first: no replication, fewer distinct replica counts, no ZeRO-1, fewer recomputing stages, fewer
+    microbatches, more memory headroom."""
     replicas = evaluation.partition.replicas
     return (
         max(replicas) > 1,
         len(set(replicas)),
+        evaluation.zero,
+        evaluation.recomputing,
         evaluation.layout.num_microbatches,
         evaluation.peak_memory_bytes / memory_per_device,
         evaluation.step_ms,
@@ -250,17 +278,15 @@ def search_plans(
     evaluated: list[Evaluation] = []
     best_ms = float("inf")
     for done, (estimate, layout) in enumerate(pending, start=1):
-        result = _evaluate_unless_pruned(layout, estimate, best_ms, profiles[layout.microbatch_size], usable, config)
-        if isinstance(result, Rejection):
-            rejected.append(result)
-        else:
-            evaluated.append(result)
-            best_ms = min(best_ms, result.step_ms)
+        found, why = evaluate_layout(layout, estimate, best_ms, profiles[layout.microbatch_size], usable, config)
+        evaluated += found
+        rejected += [why] if why is not None else []
+        best_ms = min([best_ms, *(e.step_ms for e in found)])
         if progress is not None:
             progress(done, len(pending))
     _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
-        smallest = smallest_fitting_memory(rejected, profiles, usable, config.per_param)
+        smallest = smallest_fitting_memory(rejected, profiles, usable, config)
         raise InfeasibleError(infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes))
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
@@ -296,55 +322,20 @@ def _evaluate_each_schedule(
             continue
         tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
         for layout in tries[:PER_SCHEDULE_TRIES]:
-            result = evaluate(
-                layout,
-                profiles[layout.microbatch_size],
-                cluster,
-                optimizer=config.per_param,
-                global_batch_size=config.global_batch_size,
-            )
+            found, why = evaluate_layout(layout, -1.0, float("inf"), profiles[layout.microbatch_size], cluster, config)
             rejected.remove(pruned[id(layout)])
-            if isinstance(result, Rejection):
-                rejected.append(result)
+            if why is not None:
+                rejected.append(why)
                 continue
-            evaluated.append(result)
+            evaluated.extend(found)
             break
-
-
-def _evaluate_unless_pruned(
-    layout: Layout, estimate: float, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig
-) -> Evaluation | Rejection:
-    """Skip the partitioner when the balanced estimate is already slower than the best plan, and the schedule and
-    simulation when the partition's lower bound is."""
-    if estimate >= best_ms:
-        slower = format_percent(estimate / best_ms - 1.0)
-        reason = f"estimated {slower} slower than the best plan even with balanced stages"
-        return Rejection(layout=layout, kind="estimate", reason=reason)
-    budget = cluster
-    for _ in range(MEMORY_RETRIES + 1):
-        part = partition_layout(layout, profile, budget, optimizer=config.per_param)
-        if isinstance(part, Rejection):
-            return part
-        bound = partition_lower_bound_ms(layout, part, profile, cluster)
-        if bound >= best_ms:
-            slower = format_percent(bound / best_ms - 1.0)
-            reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
-            return Rejection(layout=layout, kind="bound", reason=reason)
-        result = evaluate_partition(
-            layout, part, profile, cluster, optimizer=config.per_param, global_batch_size=config.global_batch_size
-        )
-        if not isinstance(result, Rejection) or not result.retry_budget_bytes:
-            return result
-        # the partitioner's screen let through a partition whose simulated peak does not fit: screen tighter
-        budget = replace(budget, memory_per_device=min(budget.memory_per_device - 1, result.retry_budget_bytes))
-    return result
 
 
 def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
-    static = spread_static_bytes(params, config.per_param, layout.pipeline_devices)
+    static = spread_static_bytes(params, config.least_per_param(layout.data_parallel), layout.pipeline_devices)
     if static <= cluster.memory_per_device:
         return None
     return Rejection(
@@ -359,18 +350,21 @@ def _static_memory_rejection(
 
 
 def smallest_fitting_memory(
-    rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, optimizer: str | float
+    rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, config: SearchConfig
 ) -> int | None:
     """The least memory per device at which some rejected-for-memory candidate fits (the partitioner's binary
-    search); candidates whose static lower bound already exceeds the best found are skipped."""
+    search, with the memory options that save the most: recomputation and ZeRO-1 where the search may use them);
+    candidates whose static lower bound already exceeds the best found are skipped."""
     memory = sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.needed_memory_bytes or 0)
     best: int | None = None
     for rejection in memory:
         if best is not None and (rejection.needed_memory_bytes or 0) >= best:
             break
         layout = rejection.layout
+        options = dict(optimizer=config.optimizer, precision=config.precision, recompute=config.recompute)
+        profile = profiles[layout.microbatch_size]
         try:
-            need = min_memory_bytes(layout, profiles[layout.microbatch_size], cluster, optimizer=optimizer)
+            need = min_memory_bytes(layout, profile, cluster, zero=max(zero_choices(layout, config)), **options)
         except (ConfigError, ScheduleError):  # rejected for memory first, but its shape is unsupported too
             continue
         if need is not None and (best is None or need < best):

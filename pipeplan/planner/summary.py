@@ -38,6 +38,8 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
             "allreduce_ms": s.allreduce_ms,
             "memory_bytes": s.memory_bytes,
             "memory_limit_bytes": limit,
+            "recompute": s.recompute,
+            "recompute_ms": s.recompute_ms,
         }
         for s in plan.stages
     ]
@@ -58,6 +60,8 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
         "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
         "staleness": staleness(plan.schedule, plan.world_size // plan.training.data_parallel) or None,
+        "zero": plan.training.zero,
+        "memory_choices": list(plan.memory_choices),
     }
 
 
@@ -89,8 +93,9 @@ def _stage_table(plan: Plan) -> Table:
     limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); memory limit {format_bytes(limit)}"
     table = Table(title=title, title_justify="left")
-    for column in ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "memory"):
-        table.add_column(column, justify="left" if column in ("layers", "ranks") else "right")
+    columns = ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "recompute", "memory")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layers", "ranks", "recompute") else "right")
     for s in plan.stages:
         names = f"{s.layer_names[0]}..{s.layer_names[-1]}" if len(s.layer_names) > 1 else "".join(s.layer_names)
         table.add_row(
@@ -102,6 +107,7 @@ def _stage_table(plan: Plan) -> Table:
             f"{s.input_grad_ms:.3f}",
             f"{s.weight_grad_ms:.3f}",
             f"{s.comm_ms:.3f}",
+            s.recompute if s.recompute == "none" else f"{s.recompute} +{s.recompute_ms:.3f} ms",
             f"{format_bytes(s.memory_bytes)} ({s.memory_bytes / limit:.0%})",
         )
     return table

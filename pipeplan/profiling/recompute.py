@@ -45,6 +45,14 @@ aten = torch.ops.aten
 RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute` (what the runtime executes)
 
 
+def is_attention(target: object) -> bool:
+    """Whether a call target (an FX node's, or a torch function) is scaled_dot_product_attention: the calls the
+    runtime's selective recomputation re-runs (runtime/recompute_run.py)."""
+    if target is torch.nn.functional.scaled_dot_product_attention or target is aten.scaled_dot_product_attention:
+        return True
+    return getattr(target, "overloadpacket", None) is aten.scaled_dot_product_attention
+
+
 def unknown_recompute(mode: object) -> str | None:
     """Why `mode` is not a recompute mode (one line), or None when it is one."""
     if mode in RECOMPUTE_MODES:

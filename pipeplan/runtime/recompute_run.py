@@ -17,23 +17,14 @@ Either way losses and gradients are those of the run without recomputation, bit 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pipeplan.errors import RunError
 from pipeplan.planner.plan import Plan
+from pipeplan.profiling.recompute import is_attention
 from pipeplan.profiling.trace import TracedModel
-
-_ATEN_ATTENTION = torch.ops.aten.scaled_dot_product_attention
-
-
-def is_attention(target: object) -> bool:
-    """Whether a call target (an FX node's, or a torch function) is scaled_dot_product_attention."""
-    if target is F.scaled_dot_product_attention or target is _ATEN_ATTENTION:
-        return True
-    return getattr(target, "overloadpacket", None) is _ATEN_ATTENTION
 
 
 def check_recompute(plan: Plan, traced: TracedModel) -> None:

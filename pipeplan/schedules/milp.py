@@ -128,6 +128,8 @@ def solve_milp(
 
     if objective not in ("makespan", "span"):
         raise ConfigError(f"objective must be makespan or span, got {objective!r}")
+    if memory is not None and memory.kept_bytes is not None:
+        raise ConfigError("the MILP scheduler models no activation recomputation; give memory without kept_bytes")
     p, m = num_devices, num_microbatches
     c = (costs or StageCosts()).per_stage(p)
     cost = {"F": c.forward_ms, "I": c.input_grad_ms, "W": c.weight_grad_ms}

@@ -71,20 +71,33 @@ class StageCosts:
 
 @dataclass(kw_only=True, frozen=True)
 class MemoryCosts:
-    """Activation bytes per microbatch per stage (allocated when F starts), the part of them freed when I ends
-    (the rest when W ends; B frees all), static bytes per device (weights, optimizer state), and per stage the
-    bytes of one more copy of its weights: what each weight version an asynchronous schedule holds beyond the
-    first costs (the first is in the static bytes)."""
+    """Per stage and microbatch: `activation_bytes` A, what the backward needs (saved by autograd); the part of it
+    freed when I ends (`input_grad_freed_bytes` f: the rest, A - f, lives until W; B frees all); static bytes per
+    device (weights, gradients, optimizer state).
+
+    Activation recomputation (`kept_bytes`, `recompute_bytes`; defaults: none) follows the runtime
+    (runtime/executor.py, runtime/recompute_run.py): from F to the stage's I (or B) a microbatch holds only
+    `kept_bytes` (K: the stage's inputs under full recomputation, A less the attention internals under selective);
+    while its I (or B) runs, recomputation re-creates `recompute_bytes` (R) on top of that (full: A - K, the whole
+    stage's saved tensors, rebuilt right before the backward; selective: one attention call's internals at a time,
+    the largest); after I it holds A - f until W, as without recomputation.
+
+    `weight_version_bytes`: per stage, one more copy of its weights, what each weight version an asynchronous
+    schedule holds beyond the first costs (the first is in the static bytes)."""
 
     activation_bytes: PerStage = 1.0
     input_grad_freed_bytes: PerStage = 0.0
     static_bytes: PerStage = 0.0
+    kept_bytes: PerStage | None = None  # held from F to I or B (None: activation_bytes, no recomputation)
+    recompute_bytes: PerStage = 0.0  # re-created while I or B runs, on top of kept_bytes
     weight_version_bytes: PerStage = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("activation_bytes", "input_grad_freed_bytes", "static_bytes", "weight_version_bytes"):
+        names = ("activation_bytes", "input_grad_freed_bytes", "static_bytes", "kept_bytes", "recompute_bytes")
+        for name in (*names, "weight_version_bytes"):
             value = getattr(self, name)
-            _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
+            if value is not None:
+                _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
 
 
 class TimelineEntry(NamedTuple):
@@ -199,18 +212,42 @@ def build_timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory
 
 
 def activation_deltas(memory: MemoryCosts, num_stages: int) -> dict[str, tuple[float, ...]]:
-    """Per op kind, per stage: the change in live activation bytes when the op runs (F allocates the stage's
-    activations, I frees `input_grad_freed_bytes`, W the rest, B all). The one memory formula: the simulator's
-    peaks, `peak_activation_per_device` and zb-auto's generator all use it."""
+    """Per op kind, per stage: the change in live activation bytes once the op is done (F keeps K, the kept
+    bytes: A without recomputation; I leaves A - f, so changes it by A - f - K; W frees A - f; B frees K). The one
+    memory formula, with `activation_rises` for what an op holds while it runs: the simulator's peaks,
+    `peak_activation_per_device` and the generators that schedule under a memory limit all use them."""
     act = _broadcast(memory.activation_bytes, num_stages, option="activation_bytes")
     freed_by_i = _broadcast(memory.input_grad_freed_bytes, num_stages, option="input_grad_freed_bytes")
     if any(f > a for f, a in zip(freed_by_i, act)):
         raise ConfigError("input_grad_freed_bytes must not exceed activation_bytes for any stage")
+    if memory.kept_bytes is None:
+        return {
+            "F": act,
+            "I": tuple(-f for f in freed_by_i),
+            "W": tuple(f - a for f, a in zip(freed_by_i, act)),
+            "B": tuple(-a for a in act),
+        }
+    kept = _broadcast(memory.kept_bytes, num_stages, option="kept_bytes")
     return {
-        "F": act,
-        "I": tuple(-f for f in freed_by_i),
+        "F": kept,
+        "I": tuple(a - f - k for a, f, k in zip(act, freed_by_i, kept)),
         "W": tuple(f - a for f, a in zip(freed_by_i, act)),
-        "B": tuple(-a for a in act),
+        "B": tuple(-k for k in kept),
+    }
+
+
+def activation_rises(memory: MemoryCosts, num_stages: int) -> dict[str, tuple[float, ...]]:
+    """Per op kind, per stage: the most the live bytes rise above their level before the op while it runs: F its
+    kept bytes; I and B the recomputed bytes R (I at least its own growth A - f - K, which full recomputation can
+    make positive); W nothing. Without recomputation an op's peak is where F ends, as before."""
+    delta = activation_deltas(memory, num_stages)
+    extra = _broadcast(memory.recompute_bytes, num_stages, option="recompute_bytes")
+    zero = (0.0,) * num_stages
+    return {
+        "F": delta["F"],
+        "I": tuple(max(0.0, r, d) for r, d in zip(extra, delta["I"])),
+        "W": zero,
+        "B": tuple(max(0.0, r) for r in extra),
     }
 
 
@@ -229,28 +266,35 @@ def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = 
     holds for any op timings. `memory=None`: unit mode."""
     memory = memory or unit_memory(schedule.num_chunks)
     delta = activation_deltas(memory, schedule.num_stages)
+    rise = activation_rises(memory, schedule.num_stages)
     version_bytes = _broadcast(memory.weight_version_bytes, schedule.num_stages, option="weight_version_bytes")
     if schedule.asynchronous and any(version_bytes):
-        return _peaks_with_versions(schedule, delta, version_bytes)
-    peaks = []
-    for ops in schedule.device_ops:
-        live = peak = 0.0
-        for o in ops:
-            live += delta[o.kind][o.stage]
-            if live > peak:
-                peak = live
-        peaks.append(peak)
-    return tuple(peaks)
+        return _peaks_with_versions(schedule, delta, rise, version_bytes)
+    return tuple(device_activation_peak(ops, delta, rise) for ops in schedule.device_ops)
+
+
+def device_activation_peak(ops: Sequence[Op], delta: Mapping, rise: Mapping) -> float:
+    """The most live activation bytes while one device runs `ops` in order (`activation_deltas`, `activation_rises`
+    of the memory)."""
+    live = peak = 0.0
+    for o in ops:
+        top = live + rise[o.kind][o.stage]
+        if top > peak:
+            peak = top
+        live += delta[o.kind][o.stage]
+    return peak
 
 
 def _peaks_with_versions(
-    schedule: Schedule, delta: dict[str, tuple[float, ...]], version_bytes: tuple[float, ...]
+    schedule: Schedule, delta: Mapping, rise: Mapping, version_bytes: tuple[float, ...]
 ) -> tuple[float, ...]:
-    """Activations plus (versions held - 1) x a weight copy per stage, after every op (`versions.held_versions`)."""
+    """Activations plus (versions held - 1) x a weight copy per stage, after every op (`versions.held_versions`);
+    `rise`: what an op re-creates while it runs (recomputation)."""
     peaks = [0.0] * schedule.num_devices
     live = [0.0] * schedule.num_devices
     held: dict[int, int] = {}  # stage -> versions it holds (each stage is on one device)
     for device, _, o, count in held_versions(schedule):
+        peaks[device] = max(peaks[device], live[device] + rise[o.kind][o.stage])
         live[device] += delta[o.kind][o.stage] + (count - held.get(o.stage, 1)) * version_bytes[o.stage]
         held[o.stage] = count
         peaks[device] = max(peaks[device], live[device])

@@ -20,6 +20,7 @@ from pipeplan.schedules.simulate import (
     MemoryCosts,
     StageCosts,
     activation_deltas,
+    activation_rises,
     fits_limit,
     makespan_and_span,
     peak_activation_per_device,
@@ -32,10 +33,10 @@ from pipeplan.schedules.zb_heuristic import heuristic_runs
 
 def default_limit(num_devices: int, num_microbatches: int, memory: MemoryCosts) -> float:
     """1F1B's activation peak under `memory` (p units in unit mode): the paper's ZB-1p. 1F1B's device d holds
-    min(m, p-d) microbatches at its peak (a B frees all), so this equals `peak_activation_per_device` of 1f1b
-    (a test checks it) without generating it."""
-    act = activation_deltas(memory, num_devices)["F"]
-    return max(min(num_microbatches, num_devices - d) * act[d] for d in range(num_devices))
+    min(m, p-d) microbatches at its peak (a B frees all; with recomputation its B re-creates R on top), so this
+    equals `peak_activation_per_device` of 1f1b (a test checks it) without generating it."""
+    act, rise = activation_deltas(memory, num_devices)["F"], activation_rises(memory, num_devices)["B"]
+    return max(min(num_microbatches, num_devices - d) * act[d] + rise[d] for d in range(num_devices))
 
 
 def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: float) -> list[tuple]:  # type: ignore[type-arg]
@@ -58,6 +59,24 @@ def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: boo
     return chain + rest
 
 
+def _best_heuristic_run(m: int, costs: StageCosts, memory: MemoryCosts, limit: float) -> tuple:
+    """(schedule, (makespan, max span)) of the fastest heuristic run within the limit, or (None, None). Without
+    recomputation every run is within it by construction; with it, an I's rise can pass the limit when no W is
+    left to run first, so each run is checked with `peak_activation_per_device`."""
+    p = len(costs.forward_ms)  # type: ignore[arg-type]
+    delta, rise = activation_deltas(memory, p), activation_rises(memory, p)
+    recomputes = any(r > max(d, 0.0) for r, d in zip(rise["I"], delta["I"])) or any(rise["B"])
+    best_run, best_key = None, None
+    for result in heuristic_runs(m, costs, delta, limit, rise["I"] if recomputes else None):
+        key = (result.makespan, result.max_span)
+        if best_key is not None and key >= best_key:
+            continue
+        if recomputes and not fits_limit(max(peak_activation_per_device(result.schedule(), memory)), limit):
+            continue
+        best_run, best_key = result, key
+    return (best_run.schedule() if best_run is not None else None), best_key
+
+
 def zb_auto(
     num_devices: int,
     num_microbatches: int,
@@ -71,28 +90,27 @@ def zb_auto(
     p, m = num_devices, num_microbatches
     memory = memory or unit_memory(1)
     limit = default_limit(p, m, memory) if memory_limit is None else memory_limit
-    delta = activation_deltas(memory, p)
-    biggest = max(delta["F"])
+    delta, rise = activation_deltas(memory, p), activation_rises(memory, p)
+    biggest = max(f + max(i, b) for f, i, b in zip(delta["F"], rise["I"], rise["B"]))  # one microbatch's peak
     if not fits_limit(biggest, limit):
         raise ScheduleError(
             f"zb-auto: one microbatch's activations ({biggest:g}) exceed --memory-limit {limit:g}; raise the limit"
         )
     stage_costs = (costs or StageCosts()).per_stage(p)
-    best_run, best_key = None, None
-    for result in heuristic_runs(m, stage_costs, delta, limit):
-        key = (result.makespan, result.max_span)
-        if best_key is None or key < best_key:
-            best_run, best_key = result, key
-    best = best_run.schedule()  # type: ignore[union-attr]
+    best, best_key = _best_heuristic_run(m, stage_costs, memory, limit)
     for handcrafted, forwards_after in _handcrafted(p, m, delta, limit):
-        if _device0_bound(stage_costs, m, forwards_after, fused=handcrafted is one_f_one_b) >= best_key[0]:  # type: ignore[index]
+        bound = _device0_bound(stage_costs, m, forwards_after, fused=handcrafted is one_f_one_b)
+        if best_key is not None and bound >= best_key[0]:
             continue  # cannot have a shorter makespan: skip generating and timing it
         schedule = handcrafted(p, m)
         if fits_limit(max(peak_activation_per_device(schedule, memory)), limit):
             key = makespan_and_span(schedule, stage_costs)
-            if key < best_key:  # type: ignore[operator]
+            if best_key is None or key < best_key:
                 best, best_key = schedule, key
-    assert best is not None
+    if best is None:
+        raise ScheduleError(
+            f"zb-auto: no schedule keeps the recomputed activations within --memory-limit {limit:g}; raise the limit"
+        )
     return Schedule(
         name="zb-auto",
         num_devices=best.num_devices,

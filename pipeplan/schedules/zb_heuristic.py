@@ -58,12 +58,15 @@ class _Run:
     """State of one heuristic run: per stage the next F / I / W microbatch, device free time, live bytes,
     accumulated idle time and op end times."""
 
-    def __init__(self, m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float) -> None:
+    def __init__(
+        self, m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None
+    ) -> None:
         p = len(delta["F"])
         self.p, self.m, self.limit = p, m, limit + 1e-9 * max(1.0, abs(limit))
         self.cf, self.ci, self.cw = costs.forward_ms, costs.input_grad_ms, costs.weight_grad_ms
         self.comm = costs.comm_ms
         self.df, self.di, self.dw = delta["F"], delta["I"], delta["W"]
+        self.rise_i = rise_i or (0.0,) * p  # what an I holds above the level before it (recomputation)
         self.f, self.i, self.w = [0] * p, [0] * p, [0] * p
         self.free, self.mem, self.idle = [0.0] * p, [0.0] * p, [0.0] * p
         self.max_idle = 0.0
@@ -95,6 +98,8 @@ class _Run:
         self.codes[j].append(mb)
 
     def put_i(self, j: int) -> None:
+        while self.mem[j] + self.rise_i[j] > self.limit and self.w[j] < self.i[j]:
+            self.put_w(j)  # room for what recomputation re-creates while the I runs
         mb = self.i[j]
         ready = self.ti[j + 1][mb] + self.comm[j] if j + 1 < self.p else 0.0  # type: ignore[index]
         self.free[j] = self.ti[j][mb] = self._start(j, ready) + self.ci[j]  # type: ignore[index]
@@ -190,10 +195,16 @@ def _round(run: _Run, i: int, opts: Options) -> None:
 
 
 def heuristic_run(
-    m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float, opts: Options
+    m: int,
+    costs: StageCosts,
+    delta: dict[str, tuple[float, ...]],
+    limit: float,
+    opts: Options,
+    rise_i: tuple | None = None,
 ) -> Result:
-    """One run of the heuristic. `costs` per stage (tuples), `delta` from `activation_deltas`."""
-    run = _Run(m, costs, delta, limit)
+    """One run of the heuristic. `costs` per stage (tuples), `delta` from `activation_deltas`, `rise_i` the I rises
+    of `activation_rises` (None: I only frees). An I runs pending Ws first while its rise would pass the limit."""
+    run = _Run(m, costs, delta, limit, rise_i)
     p = run.p
     for j in range(p):
         run.free_memory_for_f(j)
@@ -217,12 +228,14 @@ def heuristic_run(
     )
 
 
-def heuristic_runs(m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float) -> list[Result]:
+def heuristic_runs(
+    m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None = None
+) -> list[Result]:
     """The distinct runs over the 8 option combinations: a combination is skipped when an earlier run never
     consulted the options it differs in (it would repeat that run op for op)."""
     results: list[Result] = []
     for opts in ALL_OPTIONS:
         if any(all(getattr(r.options, n) == getattr(opts, n) for n in r.mattered) for r in results):
             continue
-        results.append(heuristic_run(m, costs, delta, limit, opts))
+        results.append(heuristic_run(m, costs, delta, limit, opts, rise_i))
     return results

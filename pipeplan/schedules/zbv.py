@@ -94,6 +94,8 @@ def zbv(
         return fixed
     best, best_key = None, None
     candidates = greedy_candidates(p, m, stage_costs, activation_deltas(memory, 2 * p), limit)
+    if memory.kept_bytes is not None:  # recomputation: the greedy checks ops' net changes, not what an I re-creates
+        candidates = [c for c in candidates if fits_limit(max(peak_activation_per_device(c[0], memory)), limit)]
     if fits_limit(peak, limit):
         candidates.insert(0, (fixed, makespan_and_span(fixed, stage_costs)))
     for candidate, key in candidates:

@@ -21,26 +21,34 @@ from pipeplan.planner.search import (
     prefer_simple,
     search_plans,
 )
+from pipeplan.planner.variants import zero_choices
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.units import parse_size
 
 
 def _brute_force(profile, cluster, config) -> list[Evaluation]:
-    """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`)."""
+    """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`), under
+    each of the search's memory options (ZeRO settings; stages recompute only where the layout does not fit without)."""
     found = []
     names = searched_schedules(SCHEDULE_NAMES, allow_async=config.allow_async, named=False)
     for item in enumerate_layouts(profile.num_layers, cluster, config, names):
         if isinstance(item, Rejection):
             continue
-        result = evaluate(
-            item,
-            scale_profile(profile, item.microbatch_size),
-            cluster,
-            optimizer=config.optimizer,
-            global_batch_size=config.global_batch_size,
-        )
-        if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
-            found.append(result)
+        for zero in zero_choices(item, config):
+            for recompute in ("none", "auto") if config.recompute == "auto" else ("none",):
+                result = evaluate(
+                    item,
+                    scale_profile(profile, item.microbatch_size),
+                    cluster,
+                    optimizer=config.optimizer,
+                    precision=config.precision,
+                    zero=zero,
+                    recompute=recompute,
+                    global_batch_size=config.global_batch_size,
+                )
+                if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
+                    found.append(result)
+                    break
     return found
 
 
@@ -125,13 +133,13 @@ def test_replication_wins_for_an_unbalanced_model():
     # (PipeDream) beats every straight 3-stage split
     profile = synthetic_profile(4, heavy_last=6.0, params=1_000_000, activation_bytes=1_000_000, cut_bytes=1000)
     cluster = make_cluster(3, memory=60 * 2**20)
-    result = search_plans(profile, cluster, SearchConfig(global_batch_size=12), ["1f1b"])
+    result = search_plans(profile, cluster, SearchConfig(global_batch_size=12, zero=0), ["1f1b"])  # ZeRO-1: plain DP
     assert result.best.layout.mode == "replicated"
     assert result.best.partition.replicas == (1, 2)
     assert result.best.pipeline.device_ops[1] == tuple(
         op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
     )
-    straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False))
+    straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False, zero=0))
     assert result.fastest.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
 
 
@@ -171,12 +179,14 @@ def test_unknown_schedule_lists_the_valid_ones():
         search_plans(synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4), ["nope"])
 
 
-def _fake(step_ms, replicas, microbatches, peak, label):
+def _fake(step_ms, replicas, microbatches, peak, label, zero=0, recomputing=0):
     return SimpleNamespace(
         step_ms=step_ms,
         peak_memory_bytes=peak,
         partition=SimpleNamespace(replicas=replicas),
         layout=SimpleNamespace(num_microbatches=microbatches, label=label),
+        zero=zero,
+        recomputing=recomputing,
     )
 
 

@@ -3,9 +3,13 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
 
     link: latency + bytes / bandwidth; ring collectives   pipeplan.cluster.Link (Cluster picks intra/inter node)
     per-boundary transfer, all-reduce, reduce-scatter,    costs.comm: transfer_ms, allreduce_ms, reduce_scatter_ms,
-    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms
+    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms; gradient_sync_ms
+                                                          (all-reduce, or ZeRO-1's exchange)
     PipeDream's transfer and 4 (r-1) replication terms    costs.comm: pipedream_transfer_ms, pipedream_sync_ms
     compute per microbatch (F + I + W or F + B)           costs.stage: compute_ms (span_compute_ms over layers)
+    an I or B op with recomputation                       costs.stage: backward_op_ms
+    recomputation per stage: kept / re-created bytes,     costs.recompute: stage_kept_bytes,
+    added time, which modes a stage may take              stage_recompute_bytes, stage_recompute_ms, mode_offered
     stage time (pipeplan / PipeDream)                     costs.stage: stage_ms, exposed_transfer_ms,
                                                           pipedream_stage_ms; StageCostModel for DP columns
     a device's stages one after another, the busiest      costs.stage: device_totals, busiest_device_ms
@@ -16,13 +20,15 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
     static memory (weights, gradients, optimizer state)   costs.memory: static_bytes (optimizer_state_bytes,
                                                           spread_static_bytes, device_static_bytes)
     in-flight microbatches per replica                    costs.memory: replica_share
-    the partitioner's per-stage memory screen             costs.memory: stage_memory_bytes
+    the partitioner's per-stage memory screen             costs.memory: stage_memory_bytes (per recompute
+                                                          mode, ZeRO group); screened_recompute picks the mode
 """
 
 from pipeplan.partition.costs.arrays import LayerArrays, balanced_bounds
 from pipeplan.partition.costs.comm import (
     all_gather_ms,
     allreduce_ms,
+    gradient_sync_ms,
     pipedream_sync_ms,
     pipedream_transfer_ms,
     reduce_scatter_ms,
@@ -31,8 +37,10 @@ from pipeplan.partition.costs.comm import (
 )
 from pipeplan.partition.costs.memory import (
     device_static_bytes,
+    least_stage_memory_bytes,
     optimizer_state_bytes,
     replica_share,
+    screened_recompute,
     spread_static_bytes,
     stage_memory_bytes,
     static_bytes,
@@ -49,8 +57,17 @@ from pipeplan.partition.costs.optimizer import (
     static_split,
     zero_bytes_per_param,
 )
+from pipeplan.partition.costs.recompute import (
+    RECOMPUTE_CHOICES,
+    mode_offered,
+    stage_freed_bytes,
+    stage_kept_bytes,
+    stage_recompute_bytes,
+    stage_recompute_ms,
+)
 from pipeplan.partition.costs.stage import (
     StageCostModel,
+    backward_op_ms,
     busiest_device_ms,
     compute_ms,
     device_totals,
@@ -63,11 +80,13 @@ from pipeplan.partition.costs.stage import (
 
 __all__ = [
     "OPTIMIZER_NAMES",
+    "RECOMPUTE_CHOICES",
     "ZERO_STAGES",
     "LayerArrays",
     "StageCostModel",
     "adam_bytes_per_parameter",
     "all_gather_ms",
+    "backward_op_ms",
     "allreduce_ms",
     "balanced_bounds",
     "busiest_device_ms",
@@ -77,7 +96,10 @@ __all__ = [
     "device_static_bytes",
     "device_totals",
     "exposed_transfer_ms",
+    "gradient_sync_ms",
+    "least_stage_memory_bytes",
     "megatron_adam_split",
+    "mode_offered",
     "optimizer_state_bytes",
     "pipedream_stage_ms",
     "pipedream_sync_ms",
@@ -85,11 +107,16 @@ __all__ = [
     "reduce_scatter_ms",
     "replica_share",
     "resolve_optimizer",
+    "screened_recompute",
     "sharded_bytes_per_param",
     "span_compute_ms",
     "spread_static_bytes",
+    "stage_freed_bytes",
+    "stage_kept_bytes",
     "stage_memory_bytes",
     "stage_ms",
+    "stage_recompute_bytes",
+    "stage_recompute_ms",
     "stages_per_device",
     "static_bytes",
     "static_split",

@@ -13,7 +13,12 @@ from pipeplan.profiling.profile import Profile
 class LayerArrays:
     """Prefix sums over layers (index k = sum of the first k layers) and cut bytes per boundary.
 
-    `cut[k]` = bytes live across the boundary before layer k; cut[0] = cut[n] = 0."""
+    `cut[k]` = bytes live across the boundary before layer k; cut[0] = cut[n] = 0. Recomputation data
+    (`costs.recompute`): prefix sums of the bytes kept under selective recomputation and of the two recompute times;
+    per item, `entering[k]` the bytes entering item k from before it (the model's inputs for the first: what a stage
+    starting there keeps under full recomputation) and `internals[k]` the largest attention internals one of its
+    layers saves (what selective recomputation re-creates at once). `reversed_order`: the items run last to first
+    (`reversed()`), so a stage's first layer in model order is its last item."""
 
     forward: np.ndarray
     input_grad: np.ndarray
@@ -25,6 +30,25 @@ class LayerArrays:
     param_count: np.ndarray
     cut: np.ndarray
     bounds: np.ndarray  # layer index where each item starts, plus num_layers (items may group layers)
+    selective: np.ndarray | None = None  # bytes kept under selective recomputation (None: = activation)
+    selective_recompute: np.ndarray | None = None  # ms (None: 0)
+    full_recompute: np.ndarray | None = None  # ms (None: the forward)
+    entering: np.ndarray | None = None  # per item (None: the cut before it)
+    internals: np.ndarray | None = None  # per item (None: 0)
+    reversed_order: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.bounds) - 1
+        defaults = {
+            "selective": self.activation,
+            "selective_recompute": np.zeros(n + 1),
+            "full_recompute": self.forward,
+            "entering": self.cut[:-1].copy(),
+            "internals": np.zeros(n),
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerArrays:
@@ -35,6 +59,7 @@ class LayerArrays:
 
         cut = np.zeros(len(layers) + 1)
         cut[1:-1] = np.asarray(profile.cut_bytes, dtype=np.float64)
+        entering = np.asarray([layers[0].full_activation_bytes, *profile.cut_bytes], dtype=np.float64)
         return cls(
             forward=prefix([la.forward_ms for la in layers]),
             input_grad=prefix([la.input_grad_ms for la in layers]),
@@ -46,6 +71,11 @@ class LayerArrays:
             param_count=prefix([la.param_count for la in layers]),
             cut=cut,
             bounds=np.arange(len(layers) + 1),
+            selective=prefix([la.selective_activation_bytes for la in layers]),
+            selective_recompute=prefix([la.selective_recompute_ms for la in layers]),
+            full_recompute=prefix([la.full_recompute_ms for la in layers]),
+            entering=entering,
+            internals=np.asarray([la.activation_bytes - la.selective_activation_bytes for la in layers], dtype=float),
         )
 
     @property
@@ -56,20 +86,63 @@ class LayerArrays:
         """Items = groups of consecutive current items starting at `bounds` (first 0, last num_items)."""
         b = np.asarray(bounds)
         assert b[0] == 0 and b[-1] == self.num_items and np.all(np.diff(b) > 0)
+        assert not self.reversed_order, "group items in model order"
         pick = {name: getattr(self, name)[b] for name in self._SUMS}
-        return LayerArrays(**pick, cut=self.cut[b], bounds=self.bounds[b])
+        return LayerArrays(
+            **pick,
+            cut=self.cut[b],
+            bounds=self.bounds[b],
+            entering=self.entering[b[:-1]],
+            internals=np.maximum.reduceat(self.internals, b[:-1]),
+        )
 
     def reversed(self) -> LayerArrays:
         """The same items in reverse order (prefix sums rebuilt, cuts mirrored)."""
         sums = {name: getattr(self, name)[-1] - getattr(self, name)[::-1] for name in self._SUMS}
-        return LayerArrays(**sums, cut=self.cut[::-1].copy(), bounds=self.bounds[-1] - self.bounds[::-1])
+        return LayerArrays(
+            **sums,
+            cut=self.cut[::-1].copy(),
+            bounds=self.bounds[-1] - self.bounds[::-1],
+            entering=self.entering[::-1].copy(),
+            internals=self.internals[::-1].copy(),
+            reversed_order=not self.reversed_order,
+        )
 
-    _SUMS = ("forward", "input_grad", "weight_grad", "backward", "activation", "freed", "param_bytes", "param_count")
+    _SUMS = (
+        "forward",
+        "input_grad",
+        "weight_grad",
+        "backward",
+        "activation",
+        "freed",
+        "param_bytes",
+        "param_count",
+        "selective",
+        "selective_recompute",
+        "full_recompute",
+    )
 
     def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
         """Sum of `name` over items first..last (inclusive), vectorized over `first`."""
         values = getattr(self, name)
         return values[last + 1] - values[first]
+
+    def span_max(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Largest per-item `name` over items first..last (inclusive), vectorized over `first`."""
+        values = getattr(self, name)
+        suffix = np.maximum.accumulate(values[last::-1])[::-1]  # suffix[a] = max over a..last
+        return suffix[np.asarray(first)]
+
+    def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
+        model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
+        and everything saved lives until W (runtime/executor.py)."""
+        first_in_model = (np.asarray(first) == 0) if not self.reversed_order else (last == self.num_items - 1)
+        return np.where(first_in_model, 0.0, self.span("freed", first, last))
+
+    def stage_start(self, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Per-item `entering` of a stage's first layer in model order (its last item when reversed)."""
+        return self.entering[last] if self.reversed_order else self.entering[np.asarray(first)]
 
 
 def balanced_bounds(arrays: LayerArrays, max_groups: int, weights: np.ndarray) -> np.ndarray:

@@ -48,3 +48,11 @@ def zero1_exchange_ms(grad_bytes, param_bytes, group_size, link: Link):
     after the optimizer step, a ring all-gather of the updated parameters. With equal bytes it moves what the ring
     all-reduce does (Rajbhandari et al. 2020, section 7.2.1), the all-gather after the optimizer step."""
     return (link.reduce_scatter_s(grad_bytes, group_size) + link.all_gather_s(param_bytes, group_size)) * MS_PER_S
+
+
+def gradient_sync_ms(grad_bytes, param_bytes, group_size, link: Link, zero: int):
+    """A stage's gradient synchronization per step over the `group_size` devices holding it: the ring all-reduce
+    of its gradients, or with ZeRO-1 (`zero` 1) `zero1_exchange_ms`."""
+    if zero:
+        return zero1_exchange_ms(grad_bytes, param_bytes, group_size, link)
+    return allreduce_ms(grad_bytes, group_size, link)

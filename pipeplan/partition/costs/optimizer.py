@@ -79,11 +79,15 @@ def static_split(optimizer: str | float, precision: str | None = None) -> tuple[
     return size, size, size * OPTIMIZER_STATES[optimizer]
 
 
-def bytes_per_param(optimizer: str | float, precision: str | None = None) -> float:
-    """Weights + gradients + optimizer state per parameter, unsharded: what `static_bytes` multiplies. Sharding
-    options (a ZeRO stage and group size) belong here as keyword-only arguments, so every static figure downstream
-    follows them; until the search models ZeRO, `zero_bytes_per_param` gives the sharded figure."""
-    return float(sharded_bytes_per_param(static_split(optimizer, precision), 1))
+def bytes_per_param(optimizer: str | float, precision: str | None = None, *, zero: int = 0, group_size=1):
+    """Weights + gradients + optimizer state per parameter on one device: what `static_bytes` multiplies. With
+    `zero` 1 the optimizer state is split over the `group_size` devices holding the same parameters
+    (`zero_bytes_per_param`; elementwise over group_size, a float for a scalar). A number as optimizer is refused
+    with ZeRO: its bytes have no optimizer-state part to shard."""
+    if zero and not isinstance(optimizer, str):
+        raise ConfigError("--zero 1 needs --optimizer by name (adamw, sgd): a number of bytes has no state to shard")
+    value = zero_bytes_per_param(static_split(optimizer, precision), group_size, zero)
+    return float(value) if np.ndim(value) == 0 else value
 
 
 def check_zero_stage(zero: int, *, option: str = "--zero") -> int:

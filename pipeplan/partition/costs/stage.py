@@ -33,8 +33,15 @@ if TYPE_CHECKING:
 
 def compute_ms(forward, input_grad, weight_grad, backward, *, split_backward: bool):
     """One microbatch's compute on one device: F + I + W when the schedule runs I and W as separate ops, else
-    F + B (elementwise over arrays)."""
+    F + B (elementwise over arrays). With recomputation, I and B are `backward_op_ms`'s."""
     return forward + (input_grad + weight_grad if split_backward else backward)
+
+
+def backward_op_ms(input_grad_or_backward, recompute_ms):
+    """An I (or B) op's time with recomputation: the backward plus the recomputation that runs right before it
+    (`costs.recompute.stage_recompute_ms`; elementwise). The partitioner's stage times, the planner's op times
+    and so `simulate`, `show` and `run`'s prediction all take I and B from here."""
+    return input_grad_or_backward + recompute_ms
 
 
 def span_compute_ms(arrays: LayerArrays, config: PartitionConfig, first: np.ndarray | int, last: int) -> np.ndarray:
@@ -80,15 +87,19 @@ class StageCostModel:
         out_link: Link | None,
         compute: np.ndarray | None = None,
         allreduce_bytes_scale: float = 1.0,
+        recompute_ms: np.ndarray | None = None,
     ) -> np.ndarray:
         """Times of stages [a..last] for every a in 0..last (rows) and replica count in `replicas` (columns).
 
         `in_link`: the link the input cut crosses (a Link, or per-row transfer ms already computed);
-        `out_link`: None when the output cut is not charged at this level."""
+        `out_link`: None when the output cut is not charged at this level; `recompute_ms` (rows x columns): what
+        recomputation adds to each stage's I or B (`backward_op_ms`), inf where no mode fits memory."""
         firsts = np.arange(last + 1)
         r = np.asarray(replicas, dtype=np.float64)[None, :]
         comp = span_compute_ms(self.arrays, self.config, firsts, last) if compute is None else compute
         comp = comp[:, None]
+        if recompute_ms is not None:
+            comp = backward_op_ms(comp, recompute_ms)
         params = self.arrays.span("param_bytes", firsts, last)[:, None] * allreduce_bytes_scale
         if self.config.cost_model == "pipedream":
             return self._pipedream(comp, params, r, firsts)

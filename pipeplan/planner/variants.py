@@ -1,0 +1,126 @@
+"""One layout's evaluation under the search's memory options: ZeRO-1 and activation recomputation.
+
+- Recomputation (`SearchConfig.recompute` auto) only where memory needs it: the layout is first evaluated without
+  it; only if that does not fit is it partitioned again letting each stage recompute (the partitioner picks cuts
+  and the cheapest fitting mode per stage together, `planner.recompute_choice` settles the modes on the exact
+  peaks). A plan that fits without recomputation is the one the search gave before it knew recomputation.
+- ZeRO-1 (`SearchConfig.zero` auto) where a stage has more than one holder (data-parallel pipelines or replicated
+  stages): both settings are evaluated and both enter the ranking, where the usual rule picks (fastest that
+  fits, the simpler within `PREDICTION_MARGIN`; ZeRO-1 counts as less simple). Its exchange takes the time of the
+  all-reduce it replaces (equal bytes), so it can only win on memory: when its partition is the one without it and
+  the schedule's op order does not depend on memory, it would repeat the same step and is not simulated.
+Each evaluation is pruned as before: not partitioned when the balanced estimate is slower than the best plan so
+far, not simulated when the partition's busiest-device bound is; a simulated peak over memory re-partitions with a
+tighter screen (at most MEMORY_RETRIES times). A layout the partitioner finds no fit for is rejected without the
+binary search for the memory that would fit (the search's own error names the smallest memory for all layouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pipeplan.cluster import Cluster
+from pipeplan.planner.candidate import (
+    REPLICATED,
+    Evaluation,
+    Layout,
+    Rejection,
+    evaluate_partition,
+    partition_layout,
+)
+from pipeplan.planner.estimate import partition_lower_bound_ms
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import schedule_info
+from pipeplan.units import format_percent
+
+if TYPE_CHECKING:
+    from pipeplan.planner.search import SearchConfig
+
+MEMORY_RETRIES = 2  # re-partitions with a tighter screen when the simulated peak is over memory
+
+
+def zero_choices(layout: Layout, config: SearchConfig) -> tuple[int, ...]:
+    """The ZeRO stages to evaluate `layout` with: the configured one, or under `auto` 0 and — where a stage's
+    optimizer state has more than one holder to split over and the optimizer is named — 1."""
+    if config.zero != "auto":
+        return (int(config.zero),)
+    if schedule_info(layout.schedule).asynchronous:
+        return (0,)  # stashed weight versions need per-parameter tensors, not ZeRO-1's flat buffers
+    shared = layout.data_parallel > 1 or layout.mode == REPLICATED
+    return (0, 1) if shared and isinstance(config.optimizer, str) else (0,)
+
+
+def evaluate_layout(
+    layout: Layout, estimate: float, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig
+) -> tuple[list[Evaluation], Rejection | None]:
+    """The fitting evaluations of `layout` (one per ZeRO setting at most), or none and why."""
+    if estimate >= best_ms:
+        slower = format_percent(estimate / best_ms - 1.0)
+        reason = f"estimated {slower} slower than the best plan even with balanced stages"
+        return [], Rejection(layout=layout, kind="estimate", reason=reason)
+    found: list[Evaluation] = []
+    rejection: Rejection | None = None
+    for zero in zero_choices(layout, config):
+        if zero and found and _same_without_zero(found[0], layout, profile, cluster, config):
+            continue
+        bar = min([best_ms, *(e.step_ms for e in found)])
+        result = _with_recompute_if_needed(layout, bar, profile, cluster, config, zero)
+        if isinstance(result, Rejection):
+            rejection = rejection if rejection is not None and result.kind != "memory" else result
+        else:
+            found.append(result)
+    return found, (None if found else rejection)
+
+
+def _with_recompute_if_needed(
+    layout: Layout, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig, zero: int
+) -> Evaluation | Rejection:
+    """Without recomputation, then (when that is over memory and the search may) with it."""
+    result = _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="none")
+    retry = config.recompute == "auto" and not schedule_info(layout.schedule).asynchronous
+    if isinstance(result, Rejection) and result.kind == "memory" and retry:
+        return _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="auto")
+    return result
+
+
+def _same_without_zero(plain: Evaluation, layout: Layout, profile: Profile, cluster: Cluster, config) -> bool:
+    """Whether ZeRO-1 would repeat `plain` (ZeRO 0, no recomputation, an op order that does not depend on memory):
+    the partitioner gives it the same stages."""
+    if plain.recomputing or schedule_info(layout.schedule).within_memory_limit:
+        return False
+    part = partition_layout(layout, profile, cluster, **_options(config, zero=1, recompute="none"))
+    return not isinstance(part, Rejection) and (part.stage_ranges, part.replicas) == (
+        plain.partition.stage_ranges,
+        plain.partition.replicas,
+    )
+
+
+def _options(config: SearchConfig, *, zero: int, recompute: str) -> dict:
+    return dict(optimizer=config.optimizer, precision=config.precision, zero=zero, recompute=recompute)
+
+
+def _evaluate_with_retries(
+    layout: Layout, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig, **choice
+) -> Evaluation | Rejection:
+    """Partition (skip the schedule and simulation when the partition's lower bound is already slower than the best
+    plan), evaluate, and re-partition with a tighter screen while the simulated peak is over memory."""
+    options = _options(config, **choice)
+    budget = cluster
+    for _ in range(MEMORY_RETRIES + 1):
+        part = partition_layout(layout, profile, budget, explain=False, **options)
+        if isinstance(part, Rejection):
+            return part
+        bound = partition_lower_bound_ms(layout, part, profile, cluster)
+        if bound >= best_ms:
+            slower = format_percent(bound / best_ms - 1.0)
+            reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
+            return Rejection(layout=layout, kind="bound", reason=reason)
+        result = evaluate_partition(
+            layout, part, profile, cluster, global_batch_size=config.global_batch_size, **options
+        )
+        if not isinstance(result, Rejection) or not result.retry_budget_bytes:
+            return result
+        # the partitioner's screen let through a partition whose simulated peak does not fit: screen tighter
+        budget = replace(budget, memory_per_device=min(budget.memory_per_device - 1, result.retry_budget_bytes))
+    return result

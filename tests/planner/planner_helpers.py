@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipeplan.cluster import Cluster
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
@@ -52,4 +54,36 @@ def make_cluster(num_devices: int = 4, memory: int = 2**30, devices_per_node: in
         memory_per_device=memory,
         intra_node_bandwidth=1e10,
         inter_node_bandwidth=1e9,
+    )
+
+
+def _layer(name: str, **fields) -> LayerProfile:
+    base = dict(
+        forward_ms=1.0,
+        input_grad_ms=1.0,
+        weight_grad_ms=1.0,
+        backward_ms=2.0,
+        activation_bytes=800,
+        activation_freed_by_input_grad_bytes=400,
+        param_count=1000,
+        param_bytes=4000,
+        output_bytes=64,
+        flops=1e9,
+    )
+    return LayerProfile(name=name, **{**base, **fields})
+
+
+def stack_profile(
+    num_blocks: int = 4, *, hidden_bytes: int = 64, block: dict | None = None, options: dict | None = None
+) -> Profile:
+    """Embedding (a lookup: no FLOPs, no input gradient), `num_blocks` alike blocks, LM head."""
+    embed = _layer("embed", flops=0.0, input_grad_ms=0.0, activation_freed_by_input_grad_bytes=0)
+    blocks = [_layer(f"blocks.{i}", **{"output_bytes": hidden_bytes, **(block or {})}) for i in range(num_blocks)]
+    head = _layer("head", output_bytes=1000)
+    return Profile(
+        layers=(replace(embed, output_bytes=hidden_bytes), *blocks, head),
+        cut_bytes=(2 * hidden_bytes,) * (num_blocks + 1),
+        provenance=Provenance(
+            source="analytic", batch_size=1, model="stack", tokens_per_sample=16, model_options=dict(options or {})
+        ),
     )

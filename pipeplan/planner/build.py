@@ -21,6 +21,7 @@ from pipeplan.planner.layout import PipelineLayout, rank_infos, simulate_layout
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.planner.rationale import alternatives, memory_choices, rationale
 from pipeplan.planner.search import SearchResult
+from pipeplan.planner.tensor_parallel import devices_cluster
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.trace import LayerGraph
@@ -37,8 +38,10 @@ def build_plan(
     layer_graph: LayerGraph | None = None,
     evaluation: Evaluation | None = None,
     num_alternatives: int = 3,
+    tensor_parallel_reason: str = "",
 ) -> Plan:
-    """The Plan for `evaluation` (default: the best candidate of `result`)."""
+    """The Plan for `evaluation` (default: the best candidate of `result`); `tensor_parallel_reason` (why this
+    tensor-parallel size, `planner.tensor_search`) opens the rationale."""
     chosen = evaluation or result.best
     layout = chosen.layout
     profile = result.profiles[layout.microbatch_size]
@@ -55,13 +58,14 @@ def build_plan(
         precision=result.config.precision,
         device=run_device_for(profile.provenance.device),
         zero=chosen.zero,
+        tensor_parallel=result.config.tensor_parallel,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel
     tokens = model.tokens_per_sample
     return Plan(
         model=model,
-        cluster=result.cluster,
+        cluster=devices_cluster(result.cluster, result.config.tensor_parallel),
         training=training,
         schedule=layout.schedule,
         chunks=chosen.schedule.num_chunks,
@@ -78,11 +82,15 @@ def build_plan(
             memory_reserve_bytes=result.config.memory_reserve_bytes,
         ),
         alternatives=alternatives(result, chosen, limit=num_alternatives),
-        rationale=rationale(result, chosen),
+        rationale=" ".join(part for part in (_sentence(tensor_parallel_reason), rationale(result, chosen)) if part),
         memory_choices=memory_choices(result, chosen),
         pipeplan_version=pipeplan.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _sentence(reason: str) -> str:
+    return f"Tensor parallelism {reason}." if reason else ""
 
 
 def _check_graph_matches(profile: Profile, graph: LayerGraph) -> None:

@@ -64,14 +64,17 @@ class Layout:
     pipeline_devices: int
     num_microbatches: int
     mode: str = STRAIGHT
+    tensor_parallel: int = 1  # devices per tensor-parallel group; the search's devices are such groups
 
     @property
     def label(self) -> str:
-        """e.g. `1f1b 4x2 m=8 b=1`: P devices per pipeline x D pipelines, m microbatches of b samples."""
+        """e.g. `1f1b 4x2 m=8 b=1`: P devices per pipeline x D pipelines, m microbatches of b samples; with tensor
+        parallelism ` t=8` (each of the P x D pipeline devices a group of 8 devices)."""
         suffix = " replicated" if self.mode == REPLICATED else ""
+        tensor = f" t={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         return (
             f"{self.schedule} {self.pipeline_devices}x{self.data_parallel} m={self.num_microbatches} "
-            f"b={self.microbatch_size}{suffix}"
+            f"b={self.microbatch_size}{tensor}{suffix}"
         )
 
 

@@ -12,7 +12,10 @@ For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the 
 `num_microbatches`, weight versions on the ops, `num_op_microbatches` in all); `run` regenerates the stream its
 --steps need from the same generator and checks these lists are that generator's.
 A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
-start with `require_runnable()`, which raises one clear RunError.
+start with `require_runnable()`, which raises one clear RunError. So does a plan with tensor parallelism
+(`training.tensor_parallel` t > 1, planned analytically by `planner.tensor_parallel`): there each rank of
+`ranks` stands for a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t + t - 1,
+on node r·t // devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class TrainingConfig:
     seed: int = 0
     device: str = "cpu"  # what the costs were measured or estimated for: cpu, or cuda (one GPU per rank)
     zero: int = 0  # ZeRO stage: 0, or 1 = optimizer state sharded over the ranks holding the same parameters
+    tensor_parallel: int = 1  # devices per tensor-parallel group (analytic plans only; `run` needs 1)
 
     def __post_init__(self) -> None:
         from pipeplan.precision import PRECISIONS
@@ -79,7 +83,7 @@ class TrainingConfig:
                 f"training.zero must be 0 or 1 (ZeRO-1 shards optimizer state; stages 2 and 3 are not supported), "
                 f"got {self.zero}"
             )
-        for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel"):
+        for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise FormatError(f"training.{name} must be >= 1")
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel
@@ -174,11 +178,19 @@ class Plan:
 
     @property
     def runnable(self) -> bool:
-        """False for plans made from a profile file alone (no model to trace, so no FX node names per stage)."""
-        return all(stage.node_names for stage in self.stages)
+        """False for plans made from a profile file alone (no model to trace, so no FX node names per stage) and
+        for tensor-parallel plans (the runtime has no tensor-parallel layers)."""
+        return self.training.tensor_parallel == 1 and all(stage.node_names for stage in self.stages)
 
     def require_runnable(self) -> None:
         """Raise RunError unless `pipeplan run` can execute this plan."""
+        t = self.training.tensor_parallel
+        if t > 1:
+            raise RunError(
+                f"this plan uses tensor parallelism (t={t}), which `run` does not execute: the runtime has no "
+                "tensor-parallel layers (column/row-parallel Linear, head-parallel attention, vocab-parallel "
+                "embedding and loss) or their collectives; re-plan with --tensor-parallel 1 to run it"
+            )
         if not self.runnable:
             raise RunError(
                 "this plan was made from a profile without a model, so its stages name no FX nodes; re-plan with "
@@ -219,8 +231,11 @@ def _check_plan(plan: Plan) -> None:
         raise FormatError("plan ranks must be numbered 0..N-1 in order")
     if len(plan.rank_ops) != len(plan.ranks):
         raise FormatError(f"plan has {len(plan.ranks)} ranks but {len(plan.rank_ops)} rank_ops lists")
-    if len(plan.ranks) > plan.cluster.num_devices:
-        raise FormatError(f"plan uses {len(plan.ranks)} ranks but its cluster has {plan.cluster.num_devices} devices")
+    group = plan.training.tensor_parallel
+    if len(plan.ranks) * group > plan.cluster.num_devices:
+        raise FormatError(
+            f"plan uses {len(plan.ranks) * group} devices but its cluster has {plan.cluster.num_devices} devices"
+        )
     num_stages = len(plan.stages)
     for info in plan.ranks:
         bad = [s for s in info.stages if not 0 <= s < num_stages]
@@ -231,8 +246,10 @@ def _check_plan(plan: Plan) -> None:
     if plan.chunks < 1:
         raise FormatError("plan chunks must be >= 1")
     for info in plan.ranks:
-        if info.node != info.rank // plan.cluster.devices_per_node:
-            raise FormatError(f"plan rank {info.rank} is on node {info.node}; expected rank // devices_per_node")
+        if info.node != info.rank * group // plan.cluster.devices_per_node:
+            raise FormatError(
+                f"plan rank {info.rank} is on node {info.node}; expected rank x tensor_parallel // devices_per_node"
+            )
     _check_replicas(plan)
     _check_asynchronous(plan)
     _check_rank_ops(plan)

@@ -26,7 +26,14 @@ from pipeplan.planner.inputs import (
 from pipeplan.planner.plan import Plan
 from pipeplan.planner.plan_options import PlanOptions
 from pipeplan.planner.scripts import write_plan_dir
-from pipeplan.planner.search import SearchConfig, parse_zero, search_plans
+from pipeplan.planner.search import SearchConfig, parse_zero
+from pipeplan.planner.tensor_search import (
+    TensorParallelTry,
+    chosen_try,
+    search_tensor_parallel,
+    tensor_parallel_reason,
+    tensor_parallel_sizes,
+)
 from pipeplan.precision import default_precision
 from pipeplan.profiling.hardware import load_hardware
 from pipeplan.schedules.simulate import Timeline
@@ -43,6 +50,7 @@ class PlanJob:
     config: SearchConfig
     schedules: tuple[str, ...] | None  # None: every schedule (--schedule auto)
     output: Path
+    tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (planner.tensor_search)
 
 
 def prepare_plan(options: PlanOptions) -> PlanJob:
@@ -80,7 +88,15 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
     schedules = None if options.schedule == "auto" else (options.schedule,)
-    return PlanJob(source=source, cluster=cluster, config=config, schedules=schedules, output=Path(options.output))
+    tensor_sizes = tensor_parallel_sizes(options.tensor_parallel, source.profile, cluster)
+    return PlanJob(
+        source=source,
+        cluster=cluster,
+        config=config,
+        schedules=schedules,
+        output=Path(options.output),
+        tensor_parallel=tensor_sizes,
+    )
 
 
 def _profile_file(options: PlanOptions) -> PlanInput | None:
@@ -110,10 +126,15 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
 
 
 def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = None) -> tuple[Plan, Timeline]:
-    """Search, build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and timeline.json."""
-    result = search_plans(job.source.profile, job.cluster, job.config, job.schedules, progress=progress)
+    """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and
+    timeline.json."""
+    tries = search_tensor_parallel(
+        job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
+    )
+    result = chosen_try(tries).result
     source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
-    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph)
+    why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
+    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
     timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
     write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
     return chosen, timeline

@@ -10,6 +10,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
 from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import check_plan_options
+from pipeplan.planner.tensor_search import AUTO, parse_tensor_parallel
 from pipeplan.profiling.trace import check_tracer
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
@@ -34,6 +35,10 @@ TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer
 ASYNC_HELP = (
     "Also consider the asynchronous schedules pipedream and pipedream-2bw: no flush, but stale weights (they change "
     "what training computes; the summary says how stale)."
+)
+TENSOR_HELP = (
+    "Devices per tensor-parallel group: auto (analytic profiles: try 1,2,4,8 dividing the devices per node; "
+    "measured: 1) or N. Plans with N > 1 are analytic: `run` does not execute them."
 )
 
 
@@ -63,6 +68,7 @@ class PlanOptions:
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
     zero: str = option("auto", "--zero", help=ZERO_HELP)
     recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
+    tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
     allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
@@ -86,3 +92,9 @@ class PlanOptions:
         check_tracer(self.tracer)
         if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
             searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
+        t = parse_tensor_parallel(self.tensor_parallel)
+        if t != AUTO and t > 1 and self.profile is None and self.device != "meta":
+            raise ConfigError(
+                f"--tensor-parallel {t} plans analytically: profile with --device meta --hardware NAME (or give an "
+                "analytic --profile)"
+            )

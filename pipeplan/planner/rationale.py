@@ -33,6 +33,7 @@ def layout_dict(layout: Layout) -> dict[str, Any]:
         "data_parallel": layout.data_parallel,
         "microbatch_size": layout.microbatch_size,
         "num_microbatches": layout.num_microbatches,
+        "tensor_parallel": layout.tensor_parallel,
     }
 
 

@@ -27,11 +27,14 @@ def describe(plan: Plan) -> str:
     model = f"{plan.model.ref}" + (f" ({options})" if options else "")
     counts = [stage.replicas for stage in plan.stages]
     replicas = f" (replicas {','.join(map(str, counts))})" if max(counts) > 1 else ""
+    t = plan.training.tensor_parallel
+    devices = plan.world_size * t
+    tensor = f", tensor parallel t={t} (each stage device a group of {t})" if t > 1 else ""
     return (
-        f"{model} on {plan.world_size} device(s) ({plan.cluster.num_nodes} node(s) x "
-        f"{ranks_per_node(plan)}), schedule {plan.schedule}, {len(plan.stages)} stage(s){replicas} x "
-        f"{plan.training.data_parallel} pipeline(s), {plan.training.num_microbatches} microbatch(es) of "
-        f"{plan.training.microbatch_size}"
+        f"{model} on {devices} device(s) ({plan.cluster.num_nodes} node(s) x "
+        f"{min(devices, plan.cluster.devices_per_node)}), schedule {plan.schedule}, {len(plan.stages)} "
+        f"stage(s){replicas} x {plan.training.data_parallel} pipeline(s), {plan.training.num_microbatches} "
+        f"microbatch(es) of {plan.training.microbatch_size}{tensor}"
     ).replace("\n", " ")
 
 

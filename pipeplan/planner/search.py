@@ -56,6 +56,7 @@ from pipeplan.planner.candidate import (
 )
 from pipeplan.planner.estimate import balanced_estimate_ms
 from pipeplan.planner.scaling import scale_profile
+from pipeplan.planner.tensor_parallel import devices_phrase, tensor_parallel_profiles
 from pipeplan.planner.variants import evaluate_layout, zero_choices
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
@@ -101,6 +102,7 @@ class SearchConfig:
     zero: int | str = "auto"  # ZeRO stage (0, or 1: sharded optimizer state), or auto: the search tries both
     recompute: str = "auto"  # auto: stages recompute activations where memory needs it; none: never
     allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
+    tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (planner.tensor_parallel)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -153,7 +155,8 @@ class SearchConfig:
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
     """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason; `best`: the
-    chosen one (the simplest within PREDICTION_MARGIN of the fastest)."""
+    chosen one (the simplest within PREDICTION_MARGIN of the fastest). With config.tensor_parallel t > 1: one
+    rank's `profiles`, and `cluster` of t-device groups (planner.tensor_parallel: `devices_cluster` undoes it)."""
 
     ranked: tuple[Evaluation, ...]
     rejected: tuple[Rejection, ...]
@@ -221,6 +224,7 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
                         pipeline_devices=p,
                         num_microbatches=m,
                         mode=mode,
+                        tensor_parallel=config.tensor_parallel,
                     )
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
     return found
@@ -256,6 +260,7 @@ def search_plans(
         schedule_info(name, also_accepted=("auto",))
     names = searched_schedules(names, allow_async=config.allow_async, zero=config.zero, named=bool(schedules))
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
+    profiles, cluster = tensor_parallel_profiles(profiles, cluster, config.tensor_parallel)  # after scaling: latency
     usable = usable_cluster(cluster, config)
     pending: list[tuple[float, Layout]] = []
     rejected: list[Rejection] = []
@@ -287,7 +292,8 @@ def search_plans(
     _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
         smallest = smallest_fitting_memory(rejected, profiles, usable, config)
-        raise InfeasibleError(infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes))
+        message = infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes, config.tensor_parallel)
+        raise InfeasibleError(message)
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
         ranked=tuple(evaluated), rejected=tuple(rejected), profiles=profiles, cluster=cluster, config=config
@@ -373,9 +379,10 @@ def smallest_fitting_memory(
 
 
 def infeasible_message(
-    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, reserve: int = 0
+    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, reserve: int = 0, tensor_parallel: int = 1
 ) -> str:
     """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart)."""
+    devices = devices_phrase(cluster.num_devices, tensor_parallel)  # `cluster` as searched: groups of t devices
     memory_bound = any(r.kind == "memory" for r in rejected)
     others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
     if memory_bound and (smallest_memory is not None or not others):
@@ -383,8 +390,8 @@ def infeasible_message(
         if smallest_memory and reserve:
             hint += f" plus the {format_bytes(reserve)} --memory-reserve"
         return (
-            f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {cluster.num_devices} "
-            f"device(s): memory is the binding constraint{hint} (raise --memory-per-device or --devices)"
+            f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {devices}: memory is the "
+            f"binding constraint{hint} (raise --memory-per-device or --devices)"
         )
     first = others[0] if others else "no candidate layouts"
-    return f"no plan is possible on {cluster.num_devices} device(s): {first}; change --devices or --global-batch-size"
+    return f"no plan is possible on {devices}: {first}; change --devices or --global-batch-size"

@@ -145,8 +145,10 @@ def _chosen_label(plan: Plan) -> str:
     pipeline_devices = plan.world_size // plan.training.data_parallel
     replicated = " replicated" if any(s.replicas > 1 for s in plan.stages) else ""
     t = plan.training
+    tensor = f" t={t.tensor_parallel}" if t.tensor_parallel > 1 else ""
     return (
-        f"{plan.schedule} {pipeline_devices}x{t.data_parallel} m={t.num_microbatches} b={t.microbatch_size}{replicated}"
+        f"{plan.schedule} {pipeline_devices}x{t.data_parallel} m={t.num_microbatches} b={t.microbatch_size}"
+        f"{tensor}{replicated}"
     )
 
 
@@ -171,7 +173,10 @@ def _headline(plan: Plan) -> Text:
         text.append(f"{stale} (asynchronous: no flush, each stage steps on its own)")
     if not plan.runnable:
         text.append("\nNot runnable: ", style="bold yellow")
-        text.append("planned from a profile without a model; re-plan with MODEL to run it.")
+        if plan.training.tensor_parallel > 1:
+            text.append("tensor parallelism is planned analytically; `run` does not execute it (--tensor-parallel 1).")
+        else:
+            text.append("planned from a profile without a model; re-plan with MODEL to run it.")
     return text
 
 

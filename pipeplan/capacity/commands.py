@@ -37,17 +37,24 @@ def capacity(options: CapacityOptions) -> None:
         out.print(f"wrote {job.plot}")
 
 
+HEADERS = ("N", "plan PxDP", "t", "recompute", "ZeRO", "step ms", "tok/s", "MFU", "bubble", "W", "G", "O", "A", "binds")
+LEFT = ("plan PxDP", "recompute", "binds")
+
+
 def _row_cells(row: CapacityRow) -> list[str]:
     count = f"{row.num_devices}{'*' if row.extended else ''}"
     if not row.fits:
         need = f"needs >= {format_bytes(row.needed_memory_bytes)}/device" if row.needed_memory_bytes else ""
         more = f"fits on {row.needed_devices}" if row.needed_devices else "no swept count fits"
-        return [count, "[red]does not fit[/]", *[""] * 8, "; ".join(p for p in (need, more) if p)]
+        return [count, "[red]does not fit[/]", *[""] * (len(HEADERS) - 3), "; ".join(p for p in (need, more) if p)]
     mem = row.memory
     assert mem is not None and row.tokens_per_s is not None and row.mfu is not None
     return [
         count,
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",
+        str(row.tensor_parallel),
+        row.recompute_label,
+        str(row.zero),
         format_ms(row.step_ms),
         format_count(row.tokens_per_s),
         f"{row.mfu:.1%}",
@@ -70,21 +77,24 @@ def render_report(report: CapacityReport) -> None:
         highlight=False,
     )
     table = Table(show_lines=False, pad_edge=False)
-    headers = ["N", "plan PxDP", "step ms", "tok/s", "MFU", "bubble", "W", "G", "O", "A", "binds"]
-    for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i in (1, 10) else "right", no_wrap=i != 10, min_width=4)
+    for header in HEADERS:
+        left = header in LEFT
+        table.add_column(header, justify="left" if left else "right", no_wrap=header != "binds", min_width=4)
     for row in report.rows:
         table.add_row(*_row_cells(row))
-    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 160))  # pipes: the whole table
+    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))  # pipes: the whole table
     wide.print(table)
     stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
-        "W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device"
+        "plan PxDP: schedule, P device groups per pipeline x DP pipelines, m microbatches of b samples; t: devices "
+        "per tensor-parallel group (N = t x P x DP); recompute: activation recomputation per stage; ZeRO: optimizer "
+        "sharding stage; W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device"
         f"{' (A with pipedream stashed weight copies)' if stash else ''}; * = a count added by doubling",
         highlight=False,
     )
     for row in report.rows:
-        if row.reason:
-            out.print(f"  {row.num_devices} devices: {row.reason}", highlight=False, soft_wrap=True)
+        for note in (row.reason, row.tensor_parallel_reason):
+            if note:
+                out.print(f"  {row.num_devices} devices: {note}", highlight=False, soft_wrap=True)
     if report.answer is not None:
         out.print(f"[bold]answer:[/] {report.answer.message}", highlight=False, soft_wrap=True)

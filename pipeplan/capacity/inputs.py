@@ -16,7 +16,8 @@ from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import parse_assignments
 from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import memory_reserve_bytes, microbatch_candidates
-from pipeplan.profiling.hardware import load_hardware
+from pipeplan.planner.tensor_search import tensor_parallel_sizes
+from pipeplan.profiling.hardware import cluster_for, load_hardware
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
 from pipeplan.units import parse_count, parse_int_list
@@ -107,6 +108,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         target_tokens=target,
         days=options.days,
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, hardware.memory_bytes),
+        tensor_parallel=options.tensor_parallel,
     )
     if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
@@ -123,6 +125,8 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
         config = replace(config, global_batch_size=batch)
+    for count in config.device_counts:  # a given --tensor-parallel the model or a count cannot take: refused now
+        tensor_parallel_sizes(config.tensor_parallel, profile, cluster_for(hardware, count, config.devices_per_node))
     plot = Path(options.plot) if options.plot is not None else None
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot)
 

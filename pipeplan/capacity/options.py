@@ -14,6 +14,8 @@ from pipeplan.units import parse_count
 MODEL_HELP = "Built-in model name, path/to/file.py:factory or package.module:factory."
 OPTIMIZER_HELP = "adamw (16 B/param under bf16-mixed, which capacity assumes), sgd, sgd-nomomentum."
 RESERVE_HELP = "Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
+TENSOR_HELP = "auto (try 1,2,4,8 dividing the devices per node; transformer stacks) or a size t, e.g. 1."
+PLOT_HELP = "Write MFU and memory vs devices per tensor-parallel size, and MFU per schedule (PNG)."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +37,8 @@ class CapacityOptions:
     allow_async: bool = option(
         False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
     )
-    plot: str | None = option(None, "--plot", help="Write throughput and memory vs devices per schedule (PNG).")
+    tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
+    plot: str | None = option(None, "--plot", help=PLOT_HELP)
     memory_reserve: str | None = option(None, "--memory-reserve", help=RESERVE_HELP)
     json_output: bool = option(False, "--json", help="Print only JSON (rows and the answer).")
 

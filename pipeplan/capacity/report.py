@@ -21,7 +21,10 @@ class TimeSplit:
 
 @dataclass(frozen=True, kw_only=True)
 class CapacityRow:
-    """The best plan on `num_devices` devices, or (schedule None) why none fits and what would."""
+    """The best plan on `num_devices` devices, or (schedule None) why none fits and what would. The layout:
+    `tensor_parallel` t devices per group x `pipeline_devices` groups per pipeline x `data_parallel` pipelines;
+    `recompute`: each stage's activation recomputation (none | selective | full); `zero`: the ZeRO stage the
+    evaluation assumed (0: full optimizer state on every replica). `tensor_parallel_reason`: why this t."""
 
     num_devices: int
     binding: str  # memory | bubble | communication | compute | does-not-fit
@@ -40,6 +43,19 @@ class CapacityRow:
     needed_memory_bytes: int | None = None  # lower bound on the memory per device (rows that do not fit)
     needed_devices: int | None = None  # the smallest swept count that fits (rows that do not fit)
     extended: bool = False  # a count added by doubling beyond the listed ones
+    tensor_parallel: int | None = None
+    recompute: tuple[str, ...] | None = None  # per stage of the chosen plan
+    zero: int | None = None
+    tensor_parallel_reason: str = ""
+
+    @property
+    def recompute_label(self) -> str:
+        """`none`, `full`, or per-mode stage counts when stages differ, e.g. `full:6 none:2`."""
+        modes = self.recompute or ()
+        counts = {mode: modes.count(mode) for mode in dict.fromkeys(modes)}
+        if len(counts) <= 1:
+            return next(iter(counts), "")
+        return " ".join(f"{mode}:{n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
     @property
     def fits(self) -> bool:
@@ -48,6 +64,7 @@ class CapacityRow:
     def to_dict(self) -> dict:
         data = {k: v for k, v in self.__dict__.items() if k not in ("memory", "time")}
         data["fits"] = self.fits
+        data["recompute"] = list(self.recompute) if self.recompute is not None else None
         data["memory"] = self.memory.to_dict() if self.memory else None
         data["time"] = dict(self.time.__dict__) if self.time else None
         return data
@@ -81,6 +98,7 @@ class CapacityReport:
     flops_per_token: float
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
     per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
+    per_tensor_parallel: dict[int, tuple[CapacityRow, ...]] = field(default_factory=dict)  # t -> its best per count
     answer: TargetAnswer | None = None
 
     def to_dict(self) -> dict:
@@ -95,6 +113,9 @@ class CapacityReport:
             "flops_per_token": self.flops_per_token,
             "rows": [row.to_dict() for row in self.rows],
             "per_schedule": {name: [r.to_dict() for r in rows] for name, rows in self.per_schedule.items()},
+            "per_tensor_parallel": {
+                str(t): [r.to_dict() for r in rows] for t, rows in self.per_tensor_parallel.items()
+            },
             "answer": self.answer.to_dict() if self.answer else None,
         }
 

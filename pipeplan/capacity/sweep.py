@@ -11,6 +11,12 @@ optimizer state / activations (pipeplan.capacity.memory) and what binds:
   transfers are free) or `communication` (the step's growth from point-to-point transfers, plus the gradient
   all-reduce after the flush); `compute` when both are under 5% of the step.
 
+Layouts: t x p x d — for each tensor-parallel size t the outer loop of `planner.tensor_search` tries (auto: 1, 2,
+4, 8 dividing the devices per node, when the model is a transformer stack whose heads and hidden size t divides),
+the screen and search below run on one tensor-parallel rank's profile and the t-device groups
+(`planner.tensor_parallel`); the row is the best t's (the smallest within the search's prediction margin), with
+`tensor_parallel_reason` saying why, and `per_tensor_parallel` keeps each t's row for plots.
+
 MFU = tokens/s x model FLOPs per token / (peak bf16 FLOP/s x N). Model FLOPs per token are 3 x the analytic
 profile's forward FLOPs per token (backward = 2 x forward): every matmul, i.e. 6 x the matmul parameters plus the
 attention scores' 12·L·s·h (full, non-causal attention, as torch's FLOP counter and PaLM's MFU count it); the
@@ -28,27 +34,33 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pipeplan.capacity.memory import device_memory_split, screen_layouts
+from pipeplan.capacity.memory import screen_layouts
 from pipeplan.capacity.report import (
     SECONDS_PER_DAY,
     CapacityReport,
     CapacityRow,
-    TimeSplit,
     answer_devices,
     target_answer,
 )
-from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.planner.asynchronous import busy_per_step, searched_schedules
-from pipeplan.planner.candidate import Evaluation, Rejection
+from pipeplan.capacity.rows import ceil_or_none, mfu, result_row, time_split  # noqa: F401  (time_split: API)
+from pipeplan.cluster import Cluster
+from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
+from pipeplan.planner.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_inputs
+from pipeplan.planner.tensor_search import (
+    TensorParallelTry,
+    chosen_try,
+    parse_tensor_parallel,
+    tensor_parallel_reason,
+    tensor_parallel_sizes,
+)
 from pipeplan.profiling.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
-from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.units import format_bytes
 
 DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per step
-MINOR_SHARE = 0.05  # bubble and communication both below this share of the step: compute binds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +82,10 @@ class CapacityConfig:
     max_devices: int | None = None
     memory_reserve_bytes: int | None = None  # device memory kept free; None: search.default_memory_reserve
     allow_async: bool = False  # keep the asynchronous schedules (pipedream, pipedream-2bw) in `schedules`
+    tensor_parallel: str | int = "auto"  # auto, or one size t (planner.tensor_search)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
         if not self.device_counts or any(n < 1 for n in self.device_counts):
             raise ConfigError(f"--devices needs counts >= 1, got {list(self.device_counts)}")
         object.__setattr__(self, "device_counts", tuple(sorted(set(self.device_counts))))
@@ -165,6 +179,7 @@ def capacity_sweep(
         flops_per_token=sweep.flops_per_token,
         rows=rows,
         per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()},
+        per_tensor_parallel={t: tuple(rs) for t, rs in sorted(sweep.family_rows.items())},
         answer=answer,
     )
 
@@ -177,10 +192,13 @@ class _Sweep:
         self.flops_per_token = model_flops_per_token(profile)
         self.rows: dict[int, CapacityRow] = {}
         self.schedule_rows: dict[str, list[CapacityRow]] = {name: [] for name in config.schedules}
+        self.family_rows: dict[int, list[CapacityRow]] = {}
 
     def row(self, n: int, *, extended: bool = False) -> CapacityRow:
         if n not in self.rows:
-            row = plan_device_count(self.profile, self.config, n, self.flops_per_token, self.schedule_rows)
+            row = plan_device_count(
+                self.profile, self.config, n, self.flops_per_token, self.schedule_rows, self.family_rows
+            )
             self.rows[n] = replace(row, extended=extended)
         return self.rows[n]
 
@@ -192,9 +210,10 @@ class _Sweep:
 
     def extend(self, wanted: Callable[[CapacityRow], bool], progress: Progress | None) -> None:
         """Double the largest listed count until a row is `wanted`, up to max_devices; beyond global batch x layers
-        devices no straight pipeline exists, so the doubling stops there too."""
+        x the largest tensor-parallel size devices no straight pipeline exists, so the doubling stops there too."""
         n = self.config.device_counts[-1] * 2
-        limit = min(self.config.max_devices, self.config.global_batch_size * self.profile.num_layers)
+        layouts = self.config.global_batch_size * self.profile.num_layers * max(TENSOR_PARALLEL_SIZES)
+        limit = min(self.config.max_devices, layouts)
         while n <= limit:
             if progress is not None:
                 progress(0, 1, f"{n} devices (extending)")
@@ -209,17 +228,56 @@ def plan_device_count(
     num_devices: int,
     flops_per_token: float,
     schedule_rows: dict[str, list[CapacityRow]] | None = None,
+    family_rows: dict[int, list[CapacityRow]] | None = None,
 ) -> CapacityRow:
-    """The row of one device count (and, with config.per_schedule, each schedule's best appended to
-    `schedule_rows`). Schedules whose every layout is over memory by `screen_layouts` are not searched."""
+    """The row of one device count: the best over the tensor-parallel sizes (see the module docstring). With
+    config.per_schedule each schedule's best over the sizes is appended to `schedule_rows`; each size's row to
+    `family_rows[t]`."""
     cluster = cluster_for(config.hardware, num_devices, config.devices_per_node)
-    screen = screen_layouts(profile, cluster, config.search_config, config.schedules)
+    tries: list[TensorParallelTry] = []
+    rows: dict[int, CapacityRow] = {}
+    schedule_best: dict[str, CapacityRow] = {}
+    for item in tensor_parallel_sizes(config.tensor_parallel, profile, cluster):
+        if item.reason:
+            tries.append(item)
+            continue
+        t = item.tensor_parallel
+        rows[t], result, per_schedule = _plan_tensor_parallel(profile, config, cluster, t, flops_per_token)
+        tries.append(replace(item, result=result, reason="" if result else rows[t].reason, searched=True))
+        for name, row in per_schedule.items():
+            if name not in schedule_best or _faster(row, schedule_best[name]):
+                schedule_best[name] = row
+    for t, row in rows.items():
+        if family_rows is not None:
+            family_rows.setdefault(t, []).append(row)
+    if config.per_schedule and schedule_rows is not None:
+        for name in config.schedules:
+            schedule_rows[name].append(schedule_best[name])
+    if not any(item.result is not None for item in tries):
+        return rows[max(rows)]  # the largest size searched: the least memory per device
+    chosen = chosen_try(tuple(tries))
+    score = lambda result: f"MFU {mfu(result, config.hardware.peak_bf16_flops, flops_per_token, num_devices):.0%}"  # noqa: E731
+    return replace(rows[chosen.tensor_parallel], tensor_parallel_reason=tensor_parallel_reason(tuple(tries), score))
+
+
+def _faster(row: CapacityRow, other: CapacityRow) -> bool:
+    return row.fits and (not other.fits or row.step_ms < other.step_ms)
+
+
+def _plan_tensor_parallel(
+    profile: Profile, config: CapacityConfig, cluster: Cluster, t: int, flops_per_token: float
+) -> tuple[CapacityRow, SearchResult | None, dict[str, CapacityRow]]:
+    """One size's row, its best search result (None: nothing fits) and, with config.per_schedule, each schedule's
+    row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
+    search_config = replace(config.search_config, tensor_parallel=t)
+    screen = screen_layouts(*tensor_parallel_inputs(profile, cluster, t), search_config, config.schedules)
+    num_devices = cluster.num_devices
     names = screen.schedules
     groups = [(name,) for name in names] if config.per_schedule else [names] if names else []
     results: dict[tuple[str, ...], SearchResult | InfeasibleError] = {}
     for group in groups:
         try:
-            results[group] = search_plans(profile, cluster, config.search_config, group)
+            results[group] = search_plans(profile, cluster, search_config, group)
         except InfeasibleError as exc:
             results[group] = exc
     found = [r for r in results.values() if isinstance(r, SearchResult)]
@@ -228,99 +286,35 @@ def plan_device_count(
         num_devices=num_devices,
         binding="does-not-fit",
         reason=screen.reason(cluster),
-        needed_memory_bytes=_ceil_or_none(screen.floor_bytes),
+        needed_memory_bytes=ceil_or_none(screen.floor_bytes),
+        tensor_parallel=t,
     )
-    if config.per_schedule and schedule_rows is not None:
+    per_schedule = {}
+    if config.per_schedule:
         for name in config.schedules:
             result = results.get((name,))
-            row = no_fit if result is None else _result_row(result, num_devices, config, flops_per_token, over)
-            schedule_rows[name].append(row)
+            per_schedule[name] = (
+                result_row(result, num_devices, config.hardware.peak_bf16_flops, flops_per_token, over)
+                if result
+                else no_fit
+            )
     if not found:
-        if not results:
-            return no_fit
-        if not screen.rejected:
-            return replace(no_fit, reason=min(map(str, results.values())), needed_memory_bytes=None)
-        floor = min(r.needed_memory_bytes or 0 for r in screen.rejected)
-        reason = (
-            f"out of memory: no {'/'.join(names)} plan fits (searched) and every other layout needs at least "
-            f"{format_bytes(floor)} per device"
-        )
-        return replace(no_fit, reason=reason, needed_memory_bytes=None)
+        return _no_fit_row(no_fit, results, screen, names), None, per_schedule
     best = min(found, key=lambda r: r.best.step_ms)
-    return _result_row(best, num_devices, config, flops_per_token, over)
+    return result_row(best, num_devices, config.hardware.peak_bf16_flops, flops_per_token, over), best, per_schedule
 
 
-def _ceil_or_none(value: float) -> int | None:
-    return int(math.ceil(value)) if math.isfinite(value) else None
-
-
-def _result_row(
-    result: SearchResult | InfeasibleError,
-    num_devices: int,
-    config: CapacityConfig,
-    flops_per_token: float,
-    rejected: list[Rejection],
-) -> CapacityRow:
-    if isinstance(result, InfeasibleError):
-        return CapacityRow(num_devices=num_devices, binding="does-not-fit", reason=str(result))
-    best = result.best
-    layout = best.layout
-    tokens_per_s = best.samples_per_s * (result.profiles[layout.microbatch_size].provenance.tokens_per_sample or 1)
-    time = time_split(best)
-    binding, reason = _binding(best, time, rejected, result)
-    return CapacityRow(
-        num_devices=num_devices,
-        binding=binding,
-        reason=reason,
-        schedule=layout.schedule,
-        pipeline_devices=layout.pipeline_devices,
-        data_parallel=layout.data_parallel,
-        num_microbatches=layout.num_microbatches,
-        microbatch_size=layout.microbatch_size,
-        step_ms=best.step_ms,
-        tokens_per_s=tokens_per_s,
-        mfu=tokens_per_s * flops_per_token / (config.hardware.peak_bf16_flops * num_devices),
-        bubble_rate=best.timeline.bubble_rate,
-        memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split),
-        time=time,
+def _no_fit_row(no_fit: CapacityRow, results: dict, screen, names: tuple[str, ...]) -> CapacityRow:
+    if not results:
+        return no_fit
+    if not screen.rejected:
+        return replace(no_fit, reason=min(map(str, results.values())), needed_memory_bytes=None)
+    floor = min(r.needed_memory_bytes or 0 for r in screen.rejected)
+    reason = (
+        f"out of memory: no {'/'.join(names)} plan fits (searched) and every other layout needs at least "
+        f"{format_bytes(floor)} per device"
     )
-
-
-def time_split(best: Evaluation) -> TimeSplit:
-    """compute = the busiest device's op time; bubble = the rest of the step with free transfers; comm = what the
-    transfers add to the simulated step, plus the all-reduce after the flush (asynchronous schedules: per step of
-    their steady state, and the all-reduces of their updates)."""
-    free = best.resimulate(replace(best.costs, comm_ms=0.0))
-    if schedule_info(best.layout.schedule).asynchronous:
-        m = best.layout.num_microbatches
-        no_comm, compute = stream_step_ms(free, m), max(busy_per_step(best.timeline, m))
-        return TimeSplit(compute_ms=compute, bubble_ms=max(no_comm - compute, 0.0), comm_ms=best.step_ms - no_comm)
-    no_comm = free.makespan
-    compute = max(best.timeline.device_busy)
-    return TimeSplit(
-        compute_ms=compute,
-        bubble_ms=max(no_comm - compute, 0.0),
-        comm_ms=max(best.timeline.makespan - no_comm, 0.0) + (best.step_ms - best.timeline.makespan),
-    )
-
-
-def _binding(best: Evaluation, time: TimeSplit, rejected: list[Rejection], result: SearchResult) -> tuple[str, str]:
-    from pipeplan.planner.estimate import balanced_estimate_ms
-
-    for rejection in sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.layout.label):
-        layout = rejection.layout
-        try:
-            estimate = balanced_estimate_ms(layout, result.profiles[layout.microbatch_size], result.cluster)
-        except ScheduleError:
-            continue
-        if estimate < best.step_ms:
-            return "memory", f"{layout.label} (~{estimate:.1f} ms/step) does not fit in memory"
-    share = max(time.bubble_ms, time.comm_ms) / best.step_ms if best.step_ms > 0 else 0.0
-    if share < MINOR_SHARE:
-        return "compute", ""
-    if time.bubble_ms >= time.comm_ms:
-        return "bubble", f"the busiest device idles {time.bubble_ms / best.step_ms:.0%} of the step"
-    return "communication", f"{time.comm_ms / best.step_ms:.0%} of the step in transfers and all-reduce"
+    return replace(no_fit, reason=reason, needed_memory_bytes=None)
 
 
 def _with_needed_devices(row: CapacityRow, rows: tuple[CapacityRow, ...]) -> CapacityRow:

@@ -21,6 +21,7 @@ beyond the first.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import re
 from dataclasses import dataclass
@@ -55,14 +56,20 @@ class Op:
         text = f"{self.stage}{self.kind}{self.microbatch}"
         return text if self.version is None else f"{text}v{self.version}"
 
-    @classmethod
-    def parse(cls, text: str) -> Op:
-        """Parse `2F0` / `1I3` / `0W2`, or `0F5v2` with a weight version (surrounding whitespace ignored)."""
-        match = _OP_RE.match(text.strip())
-        if match is None:
-            raise FormatError(f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0")
-        stage, kind, microbatch, version = match.groups()
-        return cls(kind, int(stage), int(microbatch), None if version is None else int(version))
+    @staticmethod
+    def parse(text: str) -> Op:
+        """Parse `2F0` / `1I3` / `0W2`, or `0F5v2` with a weight version (surrounding whitespace ignored); cached:
+        a search simulates the same op strings many times."""
+        return _parse_op(text)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_op(text: str) -> Op:
+    match = _OP_RE.match(text.strip())
+    if match is None:
+        raise FormatError(f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0")
+    stage, kind, microbatch, version = match.groups()
+    return Op(kind, int(stage), int(microbatch), None if version is None else int(version))
 
 
 @dataclass(kw_only=True, frozen=True)

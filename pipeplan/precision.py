@@ -41,7 +41,7 @@ class Precision:
 
     @property
     def param_bytes(self) -> int:
-        return torch.empty((), dtype=self.param_dtype).element_size()
+        return self.param_dtype.itemsize
 
     def autocast(self, device_type: str):
         """The context each stage forward (and the loss) runs in."""

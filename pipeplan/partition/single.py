@@ -89,11 +89,15 @@ def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...
     )
 
 
-@functools.lru_cache(maxsize=1024)
 def held_counts(
     name: str, devices: int, microbatches: int, chunks: int | None = None, limit: int | None = None
 ) -> tuple[Held, ...]:
-    """`held_per_stage` of schedule `name` generated with unit costs (cached)."""
+    """`held_per_stage` of schedule `name` generated with unit costs (cached, whichever arguments are named)."""
+    return _held_counts(name, devices, microbatches, chunks, limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_counts(name: str, devices: int, microbatches: int, chunks: int | None, limit: int | None) -> tuple[Held, ...]:
     schedule = generate(  # the limit counts whole microbatches in flight (one unit each, nothing freed by I)
         name,
         num_devices=devices,

@@ -4,6 +4,7 @@ split backward, replication, capacity default, memory behaviour). Every generato
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -184,6 +185,18 @@ def check_schedule_size(num_devices: int, num_microbatches: int, chunks: int = 1
         )
 
 
+@functools.lru_cache(maxsize=128)
+def _fixed_order(name: str, p: int, m: int, chunks: int, steps: int) -> Schedule:
+    """The op lists of a schedule whose order p, m, chunks (and an asynchronous stream's steps) fix: cached, as a
+    search times the same ones for every partition of a layout (a Schedule is immutable, so sharing it is safe)."""
+    info = _BY_NAME[name]
+    if info.asynchronous:
+        return info.generator(p, m, steps)
+    if info.placement == LOOPED:
+        return info.generator(p, m, chunks)
+    return info.generator(p, m)
+
+
 def generate(
     name: str,
     *,
@@ -213,14 +226,10 @@ def generate(
         raise ScheduleError(f"--memory-limit must be > 0 (live activations per device), got {memory_limit}")
     check_schedule_size(num_devices, num_microbatches * (steps or 1), v)
     p, m = num_devices, num_microbatches
-    if info.asynchronous:
-        schedule = info.generator(p, m, steps or 1)
-    elif info.cost_driven:
+    if info.cost_driven:
         schedule = info.generator(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
-    elif info.placement == LOOPED:
-        schedule = info.generator(p, m, v)
     else:
-        schedule = info.generator(p, m)
+        schedule = _fixed_order(name, p, m, v, steps or 1)
     if memory_limit is not None and not info.within_memory_limit:
         peak = max(peak_activation_per_device(schedule, memory or unit_memory(v)))
         if not fits_limit(peak, memory_limit):

@@ -24,6 +24,7 @@ stages 2 and 3 are refused.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -69,9 +70,11 @@ def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[st
     return optimizer, precision
 
 
+@functools.lru_cache(maxsize=64, typed=True)  # typed: True is refused where 1 is taken
 def static_split(optimizer: str | float, precision: str | None = None) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
-    number as optimizer is the whole figure (counted as optimizer state)."""
+    number as optimizer is the whole figure (counted as optimizer state). Cached: the partitioner asks for it per
+    candidate stage."""
     optimizer, precision = resolve_optimizer(optimizer, precision)
     if not isinstance(optimizer, str):
         return 0.0, 0.0, float(optimizer)

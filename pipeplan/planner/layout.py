@@ -5,7 +5,7 @@ devices per node; its node is `r // devices_per_node`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeplan.cluster import Cluster
 from pipeplan.planner.plan import RankInfo
@@ -22,10 +22,20 @@ class PipelineLayout:
     device_stages: tuple[tuple[int, ...], ...]
     device_replica: tuple[int, ...]
     device_ops: tuple[tuple[str, ...], ...]
+    # made from a schedule: `device_ops` as Ops, and the schedule itself when no stage is replicated (the lists are
+    # its own), so timing it again reuses its checks (`Schedule.checked_backward_kinds`)
+    ops: tuple[tuple[Op, ...], ...] | None = field(default=None, compare=False, repr=False)
+    schedule: Schedule | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_devices(self) -> int:
         return len(self.device_stages)
+
+    def op_lists(self) -> tuple[tuple[Op, ...], ...]:
+        """`device_ops` as Ops."""
+        if self.ops is not None:
+            return self.ops
+        return tuple(tuple(Op.parse(text) for text in ops) for ops in self.device_ops)
 
     def stage_devices(self, stage: int) -> tuple[int, ...]:
         """Pipeline devices holding `stage` (one per replica)."""
@@ -52,6 +62,7 @@ def pipeline_layout(
             device_stages=tuple((expanded.device_stage[i],) for i in order),
             device_replica=tuple(expanded.device_replica[i] for i in order),
             device_ops=tuple(tuple(rows[i]) for i in order),
+            ops=tuple(tuple(expanded.device_ops[i]) for i in order),
         )
     stages_of = tuple(
         tuple(s for s in range(schedule.num_stages) if schedule.stage_device[s] == d)
@@ -61,6 +72,8 @@ def pipeline_layout(
         device_stages=stages_of,
         device_replica=(0,) * schedule.num_devices,
         device_ops=tuple(tuple(row) for row in schedule.op_strings()),
+        ops=schedule.device_ops,
+        schedule=schedule,
     )
 
 
@@ -90,7 +103,7 @@ def simulate_layout(
     predicts, `show` draws and `run` is compared with — for an asynchronous schedule the stream it steps through
     (`schedules.simulate.stream_step_ms`). `costs`: one op's time on one device per stage and the transfer per
     boundary; `memory.static_bytes` per pipeline device."""
-    device_ops = tuple(tuple(Op.parse(text) for text in ops) for ops in layout.device_ops)
+    device_ops = layout.op_lists()
     first_device = {}
     for device, stages in reversed(list(enumerate(layout.device_stages))):
         for stage in stages:
@@ -108,6 +121,8 @@ def simulate_layout(
         device_ops=device_ops,
         **stream,
     )
+    if schedule == layout.schedule:
+        schedule = layout.schedule  # the same op lists: its checks are done
     if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
         return simulate(schedule, costs, memory)
     return simulate_expanded(schedule, costs, memory)

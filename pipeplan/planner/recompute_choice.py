@@ -55,7 +55,7 @@ class _Peaks:
 
     def __init__(self, part: Partition, arrays: LayerArrays, device_ops, static: Sequence[float]) -> None:
         self.arrays, self.ranges, self.static = arrays, part.stage_ranges, static
-        self.ops = [[Op.parse(text) for text in ops] for ops in device_ops]
+        self.ops = device_ops  # Ops, per device
         self.base = MemoryCosts(
             activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in self.ranges),
             input_grad_freed_bytes=(0.0,) * len(self.ranges),  # each mode's own: with_recompute_bytes
@@ -76,7 +76,7 @@ def settle_recompute(
     if all(m == "none" for m in modes):
         return part
     arrays = LayerArrays.from_profile(profile)
-    peaks = _Peaks(part, arrays, pipe.device_ops, static)
+    peaks = _Peaks(part, arrays, pipe.op_lists(), static)
     ms = [_mode_ms(arrays, config, a, b) for a, b in part.stage_ranges]
     for stage in sorted(range(part.num_stages), key=lambda s: -ms[s][modes[s]]):
         cheaper = sorted((t, m) for m, t in ms[stage].items() if t < ms[stage][modes[stage]])

@@ -1,10 +1,12 @@
 """The timing engine: every device runs its op list in order; an op starts when its device is free and its
 dependencies are done, plus the boundary's transfer time when the producing stage sits on another device.
 
-Dependencies: F(s, mb) needs F(s-1, mb); I/B(s, mb) needs F(s, mb) and the backward (I or B) of (s+1, mb);
-W(s, mb) needs I(s, mb). `execute` expects lists that passed `validate.check_complete` (it is given the
-backward kinds that returns); `validate.run_in_order` checks, then calls it, and `replicate` calls it on
-expanded lists whose stages sit on several devices. A deadlock raises ScheduleError with a marked grid.
+Dependencies (`dependencies`, the one rule): F(s, mb) needs F(s-1, mb); I/B(s, mb) needs F(s, mb) and the backward
+(I or B) of (s+1, mb); W(s, mb) needs I(s, mb). `execute` expects lists that passed `validate.check_complete` (it
+is given the backward kinds that returns); `replicate` calls it on expanded lists whose stages sit on several
+devices. Which op can run next depends only on which ops are done, never on durations, so `timing_order` records
+one run's order once and `replay` times the same op lists under any costs along it (`validate.run_in_order` does,
+keeping the order with the schedule's checks). A deadlock raises ScheduleError with a marked grid.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from collections.abc import Mapping, Sequence
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import KIND_INDEX, KINDS, Op, Schedule, format_grid
 
+Dependencies = tuple[int, int, int, int]  # (key, boundary charged or -1) of the first and second dependency, or -1
+Order = tuple[tuple[int, int, int, int, int, int, int, int, int], ...]
+NO_DEPENDENCIES: Dependencies = (-1, -1, -1, -1)
+
 
 def execute(
     schedule: Schedule,
-    backward_kind: bytearray,
+    backward_kind: bytes | bytearray,
     *,
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
@@ -31,8 +37,67 @@ def execute(
     return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {})
 
 
+def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: int, o: Op) -> Dependencies:
+    """What op `o` on `device` waits for: the keys (kind index * S * m + stage * m + microbatch) of the ops it
+    needs, each with the boundary whose transfer is charged on it (-1: none, the producer is on the same device)."""
+    s, m, n, placement = (
+        o.stage,
+        schedule.num_microbatches,
+        schedule.num_stages * schedule.num_microbatches,
+        schedule.stage_device,
+    )
+    slot = s * m + o.microbatch
+    if o.kind == "F":
+        return (slot - m, s - 1 if placement[s - 1] != device else -1, -1, -1) if s > 0 else NO_DEPENDENCIES
+    if o.kind == "W":
+        return 2 * n + slot, -1, -1, -1
+    if s + 1 < schedule.num_stages:
+        return slot, -1, backward_kind[slot + m] * n + slot + m, (s if placement[s + 1] != device else -1)
+    return slot, -1, -1, -1
+
+
+def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
+    """The ops in the order `execute` runs them (each after its dependencies and its device's previous op), each
+    as (device, step, key, kind index, stage, *`dependencies`): what `replay` needs. Raises ScheduleError on a
+    deadlock, as `execute` does."""
+    done: list[tuple[int, int]] = []
+    _Executor(schedule, backward_kind, None, None).run({}, done)
+    n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
+    order = []
+    for d, i in done:
+        o = schedule.device_ops[d][i]
+        kind = KIND_INDEX[o.kind]
+        key = kind * n + o.stage * m + o.microbatch
+        order.append((d, i, key, kind, o.stage, *dependencies(schedule, backward_kind, d, o)))
+    return tuple(order)
+
+
+def replay(
+    schedule: Schedule, order: Order, op_ms: Mapping[str, Sequence[float]] | None, comm_ms: Sequence[float] | None
+) -> tuple[list[list[float]], list[list[float]]]:
+    """`execute` without fused pairs, along `timing_order(schedule, ...)`: the same start and end times (the same
+    float operations) without searching for the next op that can run."""
+    S = schedule.num_stages
+    dur = [op_ms[k] if op_ms else [0.0] * S for k in KINDS]
+    comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
+    starts = [[0.0] * len(ops) for ops in schedule.device_ops]
+    ends = [[0.0] * len(ops) for ops in schedule.device_ops]
+    end = [0.0] * (4 * S * schedule.num_microbatches)
+    free = [0.0] * schedule.num_devices
+    for d, i, key, kind, s, first, first_comm, second, second_comm in order:
+        start = free[d]
+        if first >= 0:
+            start = max(start, end[first] + comm[first_comm] if first_comm >= 0 else end[first])
+            if second >= 0:
+                start = max(start, end[second] + comm[second_comm] if second_comm >= 0 else end[second])
+        t = start + dur[kind][s]
+        end[key] = free[d] = t
+        starts[d][i], ends[d][i] = start, t
+    return starts, ends
+
+
 class _Executor:
-    def __init__(self, schedule: Schedule, backward_kind: bytearray, op_ms, comm_ms) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, schedule: Schedule, backward_kind: bytes | bytearray, op_ms, comm_ms) -> None:  # type: ignore[no-untyped-def]
         S, m = schedule.num_stages, schedule.num_microbatches
         self.schedule, self.backward_kind, self.S, self.m, self.n = schedule, backward_kind, S, m, S * m
         self.dur = {k: (op_ms[k] if op_ms else [0.0] * S) for k in "FBIW"}
@@ -41,36 +106,20 @@ class _Executor:
 
     def ready(self, d: int, o: Op, start: float) -> tuple[float, int]:
         """(start time, -1) for op `o` on device `d` free at `start`, or (_, key it waits on)."""
-        kind, s, m, n, end = o.kind, o.stage, self.m, self.n, self.end
-        placement = self.schedule.stage_device
-        slot = s * m + o.microbatch
-        if kind == "F":
-            if s > 0:
-                e = end[slot - m]
-                if e is None:
-                    return start, slot - m
-                if placement[s - 1] != d:
-                    e += self.comm[s - 1]
-                start = max(start, e)
-        elif kind == "W":
-            e = end[2 * n + slot]
+        first, first_comm, second, second_comm = dependencies(self.schedule, self.backward_kind, d, o)
+        for key, boundary in ((first, first_comm), (second, second_comm)):
+            if key < 0:
+                break
+            e = self.end[key]
             if e is None:
-                return start, 2 * n + slot
-            start = max(start, e)
-        else:
-            e = end[slot]
-            if e is None:
-                return start, slot
-            start = max(start, e)
-            if s + 1 < self.S:
-                key = self.backward_kind[slot + m] * n + slot + m
-                e = end[key]
-                if e is None:
-                    return start, key
-                start = max(start, e + self.comm[s] if placement[s + 1] != d else e)
+                return start, key
+            start = max(start, e + self.comm[boundary] if boundary >= 0 else e)
         return start, -1
 
-    def run(self, fused: Mapping[tuple[int, int], float]) -> tuple[list[list[float]], list[list[float]]]:
+    def run(
+        self, fused: Mapping[tuple[int, int], float], done: list[tuple[int, int]] | None = None
+    ) -> tuple[list[list[float]], list[list[float]]]:
+        """Start and end times; `done` (if given) gets each op's (device, step) in the order they ran."""
         device_ops, n, m, end, dur = self.schedule.device_ops, self.n, self.m, self.end, self.dur
         starts = [[0.0] * len(ops) for ops in device_ops]
         ends = [[0.0] * len(ops) for ops in device_ops]
@@ -94,6 +143,8 @@ class _Executor:
                     key = KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch
                     end[key] = t
                     starts[d][i], ends[d][i] = start, t
+                    if done is not None:
+                        done.append((d, i))
                     i += 1
                     if key in waiting:
                         runnable.extend(waiting.pop(key))

@@ -36,7 +36,7 @@ from pipeplan.errors import ScheduleError
 from pipeplan.schedules.engine import execute
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, TimelineEntry, build_timeline
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, build_timeline
 from pipeplan.schedules.validate import check_complete
 
 
@@ -155,11 +155,7 @@ def simulate_expanded(probe: Schedule, costs: StageCosts, memory: MemoryCosts) -
     cost = costs.per_stage(probe.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
     starts, ends = execute(probe, _backward_kinds(probe), op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
-    placed = [
-        [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
-        for device, ops in enumerate(probe.device_ops)
-    ]
-    return build_timeline(probe, placed, memory)
+    return build_timeline(probe, starts, ends, memory)
 
 
 def _backward_kinds(probe: Schedule) -> bytearray:

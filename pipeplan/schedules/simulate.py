@@ -11,9 +11,10 @@ stashed weight version a stage holds beyond the first (`MemoryCosts.weight_versi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pipeplan.errors import ConfigError, ScheduleError
@@ -122,7 +123,9 @@ class Timeline:
 
     schedule_name: str
     num_devices: int
-    entries: tuple[TimelineEntry, ...]
+    device_ops: tuple[tuple[Op, ...], ...] = field(repr=False)  # per device, the ops timed, in list order
+    starts: tuple[tuple[float, ...], ...] = field(repr=False)  # aligned with device_ops
+    ends: tuple[tuple[float, ...], ...] = field(repr=False)
     makespan: float
     device_span: tuple[float, ...]
     device_busy: tuple[float, ...]
@@ -131,6 +134,16 @@ class Timeline:
     zb_bubble_ms: float
     zb_bubble_rate: float
     peak_memory_bytes: tuple[float, ...]
+
+    @functools.cached_property
+    def entries(self) -> tuple[TimelineEntry, ...]:
+        """Every op with its device and times, device by device in list order (built on first use: a search reads
+        only the metrics of most timelines)."""
+        return tuple(
+            TimelineEntry(device, o, start, end)
+            for device, ops in enumerate(self.device_ops)
+            for o, start, end in zip(ops, self.starts[device], self.ends[device])
+        )
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -166,11 +179,7 @@ def simulate(
     starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, fused=fused)  # type: ignore[arg-type]
     if not all(math.isfinite(end) for row in ends for end in row[-1:]):
         raise ConfigError("the simulated step time overflows a float: the op or transfer times are too large")
-    placed = [
-        [TimelineEntry(device, o, start, end) for o, start, end in zip(ops, starts[device], ends[device])]
-        for device, ops in enumerate(schedule.device_ops)
-    ]
-    return build_timeline(schedule, placed, memory or MemoryCosts())
+    return build_timeline(schedule, starts, ends, memory or MemoryCosts())
 
 
 def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tuple[float, float]:
@@ -182,18 +191,23 @@ def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tu
     return max(e for _, e in rows), max(e - s for s, e in rows)
 
 
-def build_timeline(schedule: Schedule, placed: list[list[TimelineEntry]], memory: MemoryCosts) -> Timeline:
-    """The Timeline (metrics and peak bytes) of timed entries, one row per device in list order."""
+def build_timeline(
+    schedule: Schedule, starts: Sequence[Sequence[float]], ends: Sequence[Sequence[float]], memory: MemoryCosts
+) -> Timeline:
+    """The Timeline (metrics and peak bytes) of `schedule`'s ops timed to start and end at `starts[d][i]`,
+    `ends[d][i]` (aligned with its device_ops)."""
     num_devices = schedule.num_devices
-    makespan = max((row[-1].end for row in placed if row), default=0.0)
-    span = tuple(row[-1].end - row[0].start if row else 0.0 for row in placed)
-    busy = tuple(sum(e.end - e.start for e in row) for row in placed)
+    makespan = max((row[-1] for row in ends if row), default=0.0)
+    span = tuple(e[-1] - s[0] if s else 0.0 for s, e in zip(starts, ends))
+    busy = tuple(sum(end - start for start, end in zip(s, e)) for s, e in zip(starts, ends))
     max_span = max(span)
     zb_bubble = max(s - b for s, b in zip(span, busy) if s >= max_span - 1e-9 * max(1.0, max_span))
     return Timeline(
         schedule_name=schedule.name,
         num_devices=num_devices,
-        entries=tuple(e for row in placed for e in row),
+        device_ops=schedule.device_ops,
+        starts=tuple(map(tuple, starts)),
+        ends=tuple(map(tuple, ends)),
         makespan=makespan,
         device_span=span,
         device_busy=busy,

@@ -12,10 +12,11 @@ engine's (`engine.py`), the same ones `simulate()` times.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.engine import execute
+from pipeplan.schedules.engine import Order, execute, replay, timing_order
 from pipeplan.schedules.ops import KIND_INDEX, Op, Schedule, format_grid
 from pipeplan.schedules.versions import check_versions
 
@@ -35,17 +36,42 @@ def run_in_order(
     comm_ms: Sequence[float] | None = None,
     fused: Mapping[tuple[int, int], float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Validate, then time every device's list in order (`engine.execute`: durations `op_ms[kind][stage]`, all 0
-    when None; `comm_ms[boundary]` across devices; `fused` F&B pairs). Returns per-device start and end times,
-    aligned with `device_ops`."""
+    """Validate (`checked`: once per Schedule object), then time every device's list in order (`engine.replay`
+    along the checked order, or `engine.execute` with `fused` F&B pairs: durations `op_ms[kind][stage]`, all 0 when
+    None; `comm_ms[boundary]` across devices). Returns per-device start and end times, aligned with `device_ops`."""
+    backward_kind, order = checked(schedule)
+    if fused:
+        return execute(schedule, backward_kind, op_ms=op_ms, comm_ms=comm_ms, fused=fused)
+    return replay(schedule, order, op_ms, comm_ms)
+
+
+_CHECKED: dict[int, tuple[weakref.ref, tuple[bytes, Order]]] = {}  # id(schedule) -> (the schedule, `checked`)
+
+
+def checked(schedule: Schedule) -> tuple[bytes, Order]:
+    """`check_schedule(schedule)`, kept while the Schedule object lives: the checks depend on its op lists alone,
+    which are immutable, so a schedule timed under many costs (a search) is checked once."""
+    key = id(schedule)
+    entry = _CHECKED.get(key)
+    if entry is not None and entry[0]() is schedule:
+        return entry[1]
+    result = check_schedule(schedule)
+    _CHECKED[key] = (weakref.ref(schedule, lambda _, key=key: _CHECKED.pop(key, None)), result)
+    return result
+
+
+def check_schedule(schedule: Schedule) -> tuple[bytes, Order]:
+    """Raise ScheduleError (with a marked grid) unless the op lists are well placed, complete, follow the
+    weight-version rule and run without deadlock; returns `check_complete`'s backward kinds and the
+    `engine.timing_order`."""
     _check_placement(schedule)
     try:
         ops = itertools.chain.from_iterable(schedule.device_ops)
-        backward_kind = check_complete(ops, schedule.num_stages, schedule.num_microbatches)
+        backward_kind = bytes(check_complete(ops, schedule.num_stages, schedule.num_microbatches))
     except ScheduleError as exc:
         raise ScheduleError(f"schedule {schedule.name!r}: {exc}\n" + format_grid(schedule, marks=set())) from None
     check_versions(schedule)
-    return execute(schedule, backward_kind, op_ms=op_ms, comm_ms=comm_ms, fused=fused)
+    return backward_kind, timing_order(schedule, backward_kind)
 
 
 def check_complete(ops: Iterable[Op], num_stages: int, num_microbatches: int) -> bytearray:

@@ -22,6 +22,7 @@ from pipeplan.errors import ScheduleError
 from pipeplan.partition import dp, single
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.costs import LayerArrays, stage_memory_bytes
+from pipeplan.partition.straight import straight_table
 from pipeplan.schedules.registry import stage_device
 
 
@@ -81,7 +82,7 @@ def solve_chunked(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig
     for spans in sorted({p > cluster.devices_per_node for p in candidates}):
         level = chunk_level(arrays, cluster, config, memory_limit, spans_nodes=spans)
         cols = max(candidates) * v
-        table = dp.straight_dp(n, cols, lambda last, lv=level, c=cols: single.straight_times(lv, last, (1, 1), c))
+        table = dp.straight_dp(n, cols, straight_table(level, (1, 1), cols))
         tables[spans] = (level, table)
     ranked = sorted((float(tables[p > cluster.devices_per_node][1].value[n, p * v]), p) for p in candidates)
     p = next((q for value, q in ranked if np.isfinite(value) and _schedule_exists(config, q)), None)

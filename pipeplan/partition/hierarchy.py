@@ -57,7 +57,7 @@ def _inner(level: single.Level, inflight: single.Held) -> _Inner:
     recomputes = level.config.recompute != "none"
     for last in range(level.arrays.num_items):
         zero_in = np.zeros(last + 1)
-        added = single._recompute_ms(level, last, reps[None, :], inflight)
+        added = single.recompute_grid(level, last, reps[None, :], inflight)
         for key, in_link, out_link in (
             ("mid", level.intra, level.intra),
             ("no_in", zero_in, level.intra),

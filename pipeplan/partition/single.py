@@ -33,6 +33,7 @@ from pipeplan.partition.costs import (
     screened_recompute,
     transfer_ms,
 )
+from pipeplan.partition.straight import recompute_grid, straight_table, straight_times
 from pipeplan.schedules.memory import Held, held_per_stage
 from pipeplan.schedules.registry import generate
 from pipeplan.schedules.simulate import MemoryCosts
@@ -127,17 +128,10 @@ def stages_fit(level: Level, stages: Stages, assumed: Held = (1, 1)) -> bool:
     return exact == stage_modes(level, stages, [assumed] * len(stages))
 
 
-def _recompute_ms(level: Level, last: int, replicas, inflight) -> np.ndarray:
-    """(first, replicas) grid of what recomputation adds to the stage's I or B, inf where no mode fits memory
-    (`costs.screened_recompute`)."""
-    firsts = np.arange(last + 1)[:, None]
-    return screened_recompute(level.arrays, level.config, firsts, last, replicas, inflight, level.memory_limit)[0]
-
-
 def replicated_times(level: Level, last: int, inflight, cache: dict | None = None) -> np.ndarray:
     replicas = np.arange(1, level.units + 1)
     link = level.replica_link
-    added = _recompute_ms(level, last, replicas[None, :], inflight)
+    added = recompute_grid(level, last, replicas[None, :], inflight)
     if level.config.recompute != "none":
         return level.model.times(last, replicas, in_link=link, out_link=link, recompute_ms=added)
     if cache is not None and last in cache:
@@ -150,62 +144,6 @@ def replicated_times(level: Level, last: int, inflight, cache: dict | None = Non
     return times
 
 
-def _link_variants(level: Level, last: int, num_cols: int):
-    """(columns, input transfer ms per first item, output link) for each combination of the stage's input and output
-    cut crossing a node boundary that some device column has."""
-    in_inter, out_inter = level.crosses_node(np.arange(num_cols))
-    firsts = np.arange(last + 1)
-    for in_is_inter in (False, True):
-        t_in = transfer_ms(level.arrays.cut[firsts], level.inter if in_is_inter else level.intra)
-        for out_is_inter in (False, True):
-            cols = (in_inter == in_is_inter) & (out_inter == out_is_inter)
-            if cols.any():
-                yield cols, t_in, level.inter if out_is_inter else level.intra
-
-
-def straight_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarray:
-    """(a, d): stage [a..last] run by device d; its cuts use the inter-node link where d starts/ends a node.
-    `inflight`: one (in flight, before I) pair for every position (returns a broadcast view), or a pair of
-    per-position arrays."""
-    if level.config.recompute != "none":
-        return _straight_recompute_times(level, last, inflight, num_cols)
-    one = np.ones(1)
-    variants = [
-        (cols, level.model.times(last, one, in_link=t_in, out_link=out_link))
-        for cols, t_in, out_link in _link_variants(level, last, num_cols)
-    ]
-    if np.ndim(inflight[0]) == 0:
-        mask = _memory_mask_straight(level, last, (np.full(1, inflight[0]), np.full(1, inflight[1])))
-        if len(variants) == 1:
-            return np.broadcast_to(np.where(mask, np.inf, variants[0][1]), (last + 1, num_cols))
-    counts = _column_counts(inflight, num_cols)
-    out = np.empty((last + 1, num_cols))
-    for cols, col in variants:
-        out[:, cols] = col
-    out[_memory_mask_straight(level, last, counts)] = np.inf
-    return out
-
-
-def _column_counts(inflight, num_cols: int) -> tuple[np.ndarray, np.ndarray]:
-    if np.ndim(inflight[0]) == 0:
-        return np.full(num_cols, float(inflight[0])), np.full(num_cols, float(inflight[1]))
-    return np.asarray(inflight[0], dtype=np.float64), np.asarray(inflight[1], dtype=np.float64)
-
-
-def _straight_recompute_times(level: Level, last: int, inflight, num_cols: int) -> np.ndarray:
-    """`straight_times` when stages may recompute: each cell's mode from its column's in-flight counts."""
-    counts = _column_counts(inflight, num_cols)
-    added = _recompute_ms(level, last, 1, (counts[0][None, :], counts[1][None, :]))
-    out = np.empty((last + 1, num_cols))
-    for cols, t_in, out_link in _link_variants(level, last, num_cols):
-        out[:, cols] = level.model.times(last, np.ones(1), in_link=t_in, out_link=out_link, recompute_ms=added[:, cols])
-    return out
-
-
-def _memory_mask_straight(level: Level, last: int, counts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    return ~np.isfinite(_recompute_ms(level, last, 1, (counts[0][None, :], counts[1][None, :])))
-
-
 def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | None:
     """Exact optimum with exactly `num_stages` stages (positions known, so in-flight memory is exact)."""
     n = level.arrays.num_items
@@ -216,7 +154,7 @@ def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | 
     inflight = np.asarray(inflight_counts(level.config, num_stages), dtype=np.float64)
     if level.config.mode == "straight":
         columns = (inflight[:, 0], inflight[:, 1])
-        table = dp.straight_dp(n, num_stages, lambda last: straight_times(level, last, columns, num_stages))
+        table = dp.straight_dp(n, num_stages, straight_table(level, columns, num_stages, stages=num_stages))
         value = table.value[n, num_stages]
         return (float(value), dp.backtrack(table, n, num_stages)) if np.isfinite(value) else None
     tables = dp.replicated_dp_by_stage(
@@ -237,7 +175,7 @@ def solve_fast(level: Level) -> tuple[float, Stages] | None:
     n = level.arrays.num_items
     if level.config.mode == "straight":
         cols = min(n, level.units)
-        table = dp.straight_dp(n, cols, lambda last: straight_times(level, last, (1, 1), cols))
+        table = dp.straight_dp(n, cols, straight_table(level, (1, 1), cols))
         units = dp.best_units(table.value, n, cols, exact=level.exact_units)
         if level.exact_units and cols < level.units:
             units = None

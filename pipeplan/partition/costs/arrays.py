@@ -127,11 +127,15 @@ class LayerArrays:
         values = getattr(self, name)
         return values[last + 1] - values[first]
 
-    def span_max(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
-        """Largest per-item `name` over items first..last (inclusive), vectorized over `first`."""
+    def span_max(self, name: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
+        """Largest per-item `name` over items first..last (inclusive), vectorized over `first` (and `last`)."""
         values = getattr(self, name)
-        suffix = np.maximum.accumulate(values[last::-1])[::-1]  # suffix[a] = max over a..last
-        return suffix[np.asarray(first)]
+        if np.ndim(last) == 0:
+            suffix = np.maximum.accumulate(values[last::-1])[::-1]  # suffix[a] = max over a..last
+            return suffix[np.asarray(first)]
+        items = np.arange(len(values))
+        upper = np.where(items[None, :] >= items[:, None], values[None, :], -np.inf)
+        return np.maximum.accumulate(upper, axis=1)[np.asarray(first), np.asarray(last)]  # [a, b]: max over a..b
 
     def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
         """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the

@@ -96,18 +96,49 @@ class StageCostModel:
         recomputation adds to each stage's I or B (`backward_op_ms`), inf where no mode fits memory."""
         firsts = np.arange(last + 1)
         r = np.asarray(replicas, dtype=np.float64)[None, :]
-        comp = span_compute_ms(self.arrays, self.config, firsts, last) if compute is None else compute
-        comp = comp[:, None]
-        if recompute_ms is not None:
-            comp = backward_op_ms(comp, recompute_ms)
-        params = self.arrays.span("param_bytes", firsts, last)[:, None] * allreduce_bytes_scale
+        comp = None if compute is None else compute[:, None]
         if self.config.cost_model == "pipedream":
+            if comp is None:
+                comp = span_compute_ms(self.arrays, self.config, firsts, last)[:, None]
+            if recompute_ms is not None:
+                comp = backward_op_ms(comp, recompute_ms)
+            params = self.arrays.span("param_bytes", firsts, last)[:, None] * allreduce_bytes_scale
             return self._pipedream(comp, params, r, firsts)
         t_in = in_link if isinstance(in_link, np.ndarray) else transfer_ms(self.arrays.cut[firsts], in_link)
         t_out = transfer_ms(self.arrays.cut[last + 1], out_link) if out_link is not None else 0.0
-        reduce = allreduce_ms(params, r, self.link)
-        transfers = exposed_transfer_ms(t_in[:, None], t_out, r)
-        return stage_ms(comp, r, allreduce=reduce, num_microbatches=self.num_microbatches, transfers=transfers)
+        return self.cell_times(
+            firsts[:, None],
+            last,
+            r,
+            t_in=t_in[:, None],
+            t_out=t_out,
+            compute=comp,
+            allreduce_bytes_scale=allreduce_bytes_scale,
+            recompute_ms=recompute_ms,
+        )
+
+    def cell_times(
+        self,
+        first,
+        last,
+        replicas,
+        *,
+        t_in,
+        t_out,
+        compute=None,
+        allreduce_bytes_scale: float = 1.0,
+        recompute_ms=None,
+    ) -> np.ndarray:
+        """pipeplan's time of stage [first..last] with `replicas` replicas, elementwise over all arguments (they
+        broadcast): `t_in` / `t_out` the transfer ms of its input / output cut, `compute` (default: the span's
+        `span_compute_ms`), `recompute_ms` as in `times`, which reads its table from here."""
+        comp = span_compute_ms(self.arrays, self.config, first, last) if compute is None else compute
+        if recompute_ms is not None:
+            comp = backward_op_ms(comp, recompute_ms)
+        params = self.arrays.span("param_bytes", first, last) * allreduce_bytes_scale
+        reduce = allreduce_ms(params, replicas, self.link)
+        transfers = exposed_transfer_ms(t_in, t_out, replicas)
+        return stage_ms(comp, replicas, allreduce=reduce, num_microbatches=self.num_microbatches, transfers=transfers)
 
     def _pipedream(self, comp: np.ndarray, params: np.ndarray, r: np.ndarray, firsts: np.ndarray) -> np.ndarray:
         bw = self.link.bandwidth

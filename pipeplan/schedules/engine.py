@@ -59,16 +59,37 @@ def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: i
 def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
     """The ops in the order `execute` runs them (each after its dependencies and its device's previous op), each
     as (device, step, key, kind index, stage, *`dependencies`): what `replay` needs. Raises ScheduleError on a
-    deadlock, as `execute` does."""
-    done: list[tuple[int, int]] = []
-    _Executor(schedule, backward_kind, None, None).run({}, done)
+    deadlock, as `execute` does (the same walk, without times)."""
     n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
+    rows = [
+        [
+            (d, i, KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch, KIND_INDEX[o.kind], o.stage)
+            + dependencies(schedule, backward_kind, d, o)
+            for i, o in enumerate(ops)
+        ]
+        for d, ops in enumerate(schedule.device_ops)
+    ]
+    done = bytearray(4 * n)
     order = []
-    for d, i in done:
-        o = schedule.device_ops[d][i]
-        kind = KIND_INDEX[o.kind]
-        key = kind * n + o.stage * m + o.microbatch
-        order.append((d, i, key, kind, o.stage, *dependencies(schedule, backward_kind, d, o)))
+    pos = [0] * len(rows)
+    waiting: dict[int, list[int]] = {}
+    runnable = list(range(len(rows) - 1, -1, -1))
+    while runnable:
+        d = runnable.pop()
+        row, i = rows[d], pos[d]
+        while i < len(row):
+            op = row[i]
+            wait_on = op[5] if op[5] >= 0 and not done[op[5]] else op[7] if op[7] >= 0 and not done[op[7]] else -1
+            if wait_on >= 0:
+                waiting.setdefault(wait_on, []).append(d)
+                break
+            done[op[2]] = 1
+            order.append(op)
+            i += 1
+            if op[2] in waiting:
+                runnable.extend(waiting.pop(op[2]))
+        pos[d] = i
+    _raise_if_stuck(schedule, pos, waiting)
     return tuple(order)
 
 
@@ -116,10 +137,7 @@ class _Executor:
             start = max(start, e + self.comm[boundary] if boundary >= 0 else e)
         return start, -1
 
-    def run(
-        self, fused: Mapping[tuple[int, int], float], done: list[tuple[int, int]] | None = None
-    ) -> tuple[list[list[float]], list[list[float]]]:
-        """Start and end times; `done` (if given) gets each op's (device, step) in the order they ran."""
+    def run(self, fused: Mapping[tuple[int, int], float]) -> tuple[list[list[float]], list[list[float]]]:
         device_ops, n, m, end, dur = self.schedule.device_ops, self.n, self.m, self.end, self.dur
         starts = [[0.0] * len(ops) for ops in device_ops]
         ends = [[0.0] * len(ops) for ops in device_ops]
@@ -143,8 +161,6 @@ class _Executor:
                     key = KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch
                     end[key] = t
                     starts[d][i], ends[d][i] = start, t
-                    if done is not None:
-                        done.append((d, i))
                     i += 1
                     if key in waiting:
                         runnable.extend(waiting.pop(key))

@@ -61,8 +61,13 @@ def _pick(
     state: _State, stages: list[int], t: float, limit: tuple[int, ...], policy: Policy
 ) -> tuple[Op | None, float]:
     """The op device runs at time t (None: wait until the returned time)."""
-    i_best = min(((state.i_ready(s), -s) for s in stages), default=(_INF, 0))
-    f_best = min(((state.f_ready(s, limit), s) for s in stages), default=(_INF, 0))
+    i_best = f_best = (_INF, 0)  # (ready time, -stage) / (ready time, stage): the least of the device's stages
+    for index, s in enumerate(stages):
+        i_key, f_key = (state.i_ready(s), -s), (state.f_ready(s, limit), s)
+        if index == 0 or i_key < i_best:
+            i_best = i_key
+        if index == 0 or f_key < f_best:
+            f_best = f_key
     i_op = Op("I", -i_best[1], state.i_next[-i_best[1]]) if i_best[0] <= t else None
     f_op = Op("F", f_best[1], state.f_next[f_best[1]]) if f_best[0] <= t else None
     first, second = (f_op, i_op) if policy.forward_first else (i_op, f_op)

@@ -6,6 +6,8 @@ activations. Built for max(m, 2p-1) microbatches; with fewer the extra ops are d
 
 from __future__ import annotations
 
+import functools
+
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 from pipeplan.schedules.simulate import (
@@ -58,8 +60,10 @@ def _device_ops(p: int, device: int, n: int) -> list[Op]:
     return ops
 
 
+@functools.lru_cache(maxsize=64)
 def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
-    """The fixed ZB-V order above (optimal when F = I = W and m >= 2p-1)."""
+    """The fixed ZB-V order above (optimal when F = I = W and m >= 2p-1); cached: `zbv` starts from it whatever
+    the costs (a Schedule is immutable)."""
     p, m = num_devices, num_microbatches
     n = max(m, 2 * p - 1)
     device_ops = [[o for o in _device_ops(p, d, n) if o.microbatch < m] for d in range(p)]

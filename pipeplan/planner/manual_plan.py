@@ -12,6 +12,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.models.registry import canonical_ref
+from pipeplan.partition.costs.optimizer import bytes_per_param
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
 from pipeplan.precision import get_precision
@@ -119,6 +120,7 @@ def manual_plan(
             lr=lr,
             seed=seed,
             precision=precision,
+            optimizer_bytes_per_param=bytes_per_param("adamw", precision),
             dtype=get_precision(precision).compute_dtype_name,
             zero=zero,
         ),

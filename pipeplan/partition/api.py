@@ -14,6 +14,7 @@ from pipeplan.partition.costs import (
     LayerArrays,
     backward_op_ms,
     device_totals,
+    stage_grad_ms,
     stage_memory_bytes,
     stage_recompute_ms,
     stages_per_device,
@@ -107,6 +108,7 @@ def build_partition(
         group = replicas * config.data_parallel
         memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
         recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
+        input_grad, weight_grad = stage_grad_ms(arrays, a, b, recompute)
         stages.append(
             StageAssignment(
                 index=index,
@@ -115,8 +117,8 @@ def build_partition(
                 replicas=replicas,
                 devices=st.devices,
                 forward_ms=float(arrays.span("forward", a, b)),
-                input_grad_ms=float(backward_op_ms(arrays.span("input_grad", a, b), recompute)),
-                weight_grad_ms=float(arrays.span("weight_grad", a, b)),
+                input_grad_ms=input_grad,
+                weight_grad_ms=weight_grad,
                 backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
                 recompute=st.recompute,
                 recompute_ms=recompute,

@@ -104,7 +104,6 @@ def manual_plan(
     if len(replicas) != num_stages:
         raise ConfigError(f"replicas gives {len(replicas)} values for {num_stages} stages")
     cuts = list(cuts or even_cuts(graph.num_layers, num_stages))
-    recompute = _recompute_modes(recompute, num_stages)
     layout = pipeline_layout(generated, replicas)
     world = layout.num_devices * data_parallel
     cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=1 << 40)
@@ -126,7 +125,7 @@ def manual_plan(
         ),
         schedule=schedule,
         chunks=generated.num_chunks,
-        stages=_stages(graph, cuts, replicas, recompute),
+        stages=_stages(graph, cuts, replicas, _recompute_modes(recompute, num_stages)),
         ranks=rank_infos(layout, data_parallel, cluster),
         rank_ops=tuple(layout.device_ops[rank % layout.num_devices] for rank in range(world)),
         predicted=Prediction(

@@ -16,6 +16,7 @@ from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import parse_assignments
 from pipeplan.planner.asynchronous import searched_schedules
 from pipeplan.planner.inputs import memory_reserve_bytes, microbatch_candidates
+from pipeplan.planner.search import parse_zero
 from pipeplan.planner.tensor_search import tensor_parallel_sizes
 from pipeplan.profiling.hardware import cluster_for, load_hardware
 from pipeplan.profiling.profile import Profile
@@ -109,6 +110,8 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         days=options.days,
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, hardware.memory_bytes),
         tensor_parallel=options.tensor_parallel,
+        recompute=options.recompute,
+        zero=parse_zero(options.zero),
     )
     if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
+from pipeplan.planner.plan_options import RECOMPUTE_HELP, ZERO_HELP
 from pipeplan.units import parse_count
 
 MODEL_HELP = "Built-in model name, path/to/file.py:factory or package.module:factory."
@@ -38,6 +39,8 @@ class CapacityOptions:
         False, "--allow-async", help="Also plan the asynchronous pipedream and pipedream-2bw (stale weights)."
     )
     tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
+    recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
+    zero: str = option("auto", "--zero", help=ZERO_HELP)
     plot: str | None = option(None, "--plot", help=PLOT_HELP)
     memory_reserve: str | None = option(None, "--memory-reserve", help=RESERVE_HELP)
     json_output: bool = option(False, "--json", help="Print only JSON (rows and the answer).")

@@ -11,6 +11,7 @@ from pipeplan.capacity.report import CapacityRow, TimeSplit
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.planner.asynchronous import busy_per_step
 from pipeplan.planner.candidate import Evaluation, Rejection
+from pipeplan.planner.estimate import balanced_estimate_ms
 from pipeplan.planner.search import SearchResult
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import stream_step_ms
@@ -87,8 +88,6 @@ def time_split(best: Evaluation) -> TimeSplit:
 
 
 def _binding(best: Evaluation, time: TimeSplit, rejected: list[Rejection], result: SearchResult) -> tuple[str, str]:
-    from pipeplan.planner.estimate import balanced_estimate_ms
-
     for rejection in sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.layout.label):
         layout = rejection.layout
         try:

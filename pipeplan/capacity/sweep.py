@@ -83,6 +83,8 @@ class CapacityConfig:
     memory_reserve_bytes: int | None = None  # device memory kept free; None: search.default_memory_reserve
     allow_async: bool = False  # keep the asynchronous schedules (pipedream, pipedream-2bw) in `schedules`
     tensor_parallel: str | int = "auto"  # auto, or one size t (planner.tensor_search)
+    recompute: str = "auto"  # as SearchConfig: auto recomputes where memory needs it; none never
+    zero: int | str = "auto"  # as SearchConfig: auto tries ZeRO-1 beside 0; 0 or 1 fixes it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
@@ -120,6 +122,8 @@ class CapacityConfig:
             replication=self.replication,
             memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
             allow_async=self.allow_async,
+            recompute=self.recompute,
+            zero=self.zero,
         )
 
     @property

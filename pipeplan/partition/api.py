@@ -14,6 +14,7 @@ from pipeplan.partition.costs import (
     LayerArrays,
     backward_op_ms,
     device_totals,
+    stage_grad_ms,
     stage_memory_bytes,
     stage_recompute_ms,
     stages_per_device,
@@ -100,36 +101,7 @@ def build_partition(
     objective: float,
     layer_groups: int,
 ) -> Partition:
-    stages = []
-    for index, st in enumerate(raw):
-        a, b = st.first_item, st.last_item
-        replicas = len(st.devices)
-        group = replicas * config.data_parallel
-        memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
-        recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
-        stages.append(
-            StageAssignment(
-                index=index,
-                first_layer=a,
-                last_layer=b,
-                replicas=replicas,
-                devices=st.devices,
-                forward_ms=float(arrays.span("forward", a, b)),
-                input_grad_ms=float(backward_op_ms(arrays.span("input_grad", a, b), recompute)),
-                weight_grad_ms=float(arrays.span("weight_grad", a, b)),
-                backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
-                recompute=st.recompute,
-                recompute_ms=recompute,
-                comm_ms=st.comm_ms,
-                allreduce_ms=st.allreduce_ms,
-                output_transfer_ms=st.output_transfer_ms,
-                time_ms=st.time_ms,
-                inflight_microbatches=st.inflight[0],
-                inflight_before_input_grad=st.inflight[1],
-                param_count=int(round(float(arrays.span("param_count", a, b)))),
-                memory_bytes=int(np.ceil(memory)),
-            )
-        )
+    stages = [_stage_assignment(index, st, arrays, config) for index, st in enumerate(raw)]
     used = sorted({d for s in stages for d in s.devices})
     held = stages_per_device([s.devices for s in stages])
     load = [float(ms) for ms in device_totals([s.time_ms for s in stages], held)]
@@ -150,6 +122,37 @@ def build_partition(
         device_load_ms=tuple(load),
         device_memory_bytes=tuple(mem),
         layer_groups=layer_groups,
+    )
+
+
+def _stage_assignment(index: int, st: single.RawStage, arrays: LayerArrays, config: PartitionConfig) -> StageAssignment:
+    """One stage's figures (times per microbatch, memory, parameters) from the DP's raw stage."""
+    a, b = st.first_item, st.last_item
+    replicas = len(st.devices)
+    group = replicas * config.data_parallel
+    memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
+    recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
+    input_grad, weight_grad = stage_grad_ms(arrays, a, b, recompute)
+    return StageAssignment(
+        index=index,
+        first_layer=a,
+        last_layer=b,
+        replicas=replicas,
+        devices=st.devices,
+        forward_ms=float(arrays.span("forward", a, b)),
+        input_grad_ms=input_grad,
+        weight_grad_ms=weight_grad,
+        backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
+        recompute=st.recompute,
+        recompute_ms=recompute,
+        comm_ms=st.comm_ms,
+        allreduce_ms=st.allreduce_ms,
+        output_transfer_ms=st.output_transfer_ms,
+        time_ms=st.time_ms,
+        inflight_microbatches=st.inflight[0],
+        inflight_before_input_grad=st.inflight[1],
+        param_count=int(round(float(arrays.span("param_count", a, b)))),
+        memory_bytes=int(np.ceil(memory)),
     )
 
 

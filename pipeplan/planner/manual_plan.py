@@ -12,6 +12,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.models.registry import canonical_ref
+from pipeplan.partition.costs.optimizer import bytes_per_param
 from pipeplan.planner.layout import pipeline_layout, rank_infos
 from pipeplan.planner.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
 from pipeplan.precision import get_precision
@@ -103,7 +104,6 @@ def manual_plan(
     if len(replicas) != num_stages:
         raise ConfigError(f"replicas gives {len(replicas)} values for {num_stages} stages")
     cuts = list(cuts or even_cuts(graph.num_layers, num_stages))
-    recompute = _recompute_modes(recompute, num_stages)
     layout = pipeline_layout(generated, replicas)
     world = layout.num_devices * data_parallel
     cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=1 << 40)
@@ -119,12 +119,13 @@ def manual_plan(
             lr=lr,
             seed=seed,
             precision=precision,
+            optimizer_bytes_per_param=bytes_per_param("adamw", precision),
             dtype=get_precision(precision).compute_dtype_name,
             zero=zero,
         ),
         schedule=schedule,
         chunks=generated.num_chunks,
-        stages=_stages(graph, cuts, replicas, recompute),
+        stages=_stages(graph, cuts, replicas, _recompute_modes(recompute, num_stages)),
         ranks=rank_infos(layout, data_parallel, cluster),
         rank_ops=tuple(layout.device_ops[rank % layout.num_devices] for rank in range(world)),
         predicted=Prediction(

@@ -77,11 +77,22 @@ def alternatives(result: SearchResult, chosen: Evaluation, *, limit: int = 3) ->
 
 def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
     """One line per memory option the chosen plan uses, with why: each recomputing stage and the peak it would
-    reach without recomputing (`recompute_choice.recompute_reasons`), and ZeRO-1 with the peak without it, or how
+    reach without recomputing (`recompute_choice.recompute_reasons`), how much faster it is than the best plan
+    without recomputation (when one fits), and ZeRO-1 with the peak without it, or how
     much faster it is than the best plan without it."""
     limit = result.cluster.memory_per_device - result.config.memory_reserve_bytes
     modes = [s.recompute for s in chosen.partition.stages]
     lines = recompute_reasons(chosen.memory, modes, chosen.pipeline.device_ops, limit)
+    plain = [e for e in result.ranked if not e.recomputing]
+    if chosen.recomputing and plain:
+        gap = plain[0].step_ms / chosen.step_ms - 1.0
+        other = plain[0].layout.label
+        than = (
+            "this layout without it, whose cuts memory unbalances"
+            if other == chosen.layout.label
+            else f"the best plan without it ({other})"
+        )
+        lines.append(f"recomputing is {gap:.1%} faster than {than}")
     if chosen.zero:
         groups = sorted({s.replicas * chosen.layout.data_parallel for s in chosen.partition.stages})
         head = f"ZeRO-1 shards the optimizer state over {'/'.join(map(str, groups))} devices"
@@ -135,7 +146,7 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     runner_up = next((e for e in result.ranked if e is not chosen), None)
     if runner_up is not None and fastest is chosen:
         gap = (runner_up.step_ms / chosen.step_ms - 1.0) * 100.0
-        parts.append(f"The runner-up, {runner_up.layout.label}, is {gap:.1f}% slower.")
+        parts.append(f"The runner-up, {runner_up.label_with_replicas}, is {gap:.1f}% slower.")
     other_schedules = {e.layout.schedule for e in result.ranked} - {layout.schedule}
     if other_schedules:
         parts.append(f"Other schedules that fit: {', '.join(sorted(other_schedules))}.")

@@ -24,6 +24,7 @@ from pipeplan.partition.costs import (
     device_totals,
     mode_offered,
     stage_freed_bytes,
+    stage_grad_ms,
     stage_kept_bytes,
     stage_memory_bytes,
     stage_recompute_bytes,
@@ -114,12 +115,14 @@ def with_modes(part: Partition, arrays: LayerArrays, modes: Sequence[str], confi
         held = (stage.inflight_microbatches, stage.inflight_before_input_grad)
         group = stage.replicas * config.data_parallel
         memory = stage_memory_bytes(arrays, config, a, b, 1, held, mode=mode, group_size=group)
+        input_grad, weight_grad = stage_grad_ms(arrays, a, b, added)
         stages.append(
             replace(
                 stage,
                 recompute=mode,
                 recompute_ms=added,
-                input_grad_ms=float(backward_op_ms(arrays.span("input_grad", a, b), added)),
+                input_grad_ms=input_grad,
+                weight_grad_ms=weight_grad,
                 backward_ms=float(backward_op_ms(arrays.span("backward", a, b), added)),
                 time_ms=max(stage.time_ms + (added - stage.recompute_ms) / stage.replicas, stage.comm_ms),
                 memory_bytes=int(-(-float(memory) // 1)),

@@ -326,9 +326,10 @@ def _evaluate_each_schedule(
     for name in dict.fromkeys(layout.schedule for _, layout in pending):
         if name in fitting:
             continue
-        tries = [layout for _, layout in pending if layout.schedule == name and id(layout) in pruned]
-        for layout in tries[:PER_SCHEDULE_TRIES]:
-            found, why = evaluate_layout(layout, -1.0, float("inf"), profiles[layout.microbatch_size], cluster, config)
+        tries = [(e, layout) for e, layout in pending if layout.schedule == name and id(layout) in pruned]
+        for estimate, layout in tries[:PER_SCHEDULE_TRIES]:
+            scaled = profiles[layout.microbatch_size]
+            found, why = evaluate_layout(layout, estimate, float("inf"), scaled, cluster, config)
             rejected.remove(pruned[id(layout)])
             if why is not None:
                 rejected.append(why)

@@ -1,9 +1,10 @@
 """One layout's evaluation under the search's memory options: ZeRO-1 and activation recomputation.
 
 - Recomputation (`SearchConfig.recompute` auto) only where memory needs it: the layout is first evaluated without
-  it; only if that does not fit is it partitioned again letting each stage recompute (the partitioner picks cuts
+  it; if that does not fit, or fits but more than BALANCE_MARGIN slower than its balanced estimate (memory may
+  have forced unbalanced cuts), it is partitioned again letting each stage recompute (the partitioner picks cuts
   and the cheapest fitting mode per stage together, `planner.recompute_choice` settles the modes on the exact
-  peaks). A plan that fits without recomputation is the one the search gave before it knew recomputation.
+  peaks), and the faster evaluation is kept. So more memory never gives a slower plan for that reason.
 - ZeRO-1 (`SearchConfig.zero` auto) where a stage has more than one holder (data-parallel pipelines or replicated
   stages): both settings are evaluated and both enter the ranking, where the usual rule picks (fastest that
   fits, the simpler within `PREDICTION_MARGIN`; ZeRO-1 counts as less simple). Its exchange takes the time of the
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pipeplan.planner.search import SearchConfig
 
 MEMORY_RETRIES = 2  # re-partitions with a tighter screen when the simulated peak is over memory
+BALANCE_MARGIN = 0.05  # a fitting plan this much slower than its balanced estimate is tried with recomputation
 
 
 def zero_choices(layout: Layout, config: SearchConfig) -> tuple[int, ...]:
@@ -55,7 +57,8 @@ def zero_choices(layout: Layout, config: SearchConfig) -> tuple[int, ...]:
 def evaluate_layout(
     layout: Layout, estimate: float, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> tuple[list[Evaluation], Rejection | None]:
-    """The fitting evaluations of `layout` (one per ZeRO setting at most), or none and why."""
+    """The fitting evaluations of `layout` (per ZeRO setting, the one without recomputation and, when faster, one
+    with it), or none and why."""
     if estimate >= best_ms:
         slower = format_percent(estimate / best_ms - 1.0)
         reason = f"estimated {slower} slower than the best plan even with balanced stages"
@@ -66,23 +69,34 @@ def evaluate_layout(
         if zero and found and _same_without_zero(found[0], layout, profile, cluster, config):
             continue
         bar = min([best_ms, *(e.step_ms for e in found)])
-        result = _with_recompute_if_needed(layout, bar, profile, cluster, config, zero)
+        result = _with_recompute_if_needed(layout, (estimate, bar), profile, cluster, config, zero)
         if isinstance(result, Rejection):
             rejection = rejection if rejection is not None and result.kind != "memory" else result
         else:
-            found.append(result)
+            found += result
     return found, (None if found else rejection)
 
 
 def _with_recompute_if_needed(
-    layout: Layout, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig, zero: int
-) -> Evaluation | Rejection:
-    """Without recomputation, then (when that is over memory and the search may) with it."""
-    result = _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="none")
-    retry = config.recompute == "auto" and not schedule_info(layout.schedule).asynchronous
-    if isinstance(result, Rejection) and result.kind == "memory" and retry:
-        return _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="auto")
-    return result
+    layout: Layout, bars: tuple[float, float], profile: Profile, cluster: Cluster, config: SearchConfig, zero: int
+) -> list[Evaluation] | Rejection:
+    """Without recomputation, then with it (when the search may) if that is over memory — or if it fits but is
+    more than BALANCE_MARGIN slower than the layout's balanced estimate (`bars`: that estimate, then the step to
+    beat), where memory may have pushed the cuts off balance and recomputing may buy a balanced split; then both
+    are returned when the one with recomputation is faster (the search's choice weighs them)."""
+    estimate, best_ms = bars
+    plain = _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="none")
+    may = config.recompute == "auto" and not schedule_info(layout.schedule).asynchronous
+    if isinstance(plain, Rejection):
+        if plain.kind != "memory" or not may:
+            return plain
+        other = _evaluate_with_retries(layout, best_ms, profile, cluster, config, zero=zero, recompute="auto")
+        return other if isinstance(other, Rejection) else [other]
+    if not may or plain.step_ms <= estimate * (1.0 + BALANCE_MARGIN):
+        return [plain]
+    bar = min(best_ms, plain.step_ms)
+    other = _evaluate_with_retries(layout, bar, profile, cluster, config, zero=zero, recompute="auto")
+    return [plain, other] if isinstance(other, Evaluation) and other.step_ms < plain.step_ms else [plain]
 
 
 def _same_without_zero(plain: Evaluation, layout: Layout, profile: Profile, cluster: Cluster, config) -> bool:

@@ -134,3 +134,25 @@ def test_llama_70b_seq_4096_batch_1024_fits_on_64_h100(monkeypatch):
     assert label in text and f"64 devices: t={row.tensor_parallel}: MFU" in text
     others = [t for t in (1, 2, 4, 8) if t != row.tensor_parallel]
     assert all(f"at t={t}" in text or f"t={t}: no plan fits" in text or f"t={t}," in text for t in others)
+
+
+def test_recompute_and_zero_options_reach_the_search():
+    """`capacity --recompute none` / `--zero N` are the search's own options: a size that fits only with
+    recomputation does not fit without it, and a fixed ZeRO stage is what the row carries."""
+    profile = stack_profile(block=BLOCK)
+    assert not capacity_sweep(profile, _config(tensor_parallel=2, recompute="none")).rows[0].fits
+    for zero in (0, 1):
+        row = capacity_sweep(profile, _config(tensor_parallel=2, zero=zero)).rows[0]
+        assert row.fits and row.zero == zero and "full" in row.recompute
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--zero", "2"], "--zero"), (["--recompute", "full"], "--recompute")],
+    ids=["zero", "recompute"],
+)
+def test_memory_option_errors_are_one_line(args, needle):
+    result = runner.invoke(app, ["capacity", *SMALL, *args])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]

@@ -27,6 +27,7 @@ from pipeplan.partition.costs import (
     sharded_bytes_per_param,
     span_compute_ms,
     spread_static_bytes,
+    stage_grad_ms,
     stage_memory_bytes,
     stage_ms,
     stages_per_device,
@@ -131,6 +132,17 @@ def _arrays() -> LayerArrays:
     ]
     profile = Profile(layers=tuple(layers), cut_bytes=(3e6, 0, 5e6), provenance=Provenance(source="analytic"))
     return LayerArrays.from_profile(profile)
+
+
+def test_stage_grad_ms_moves_the_first_stages_input_gradient_to_w():
+    """A stage's I (with its recomputation) and W; the model's first stage has no input gradient, so its I only
+    recomputes and W runs its layers' I + W — in model order and in reversed (V second half) order alike."""
+    arrays = _arrays()  # I = 0, 0.5, 1, 1.5; W = 2 each
+    assert stage_grad_ms(arrays, 1, 2, 0.25) == (1.5 + 0.25, 4.0)
+    assert stage_grad_ms(arrays, 0, 2, 0.25) == (0.25, 1.5 + 6.0)
+    back = arrays.reversed()  # item k is layer 3 - k: the model's first layer is the last item
+    assert stage_grad_ms(back, 0, 1, 0.0) == (2.5, 4.0)
+    assert stage_grad_ms(back, 2, 3, 0.0) == (0.0, 0.5 + 4.0)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

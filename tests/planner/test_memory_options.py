@@ -86,7 +86,10 @@ def test_each_stage_takes_the_cheapest_mode_that_fits():
             assert stage.recompute_ms == pytest.approx(0.1 * layers)
         if stage.recompute == "full":
             assert stage.recompute_ms == pytest.approx(1.0 * layers)
-        assert stage.input_grad_ms == pytest.approx(1.0 * layers + stage.recompute_ms)
+        # the model's first stage has no input gradient: its I only recomputes and W runs the whole backward
+        first = stage.first_layer == 0
+        assert stage.input_grad_ms == pytest.approx((0.0 if first else 1.0 * layers) + stage.recompute_ms)
+        assert stage.weight_grad_ms == pytest.approx((2.0 if first else 1.0) * layers)
     selective = [s.index for s in best.partition.stages if s.recompute == "selective"]
     full = [s.index for s in best.partition.stages if s.recompute == "full"]
     assert selective and full
@@ -172,3 +175,16 @@ def test_zero_option_values():
     with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
         SearchConfig(global_batch_size=4, optimizer=12.0, zero=1)
     assert SearchConfig(global_batch_size=4).zero == "auto"
+
+
+def test_more_memory_never_gives_a_slower_plan():
+    """Where memory fits a plan without recomputation only by unbalancing its cuts, the search also partitions
+    with recomputation and keeps the faster one, saying why: the best step never grows with memory."""
+    steps = [_recompute_search(mib).best.step_ms for mib in (150, 170, 200, 230, 260, 300, 400, 800)]
+    assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(steps, steps[1:])), steps
+    result = _recompute_search(200)
+    plain = [e for e in result.ranked if not e.recomputing and e.layout.label == result.best.layout.label]
+    assert result.best.recomputing and plain and plain[0].step_ms > result.best.step_ms * 1.05
+    plan = build_plan(result, model=ModelRef(ref="synthetic"))
+    assert any("faster than this layout without it" in line for line in plan.memory_choices)
+    assert _recompute_search(200, recompute="none").best.step_ms == plain[0].step_ms

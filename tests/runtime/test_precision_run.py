@@ -102,3 +102,10 @@ def test_memory_line_shows_measured_and_predicted_per_rank():
     assert memory_versus(plan, None) == ""  # CPU: not measured
     many = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, peak_memory_bytes=(1 << 30,) * 9))
     assert memory_versus(many, [1 << 30] * 8 + [2 << 30]).startswith("worst of 9 ranks: r8 2.00/1.00")
+
+
+@pytest.mark.parametrize(("precision", "per_param"), [("fp32", 16.0), ("bf16-mixed", 16.0), ("bf16", 8.0)])
+def test_manual_plans_count_the_precisions_bytes_per_parameter(precision, per_param):
+    """adamw holds weights, gradients and two moments in the precision's parameter dtype (costs.optimizer)."""
+    plan = manual_plan("mlp", schedule="1f1b", pipeline_devices=2, num_microbatches=2, precision=precision)
+    assert plan.training.optimizer_bytes_per_param == per_param

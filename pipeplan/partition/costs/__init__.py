@@ -8,6 +8,8 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
     PipeDream's transfer and 4 (r-1) replication terms    costs.comm: pipedream_transfer_ms, pipedream_sync_ms
     compute per microbatch (F + I + W or F + B)           costs.stage: compute_ms (span_compute_ms over layers)
     an I or B op with recomputation                       costs.stage: backward_op_ms
+    a stage's I and W op times (the model's first stage:  costs.stage: stage_grad_ms
+    I only recomputes, W runs the whole backward)
     recomputation per stage: kept / re-created bytes,     costs.recompute: stage_kept_bytes,
     added time, which modes a stage may take              stage_recompute_bytes, stage_recompute_ms, mode_offered
     stage time (pipeplan / PipeDream)                     costs.stage: stage_ms, exposed_transfer_ms,
@@ -74,6 +76,7 @@ from pipeplan.partition.costs.stage import (
     exposed_transfer_ms,
     pipedream_stage_ms,
     span_compute_ms,
+    stage_grad_ms,
     stage_ms,
     stages_per_device,
 )
@@ -87,6 +90,7 @@ __all__ = [
     "adam_bytes_per_parameter",
     "all_gather_ms",
     "backward_op_ms",
+    "stage_grad_ms",
     "allreduce_ms",
     "balanced_bounds",
     "busiest_device_ms",

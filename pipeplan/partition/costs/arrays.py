@@ -141,8 +141,14 @@ class LayerArrays:
         """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
         model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
         and everything saved lives until W (runtime/executor.py)."""
-        first_in_model = (np.asarray(first) == 0) if not self.reversed_order else (last == self.num_items - 1)
-        return np.where(first_in_model, 0.0, self.span("freed", first, last))
+        return np.where(self.first_in_model(first, last), 0.0, self.span("freed", first, last))
+
+    def first_in_model(self, first: np.ndarray | int, last: int) -> np.ndarray:
+        """Whether the stage of items first..last holds the model's first layer (its inputs are the model's own,
+        never differentiable), vectorized over `first`."""
+        if self.reversed_order:
+            return np.full(np.shape(first), last == self.num_items - 1)
+        return np.asarray(first) == 0
 
     def stage_start(self, first: np.ndarray | int, last: int) -> np.ndarray:
         """Per-item `entering` of a stage's first layer in model order (its last item when reversed)."""

@@ -44,6 +44,18 @@ def backward_op_ms(input_grad_or_backward, recompute_ms):
     return input_grad_or_backward + recompute_ms
 
 
+def stage_grad_ms(arrays: LayerArrays, first: int, last: int, recompute_ms: float) -> tuple[float, float]:
+    """A stage's I and W op times per microbatch, I with its recomputation (`backward_op_ms`). The model's first
+    stage has no input gradient to compute (its inputs are the model's own): at run time its I only recomputes and
+    W runs the whole backward (profiling/split_backward.py), so I = the recomputation and W = its layers' I + W.
+    The stage's compute (F + I + W) is the same either way."""
+    input_grad = float(arrays.span("input_grad", first, last))
+    weight_grad = float(arrays.span("weight_grad", first, last))
+    if arrays.first_in_model(first, last):
+        return float(backward_op_ms(0.0, recompute_ms)), input_grad + weight_grad
+    return float(backward_op_ms(input_grad, recompute_ms)), weight_grad
+
+
 def span_compute_ms(arrays: LayerArrays, config: PartitionConfig, first: np.ndarray | int, last: int) -> np.ndarray:
     """`compute_ms` of items first..last (vectorized over `first`); PipeDream's model always uses F + B."""
     split = config.splits_backward and config.cost_model == "pipeplan"

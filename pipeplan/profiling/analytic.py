@@ -377,4 +377,5 @@ def _provenance(
         tracer=graph.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,
+        loss_in_last_layer=True,
     )

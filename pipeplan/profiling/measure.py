@@ -325,6 +325,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         tracer=traced.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=f"warmup={config.warmup} repeats={config.repeats} timer={config.timer} threads={torch.get_num_threads()}",
+        loss_in_last_layer=True,
     )
 
 

@@ -2,9 +2,11 @@
 scores) plus its target (N int64) and total weight (one value), all freed by the input-gradient pass. Expected
 bytes are computed here from the shapes, for both profilers, the built-in gpt and Hugging Face GPT-2 (from a tiny
 config), and under a mixed precision (the GPU runs the loss in fp32); a model output computed before the last layer
-reaches the loss through it."""
+reaches the loss through it; profiles say they count the loss, and loading an older one warns."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from pipeplan.models import load_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.measure import profile_model
+from pipeplan.profiling.profile import Profile
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 16, 32, 64
 GPT = dict(layers=2, hidden=HIDDEN, heads=2, seq=SEQ, vocab=VOCAB)
@@ -97,3 +100,18 @@ def test_a_model_output_from_an_earlier_layer_reaches_the_loss_through_the_last_
         assert last.activation_bytes == 4 * tensor
         assert last.activation_freed_by_input_grad_bytes == 3 * tensor
         assert last.full_activation_bytes == 2 * tensor  # full recompute keeps c's input and h
+
+
+def test_profiles_say_they_count_the_loss_and_older_files_warn_on_loading(tmp_path, console_warnings):
+    spec = load_model("gpt", GPT)
+    for profile in (_measured(spec), _analytic(spec, "bf16-mixed")):
+        assert profile.provenance.loss_in_last_layer
+        path = tmp_path / f"{profile.provenance.source}.json"
+        profile.save(path)
+        assert Profile.load(path) == profile and console_warnings() == []
+        old = json.loads(path.read_text())
+        del old["provenance"]["loss_in_last_layer"]  # as written before the field existed (schema 2 still)
+        path.write_text(json.dumps(old))
+        assert Profile.load(path).provenance.loss_in_last_layer is False
+        (line,) = console_warnings()
+        assert str(path) in line and "re-profile" in line

@@ -115,3 +115,17 @@ def test_profiles_say_they_count_the_loss_and_older_files_warn_on_loading(tmp_pa
         assert Profile.load(path).provenance.loss_in_last_layer is False
         (line,) = console_warnings()
         assert str(path) in line and "re-profile" in line
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_keeps_the_fp32_log_softmax_the_analytic_profile_counts():
+    """Real CUDA autocast (bf16-mixed) computes cross-entropy's log-softmax in fp32: the measured head frees what
+    the analytic one (fp32 copies of the logits on the meta device) says."""
+    spec = load_model("gpt", GPT)
+    measured = profile_model(
+        spec, batch_size=BATCH, device="cuda", warmup=0, repeats=1, progress=False, precision="bf16-mixed"
+    )
+    analytic = _analytic(spec, "bf16-mixed")
+    loss = cross_entropy_bytes(BATCH * SEQ, 4)
+    assert measured.layers[-1].activation_freed_by_input_grad_bytes == loss
+    assert analytic.layers[-1].activation_freed_by_input_grad_bytes == loss

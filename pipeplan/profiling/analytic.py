@@ -17,7 +17,9 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
   layer/batch norm backward) are timed as two kernels when taking W, as a split backward runs them; so
   I + W >= B, the difference being what fusing saves.
 
-The last layer also runs the model's `loss_fn`, as a pipeline's last stage does. Times are the sum of per-op
+The last layer also runs the model's `loss_fn`, as a pipeline's last stage does: its saved tensors (cross-entropy's
+log-softmax), FLOPs and times are the last layer's (`loss_stage`; under a mixed precision in fp32, as autocast
+runs losses). Times are the sum of per-op
 rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)` (`opcount.Roofline.seconds`; the rates are
 peak × efficiency, or what `pipeplan calibrate` measured; the launch floor is 0 unless calibrated) with no overlap
 between ops.
@@ -36,6 +38,7 @@ from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.hardware import Hardware, load_hardware
+from pipeplan.profiling.loss_stage import last_layer_stage, model_loss
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import analytic_recompute
@@ -260,7 +263,9 @@ def profile_analytic(
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
-    layers = _profile_layers(traced, config, env, lambda output: spec.loss_fn(output, target), progress=progress)
+    upcast = mode.autocast_dtype is not None  # autocast runs the loss in fp32 (profiling.loss_stage)
+    make_loss = lambda stage: model_loss(traced, stage, spec.loss_fn, target, upcast=upcast)  # noqa: E731
+    layers = _profile_layers(traced, config, env, make_loss, progress=progress)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
     if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
         layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
@@ -292,8 +297,9 @@ def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_byt
     ]
 
 
-def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss_fn, *, progress: bool):
-    """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`."""
+def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make_loss, *, progress: bool):
+    """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`. The
+    last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage)."""
     from pipeplan.console import progress as progress_bar
     from pipeplan.profiling.stage import build_stage_module
 
@@ -302,11 +308,9 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], loss
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
         for index, layer in enumerate(graph.layers):
-            stage = build_stage_module(traced, layer.nodes)
-            loss = None
-            if index == graph.num_layers - 1 and set(graph.output_names) <= set(stage.outputs):
-                names = stage.outputs
-                loss = lambda outputs, n=names: loss_fn(traced.build_output(dict(zip(n, outputs))))  # noqa: E731
+            last = index == graph.num_layers - 1
+            stage = last_layer_stage(traced, layer.nodes) if last else build_stage_module(traced, layer.nodes)
+            loss = make_loss(stage) if last else None
             needs = [name not in graph.input_names for name in stage.inputs]
             try:
                 counts = count_layer(
@@ -373,4 +377,5 @@ def _provenance(
         tracer=graph.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,
+        loss_in_last_layer=True,
     )

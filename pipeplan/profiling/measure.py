@@ -3,8 +3,10 @@
 
 Memory per layer: the bytes autograd saves for backward (storages de-duplicated, parameters and buffers excluded),
 split into what I frees and what must live until W, by the one rule the runtime follows (saved_tensors). F, I, W
-and B run the backward implementation the runtime runs (split_backward). Whole-model forward and backward times
-are measured too, to check that the per-layer sums agree.
+and B run the backward implementation the runtime runs (split_backward). The last layer runs the model's loss
+after it, as a pipeline's last stage does (loss_stage): what the loss saves (cross-entropy's log-softmax), its
+FLOPs and its time are the last layer's. Whole-model forward (with the loss) and backward times are measured too,
+to check that the per-layer sums agree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeplan.console import progress as progress_bar
@@ -23,6 +24,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import check_device_precision, get_precision
 from pipeplan.profiling.host_memory import check_fits_host
+from pipeplan.profiling.loss_stage import LossStage, last_layer_stage, model_loss
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import measured_recompute
 from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
@@ -183,29 +185,23 @@ def _layer_flops(stage: StageModule, inputs: list, config: MeasureConfig) -> flo
 
 
 def _whole_model_samples(
-    traced: TracedModel, inputs: tuple, config: MeasureConfig, *, warmup: int
+    traced: TracedModel, inputs: tuple, target: torch.Tensor, config: MeasureConfig, *, warmup: int
 ) -> tuple[list[float], list[float]]:
-    """Whole-model forward and backward times (ms), `config.repeats` samples each after `warmup` runs."""
+    """Whole-model forward (the loss included, as the layers' is) and backward times (ms), `config.repeats` samples
+    each after `warmup` runs."""
     clock = _Clock(config)
-    module = traced.module
-    generator = torch.Generator().manual_seed(1)
-    with config.autocast():
-        probe = [t for t in tree_leaves(module(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in probe]
-    del probe
+    module, loss_fn = traced.module, traced.spec.loss_fn
     forward, backward = [], []
     for step in range(warmup + config.repeats):
         module.zero_grad(set_to_none=True)
         clock.start()
         with config.autocast():
-            out = module(*inputs)
+            loss = loss_fn(module(*inputs), target)
         fwd = clock.stop()
         clock.start()
-        roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(roots, grads)
+        loss.backward()
         bwd = clock.stop()
-        del roots
-        del out
+        del loss
         if step >= warmup:
             forward.append(fwd)
             backward.append(bwd)
@@ -213,13 +209,23 @@ def _whole_model_samples(
     return forward, backward
 
 
+def _layer_stages(traced: TracedModel, target: torch.Tensor) -> list[StageModule | LossStage]:
+    """One stage per layer; the last one runs the model's loss after it, as a pipeline's last stage does."""
+    layers = traced.layer_graph.layers
+    stages: list[StageModule | LossStage] = [build_stage_module(traced, layer.nodes) for layer in layers[:-1]]
+    last = last_layer_stage(traced, layers[-1].nodes)
+    return [*stages, LossStage(last, model_loss(traced, last, traced.spec.loss_fn, target))]
+
+
 def _layer_values(
-    traced: TracedModel, stages: list[StageModule], inputs: tuple, config: MeasureConfig
+    traced: TracedModel, stages: list[StageModule | LossStage], inputs: tuple, config: MeasureConfig
 ) -> dict[str, object]:
+    """Every layer's outputs, by name (the last layer's before its loss)."""
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, inputs))
     with torch.no_grad(), config.autocast():
         for stage in stages:
-            env.update(zip(stage.outputs, stage(*[env[name] for name in stage.inputs])))
+            module = stage.stage if isinstance(stage, LossStage) else stage
+            env.update(zip(module.outputs, module(*[env[name] for name in module.inputs])))
     return env
 
 
@@ -228,18 +234,19 @@ def profile_traced(
 ) -> Profile:
     """Measure every layer of an already traced (real-device) model."""
     spec, graph = traced.spec, traced.layer_graph
-    sample, _ = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
+    sample, target = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
     low = get_precision(config.precision).param_dtype
     low = low if low != torch.float32 else None  # bf16: floating inputs in bf16 too; else as the model gives them
     inputs = tuple(t.to(config.device, low if low and t.is_floating_point() else t.dtype) for t in sample)
-    stages = [build_stage_module(traced, layer.nodes) for layer in graph.layers]
+    target = target.to(config.device)  # as the runtime moves it: in its own dtype
+    stages = _layer_stages(traced, target)
     env = _layer_values(traced, stages, inputs, config)
     seen_params: set[int] = set()
     layers: list[LayerProfile] = []
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"profiling {spec.name}", total=len(stages) + 2)
         # whole-model samples before and after the layers, pooled: slow drifts of a shared machine hit both alike
-        whole_forward, whole_backward = _whole_model_samples(traced, inputs, config, warmup=config.warmup)
+        whole_forward, whole_backward = _whole_model_samples(traced, inputs, target, config, warmup=config.warmup)
         bar.advance(task)
         for layer, stage in zip(graph.layers, stages):
             leaves = _leaves([env[name] for name in stage.inputs])
@@ -272,7 +279,7 @@ def profile_traced(
                 )
             )
             bar.advance(task)
-        more_forward, more_backward = _whole_model_samples(traced, inputs, config, warmup=0)
+        more_forward, more_backward = _whole_model_samples(traced, inputs, target, config, warmup=0)
         bar.advance(task)
     return Profile(
         layers=tuple(layers),
@@ -318,6 +325,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         tracer=traced.tracer,
         tokens_per_sample=spec.tokens_per_sample,
         notes=f"warmup={config.warmup} repeats={config.repeats} timer={config.timer} threads={torch.get_num_threads()}",
+        loss_in_last_layer=True,
     )
 
 

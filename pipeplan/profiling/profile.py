@@ -16,6 +16,12 @@ Around a split backward, recomputation happens when the layer's backward starts 
 to W is `activation_kept_until_weight_grad_bytes` in every mode; only the bytes held from F to I/B change.
 Layers without recorded data (PipeDream imports, schema-1 files) get: selective = none, full = the bytes crossing
 the cut before the layer (`input_bytes` for the first), full recompute = forward_ms, selective recompute = 0.
+
+The last layer is profiled with the model's `loss_fn` (profiling.loss_stage): its activation bytes (and time,
+FLOPs) include what the loss saves for backward (cross-entropy: the b·s·V log-softmax, fp32 under a mixed
+precision, and the target), kept under none and selective, recomputed under full. `provenance.loss_in_last_layer`
+says so; profiles written before (the field absent) left it out of measured profiles and counted it in the compute
+dtype in mixed-precision analytic ones, and loading one warns.
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ class Provenance:
     tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None
     notes: str = ""
+    loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -161,4 +168,14 @@ class Profile:
         data = read_json(
             path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION, older_versions=OLDER_PROFILE_VERSIONS
         )
-        return cls.from_dict(data, where=f"profile file {str(path)!r}")
+        profile = cls.from_dict(data, where=f"profile file {str(path)!r}")
+        prov = profile.provenance
+        if prov.source in ("measured", "analytic") and not prov.loss_in_last_layer:
+            from pipeplan.console import warn
+
+            warn(
+                f"profile file {str(path)!r} was made before profiles counted what the loss keeps for backward "
+                "(cross-entropy's b·s·V fp32 log-softmax) in the last layer: its last stage's memory may be "
+                "under-counted; re-profile the model"
+            )
+        return profile

@@ -59,6 +59,14 @@ def stage_boundary(traced: TracedModel, node_names: Iterable[str]) -> tuple[list
     return nodes, inputs, outputs
 
 
+def last_stage_outputs(traced: TracedModel, node_names: Iterable[str]) -> list[str]:
+    """The outputs of a pipeline's last stage (or the last layer as the profilers run it): what its nodes produce
+    for later nodes, then every value the model's output is built from that an earlier stage computes (passed
+    through from its inputs), so that `loss_fn` runs there."""
+    outputs = stage_boundary(traced, node_names)[2]
+    return outputs + [name for name in traced.layer_graph.output_names if name not in outputs]
+
+
 def _mutated_inputs(nodes: list[fx.Node], inputs: list[str]) -> list[str]:
     """Stage inputs some node of the stage modifies in place (`nn.ReLU(inplace=True)`, `x += y`)."""
     written = {name for node in nodes for name in node.meta.get("mutates", ())}

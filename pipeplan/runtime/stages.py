@@ -22,7 +22,13 @@ from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
 from pipeplan.planner.plan import Plan
 from pipeplan.profiling.export_trace import retarget_device
-from pipeplan.profiling.stage import StageModule, build_stage_module, stage_boundary, value_tensor_meta
+from pipeplan.profiling.stage import (
+    StageModule,
+    build_stage_module,
+    last_stage_outputs,
+    stage_boundary,
+    value_tensor_meta,
+)
 from pipeplan.profiling.trace import TracedModel, trace_model, trace_module
 from pipeplan.runtime.comm import TensorMeta
 from pipeplan.runtime.init_weights import load_initial_weights
@@ -148,10 +154,8 @@ def _value_meta(traced: TracedModel, stage_io: list[StageIO]) -> dict[str, Tenso
 def stage_outputs(traced: TracedModel, stage_nodes: list[tuple[str, ...]]) -> list[list[str]]:
     """Each stage's output values: what later stages read, and for the last stage every value the model's output
     is built from (passed through from its inputs when an earlier stage computes it), so the loss runs there."""
-    found = [stage_boundary(traced, names)[2] for names in stage_nodes]
-    last = found[-1]
-    last += [name for name in traced.layer_graph.output_names if name not in last]
-    return found
+    found = [stage_boundary(traced, names)[2] for names in stage_nodes[:-1]]
+    return [*found, last_stage_outputs(traced, stage_nodes[-1])]
 
 
 def _canonical_names(module: nn.Module) -> dict[int, str]:

@@ -43,7 +43,9 @@ def synthetic_profile(
     return Profile(
         layers=tuple(layers),
         cut_bytes=(cut_bytes,) * (num_layers - 1),
-        provenance=Provenance(source="analytic", batch_size=batch_size, model=model, tokens_per_sample=16),
+        provenance=Provenance(
+            source="analytic", batch_size=batch_size, model=model, tokens_per_sample=16, loss_in_last_layer=True
+        ),
     )
 
 
@@ -84,6 +86,11 @@ def stack_profile(
         layers=(replace(embed, output_bytes=hidden_bytes), *blocks, head),
         cut_bytes=(2 * hidden_bytes,) * (num_blocks + 1),
         provenance=Provenance(
-            source="analytic", batch_size=1, model="stack", tokens_per_sample=16, model_options=dict(options or {})
+            source="analytic",
+            batch_size=1,
+            model="stack",
+            tokens_per_sample=16,
+            model_options=dict(options or {}),
+            loss_in_last_layer=True,
         ),
     )

@@ -173,3 +173,21 @@ def test_groups_as_devices_and_back():
     assert [groups.node_of(r) for r in range(16)] == [cluster.node_of(4 * r) for r in range(16)]
     profile, same = tensor_parallel_inputs(stack_profile(), cluster, 1)
     assert same is cluster
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_the_head_keeps_a_vocab_parallel_share_of_the_loss(t):
+    """The analytic head keeps cross-entropy's fp32 log-softmax (b·s·V·4, bf16-mixed: the GPU runs the loss in fp32),
+    its int64 target and total weight, all freed by I; Megatron's vocab-parallel cross entropy keeps each rank's
+    b·s·(V/t) fp32 softmax, so one rank's head keeps 1/t of the loss's bytes (the per-token target, ~2/V of them,
+    divided too), rounded up, next to 1/t of the sequence-parallel norm's and the matmul's."""
+    seq, batch, vocab = 16, 2, 64
+    spec = load_model("gpt", {"layers": "2", "hidden": "32", "heads": "4", "seq": str(seq), "vocab": str(vocab)})
+    profile = profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16-mixed")
+    loss = batch * seq * vocab * 4 + batch * seq * 8 + 4
+    head = profile.layers[-1]
+    assert head.activation_freed_by_input_grad_bytes == loss
+    sharded = tensor_parallel_profile(profile, t, LINK).layers[-1]
+    assert sharded.activation_freed_by_input_grad_bytes == -(-loss // t) >= batch * seq * (vocab // t) * 4
+    assert sharded.activation_bytes == -(-head.activation_bytes // t)
+    assert sharded.selective_activation_bytes == -(-head.selective_activation_bytes // t)

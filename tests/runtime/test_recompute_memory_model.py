@@ -1,12 +1,14 @@
 """The memory model under recomputation against the runtime: what `Executor.held_activation_bytes` holds after
 every op of a step, and the peak while a fully recomputed stage's I or B re-creates its activations, equal what
 `schedules.simulate` predicts from the measured profile (`partition.costs.recompute`), for every mode, under fused
-(gpipe, 1f1b) and split (zb-h1, zbv) backwards. One rank runs a whole pipeline in this process. The model's loss
-saves nothing (profiles count the layers' saved tensors, not the loss's), and each microbatch gets its own input
-storage (slices of one batch would share it)."""
+(gpipe, 1f1b) and split (zb-h1, zbv) backwards. One rank runs a whole pipeline in this process. Two losses: one
+that saves nothing (the mean of the logits), and the built-in gpt's cross-entropy, whose log-softmax and target
+the profile counts in the last layer (what the last stage holds per microbatch in flight). Each microbatch gets its
+own input and target storage (slices of one batch would share it)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -25,20 +27,21 @@ from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activati
 
 pytestmark = pytest.mark.timeout(400)
 
-MODEL = f"{Path(__file__).with_name('mean_loss_model.py')}:gpt_mean_loss"
+MEAN_LOSS = f"{Path(__file__).with_name('mean_loss_model.py')}:gpt_mean_loss"
+CROSS_ENTROPY = "gpt"
 OPTIONS = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=0.3)  # dropout: math-path attention
 
 
-@pytest.fixture(scope="module")
-def arrays() -> LayerArrays:
-    profile = profile_model(load_model(MODEL, OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False)
+@functools.cache
+def _arrays(model: str) -> LayerArrays:
+    profile = profile_model(load_model(model, OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False)
     return LayerArrays.from_profile(profile)
 
 
-def _step(schedule: str, modes: tuple[str, ...], microbatches: int = 3):
+def _step(schedule: str, modes: tuple[str, ...], microbatches: int = 3, model: str = MEAN_LOSS):
     """One step on one rank: (executor, record, [(op, held while its recomputation's tensors are live)])."""
     plan = manual_plan(
-        MODEL,
+        model,
         OPTIONS,
         schedule=schedule,
         pipeline_devices=1,
@@ -109,9 +112,29 @@ def _predicted(executor: Executor, arrays: LayerArrays, modes: tuple[str, ...]):
         ("zbv", ("none", "selective")),
     ],
 )
-def test_held_bytes_are_what_the_memory_model_predicts(arrays, schedule, modes):
-    executor, record, rerun_peaks = _step(schedule, modes)
-    after, tops = _predicted(executor, arrays, modes)
+def test_held_bytes_are_what_the_memory_model_predicts(schedule, modes):
+    _check_held_bytes(MEAN_LOSS, schedule, modes)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "modes"),
+    [
+        ("gpipe", ("none",)),
+        ("1f1b", ("full",)),
+        ("zb-h1", ("selective",)),
+        ("zbv", ("none", "none")),
+        ("zbv", ("selective", "full")),
+    ],
+)
+def test_held_bytes_with_a_loss_that_saves_are_what_the_memory_model_predicts(schedule, modes):
+    """Cross-entropy keeps b·s·V fp32 log-softmax values and the target per microbatch until the last stage's I:
+    the profile's last layer counts them, so the prediction is still exact (it fell short by that before)."""
+    _check_held_bytes(CROSS_ENTROPY, schedule, modes)
+
+
+def _check_held_bytes(model: str, schedule: str, modes: tuple[str, ...]) -> None:
+    executor, record, rerun_peaks = _step(schedule, modes, model=model)
+    after, tops = _predicted(executor, _arrays(model), modes)
     assert record.saved_peak_bytes == after
     full = [(op, held) for op, held in rerun_peaks if modes[int(op[0])] == "full"]
     assert len(full) == sum(m == "full" for m in modes) * 3

@@ -123,17 +123,21 @@ def _uniform_1f1b(profile: Profile, devices: int, global_batch: int, microbatch:
     part = fixed_cut_partition(
         profile, pipeline_cluster(cluster, devices), partition_config(layout, "adamw-bf16"), bounds
     )
-    if max(part.device_memory_bytes) > cluster.memory_per_device:
+    if part is None or max(part.device_memory_bytes) > cluster.memory_per_device:
         return None
     result = evaluate_partition(layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch)
     return getattr(result, "samples_per_s", None)
 
 
 def fixed_cut_partition(profile: Profile, cluster, config, bounds: list[int]):
-    """A Partition with the given stage boundaries, costed by the partitioner's own bookkeeping (no search)."""
+    """A Partition with the given stage boundaries, costed by the partitioner's own bookkeeping (no search); None
+    when a stage does not fit the device's memory."""
     arrays = LayerArrays.from_profile(profile)
     level = one_level(arrays, cluster, config, float(cluster.memory_per_device))
-    raw = single.describe(level, [(a, b - 1, 1) for a, b in zip(bounds, bounds[1:])])
+    stages = [(a, b - 1, 1) for a, b in zip(bounds, bounds[1:])]
+    if None in single.stage_modes(level, stages, single.inflight_counts(config, len(stages))):
+        return None
+    raw = single.describe(level, stages)
     objective = max(stage.time_ms for stage in raw)
     return build_partition(arrays, cluster, config, raw, objective=objective, layer_groups=arrays.num_items)
 

@@ -23,6 +23,7 @@ def capacity(options: CapacityOptions) -> None:
 
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
     Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
+    Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
     """
     job = prepare_capacity(options)
     with progress_task("planning", total=len(job.config.device_counts), quiet=options.json_output) as update:

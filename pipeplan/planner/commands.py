@@ -35,6 +35,7 @@ def plan(options: PlanOptions) -> None:
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
+    Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
     Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
     job = prepare_plan(options)

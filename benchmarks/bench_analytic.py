@@ -30,9 +30,9 @@ CASES: dict[str, tuple[str, dict]] = {
 def run_case(case: str) -> dict:
     """Profile one case in this process; returns timings, peak RSS and formula agreement."""
     start = time.perf_counter()
+    from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
     from pipeplan.models import load_model
     from pipeplan.profiling.analytic import profile_analytic
-    from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, forward_flops_per_layer
 
     import_s = time.perf_counter() - start
     ref, options = CASES[case]

@@ -26,9 +26,10 @@ TARGET = 0.10
 
 
 def _calibrated(device: str):
-    from pipeplan.profiling.calibrate import CalibrateConfig, calibrate
-    from pipeplan.profiling.calibrate_file import hardware_entry
-    from pipeplan.profiling.hardware import validate_hardware_data
+    from pipeplan.calibrate.hardware_file import hardware_entry
+    from pipeplan.calibrate.measure import calibrate
+    from pipeplan.calibrate.spec import CalibrateConfig
+    from pipeplan.hardware import validate_hardware_data
 
     cal = calibrate(CalibrateConfig(device=device))
     entry = hardware_entry(cal)
@@ -38,8 +39,8 @@ def _calibrated(device: str):
 
 def _rows(device: str, hardware, reference, cases, dtypes) -> list[dict]:
 
+    from pipeplan.calibrate.check import analytic_step_ms, measured_step_ms
     from pipeplan.models import load_model
-    from pipeplan.profiling.calibrate_check import analytic_step_ms, measured_step_ms
 
     rows = []
     for case, options, batch in cases:
@@ -62,8 +63,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from pipeplan.calibrate.hardware_file import nearest_preset
     from pipeplan.jsonio import write_json
-    from pipeplan.profiling.calibrate_file import nearest_preset
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

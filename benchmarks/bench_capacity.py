@@ -25,8 +25,8 @@ from rich.table import Table  # noqa: E402
 
 from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch  # noqa: E402
+from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.profiling.hardware import load_hardware  # noqa: E402
 
 REPEATS = 3
 TARGET_S = 60.0

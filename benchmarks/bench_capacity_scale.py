@@ -24,8 +24,8 @@ from rich.table import Table  # noqa: E402
 from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
 from pipeplan.capacity.report import CapacityReport, CapacityRow  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep  # noqa: E402
+from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.profiling.hardware import load_hardware  # noqa: E402
 from pipeplan.units import format_gib  # noqa: E402
 
 MODELS = ("gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b")

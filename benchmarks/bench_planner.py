@@ -29,17 +29,18 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
+from pipeplan.costs import LayerArrays  # noqa: E402
+from pipeplan.hardware import cluster_for  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
 from pipeplan.partition import single  # noqa: E402
 from pipeplan.partition.api import build_partition, one_level  # noqa: E402
-from pipeplan.partition.costs import LayerArrays  # noqa: E402
-from pipeplan.planner.candidate import Layout, evaluate_partition, partition_config, pipeline_cluster  # noqa: E402
-from pipeplan.planner.search import SearchConfig, search_plans  # noqa: E402
 from pipeplan.profiling.analytic import profile_analytic  # noqa: E402
-from pipeplan.profiling.hardware import cluster_for  # noqa: E402
 from pipeplan.profiling.profile import Profile  # noqa: E402
 from pipeplan.schedules.registry import SCHEDULE_NAMES  # noqa: E402
+from pipeplan.search.candidate import Layout, evaluate_partition, partition_config, pipeline_cluster  # noqa: E402
+from pipeplan.search.config import SearchConfig  # noqa: E402
+from pipeplan.search.search import search_plans  # noqa: E402
 
 REPEATS = 3
 SPEED_TARGET_S = 10.0

@@ -31,8 +31,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.planner.manual_plan import manual_plan  # noqa: E402
-from pipeplan.planner.plan import Plan  # noqa: E402
+from pipeplan.plan.manual import manual_plan  # noqa: E402
+from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
 

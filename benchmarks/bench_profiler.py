@@ -25,11 +25,11 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
 from pipeplan.models.gpt import Block  # noqa: E402
 from pipeplan.profiling.measure import profile_model  # noqa: E402
-from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight  # noqa: E402
 from pipeplan.profiling.summary import fidelity  # noqa: E402
 
 SPLIT_TARGET = 1.15

@@ -37,14 +37,16 @@ from torch import nn  # noqa: E402
 from pipeplan.errors import PipeplanError  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
-from pipeplan.planner.build import build_plan, plan_costs, plan_timeline  # noqa: E402
-from pipeplan.planner.inputs import ProfileRequest, make_cluster, profile_model_input  # noqa: E402
-from pipeplan.planner.manual_plan import manual_plan  # noqa: E402
-from pipeplan.planner.plan import Plan  # noqa: E402
-from pipeplan.planner.search import SearchConfig, search_plans  # noqa: E402
+from pipeplan.plan.manual import manual_plan  # noqa: E402
+from pipeplan.plan.plan import Plan  # noqa: E402
+from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
+from pipeplan.search.config import SearchConfig  # noqa: E402
+from pipeplan.search.emit import build_plan  # noqa: E402
+from pipeplan.search.inputs import ProfileRequest, make_cluster, profile_model_input  # noqa: E402
+from pipeplan.search.search import search_plans  # noqa: E402
 
 WARMUP, STEPS = 3, 12
 MLP = {"layers": 8, "hidden": 1024}

@@ -32,12 +32,12 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("models", "pipeplan.models.commands:models"),
     ("profile", "pipeplan.profiling.commands:profile"),
     ("simulate", "pipeplan.schedules.commands:simulate"),
-    ("plan", "pipeplan.planner.commands:plan"),
-    ("show", "pipeplan.planner.commands:show"),
-    ("export", "pipeplan.planner.commands:export"),
+    ("plan", "pipeplan.search.commands:plan"),
+    ("show", "pipeplan.plan.commands:show"),
+    ("export", "pipeplan.plan.commands:export"),
     ("run", "pipeplan.runtime.commands:run"),
     ("capacity", "pipeplan.capacity.commands:capacity"),
-    ("calibrate", "pipeplan.profiling.calibrate_commands:calibrate"),
+    ("calibrate", "pipeplan.calibrate.commands:calibrate"),
 ]
 
 

@@ -9,7 +9,7 @@
   master copy, no autocast: the cheapest and least accurate mode.
 
 Bytes per parameter (weights, gradients, optimizer state by optimizer and mode) are a cost: the one table is in
-`pipeplan.partition.costs.optimizer`, reading `Precision.param_bytes` from here. Activations are counted in the
+`pipeplan.costs.optimizer`, reading `Precision.param_bytes` from here. Activations are counted in the
 compute dtype (measured profiles measure them under the mode's autocast); bytes crossing a cut in the dtype the
 runtime sends.
 """

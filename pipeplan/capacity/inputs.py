@@ -13,14 +13,14 @@ from pipeplan.capacity.report import CapacityReport
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError, ModelError
+from pipeplan.hardware import cluster_for, load_hardware
 from pipeplan.models import parse_assignments
-from pipeplan.planner.asynchronous import searched_schedules
-from pipeplan.planner.inputs import memory_reserve_bytes, microbatch_candidates
-from pipeplan.planner.search import parse_zero
-from pipeplan.planner.tensor_search import tensor_parallel_sizes
-from pipeplan.profiling.hardware import cluster_for, load_hardware
+from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
+from pipeplan.search.config import parse_zero
+from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
+from pipeplan.search.tensor_search import tensor_parallel_sizes
 from pipeplan.units import parse_count, parse_int_list
 
 
@@ -51,7 +51,8 @@ def capacity_profile(
     """The analytic profile (meta device, bf16, flash attention); `seq` replaces the model's (a preset's too).
     Without `batch_given` the default global batch counts tokens, so the model must say its tokens per sample."""
     from pipeplan.models import load_model
-    from pipeplan.models.registry import BUILTINS, call_factory
+    from pipeplan.models.builtins import BUILTINS
+    from pipeplan.models.registry import call_factory
     from pipeplan.profiling.analytic import profile_analytic
 
     if seq is not None:

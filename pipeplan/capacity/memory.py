@@ -1,7 +1,7 @@
 """Per-device memory for capacity reports: the split of a chosen plan's peak device into weights, gradients,
 optimizer state and activations, and a cheap lower bound on what a layout needs (to skip hopeless searches).
 
-Bytes per parameter follow `pipeplan.partition.costs.static_split(optimizer, precision)`: under bf16-mixed
+Bytes per parameter follow `pipeplan.costs.static_split(optimizer, precision)`: under bf16-mixed
 (torch.autocast) `adamw` = fp32 weights 4 (the master copy) + fp32 gradients 4 + Adam moments 4 + 4 = 16 B/param.
 Activations are the rest of the simulator's byte peak for that device (the planner's one memory
 figure: F adds a stage's saved bytes, I frees its share, W the rest).
@@ -15,20 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.cluster import Cluster
-from pipeplan.errors import ScheduleError
-from pipeplan.partition.costs import (
+from pipeplan.costs import (
     bytes_per_param,
     optimizer_state_bytes,
     spread_static_bytes,
     static_bytes,
     static_split,
 )
+from pipeplan.errors import ScheduleError
 from pipeplan.partition.single import held_counts
-from pipeplan.planner.candidate import REPLICATED, Evaluation, Layout, Rejection
-from pipeplan.planner.scaling import scale_profile
-from pipeplan.planner.search import SearchConfig, enumerate_layouts
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import default_chunks
+from pipeplan.search.candidate import REPLICATED, Evaluation, Layout, Rejection
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.scaling import scale_profile
+from pipeplan.search.search import enumerate_layouts
 from pipeplan.units import format_bytes
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
-from pipeplan.planner.plan_options import RECOMPUTE_HELP, ZERO_HELP
+from pipeplan.search.plan_options import RECOMPUTE_HELP, ZERO_HELP
 from pipeplan.units import parse_count
 
 MODEL_HELP = "Built-in model name, path/to/file.py:factory or package.module:factory."

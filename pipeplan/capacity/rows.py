@@ -9,12 +9,12 @@ from dataclasses import replace
 from pipeplan.capacity.memory import device_memory_split
 from pipeplan.capacity.report import CapacityRow, TimeSplit
 from pipeplan.errors import InfeasibleError, ScheduleError
-from pipeplan.planner.asynchronous import busy_per_step
-from pipeplan.planner.candidate import Evaluation, Rejection
-from pipeplan.planner.estimate import balanced_estimate_ms
-from pipeplan.planner.search import SearchResult
+from pipeplan.plan.asynchronous import busy_per_step
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import stream_step_ms
+from pipeplan.search.candidate import Evaluation, Rejection
+from pipeplan.search.estimate import balanced_estimate_ms
+from pipeplan.search.search import SearchResult
 
 MINOR_SHARE = 0.05  # bubble and communication both below this share of the step: compute binds
 

@@ -45,19 +45,20 @@ from pipeplan.capacity.report import (
 from pipeplan.capacity.rows import ceil_or_none, mfu, result_row, time_split  # noqa: F401  (time_split: API)
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
-from pipeplan.planner.asynchronous import searched_schedules
-from pipeplan.planner.search import SearchConfig, SearchResult, default_memory_reserve, search_plans
-from pipeplan.planner.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_inputs
-from pipeplan.planner.tensor_search import (
+from pipeplan.hardware import Hardware, cluster_for
+from pipeplan.plan.asynchronous import searched_schedules
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import schedule_info, schedule_names
+from pipeplan.search.config import SearchConfig, default_memory_reserve
+from pipeplan.search.search import SearchResult, search_plans
+from pipeplan.search.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_inputs
+from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
     parse_tensor_parallel,
     tensor_parallel_reason,
     tensor_parallel_sizes,
 )
-from pipeplan.profiling.hardware import Hardware, cluster_for
-from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import schedule_info, schedule_names
 from pipeplan.units import format_bytes
 
 DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per step

@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 from pipeplan.console import out, print_json
-from pipeplan.models.registry import BUILTINS, load_model
+from pipeplan.models.builtins import BUILTINS
+from pipeplan.models.registry import load_model
 from pipeplan.units import format_count
 
 

@@ -12,27 +12,12 @@ import inspect
 import sys
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeplan.errors import ModelError, PipeplanError
+from pipeplan.models.builtins import BUILTINS
 from pipeplan.models.spec import ModelSpec, check_batch
-
-
-@dataclass(frozen=True, kw_only=True)
-class BuiltinModel:
-    name: str
-    factory: Callable[..., ModelSpec]
-    description: str
-    preset: dict[str, Any] | None = None  # fixed options for a named shape (gpt2-355m, llama-7b, ...)
-
-
-BUILTINS: dict[str, BuiltinModel] = {}
-
-
-def register(name: str, factory: Callable[..., ModelSpec], description: str, preset: dict | None = None) -> None:
-    BUILTINS[name] = BuiltinModel(name=name, factory=factory, description=description, preset=preset)
 
 
 def parse_assignments(pairs: list[str] | None) -> dict[str, str]:
@@ -202,7 +187,6 @@ def canonical_ref(ref: str) -> tuple[str, str]:
 def load_model(ref: str, options: dict[str, Any] | None = None) -> ModelSpec:
     """Resolve `ref` (built-in name, file.py:factory, pkg.mod:factory) with `options` into a ModelSpec."""
     options = dict(options or {})
-    _ensure_builtins()
     if ref in BUILTINS:
         builtin = BUILTINS[ref]
         if builtin.preset is not None:
@@ -219,7 +203,3 @@ def load_model(ref: str, options: dict[str, Any] | None = None) -> ModelSpec:
         names = ", ".join(sorted(BUILTINS))
         raise ModelError(f"unknown model {ref!r}; built-in models: {names} (or file.py:factory, pkg.mod:factory)")
     return call_factory(_import_factory(ref), options, ref=ref)
-
-
-def _ensure_builtins() -> None:
-    import pipeplan.models  # noqa: F401  (registers the built-ins)

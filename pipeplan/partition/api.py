@@ -7,10 +7,7 @@ import dataclasses
 import numpy as np
 
 from pipeplan.cluster import Cluster
-from pipeplan.errors import ConfigError, InfeasibleError
-from pipeplan.partition import single
-from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import (
+from pipeplan.costs import (
     LayerArrays,
     backward_op_ms,
     device_totals,
@@ -20,6 +17,10 @@ from pipeplan.partition.costs import (
     stages_per_device,
     static_bytes,
 )
+from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.partition import single
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.level import Level
 from pipeplan.partition.result import Partition, StageAssignment
 from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes
@@ -72,7 +73,7 @@ def _solve(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memor
     return found[0], single.describe(level, found[1]), arrays.num_items
 
 
-def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float) -> single.Level:
+def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float) -> Level:
     """A single DP level over all devices. Replicated pipelines on several nodes charge every link as inter-node;
     straight ones know which cuts cross a node boundary; the pipedream cost model uses no latency."""
     intra, inter = cluster.intra_link, cluster.inter_link
@@ -81,7 +82,7 @@ def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, me
         inter = dataclasses.replace(inter, latency_s=0.0)
         if cluster.num_devices > cluster.devices_per_node:
             intra = inter
-    return single.Level(
+    return Level(
         arrays=arrays,
         config=config,
         units=cluster.num_devices,

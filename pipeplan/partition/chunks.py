@@ -18,17 +18,18 @@ import dataclasses
 import numpy as np
 
 from pipeplan.cluster import Cluster
+from pipeplan.costs import LayerArrays, stage_memory_bytes
 from pipeplan.errors import ScheduleError
 from pipeplan.partition import dp, single
 from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import LayerArrays, stage_memory_bytes
+from pipeplan.partition.level import Level
 from pipeplan.partition.straight import straight_table
 from pipeplan.schedules.registry import stage_device
 
 
 def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit: float, *, spans_nodes: bool):
     intra, inter = cluster.intra_link, cluster.inter_link
-    return single.Level(
+    return Level(
         arrays=arrays,
         config=config,
         units=cluster.num_devices * config.chunks,
@@ -39,7 +40,7 @@ def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit:
     )
 
 
-def _device_memory_fits(level: single.Level, stages: single.Stages, num_devices: int) -> bool:
+def _device_memory_fits(level: Level, stages: single.Stages, num_devices: int) -> bool:
     """Whether each device's chunks fit together, each in the recomputation mode the DP gave it (with one
     microbatch in flight), which must also be the mode its exact counts give it (so the DP's times stand)."""
     config = level.config

@@ -1,7 +1,7 @@
 """PartitionConfig: what the partitioner optimizes for (microbatches, schedule, replication, optimizer, cost model).
 
 Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded) by
-`pipeplan.partition.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is. `precision`
+`pipeplan.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is. `precision`
 None: the optimizer alias's, else bf16-mixed.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeplan.costs.optimizer import bytes_per_param, check_zero_stage
+from pipeplan.costs.recompute import RECOMPUTE_CHOICES, modes_for
 from pipeplan.errors import ConfigError
-from pipeplan.partition.costs.optimizer import bytes_per_param, check_zero_stage
-from pipeplan.partition.costs.recompute import RECOMPUTE_CHOICES, modes_for
 from pipeplan.schedules.registry import schedule_info
 
 MODES = ("replicated", "straight")

@@ -22,9 +22,7 @@ import dataclasses
 import numpy as np
 
 from pipeplan.cluster import Cluster
-from pipeplan.partition import dp, single
-from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import (
+from pipeplan.costs import (
     LayerArrays,
     StageCostModel,
     allreduce_ms,
@@ -35,6 +33,9 @@ from pipeplan.partition.costs import (
     stage_ms,
     transfer_ms,
 )
+from pipeplan.partition import dp, single
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.level import Level
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,7 +43,7 @@ class _Inner:
     """Level-1 stage times for every (first, last) pair and replica count, in four variants: whether the input cut
     and the output cut are charged (they are not at block edges)."""
 
-    level: single.Level
+    level: Level
     inflight: single.Held  # what the level-1 screen assumed in flight on every stage
     mid: list[np.ndarray]  # mid[last]: (last+1, G), both cuts charged
     no_in: list[np.ndarray]
@@ -50,7 +51,7 @@ class _Inner:
     none: list[np.ndarray]
 
 
-def _inner(level: single.Level, inflight: single.Held) -> _Inner:
+def _inner(level: Level, inflight: single.Held) -> _Inner:
     model, g = level.model, level.units
     reps = np.arange(1, g + 1)
     variants = {"mid": [], "no_in": [], "no_out": [], "none": []}
@@ -137,7 +138,7 @@ def solve_two_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConf
     items = (np.diff(getattr(arrays, name)) for name in ("forward", "input_grad", "weight_grad", "backward"))
     weights = compute_ms(*items, split_backward=False)  # F + B per item: groups of equal compute
     grouped = arrays.grouped(balanced_bounds(arrays, config.max_layer_groups, weights))
-    inner_level = single.Level(
+    inner_level = Level(
         arrays=grouped,
         config=config,
         units=cluster.devices_per_node,

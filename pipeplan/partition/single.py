@@ -19,11 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.cluster import Link
-from pipeplan.partition import dp
-from pipeplan.partition.config import PartitionConfig
-from pipeplan.partition.costs import (
-    LayerArrays,
-    StageCostModel,
+from pipeplan.costs import (
     allreduce_ms,
     exposed_transfer_ms,
     least_stage_memory_bytes,
@@ -33,49 +29,15 @@ from pipeplan.partition.costs import (
     screened_recompute,
     transfer_ms,
 )
+from pipeplan.partition import dp
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.level import Level
 from pipeplan.partition.straight import recompute_grid, straight_table, straight_times
 from pipeplan.schedules.memory import Held, held_per_stage
 from pipeplan.schedules.registry import generate
 from pipeplan.schedules.simulate import MemoryCosts
 
 Stages = list[tuple[int, int, int]]  # (first item, last item, replicas)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Level:
-    """One DP level: `units` devices (or nodes), the link between consecutive stages, the node size for
-    straight pipelines that cross node boundaries (device d starts a node when d % devices_per_node == 0)."""
-
-    arrays: LayerArrays
-    config: PartitionConfig
-    units: int
-    intra: Link
-    inter: Link
-    devices_per_node: int
-    memory_limit: float
-
-    @property
-    def model(self) -> StageCostModel:
-        return StageCostModel(
-            arrays=self.arrays,
-            config=self.config,
-            link=self.replica_link,
-            num_microbatches=self.config.num_microbatches,
-        )
-
-    @property
-    def replica_link(self) -> Link:
-        return self.intra if self.units <= self.devices_per_node else self.inter
-
-    def crosses_node(self, device):
-        """(input cut crosses a node, output cut does) for the stage on `device` of a straight pipeline: the device
-        starts a node (and is not the first) / ends one. Elementwise."""
-        d, g = np.asarray(device), self.devices_per_node
-        return (d % g == 0) & (d > 0), (d + 1) % g == 0
-
-    @property
-    def exact_units(self) -> bool:
-        return self.config.cost_model == "pipedream"
 
 
 def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...]:

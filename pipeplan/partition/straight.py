@@ -7,14 +7,11 @@ from one vectorized pass over the cells it can use (the same elementwise formula
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeplan.partition.costs import screened_recompute, transfer_ms
-
-if TYPE_CHECKING:
-    from pipeplan.partition.single import Level
+from pipeplan.costs import screened_recompute, transfer_ms
+from pipeplan.partition.level import Level
 
 
 def recompute_grid(level: Level, last: int, replicas, inflight) -> np.ndarray:

@@ -34,17 +34,17 @@ import torch
 from torch import nn
 
 from pipeplan.errors import ConfigError
+from pipeplan.graph.loss_stage import last_layer_stage, model_loss
+from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
+from pipeplan.graph.saved_tensors import SavedTensors, saved_split
+from pipeplan.graph.split_backward import analyze, backward_full, backward_input
+from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
-from pipeplan.profiling.hardware import Hardware, load_hardware
-from pipeplan.profiling.loss_stage import last_layer_stage, model_loss
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import analytic_recompute
-from pipeplan.profiling.run_dtypes import cut_bytes_under, fake_run
-from pipeplan.profiling.saved_tensors import SavedTensors, saved_split
-from pipeplan.profiling.split_backward import analyze, backward_full, backward_input
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -245,7 +245,7 @@ def profile_analytic(
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
-    from pipeplan.profiling.trace import trace_model
+    from pipeplan.graph.trace import trace_model
 
     precision = precision or precision_of_dtype(dtype)
     mode = get_precision(precision)
@@ -301,7 +301,7 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
     """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`. The
     last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage)."""
     from pipeplan.console import progress as progress_bar
-    from pipeplan.profiling.stage import build_stage_module
+    from pipeplan.graph.stage import build_stage_module
 
     graph = traced.layer_graph
     layers: list[LayerProfile] = []

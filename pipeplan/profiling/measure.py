@@ -21,17 +21,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeplan.console import progress as progress_bar
 from pipeplan.errors import ConfigError
+from pipeplan.graph.host_memory import check_fits_host
+from pipeplan.graph.loss_stage import LossStage, last_layer_stage, model_loss
+from pipeplan.graph.run_dtypes import cut_bytes_under, value_dtypes
+from pipeplan.graph.saved_tensors import SavedTensors, saved_split
+from pipeplan.graph.split_backward import analyze, backward_full, backward_input, backward_weight
+from pipeplan.graph.stage import StageModule, build_stage_module
+from pipeplan.graph.trace import TracedModel, trace_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import check_device_precision, get_precision
-from pipeplan.profiling.host_memory import check_fits_host
-from pipeplan.profiling.loss_stage import LossStage, last_layer_stage, model_loss
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import measured_recompute
-from pipeplan.profiling.run_dtypes import cut_bytes_under, value_dtypes
-from pipeplan.profiling.saved_tensors import SavedTensors, saved_split
-from pipeplan.profiling.split_backward import analyze, backward_full, backward_input, backward_weight
-from pipeplan.profiling.stage import StageModule, build_stage_module
-from pipeplan.profiling.trace import TracedModel, trace_model
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipeplan.errors import FormatError
+from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.jsonio import build_dataclass, read_json, write_json
 
 PROFILE_SCHEMA_VERSION = 2
 OLDER_PROFILE_VERSIONS = (1,)  # still read: they lack the recompute fields, which get the defaults above
 SOURCES = ("measured", "analytic", "pipedream")
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)

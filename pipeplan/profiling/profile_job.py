@@ -3,8 +3,8 @@ it (meta, from a hardware preset), and save the Profile."""
 
 from __future__ import annotations
 
+from pipeplan.hardware import load_hardware
 from pipeplan.models.registry import load_model, parse_assignments
-from pipeplan.profiling.hardware import load_hardware
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_options import ProfileOptions
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
+from pipeplan.graph.trace import check_tracer
+from pipeplan.hardware import load_hardware
 from pipeplan.models.registry import parse_assignments
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
 from pipeplan.precision import check_device_precision, default_precision
-from pipeplan.profiling.hardware import load_hardware
-from pipeplan.profiling.trace import check_tracer
 
 MODEL_HELP = "Built-in model name (`pipeplan models`), file.py:factory or pkg.mod:factory."
 PRECISION_HELP = (

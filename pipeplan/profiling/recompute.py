@@ -37,27 +37,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.profiling.opcount import Roofline, op_cost
-from pipeplan.profiling.saved_tensors import SavedTensors
 
 aten = torch.ops.aten
-
-RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute` (what the runtime executes)
-
-
-def is_attention(target: object) -> bool:
-    """Whether a call target (an FX node's, or a torch function) is scaled_dot_product_attention: the calls the
-    runtime's selective recomputation re-runs (runtime/recompute_run.py)."""
-    if target is torch.nn.functional.scaled_dot_product_attention or target is aten.scaled_dot_product_attention:
-        return True
-    return getattr(target, "overloadpacket", None) is aten.scaled_dot_product_attention
-
-
-def unknown_recompute(mode: object) -> str | None:
-    """Why `mode` is not a recompute mode (one line), or None when it is one."""
-    if mode in RECOMPUTE_MODES:
-        return None
-    return f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}"
 
 
 def _packets(*names: str) -> frozenset:

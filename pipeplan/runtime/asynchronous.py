@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.errors import ConfigError, RunError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.async_weights import VersionStore
 from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import FaultSpec, RunConfig

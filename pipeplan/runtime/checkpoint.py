@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeplan.errors import RunError
 from pipeplan.jsonio import atomic_write_text
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept

@@ -4,7 +4,7 @@ F receives its stage's inputs (model inputs from the batch, activations from the
 producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
 stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
 back to each producer; W later computes the weight gradients from what I kept. B, I and W are the profiler's
-implementation (profiling/split_backward.py), so what was measured is what runs; I releases every saved tensor W
+implementation (graph/split_backward.py), so what was measured is what runs; I releases every saved tensor W
 does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done. The loss
 (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
 microbatches, replicas and pipelines are those of the mean loss over the global batch.
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeplan.planner.plan import Plan
-from pipeplan.profiling.saved_tensors import SavedTensors, storage_bytes, storage_key
-from pipeplan.profiling.split_backward import backward_full, backward_input, backward_weight
+from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_key
+from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import Mailbox
 from pipeplan.runtime.recompute_run import SelectiveRecompute
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeplan.errors import RunError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 
 
 def parameter_holders(plan: Plan, stage_params: list[tuple[str, ...]]) -> dict[str, tuple[int, ...]]:

@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.errors import RunError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.post_validate import check_post_validate

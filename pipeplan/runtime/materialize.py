@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from pipeplan.errors import ModelError, RunError
+from pipeplan.graph.host_memory import host_memory_available
 from pipeplan.models.spec import ModelSpec
-from pipeplan.profiling.host_memory import host_memory_available
 from pipeplan.units import format_bytes
 
 HOST_MEMORY_FRACTION = 0.8  # of the host's available memory the simultaneous whole-model builds may use

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.errors import ConfigError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.step_checks import GlobalState, apply_verdict, judge
 from pipeplan.schedules.registry import schedule_info
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from pipeplan.graph.run_dtypes import value_dtype, value_dtypes
 from pipeplan.precision import Precision
-from pipeplan.profiling.run_dtypes import value_dtype, value_dtypes
 from pipeplan.units import format_gib
 
 

@@ -22,9 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pipeplan.errors import RunError
-from pipeplan.planner.plan import Plan
-from pipeplan.profiling.recompute import is_attention
-from pipeplan.profiling.trace import TracedModel
+from pipeplan.graph.recompute_modes import is_attention
+from pipeplan.graph.trace import TracedModel
+from pipeplan.plan.plan import Plan
 
 
 def check_recompute(plan: Plan, traced: TracedModel) -> None:

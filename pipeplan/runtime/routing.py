@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pipeplan.errors import RunError, ScheduleError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.validate import check_complete
 

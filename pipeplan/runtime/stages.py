@@ -17,19 +17,19 @@ from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipeplan.errors import PipeplanError, RunError
-from pipeplan.models import load_model
-from pipeplan.models.registry import file_of, file_sha256
-from pipeplan.models.spec import ModelSpec
-from pipeplan.planner.plan import Plan
-from pipeplan.profiling.export_trace import retarget_device
-from pipeplan.profiling.stage import (
+from pipeplan.graph.export_trace import retarget_device
+from pipeplan.graph.stage import (
     StageModule,
     build_stage_module,
     last_stage_outputs,
     stage_boundary,
     value_tensor_meta,
 )
-from pipeplan.profiling.trace import TracedModel, trace_model, trace_module
+from pipeplan.graph.trace import TracedModel, trace_model, trace_module
+from pipeplan.models import load_model
+from pipeplan.models.registry import file_of, file_sha256
+from pipeplan.models.spec import ModelSpec
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import TensorMeta
 from pipeplan.runtime.init_weights import load_initial_weights
 from pipeplan.runtime.materialize import (
@@ -90,7 +90,7 @@ def check_plan_runs(plan: Plan, *, trace: bool = True) -> None:
     """Everything about a plan that can be checked before a rank starts: runnable (stage FX nodes), a recorded
     graph fingerprint that the model still traces to, every node in exactly one stage, the model file unchanged,
     and its op lists executable (the same re-simulation `show` does: completeness, order, deadlock)."""
-    from pipeplan.planner.build import plan_timeline
+    from pipeplan.plan.timing import plan_timeline
 
     plan.require_runnable()
     if not plan.model.fingerprint:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pipeplan.console import out, warn
 from pipeplan.errors import RunError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.precision import get_precision
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.comm import make_direction_groups

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.options import parse_options
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_options import RunOptions
 from pipeplan.runtime.stages import check_plan_runs

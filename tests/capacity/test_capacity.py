@@ -21,14 +21,15 @@ from pipeplan.capacity.sweep import (
     model_flops_per_token,
     time_split,
 )
+from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.errors import ConfigError
-from pipeplan.planner.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
-from pipeplan.planner.scaling import scale_profile
-from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
-from pipeplan.profiling.hardware import Hardware, cluster_for
-from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, forward_flops_per_layer
+from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.ops import Op
+from pipeplan.search.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.scaling import scale_profile
+from pipeplan.search.search import enumerate_layouts, search_plans
 
 SEQ, HIDDEN, HEADS = 512, 1024, 16
 LAYER_PARAMS = 12 * HIDDEN**2

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from pipeplan.capacity.inputs import capacity_profile
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, model_flops_per_token
 from pipeplan.cli import app
-from pipeplan.profiling.hardware import load_hardware
-from pipeplan.profiling.memory_formulas import activation_bytes_per_layer
+from pipeplan.costs.transformer import activation_bytes_per_layer
+from pipeplan.hardware import load_hardware
 
 runner = CliRunner()
 SEQ = 128

@@ -8,9 +8,10 @@ import pytest
 from planner_helpers import make_cluster, synthetic_profile
 
 from pipeplan.capacity.memory import device_memory_split, memory_floor_bytes
-from pipeplan.planner.candidate import Rejection, min_memory_bytes
-from pipeplan.planner.search import SearchConfig, enumerate_layouts, search_plans
-from pipeplan.planner.variants import zero_choices
+from pipeplan.search.candidate import Rejection, min_memory_bytes
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.search import enumerate_layouts, search_plans
+from pipeplan.search.variants import zero_choices
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])

@@ -18,7 +18,7 @@ from pipeplan.capacity.inputs import capacity_profile
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError
-from pipeplan.profiling.hardware import Hardware, load_hardware
+from pipeplan.hardware import Hardware, load_hardware
 
 runner = CliRunner()
 MB = 10**6

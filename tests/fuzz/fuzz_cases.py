@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "planner"))
 
 from planner_helpers import synthetic_profile  # noqa: E402
 
-from pipeplan.planner.manual_plan import manual_plan  # noqa: E402
+from pipeplan.plan.manual import manual_plan  # noqa: E402
 
 TINY_GPT = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.errors import ModelError
+from pipeplan.graph.stage import build_stage_module
+from pipeplan.graph.trace import trace_model
 from pipeplan.models import load_model
-from pipeplan.profiling.stage import build_stage_module
-from pipeplan.profiling.trace import trace_model
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
@@ -141,7 +141,7 @@ def test_local_directory_gives_config_and_initial_weights(tmp_path):
 
 
 def test_ranks_start_from_the_directory_weights(tmp_path):
-    from pipeplan.planner.manual_plan import manual_plan
+    from pipeplan.plan.manual import manual_plan
     from pipeplan.runtime.stages import build_pipeline_model
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
@@ -157,7 +157,7 @@ def test_ranks_start_from_the_directory_weights(tmp_path):
 
 def test_a_model_directory_is_recorded_absolute_with_its_config_hash(tmp_path, monkeypatch):
     from pipeplan.errors import RunError
-    from pipeplan.planner.manual_plan import manual_plan
+    from pipeplan.plan.manual import manual_plan
     from pipeplan.runtime.stages import check_model_file
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)

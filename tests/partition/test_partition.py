@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from pipeplan.costs import LayerArrays
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.partition import (
     Cluster,
@@ -17,7 +18,6 @@ from pipeplan.partition import (
     uniform_partition,
 )
 from pipeplan.partition.api import min_memory_per_device
-from pipeplan.partition.costs import LayerArrays
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.memory import held_per_stage
 from pipeplan.schedules.registry import generate

@@ -10,15 +10,15 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeplan.errors import ConfigError
-from pipeplan.partition import Cluster, PartitionConfig, partition
-from pipeplan.partition.costs import (
+from pipeplan.costs import (
     LayerArrays,
     stage_kept_bytes,
     stage_memory_bytes,
     stage_recompute_bytes,
     stage_recompute_ms,
 )
+from pipeplan.errors import ConfigError
+from pipeplan.partition import Cluster, PartitionConfig, partition
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.memory import held_per_stage
 from pipeplan.schedules.registry import generate

@@ -11,20 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeplan.errors import ConfigError
-from pipeplan.models import load_model
-from pipeplan.models.gpt import Block
-from pipeplan.profiling.analytic import count_layer, profile_analytic
-from pipeplan.profiling.gpu_ops import GpuSemantics
-from pipeplan.profiling.hardware import load_hardware
-from pipeplan.profiling.memory_formulas import (
+from pipeplan.costs.transformer import (
     activation_bytes_per_layer,
     forward_flops_per_layer,
     lm_head_flops,
 )
+from pipeplan.errors import ConfigError
+from pipeplan.graph.saved_tensors import SavedTensors
+from pipeplan.hardware import load_hardware
+from pipeplan.models import load_model
+from pipeplan.models.gpt import Block
+from pipeplan.profiling.analytic import count_layer, profile_analytic
+from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.opcount import Roofline, split_parts
 from pipeplan.profiling.profile import Profile
-from pipeplan.profiling.saved_tensors import SavedTensors
 
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 256, 2, 256, 4, 128
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeplan.errors import ConfigError, FormatError
-from pipeplan.profiling.hardware import (
+from pipeplan.hardware import (
     Hardware,
     cluster_for,
     hardware_presets,

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.cluster import Cluster
+from pipeplan.costs import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
-from pipeplan.partition.costs import bytes_per_param, resolve_optimizer, static_split
 from pipeplan.profiling.measure import profile_model
 
 SMALL_GPT = dict(layers=2, hidden=64, heads=2, seq=32, vocab=128)
@@ -70,7 +70,8 @@ def test_measured_cut_bytes_and_provenance(measured):
 
 
 def test_plan_memory_changes_as_the_byte_table_says(measured):
-    from pipeplan.planner.search import SearchConfig, search_plans
+    from pipeplan.search.config import SearchConfig
+    from pipeplan.search.search import search_plans
 
     profile = measured["fp32"]
     cluster = Cluster(num_devices=2, devices_per_node=2, memory_per_device=1 << 34)

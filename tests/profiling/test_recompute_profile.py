@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeplan.costs.transformer import activation_bytes_per_layer, attention_core_flops
 from pipeplan.errors import FormatError
 from pipeplan.models import load_model
-from pipeplan.planner.scaling import scale_profile
 from pipeplan.profiling import recompute
 from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.measure import profile_model
-from pipeplan.profiling.memory_formulas import activation_bytes_per_layer, attention_core_flops
 from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.pipedream import read_pipedream_graph
 from pipeplan.profiling.profile import PROFILE_SCHEMA_VERSION, Profile
+from pipeplan.search.scaling import scale_profile
 
 SEQ, BATCH, HIDDEN, HEADS = 16, 2, 32, 4  # the s×s tensors are the only saved ones whose last two dims are (16, 16)
 LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
 from pipeplan.schedules.registry import generate
 

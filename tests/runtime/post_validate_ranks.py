@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.errors import RunError
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.precision_run import LossScaler
 from pipeplan.runtime.train import Trainer

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from pipeplan.planner.manual_plan import manual_plan
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.manual import manual_plan
+from pipeplan.plan.plan import Plan
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.stages import build_reference_model
 

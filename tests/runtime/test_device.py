@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError, RunError
-from pipeplan.planner.manual_plan import manual_plan
-from pipeplan.planner.plan import Plan, run_device_for
+from pipeplan.plan.manual import manual_plan
+from pipeplan.plan.plan import Plan, run_device_for
 from pipeplan.runtime import launch, worker
 from pipeplan.runtime.config import RunConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rt_helpers import make_plan
 
-from pipeplan.partition.costs import optimizer_state_bytes, static_split
+from pipeplan.costs import optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 from pipeplan.runtime.stages import build_reference_model

@@ -11,8 +11,8 @@ import torch
 from rt_helpers import make_plan
 
 from pipeplan.errors import ConfigError
+from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
-from pipeplan.profiling.trace import trace_module
 from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model

@@ -13,9 +13,9 @@ import torch
 from rt_helpers import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, make_plan
 
 from pipeplan.errors import RunError
+from pipeplan.graph.host_memory import HOST_MEMORY_ENV
+from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
-from pipeplan.profiling.host_memory import HOST_MEMORY_ENV
-from pipeplan.profiling.trace import trace_module
 from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
 

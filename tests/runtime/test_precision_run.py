@@ -11,7 +11,7 @@ import torch
 from rt_helpers import TINY_GPT_TIED, gathered_grads, make_plan
 
 from pipeplan.errors import ConfigError
-from pipeplan.planner.manual_plan import manual_plan
+from pipeplan.plan.manual import manual_plan
 from pipeplan.precision import get_precision
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many

@@ -12,8 +12,8 @@ from rt_helpers import TINY_GPT, TINY_RESNET, assert_matches_reference, make_pla
 
 from pipeplan.errors import ConfigError, FormatError, RunError
 from pipeplan.models import load_model
-from pipeplan.planner.manual_plan import manual_plan
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.manual import manual_plan
+from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor

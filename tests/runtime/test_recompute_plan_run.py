@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.models import load_model
-from pipeplan.planner.plan import Plan
+from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many

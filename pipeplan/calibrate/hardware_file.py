@@ -1,0 +1,187 @@
+"""Turn a `Calibration` into a `--hardware-file` entry (every required field present) and write it.
+
+How the measured figures map in (the analytic model then uses them; see `Hardware.matmul_flops_per_s`):
+
+- `measured_bf16_tflops` / `measured_fp16_tflops` / `measured_tf32_tflops` (float32 matmuls: TF32 on a GPU, plain
+  fp32 on a CPU), `measured_hbm_tb_per_s` and `kernel_launch_us` hold what was measured; the analytic roofline uses
+  them in place of peak x efficiency, and the launch time as a per-kernel floor.
+- peaks: a GPU recognized by name (H100/H200/A100/B200 SXM, memory within 15%) keeps that preset's datasheet peaks;
+  any other device (a CPU, another GPU) has no datasheet here, so its peak fields ARE the measured figures. The
+  efficiencies are then measured / peak (1.0 when the peak is the measurement), so peak x efficiency is the
+  measured rate too.
+- links: with 2+ GPUs, `nvlink_gb_per_s` / `intra_node_latency_us` are the measured nccl point-to-point figures; on
+  a CPU the local gloo figures (also used for the inter-node fields: one machine). Whatever was not measured (all
+  links with one GPU; the network on a GPU node) is copied from the nearest preset, named in `sources`.
+- `calibration` keeps every raw measurement; the loader reads none of it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from pipeplan.calibrate.spec import Calibration
+from pipeplan.errors import ConfigError, FormatError, OutputError
+from pipeplan.hardware import HARDWARE_SCHEMA_VERSION, Hardware, hardware_presets, validate_hardware_data
+from pipeplan.jsonio import read_json, write_json
+
+_FAMILIES = ("h100", "h200", "a100", "b200")
+_OTHER_VARIANTS = ("pcie", "nvl", "mig")  # same family, other peaks than the SXM presets
+
+
+def slug(text: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `nvidia-h100-80gb-hbm3`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def default_name(calibration: Calibration) -> str:
+    return slug(calibration.device_name) if calibration.device == "cuda" else "cpu"
+
+
+def nearest_preset(device_name: str, memory_bytes: int) -> tuple[Hardware, bool]:
+    """(preset, matched): the SXM preset of the device's family with memory within 15% (matched), else the preset
+    with the nearest memory size (a fallback for figures that cannot be measured here)."""
+    presets = sorted(hardware_presets().values(), key=lambda h: (abs(h.memory_bytes - memory_bytes), h.name))
+    lowered = device_name.lower()
+    if not any(variant in lowered for variant in _OTHER_VARIANTS):
+        for preset in presets:
+            family = preset.name.split("-")[0]
+            if family in _FAMILIES and family in lowered and abs(preset.memory_bytes / memory_bytes - 1) <= 0.15:
+                return preset, True
+    return presets[0], False
+
+
+def _rate(measured: float | None, peak: float | None, what: str, notes: list[str]) -> tuple[float, float]:
+    """(peak, efficiency) for one measured rate; a measurement above the preset's peak raises the peak."""
+    if peak is None:
+        return measured, 1.0
+    if measured is None:
+        return peak, None
+    if measured > peak:
+        notes.append(f"measured {what} exceeds the preset peak, so the peak is raised to the measurement")
+        return measured, 1.0
+    return peak, measured / peak
+
+
+def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str]) -> dict[str, Any]:
+    low = cal.matmul_flops_per_s("bf16") or cal.matmul_flops_per_s("fp16")
+    f32 = cal.matmul_flops_per_s("tf32" if cal.device == "cuda" else "fp32")
+    any_f32 = f32 or cal.matmul_flops_per_s("fp32")
+    if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
+        notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
+        low, any_f32 = low or any_f32, any_f32 or low
+    peak_low, eff_low = _rate(low, preset and preset.peak_bf16_flops, "bf16 matmul", notes)
+    peak_f32, eff_f32 = _rate(any_f32, preset and preset.peak_tf32_flops, "tf32 matmul", notes)
+    peak_mem, eff_mem = _rate(cal.memory_bytes_per_s, preset and preset.hbm_bandwidth, "memory bandwidth", notes)
+    fields: dict[str, Any] = {
+        "peak_bf16_tflops": peak_low / 1e12,
+        "peak_tf32_tflops": peak_f32 / 1e12,
+        "hbm_gb": cal.memory_bytes / 1e9,
+        "hbm_tb_per_s": peak_mem / 1e12,
+        "matmul_efficiency": eff_low or eff_f32 or (preset.matmul_efficiency if preset else 1.0),
+        "memory_efficiency": eff_mem,
+        "measured_hbm_tb_per_s": cal.memory_bytes_per_s / 1e12,
+        "kernel_launch_us": cal.launch_s * 1e6,
+    }
+    for key, value in (("bf16", cal.matmul_flops_per_s("bf16")), ("fp16", cal.matmul_flops_per_s("fp16"))):
+        if value is not None:
+            fields[f"measured_{key}_tflops"] = value / 1e12
+    if f32 is not None:
+        fields["measured_tf32_tflops"] = f32 / 1e12
+    return fields
+
+
+def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict[str, Any]:
+    copied = {
+        "nvlink_gb_per_s": fallback.nvlink_bandwidth / 1e9,
+        "network_gb_per_s": fallback.network_bandwidth / 1e9,
+        "intra_node_latency_us": fallback.intra_node_latency_s * 1e6,
+        "inter_node_latency_us": fallback.inter_node_latency_s * 1e6,
+    }
+    link = cal.links
+    if link is None:
+        notes.append(f"links NOT measured ({', '.join(cal.notes) or 'skipped'}): copied from preset {fallback.name!r}")
+        return copied
+    measured = {"nvlink_gb_per_s": link.p2p_bytes_per_s / 1e9, "intra_node_latency_us": link.latency_s * 1e6}
+    if cal.device == "cpu":
+        notes.append(f"links: {link.backend} between {link.ranks} local processes, also used for the inter-node fields")
+        return {
+            **measured,
+            "network_gb_per_s": measured["nvlink_gb_per_s"],
+            "inter_node_latency_us": measured["intra_node_latency_us"],
+        }
+    notes.append(f"links: {link.backend} over {link.ranks} GPUs, network NOT measured: copied from {fallback.name!r}")
+    return {**copied, **measured}
+
+
+def hardware_entry(cal: Calibration, *, when: _dt.datetime | None = None) -> dict[str, Any]:
+    """The `--hardware-file` entry for a calibration (see the module docstring for the mapping)."""
+    stamp = (when or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
+    notes: list[str] = []
+    if cal.device == "cuda":
+        preset, matched = nearest_preset(cal.device_name, cal.memory_bytes)
+        if matched:
+            notes.append(f"peaks: datasheet figures of preset {preset.name!r} (matched by device name and memory)")
+        else:
+            notes.append("peaks: no datasheet for this GPU here, so the peak fields are the measured figures")
+        compute = _compute_fields(cal, preset if matched else None, notes)
+        links = _link_fields(cal, preset, notes)
+    else:
+        notes.append(
+            "peaks: no datasheet for a CPU, so the peak fields are the measured figures (fp32 in the tf32 ones)"
+        )
+        compute = _compute_fields(cal, None, notes)
+        links = _link_fields(cal, _cpu_fallback(), notes)
+    return {
+        "description": f"{cal.device_name} ({cal.device}), measured by pipeplan calibrate on {stamp}, "
+        f"torch {cal.torch_version}",
+        **compute,
+        **links,
+        "sources": "pipeplan calibrate: " + "; ".join(notes),
+        "calibration": cal.to_dict(),
+    }
+
+
+def _cpu_fallback() -> Hardware:
+    return hardware_presets()["h100"]  # only reached when links were skipped on a CPU; named in `sources`
+
+
+def check_entry_target(name: str | None, output: Path | None) -> None:
+    """Refuse, before measuring anything, an empty --name or an -o that cannot take the entry."""
+    if name is not None and not name.strip():
+        raise ConfigError("--name must be non-empty")
+    if output is not None:
+        check_output(output)
+
+
+def entry_name(name: str | None, calibration: Calibration) -> str:
+    """The hardware entry's key: --name, or the measured device's (lower case)."""
+    return (name or default_name(calibration)).strip().lower()
+
+
+def check_output(path: Path) -> None:
+    """Refuse, before measuring anything, an -o that cannot be written or is some other kind of file."""
+    if path.is_dir():
+        raise OutputError(f"-o {str(path)!r} is a directory; give a file name such as hw.json")
+    if path.exists():
+        read_json(path, kind="hardware", schema_version=HARDWARE_SCHEMA_VERSION)  # a bad file: one FormatError
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise OutputError(f"-o {str(path)!r}: cannot write under {str(parent)!r}")
+
+
+def write_hardware_file(path: Path, name: str, entry: dict[str, Any]) -> None:
+    """Add (or replace) `name` in the hardware file at `path`, keeping its other entries; validated before writing."""
+    data: dict[str, Any] = {"schema_version": HARDWARE_SCHEMA_VERSION, "hardware": {}}
+    if path.exists():
+        data = read_json(path, kind="hardware", schema_version=HARDWARE_SCHEMA_VERSION)
+        if not isinstance(data.setdefault("hardware", {}), dict):
+            raise FormatError(f"hardware file {str(path)!r}: 'hardware' must be an object; choose another -o")
+    data["hardware"][name] = entry
+    validate_hardware_data(data, where=f"calibrated hardware for {str(path)!r}")
+    write_json(path, data)

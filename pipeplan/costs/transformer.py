@@ -1,0 +1,141 @@
+"""Closed-form transformer costs used as references for analytic profiles, capacity estimates and the search.
+
+Symbols: s sequence length, b microbatch size, h hidden size, a attention heads, t tensor-parallel size, d
+data-parallel size; activations in 16-bit (2 bytes per element) with 1-byte dropout masks, as the paper assumes.
+
+- Activation memory per transformer layer (Korthikanti et al., "Reducing Activation Recomputation in Large
+  Transformer Models", MLSys 2023, arXiv:2205.05198, §4 and Table 2), in bytes:
+
+      no parallelism (eq. 1)                       s·b·h·(34 + 5·a·s/h)
+      tensor parallel t (eq. 2)                    s·b·h·(10 + 24/t + 5·a·s/(h·t))
+      tensor + sequence parallel (eq. 4)           s·b·h·(34/t + 5·a·s/(h·t))
+      tensor parallel + selective recompute        s·b·h·(10 + 24/t)
+      tensor + sequence parallel + selective       s·b·h·34/t
+      full recompute                               s·b·h·2
+
+  34·s·b·h: attention block 11 (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1), MLP 19 (input 2,
+  GELU input 8, second Linear input 8, dropout mask 1), two LayerNorm inputs 4; of these, 10 (the LayerNorm and
+  dropout parts and the inputs of the first Linear of each block) are not split by tensor parallelism, and
+  sequence parallelism splits them too. 5·a·s²·b: softmax output 2, its dropout mask 1, dropped probabilities 2;
+  selective recomputation drops it, and so does a fused (flash) attention kernel. Full recomputation keeps each
+  layer's input, 2·s·b·h (Table 2's row, stated there without parallelism); with sequence parallelism that input
+  is sequence-sharded on each rank, 2·s·b·h/t (not a row of Table 2: Megatron checkpoints the sharded hidden
+  states), and without it every tensor-parallel rank holds the whole input.
+- Forward FLOPs per layer (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", 2021): 24·b·s·h² (the four h×h-scaled matmuls: qkv 6, projection 2, MLP 8 + 8) plus
+  4·b·s²·h (scores and scores × values), counting 2 FLOPs per multiply-add and full (non-causal) attention, as
+  torch.utils.flop_counter does. The 4·b·s²·h part is what selective recomputation runs again.
+- Tensor-parallel communication per layer: `tensor_parallel_comm_per_layer` (Korthikanti et al. §4.2.2).
+- Optimizer-state bytes per parameter, with and without Megatron's distributed optimizer, are a cost:
+  `pipeplan.costs.optimizer.adam_bytes_per_parameter`, on the one bytes-per-parameter formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.errors import ConfigError
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+def _check_tensor_parallel(*, hidden: int, heads: int, tensor_parallel: int) -> None:
+    _check_positive(tensor_parallel=tensor_parallel)
+    if hidden % tensor_parallel or heads % tensor_parallel:
+        raise ConfigError(
+            f"tensor parallel size {tensor_parallel} must divide hidden ({hidden}) and heads ({heads}) "
+            "(Megatron splits whole heads)"
+        )
+
+
+def activation_bytes_per_layer(
+    *,
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    flash_attention: bool,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> int:
+    """Bytes one transformer layer keeps for backward on one tensor-parallel rank (Korthikanti et al. Table 2, see
+    the module docstring): 10·s·b·h + 24·s·b·h/t, all 34·s·b·h/t with sequence parallelism, + 5·a·s²·b/t unless
+    `flash_attention` or selective recompute drops it; full recompute keeps 2·s·b·h (/t with sequence
+    parallelism)."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden, heads=heads)
+    _check_tensor_parallel(hidden=hidden, heads=heads, tensor_parallel=tensor_parallel)
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    t = tensor_parallel
+    sbh_split = seq * batch * (hidden // t)  # s·b·h/t, exact since t divides h
+    if recompute == "full":
+        return 2 * (sbh_split if sequence_parallel else seq * batch * hidden)
+    total = 34 * sbh_split if sequence_parallel else 10 * seq * batch * hidden + 24 * sbh_split
+    if not flash_attention and recompute == "none":
+        total += 5 * (heads // t) * seq * seq * batch
+    return total
+
+
+def forward_flops_per_layer(*, seq: int, batch: int, hidden: int) -> int:
+    """Forward matmul FLOPs of one GPT layer (4h MLP): 24·b·s·h² + 4·b·s²·h."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden)
+    return 24 * batch * seq * hidden**2 + attention_core_flops(seq=seq, batch=batch, hidden=hidden)
+
+
+def attention_core_flops(*, seq: int, batch: int, hidden: int) -> int:
+    """Forward FLOPs of QKᵀ and the product with V, 4·b·s²·h: what selective recomputation re-runs."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden)
+    return 4 * batch * seq**2 * hidden
+
+
+def lm_head_flops(*, seq: int, batch: int, hidden: int, vocab: int) -> int:
+    """Forward FLOPs of the logits matmul: 2·b·s·h·V."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden, vocab=vocab)
+    return 2 * batch * seq * hidden * vocab
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` collectives of one kind, each over a `message_bytes` tensor (its whole, unsharded size)."""
+
+    kind: str  # all-reduce | all-gather | reduce-scatter
+    count: int
+    message_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorParallelComm:
+    """The tensor-parallel collectives of one transformer layer, forward and backward."""
+
+    forward: tuple[Collective, ...]
+    backward: tuple[Collective, ...]
+
+
+def tensor_parallel_comm_per_layer(
+    *, seq: int, batch: int, hidden: int, tensor_parallel: int, sequence_parallel: bool, bytes_per_element: int = 2
+) -> TensorParallelComm:
+    """Megatron tensor parallelism's collectives in one transformer layer (Korthikanti et al. §4.2.2; Shoeybi et
+    al., "Megatron-LM", 2019, §3): without sequence parallelism 2 all-reduces in the forward (after the attention
+    projection and after the MLP) and 2 in the backward (the conjugate operators before the QKV and first MLP
+    Linear); with it each all-reduce becomes a reduce-scatter and each identity before a block an all-gather: 2
+    all-gathers + 2 reduce-scatters forward, the same backward. Every message is the whole s·b·h activation;
+    a ring all-reduce is a reduce-scatter followed by an all-gather, so both cost the same bandwidth. Megatron's
+    implementation also all-gathers a Linear's sharded input again in the backward for its weight gradient
+    (overlapped); that is not counted here. No collectives for t = 1."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden, tensor_parallel=tensor_parallel)
+    _check_positive(bytes_per_element=bytes_per_element)
+    if tensor_parallel == 1:
+        return TensorParallelComm(forward=(), backward=())
+    message = seq * batch * hidden * bytes_per_element
+    if sequence_parallel:
+        one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
+    else:
+        one_pass = (Collective("all-reduce", 2, message),)
+    return TensorParallelComm(forward=one_pass, backward=one_pass)

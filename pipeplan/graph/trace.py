@@ -1,0 +1,282 @@
+"""Trace a ModelSpec into a LayerGraph: layers (groups of graph nodes) in topological order and, for every cut
+between two adjacent layers, the values live across it (skip connections and model inputs included).
+
+Two frontends produce the graph: torch.fx symbolic tracing (`fx_trace`, honours ModelSpec.leaf_modules) and
+torch.export in non-strict mode (`export_trace`, for models fx cannot trace, e.g. Hugging Face transformers).
+`tracer="auto"` tries fx and falls back to export; the tracer used is recorded (profile, plan) so every later
+step traces the same way. Layer grouping (`grouping`) and cuts are the same for both. The model's output may be
+any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput): `TracedModel.build_output` rebuilds it
+from its leaves for the loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import TensorMetadata
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from pipeplan.errors import ConfigError, ModelError, TraceError
+from pipeplan.graph.grouping import (
+    assign_unowned,
+    check_in_place,
+    cut_producers,
+    group,
+    layer_keys,
+    normalize_graph,
+)
+from pipeplan.models.spec import ModelSpec
+
+TRACERS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    producer: str  # graph node name of the value
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name ("float32"), or a Python type name for a non-tensor value
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    module_path: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    layers: tuple[Layer, ...]
+    cuts: tuple[tuple[TensorInfo, ...], ...]  # cuts[i]: values live between layers i and i+1
+    input_names: tuple[str, ...]
+    output_name: str  # the first (often only) tensor of the model's output
+    fingerprint: str
+    output_names: tuple[str, ...] = ()  # every graph value in the model's output (default: output_name)
+    tracer: str = "fx"  # fx | export
+
+    def __post_init__(self) -> None:
+        assert len(self.cuts) == len(self.layers) - 1, "one cut between each pair of adjacent layers"
+        if not self.output_names:
+            object.__setattr__(self, "output_names", (self.output_name,))
+
+    def cut_bytes(self, i: int) -> int:
+        return sum(info.bytes for info in self.cuts[i])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_index(self, name: str) -> int:
+        for i, layer in enumerate(self.layers):
+            if layer.name == name:
+                return i
+        raise KeyError(name)
+
+
+@dataclass
+class TracedModel:
+    module: nn.Module
+    graph_module: fx.GraphModule
+    layer_graph: LayerGraph
+    spec: ModelSpec
+    device: str = "cpu"
+    batch_size: int = 1
+    node_layer: dict[str, int] = field(default_factory=dict)  # graph node name -> layer index
+    output_spec: TreeSpec | None = None  # pytree structure of the model's output
+    output_leaves: tuple[Any, ...] = ()  # per leaf: ("node", name) or ("const", value)
+
+    @property
+    def tracer(self) -> str:
+        return self.layer_graph.tracer
+
+    def build_output(self, values: dict[str, Any]) -> Any:
+        """The model's output (as its forward returns it) from the values of `layer_graph.output_names`."""
+        leaves = [values[item] if kind == "node" else item for kind, item in self.output_leaves]
+        return tree_unflatten(leaves, self.output_spec) if self.output_spec is not None else leaves[0]
+
+
+def _value_info(node: fx.Node) -> TensorInfo:
+    meta = node.meta.get("tensor_meta")
+    if isinstance(meta, TensorMetadata):
+        dtype = str(meta.dtype).removeprefix("torch.")
+        return TensorInfo(node.name, tuple(int(d) for d in meta.shape), dtype, _value_info_bytes(meta))
+    total = sum(_value_info_bytes(m) for m in _flatten_meta(meta))
+    return TensorInfo(node.name, (), node.meta.get("value_type", "object"), total)
+
+
+def _flatten_meta(meta) -> list[TensorMetadata]:
+    if isinstance(meta, TensorMetadata):
+        return [meta]
+    if isinstance(meta, list | tuple):
+        return [m for item in meta for m in _flatten_meta(item)]
+    if isinstance(meta, dict):
+        return [m for item in meta.values() for m in _flatten_meta(item)]
+    return []
+
+
+def _value_info_bytes(meta: TensorMetadata) -> int:
+    numel = 1
+    for dim in meta.shape:
+        numel *= int(dim)
+    return numel * torch.empty((), dtype=meta.dtype, device="meta").element_size()
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(target)
+    return getattr(target, "__qualname__", "")
+
+
+def _fingerprint(gm: fx.GraphModule, layers: Sequence[Layer], tracer: str) -> str:
+    digest = hashlib.sha256()
+    if tracer != "fx":
+        digest.update(f"tracer {tracer}\n".encode())
+    for node in gm.graph.nodes:
+        target = _target_name(node.target)
+        digest.update(f"{node.op}|{node.name}|{target}|{[a.name for a in node.all_input_nodes]}\n".encode())
+    first_owner: dict[int, str] = {}
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        owner = first_owner.setdefault(id(param), name)  # tied weights hash differently from untied ones
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{owner}\n".encode())
+    for layer in layers:
+        digest.update(f"layer {layer.name} {len(layer.nodes)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _output_tree(gm: fx.GraphModule, export_spec: TreeSpec | None) -> tuple[TreeSpec, tuple, tuple[str, ...]]:
+    """(pytree spec, leaves as ("node", name) / ("const", value), the node names among them)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if export_spec is not None:
+        flat, spec = list(output.args[0]), export_spec
+    else:
+        value = output.args[0]
+        if isinstance(value, list | tuple) and len(value) == 1:
+            value = value[0]
+        flat, spec = tree_flatten(value)
+    leaves = tuple(("node", v.name) if isinstance(v, fx.Node) else ("const", v) for v in flat)
+    names = tuple(dict.fromkeys(item for kind, item in leaves if kind == "node"))
+    if not names:
+        raise TraceError("the model's forward returns no tensor computed from its inputs (the value for loss_fn)")
+    return spec, leaves, names
+
+
+def _sample_inputs(spec: ModelSpec, batch_size: int, device: str) -> tuple[torch.Tensor, ...]:
+    inputs, _ = spec.sample_batch(batch_size, generator=torch.Generator().manual_seed(0))
+    return tuple(t.to(device) for t in inputs)
+
+
+def build_module(spec: ModelSpec, device: str) -> nn.Module:
+    """Build the spec's module directly on `device` ("meta" allocates nothing)."""
+    try:
+        with torch.device(device):
+            return spec.build()
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"building model {spec.name!r} failed: {exc}") from None
+
+
+def check_tracer(tracer: str) -> str:
+    if tracer not in TRACERS:
+        raise ConfigError(f"--tracer must be one of {', '.join(TRACERS)}, got {tracer!r}")
+    return tracer
+
+
+def trace_model(
+    spec: ModelSpec,
+    *,
+    batch_size: int = 1,
+    granularity: int | None = None,
+    device: str = "cpu",
+    tracer: str = "auto",
+) -> TracedModel:
+    """Build `spec` on `device`, trace it, propagate shapes for `batch_size` samples and group nodes into layers."""
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if granularity is not None and granularity < 1:
+        raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
+    check_tracer(tracer)
+    module = build_module(spec, device)
+    return trace_module(module, spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
+
+
+def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
+    """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used)."""
+    from pipeplan.graph.fx_trace import propagate_shapes, symbolic_trace
+
+    inputs = _sample_inputs(spec, batch_size, device)
+    if tracer == "export":
+        return (*_export(module, spec, batch_size, device), "export")
+    try:
+        gm = symbolic_trace(module, spec)
+    except TraceError as fx_error:
+        if tracer == "fx":
+            raise TraceError(f"{fx_error}; or trace with --tracer export") from None
+        try:
+            return (*_export(module, spec, batch_size, device), "export")
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error}; and {export_error}") from None
+    propagate_shapes(gm, spec, inputs, device, lambda: _sample_inputs(spec, batch_size, "cpu"))
+    return gm, None, "fx"
+
+
+def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
+    """Export on the meta device (one graph whatever device the model is on): see export_trace.export_graph."""
+    from pipeplan.graph.export_trace import export_graph
+
+    meta_inputs = _sample_inputs(spec, batch_size, "meta")
+    if device == "meta":
+        return export_graph(module, spec, meta_inputs)
+    return export_graph(module, spec, meta_inputs, meta_module=build_module(spec, "meta"))
+
+
+def trace_module(
+    module: nn.Module,
+    spec: ModelSpec,
+    *,
+    batch_size: int = 1,
+    granularity: int | None = None,
+    device: str = "cpu",
+    tracer: str = "auto",
+) -> TracedModel:
+    """Like trace_model, for an already-built module (its parameters are referenced, never copied)."""
+    gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
+    normalize_graph(gm)
+    nodes = list(gm.graph.nodes)
+    keys = assign_unowned(nodes, layer_keys(gm, module, granularity))
+    grouped, node_layer = group(nodes, keys)
+    layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
+    output = next(n for n in nodes if n.op == "output")
+    node_layer[output.name] = len(layers) - 1
+    aliasing = check_in_place(nodes, node_layer)
+    if aliasing:
+        raise TraceError(f"{aliasing}, in another layer; make that op out-of-place or use a coarser --granularity")
+    cuts = [tuple(_value_info(n) for n in cut) for cut in cut_producers(nodes, node_layer, len(layers))]
+    output_spec, output_leaves, output_names = _output_tree(gm, export_spec)
+    graph = LayerGraph(
+        layers=tuple(layers),
+        cuts=tuple(cuts),
+        input_names=tuple(n.name for n in nodes if n.op == "placeholder"),
+        output_name=output_names[0],
+        output_names=output_names,
+        fingerprint=_fingerprint(gm, layers, used),
+        tracer=used,
+    )
+    return TracedModel(
+        module=module,
+        graph_module=gm,
+        layer_graph=graph,
+        spec=spec,
+        device=device,
+        batch_size=batch_size,
+        node_layer=node_layer,
+        output_spec=output_spec,
+        output_leaves=output_leaves,
+    )

@@ -1,0 +1,232 @@
+"""Hardware presets for analytic profiles and cluster descriptions (h100, h200, a100-40gb, a100-80gb, b200).
+
+The figures live in `hardware.json` beside this file, in datasheet units with a `sources` note per entry naming
+the vendor datasheets. A user file (`--hardware-file`) has the same shape: `{"schema_version": 1, "hardware":
+{name: {...}}}`; an entry named like a preset overrides only the fields it gives, a new name must give them all.
+`pipeplan calibrate` writes such entries with optional `measured_*` figures and `kernel_launch_us`, which the
+analytic model prefers over peak x efficiency (`Hardware.matmul_flops_per_s`; see calibrate_file.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeplan.cluster import Cluster
+from pipeplan.errors import ConfigError, FormatError
+from pipeplan.jsonio import read_json
+
+HARDWARE_SCHEMA_VERSION = 1
+_PRESETS_PATH = Path(__file__).with_name("hardware.json")
+
+# JSON field -> (Hardware attribute, scale to SI units)
+_FILE_FIELDS: dict[str, tuple[str, float]] = {
+    "peak_bf16_tflops": ("peak_bf16_flops", 1e12),
+    "peak_tf32_tflops": ("peak_tf32_flops", 1e12),
+    "hbm_gb": ("memory_bytes", 1e9),
+    "hbm_tb_per_s": ("hbm_bandwidth", 1e12),
+    "nvlink_gb_per_s": ("nvlink_bandwidth", 1e9),
+    "network_gb_per_s": ("network_bandwidth", 1e9),
+    "intra_node_latency_us": ("intra_node_latency_s", 1e-6),
+    "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
+    "matmul_efficiency": ("matmul_efficiency", 1.0),
+    "memory_efficiency": ("memory_efficiency", 1.0),
+    # optional, written by `pipeplan calibrate` (see pipeplan/calibrate/measure.py): what this machine achieved
+    "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
+    "measured_fp16_tflops": ("measured_fp16_flops", 1e12),
+    "measured_tf32_tflops": ("measured_tf32_flops", 1e12),
+    "measured_hbm_tb_per_s": ("measured_hbm_bandwidth", 1e12),
+    "kernel_launch_us": ("kernel_launch_s", 1e-6),
+}
+_TEXT_FIELDS = ("description", "sources")
+_RECORD_FIELDS = ("calibration",)  # free-form JSON objects kept in the file for people; the model reads none
+_REQUIRED_ATTRS = frozenset(
+    ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth", "nvlink_bandwidth", "network_bandwidth")
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator kind, in SI units (FLOP/s, bytes, bytes/s one direction per GPU, seconds)."""
+
+    name: str
+    peak_bf16_flops: float  # dense tensor-core bf16/fp16
+    peak_tf32_flops: float  # dense tensor-core tf32 (float32 matmuls)
+    memory_bytes: int
+    hbm_bandwidth: float
+    nvlink_bandwidth: float  # per GPU, one direction
+    network_bandwidth: float  # per GPU, one direction (e.g. 400 Gb/s InfiniBand = 50e9)
+    intra_node_latency_s: float = 10e-6
+    inter_node_latency_s: float = 20e-6
+    matmul_efficiency: float = 0.6  # fraction of peak FLOP/s a large matmul reaches
+    memory_efficiency: float = 0.75  # fraction of HBM bandwidth a memory-bound kernel reaches
+    # measured by `pipeplan calibrate`; when given they replace peak x efficiency (see `matmul_flops_per_s`)
+    measured_bf16_flops: float | None = None
+    measured_fp16_flops: float | None = None
+    measured_tf32_flops: float | None = None  # float32 matmuls (TF32 on tensor cores; plain fp32 on a CPU)
+    measured_hbm_bandwidth: float | None = None
+    kernel_launch_s: float = 0.0  # per-kernel floor on an op's time (eager dispatch + launch of a tiny op)
+    description: str = ""
+    sources: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("hardware name must be non-empty")
+        positive = ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth")
+        for attr in (*positive, "nvlink_bandwidth", "network_bandwidth", *_MEASURED_ATTRS):
+            value = getattr(self, attr)
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
+        if not self.kernel_launch_s < math.inf:
+            raise ConfigError(f"hardware {self.name!r}: kernel_launch_s must be finite, got {self.kernel_launch_s!r}")
+        for attr in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s"):
+            if not getattr(self, attr) >= 0:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)!r}")
+        for attr in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, attr) <= 1:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1], got {getattr(self, attr)!r}")
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        """Dense matmul peak for `dtype`: bf16/fp16 tensor cores, else TF32 (float32 matmuls on tensor cores)."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.peak_bf16_flops
+        return self.peak_tf32_flops
+
+    def measured_flops(self, dtype: torch.dtype) -> float | None:
+        """The calibrated dense matmul FLOP/s for `dtype` (None when not calibrated)."""
+        if dtype == torch.bfloat16:
+            return self.measured_bf16_flops
+        if dtype == torch.float16:
+            return self.measured_fp16_flops or self.measured_bf16_flops
+        return self.measured_tf32_flops
+
+    def matmul_flops_per_s(self, dtype: torch.dtype, efficiency: float | None = None) -> float:
+        """The matmul rate the analytic model uses: peak x `efficiency` when one is given (an explicit override),
+        else the calibrated figure when there is one, else peak x matmul_efficiency."""
+        measured = self.measured_flops(dtype)
+        if efficiency is None and measured is not None:
+            return measured
+        return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency)
+
+    def memory_bytes_per_s(self, efficiency: float | None = None) -> float:
+        """The memory-bound rate the analytic model uses (same precedence as `matmul_flops_per_s`)."""
+        if efficiency is None and self.measured_hbm_bandwidth is not None:
+            return self.measured_hbm_bandwidth
+        return self.hbm_bandwidth * (efficiency or self.memory_efficiency)
+
+    def to_file_entry(self) -> dict[str, Any]:
+        """The entry as `hardware.json` writes it (datasheet units; unset optional figures left out)."""
+        entry: dict[str, Any] = {key: getattr(self, key) for key in _TEXT_FIELDS}
+        for key, (attr, scale) in _FILE_FIELDS.items():
+            value = getattr(self, attr)
+            if value is not None and not (attr == "kernel_launch_s" and value == 0):
+                entry[key] = value / scale
+        return entry
+
+
+_MEASURED_ATTRS = ("measured_bf16_flops", "measured_fp16_flops", "measured_tf32_flops", "measured_hbm_bandwidth")
+
+
+def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where} must be a JSON object")
+    known = set(_FILE_FIELDS) | set(_TEXT_FIELDS) | set(_RECORD_FIELDS)
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise FormatError(f"{where} has unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    kwargs = dict(base or {})
+    for key, value in entry.items():
+        if key in _RECORD_FIELDS:
+            if not isinstance(value, dict):
+                raise FormatError(f"{where}: {key} must be a JSON object")
+            continue
+        if key in _TEXT_FIELDS:
+            if not isinstance(value, str):
+                raise FormatError(f"{where}: {key} must be a string")
+            kwargs[key] = value
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise FormatError(f"{where}: {key} must be a number, got {value!r}")
+        attr, scale = _FILE_FIELDS[key]
+        kwargs[attr] = int(value * scale) if attr == "memory_bytes" else float(value * scale)
+    required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]
+    if required:
+        raise FormatError(f"{where} is missing field(s): {', '.join(required)}")
+    return kwargs
+
+
+def _parse_entries(data: dict[str, Any], *, where: str, base: dict[str, Hardware]) -> dict[str, Hardware]:
+    entries = data.get("hardware")
+    if not isinstance(entries, dict) or not entries:
+        raise FormatError(f"{where} needs a non-empty 'hardware' object mapping names to entries")
+    result = dict(base)
+    for raw_name, entry in entries.items():
+        name = str(raw_name).strip().lower()
+        previous = base.get(name)
+        start = {f.name: getattr(previous, f.name) for f in fields(Hardware)} if previous else None
+        kwargs = _entry_to_kwargs(entry, where=f"{where} entry {name!r}", base=start)
+        kwargs["name"] = name
+        try:
+            result[name] = Hardware(**kwargs)
+        except ConfigError as exc:
+            raise FormatError(f"{where}: {exc}") from None
+    return result
+
+
+_PRESETS: dict[str, Hardware] | None = None
+
+
+def hardware_presets() -> dict[str, Hardware]:
+    """The built-in presets by name (read once from hardware.json)."""
+    global _PRESETS
+    if _PRESETS is None:
+        data = json.loads(_PRESETS_PATH.read_text())
+        assert data.get("schema_version") == HARDWARE_SCHEMA_VERSION, "hardware.json schema mismatch"
+        _PRESETS = _parse_entries(data, where="hardware.json", base={})
+    return dict(_PRESETS)
+
+
+def validate_hardware_data(data: dict[str, Any], *, where: str) -> dict[str, Hardware]:
+    """The entries a hardware-file's contents would give (presets merged); a bad entry is a FormatError."""
+    return _parse_entries(data, where=where, base=hardware_presets())
+
+
+def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
+    """Presets merged with the entries of a `--hardware-file` (file entries override presets field by field)."""
+    where = f"hardware file {str(path)!r}"
+    data = read_json(path, kind="hardware", schema_version=HARDWARE_SCHEMA_VERSION)
+    return _parse_entries(data, where=where, base=hardware_presets())
+
+
+def load_hardware(name: str | Hardware, *, hardware_file: str | os.PathLike | None = None) -> Hardware:
+    """A preset (or an entry of `hardware_file`) by name; an unknown name is a ConfigError listing the names."""
+    if isinstance(name, Hardware):
+        return name
+    available = load_hardware_file(hardware_file) if hardware_file is not None else hardware_presets()
+    key = name.strip().lower()
+    if not key:
+        raise ConfigError(f"--hardware NAME is needed; choose one of: {', '.join(sorted(available))}")
+    if key not in available:
+        raise ConfigError(f"unknown --hardware {name!r}; choose one of: {', '.join(sorted(available))}")
+    return available[key]
+
+
+def cluster_for(hardware: str | Hardware, num_devices: int, devices_per_node: int = 8) -> Cluster:
+    """A Cluster of `num_devices` such GPUs: memory = HBM, intra-node = NVLink, inter-node = network."""
+    spec = load_hardware(hardware)
+    return Cluster(
+        num_devices=num_devices,
+        devices_per_node=devices_per_node,
+        memory_per_device=spec.memory_bytes,
+        intra_node_bandwidth=spec.nvlink_bandwidth,
+        inter_node_bandwidth=spec.network_bandwidth,
+        intra_node_latency_s=spec.intra_node_latency_s,
+        inter_node_latency_s=spec.inter_node_latency_s,
+        hardware=spec.name,
+    )

@@ -1,0 +1,62 @@
+"""The built-in models `pipeplan models` lists: each factory, with a description and, for a named shape, its fixed
+options (a preset). `registry.register` adds more at run time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeplan.models.gpt import gpt
+from pipeplan.models.llama import llama
+from pipeplan.models.mlp import mlp
+from pipeplan.models.resnet import resnet
+from pipeplan.models.spec import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltinModel:
+    name: str
+    factory: Callable[..., ModelSpec]
+    description: str
+    preset: dict[str, Any] | None = None  # fixed options for a named shape (gpt2-355m, llama-7b, ...)
+
+
+BUILTINS: dict[str, BuiltinModel] = {}
+
+
+def register(name: str, factory: Callable[..., ModelSpec], description: str, preset: dict | None = None) -> None:
+    """Add (or replace) a built-in model."""
+    BUILTINS[name] = BuiltinModel(name=name, factory=factory, description=description, preset=preset)
+
+
+register("gpt", gpt, "decoder-only transformer (embedding, pre-LN blocks, LM head)")
+register("mlp", mlp, "stack of Linear + activation layers (a chain)")
+register("resnet", resnet, "small residual CNN with skip connections (a DAG)")
+register("llama", llama, "LLaMA-style decoder (RMSNorm, rotary, grouped-query attention, SwiGLU, untied head)")
+_GPT2 = dict(seq=1024, vocab=50257, tie_embeddings=True)
+register(
+    "gpt2-124m", gpt, "GPT-2 small shapes (Radford et al. 2019)", preset=dict(layers=12, hidden=768, heads=12, **_GPT2)
+)
+register("gpt2-355m", gpt, "GPT-2 medium shapes", preset=dict(layers=24, hidden=1024, heads=16, **_GPT2))
+register("gpt2-774m", gpt, "GPT-2 large shapes", preset=dict(layers=36, hidden=1280, heads=20, **_GPT2))
+register("gpt2-1.5b", gpt, "GPT-2 XL shapes", preset=dict(layers=48, hidden=1600, heads=25, **_GPT2))
+_LLAMA = dict(vocab=32000, seq=4096)
+register(
+    "llama-7b",
+    llama,
+    "Llama 2 7B shapes (Touvron et al. 2023)",
+    preset=dict(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, **_LLAMA),
+)
+register(
+    "llama-13b",
+    llama,
+    "Llama 2 13B shapes",
+    preset=dict(layers=40, hidden=5120, heads=40, kv_heads=40, intermediate=13824, **_LLAMA),
+)
+register(
+    "llama-70b",
+    llama,
+    "Llama 2 70B shapes (grouped-query attention, 8 kv heads)",
+    preset=dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, **_LLAMA),
+)

@@ -1,0 +1,128 @@
+"""Where stages and ops land: one pipeline's devices (from a schedule, expanded for replicated stages) tiled
+`data_parallel` times over the global ranks. Rank `r` belongs to pipeline `r // P` at pipeline device `r % P`
+(P devices per pipeline), so a pipeline's devices are consecutive and stay inside a node whenever P divides the
+devices per node; its node is `r // devices_per_node`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeplan.cluster import Cluster
+from pipeplan.plan.plan import RankInfo
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.registry import generate, schedule_info
+from pipeplan.schedules.replicate import replicate_paced, simulate_expanded
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """One pipeline: per pipeline device, the stages it holds (chunk order), its replica index and its op list."""
+
+    device_stages: tuple[tuple[int, ...], ...]
+    device_replica: tuple[int, ...]
+    device_ops: tuple[tuple[str, ...], ...]
+    # made from a schedule: `device_ops` as Ops, and the schedule itself when no stage is replicated (the lists are
+    # its own), so timing it again reuses its checks (`Schedule.checked_backward_kinds`)
+    ops: tuple[tuple[Op, ...], ...] | None = field(default=None, compare=False, repr=False)
+    schedule: Schedule | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_stages)
+
+    def op_lists(self) -> tuple[tuple[Op, ...], ...]:
+        """`device_ops` as Ops."""
+        if self.ops is not None:
+            return self.ops
+        return tuple(tuple(Op.parse(text) for text in ops) for ops in self.device_ops)
+
+    def stage_devices(self, stage: int) -> tuple[int, ...]:
+        """Pipeline devices holding `stage` (one per replica)."""
+        return tuple(d for d, stages in enumerate(self.device_stages) if stage in stages)
+
+
+def pipeline_layout(
+    schedule: Schedule, replicas: tuple[int, ...], stage_devices: tuple[tuple[int, ...], ...] | None = None
+) -> PipelineLayout:
+    """Layout of `schedule`; stages with more than one replica are expanded (pipeplan.schedules.replicate's
+    `replicate_paced`: each replica paced like a device of a pipeline as long as this one).
+    `stage_devices[s]` (default: consecutive devices in stage order) names the pipeline devices of stage s's
+    replicas, replica j on `stage_devices[s][j]` — e.g. the partitioner's placement across nodes."""
+    if any(r > 1 for r in replicas):
+        expanded = replicate_paced(schedule, replicas)
+        slots = stage_devices or _consecutive(replicas)
+        assert [len(devices) for devices in slots] == list(replicas), "one device per replica"
+        order = sorted(
+            range(expanded.num_devices), key=lambda i: slots[expanded.device_stage[i]][expanded.device_replica[i]]
+        )
+        assert [slots[expanded.device_stage[i]][expanded.device_replica[i]] for i in order] == list(range(len(order)))
+        rows = expanded.op_strings()
+        return PipelineLayout(
+            device_stages=tuple((expanded.device_stage[i],) for i in order),
+            device_replica=tuple(expanded.device_replica[i] for i in order),
+            device_ops=tuple(tuple(rows[i]) for i in order),
+            ops=tuple(tuple(expanded.device_ops[i]) for i in order),
+        )
+    stages_of = tuple(
+        tuple(s for s in range(schedule.num_stages) if schedule.stage_device[s] == d)
+        for d in range(schedule.num_devices)
+    )
+    return PipelineLayout(
+        device_stages=stages_of,
+        device_replica=(0,) * schedule.num_devices,
+        device_ops=tuple(tuple(row) for row in schedule.op_strings()),
+        ops=schedule.device_ops,
+        schedule=schedule,
+    )
+
+
+def _consecutive(replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    starts = [sum(replicas[:s]) for s in range(len(replicas))]
+    return tuple(tuple(range(start, start + r)) for start, r in zip(starts, replicas))
+
+
+def rank_infos(layout: PipelineLayout, data_parallel: int, cluster: Cluster) -> tuple[RankInfo, ...]:
+    per_pipeline = layout.num_devices
+    return tuple(
+        RankInfo(
+            rank=rank,
+            node=cluster.node_of(rank),
+            pipeline=rank // per_pipeline,
+            stages=layout.device_stages[rank % per_pipeline],
+            stage_replica=layout.device_replica[rank % per_pipeline],
+        )
+        for rank in range(per_pipeline * data_parallel)
+    )
+
+
+def simulate_layout(
+    layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int, costs: StageCosts, memory: MemoryCosts
+) -> Timeline:
+    """Time the op lists one pipeline runs (`layout.device_ops`, device = pipeline device): the step the search
+    predicts, `show` draws and `run` is compared with — for an asynchronous schedule the stream it steps through
+    (`schedules.simulate.stream_step_ms`). `costs`: one op's time on one device per stage and the transfer per
+    boundary; `memory.static_bytes` per pipeline device."""
+    device_ops = layout.op_lists()
+    first_device = {}
+    for device, stages in reversed(list(enumerate(layout.device_stages))):
+        for stage in stages:
+            first_device[stage] = device
+    stream: dict[str, int] = {"num_microbatches": num_microbatches}
+    if schedule_info(name).asynchronous:  # the version rule of `name` (one step of it says which) over the stream
+        rule = generate(name, num_devices=layout.num_devices, num_microbatches=num_microbatches)
+        total = 1 + max(o.microbatch for ops in device_ops for o in ops)
+        stream = dict(num_microbatches=total, update_every=rule.update_every, weight_versions=rule.weight_versions)
+    schedule = Schedule(
+        name=name,
+        num_devices=layout.num_devices,
+        num_stages=num_stages,
+        stage_device=tuple(first_device[s] for s in range(num_stages)),
+        device_ops=device_ops,
+        **stream,
+    )
+    if schedule == layout.schedule:
+        schedule = layout.schedule  # the same op lists: its checks are done
+    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+        return simulate(schedule, costs, memory)
+    return simulate_expanded(schedule, costs, memory)

@@ -1,0 +1,190 @@
+"""The plan summary `pipeplan plan` and `pipeplan show` print: as rich tables, or as one JSON object (--json)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from pipeplan.plan.asynchronous import staleness
+from pipeplan.plan.plan import Plan
+from pipeplan.plan.scripts import describe
+from pipeplan.schedules.render import gantt
+from pipeplan.schedules.simulate import Timeline
+from pipeplan.units import format_bytes
+
+
+def stage_ranks(plan: Plan, stage: int) -> list[int]:
+    """Ranks of pipeline 0 holding `stage`."""
+    return [info.rank for info in plan.ranks if info.pipeline == 0 and stage in info.stages]
+
+
+def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
+    stages = [
+        {
+            "index": s.index,
+            "first_layer": s.first_layer,
+            "last_layer": s.last_layer,
+            "layers": [s.layer_names[0], s.layer_names[-1]] if s.layer_names else [],
+            "replicas": s.replicas,
+            "ranks": stage_ranks(plan, s.index),
+            "forward_ms": s.forward_ms,
+            "input_grad_ms": s.input_grad_ms,
+            "weight_grad_ms": s.weight_grad_ms,
+            "comm_ms": s.comm_ms,
+            "allreduce_ms": s.allreduce_ms,
+            "memory_bytes": s.memory_bytes,
+            "memory_limit_bytes": limit,
+            "recompute": s.recompute,
+            "recompute_ms": s.recompute_ms,
+        }
+        for s in plan.stages
+    ]
+    data = plan.to_dict()
+    return {
+        "plan_dir": plan_dir,
+        "description": describe(plan),
+        "runnable": plan.runnable,
+        "model": data["model"],
+        "cluster": data["cluster"],
+        "training": data["training"],
+        "schedule": plan.schedule,
+        "chunks": plan.chunks,
+        "world_size": plan.world_size,
+        "stages": stages,
+        "predicted": data["predicted"],
+        "alternatives": list(plan.alternatives),
+        "per_schedule": per_schedule(plan),
+        "rationale": plan.rationale,
+        "staleness": staleness(plan.schedule, plan.world_size // plan.training.data_parallel) or None,
+        "zero": plan.training.zero,
+        "memory_choices": list(plan.memory_choices),
+    }
+
+
+def per_schedule(plan: Plan) -> list[dict[str, Any]]:
+    """Per schedule the search tried: its best fitting candidate (step, bubble, peak memory) or why none fits."""
+    p = plan.predicted
+    chosen = {
+        "schedule": plan.schedule,
+        "label": _chosen_label(plan),
+        "step_ms": p.step_ms,
+        "bubble_rate": p.bubble_rate,
+        "peak_memory_bytes": max(p.peak_memory_bytes, default=0),
+        "chosen": True,
+    }
+    rows: dict[str, dict[str, Any]] = {plan.schedule: chosen}
+    for alt in plan.alternatives:  # fastest first: a schedule's first row is its best
+        name = alt["schedule"]
+        if name in rows:
+            continue
+        if "reason" in alt:
+            rows[name] = {"schedule": name, "label": alt["label"], "reason": alt["reason"]}
+        else:
+            keep = ("label", "step_ms", "bubble_rate", "peak_memory_bytes")
+            rows[name] = {"schedule": name, **{k: alt[k] for k in keep}}
+    return list(rows.values())
+
+
+def _stage_table(plan: Plan) -> Table:
+    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
+    title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); memory limit {format_bytes(limit)}"
+    table = Table(title=title, title_justify="left")
+    columns = ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "recompute", "memory")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layers", "ranks", "recompute") else "right")
+    for s in plan.stages:
+        names = f"{s.layer_names[0]}..{s.layer_names[-1]}" if len(s.layer_names) > 1 else "".join(s.layer_names)
+        table.add_row(
+            str(s.index),
+            f"{s.first_layer}-{s.last_layer} {names}",
+            str(s.replicas),
+            ",".join(str(r) for r in stage_ranks(plan, s.index)),
+            f"{s.forward_ms:.3f}",
+            f"{s.input_grad_ms:.3f}",
+            f"{s.weight_grad_ms:.3f}",
+            f"{s.comm_ms:.3f}",
+            s.recompute if s.recompute == "none" else f"{s.recompute} +{s.recompute_ms:.3f} ms",
+            f"{format_bytes(s.memory_bytes)} ({s.memory_bytes / limit:.0%})",
+        )
+    return table
+
+
+def _alternatives_table(plan: Plan) -> Table:
+    title = "Alternatives, fastest first (schedule PxD: P devices per pipeline x D pipelines, m microbatches of b)"
+    table = Table(title=title, title_justify="left")
+    for column in ("candidate", "samples/s", "step ms", "vs chosen", "bubble", "peak memory"):
+        table.add_column(column, justify="left" if column == "candidate" else "right")
+    table.add_row(
+        Text(f"* {_chosen_label(plan)}", style="bold green"),
+        f"{plan.predicted.samples_per_s:.2f}",
+        f"{plan.predicted.step_ms:.2f}",
+        "-",
+        f"{plan.predicted.bubble_rate:.1%}",
+        format_bytes(max(plan.predicted.peak_memory_bytes, default=0)),
+    )
+    for alt in plan.alternatives:
+        if "reason" in alt:
+            table.add_row(alt["label"], "-", "-", Text(alt["reason"], style="red"), "-", "-")
+            continue
+        table.add_row(
+            alt["label"],
+            f"{alt['samples_per_s']:.2f}",
+            f"{alt['step_ms']:.2f}",
+            f"{alt['slower_pct']:+.1f}%",
+            f"{alt['bubble_rate']:.1%}",
+            format_bytes(alt["peak_memory_bytes"]),
+        )
+    return table
+
+
+def _chosen_label(plan: Plan) -> str:
+    pipeline_devices = plan.world_size // plan.training.data_parallel
+    replicated = " replicated" if any(s.replicas > 1 for s in plan.stages) else ""
+    t = plan.training
+    tensor = f" t={t.tensor_parallel}" if t.tensor_parallel > 1 else ""
+    return (
+        f"{plan.schedule} {pipeline_devices}x{t.data_parallel} m={t.num_microbatches} b={t.microbatch_size}"
+        f"{tensor}{replicated}"
+    )
+
+
+def _headline(plan: Plan) -> Text:
+    p = plan.predicted
+    text = Text()
+    text.append("Plan: ", style="bold")
+    text.append(describe(plan) + "\n")
+    text.append("Predicted: ", style="bold")
+    zero = ", ZeRO-1 optimizer sharding" if plan.training.zero else ""
+    text.append(f"{p.step_ms:.2f} ms/step in {plan.training.precision}{zero}, {p.samples_per_s:.2f} samples/s")
+    if p.tokens_per_s:
+        text.append(f", {p.tokens_per_s:,.0f} tokens/s")
+    peak = max(p.peak_memory_bytes, default=0)
+    text.append(
+        f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
+        f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
+    )
+    stale = staleness(plan.schedule, plan.world_size // plan.training.data_parallel)
+    if stale:  # asynchronous: what the speed costs in optimization semantics
+        text.append("\nStaleness: ", style="bold yellow")
+        text.append(f"{stale} (asynchronous: no flush, each stage steps on its own)")
+    if not plan.runnable:
+        text.append("\nNot runnable: ", style="bold yellow")
+        if plan.training.tensor_parallel > 1:
+            text.append("tensor parallelism is planned analytically; `run` does not execute it (--tensor-parallel 1).")
+        else:
+            text.append("planned from a profile without a model; re-plan with MODEL to run it.")
+    return text
+
+
+def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = None) -> None:
+    parts: list[Any] = [_headline(plan), _stage_table(plan), _alternatives_table(plan)]
+    if plan.rationale:
+        parts.append(Text("Why: ", style="bold") + Text(plan.rationale))
+    if timeline is not None:
+        parts.append(Text("Predicted step (pipeline 0, one row per rank):", style="bold"))
+        parts.append(gantt(timeline, width=console.width))
+    console.print(Group(*parts))

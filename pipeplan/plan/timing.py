@@ -1,0 +1,120 @@
+"""A Plan back into the schedule, costs and memory it was timed with, and its timeline simulated again: what
+`pipeplan show`, timeline.json and `run`'s "predicted" read (the search stored these figures in plan.json, so all
+three reproduce it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipeplan.costs import busiest_device_ms, bytes_per_param, device_static_bytes
+from pipeplan.errors import FormatError
+from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
+from pipeplan.plan.layout import PipelineLayout, simulate_layout
+from pipeplan.plan.plan import Plan, StagePlan
+from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.registry import generate
+from pipeplan.schedules.replicate import replicate_paced
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
+
+
+def plan_pipeline(plan: Plan) -> PipelineLayout:
+    """Pipeline 0's layout as the plan's rank map and op lists state it."""
+    ranks = [info for info in plan.ranks if info.pipeline == 0]
+    return PipelineLayout(
+        device_stages=tuple(info.stages for info in ranks),
+        device_replica=tuple(info.stage_replica for info in ranks),
+        device_ops=tuple(plan.rank_ops[info.rank] for info in ranks),
+    )
+
+
+def plan_costs(plan: Plan) -> StageCosts:
+    """Per-stage op times on one device and the per-boundary transfer times, as the search simulated them."""
+    return StageCosts(
+        forward_ms=tuple(s.forward_ms for s in plan.stages),
+        input_grad_ms=tuple(s.input_grad_ms for s in plan.stages),
+        weight_grad_ms=tuple(s.weight_grad_ms for s in plan.stages),
+        backward_ms=tuple(_backward(s) for s in plan.stages),
+        comm_ms=tuple(s.comm_ms for s in plan.stages[:-1]),
+    )
+
+
+def plan_memory(plan: Plan) -> MemoryCosts:
+    """Per stage activation bytes (and I's frees, and under recomputation what is kept and re-created), per
+    pipeline-0 rank static bytes (ZeRO-1: each stage's optimizer state split over its holders), as searched."""
+    device_stages = [info.stages for info in plan.ranks if info.pipeline == 0]
+    training = plan.training
+    per_param: float | list[float] = training.optimizer_bytes_per_param
+    if training.zero:
+        per_param = [
+            float(
+                bytes_per_param(
+                    training.optimizer, training.precision, zero=1, group_size=s.replicas * training.data_parallel
+                )
+            )
+            for s in plan.stages
+        ]
+    static = device_static_bytes([s.param_count for s in plan.stages], device_stages, per_param)
+    memory = MemoryCosts(
+        activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
+        input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
+        static_bytes=static,
+    )
+    counts = [s.param_count for s in plan.stages]
+    memory = with_weight_versions(memory, plan.schedule, counts, plan.training.precision)
+    if all(s.kept_bytes is None for s in plan.stages):
+        return memory
+    return replace(
+        memory,
+        kept_bytes=tuple(float(s.activation_bytes if s.kept_bytes is None else s.kept_bytes) for s in plan.stages),
+        recompute_bytes=tuple(float(s.recompute_bytes) for s in plan.stages),
+    )
+
+
+def _backward(stage: StagePlan) -> float:
+    return stage.input_grad_ms + stage.weight_grad_ms if stage.backward_ms is None else stage.backward_ms
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The one-device-per-stage-slot Schedule the plan's op lists come from. With replicated stages it is
+    regenerated from the schedule name (a fixed order) and checked against the op lists."""
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
+    if all(s.replicas == 1 for s in plan.stages):
+        placement = {stage: device for device, stages in enumerate(pipe.device_stages) for stage in stages}
+        return Schedule(
+            name=plan.schedule,
+            num_devices=pipe.num_devices,
+            num_stages=num_stages,
+            num_microbatches=m,
+            stage_device=tuple(placement[s] for s in range(num_stages)),
+            device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
+        )
+    schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
+    expanded = replicate_paced(schedule, tuple(s.replicas for s in plan.stages))
+    if sorted(tuple(row) for row in expanded.op_strings()) != sorted(pipe.device_ops):
+        raise FormatError(f"plan rank_ops do not match schedule {plan.schedule} with replicated stages; re-plan")
+    return schedule
+
+
+def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
+    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs (or `costs`, e.g. measured op times
+    for a replay): the search's step (without the gradient all-reduce that follows it) and its per-rank peak
+    bytes."""
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
+    return simulate_layout(pipe, plan.schedule, num_stages, m, costs or plan_costs(plan), plan_memory(plan))
+
+
+def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
+    """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
+    stages in turn; ranks in parallel); for an asynchronous plan the stream's steady state (search/asynchronous)."""
+    allreduce = busiest_device_ms([s.allreduce_ms for s in plan.stages], [info.stages for info in plan.ranks])
+    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, allreduce)[0]
+
+
+def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:
+    """(rank, op, start_ms, end_ms) of pipeline 0 (the other pipelines run the same lists at the same times):
+    pipeline 0's rank r is pipeline device r."""
+    assert timeline.num_devices == sum(1 for info in plan.ranks if info.pipeline == 0), "not this plan's timeline"
+    return [(entry.device, str(entry.op), entry.start, entry.end) for entry in timeline.entries]

@@ -1,1 +1,0 @@
-"""Search over (pipeline depth, replicas, microbatches, schedule); Plan read/write; launch scripts; capacity."""

@@ -1,0 +1,34 @@
+"""`pipeplan plan`: parse -> search -> write the plan -> render."""
+
+from __future__ import annotations
+
+from pipeplan.console import out, print_json, progress_task
+from pipeplan.options import command
+from pipeplan.plan.summary import render_summary, summary_dict
+from pipeplan.search.plan_job import prepare_plan, run_plan_job
+from pipeplan.search.plan_options import PlanOptions
+
+
+@command(PlanOptions)
+def plan(options: PlanOptions) -> None:
+    """Choose pipeline depth, replication, microbatches and schedule, and write a runnable plan.
+
+    Writes DIR/plan.json, launch.sh, job.sbatch and timeline.json (DIR defaults to ./plan). MODEL is profiled on
+    the spot (measured on cpu/cuda, analytic with --device meta --hardware NAME); --profile FILE plans from a saved
+    profile (not runnable alone: give MODEL too so the plan names each stage's FX nodes). Profile costs are
+    scaled linearly to the microbatch size.
+
+    Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
+    Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
+    Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
+    Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
+    Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
+    """
+    job = prepare_plan(options)
+    with progress_task("searching plans", quiet=options.json_output) as update:
+        chosen, timeline = run_plan_job(job, progress=lambda done, total: update(completed=done, total=total))
+    if options.json_output:
+        print_json(summary_dict(chosen, plan_dir=str(job.output)))
+        return
+    render_summary(out, chosen, timeline=timeline)
+    out.print(f"wrote {job.output}/plan.json, launch.sh, job.sbatch, timeline.json")

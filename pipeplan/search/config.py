@@ -1,0 +1,97 @@
+"""`SearchConfig`: the training-side inputs of the search (batch, microbatch sizes, optimizer and precision,
+memory options, schedules' policy), checked once; the memory reserve's default and the prediction margin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.costs import RECOMPUTE_CHOICES, bytes_per_param, check_zero_stage, resolve_optimizer, static_split
+from pipeplan.errors import ConfigError
+
+# Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
+# by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
+PREDICTION_MARGIN = 0.02
+GIB = 1 << 30
+
+
+def parse_zero(text: str) -> int | str:
+    """`--zero`'s value: auto, or a ZeRO stage pipeplan supports (one ConfigError line otherwise)."""
+    if text == "auto":
+        return text
+    try:
+        stage = int(text)
+    except ValueError:
+        raise ConfigError(f"--zero must be auto, 0 or 1, got {text!r}") from None
+    return check_zero_stage(stage)
+
+
+def default_memory_reserve(memory_per_device: int) -> int:
+    """max(1 GiB, 5% of device memory), at most a quarter of it: a CUDA context with cuBLAS/cuDNN workspaces
+    takes 0.5-1 GiB, NCCL's point-to-point and all-reduce buffers a few hundred MiB more, and the caching
+    allocator's fragmentation is typically a few percent of what it holds. On an 80 GB H100 that keeps 4 GB
+    free; the quarter cap keeps small (test, CPU) devices usable."""
+    return min(max(GIB, int(0.05 * memory_per_device)), memory_per_device // 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """Training-side inputs of the search. `microbatch_sizes`: candidates (each must divide the global batch)."""
+
+    global_batch_size: int
+    microbatch_sizes: tuple[int, ...] = (1,)
+    optimizer: str = "adamw"  # adamw, sgd, sgd-nomomentum (or the aliases adamw-fp32 / adamw-bf16)
+    precision: str | None = None  # pipeplan.precision; None: the optimizer alias's, else bf16-mixed
+    replication: bool = True  # also try PipeDream replicated stages (schedules whose ScheduleInfo is replicable)
+    pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
+    memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
+    zero: int | str = "auto"  # ZeRO stage (0, or 1: sharded optimizer state), or auto: the search tries both
+    recompute: str = "auto"  # auto: stages recompute activations where memory needs it; none: never
+    allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
+    tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (planner.tensor_parallel)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if not self.microbatch_sizes or any(b < 1 for b in self.microbatch_sizes):
+            raise ConfigError(f"--microbatch-size values must be >= 1, got {list(self.microbatch_sizes)}")
+        bad = [b for b in self.microbatch_sizes if self.global_batch_size % b]
+        if bad:
+            raise ConfigError(
+                f"--global-batch-size ({self.global_batch_size}) must be divisible by --microbatch-size {bad[0]}"
+            )
+        if self.zero != "auto":
+            check_zero_stage(self.zero)
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
+        optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "precision", precision)
+        if self.memory_reserve_bytes < 0:
+            raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
+        if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
+            raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
+        if self.zero == 1:
+            bytes_per_param(self.optimizer, self.precision, zero=1)  # a number of bytes cannot be sharded
+
+    @property
+    def per_param(self) -> float:
+        """Bytes per parameter of weights + gradients + optimizer state under the precision."""
+        return bytes_per_param(self.optimizer, self.precision)
+
+    def least_per_param(self, data_parallel: int) -> float:
+        """The fewest bytes per parameter a device of a layout with `data_parallel` pipelines can hold: with ZeRO-1
+        allowed, the optimizer state split over at least the pipelines."""
+        if self.zero == 0 or data_parallel == 1 or not isinstance(self.optimizer, str):
+            return self.per_param
+        return bytes_per_param(self.optimizer, self.precision, zero=1, group_size=data_parallel)
+
+    @property
+    def split(self) -> tuple[float, float, float]:
+        """Bytes per parameter of (weights, gradients, optimizer state) under the precision."""
+        return static_split(self.optimizer, self.precision)
+
+    def check_devices(self, num_devices: int) -> None:
+        """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""
+        bad = [p for p in self.pipeline_depths or () if num_devices % p]
+        if bad:
+            raise ConfigError(f"--pipeline-depth {bad[0]} must divide --devices ({num_devices})")

@@ -1,0 +1,142 @@
+"""Turn the search's winner into a Plan (plan.json): its training settings, stages with their node names, rank map
+and op lists, prediction, alternatives and rationale.
+
+Stage node names come from the traced LayerGraph; a plan made from a profile alone has none and is marked not
+runnable (`Plan.runnable`). Rank `r` runs the op list of pipeline device `r % P`; microbatches are numbered per
+pipeline, so every pipeline runs the same lists. `pipeplan.plan.timing` turns a Plan back into the schedule and
+costs it was timed with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pipeplan
+from pipeplan.errors import FormatError
+from pipeplan.graph.trace import LayerGraph
+from pipeplan.plan.layout import rank_infos
+from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
+from pipeplan.precision import get_precision
+from pipeplan.profiling.profile import Profile
+from pipeplan.search.candidate import Evaluation
+from pipeplan.search.rationale import alternatives, memory_choices, rationale
+from pipeplan.search.search import SearchResult
+from pipeplan.search.tensor_parallel import devices_cluster
+
+
+def build_plan(
+    result: SearchResult,
+    *,
+    model: ModelRef,
+    layer_graph: LayerGraph | None = None,
+    evaluation: Evaluation | None = None,
+    num_alternatives: int = 3,
+    tensor_parallel_reason: str = "",
+) -> Plan:
+    """The Plan for `evaluation` (default: the best candidate of `result`); `tensor_parallel_reason` (why this
+    tensor-parallel size, `planner.tensor_search`) opens the rationale."""
+    chosen = evaluation or result.best
+    layout = chosen.layout
+    profile = result.profiles[layout.microbatch_size]
+    if layer_graph is not None:
+        _check_graph_matches(profile, layer_graph)
+    training = TrainingConfig(
+        global_batch_size=result.config.global_batch_size,
+        microbatch_size=layout.microbatch_size,
+        num_microbatches=layout.num_microbatches,
+        data_parallel=layout.data_parallel,
+        optimizer=str(result.config.optimizer).split("-")[0],  # the algorithm (adamw, sgd); --precision the bytes
+        optimizer_bytes_per_param=result.config.per_param,
+        dtype=get_precision(result.config.precision).compute_dtype_name,
+        precision=result.config.precision,
+        device=run_device_for(profile.provenance.device),
+        zero=chosen.zero,
+        tensor_parallel=result.config.tensor_parallel,
+    )
+    pipe = chosen.pipeline
+    world = pipe.num_devices * layout.data_parallel
+    tokens = model.tokens_per_sample
+    return Plan(
+        model=model,
+        cluster=devices_cluster(result.cluster, result.config.tensor_parallel),
+        training=training,
+        schedule=layout.schedule,
+        chunks=chosen.schedule.num_chunks,
+        stages=_stage_plans(chosen, profile, layer_graph),
+        ranks=rank_infos(pipe, layout.data_parallel, result.cluster),
+        rank_ops=tuple(pipe.device_ops[rank % pipe.num_devices] for rank in range(world)),
+        predicted=Prediction(
+            step_ms=chosen.step_ms,
+            samples_per_s=chosen.samples_per_s,
+            tokens_per_s=chosen.samples_per_s * tokens if tokens else None,
+            bubble_rate=chosen.timeline.bubble_rate,
+            peak_memory_bytes=tuple(chosen.device_memory_bytes[rank % pipe.num_devices] for rank in range(world)),
+            memory_limit_bytes=result.cluster.memory_per_device - result.config.memory_reserve_bytes,
+            memory_reserve_bytes=result.config.memory_reserve_bytes,
+        ),
+        alternatives=alternatives(result, chosen, limit=num_alternatives),
+        rationale=" ".join(part for part in (_sentence(tensor_parallel_reason), rationale(result, chosen)) if part),
+        memory_choices=memory_choices(result, chosen),
+        pipeplan_version=pipeplan.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _sentence(reason: str) -> str:
+    return f"Tensor parallelism {reason}." if reason else ""
+
+
+def _check_graph_matches(profile: Profile, graph: LayerGraph) -> None:
+    names = [layer.name for layer in graph.layers]
+    if names != [layer.name for layer in profile.layers]:
+        raise FormatError(
+            f"the profile's {profile.num_layers} layers do not match the traced model's {len(names)} layers; "
+            "re-profile the model (or pass the same --granularity)"
+        )
+
+
+def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None) -> tuple[StagePlan, ...]:
+    stage_memory = {}
+    for device, stages in enumerate(chosen.pipeline.device_stages):
+        for stage in stages:
+            stage_memory[stage] = chosen.device_memory_bytes[device]
+    plans = []
+    for index, stage in enumerate(chosen.partition.stages):
+        first, last = stage.first_layer, stage.last_layer
+        nodes = tuple(n for layer in graph.layers[first : last + 1] for n in layer.nodes) if graph else ()
+        plans.append(
+            StagePlan(
+                index=index,
+                first_layer=first,
+                last_layer=last,
+                layer_names=tuple(layer.name for layer in profile.layers[first : last + 1]),
+                node_names=nodes,
+                replicas=stage.replicas,
+                forward_ms=stage.forward_ms,
+                input_grad_ms=stage.input_grad_ms,
+                weight_grad_ms=stage.weight_grad_ms,
+                backward_ms=stage.backward_ms,
+                param_count=sum(layer.param_count for layer in profile.layers[first : last + 1]),
+                memory_bytes=int(stage_memory[index]),
+                comm_ms=chosen.costs.comm_ms[index] if index + 1 < len(chosen.partition.stages) else 0.0,
+                activation_bytes=int(chosen.memory.activation_bytes[index]),
+                activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
+                allreduce_ms=chosen.stage_allreduce_ms[index],
+                **_recompute_fields(chosen, index),
+            )
+        )
+    return tuple(plans)
+
+
+def _recompute_fields(chosen: Evaluation, index: int) -> dict:
+    """The stage's recomputation as searched: mode, added time, kept and re-created bytes."""
+    stage, memory = chosen.partition.stages[index], chosen.memory
+    if memory.kept_bytes is None:
+        return {}
+    rise = memory.recompute_bytes
+    return dict(
+        recompute=stage.recompute,
+        recompute_ms=stage.recompute_ms,
+        kept_bytes=int(memory.kept_bytes[index]),  # type: ignore[index]
+        recompute_bytes=int(rise[index] if isinstance(rise, tuple | list) else rise),
+    )

@@ -1,0 +1,137 @@
+"""Cheap step-time figures that order and prune the search before the partitioner runs, and a lower bound after.
+
+- `balanced_estimate_ms` (before partitioning): the layout's schedule simulated with perfectly balanced stages —
+  each stage gets 1/S of the model's F, I and W and the mean cut's transfer time — plus a lower bound on the
+  gradient all-reduce (the model's gradients spread evenly over a pipeline, reduced over the pipelines). A real
+  partition is never better balanced, so this is an estimate from below in practice (not a proof: per-stage
+  transfer times differ from the mean). For many microbatches the schedule is simulated with
+  m0 = 2P + (m mod P) microbatches and extended by the steady state, (m - m0) / P x the makespan's growth from m0
+  to m0 + P microbatches: every generator's fill and drain cost does not depend on m once m >= 2P.
+  It is raised to m x a lower bound on the busiest device's work (the best contiguous split's largest stage,
+  each layer's backward costed as the cheaper of the forms — B, or I + W — the schedule's ops use).
+  Replicated layouts get only that bubble-free bound: their partition may hold fewer than P stages.
+- `partition_lower_bound_ms` (after partitioning, before generating and simulating the schedule): the busiest
+  device's compute for all microbatches plus the all-reduce that follows the flush — a true lower bound on the
+  simulated step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pipeplan.cluster import Cluster
+from pipeplan.costs import allreduce_ms, busiest_device_ms, stages_per_device, transfer_ms
+from pipeplan.partition.result import Partition
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.registry import default_chunks, generate, schedule_info
+from pipeplan.schedules.simulate import StageCosts, simulate
+from pipeplan.search.candidate import REPLICATED, Layout, stage_work_ms
+from pipeplan.search.gradient_sync import allreduce_step_ms, stage_allreduce_ms
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule(name: str, num_devices: int, num_microbatches: int) -> Schedule:
+    """A fixed-order schedule (every generator but zb-auto ignores costs), cached across microbatch sizes."""
+    return generate(name, num_devices=num_devices, num_microbatches=num_microbatches)
+
+
+def probe_microbatches(num_devices: int, num_microbatches: int) -> int:
+    """m itself when small, else 2P + (m mod P): same residue (divisibility rules hold), at least 2P."""
+    if num_microbatches <= 3 * num_devices:
+        return num_microbatches
+    return 2 * num_devices + num_microbatches % num_devices
+
+
+def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> float:
+    """Step time of `layout` with perfectly balanced stages (see the module docstring). Raises ScheduleError
+    when the schedule does not support the layout's shape."""
+    p, m = layout.pipeline_devices, layout.num_microbatches
+    chunks = 1 if layout.mode == REPLICATED else default_chunks(layout.schedule)
+    stages = p * chunks
+    forward = sum(layer.forward_ms for layer in profile.layers) / stages
+    input_grad = sum(layer.input_grad_ms for layer in profile.layers) / stages
+    weight_grad = sum(layer.weight_grad_ms for layer in profile.layers) / stages
+    backward = sum(layer.backward_ms for layer in profile.layers) / stages
+    cuts = profile.cut_bytes or (0,)
+    comm = transfer_ms(sum(cuts) / len(cuts), cluster.link_for_consecutive(p)) if p > 1 else 0.0
+    costs = StageCosts(
+        forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, backward_ms=backward, comm_ms=comm
+    )
+    # zb-auto (ZB-1p) is never slower than zb-h1 under the same costs and, with balanced stages, no faster in
+    # practice: estimate it with zb-h1 and skip its (slow) list scheduling here
+    probe = "zb-h1" if layout.schedule == "zb-auto" else layout.schedule
+    m0 = probe_microbatches(p, m)
+    schedule = _schedule(probe, p, m0)
+    busiest = per_device_bound_ms(layout, profile, backward_kinds(schedule))
+    if layout.mode == REPLICATED or schedule_info(layout.schedule).asynchronous:
+        # the partitioner may replicate stages down to fewer than P stages (even one: plain data parallelism, no
+        # bubble), so only the bubble-free bound is safe here; an asynchronous stream has no flush either
+        pipeline = m * busiest
+    else:
+        makespan = simulate(schedule, costs).makespan
+        if m > m0:  # steady state: P more microbatches cost the same whatever m is, once m >= 2P
+            makespan += (m - m0) / p * (simulate(_schedule(probe, p, m0 + p), costs).makespan - makespan)
+        pipeline = max(makespan, m * busiest)
+    return pipeline + allreduce_lower_bound_ms(layout, profile, cluster)
+
+
+def backward_kinds(schedule: Schedule) -> frozenset[str]:
+    """Which backward ops the schedule runs: {"B"}, {"I", "W"} or both (dualpipev mixes them)."""
+    return frozenset(op.kind for ops in schedule.device_ops for op in ops) - {"F"}
+
+
+def per_device_bound_ms(layout: Layout, profile: Profile, kinds: frozenset[str]) -> float:
+    """A lower bound on the busiest device's work per microbatch: the model's compute (F + the cheaper of the
+    backward forms the schedule uses) over P devices, and for straight pipelines the smallest possible largest
+    stage when cutting the layers into S contiguous stages."""
+    work = [la.forward_ms + _cheapest_backward(la, kinds) for la in profile.layers]
+    even = sum(work) / layout.pipeline_devices
+    if layout.mode == REPLICATED:
+        return even
+    stages = layout.pipeline_devices * default_chunks(layout.schedule)
+    return max(even, min_largest_stage(work, stages))
+
+
+def _cheapest_backward(layer, kinds: frozenset[str]) -> float:
+    options = [layer.backward_ms] if "B" in kinds else []
+    if "I" in kinds:
+        options.append(layer.input_grad_ms + layer.weight_grad_ms)
+    return min(options)
+
+
+def min_largest_stage(work: list[float], num_stages: int) -> float:
+    """Largest stage of the best split of `work` into <= num_stages contiguous stages, from below (bisection on
+    the greedy packing test, returning the infeasible end: never above the optimum)."""
+    low, high = max(work), sum(work)
+    if num_stages >= len(work):
+        return low
+    for _ in range(40):
+        middle = (low + high) / 2
+        stages, current = 1, 0.0
+        for w in work:
+            if current + w > middle:
+                stages, current = stages + 1, w
+            else:
+                current += w
+        if stages <= num_stages:
+            high = middle
+        else:
+            low = middle
+    return low
+
+
+def allreduce_lower_bound_ms(layout: Layout, profile: Profile, cluster: Cluster) -> float:
+    """The gradients spread evenly over a pipeline's devices, ring all-reduced over the pipelines."""
+    if layout.data_parallel == 1:
+        return 0.0
+    grad_bytes = sum(layer.param_bytes for layer in profile.layers) / layout.pipeline_devices
+    link = cluster.link_for_consecutive(layout.pipeline_devices * layout.data_parallel)
+    return allreduce_ms(grad_bytes, layout.data_parallel, link)
+
+
+def partition_lower_bound_ms(layout: Layout, part: Partition, profile: Profile, cluster: Cluster) -> float:
+    """m x the busiest device's work per microbatch (its stages' F + backward, / replicas) + the all-reduce."""
+    busiest = busiest_device_ms(stage_work_ms(part), stages_per_device([s.devices for s in part.stages]))
+    allreduce = allreduce_step_ms(part, stage_allreduce_ms(profile, cluster, part, layout.data_parallel))
+    return layout.num_microbatches * busiest + allreduce

@@ -1,0 +1,280 @@
+"""What `pipeplan plan` searches over, from its options: the cluster (with machine defaults), the microbatch size
+candidates, and the profile (a file, or the model profiled on the spot)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from pipeplan.cluster import Cluster
+from pipeplan.errors import ConfigError
+from pipeplan.graph.trace import LayerGraph
+from pipeplan.paths import check_output_dir
+from pipeplan.plan.plan import ModelRef
+from pipeplan.precision import check_device_precision, get_precision, profile_precision
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import schedule_info
+from pipeplan.units import parse_int_list, parse_size
+
+PROFILE_FORMATS = ("pipeplan", "pipedream")
+CPU_DEFAULT_DEVICES = 2
+
+
+def default_devices() -> int:
+    """The local GPU count on a GPU machine, else 2 CPU processes."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_DEFAULT_DEVICES
+
+
+def default_memory_per_device(devices_per_node: int) -> int:
+    """The first GPU's memory, else this machine's RAM shared by the processes of one node."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices_per_node
+
+
+def make_cluster(
+    *, devices: int | None, devices_per_node: int | None, memory_per_device: str | None, hardware: str | None
+) -> Cluster:
+    """Cluster from the CLI options: a --hardware preset sets links and memory; explicit options override."""
+    num_devices = default_devices() if devices is None else devices
+    per_node = devices_per_node if devices_per_node is not None else min(num_devices, 8)
+    if hardware is not None:
+        from pipeplan.hardware import cluster_for
+
+        cluster = cluster_for(hardware, num_devices, per_node)
+    else:
+        cluster = Cluster(num_devices=num_devices, devices_per_node=per_node, memory_per_device=1)
+        memory_per_device = memory_per_device or str(default_memory_per_device(per_node))
+    if memory_per_device is not None:
+        cluster = replace(cluster, memory_per_device=parse_size(memory_per_device, option="--memory-per-device"))
+    return cluster
+
+
+def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
+    """`"2"` or `"1,2,4"`; by default only `default`, the batch size the profile is (or will be) measured at:
+    linear scaling cannot show a bigger microbatch's better device efficiency, so searching sizes is opt-in."""
+    if text is None:
+        return (default,)
+    return parse_int_list(text, option="--microbatch-size", example="1,2,4")
+
+
+def memory_reserve_bytes(text: str | None, memory_per_device: int) -> int:
+    """--memory-reserve as bytes (`0` keeps nothing back); the documented default when not given."""
+    from pipeplan.search.config import default_memory_reserve
+
+    if text is None:
+        return default_memory_reserve(memory_per_device)
+    return parse_size(text, option="--memory-reserve") if text.strip() not in ("0", "0B") else 0
+
+
+def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
+    """`"2"` or `"2,4"`: the devices per pipeline to try; None (the default) tries every divisor of --devices."""
+    if text is None:
+        return None
+    return parse_int_list(text, option="--pipeline-depth", example="2,4")
+
+
+def check_plan_options(
+    *, schedule: str, precision: str | None, output: str | os.PathLike, granularity: int | None = None
+) -> None:
+    """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
+    if granularity is not None and granularity < 1:
+        raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
+    if schedule != "auto":
+        schedule_info(schedule, also_accepted=("auto",))
+    if precision is not None:
+        get_precision(precision)
+    check_output_dir(output, "--output")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInput:
+    """The profile to plan from, what to record as the model, and its layers' FX nodes (None: not runnable)."""
+
+    profile: Profile
+    model: ModelRef
+    layer_graph: LayerGraph | None
+
+
+def load_profile_input(path: str, profile_format: str) -> PlanInput:
+    if profile_format not in PROFILE_FORMATS:
+        raise ConfigError(f"--profile-format must be one of {', '.join(PROFILE_FORMATS)}, got {profile_format!r}")
+    if profile_format == "pipedream":
+        from pipeplan.profiling.pipedream import read_pipedream_graph
+
+        profile = read_pipedream_graph(path)
+    else:
+        profile = Profile.load(path)
+    prov = profile.provenance
+    model = ModelRef(
+        ref=prov.model or str(path),
+        options=dict(prov.model_options),
+        fingerprint=prov.graph_fingerprint,
+        tokens_per_sample=prov.tokens_per_sample,
+        tracer=prov.tracer,
+    )
+    return PlanInput(profile=profile, model=model, layer_graph=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """How to profile a model on the spot: measured on cpu/cuda, or analytic on meta for a --hardware preset."""
+
+    model: str
+    options: dict[str, str]
+    batch_size: int
+    device: str = "cpu"
+    hardware: str | None = None
+    granularity: int | None = None
+    precision: str = "fp32"
+    quiet: bool = False
+    tracer: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda", "meta"):
+            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+        if self.device == "meta" and self.hardware is None:
+            raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+        check_device_precision(self.precision, "cpu" if self.device == "cpu" else "cuda")
+
+
+def check_profile_precision(profile: Profile, precision: str | None) -> str:
+    """The precision to plan for: the profile's; a different --precision is refused (its costs are not those)."""
+    found = profile_precision(profile.provenance)
+    if precision is not None and precision != found:
+        raise ConfigError(
+            f"--precision {precision} but the profile was made for {found}; profile again with --precision "
+            f"{precision} or drop --precision"
+        )
+    return found
+
+
+def profile_model_input(request: ProfileRequest) -> PlanInput:
+    from pipeplan.graph.trace import trace_model
+    from pipeplan.models import load_model
+    from pipeplan.models.registry import canonical_ref
+
+    spec = load_model(request.model, request.options)
+    if request.device == "meta":
+        from pipeplan.profiling.analytic import profile_analytic
+
+        profile = profile_analytic(
+            spec,
+            batch_size=request.batch_size,
+            hardware=request.hardware,
+            granularity=request.granularity,
+            progress=not request.quiet,
+            tracer=request.tracer,
+            precision=request.precision,
+        )
+    else:
+        from pipeplan.profiling.measure import profile_model
+
+        profile = profile_model(
+            spec,
+            batch_size=request.batch_size,
+            device=request.device,
+            granularity=request.granularity,
+            progress=not request.quiet,
+            model_ref=request.model,
+            model_options=dict(request.options),
+            tracer=request.tracer,
+            precision=request.precision,
+        )
+    tracer = profile.provenance.tracer or request.tracer
+    traced = trace_model(
+        spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer
+    )
+    profile = selective_where_runnable(profile, traced)
+    ref, digest = canonical_ref(request.model)
+    model = ModelRef(
+        ref=ref,
+        file_sha256=digest,
+        options=dict(request.options),
+        fingerprint=traced.layer_graph.fingerprint,
+        granularity=request.granularity,
+        tokens_per_sample=spec.tokens_per_sample,
+        tracer=traced.tracer,
+    )
+    return PlanInput(profile=profile, model=model, layer_graph=traced.layer_graph)
+
+
+def selective_where_runnable(profile: Profile, traced) -> Profile:
+    """`profile` with selective recomputation data only on layers that call scaled_dot_product_attention: the
+    runtime recomputes only those calls (runtime/recompute_run.py), so elsewhere selective keeps what none keeps
+    and the planner never offers it (a hand-written attention's internals stay saved)."""
+    from pipeplan.graph.recompute_modes import is_attention
+
+    targets = {node.name: node.target for node in traced.graph_module.graph.nodes if node.op == "call_function"}
+    layers = tuple(
+        layer
+        if any(is_attention(targets.get(name)) for name in graph_layer.nodes)
+        else replace(layer, selective_activation_bytes=layer.activation_bytes, selective_recompute_ms=0.0)
+        for layer, graph_layer in zip(profile.layers, traced.layer_graph.layers, strict=True)
+    )
+    return profile if layers == profile.layers else replace(profile, layers=layers)
+
+
+def attach_model(
+    source: PlanInput, model: str, options: dict[str, str], granularity: int | None, tracer: str = "auto"
+) -> PlanInput:
+    """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
+    profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
+    from pipeplan.graph.trace import trace_model
+    from pipeplan.models import load_model
+    from pipeplan.models.registry import canonical_ref
+
+    spec = load_model(model, options)
+    prov = source.profile.provenance
+    if tracer == "auto" and prov.tracer:
+        tracer = prov.tracer
+    traced = trace_model(spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer)
+    graph = traced.layer_graph
+    recorded = prov.graph_fingerprint
+    names = [layer.name for layer in source.profile.layers]
+    if (recorded and recorded != graph.fingerprint) or names != [layer.name for layer in graph.layers]:
+        raise ConfigError(
+            f"--profile was made from another graph than MODEL {model!r} with these options; profile this model "
+            "again (same -a options, --granularity and --tracer) or drop MODEL"
+        )
+    canonical, digest = canonical_ref(model)
+    ref = ModelRef(
+        ref=canonical,
+        file_sha256=digest,
+        options=dict(options),
+        fingerprint=graph.fingerprint,
+        granularity=granularity,
+        tokens_per_sample=spec.tokens_per_sample,
+        tracer=graph.tracer,
+    )
+    return PlanInput(profile=selective_where_runnable(source.profile, traced), model=ref, layer_graph=graph)
+
+
+def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:
+    """torch.export specializes shapes to the batch size, so an exported graph's nodes (and fingerprint) are those
+    of the batch size it runs at: trace it again at the chosen microbatch size, as the runtime will."""
+    if source.layer_graph is None or source.layer_graph.tracer != "export":
+        return source
+    from pipeplan.graph.trace import trace_model
+    from pipeplan.models import load_model
+
+    model = source.model
+    spec = load_model(model.ref, dict(model.options))
+    graph = trace_model(
+        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export"
+    ).layer_graph
+    if [layer.name for layer in graph.layers] != [layer.name for layer in source.layer_graph.layers]:
+        raise ConfigError(
+            f"model {model.ref!r} exports to other layers at microbatch size {microbatch_size}; give "
+            f"--microbatch-size {microbatch_size} and profile at that batch size"
+        )
+    return replace(source, model=replace(model, fingerprint=graph.fingerprint), layer_graph=graph)

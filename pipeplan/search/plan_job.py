@@ -1,0 +1,141 @@
+"""What `pipeplan plan` does between parsing and printing: resolve its options into a search (cluster, search
+config, the profile to plan from, with every default filled in), search, and write the plan directory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeplan.cluster import Cluster
+from pipeplan.hardware import load_hardware
+from pipeplan.models import parse_assignments
+from pipeplan.plan.plan import Plan
+from pipeplan.plan.scripts import write_plan_dir
+from pipeplan.plan.timing import timeline_rows
+from pipeplan.precision import default_precision
+from pipeplan.schedules.simulate import Timeline
+from pipeplan.search.config import SearchConfig, parse_zero
+from pipeplan.search.emit import build_plan
+from pipeplan.search.inputs import (
+    PlanInput,
+    ProfileRequest,
+    attach_model,
+    check_profile_precision,
+    graph_at_microbatch,
+    load_profile_input,
+    make_cluster,
+    memory_reserve_bytes,
+    microbatch_candidates,
+    pipeline_depth_candidates,
+    profile_model_input,
+)
+from pipeplan.search.plan_options import PlanOptions
+from pipeplan.search.tensor_search import (
+    TensorParallelTry,
+    chosen_try,
+    search_tensor_parallel,
+    tensor_parallel_reason,
+    tensor_parallel_sizes,
+)
+
+DEFAULT_BATCH_PER_DEVICE = 4  # --global-batch-size defaults to 4 samples per device
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanJob:
+    """A resolved `pipeplan plan`: what to search and where to write the result."""
+
+    source: PlanInput
+    cluster: Cluster
+    config: SearchConfig
+    schedules: tuple[str, ...] | None  # None: every schedule (--schedule auto)
+    output: Path
+    tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (planner.tensor_search)
+
+
+def prepare_plan(options: PlanOptions) -> PlanJob:
+    """Fill in the defaults, check the search config, then load or profile the model (the slow part, last)."""
+    hardware = options.hardware
+    if options.hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
+        hardware = load_hardware(hardware or "", hardware_file=options.hardware_file)
+    cluster = make_cluster(
+        devices=options.devices,
+        devices_per_node=options.devices_per_node,
+        memory_per_device=options.memory_per_device,
+        hardware=hardware,
+    )
+    source = _profile_file(options)
+    if source is not None:
+        precision = check_profile_precision(source.profile, options.precision)
+    else:
+        precision = options.precision or default_precision(options.device)
+    default_size = source.profile.provenance.batch_size if source is not None else 1
+    sizes = microbatch_candidates(options.microbatch_size, default_size)
+    batch = options.global_batch_size
+    config = SearchConfig(  # checked before the (slow) profiling
+        global_batch_size=batch if batch is not None else DEFAULT_BATCH_PER_DEVICE * cluster.num_devices,
+        microbatch_sizes=sizes,
+        optimizer=options.optimizer,
+        precision=precision,
+        replication=not options.no_replication,
+        pipeline_depths=pipeline_depth_candidates(options.pipeline_depth),
+        memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, cluster.memory_per_device),
+        zero=parse_zero(options.zero),
+        recompute=options.recompute,
+        allow_async=options.allow_async,
+    )
+    config.check_devices(cluster.num_devices)
+    if source is None:
+        source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
+    schedules = None if options.schedule == "auto" else (options.schedule,)
+    tensor_sizes = tensor_parallel_sizes(options.tensor_parallel, source.profile, cluster)
+    return PlanJob(
+        source=source,
+        cluster=cluster,
+        config=config,
+        schedules=schedules,
+        output=Path(options.output),
+        tensor_parallel=tensor_sizes,
+    )
+
+
+def _profile_file(options: PlanOptions) -> PlanInput | None:
+    """--profile's costs (with MODEL's traced graph when MODEL is given too), or None without --profile."""
+    if options.profile is None:
+        return None
+    source = load_profile_input(str(options.profile), options.profile_format)
+    if options.model is None:
+        return source
+    model_options = parse_assignments(options.assignments)
+    return attach_model(source, options.model, model_options, options.granularity, options.tracer)
+
+
+def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:
+    assert options.model is not None  # PlanOptions requires MODEL or --profile
+    return ProfileRequest(
+        model=options.model,
+        options=parse_assignments(options.assignments),
+        batch_size=batch_size,
+        device=options.device,
+        hardware=hardware,
+        granularity=options.granularity,
+        precision=precision,
+        quiet=options.json_output,
+        tracer=options.tracer,
+    )
+
+
+def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = None) -> tuple[Plan, Timeline]:
+    """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and
+    timeline.json."""
+    tries = search_tensor_parallel(
+        job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
+    )
+    result = chosen_try(tries).result
+    source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
+    why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
+    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
+    timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
+    write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
+    return chosen, timeline

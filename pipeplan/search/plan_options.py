@@ -1,0 +1,100 @@
+"""`pipeplan plan`'s options, declared once and checked before anything slow (profiling may take minutes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeplan.console import warn
+from pipeplan.errors import ConfigError
+from pipeplan.graph.trace import check_tracer
+from pipeplan.options import argument, option
+from pipeplan.plan.asynchronous import searched_schedules
+from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.search.inputs import check_plan_options
+from pipeplan.search.tensor_search import AUTO, parse_tensor_parallel
+
+DEFAULT_OUTPUT = "plan"
+MODEL_HELP = "Built-in model, path/to/file.py:factory or package.module:factory."
+RESERVE_HELP = (
+    "Device memory kept free for what the model does not count (CUDA context, NCCL buffers, fragmentation), "
+    "e.g. 2GiB or 0 (default: max(1GiB, 5% of device memory))."
+)
+PRECISION_HELP = (
+    "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: the profile's; on the spot bf16-mixed on cuda/meta, "
+    "fp32 on cpu), e.g. --precision bf16-mixed."
+)
+ZERO_HELP = (
+    "auto: the search tries ZeRO-1 beside 0 where stages have several holders and keeps it when it fits where 0 does "
+    "not or is >2% faster; 1: shard the optimizer state over the ranks holding the same parameters; 0: off."
+)
+RECOMPUTE_HELP = (
+    "auto: stages recompute activations (selective or full, the cheapest that fits) where memory needs it; none: never."
+)
+TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+ASYNC_HELP = (
+    "Also consider the asynchronous schedules pipedream and pipedream-2bw: no flush, but stale weights (they change "
+    "what training computes; the summary says how stale)."
+)
+TENSOR_HELP = (
+    "Devices per tensor-parallel group: auto (analytic profiles: try 1,2,4,8 dividing the devices per node; "
+    "measured: 1) or N. Plans with N > 1 are analytic: `run` does not execute them."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    model: str | None = argument(None, help=MODEL_HELP)
+    assignments: list[str] | None = option(None, "--arg", "-a", help="Model option key=value (repeatable).")
+    profile: Path | None = option(None, "--profile", help="Plan from a profile file instead of a model.")
+    profile_format: str = option("pipeplan", "--profile-format", help="pipeplan or pipedream (graph.txt).")
+    devices: int | None = option(None, "--devices", "-n", help="Devices in all (default: local GPUs, or 2 on CPU).")
+    devices_per_node: int | None = option(None, "--devices-per-node", help="Devices per node (default: min(N, 8)).")
+    memory_per_device: str | None = option(None, "--memory-per-device", help="e.g. 80GiB (default: hardware/RAM).")
+    memory_reserve: str | None = option(None, "--memory-reserve", help=RESERVE_HELP)
+    hardware: str | None = option(None, "--hardware", help="Preset for links and memory (h100, a100-80gb, ...).")
+    hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate).")
+    device: str = option("cpu", "--device", help="Profile on cpu or cuda (measured) or meta (analytic).")
+    global_batch_size: int | None = option(None, "--global-batch-size", "-B", help="Samples per step (default 4 x N).")
+    microbatch_size: str | None = option(
+        None, "--microbatch-size", "-b", help="b, or candidates like 1,2,4 (default: the profile's batch size, or 1)."
+    )
+    pipeline_depth: str | None = option(
+        None, "--pipeline-depth", "-p", help="Devices per pipeline, or candidates like 2,4 (default: divisors of N)."
+    )
+    optimizer: str = option(
+        "adamw", "--optimizer", help="adamw, sgd or sgd-nomomentum: its state, in --precision's dtype (memory)."
+    )
+    precision: str | None = option(None, "--precision", help=PRECISION_HELP)
+    zero: str = option("auto", "--zero", help=ZERO_HELP)
+    recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
+    tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
+    schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
+    allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
+    no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
+    granularity: int | None = option(None, "--granularity", help="Layer grouping depth when tracing the model.")
+    tracer: str = option("auto", "--tracer", help=TRACER_HELP)
+    output: str = option(DEFAULT_OUTPUT, "--output", "-o", help="Directory for plan.json and scripts.")
+    json_output: bool = option(False, "--json", help="Print only the summary as JSON.")
+
+    def __post_init__(self) -> None:
+        check_plan_options(
+            schedule=self.schedule, precision=self.precision, output=self.output, granularity=self.granularity
+        )
+        if self.model is None and self.profile is None:
+            raise ConfigError("give MODEL (e.g. gpt), --profile FILE, or both (the model's graph, the file's costs)")
+        if self.profile is not None:
+            without_model = self.model is None
+            flags = ("-a", self.assignments), ("--granularity", self.granularity), ("--device", self.device != "cpu")
+            ignored = [flag for flag, given in flags if given and (without_model or flag == "--device")]
+            if ignored:
+                warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
+        check_tracer(self.tracer)
+        if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
+            searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
+        t = parse_tensor_parallel(self.tensor_parallel)
+        if t != AUTO and t > 1 and self.profile is None and self.device != "meta":
+            raise ConfigError(
+                f"--tensor-parallel {t} plans analytically: profile with --device meta --hardware NAME (or give an "
+                "analytic --profile)"
+            )

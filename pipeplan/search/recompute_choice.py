@@ -1,0 +1,171 @@
+"""Each stage's recomputation mode, settled on the simulator's exact byte peaks, and why each recomputing stage
+needs it.
+
+The partitioner chooses cuts and modes together (`partition.costs.screened_recompute`): each stage takes the
+cheapest mode that passes its memory screen, a bound on the live bytes. Given the cuts, the choice is separable
+but for the memory the stages of one device share, so the planner settles it per device, greedily, on the exact
+peaks of the op lists it will run (`schedules.simulate.device_activation_peak`): stages in order of the time their
+recomputation adds, largest first, each takes the cheapest mode (none, then selective or full by time) that keeps
+every device holding it within the limit. A mode is only dropped when the peaks stay within memory, so every
+stage that still recomputes needs it — `recompute_reasons` says by how much — and the step only gets faster (the
+op order is unchanged; I and B get shorter). The partitioner's screen is a bound, so this keeps what it chose
+unless the exact peaks leave room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipeplan.costs import (
+    LayerArrays,
+    backward_op_ms,
+    device_totals,
+    mode_offered,
+    stage_freed_bytes,
+    stage_grad_ms,
+    stage_kept_bytes,
+    stage_memory_bytes,
+    stage_recompute_bytes,
+    stage_recompute_ms,
+    stages_per_device,
+)
+from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.result import Partition
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.ops import Op
+from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activation_rises, device_activation_peak
+from pipeplan.units import format_bytes
+
+
+def with_recompute_bytes(
+    memory: MemoryCosts, arrays: LayerArrays, ranges: Sequence[tuple[int, int]], modes: Sequence[str]
+) -> MemoryCosts:
+    """`memory` with each stage's kept, re-created and I-freed bytes under its mode (`costs.recompute`)."""
+    pairs = list(zip(ranges, modes, strict=True))
+    return replace(
+        memory,
+        kept_bytes=tuple(float(stage_kept_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+        recompute_bytes=tuple(float(stage_recompute_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+    )
+
+
+class _Peaks:
+    """Exact activation peaks of one pipeline's devices for a choice of modes (static bytes added)."""
+
+    def __init__(self, part: Partition, arrays: LayerArrays, device_ops, static: Sequence[float]) -> None:
+        self.arrays, self.ranges, self.static = arrays, part.stage_ranges, static
+        self.ops = device_ops  # Ops, per device
+        self.base = MemoryCosts(
+            activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in self.ranges),
+            input_grad_freed_bytes=(0.0,) * len(self.ranges),  # each mode's own: with_recompute_bytes
+        )
+
+    def of(self, modes: Sequence[str], devices: Sequence[int]) -> list[float]:
+        memory = with_recompute_bytes(self.base, self.arrays, self.ranges, modes)
+        delta, rise = activation_deltas(memory, len(modes)), activation_rises(memory, len(modes))
+        return [self.static[d] + device_activation_peak(self.ops[d], delta, rise) for d in devices]
+
+
+def settle_recompute(
+    part: Partition, profile: Profile, pipe, static: Sequence[float], limit: float, config: PartitionConfig
+) -> Partition:
+    """`part` with each recomputing stage lowered to the cheapest mode the exact peaks of `pipe`'s op lists
+    (static bytes per device `static`) allow within `limit` (see the module docstring)."""
+    modes = [s.recompute for s in part.stages]
+    if all(m == "none" for m in modes):
+        return part
+    arrays = LayerArrays.from_profile(profile)
+    peaks = _Peaks(part, arrays, pipe.op_lists(), static)
+    ms = [_mode_ms(arrays, config, a, b) for a, b in part.stage_ranges]
+    for stage in sorted(range(part.num_stages), key=lambda s: -ms[s][modes[s]]):
+        cheaper = sorted((t, m) for m, t in ms[stage].items() if t < ms[stage][modes[stage]])
+        devices = pipe.stage_devices(stage)
+        for _, mode in cheaper:
+            trial = [*modes[:stage], mode, *modes[stage + 1 :]]
+            if max(peaks.of(trial, devices)) <= limit:
+                modes = trial
+                break
+    if modes == [s.recompute for s in part.stages]:
+        return part
+    return with_modes(part, arrays, modes, config)
+
+
+def _mode_ms(arrays: LayerArrays, config: PartitionConfig, first: int, last: int) -> dict[str, float]:
+    """Recompute ms of each mode stage [first..last] may take."""
+    return {
+        mode: float(stage_recompute_ms(arrays, mode, first, last))
+        for mode in config.recompute_modes
+        if mode_offered(arrays, mode, first, last)
+    }
+
+
+def with_modes(part: Partition, arrays: LayerArrays, modes: Sequence[str], config: PartitionConfig) -> Partition:
+    """`part` with the stages' recomputation `modes`: their I and B times, screened memory and stage times (the
+    DP's term, shifted by the change in recompute time per replica: exact for one-level partitions, where a
+    lower compute time leaves a transfer-bound stage at its transfer time)."""
+    stages = []
+    for stage, mode in zip(part.stages, modes, strict=True):
+        if mode == stage.recompute:
+            stages.append(stage)
+            continue
+        a, b = stage.first_layer, stage.last_layer
+        added = float(stage_recompute_ms(arrays, mode, a, b))
+        held = (stage.inflight_microbatches, stage.inflight_before_input_grad)
+        group = stage.replicas * config.data_parallel
+        memory = stage_memory_bytes(arrays, config, a, b, 1, held, mode=mode, group_size=group)
+        input_grad, weight_grad = stage_grad_ms(arrays, a, b, added)
+        stages.append(
+            replace(
+                stage,
+                recompute=mode,
+                recompute_ms=added,
+                input_grad_ms=input_grad,
+                weight_grad_ms=weight_grad,
+                backward_ms=float(backward_op_ms(arrays.span("backward", a, b), added)),
+                time_ms=max(stage.time_ms + (added - stage.recompute_ms) / stage.replicas, stage.comm_ms),
+                memory_bytes=int(-(-float(memory) // 1)),
+            )
+        )
+    held_by = stages_per_device([s.devices for s in stages])
+    return replace(
+        part,
+        stages=tuple(stages),
+        objective_ms=max(s.time_ms for s in stages),
+        device_load_ms=tuple(float(ms) for ms in device_totals([s.time_ms for s in stages], held_by)),
+        device_memory_bytes=tuple(device_totals([s.memory_bytes for s in stages], held_by)),
+    )
+
+
+def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, limit: float) -> list[str]:
+    """One line per recomputing stage: its mode and the peak its busiest device would reach without it (the
+    others as chosen), e.g. `stage 3 recomputes (full): without it needs 81.2 GiB of 80 GiB`. `memory`: the
+    candidate's MemoryCosts (static bytes per device), `device_ops`: one pipeline's op lists."""
+    if memory.kept_bytes is None:
+        return []
+    ops = [[Op.parse(text) for text in row] for row in device_ops]
+    static = memory.static_bytes if isinstance(memory.static_bytes, tuple | list) else (memory.static_bytes,) * len(ops)
+    lines = []
+    for stage, mode in enumerate(modes):
+        if mode == "none":
+            continue
+        without = _without_recompute(memory, stage, len(modes))
+        delta, rises = activation_deltas(without, len(modes)), activation_rises(without, len(modes))
+        holders = [d for d, row in enumerate(ops) if any(o.stage == stage for o in row)]
+        need = max(static[d] + device_activation_peak(ops[d], delta, rises) for d in holders)
+        lines.append(
+            f"stage {stage} recomputes ({mode}): without it needs {format_bytes(need)} of {format_bytes(limit)}"
+        )
+    return lines
+
+
+def _without_recompute(memory: MemoryCosts, stage: int, num_stages: int) -> MemoryCosts:
+    """`memory` with `stage` keeping all its saved bytes (mode none)."""
+    kept = list(memory.kept_bytes)  # type: ignore[arg-type]
+    rise = list(activation_rises(memory, num_stages)["B"])  # the re-created bytes (B's rise is exactly them)
+    freed = list(memory.input_grad_freed_bytes)  # type: ignore[arg-type]
+    kept[stage], rise[stage] = memory.activation_bytes[stage], 0.0  # type: ignore[index]
+    if stage == 0:
+        freed[0] = 0.0  # the model's first stage frees nothing at I without recomputation (stage_freed_bytes)
+    return replace(memory, kept_bytes=tuple(kept), recompute_bytes=tuple(rise), input_grad_freed_bytes=tuple(freed))

@@ -1,0 +1,113 @@
+"""ZeRO-1 cost formulas (pipeplan/costs/) against their sources: Megatron's distributed-optimizer
+bytes-per-parameter table and the ring all-reduce they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeplan.cluster import Cluster, Link
+from pipeplan.costs import (
+    adam_bytes_per_parameter,
+    check_zero_stage,
+    optimizer_state_bytes,
+    static_split,
+    zero1_exchange_ms,
+    zero_bytes_per_param,
+)
+from pipeplan.errors import ConfigError
+
+# Megatron Core developer guide, "Distributed Optimizer" (docs.nvidia.com/megatron-core/developer-guide/latest/
+# distrib_optimizer.html): (param dtype, grad dtype) -> (bytes without it, (constant, numerator) of c + n/d).
+MEGATRON_TABLE = {
+    "float16 param, float16 grads": (20, (4, 16)),
+    "float16 param, fp32 grads": (18, (6, 12)),
+    "fp32 param, fp32 grads": (16, (8, 8)),
+}
+# (weights, gradients, optimizer state incl. fp32 main params / main grads) of each row, in bytes per parameter
+MEGATRON_SPLITS = {
+    "float16 param, float16 grads": (2, 2, 16),  # fp32 main params + main grads + Adam m, v
+    "float16 param, fp32 grads": (2, 4, 12),  # fp32 main params + Adam m, v (grads accumulate in fp32)
+    "fp32 param, fp32 grads": (4, 4, 8),  # Adam m, v
+}
+
+
+@pytest.mark.parametrize("row", list(MEGATRON_TABLE))
+@pytest.mark.parametrize("d", [1, 2, 8, 64, 1000])
+def test_bytes_per_param_are_megatrons_table(row, d):
+    unsharded, (constant, numerator) = MEGATRON_TABLE[row]
+    split = MEGATRON_SPLITS[row]
+    assert zero_bytes_per_param(split, d, 0) == unsharded
+    assert zero_bytes_per_param(split, d, 1) == pytest.approx(constant + numerator / d, rel=1e-12)
+
+
+def test_pipeplan_precisions_follow_the_table():
+    """fp32 and bf16-mixed (fp32 parameters are the master weights) are Megatron's fp32 row; bf16 has no master
+    copy and keeps AdamW's moments in bf16."""
+    d = np.array([1, 2, 4, 16])
+    fp32_row = 8 + 8 / d
+    for precision in ("fp32", "bf16-mixed"):
+        np.testing.assert_allclose(zero_bytes_per_param(static_split("adamw", precision), d, 1), fp32_row)
+    np.testing.assert_allclose(zero_bytes_per_param(static_split("adamw", "bf16"), d, 1), 4 + 4 / d)
+
+
+def test_optimizer_state_bytes_shrink_by_the_group_size():
+    params = np.array([1e6, 7e9])
+    np.testing.assert_allclose(optimizer_state_bytes(params, 8.0, 4, 0), 8 * params)
+    np.testing.assert_allclose(optimizer_state_bytes(params, 8.0, np.array([4, 8]), 1), [2e6, 7e9])
+    np.testing.assert_allclose(optimizer_state_bytes(params, 12.0, 1, 1), 12 * params)  # one holder: no sharding
+
+
+def test_reduce_scatter_plus_all_gather_is_the_ring_all_reduce():
+    for same_node in (True, False):
+        cluster = Cluster(num_devices=64, devices_per_node=8, memory_per_device=1 << 30)
+        bandwidth = cluster.intra_node_bandwidth if same_node else cluster.inter_node_bandwidth
+        latency = cluster.intra_node_latency_s if same_node else cluster.inter_node_latency_s
+        for d in (1, 2, 3, 8, 64):
+            for size in (0.0, 1e3, 4e9):
+                link = Link(bandwidth=bandwidth, latency_s=latency)
+                both = zero1_exchange_ms(size, size, d, link) / 1e3
+                assert float(both) == pytest.approx(cluster.allreduce_s(size, d, same_node=same_node), rel=1e-12)
+
+
+def test_each_ring_half_moves_d_minus_one_over_d_of_the_buffer():
+    link = Link(bandwidth=100e9, latency_s=5e-6)
+    d = np.array([2, 4, 8])
+    expected = (d - 1) * 5e-6 + (d - 1) / d * 1e9 / 100e9  # d - 1 steps of 1/d of a 1 GB buffer
+    np.testing.assert_allclose(link.reduce_scatter_s(1e9, d), expected)
+    np.testing.assert_allclose(link.all_gather_s(1e9, d), expected)
+    # bf16 parameters gathered, fp32 gradients reduce-scattered (Megatron's float16-param, fp32-grad row)
+    np.testing.assert_allclose(zero1_exchange_ms(4e9, 2e9, 8, link) / 1e3, 2 * 7 * 5e-6 + 7 / 8 * 6e9 / 100e9)
+
+
+def test_only_zero_stages_0_and_1():
+    assert check_zero_stage(1) == 1
+    for bad in (2, 3, -1, True):
+        with pytest.raises(ConfigError, match="--zero .* not supported.*ZeRO-1"):
+            check_zero_stage(bad)
+    with pytest.raises(ConfigError):
+        zero_bytes_per_param((4, 4, 8), 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype", "plain", "sharded_over_8"),
+    [
+        ("fp16", "fp16", 20, 4 + 16 / 8),
+        ("bf16", "bf16", 20, 4 + 16 / 8),
+        ("bf16", "fp32", 18, 6 + 12 / 8),
+        ("fp16", "fp32", 18, 6 + 12 / 8),
+        ("fp32", "fp32", 16, 8 + 8 / 8),
+    ],
+)
+def test_optimizer_bytes_match_megatron_distributed_optimizer_table(param_dtype, grad_dtype, plain, sharded_over_8):
+    kwargs = dict(param_dtype=param_dtype, grad_dtype=grad_dtype)
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=False) == plain
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=1, distributed=True) == plain
+    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=True) == sharded_over_8
+
+
+def test_optimizer_bytes_refuse_unknown_configurations():
+    with pytest.raises(ConfigError, match="param_dtype must be one of"):
+        adam_bytes_per_parameter(param_dtype="int8", grad_dtype="fp32", data_parallel=2, distributed=True)
+    with pytest.raises(ConfigError, match="not a Megatron configuration"):
+        adam_bytes_per_parameter(param_dtype="fp32", grad_dtype="bf16", data_parallel=2, distributed=True)

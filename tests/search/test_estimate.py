@@ -1,0 +1,47 @@
+"""The search's pruning figures: the contiguous-split bound is the optimum from below; the partition bound never
+exceeds the simulated step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from planner_helpers import make_cluster, synthetic_profile
+
+from pipeplan.search.candidate import Evaluation, Layout, evaluate
+from pipeplan.search.estimate import min_largest_stage, partition_lower_bound_ms, probe_microbatches
+
+
+def _best_split(work: list[float], stages: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(work)), stages - 1):
+        bounds = (0, *cuts, len(work))
+        best = min(best, max(sum(work[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@given(st.lists(st.floats(0.1, 10.0), min_size=2, max_size=8), st.integers(1, 4))
+def test_min_largest_stage_is_the_optimum_from_below(work, stages):
+    stages = min(stages, len(work))
+    optimum = _best_split(work, stages)
+    bound = min_largest_stage(work, stages)
+    assert bound <= optimum + 1e-9
+    assert bound >= optimum * (1 - 1e-6) - 1e-9
+
+
+def test_probe_keeps_the_residue():
+    assert probe_microbatches(4, 8) == 8
+    assert probe_microbatches(4, 30) == 8 + 30 % 4
+    assert probe_microbatches(8, 512) == 16
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zbv", "interleaved"])
+def test_partition_bound_is_below_the_simulated_step(schedule):
+    profile = synthetic_profile(heavy_last=3.0, cut_bytes=10_000_000)
+    cluster = make_cluster(4)
+    layout = Layout(schedule=schedule, microbatch_size=1, data_parallel=2, pipeline_devices=2, num_microbatches=8)
+    result = evaluate(layout, profile, cluster, optimizer="adamw-bf16", global_batch_size=16)
+    assert isinstance(result, Evaluation)
+    assert partition_lower_bound_ms(layout, result.partition, profile, cluster) <= result.step_ms + 1e-9

@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
+from pipeplan.capacity.inputs import CAPACITY_PRECISION, capacity_profile  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
+from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 
 REPEATS = 3
 TARGET_S = 60.0
@@ -61,7 +62,13 @@ def _parts() -> dict[str, float]:
     profile = capacity_profile(MODEL, {}, seq=None, hardware=hardware, batch_size=1, quiet=True)
     profiled = time.perf_counter()
     batch = default_global_batch(profile.provenance.tokens_per_sample or 1, (1,))
-    capacity_sweep(profile, CapacityConfig(hardware=hardware, device_counts=DEVICES, global_batch_size=batch))
+    search = SearchConfig(
+        global_batch_size=batch,
+        precision=CAPACITY_PRECISION,
+        replication=False,
+        memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
+    )
+    capacity_sweep(profile, CapacityConfig(hardware=hardware, device_counts=DEVICES, search=search))
     return {"profile_s": profiled - start, "sweep_s": time.perf_counter() - profiled}
 
 

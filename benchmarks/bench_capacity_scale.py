@@ -21,11 +21,12 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
+from pipeplan.capacity.inputs import CAPACITY_PRECISION, capacity_profile  # noqa: E402
 from pipeplan.capacity.report import CapacityReport, CapacityRow  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
+from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 from pipeplan.units import format_gib  # noqa: E402
 
 MODELS = ("gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b")
@@ -46,7 +47,13 @@ def bench_model(model: str) -> dict:
     profile, profile_wall, profile_cpu = _timed(
         lambda: capacity_profile(model, {}, seq=None, hardware=hardware, batch_size=1, quiet=True)
     )
-    config = CapacityConfig(hardware=hardware, device_counts=DEVICES, global_batch_size=GLOBAL_BATCH)
+    search = SearchConfig(
+        global_batch_size=GLOBAL_BATCH,
+        precision=CAPACITY_PRECISION,
+        replication=False,
+        memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
+    )
+    config = CapacityConfig(hardware=hardware, device_counts=DEVICES, search=search)
     report, sweep_wall, sweep_cpu = _timed(lambda: capacity_sweep(profile, config, model=model))
     return {
         "model": model,

@@ -65,11 +65,11 @@ def _run(command: list[str]) -> float:
 
 
 def speed(workdir: Path) -> dict:
-    profile = profile_analytic(load_model("gpt2-1.5b"), batch_size=1, hardware=HARDWARE)
+    profile = profile_analytic(load_model("gpt2-1.5b"), batch_size=1, hardware=HARDWARE, precision="bf16-mixed")
     path = workdir / "gpt48.json"
     profile.save(path)
     cluster = cluster_for(HARDWARE, 64, 8)
-    config = SearchConfig(global_batch_size=256)
+    config = SearchConfig(global_batch_size=256, precision="bf16-mixed")
     search_s, result = median_seconds(lambda: search_plans(profile, cluster, config), REPEATS)
     command = [
         sys.executable,
@@ -122,11 +122,16 @@ def _uniform_1f1b(profile: Profile, devices: int, global_batch: int, microbatch:
     )
     bounds = [round(profile.num_layers * s / devices) for s in range(devices + 1)]
     part = fixed_cut_partition(
-        profile, pipeline_cluster(cluster, devices), partition_config(layout, "adamw-bf16"), bounds
+        profile,
+        pipeline_cluster(cluster, devices),
+        partition_config(layout, "adamw-bf16", precision="bf16-mixed"),
+        bounds,
     )
     if part is None or max(part.device_memory_bytes) > cluster.memory_per_device:
         return None
-    result = evaluate_partition(layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch)
+    result = evaluate_partition(
+        layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch, precision="bf16-mixed"
+    )
     return getattr(result, "samples_per_s", None)
 
 
@@ -146,11 +151,15 @@ def fixed_cut_partition(profile: Profile, cluster, config, bounds: list[int]):
 def quality() -> list[dict]:
     rows = []
     for name, (ref, options, microbatch) in MODELS.items():
-        profile = profile_analytic(load_model(ref, options), batch_size=microbatch, hardware=QUALITY_HARDWARE)
+        profile = profile_analytic(
+            load_model(ref, options), batch_size=microbatch, hardware=QUALITY_HARDWARE, precision="bf16-mixed"
+        )
         for devices in DEVICES:
             global_batch = microbatch * MICROBATCHES_PER_DEVICE * devices
             cluster = cluster_for(QUALITY_HARDWARE, devices, 8)
-            config = SearchConfig(global_batch_size=global_batch, microbatch_sizes=(microbatch,))
+            config = SearchConfig(
+                global_batch_size=global_batch, microbatch_sizes=(microbatch,), precision="bf16-mixed"
+            )
             best = search_plans(profile, cluster, config).best
             per_schedule = {}
             for schedule in SCHEDULE_NAMES:

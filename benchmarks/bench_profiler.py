@@ -76,7 +76,11 @@ def fidelity_case(ref: str, options: dict, batch_size: int, runs: int, timer: st
     spec = load_model(ref, options)
     forward, split, fused = [], [], []
     for _ in range(runs):
-        ratios = fidelity(profile_model(spec, batch_size=batch_size, warmup=2, repeats=5, progress=False, timer=timer))
+        ratios = fidelity(
+            profile_model(
+                spec, batch_size=batch_size, warmup=2, repeats=5, progress=False, timer=timer, precision="fp32"
+            )
+        )
         forward.append(ratios["forward_sum_over_whole"])
         split.append(ratios["split_backward_sum_over_whole"])
         fused.append(ratios["fused_backward_sum_over_whole"])

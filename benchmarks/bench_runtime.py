@@ -40,12 +40,13 @@ from pipeplan.models import load_model  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
+from pipeplan.profiling.profile_job import ProfileRequest  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.train import Trainer  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
 from pipeplan.search.config import SearchConfig  # noqa: E402
 from pipeplan.search.emit import build_plan  # noqa: E402
-from pipeplan.search.inputs import ProfileRequest, make_cluster, profile_model_input  # noqa: E402
+from pipeplan.search.inputs import make_cluster, profile_model_input  # noqa: E402
 from pipeplan.search.search import search_plans  # noqa: E402
 
 WARMUP, STEPS = 3, 12
@@ -198,7 +199,8 @@ def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Profile the demo gpt (one thread) and plan it per schedule as `pipeplan plan` does; (plan paths, skipped
     schedules with the planner's reason)."""
     torch.set_num_threads(1)
-    source = profile_model_input(ProfileRequest(model="gpt", options=GPT, batch_size=GPT_MICROBATCH_SIZE, quiet=True))
+    request = ProfileRequest(model="gpt", options=GPT, batch_size=GPT_MICROBATCH_SIZE, precision="fp32")
+    source = profile_model_input(request)
     cluster = make_cluster(devices=2, devices_per_node=None, memory_per_device=GPT_MEMORY, hardware=None)
     config = SearchConfig(
         global_batch_size=GPT_GLOBAL_BATCH,

@@ -217,6 +217,14 @@ def load_hardware(name: str | Hardware, *, hardware_file: str | os.PathLike | No
     return available[key]
 
 
+def resolve_hardware(name: str | None, hardware_file: str | os.PathLike | None = None) -> Hardware | None:
+    """`--hardware NAME` and `--hardware-file FILE` as every command reads them, once: the preset (or the file's
+    entry) by name; None when neither is given. A file without a name is refused in one line."""
+    if name is None and hardware_file is None:
+        return None
+    return load_hardware(name or "", hardware_file=hardware_file)  # no name: one line listing the file's names
+
+
 def cluster_for(hardware: str | Hardware, num_devices: int, devices_per_node: int = 8) -> Cluster:
     """A Cluster of `num_devices` such GPUs: memory = HBM, intra-node = NVLink, inter-node = network."""
     spec = load_hardware(hardware)

@@ -62,7 +62,8 @@ def measured_step_ms(
 
 def analytic_step_ms(spec: ModelSpec, batch_size: int, hardware: Hardware, *, dtype: str = "bfloat16") -> float:
     """The analytic profile's whole-model F + B in milliseconds."""
-    from pipeplan.profiling.analytic import profile_analytic
+    from pipeplan.profiling.analytic import precision_of_dtype, profile_analytic
 
-    profile = profile_analytic(spec, batch_size=batch_size, hardware=hardware, dtype=dtype)
+    precision = precision_of_dtype(dtype)
+    profile = profile_analytic(spec, batch_size=batch_size, hardware=hardware, precision=precision)
     return sum(layer.forward_ms + layer.backward_ms for layer in profile.layers)

@@ -69,7 +69,7 @@ def _row_cells(row: CapacityRow) -> list[str]:
 
 
 def render_report(report: CapacityReport) -> None:
-    usable = report.memory_per_device - report.memory_reserve_bytes
+    usable = report.usable_memory_bytes
     out.print(
         f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters, "
         f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "

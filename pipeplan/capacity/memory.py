@@ -16,11 +16,9 @@ import numpy as np
 
 from pipeplan.cluster import Cluster
 from pipeplan.costs import (
-    bytes_per_param,
     optimizer_state_bytes,
     spread_static_bytes,
     static_bytes,
-    static_split,
 )
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.single import held_counts
@@ -53,14 +51,10 @@ class MemorySplit:
         return {name: getattr(self, name) for name in names}
 
 
-def device_memory_split(
-    evaluation: Evaluation, profile: Profile, split: tuple[float, float, float] | str
-) -> MemorySplit:
+def device_memory_split(evaluation: Evaluation, profile: Profile, split: tuple[float, float, float]) -> MemorySplit:
     """The split of the pipeline device with the highest simulated peak (`evaluation.device_memory_bytes`);
     `profile` is scaled to the layout's microbatch size (the search's `profiles[b]`); `split`: bytes per parameter
-    of (weights, gradients, optimizer state), `SearchConfig.split` (or an optimizer name: bf16-mixed)."""
-    if isinstance(split, str):
-        split = static_split(split)
+    of (weights, gradients, optimizer state), `SearchConfig.split`."""
     part = evaluation.partition
     device = max(range(len(evaluation.device_memory_bytes)), key=lambda d: evaluation.device_memory_bytes[d])
     stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
@@ -80,12 +74,13 @@ def device_memory_split(
     )
 
 
-def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float, *, recompute: bool = False) -> float:
+def memory_floor_bytes(layout: Layout, profile: Profile, per_param: float, *, recompute: bool = False) -> float:
     """A lower bound on the memory per device any partition of `layout` needs under the partitioner's model
-    (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here). `optimizer`
-    may be the bytes per parameter (the least a device can hold, e.g. with ZeRO-1). With `recompute` a
-    stage may recompute, so it is only bounded by one microbatch of what selective recomputation keeps (every mode
-    holds at least that while a backward runs: full re-creates all of a stage's saved bytes).
+    (`profile` scaled to the layout's microbatch size); 0 for replicated layouts (not bounded here). `per_param`:
+    the fewest static bytes per parameter a device can hold (`SearchConfig.least_per_param`, e.g. with ZeRO-1).
+    With `recompute` a stage may recompute, so it is only bounded by one microbatch of what selective
+    recomputation keeps (every mode holds at least that while a backward runs: full re-creates all of a stage's
+    saved bytes).
 
     Straight pipelines cut the layers into exactly S = P x chunks non-empty contiguous stages; stage s holds c_s
     microbatches in flight (the schedule's memory model) and its parameters x bytes/param. A device holds at least
@@ -100,7 +95,6 @@ def memory_floor_bytes(layout: Layout, profile: Profile, optimizer: str | float,
     chunks = default_chunks(layout.schedule)
     held = held_counts(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks)
     inflight = np.asarray([before_i for _, before_i in held])
-    per_param = bytes_per_param(optimizer)
     static = np.concatenate([[0.0], np.cumsum(static_bytes([la.param_count for la in profile.layers], per_param))])
     if recompute:
         inflight = np.ones_like(inflight)

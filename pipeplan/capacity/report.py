@@ -94,6 +94,7 @@ class CapacityReport:
     global_batch_size: int
     tokens_per_sample: int
     memory_reserve_bytes: int = 0  # of memory_per_device, kept free (plans fit in the rest)
+    usable_memory_bytes: int  # what plans fit in (the search's `usable_memory_bytes`)
     param_count: int
     flops_per_token: float
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling

@@ -49,7 +49,7 @@ from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
-from pipeplan.search.config import SearchConfig, default_memory_reserve
+from pipeplan.search.config import SearchConfig
 from pipeplan.search.search import SearchResult, search_plans
 from pipeplan.search.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_inputs
 from pipeplan.search.tensor_search import (
@@ -66,26 +66,20 @@ DEFAULT_BATCH_TOKENS = 2**20  # default global batch: about a million tokens per
 
 @dataclass(frozen=True, kw_only=True)
 class CapacityConfig:
-    """What to sweep. `max_devices`: how far doubling may extend the listed counts (default 16 x the largest)."""
+    """What to sweep: the hardware and device counts, and `search`, the search's own config (global batch,
+    microbatch sizes, optimizer and precision, memory reserve and options) used for every count as it is.
+    `max_devices`: how far doubling may extend the listed counts (default 16 x the largest)."""
 
     hardware: Hardware
     device_counts: tuple[int, ...]
-    global_batch_size: int
+    search: SearchConfig
     devices_per_node: int = 8
-    microbatch_sizes: tuple[int, ...] = (1,)
     schedules: tuple[str, ...] = schedule_names(capacity_default=True)
-    optimizer: str = "adamw"
-    precision: str = "bf16-mixed"  # what the analytic profiles and the optimizer bytes assume
-    replication: bool = False
     per_schedule: bool = False  # also the best plan of each schedule (for plots)
     target_tokens: float | None = None
     days: float | None = None
     max_devices: int | None = None
-    memory_reserve_bytes: int | None = None  # device memory kept free; None: search.default_memory_reserve
-    allow_async: bool = False  # keep the asynchronous schedules (pipedream, pipedream-2bw) in `schedules`
-    tensor_parallel: str | int = "auto"  # auto, or one size t (planner.tensor_search)
-    recompute: str = "auto"  # as SearchConfig: auto recomputes where memory needs it; none never
-    zero: int | str = "auto"  # as SearchConfig: auto tries ZeRO-1 beside 0; 0 or 1 fixes it
+    tensor_parallel: str | int = "auto"  # auto, or one size t (search.tensor_search)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
@@ -99,9 +93,8 @@ class CapacityConfig:
                 raise ConfigError(f"--devices {n} is not a multiple of --devices-per-node ({self.devices_per_node})")
         for name in self.schedules or ("",):  # none named: the unknown-schedule error lists the choices
             schedule_info(name, also_accepted=("auto", "all"))
-        object.__setattr__(
-            self, "schedules", searched_schedules(self.schedules, allow_async=self.allow_async, named=False)
-        )
+        allow_async = self.search.allow_async
+        object.__setattr__(self, "schedules", searched_schedules(self.schedules, allow_async=allow_async, named=False))
         if (self.target_tokens is None) != (self.days is None):
             raise ConfigError("--target-tokens and --days go together; give both or neither")
         if self.target_tokens is not None and not (self.target_tokens > 0 and self.days > 0):
@@ -110,22 +103,7 @@ class CapacityConfig:
             object.__setattr__(self, "max_devices", 16 * self.device_counts[-1])
         if self.max_devices < self.device_counts[-1]:
             raise ConfigError(f"max_devices ({self.max_devices}) must be >= the largest --devices count")
-        self.search_config  # validates batch, microbatch sizes and optimizer  # noqa: B018
-
-    @property
-    def search_config(self) -> SearchConfig:
-        reserve = self.memory_reserve_bytes
-        return SearchConfig(
-            global_batch_size=self.global_batch_size,
-            microbatch_sizes=self.microbatch_sizes,
-            optimizer=self.optimizer,
-            precision=self.precision,
-            replication=self.replication,
-            memory_reserve_bytes=default_memory_reserve(self.hardware.memory_bytes) if reserve is None else reserve,
-            allow_async=self.allow_async,
-            recompute=self.recompute,
-            zero=self.zero,
-        )
+        self.search.usable_memory_bytes(self.hardware.memory_bytes)  # a reserve that leaves nothing: one line
 
     @property
     def tokens_per_s_needed(self) -> float | None:
@@ -177,8 +155,9 @@ def capacity_sweep(
         model=model or profile.provenance.model,
         hardware=config.hardware.name,
         memory_per_device=config.hardware.memory_bytes,
-        memory_reserve_bytes=config.search_config.memory_reserve_bytes,
-        global_batch_size=config.global_batch_size,
+        memory_reserve_bytes=config.search.memory_reserve_bytes,
+        usable_memory_bytes=config.search.usable_memory_bytes(config.hardware.memory_bytes),
+        global_batch_size=config.search.global_batch_size,
         tokens_per_sample=profile.provenance.tokens_per_sample or 1,
         param_count=sum(layer.param_count for layer in profile.layers),
         flops_per_token=sweep.flops_per_token,
@@ -217,7 +196,7 @@ class _Sweep:
         """Double the largest listed count until a row is `wanted`, up to max_devices; beyond global batch x layers
         x the largest tensor-parallel size devices no straight pipeline exists, so the doubling stops there too."""
         n = self.config.device_counts[-1] * 2
-        layouts = self.config.global_batch_size * self.profile.num_layers * max(TENSOR_PARALLEL_SIZES)
+        layouts = self.config.search.global_batch_size * self.profile.num_layers * max(TENSOR_PARALLEL_SIZES)
         limit = min(self.config.max_devices, layouts)
         while n <= limit:
             if progress is not None:
@@ -274,7 +253,7 @@ def _plan_tensor_parallel(
 ) -> tuple[CapacityRow, SearchResult | None, dict[str, CapacityRow]]:
     """One size's row, its best search result (None: nothing fits) and, with config.per_schedule, each schedule's
     row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
-    search_config = replace(config.search_config, tensor_parallel=t)
+    search_config = replace(config.search, tensor_parallel=t)
     screen = screen_layouts(*tensor_parallel_inputs(profile, cluster, t), search_config, config.schedules)
     num_devices = cluster.num_devices
     names = screen.schedules

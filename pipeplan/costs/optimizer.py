@@ -46,18 +46,17 @@ def sharded_bytes_per_param(split: tuple[float, float, float], shards):
     return weights + gradients + optimizer / np.asarray(shards, dtype=np.float64)
 
 
-def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[str | float, str]:
-    """(optimizer, precision) with an alias unfolded; precision None takes the alias's, else bf16-mixed. An alias
-    that names another precision than the one given is refused."""
+def resolve_optimizer(optimizer: str | float, precision: str) -> tuple[str | float, str]:
+    """(optimizer, precision) with an alias unfolded and both checked. The precision is the command's (no default
+    here); an alias that names another precision than the one given is refused."""
     if isinstance(optimizer, str) and optimizer in OPTIMIZER_ALIASES:
         name, implied = OPTIMIZER_ALIASES[optimizer]
-        if precision is not None and precision != implied:
+        if precision != implied:
             raise ConfigError(
                 f"--optimizer {optimizer} means adamw under --precision {implied}, not {precision}; use --optimizer "
                 "adamw (its bytes follow --precision)"
             )
         return name, implied
-    precision = precision or "bf16-mixed"
     get_precision(precision)
     if isinstance(optimizer, bool) or not isinstance(optimizer, str | int | float):
         raise ConfigError("--optimizer must be a name or a number of bytes per parameter")
@@ -71,7 +70,7 @@ def resolve_optimizer(optimizer: str | float, precision: str | None) -> tuple[st
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is refused where 1 is taken
-def static_split(optimizer: str | float, precision: str | None = None) -> tuple[float, float, float]:
+def static_split(optimizer: str | float, precision: str) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
     number as optimizer is the whole figure (counted as optimizer state). Cached: the partitioner asks for it per
     candidate stage."""
@@ -82,7 +81,7 @@ def static_split(optimizer: str | float, precision: str | None = None) -> tuple[
     return size, size, size * OPTIMIZER_STATES[optimizer]
 
 
-def bytes_per_param(optimizer: str | float, precision: str | None = None, *, zero: int = 0, group_size=1):
+def bytes_per_param(optimizer: str | float, precision: str, *, zero: int = 0, group_size=1):
     """Weights + gradients + optimizer state per parameter on one device: what `static_bytes` multiplies. With
     `zero` 1 the optimizer state is split over the `group_size` devices holding the same parameters
     (`zero_bytes_per_param`; elementwise over group_size, a float for a scalar). A number as optimizer is refused

@@ -184,13 +184,16 @@ def canonical_ref(ref: str) -> tuple[str, str]:
     return f"{path.resolve()}:{ref.rpartition(':')[2]}", file_sha256(path)
 
 
-def load_model(ref: str, options: dict[str, Any] | None = None) -> ModelSpec:
-    """Resolve `ref` (built-in name, file.py:factory, pkg.mod:factory) with `options` into a ModelSpec."""
+def load_model(
+    ref: str, options: dict[str, Any] | None = None, *, preset_overridable: tuple[str, ...] = ()
+) -> ModelSpec:
+    """Resolve `ref` (built-in name, file.py:factory, pkg.mod:factory) with `options` into a ModelSpec. A preset's
+    fixed options may be replaced only where `preset_overridable` names them (e.g. capacity's --seq)."""
     options = dict(options or {})
     if ref in BUILTINS:
         builtin = BUILTINS[ref]
         if builtin.preset is not None:
-            fixed = sorted(set(options) & set(builtin.preset))
+            fixed = sorted((set(options) - set(preset_overridable)) & set(builtin.preset))
             if fixed:
                 raise ModelError(f"preset {ref!r} fixes {', '.join(fixed)}; use the base model to change them")
             options = {**builtin.preset, **options}

@@ -1,8 +1,8 @@
 """PartitionConfig: what the partitioner optimizes for (microbatches, schedule, replication, optimizer, cost model).
 
 Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded) by
-`pipeplan.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is. `precision`
-None: the optimizer alias's, else bf16-mixed.
+`pipeplan.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is; `precision` is the
+caller's (the command decides it; there is no default here).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class PartitionConfig:
     """
 
     num_microbatches: int
+    precision: str  # pipeplan.precision mode the optimizer bytes are counted in
     schedule: str = "1f1b"
     chunks: int | None = None
     mode: str | None = None
     num_stages: int | None = None
     optimizer: str | float = "adamw"
-    precision: str | None = None  # pipeplan.precision mode the optimizer bytes are counted in
     cost_model: str = "pipeplan"
     memory_limit_microbatches: int | None = None
     max_layer_groups: int = 128

@@ -226,8 +226,8 @@ def profile_analytic(
     *,
     batch_size: int,
     hardware: str | Hardware,
+    precision: str,
     granularity: int | None = None,
-    dtype: str = "bfloat16",
     flash_attention: bool = True,
     matmul_efficiency: float | None = None,
     memory_efficiency: float | None = None,
@@ -235,11 +235,10 @@ def profile_analytic(
     model_ref: str | None = None,
     model_options: dict | None = None,
     tracer: str = "auto",
-    precision: str | None = None,
 ) -> Profile:
     """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
 
-    `precision` (pipeplan.precision) sets the compute dtype (and overrides `dtype`); mixed modes count gradients
+    `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; mixed modes count gradients
     (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
@@ -247,7 +246,6 @@ def profile_analytic(
     """
     from pipeplan.graph.trace import trace_model
 
-    precision = precision or precision_of_dtype(dtype)
     mode = get_precision(precision)
     config = AnalyticConfig(
         batch_size=batch_size,
@@ -373,6 +371,7 @@ def _provenance(
         torch_version=torch.__version__,
         model=model_ref or spec.name,
         model_options=dict(spec.options if model_options is None else model_options),
+        spec_options=dict(spec.options),
         graph_fingerprint=graph.fingerprint,
         tracer=graph.tracer,
         tokens_per_sample=spec.tokens_per_sample,

@@ -321,6 +321,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         torch_version=torch.__version__,
         model=model_ref or spec.name,
         model_options=_given_options(spec, model_options),
+        spec_options=dict(spec.options),
         graph_fingerprint=traced.layer_graph.fingerprint,
         tracer=traced.tracer,
         tokens_per_sample=spec.tokens_per_sample,
@@ -333,6 +334,7 @@ def profile_model(
     spec: ModelSpec,
     *,
     batch_size: int,
+    precision: str,
     device: str = "cpu",
     granularity: int | None = None,
     warmup: int = 2,
@@ -342,7 +344,6 @@ def profile_model(
     model_options: dict | None = None,
     timer: str = "wall",
     tracer: str = "auto",
-    precision: str = "fp32",
 ) -> Profile:
     """Trace `spec` on `device` and measure every layer for one microbatch of `batch_size` samples."""
     config = MeasureConfig(

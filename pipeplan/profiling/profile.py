@@ -110,7 +110,8 @@ class Provenance:
     batch_size: int = 1  # samples per profiled microbatch
     torch_version: str = ""
     model: str = ""  # model reference (name, file.py:factory, pkg.mod:factory)
-    model_options: dict[str, Any] = field(default_factory=dict)
+    model_options: dict[str, Any] = field(default_factory=dict)  # what the user gave: load_model rebuilds from it
+    spec_options: dict[str, Any] = field(default_factory=dict)  # every option built with (structural checks)
     graph_fingerprint: str = ""
     tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None

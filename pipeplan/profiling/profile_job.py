@@ -1,50 +1,107 @@
-"""What `pipeplan profile` does between parsing and printing: build the model, measure it (cpu/cuda) or estimate
-it (meta, from a hardware preset), and save the Profile."""
+"""The one "model -> profile" path: build the model, measure it (cpu/cuda) or estimate it (meta, for a hardware
+preset). `pipeplan profile`, `pipeplan plan` (profiling on the spot) and `pipeplan capacity` all call
+`profile_request` with a `ProfileRequest` their job resolved (hardware read once, precision decided by the
+command)."""
 
 from __future__ import annotations
 
-from pipeplan.hardware import load_hardware
+from dataclasses import dataclass, field
+
+from pipeplan.errors import ConfigError
+from pipeplan.hardware import Hardware, resolve_hardware
 from pipeplan.models.registry import load_model, parse_assignments
+from pipeplan.models.spec import ModelSpec
+from pipeplan.precision import check_device_precision
 from pipeplan.profiling.profile import Profile
-from pipeplan.profiling.profile_options import ProfileOptions
+from pipeplan.profiling.profile_options import DEFAULT_REPEATS, DEFAULT_TIMER, DEFAULT_WARMUP, ProfileOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """A model to profile and how: measured on cpu/cuda, or analytic on meta for `hardware`."""
+
+    model: str
+    options: dict[str, str] = field(default_factory=dict)
+    batch_size: int
+    precision: str  # pipeplan.precision mode: the command decides (no default here)
+    device: str = "cpu"
+    hardware: Hardware | None = None
+    granularity: int | None = None
+    tracer: str = "auto"
+    progress: bool = False
+    warmup: int = DEFAULT_WARMUP
+    repeats: int = DEFAULT_REPEATS
+    timer: str = DEFAULT_TIMER
+    preset_overridable: tuple[str, ...] = ()  # preset options the request may replace (capacity's --seq)
+
+    def __post_init__(self) -> None:
+        kind = self.device.partition(":")[0]
+        if kind not in ("cpu", "cuda", "meta"):
+            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+        if kind == "meta" and self.hardware is None:
+            raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
+        check_device_precision(self.precision, "cpu" if kind == "cpu" else "cuda")
+
+
+def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:
+    """The Profile of `request` and the model it was made from; `check(spec)` runs on the built model before the
+    (slow) profiling. The provenance records the options given (what rebuilds the model) and all of them."""
+    spec = load_model(request.model, request.options, preset_overridable=request.preset_overridable)
+    if check is not None:
+        check(spec)
+    common = dict(
+        batch_size=request.batch_size,
+        granularity=request.granularity,
+        progress=request.progress,
+        model_ref=request.model,
+        tracer=request.tracer,
+        precision=request.precision,
+    )
+    if request.device == "meta":
+        from pipeplan.profiling.analytic import profile_analytic  # imported only when needed
+
+        given = {key: spec.options.get(key, value) for key, value in request.options.items()}
+        return profile_analytic(spec, hardware=request.hardware, model_options=given, **common), spec
+    from pipeplan.profiling.measure import profile_model
+
+    profile = profile_model(
+        spec,
+        device=request.device,
+        warmup=request.warmup,
+        repeats=request.repeats,
+        model_options=dict(request.options),
+        timer=request.timer,
+        **common,
+    )
+    return profile, spec
 
 
 def profile_from_options(options: ProfileOptions) -> Profile:
     """The Profile `pipeplan profile` prints, written to --output when given."""
-    model_options = parse_assignments(options.assignments)
     if options.threads is not None and options.device != "meta":
         import torch
 
         torch.set_num_threads(options.threads)
-    spec = load_model(options.model, model_options)
-    common = dict(
+    request = ProfileRequest(
+        model=options.model,
+        options=parse_assignments(options.assignments),
         batch_size=options.batch_size,
-        granularity=options.granularity,
-        progress=not options.as_json,
-        model_ref=options.model,
-        tracer=options.tracer,
         precision=options.run_precision,
+        device=options.device,
+        hardware=resolve_hardware(options.hardware, options.hardware_file) if options.device == "meta" else None,
+        granularity=options.granularity,
+        tracer=options.tracer,
+        progress=not options.as_json,
+        warmup=options.warmup,
+        repeats=options.repeats,
+        timer=options.timer,
     )
-    if options.device == "meta":
-        from pipeplan.profiling.analytic import profile_analytic  # imported only when needed
-
-        hardware = options.hardware
-        if options.hardware_file is not None:
-            hardware = load_hardware(options.hardware, hardware_file=options.hardware_file)
-        given = {key: spec.options.get(key, value) for key, value in model_options.items()}
-        profile = profile_analytic(spec, hardware=hardware, model_options=given, **common)
-    else:
-        from pipeplan.profiling.measure import profile_model
-
-        profile = profile_model(
-            spec,
-            device=options.device,
-            warmup=options.warmup,
-            repeats=options.repeats,
-            model_options=model_options,
-            timer=options.timer,
-            **common,
-        )
+    profile, _ = profile_request(request)
     if options.output is not None:
         profile.save(options.output)
     return profile

@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import check_tracer
-from pipeplan.hardware import load_hardware
+from pipeplan.hardware import resolve_hardware
 from pipeplan.models.registry import parse_assignments
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
@@ -64,7 +64,7 @@ class ProfileOptions:
         if device == "meta" and not self.hardware:
             raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
         if self.hardware:  # an unknown name is an error even where it is then ignored
-            load_hardware(self.hardware, hardware_file=self.hardware_file)
+            resolve_hardware(self.hardware, self.hardware_file)
         if device.startswith("cuda"):
             import torch
 

@@ -41,7 +41,6 @@ from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout
-from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
@@ -157,7 +156,7 @@ def recompute_label(part: Partition) -> str:
 
 
 def partition_config(
-    layout: Layout, optimizer: str | float, precision: str | None = None, *, zero: int = 0, recompute: str = "none"
+    layout: Layout, optimizer: str | float, precision: str, *, zero: int = 0, recompute: str = "none"
 ) -> PartitionConfig:
     """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
     return PartitionConfig(
@@ -232,7 +231,7 @@ def evaluate_partition(
     *,
     optimizer: str | float,
     global_batch_size: int,
-    precision: str | None = None,
+    precision: str,
     zero: int = 0,
     recompute: str = "none",
 ) -> Evaluation | Rejection:
@@ -251,7 +250,7 @@ def evaluate_partition(
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
     memory = replace(memory_costs(part, profile), static_bytes=static)
     counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
-    memory = with_weight_versions(memory, layout.schedule, counts, profile_precision(profile.provenance))
+    memory = with_weight_versions(memory, layout.schedule, counts, precision)
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
     over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
@@ -308,7 +307,7 @@ def _schedule_layout(
 
 
 def stage_bytes_per_param(
-    part: Partition, data_parallel: int, optimizer: str | float, precision: str | None, zero: int
+    part: Partition, data_parallel: int, optimizer: str | float, precision: str, zero: int
 ) -> float | tuple[float, ...]:
     """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
     replicas in every data-parallel pipeline)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipeplan.costs import RECOMPUTE_CHOICES, bytes_per_param, check_zero_stage, resolve_optimizer, static_split
 from pipeplan.errors import ConfigError
+from pipeplan.units import format_bytes
 
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
@@ -39,8 +40,8 @@ class SearchConfig:
 
     global_batch_size: int
     microbatch_sizes: tuple[int, ...] = (1,)
+    precision: str  # pipeplan.precision mode, decided by the command (the profile's; no default here)
     optimizer: str = "adamw"  # adamw, sgd, sgd-nomomentum (or the aliases adamw-fp32 / adamw-bf16)
-    precision: str | None = None  # pipeplan.precision; None: the optimizer alias's, else bf16-mixed
     replication: bool = True  # also try PipeDream replicated stages (schedules whose ScheduleInfo is replicable)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
@@ -89,6 +90,17 @@ class SearchConfig:
     def split(self) -> tuple[float, float, float]:
         """Bytes per parameter of (weights, gradients, optimizer state) under the precision."""
         return static_split(self.optimizer, self.precision)
+
+    def usable_memory_bytes(self, memory_per_device: int) -> int:
+        """Device memory less the reserve: what every memory check of the search, the plan's limit and capacity's
+        rows compare peaks with (the one place it is computed)."""
+        usable = memory_per_device - self.memory_reserve_bytes
+        if usable <= 0:
+            raise ConfigError(
+                f"--memory-reserve ({format_bytes(self.memory_reserve_bytes)}) leaves no memory of "
+                f"{format_bytes(memory_per_device)} per device; lower it"
+            )
+        return usable
 
     def check_devices(self, num_devices: int) -> None:
         """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""

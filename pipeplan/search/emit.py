@@ -71,7 +71,7 @@ def build_plan(
             tokens_per_s=chosen.samples_per_s * tokens if tokens else None,
             bubble_rate=chosen.timeline.bubble_rate,
             peak_memory_bytes=tuple(chosen.device_memory_bytes[rank % pipe.num_devices] for rank in range(world)),
-            memory_limit_bytes=result.cluster.memory_per_device - result.config.memory_reserve_bytes,
+            memory_limit_bytes=result.usable_memory_bytes,
             memory_reserve_bytes=result.config.memory_reserve_bytes,
         ),
         alternatives=alternatives(result, chosen, limit=num_alternatives),

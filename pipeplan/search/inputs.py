@@ -9,10 +9,12 @@ from dataclasses import dataclass, replace
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import LayerGraph
+from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
 from pipeplan.plan.plan import ModelRef
-from pipeplan.precision import check_device_precision, get_precision, profile_precision
+from pipeplan.precision import get_precision, profile_precision
 from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import parse_int_list, parse_size
 
@@ -37,14 +39,12 @@ def default_memory_per_device(devices_per_node: int) -> int:
 
 
 def make_cluster(
-    *, devices: int | None, devices_per_node: int | None, memory_per_device: str | None, hardware: str | None
+    *, devices: int | None, devices_per_node: int | None, memory_per_device: str | None, hardware: Hardware | None
 ) -> Cluster:
     """Cluster from the CLI options: a --hardware preset sets links and memory; explicit options override."""
     num_devices = default_devices() if devices is None else devices
     per_node = devices_per_node if devices_per_node is not None else min(num_devices, 8)
     if hardware is not None:
-        from pipeplan.hardware import cluster_for
-
         cluster = cluster_for(hardware, num_devices, per_node)
     else:
         cluster = Cluster(num_devices=num_devices, devices_per_node=per_node, memory_per_device=1)
@@ -120,33 +120,6 @@ def load_profile_input(path: str, profile_format: str) -> PlanInput:
     return PlanInput(profile=profile, model=model, layer_graph=None)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ProfileRequest:
-    """How to profile a model on the spot: measured on cpu/cuda, or analytic on meta for a --hardware preset."""
-
-    model: str
-    options: dict[str, str]
-    batch_size: int
-    device: str = "cpu"
-    hardware: str | None = None
-    granularity: int | None = None
-    precision: str = "fp32"
-    quiet: bool = False
-    tracer: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda", "meta"):
-            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
-        if self.device == "meta" and self.hardware is None:
-            raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
-        check_device_precision(self.precision, "cpu" if self.device == "cpu" else "cuda")
-
-
 def check_profile_precision(profile: Profile, precision: str | None) -> str:
     """The precision to plan for: the profile's; a different --precision is refused (its costs are not those)."""
     found = profile_precision(profile.provenance)
@@ -159,37 +132,12 @@ def check_profile_precision(profile: Profile, precision: str | None) -> str:
 
 
 def profile_model_input(request: ProfileRequest) -> PlanInput:
+    """Profile the model on the spot (`profiling.profile_job`, the path `pipeplan profile` takes) and trace its
+    graph on the meta device: the plan names each stage's FX nodes."""
     from pipeplan.graph.trace import trace_model
-    from pipeplan.models import load_model
     from pipeplan.models.registry import canonical_ref
 
-    spec = load_model(request.model, request.options)
-    if request.device == "meta":
-        from pipeplan.profiling.analytic import profile_analytic
-
-        profile = profile_analytic(
-            spec,
-            batch_size=request.batch_size,
-            hardware=request.hardware,
-            granularity=request.granularity,
-            progress=not request.quiet,
-            tracer=request.tracer,
-            precision=request.precision,
-        )
-    else:
-        from pipeplan.profiling.measure import profile_model
-
-        profile = profile_model(
-            spec,
-            batch_size=request.batch_size,
-            device=request.device,
-            granularity=request.granularity,
-            progress=not request.quiet,
-            model_ref=request.model,
-            model_options=dict(request.options),
-            tracer=request.tracer,
-            precision=request.precision,
-        )
+    profile, spec = profile_request(request)
     tracer = profile.provenance.tracer or request.tracer
     traced = trace_model(
         spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.cluster import Cluster
-from pipeplan.hardware import load_hardware
+from pipeplan.hardware import resolve_hardware
 from pipeplan.models import parse_assignments
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.scripts import write_plan_dir
 from pipeplan.plan.timing import timeline_rows
 from pipeplan.precision import default_precision
+from pipeplan.profiling.profile_job import ProfileRequest
 from pipeplan.schedules.simulate import Timeline
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.emit import build_plan
 from pipeplan.search.inputs import (
     PlanInput,
-    ProfileRequest,
     attach_model,
     check_profile_precision,
     graph_at_microbatch,
@@ -56,9 +56,7 @@ class PlanJob:
 
 def prepare_plan(options: PlanOptions) -> PlanJob:
     """Fill in the defaults, check the search config, then load or profile the model (the slow part, last)."""
-    hardware = options.hardware
-    if options.hardware_file is not None:  # e.g. a `pipeplan calibrate` entry: links, memory and analytic rates
-        hardware = load_hardware(hardware or "", hardware_file=options.hardware_file)
+    hardware = resolve_hardware(options.hardware, options.hardware_file)  # a calibrate entry: links, memory, rates
     cluster = make_cluster(
         devices=options.devices,
         devices_per_node=options.devices_per_node,
@@ -121,7 +119,7 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
         hardware=hardware,
         granularity=options.granularity,
         precision=precision,
-        quiet=options.json_output,
+        progress=not options.json_output,
         tracer=options.tracer,
     )
 

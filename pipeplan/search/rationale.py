@@ -80,7 +80,7 @@ def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
     reach without recomputing (`recompute_choice.recompute_reasons`), how much faster it is than the best plan
     without recomputation (when one fits), and ZeRO-1 with the peak without it, or how
     much faster it is than the best plan without it."""
-    limit = result.cluster.memory_per_device - result.config.memory_reserve_bytes
+    limit = result.usable_memory_bytes
     modes = [s.recompute for s in chosen.partition.stages]
     lines = recompute_reasons(chosen.memory, modes, chosen.pipeline.device_ops, limit)
     plain = [e for e in result.ranked if not e.recomputing]
@@ -133,7 +133,7 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
         f"Chose {layout.label}: {chosen.samples_per_s:.2f} samples/s predicted "
         f"({chosen.step_ms:.2f} ms/step, bubble {chosen.timeline.bubble_rate:.1%}, {_sync_words(chosen)} "
         f"{chosen.allreduce_ms:.2f} ms, peak memory {format_bytes(chosen.peak_memory_bytes)} of "
-        f"{format_bytes(result.cluster.memory_per_device - reserve)}, after a {format_bytes(reserve)} reserve)."
+        f"{format_bytes(result.usable_memory_bytes)}, after a {format_bytes(reserve)} reserve)."
     ]
     fastest = result.fastest
     if fastest is not chosen:

@@ -79,7 +79,12 @@ class SearchResult:
 
     @property
     def best(self) -> Evaluation:
-        return prefer_simple(self.ranked, self.cluster.memory_per_device)
+        return prefer_simple(self.ranked, self.usable_memory_bytes)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """What the candidates' peaks were checked against: `cluster`'s memory less the reserve."""
+        return self.config.usable_memory_bytes(self.cluster.memory_per_device)
 
 
 def simplicity_key(evaluation: Evaluation, memory_per_device: int) -> tuple:
@@ -210,14 +215,10 @@ def search_plans(
 
 
 def usable_cluster(cluster: Cluster, config: SearchConfig) -> Cluster:
-    """The cluster as the memory checks see it: device memory less the reserve."""
-    usable = cluster.memory_per_device - config.memory_reserve_bytes
-    if usable <= 0:
-        raise ConfigError(
-            f"--memory-reserve ({format_bytes(config.memory_reserve_bytes)}) leaves no memory of "
-            f"{format_bytes(cluster.memory_per_device)} per device; lower it"
-        )
-    return replace(cluster, memory_per_device=usable)
+    """The cluster as everything below the search sees it: its `memory_per_device` is the limit a plan may fill
+    (the device's memory less the reserve). The search converts once, here; `SearchResult.cluster` stays the
+    physical one and `SearchResult.usable_memory_bytes` gives the limit."""
+    return replace(cluster, memory_per_device=config.usable_memory_bytes(cluster.memory_per_device))
 
 
 def _evaluate_each_schedule(

@@ -114,7 +114,7 @@ def tensor_parallel_problem(profile: Profile, t: int, *, devices_per_node: int, 
         return f"t={t} must divide the {devices_per_node} devices per node (tensor parallelism stays in a node)"
     if num_devices % t:
         return f"t={t} must divide the {num_devices} devices"
-    options = profile.provenance.model_options
+    options = profile.provenance.spec_options or profile.provenance.model_options  # older profiles: the given ones
     for key, what in DIVIDED_OPTIONS:
         value = _int_option(options.get(key))
         if value is not None and value % t:

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from planner_helpers import capacity_config, make_cluster, synthetic_profile
 
 from pipeplan.capacity.memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.capacity.sweep import (
@@ -21,6 +21,7 @@ from pipeplan.capacity.sweep import (
     model_flops_per_token,
     time_split,
 )
+from pipeplan.costs import bytes_per_param, static_split
 from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
@@ -74,22 +75,23 @@ def hardware(memory_gb: float = 40.0, network_gb_per_s: float = 50.0) -> Hardwar
 
 def config(**overrides) -> CapacityConfig:
     base = dict(hardware=hardware(), device_counts=(4, 8), global_batch_size=16, devices_per_node=4)
-    return CapacityConfig(**{**base, **overrides})
+    return capacity_config(**{**base, **overrides})
 
 
 def all_evaluations(profile: Profile, cfg: CapacityConfig, num_devices: int) -> list[Evaluation]:
     """Every layout the search enumerates, evaluated (no pruning)."""
     cluster = cluster_for(cfg.hardware, num_devices, cfg.devices_per_node)
     found = []
-    for layout in enumerate_layouts(profile.num_layers, cluster, cfg.search_config, cfg.schedules):
+    for layout in enumerate_layouts(profile.num_layers, cluster, cfg.search, cfg.schedules):
         if isinstance(layout, Rejection):
             continue
         result = evaluate(
             layout,
             scale_profile(profile, layout.microbatch_size),
             cluster,
-            optimizer=cfg.optimizer,
-            global_batch_size=cfg.global_batch_size,
+            optimizer=cfg.search.optimizer,
+            global_batch_size=cfg.search.global_batch_size,
+            precision=cfg.search.precision,
         )
         if isinstance(result, Evaluation):
             found.append(result)
@@ -104,7 +106,7 @@ def test_weights_gradients_optimizer_are_16_bytes_per_param_of_the_devices_stage
     assert len(evaluations) > 10
     for evaluation in evaluations:
         scaled = scale_profile(profile, evaluation.layout.microbatch_size)
-        split = device_memory_split(evaluation, scaled, cfg.search_config.split)
+        split = device_memory_split(evaluation, scaled, cfg.search.split)
         stages = [evaluation.partition.stages[s] for s in evaluation.pipeline.device_stages[split.device]]
         params = sum(layer.param_count for s in stages for layer in profile.layers[s.first_layer : s.last_layer + 1])
         assert split.param_count == params
@@ -130,7 +132,7 @@ def test_activation_column_is_the_replayed_peak_of_the_per_layer_formula(flash_a
         layout = evaluation.layout
         b = layout.microbatch_size
         per_layer = 34 * SEQ * b * HIDDEN + (0 if flash_attention else 5 * HEADS * SEQ**2 * b)
-        split = device_memory_split(evaluation, scale_profile(profile, b), "adamw-bf16")
+        split = device_memory_split(evaluation, scale_profile(profile, b), static_split("adamw", "bf16-mixed"))
         stages = evaluation.partition.stages
         live, peak = {}, 0
         for text in evaluation.pipeline.device_ops[split.device]:
@@ -151,13 +153,15 @@ def test_activation_column_is_the_replayed_peak_of_the_per_layer_formula(flash_a
 def test_time_split_adds_up_to_the_step_and_bubble_rate_comes_from_the_simulator():
     profile = transformer_profile()
     cfg = config()
-    result = search_plans(profile, cluster_for(cfg.hardware, 8, 4), cfg.search_config, cfg.schedules)
+    result = search_plans(profile, cluster_for(cfg.hardware, 8, 4), cfg.search, cfg.schedules)
     for evaluation in result.ranked[:5]:
         split = time_split(evaluation)
         assert split.compute_ms + split.bubble_ms + split.comm_ms == pytest.approx(evaluation.step_ms)
         assert min(split.compute_ms, split.bubble_ms, split.comm_ms) >= 0.0
     heavy = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=50_000_000)
-    plain = SearchConfig(global_batch_size=12, zero=0)  # ZeRO-1 would let plain data parallelism fit
+    plain = SearchConfig(
+        global_batch_size=12, zero=0, precision="bf16-mixed"
+    )  # ZeRO-1 would let plain data parallelism fit
     replicated = search_plans(heavy, make_cluster(3, memory=60 * 2**20), plain, ["1f1b"])
     assert max(replicated.best.partition.replicas) > 1
     split = time_split(replicated.best)  # free transfers: the same (expanded) lists, never a longer step
@@ -222,13 +226,11 @@ def test_memory_floor_is_a_lower_bound_on_the_partitioners_need(schedule):
     profile = transformer_profile(num_layers=10)
     cfg = config(schedules=(schedule,), global_batch_size=16)
     cluster = cluster_for(cfg.hardware, 8, 8)
-    layouts = [
-        x for x in enumerate_layouts(10, cluster, cfg.search_config, (schedule,)) if not isinstance(x, Rejection)
-    ]
+    layouts = [x for x in enumerate_layouts(10, cluster, cfg.search, (schedule,)) if not isinstance(x, Rejection)]
     assert layouts
     for layout in layouts:
-        floor = memory_floor_bytes(layout, profile, "adamw-bf16")
-        need = min_memory_bytes(layout, profile, cluster, optimizer="adamw-bf16")
+        floor = memory_floor_bytes(layout, profile, bytes_per_param("adamw", "bf16-mixed"))
+        need = min_memory_bytes(layout, profile, cluster, optimizer="adamw-bf16", precision="bf16-mixed")
         assert need is not None and floor <= need * (1 + 1e-3)
         if schedule in ("gpipe", "1f1b"):  # fused B: the floor and the screen count the same microbatches
             assert floor >= 0.98 * need  # exact for one stage per device, up to the bisections' tolerance

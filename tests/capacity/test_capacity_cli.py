@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from planner_helpers import capacity_config
 from typer.testing import CliRunner
 
 from pipeplan.capacity.inputs import capacity_profile
-from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, model_flops_per_token
+from pipeplan.capacity.sweep import capacity_sweep, model_flops_per_token
 from pipeplan.cli import app
 from pipeplan.costs.transformer import activation_bytes_per_layer
 from pipeplan.hardware import load_hardware
@@ -43,7 +44,7 @@ def test_activation_column_from_the_analytic_profile(gpt2_profile):
     formula = activation_bytes_per_layer(seq=SEQ, batch=1, hidden=h, heads=12, flash_attention=True)
     formula += 2 * (12 * h * h + 9 * h)
     assert all(layer.activation_bytes == pytest.approx(formula, rel=0.1) for layer in blocks)
-    cfg = CapacityConfig(hardware=load_hardware("h100"), device_counts=(8,), global_batch_size=16)
+    cfg = capacity_config(hardware=load_hardware("h100"), device_counts=(8,), global_batch_size=16)
     row = capacity_sweep(gpt2_profile, cfg).rows[0]
     assert row.fits and row.memory.activations > 0
     assert row.memory.weights + row.memory.gradients + row.memory.optimizer == 16 * row.memory.param_count

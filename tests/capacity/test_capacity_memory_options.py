@@ -17,7 +17,7 @@ from pipeplan.search.variants import zero_choices
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
 def test_floor_is_a_lower_bound_with_recomputation_and_zero(schedule):
     profile = synthetic_profile(8, activation_bytes=40_000_000, params=1_000_000)
-    config = SearchConfig(global_batch_size=16)
+    config = SearchConfig(global_batch_size=16, precision="bf16-mixed")
     cluster = make_cluster(8, memory=2**34)
     layouts = [x for x in enumerate_layouts(8, cluster, config, (schedule,)) if not isinstance(x, Rejection)]
     assert layouts
@@ -32,7 +32,7 @@ def test_floor_is_a_lower_bound_with_recomputation_and_zero(schedule):
 
 def test_memory_split_counts_sharded_optimizer_state():
     profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,))  # plain data parallelism
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,), precision="bf16-mixed")  # plain data parallelism
     result = search_plans(profile, make_cluster(4, memory=48 * 2**20), config)
     best = result.best
     assert best.zero == 1 and best.layout.data_parallel == 4

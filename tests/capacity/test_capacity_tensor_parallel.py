@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from planner_helpers import stack_profile
+from planner_helpers import capacity_config, stack_profile
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -59,7 +59,7 @@ def _config(**fields) -> CapacityConfig:
         schedules=("1f1b",),
         memory_reserve_bytes=0,
     )
-    return CapacityConfig(**{**base, **fields})
+    return capacity_config(**{**base, **fields})
 
 
 def test_the_row_takes_the_size_that_fits_and_says_why():
@@ -119,7 +119,7 @@ def test_llama_70b_seq_4096_batch_1024_fits_on_64_h100(monkeypatch):
     test short: the default schedules choose 1f1b here too (benchmarks/bench_capacity_scale.py)."""
     hardware = load_hardware("h100")
     profile = capacity_profile("llama-70b", {}, seq=4096, hardware=hardware, batch_size=1, quiet=True)
-    config = CapacityConfig(hardware=hardware, device_counts=(64,), global_batch_size=1024, schedules=("1f1b",))
+    config = capacity_config(hardware=hardware, device_counts=(64,), global_batch_size=1024, schedules=("1f1b",))
     report = capacity_sweep(profile, config)
     row = report.rows[0]
     assert row.num_devices == 64 and row.fits and not row.extended

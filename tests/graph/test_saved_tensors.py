@@ -18,7 +18,7 @@ from pipeplan.profiling.measure import profile_model
 )
 def test_measured_and_analytic_profiles_split_saved_bytes_alike(model, options):
     spec = load_model(model, options)
-    measured = profile_model(spec, batch_size=4, warmup=0, repeats=1, progress=False)
+    measured = profile_model(spec, batch_size=4, warmup=0, repeats=1, progress=False, precision="fp32")
     analytic = profile_analytic(spec, batch_size=4, hardware="h100", precision="fp32")
     # every layer but the first: the measured profiler gives a float model input a gradient (the first layer's I;
     # the analytic one does not, as the runtime); both run loss_fn with the last layer

@@ -32,7 +32,7 @@ def pipedream_cluster(num_devices: int) -> Cluster:
 
 def pipedream_partition(name: str, num_devices: int, *, mode: str = "replicated"):
     profile = read_pipedream_graph(PROFILES / f"{name}.txt")
-    config = PartitionConfig(num_microbatches=4, cost_model="pipedream", mode=mode)
+    config = PartitionConfig(num_microbatches=4, cost_model="pipedream", mode=mode, precision="bf16-mixed")
     return profile, partition(profile, pipedream_cluster(num_devices), config)
 
 

@@ -85,7 +85,9 @@ def test_stage_formulas_per_mode():
 def test_screen_bounds_the_exact_peak(schedule, mode):
     profile = recompute_profile(8)
     arrays = LayerArrays.from_profile(profile)
-    config = PartitionConfig(num_microbatches=8, schedule=schedule, mode="straight", recompute="auto")
+    config = PartitionConfig(
+        num_microbatches=8, schedule=schedule, mode="straight", recompute="auto", precision="bf16-mixed"
+    )
     ranges = [(0, 1), (2, 3), (4, 5), (6, 7)]
     sched = generate(schedule, num_devices=4, num_microbatches=8)
     memory = MemoryCosts(
@@ -132,7 +134,9 @@ def test_cuts_and_modes_chosen_together_match_brute_force(limit_mb):
         intra_node_bandwidth=1e30,
         intra_node_latency_s=0.0,
     )
-    config = PartitionConfig(num_microbatches=6, mode="straight", num_stages=3, recompute="auto")
+    config = PartitionConfig(
+        num_microbatches=6, mode="straight", num_stages=3, recompute="auto", precision="bf16-mixed"
+    )
     result = partition(profile, cluster, config)
     assert result.objective_ms == pytest.approx(_brute_force(profile, config, 3, limit_mb * MB))
     arrays = LayerArrays.from_profile(profile)
@@ -153,7 +157,9 @@ def test_the_cheapest_mode_that_fits_is_chosen():
     """One stage of 2 layers, 4 microbatches in flight (gpipe): selective (0.4 ms) fits at 200 MB, full (2 ms)
     is needed below."""
     profile = recompute_profile(2)
-    config = PartitionConfig(num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto")
+    config = PartitionConfig(
+        num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto", precision="bf16-mixed"
+    )
     picked = {}
     for limit in (400, 250, 200, 90):
         cluster = Cluster(num_devices=1, devices_per_node=1, memory_per_device=limit * MB)
@@ -163,7 +169,9 @@ def test_the_cheapest_mode_that_fits_is_chosen():
 
 def test_selective_only_where_the_stage_has_attention_internals():
     profile = recompute_profile(2, attention=False)
-    config = PartitionConfig(num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto")
+    config = PartitionConfig(
+        num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto", precision="bf16-mixed"
+    )
     cluster = Cluster(num_devices=1, devices_per_node=1, memory_per_device=250 * MB)
     assert partition(profile, cluster, config).stages[0].recompute == "full"
 
@@ -178,8 +186,8 @@ def test_zero_shards_optimizer_state_over_the_group():
     assert stage_memory_bytes(arrays, sharded, 0, 1, 1, held) == 2_000_000 * (8 + 8 / 4)
     assert stage_memory_bytes(arrays, sharded, 0, 1, 2, held) == 2_000_000 * (8 + 8 / 8)  # 2 replicas x 4 pipelines
     with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
-        PartitionConfig(num_microbatches=4, optimizer=12.0, zero=1)
+        PartitionConfig(num_microbatches=4, optimizer=12.0, zero=1, precision="bf16-mixed")
     with pytest.raises(ConfigError, match="recompute must be one of none, auto"):
-        PartitionConfig(num_microbatches=4, recompute="full")
+        PartitionConfig(num_microbatches=4, recompute="full", precision="bf16-mixed")
     with pytest.raises(ConfigError, match="pipedream"):
-        PartitionConfig(num_microbatches=4, cost_model="pipedream", recompute="auto")
+        PartitionConfig(num_microbatches=4, cost_model="pipedream", recompute="auto", precision="bf16-mixed")

@@ -35,7 +35,7 @@ def _gpt(dropout=0.1, layers=2, seq=SEQ, hidden=HIDDEN, heads=HEADS):
 
 
 def _profile(spec, **kwargs):
-    return profile_analytic(spec, **{"batch_size": BATCH, "hardware": "h100", **kwargs})
+    return profile_analytic(spec, **{"batch_size": BATCH, "hardware": "h100", "precision": "bf16-mixed", **kwargs})
 
 
 def _blocks(profile):
@@ -205,7 +205,7 @@ def test_profile_metadata_cuts_and_round_trip(flash_profile, tmp_path):
 
 def test_float32_profile_doubles_bytes():
     spec = _gpt(dropout=0.0, layers=1)
-    half, full = _profile(spec, precision="bf16"), _profile(spec, dtype="float32", model_ref="mine", model_options={})
+    half, full = _profile(spec, precision="bf16"), _profile(spec, precision="fp32", model_ref="mine", model_options={})
     assert half.provenance.dtype == "bfloat16" and full.provenance.dtype == "float32"
     assert (half.provenance.precision, full.provenance.precision) == ("bf16", "fp32")
     assert full.provenance.model == "mine" and full.provenance.model_options == {}
@@ -234,7 +234,7 @@ def test_bf16_mixed_profile_counts_fp32_parameters_and_the_dtypes_autocast_sends
 def test_llama_profile_with_grouped_query_attention():
     options = dict(layers=2, hidden=256, heads=8, kv_heads=2, intermediate=512, seq=128, vocab=96)
     spec = load_model("llama", {k: str(v) for k, v in options.items()})
-    profile = profile_analytic(spec, batch_size=1, hardware="a100-80gb")
+    profile = profile_analytic(spec, batch_size=1, hardware="a100-80gb", precision="bf16-mixed")
     block = profile.layers[1]
     assert block.name == "blocks.0"
     s, h = 128, 256
@@ -261,7 +261,7 @@ def test_large_model_profile_fits_time_and_memory_budget():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(dtype="int8"), "--dtype 'int8'"),
+        (dict(precision="int8"), "--precision 'int8'"),
         (dict(matmul_efficiency=1.5), "--matmul-efficiency"),
         (dict(memory_efficiency=0.0), "--memory-efficiency"),
         (dict(hardware="v100"), "unknown --hardware"),

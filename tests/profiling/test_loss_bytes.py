@@ -30,7 +30,7 @@ def cross_entropy_bytes(tokens: int, itemsize: int) -> int:
 
 
 def _measured(spec):
-    return profile_model(spec, batch_size=BATCH, warmup=0, repeats=1, progress=False)
+    return profile_model(spec, batch_size=BATCH, warmup=0, repeats=1, progress=False, precision="fp32")
 
 
 def _analytic(spec, precision):

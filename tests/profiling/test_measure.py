@@ -24,6 +24,7 @@ def one_thread():
 
 
 def _quick(ref, options, batch_size=2, **kwargs):
+    kwargs = {"precision": "fp32", **kwargs}
     return profile_model(load_model(ref, options), batch_size=batch_size, warmup=0, repeats=1, progress=False, **kwargs)
 
 
@@ -111,7 +112,7 @@ def test_layer_sums_agree_with_the_whole_model_loosely():
     spec = load_model("gpt", dict(layers=2, hidden=128, heads=4, seq=64, vocab=256))
     attempts = []
     for _ in range(4):
-        profile = profile_model(spec, batch_size=4, warmup=1, repeats=5, progress=False, timer="cpu")
+        profile = profile_model(spec, batch_size=4, warmup=1, repeats=5, progress=False, timer="cpu", precision="fp32")
         ratios = fidelity(profile)
         attempts.append(ratios)
         forward, split = ratios["forward_sum_over_whole"], ratios["split_backward_sum_over_whole"]

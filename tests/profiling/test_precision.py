@@ -28,7 +28,7 @@ def test_bytes_per_parameter_follow_the_precision():
     assert static_split("sgd", "fp16-mixed") == (4.0, 4.0, 4.0)
     assert bytes_per_param("sgd-nomomentum", "bf16") == 4.0
     assert bytes_per_param(6.5, "bf16") == 6.5
-    assert resolve_optimizer("adamw-fp32", None) == ("adamw", "fp32")
+    assert resolve_optimizer("adamw-fp32", "fp32") == ("adamw", "fp32")
     assert resolve_optimizer("adamw-bf16", "bf16-mixed") == ("adamw", "bf16-mixed")
     with pytest.raises(ConfigError, match="--optimizer adamw-fp32 means adamw under --precision fp32"):
         resolve_optimizer("adamw-fp32", "bf16")

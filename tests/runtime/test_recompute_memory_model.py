@@ -34,7 +34,9 @@ OPTIONS = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=0.3)  # d
 
 @functools.cache
 def _arrays(model: str) -> LayerArrays:
-    profile = profile_model(load_model(model, OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False)
+    profile = profile_model(
+        load_model(model, OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False, precision="fp32"
+    )
     return LayerArrays.from_profile(profile)
 
 

@@ -50,7 +50,9 @@ def _tight_memory(tmp_path, profile_path) -> int:
 
 def test_a_plan_that_must_recompute_runs_like_the_same_plan_without(tmp_path):
     profile_path = tmp_path / "profile.json"
-    profile_model(load_model("gpt", OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False).save(profile_path)
+    profile_model(load_model("gpt", OPTIONS), batch_size=2, warmup=0, repeats=1, progress=False, precision="fp32").save(
+        profile_path
+    )
     memory = _tight_memory(tmp_path, profile_path)
     out, result = _plan(tmp_path, profile_path, memory)
     assert result.exit_code == 0, result.output

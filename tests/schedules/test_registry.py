@@ -134,7 +134,7 @@ def test_an_unknown_name_raises_one_error_listing_the_valid_ones():
         lambda: generate("chimera", num_devices=2, num_microbatches=2),
         lambda: stage_device("chimera", 2),
         lambda: default_chunks("chimera"),
-        lambda: PartitionConfig(num_microbatches=4, schedule="chimera"),
+        lambda: PartitionConfig(num_microbatches=4, schedule="chimera", precision="bf16-mixed"),
     ):
         assert _unknown_message(call) == message
     with_auto = _unknown_message(lambda: schedule_info("chimera", also_accepted=("auto",)))

@@ -94,3 +94,19 @@ def stack_profile(
             loss_in_last_layer=True,
         ),
     )
+
+
+def capacity_config(**fields):
+    """A CapacityConfig from flat keywords: SearchConfig's fields go to its `search` (precision bf16-mixed and the
+    hardware's default memory reserve unless given), the rest to the CapacityConfig."""
+    import dataclasses
+
+    from pipeplan.capacity.sweep import CapacityConfig
+    from pipeplan.search.config import SearchConfig, default_memory_reserve
+
+    names = {f.name for f in dataclasses.fields(SearchConfig)} - {"tensor_parallel"}  # capacity's own (auto or t)
+    search = {k: fields.pop(k) for k in list(fields) if k in names}
+    search.setdefault("precision", "bf16-mixed")
+    search.setdefault("replication", False)  # capacity tries replicated stages only when asked
+    search.setdefault("memory_reserve_bytes", default_memory_reserve(fields["hardware"].memory_bytes))
+    return CapacityConfig(search=SearchConfig(**search), **fields)

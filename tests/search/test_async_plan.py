@@ -29,7 +29,9 @@ TINY_MLP = {"layers": "4", "hidden": "16"}
 def _evaluate(schedule: str, p: int = 4, m: int = 8):
     layout = Layout(schedule=schedule, microbatch_size=1, data_parallel=1, pipeline_devices=p, num_microbatches=m)
     profile = synthetic_profile(num_layers=8, cut_bytes=0)
-    return evaluate(layout, profile, make_cluster(p, memory=2**34), optimizer=16.0, global_batch_size=m)
+    return evaluate(
+        layout, profile, make_cluster(p, memory=2**34), optimizer=16.0, global_batch_size=m, precision="bf16-mixed"
+    )
 
 
 def test_prediction_is_the_steady_state_and_memory_counts_stashed_copies():
@@ -51,19 +53,31 @@ def test_prediction_is_the_steady_state_and_memory_counts_stashed_copies():
 
 def test_search_considers_async_schedules_only_when_allowed():
     profile, cluster = synthetic_profile(num_layers=8), make_cluster(4, memory=2**34)
-    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16))
+    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"))
     assert not {e.layout.schedule for e in plain.ranked} & {"pipedream", "pipedream-2bw"}
-    allowed = search_plans(profile, cluster, SearchConfig(global_batch_size=16, allow_async=True))
+    allowed = search_plans(
+        profile, cluster, SearchConfig(global_batch_size=16, allow_async=True, precision="bf16-mixed")
+    )
     assert {"pipedream", "pipedream-2bw"} <= {e.layout.schedule for e in allowed.ranked}
     with pytest.raises(ConfigError, match="pass --allow-async"):
-        search_plans(profile, cluster, SearchConfig(global_batch_size=16), ["pipedream"])
+        search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"), ["pipedream"])
     with pytest.raises(ConfigError, match="--zero 0"):
-        search_plans(profile, cluster, SearchConfig(global_batch_size=16, zero=1, allow_async=True), ["pipedream"])
+        search_plans(
+            profile,
+            cluster,
+            SearchConfig(global_batch_size=16, zero=1, allow_async=True, precision="bf16-mixed"),
+            ["pipedream"],
+        )
 
 
 def test_plan_file_states_staleness_and_reproduces_the_prediction(tmp_path):
     profile, cluster = synthetic_profile(num_layers=8), make_cluster(4, memory=2**34)
-    result = search_plans(profile, cluster, SearchConfig(global_batch_size=16, allow_async=True), ["pipedream-2bw"])
+    result = search_plans(
+        profile,
+        cluster,
+        SearchConfig(global_batch_size=16, allow_async=True, precision="bf16-mixed"),
+        ["pipedream-2bw"],
+    )
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
     plan.save(tmp_path / "plan.json")
     loaded = Plan.load(tmp_path / "plan.json")

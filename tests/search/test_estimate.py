@@ -42,6 +42,6 @@ def test_partition_bound_is_below_the_simulated_step(schedule):
     profile = synthetic_profile(heavy_last=3.0, cut_bytes=10_000_000)
     cluster = make_cluster(4)
     layout = Layout(schedule=schedule, microbatch_size=1, data_parallel=2, pipeline_devices=2, num_microbatches=8)
-    result = evaluate(layout, profile, cluster, optimizer="adamw-bf16", global_batch_size=16)
+    result = evaluate(layout, profile, cluster, optimizer="adamw-bf16", global_batch_size=16, precision="bf16-mixed")
     assert isinstance(result, Evaluation)
     assert partition_lower_bound_ms(layout, result.partition, profile, cluster) <= result.step_ms + 1e-9

@@ -43,13 +43,15 @@ RECOMPUTE_PROFILE = dict(num_layers=8, activation_bytes=40_000_000, params=100_0
 
 def _recompute_search(memory_mib: int, **config):
     profile = attention_profile(**RECOMPUTE_PROFILE)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(4,), replication=False, **config)
+    config = SearchConfig(
+        global_batch_size=16, pipeline_depths=(4,), replication=False, precision="bf16-mixed", **config
+    )
     return search_plans(profile, make_cluster(4, memory=memory_mib * MIB), config, ["1f1b"])
 
 
 def _zero_search(memory_mib: int, zero="auto"):
     profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,), zero=zero)
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,), zero=zero, precision="bf16-mixed")
     return search_plans(profile, make_cluster(4, memory=memory_mib * MIB), config)
 
 
@@ -175,8 +177,8 @@ def test_zero_option_values():
     with pytest.raises(ConfigError, match="--zero 2 is not supported"):
         parse_zero("2")
     with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
-        SearchConfig(global_batch_size=4, optimizer=12.0, zero=1)
-    assert SearchConfig(global_batch_size=4).zero == "auto"
+        SearchConfig(global_batch_size=4, optimizer=12.0, zero=1, precision="bf16-mixed")
+    assert SearchConfig(global_batch_size=4, precision="bf16-mixed").zero == "auto"
 
 
 def test_more_memory_never_gives_a_slower_plan():

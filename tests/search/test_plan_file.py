@@ -29,7 +29,7 @@ def _graph(profile) -> LayerGraph:
 
 def _plan(schedules=("1f1b",), devices=4, batch=16, memory=2**30, graph=True, zero="auto", **profile_kwargs) -> Plan:
     profile = synthetic_profile(**profile_kwargs)
-    config = SearchConfig(global_batch_size=batch, zero=zero)
+    config = SearchConfig(global_batch_size=batch, zero=zero, precision="bf16-mixed")
     result = search_plans(profile, make_cluster(devices, memory=memory), config, schedules)
     model = ModelRef(ref="synthetic", fingerprint="f", tokens_per_sample=16)
     return build_plan(result, model=model, layer_graph=_graph(profile) if graph else None)

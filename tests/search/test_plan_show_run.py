@@ -27,7 +27,7 @@ CUT = 50_000_000  # 50 MB per cut: 5 ms per transfer on the helpers' 10 GB/s lin
 
 def _search(schedules, **profile_kwargs):
     profile = synthetic_profile(num_layers=8, cut_bytes=CUT, **profile_kwargs)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(4,), replication=False)
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(4,), replication=False, precision="bf16-mixed")
     return profile, search_plans(profile, make_cluster(4, memory=2**32), config, schedules)
 
 
@@ -75,7 +75,9 @@ def test_replicated_stages_are_simulated_as_the_lists_run_executes():
     """A replicated stage's replicas each run their own op list at full op time: the search's timeline is exactly
     `simulate` of those lists (stage s on its replicas), not the stage at 1/replicas of its time."""
     profile = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=CUT)
-    config = SearchConfig(global_batch_size=12, zero=0)  # with ZeRO-1 plain data parallelism fits
+    config = SearchConfig(
+        global_batch_size=12, zero=0, precision="bf16-mixed"
+    )  # with ZeRO-1 plain data parallelism fits
     result = search_plans(profile, make_cluster(3, memory=60 * 2**20), config, ("1f1b",))
     chosen = result.best
     assert max(chosen.partition.replicas) > 1
@@ -96,7 +98,9 @@ def test_every_schedule_reports_its_best_candidate_or_why_none_fits():
     """The balanced-stage estimate prunes most schedules here; each still gets its best-estimated candidate
     simulated, so the summary lists every schedule with figures or a real reason (not "pruned")."""
     profile = synthetic_profile(num_layers=8, cut_bytes=CUT)
-    config = SearchConfig(global_batch_size=16, allow_async=True)  # every schedule, the asynchronous ones too
+    config = SearchConfig(
+        global_batch_size=16, allow_async=True, precision="bf16-mixed"
+    )  # every schedule, the asynchronous ones too
     result = search_plans(profile, make_cluster(4, memory=2**32), config)
     assert any(r.kind in ("estimate", "bound") for r in result.rejected)  # pruning did happen
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
@@ -119,7 +123,7 @@ def test_what_input_grad_frees_lets_a_zero_bubble_plan_fit():
     base = synthetic_profile(num_layers=4, params=100_000, activation_bytes=act)  # I frees half
     layers = (*base.layers[:3], dataclasses.replace(base.layers[3], param_count=2_000_000, param_bytes=8_000_000))
     profile = dataclasses.replace(base, layers=layers)
-    config = SearchConfig(global_batch_size=8, pipeline_depths=(4,), replication=False)
+    config = SearchConfig(global_batch_size=8, pipeline_depths=(4,), replication=False, precision="bf16-mixed")
     roomy = search_plans(profile, make_cluster(4, memory=2**32), config, ("zb-h1",)).best
     static = roomy.memory.static_bytes
     assert [b - s for b, s in zip(roomy.device_memory_bytes, static)] == [4 * act, 3.5 * act, 3 * act, 2.5 * act]

@@ -23,7 +23,9 @@ GOLDEN = Path(__file__).parent / "golden"
 
 def _plan(devices: int, per_node: int, hardware: str) -> Plan:
     cluster = replace(make_cluster(devices, memory=100 * 2**20, devices_per_node=per_node), hardware=hardware)
-    result = search_plans(synthetic_profile(), cluster, SearchConfig(global_batch_size=32), ["1f1b"])
+    result = search_plans(
+        synthetic_profile(), cluster, SearchConfig(global_batch_size=32, precision="bf16-mixed"), ["1f1b"]
+    )
     return build_plan(result, model=ModelRef(ref="examples/my_model.py:build", options={"layers": "8"}))
 
 

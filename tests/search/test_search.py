@@ -55,7 +55,9 @@ def _brute_force(profile, cluster, config) -> list[Evaluation]:
 def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused, allow_async):
     profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0, fused_backward=fused)
     cluster = make_cluster(4, memory=memory)
-    config = SearchConfig(global_batch_size=16, microbatch_sizes=(1, 2), allow_async=allow_async)
+    config = SearchConfig(
+        global_batch_size=16, microbatch_sizes=(1, 2), allow_async=allow_async, precision="bf16-mixed"
+    )
     result = search_plans(profile, cluster, config)
     brute = _brute_force(profile, cluster, config)
     assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in brute))
@@ -67,7 +69,9 @@ def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused, a
 
 def test_pruned_candidates_are_really_slower():
     profile = synthetic_profile(cut_bytes=20_000_000)
-    result = search_plans(profile, make_cluster(4), SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4)))
+    result = search_plans(
+        profile, make_cluster(4), SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4), precision="bf16-mixed")
+    )
     pruned = [r for r in result.rejected if r.kind in ("bound", "estimate")]
     assert pruned, "expected the lower bound to prune something"
     assert all(re.search(r"(at least|estimated) [0-9.]+% slower", r.reason) for r in pruned)
@@ -75,18 +79,22 @@ def test_pruned_candidates_are_really_slower():
 
 def test_forced_schedule_is_used():
     profile = synthetic_profile()
-    result = search_plans(profile, make_cluster(4), SearchConfig(global_batch_size=16), schedules=["zbv"])
+    result = search_plans(
+        profile, make_cluster(4), SearchConfig(global_batch_size=16, precision="bf16-mixed"), schedules=["zbv"]
+    )
     assert {e.layout.schedule for e in result.ranked} == {"zbv"}
     assert result.best.schedule.num_chunks == 2
 
 
 @pytest.mark.parametrize("depths", [(2,), (1, 4)])
 def test_forced_pipeline_depth_is_the_only_one_tried(depths):
-    config = SearchConfig(global_batch_size=16, pipeline_depths=depths)
+    config = SearchConfig(global_batch_size=16, pipeline_depths=depths, precision="bf16-mixed")
     result = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), config)
     considered = [e.layout for e in result.ranked] + [r.layout for r in result.rejected]
     assert {layout.pipeline_devices for layout in considered} == set(depths)
-    free = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16))
+    free = search_plans(
+        synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16, precision="bf16-mixed")
+    )
     assert result.fastest.step_ms >= free.fastest.step_ms  # a restriction of the full search
 
 
@@ -97,20 +105,20 @@ def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
     to fewer stages: the estimate used for pruning must still not drop it."""
     profile = synthetic_profile(cut_bytes=5_000_000, fused_backward=fused)
     cluster = make_cluster(4, memory=2**32)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,))
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,), precision="bf16-mixed")
     result = search_plans(profile, cluster, config)
     assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
 
 
 def test_forced_pipeline_depth_must_divide_the_devices():
-    config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3))
+    config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3), precision="bf16-mixed")
     with pytest.raises(ConfigError, match=r"^--pipeline-depth 3 must divide --devices \(4\)$"):
         search_plans(synthetic_profile(), make_cluster(4), config)
 
 
 def test_unsupported_shapes_are_recorded():
     # interleaved needs m to be a multiple of p: with b=2, 6 microbatches on 4 devices are refused
-    config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2))
+    config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2), precision="bf16-mixed")
     result = search_plans(synthetic_profile(), make_cluster(4), config, schedules=["interleaved"])
     reasons = [r for r in result.rejected if r.layout.num_microbatches % r.layout.pipeline_devices]
     assert reasons and all(r.kind == "schedule" and "interleaved" in r.reason for r in reasons)
@@ -118,7 +126,12 @@ def test_unsupported_shapes_are_recorded():
 
 def test_no_supported_shape_is_one_line_error():
     with pytest.raises(InfeasibleError, match="no plan is possible on 4 device.*--global-batch-size") as info:
-        search_plans(synthetic_profile(), make_cluster(4), SearchConfig(global_batch_size=2), ["interleaved"])
+        search_plans(
+            synthetic_profile(),
+            make_cluster(4),
+            SearchConfig(global_batch_size=2, precision="bf16-mixed"),
+            ["interleaved"],
+        )
     assert "\n" not in str(info.value)
 
 
@@ -127,20 +140,24 @@ def test_replication_wins_for_an_unbalanced_model():
     # (PipeDream) beats every straight 3-stage split
     profile = synthetic_profile(4, heavy_last=6.0, params=1_000_000, activation_bytes=1_000_000, cut_bytes=1000)
     cluster = make_cluster(3, memory=60 * 2**20)
-    result = search_plans(profile, cluster, SearchConfig(global_batch_size=12, zero=0), ["1f1b"])  # ZeRO-1: plain DP
+    result = search_plans(
+        profile, cluster, SearchConfig(global_batch_size=12, zero=0, precision="bf16-mixed"), ["1f1b"]
+    )  # ZeRO-1: plain DP
     assert result.best.layout.mode == "replicated"
     assert result.best.partition.replicas == (1, 2)
     assert result.best.pipeline.device_ops[1] == tuple(
         op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
     )
-    straight = _brute_force(profile, cluster, SearchConfig(global_batch_size=12, replication=False, zero=0))
+    straight = _brute_force(
+        profile, cluster, SearchConfig(global_batch_size=12, replication=False, zero=0, precision="bf16-mixed")
+    )
     assert result.fastest.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
 
 
 def test_infeasible_error_names_the_smallest_memory_that_fits():
     profile = synthetic_profile()
     cluster = make_cluster(2, memory=40 * 2**20)
-    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,))
+    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,), precision="bf16-mixed")
     with pytest.raises(InfeasibleError) as info:
         search_plans(profile, cluster, config)
     message = str(info.value)
@@ -165,12 +182,14 @@ def test_infeasible_error_names_the_smallest_memory_that_fits():
 )
 def test_search_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        SearchConfig(**kwargs)
+        SearchConfig(**{"precision": "bf16-mixed", **kwargs})
 
 
 def test_unknown_schedule_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="zb-h1"):
-        search_plans(synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4), ["nope"])
+        search_plans(
+            synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4, precision="bf16-mixed"), ["nope"]
+        )
 
 
 def _fake(step_ms, replicas, microbatches, peak, label, zero=0, recomputing=0):
@@ -199,14 +218,18 @@ def test_simpler_layout_preferred_only_within_the_prediction_margin():
 def test_memory_reserve_is_kept_free_and_reported():
     profile = synthetic_profile()
     cluster = make_cluster(4, memory=2**30)
-    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16))
+    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"))
     need = plain.best.peak_memory_bytes
     reserve = cluster.memory_per_device - need + 1  # leaves one byte too few for that candidate
-    result = search_plans(profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=reserve))
+    result = search_plans(
+        profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=reserve, precision="bf16-mixed")
+    )
     assert all(e.peak_memory_bytes <= cluster.memory_per_device - reserve for e in result.ranked)
     assert need > cluster.memory_per_device - reserve and result.ranked  # others still fit
     assert default_memory_reserve(80 * 10**9) == 4 * 10**9  # 5% of an 80 GB H100
     assert default_memory_reserve(8 * 2**30) == 2**30  # at least 1 GiB
     assert default_memory_reserve(100 * 2**20) == 25 * 2**20  # at most a quarter
     with pytest.raises(ConfigError, match="--memory-reserve"):
-        search_plans(profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=2**30))
+        search_plans(
+            profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=2**30, precision="bf16-mixed")
+        )

@@ -34,7 +34,16 @@ BIG = dict(param_count=10_000_000, param_bytes=40_000_000, activation_bytes=100 
 
 def _config(**fields) -> SearchConfig:
     """Tensor parallelism alone: no recomputation, no ZeRO (capacity's tests combine them)."""
-    return SearchConfig(**{"global_batch_size": 4, "replication": False, "recompute": "none", "zero": 0, **fields})
+    return SearchConfig(
+        **{
+            "precision": "bf16-mixed",
+            "global_batch_size": 4,
+            "replication": False,
+            "recompute": "none",
+            "zero": 0,
+            **fields,
+        }
+    )
 
 
 def test_search_with_t_runs_on_one_rank_and_the_groups():

@@ -24,7 +24,7 @@ from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.stages import check_plan_runs
-from pipeplan.runtime.train import RunResult
+from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
 

@@ -30,7 +30,8 @@ from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_options import RunOptions
 from pipeplan.runtime.stages import check_plan_runs
-from pipeplan.runtime.train import RunResult, train
+from pipeplan.runtime.train import train
+from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import Watchdog, record_error
 
 

@@ -133,9 +133,9 @@ def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | None]:
-    """The plan path, run config and threads from `pipeplan run`'s options (one definition: RunOptions)."""
+    """The plan path, run config and threads from `pipeplan run`'s options (declared once: RunConfig's fields)."""
     options = parse_options(RunOptions, argv, prog="python -m pipeplan.runtime.worker", help=__doc__.splitlines()[0])
-    return str(options.plan), options.config, options.threads
+    return str(options.plan), options, options.threads  # RunOptions is the RunConfig the ranks run with
 
 
 def main(argv: list[str] | None = None) -> None:

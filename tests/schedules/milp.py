@@ -1,5 +1,6 @@
 """Exact optimum for small cases: the Zero Bubble paper's ILP (Qi et al., ICLR 2024, section 3.1 and appendix)
-solved with scipy.optimize.milp (HiGHS), one stage per device. Used by benchmarks to rate zb-auto.
+solved with scipy.optimize.milp (HiGHS), one stage per device: the yardstick tests and benchmarks/bench_schedules.py
+rate zb-auto against (not part of the package).
 
 Variables: the end time E of every F, I, W op; one binary per pair of same-stage ops whose order is open
 (F_a vs I_b, F_a vs W_b, I_a vs W_b for a > b: within a kind microbatches keep their order, as in the paper);

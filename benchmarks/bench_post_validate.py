@@ -34,7 +34,7 @@ from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.train import Trainer  # noqa: E402
+from pipeplan.runtime.trainer import Trainer  # noqa: E402
 
 MODEL = {"hidden": 256, "seq": 64, "layers": 4}
 MICROBATCHES, MICROBATCH_SIZE = 8, 2

@@ -42,7 +42,7 @@ from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.profiling.profile_job import ProfileRequest  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.train import Trainer  # noqa: E402
+from pipeplan.runtime.trainer import Trainer  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
 from pipeplan.search.config import SearchConfig  # noqa: E402
 from pipeplan.search.emit import build_plan  # noqa: E402

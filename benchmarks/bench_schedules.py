@@ -15,14 +15,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "schedules"))  # the exact MILP (tests/schedules/milp.py)
 
+from milp import solve_milp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, StageCosts, generate, simulate, unit_memory  # noqa: E402
-from pipeplan.schedules.milp import solve_milp  # noqa: E402
 from pipeplan.schedules.registry import clear_schedule_cache  # noqa: E402
 from pipeplan.schedules.simulate import activation_deltas  # noqa: E402
 from pipeplan.schedules.zb_heuristic import heuristic_runs  # noqa: E402

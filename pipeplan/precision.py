@@ -58,9 +58,9 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
-def get_precision(name: str, *, option: str = "--precision") -> Precision:
+def get_precision(name: str) -> Precision:
     if name not in PRECISIONS:
-        raise ConfigError(f"{option} {name!r} is not supported; choose one of: {', '.join(PRECISIONS)}")
+        raise ConfigError(f"--precision {name!r} is not supported; choose one of: {', '.join(PRECISIONS)}")
     return PRECISIONS[name]
 
 
@@ -83,10 +83,3 @@ def check_device_precision(precision: str, device: str) -> None:
         raise ConfigError(
             "--precision fp16-mixed needs CUDA (its gradient scaler is not supported on the CPU); use bf16-mixed"
         )
-
-
-def wire_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
-    """The dtype of a floating value under `precision` where no run says otherwise (analytic profiles): the
-    compute dtype for low-precision parameters, else as traced."""
-    mode = PRECISIONS[precision]
-    return mode.param_dtype if dtype.is_floating_point and mode.autocast_dtype is None else dtype

@@ -117,9 +117,9 @@ def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict
     return {**copied, **measured}
 
 
-def hardware_entry(cal: Calibration, *, when: _dt.datetime | None = None) -> dict[str, Any]:
+def hardware_entry(cal: Calibration) -> dict[str, Any]:
     """The `--hardware-file` entry for a calibration (see the module docstring for the mapping)."""
-    stamp = (when or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
     if cal.device == "cuda":
         preset, matched = nearest_preset(cal.device_name, cal.memory_bytes)

@@ -73,12 +73,6 @@ class LayerGraph:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def layer_index(self, name: str) -> int:
-        for i, layer in enumerate(self.layers):
-            if layer.name == name:
-                return i
-        raise KeyError(name)
-
 
 @dataclass
 class TracedModel:

@@ -253,14 +253,14 @@ def _comm_terms(level: Level, a: int, b: int, r: int, in_link: Link, out_link: L
     return float(comm), float(allreduce_ms(params, r, level.replica_link)), float(send)
 
 
-def describe(level: Level, stages: Stages, *, first_device: int = 0) -> list[RawStage]:
+def describe(level: Level, stages: Stages) -> list[RawStage]:
     """Per-stage costs of a solved one-level pipeline, recomputed from the cost model (devices in stage order)
     with the stages' exact in-flight counts, which also give each stage its recomputation mode."""
     inflight = inflight_counts(level.config, len(stages))
     modes = stage_modes(level, stages, inflight)
     assert None not in modes, "describing stages that do not fit"
     straight = level.config.mode == "straight"
-    out, device = [], first_device
+    out, device = [], 0
     for s, (a, b, r) in enumerate(stages):
         if straight:
             row = straight_times(level, b, inflight[s], s + 1)[a, s]

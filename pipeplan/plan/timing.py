@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeplan.costs import busiest_device_ms, bytes_per_param, device_static_bytes
+from pipeplan.costs import bytes_per_param, device_static_bytes
 from pipeplan.errors import FormatError
-from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
+from pipeplan.plan.asynchronous import with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, simulate_layout
 from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.schedules.ops import Op, Schedule
@@ -104,13 +104,6 @@ def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
     return simulate_layout(pipe, plan.schedule, num_stages, m, costs or plan_costs(plan), plan_memory(plan))
-
-
-def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
-    """The predicted step: the pipeline's makespan plus the all-reduce after the flush (each rank reduces its
-    stages in turn; ranks in parallel); for an asynchronous plan the stream's steady state (search/asynchronous)."""
-    allreduce = busiest_device_ms([s.allreduce_ms for s in plan.stages], [info.stages for info in plan.ranks])
-    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, allreduce)[0]
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

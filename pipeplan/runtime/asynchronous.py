@@ -1,6 +1,6 @@
-"""`pipeplan run` for asynchronous schedules (pipedream, pipedream-2bw): the run is a stream of steps x m
-microbatches with no flush between steps; each stage steps its own weights whenever one of its update groups is
-complete (`async_weights.py`), without waiting for the other stages.
+"""The step strategy of `pipeplan run` for asynchronous schedules (pipedream, pipedream-2bw; train.py runs the
+loop): the run is a stream of steps x m microbatches with no flush between steps; each stage steps its own weights
+whenever one of its update groups is complete (`async_weights.py`), without waiting for the other stages.
 
 The op lists come from the schedule's generator for the number of steps run — the same generator whose stream the
 plan stores and the search simulated (checked against plan.rank_ops first). Checkpoints drain the pipeline: the
@@ -29,22 +29,11 @@ import torch.distributed as dist
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.async_weights import VersionStore
-from pipeplan.runtime.comm import make_direction_groups
-from pipeplan.runtime.config import FaultSpec, RunConfig
+from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed
 from pipeplan.runtime.post_validate import check_post_validate
-from pipeplan.runtime.precision_run import gather_peak_memory
 from pipeplan.runtime.routing import Message, Routing, build_routing, parse_rank_ops
-from pipeplan.runtime.trace_io import write_trace
-from pipeplan.runtime.train import (
-    RunResult,
-    Trainer,
-    _checkpoint_due,
-    _log_step,
-    _log_summary,
-    _maybe_fail,
-    microbatches_for,
-)
+from pipeplan.runtime.trainer import OpTimes, RunResult, Trainer, microbatches_for
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import generate, schedule_info
 
@@ -181,63 +170,45 @@ def check_async_run(plan: Plan, config: RunConfig) -> None:
         )
 
 
-def train_async(
-    plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
-) -> RunResult:
-    """`train` for an asynchronous plan (same result; `microbatch_grads` instead of `grads` when captured)."""
-    check_stream(plan)
-    check_async_run(plan, config)
-    check_post_validate(plan, config.post_validate)
-    trainer = Trainer(plan, config, rank=rank, device=device)
-    if trainer.direction_groups is None:  # gloo too: a stream sends both ways at once, and one pair for both
-        trainer.direction_groups = make_direction_groups(trainer.executor.routing)  # directions measured 1.7x slower
-    start = trainer.restore() if config.resume else 0
-    result = RunResult(rank=rank, first_step=start, microbatch_grads={} if capture_grads else None)
-    batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
-    for _ in range(start):  # the same data order as an uninterrupted run
-        next(batches)
-    fault, op_times = FaultSpec.from_env(), []
-    for first, end in segments(start, config):
-        for step in range(first, end):  # (a stream has no step boundary to stop at: faults fire at its start)
-            _maybe_fail(fault, rank, step, watchdog, trainer)
-        op_times = _run_segment(trainer, first, end, batches, result)
-        if config.check_every:
-            trainer.sync.check_in_sync(end - 1)
-        if config.checkpoint_dir and _checkpoint_due(config, end - 1):
-            trainer.save(end)
-    result.optimizer_state_numel = trainer.optimizer.state_numel()
-    if config.trace_path:
-        write_trace(config.trace_path, rank, op_times, world_size=plan.world_size)
-    if not config.quiet and result.step_ms:
-        peaks = gather_peak_memory(device)
-        if rank == 0:
-            _log_summary(plan, result.step_ms, peaks)
-    return result
+class AsynchronousSteps:
+    """The step strategy of asynchronous schedules (train.train): each segment one stream of steps (`segments`),
+    checked across ranks at its end; `microbatch_grads` instead of `grads` when gradients are captured."""
 
+    def __init__(self, trainer: Trainer, result: RunResult, *, capture_grads: bool) -> None:
+        self.trainer, self.result = trainer, result
+        if capture_grads:
+            result.microbatch_grads = {}
 
-def _run_segment(trainer: Trainer, first: int, end: int, batches: Iterator, result: RunResult) -> list:
-    """Run steps [first, end) as one stream; append their losses and this rank's step times to `result`. Returns
-    the op times of the segment's last step (for --trace)."""
-    plan, config = trainer.plan, trainer.config
-    segment = dataclasses.replace(plan, rank_ops=stream_rank_ops(plan, end - first))
-    executor = AsyncExecutor(segment, trainer, first_step=first, capture=result.microbatch_grads)
-    began = time.perf_counter()
-    record = executor.run_step(StreamBatches(trainer, batches, plan.training.num_microbatches), step=first)
-    assert executor.weights.finished(), "a segment ends with every update made and nothing stashed"
-    losses = executor.step_losses
-    dist.all_reduce(losses)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
-    times = [began, *executor.step_done]
-    step_ms = [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
-    for offset, loss in enumerate(losses.tolist()):
-        if not math.isfinite(loss):
-            raise RunError(f"step {first + offset + 1}: loss is {loss}; stopped (nothing saved): lower --lr")
-    result.losses += losses.tolist()
-    result.step_ms += step_ms
-    if not config.quiet and config.log_every:
-        peaks = gather_peak_memory(trainer.device)
-        if trainer.rank == 0:
-            for offset, (loss, ms) in enumerate(zip(losses.tolist(), step_ms)):
-                if (first + offset + 1) % config.log_every == 0:
-                    _log_step(plan, first + offset, loss, ms, peaks)
-    last = (end - first - 1) * plan.training.num_microbatches
-    return [(name, a, b) for name, a, b in record.op_times if Op.parse(name).microbatch >= last]
+    @staticmethod
+    def check(plan: Plan, config: RunConfig) -> None:
+        check_stream(plan)
+        check_async_run(plan, config)
+        check_post_validate(plan, config.post_validate)
+
+    def segments(self, start: int) -> list[tuple[int, int]]:
+        return segments(start, self.trainer.config)
+
+    def check_due(self, end: int) -> bool:
+        """A segment ends drained: compare shared weights after every one."""
+        return True
+
+    def run(self, first: int, end: int, batches: Iterator) -> OpTimes:
+        """Run steps [first, end) as one stream; append their losses and this rank's step times to the result.
+        Returns the op times of the segment's last step (for --trace)."""
+        trainer, result = self.trainer, self.result
+        plan = trainer.plan
+        segment = dataclasses.replace(plan, rank_ops=stream_rank_ops(plan, end - first))
+        executor = AsyncExecutor(segment, trainer, first_step=first, capture=result.microbatch_grads)
+        began = time.perf_counter()
+        record = executor.run_step(StreamBatches(trainer, batches, plan.training.num_microbatches), step=first)
+        assert executor.weights.finished(), "a segment ends with every update made and nothing stashed"
+        losses = executor.step_losses
+        dist.all_reduce(losses)  # only output-stage ranks add a loss; each pipeline's losses are pre-scaled
+        times = [began, *executor.step_done]
+        for offset, loss in enumerate(losses.tolist()):
+            if not math.isfinite(loss):
+                raise RunError(f"step {first + offset + 1}: loss is {loss}; stopped (nothing saved): lower --lr")
+        result.losses += losses.tolist()
+        result.step_ms += [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
+        last = (end - first - 1) * plan.training.num_microbatches
+        return [(name, a, b) for name, a, b in record.op_times if Op.parse(name).microbatch >= last]

@@ -21,10 +21,9 @@ def run(options: RunOptions) -> None:
     """
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
 
-    config = options.config
-    results = launch_local(options.plan, config, threads=options.threads)
-    if config.trace_path:
-        out.print(f"measured trace: {config.trace_path}", highlight=False)
-    if config.checkpoint_dir:
+    results = launch_local(options.plan, options, threads=options.threads)  # options: the ranks' RunConfig
+    if options.trace_path:
+        out.print(f"measured trace: {options.trace_path}", highlight=False)
+    if options.checkpoint_dir:
         step = results[0].first_step + len(results[0].losses)
-        out.print(f"checkpoints: {config.checkpoint_dir} (step {step})", highlight=False)
+        out.print(f"checkpoints: {options.checkpoint_dir} (step {step})", highlight=False)

@@ -1,13 +1,16 @@
-"""Run options (`pipeplan run` flags) and the fault-injection spec used by the fault tests."""
+"""Run options (`pipeplan run` flags, `RunConfig`) and the fault-injection spec used by the fault tests."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
+from pipeplan.options import option
+from pipeplan.paths import check_output_dir, check_output_file
 
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
@@ -24,28 +27,46 @@ POST_VALIDATE_HELP = (
     "follow along the pipeline and a step they invalidate is rolled back exactly and redone (Zero Bubble's "
     "post-validation)."
 )
+INIT_FROM_HELP = (
+    "Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); each rank "
+    "reads only its stages' tensors."
+)
+PRECISION_HELP = (
+    "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16; must be the plan's (default), e.g. --precision bf16-mixed."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    steps: int = 10
-    lr: float | None = None  # None: the plan's training.lr
-    weight_decay: float | None = None  # None: the plan's training.weight_decay
-    trace_path: str | None = None  # measured Chrome trace (merged over ranks), written by rank 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # 0: only after the last step (when checkpoint_dir is set)
-    resume: bool = False
-    init_from: str | None = None  # whole-model state_dict (.pt / .safetensors) giving the initial weights
+    """What every rank of a run gets: `pipeplan run`'s options (the fields with a flag, declared here once; the CLI
+    and the per-rank worker parse them through run_options.RunOptions) and a few settings only tests and
+    benchmarks change. Paths are checked and the heartbeat timeout resolved here, wherever the values come from."""
+
+    steps: int = option(10, "--steps", help="Training steps (total, counting resumed ones).")
+    trace_path: str | None = option(None, "--trace", help="Write the measured Chrome trace of the last step here.")
+    checkpoint_dir: str | None = option(None, "--checkpoint-dir", help="Save per-stage checkpoints here.")
+    checkpoint_every: int = option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end).")
+    resume: bool = option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir.")
+    init_from: str | None = option(None, "--init-from", help=INIT_FROM_HELP, metavar="<path>")  # made absolute
+    lr: float | None = option(None, "--lr", help="AdamW learning rate (default: the plan's).")
+    weight_decay: float | None = option(None, "--weight-decay", help="AdamW weight decay (default: the plan's).")
+    heartbeat_timeout_s: float | None = option(  # None: $PIPEPLAN_HEARTBEAT_TIMEOUT or 60 s (resolved at init)
+        None, "--heartbeat-timeout", help="Seconds without a peer's heartbeat before every rank stops (default 60)."
+    )
+    device: str | None = option(  # None: the plan's training.device
+        None, "--device", help="cpu (gloo) or cuda (nccl, one GPU per rank); default: the plan's device."
+    )
+    precision: str | None = option(None, "--precision", help=PRECISION_HELP)  # None: the plan's
+    check_every: int = option(  # 0: never
+        10, "--check-every", help="Steps between checks that replicas and tied weights agree (0: never)."
+    )
+    quiet: bool = option(False, "--quiet", help="No per-step log lines (the summary is still printed).")
+    clip_grad_norm: float | None = option(None, "--clip-grad-norm", help=CLIP_HELP)  # None: no clipping
+    post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)  # post_validate.py
+    # not flags: tests and benchmarks set them
     log_every: int = 1
-    check_every: int = 10  # steps between replica/tie checksum comparisons (0: never)
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
-    quiet: bool = False  # no per-step log lines (benchmarks)
-    direction_groups: bool = False  # one process group per transfer direction (always on with NCCL; tests force it)
-    device: str | None = None  # cpu (gloo) or cuda (nccl, one GPU per rank); None: the plan's training.device
-    precision: str | None = None  # pipeplan.precision; None: the plan's (a different one is refused)
-    clip_grad_norm: float | None = None  # max global gradient norm (torch.nn.utils.clip_grad_norm_); None: no clipping
-    post_validate: bool = False  # step before the global checks arrive, roll back if they fail (post_validate.py)
+    direction_groups: bool = False  # a process group per transfer direction (always on NCCL and async; tests force it)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -69,10 +90,24 @@ class RunConfig:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):
             raise ConfigError(f"--clip-grad-norm must be a finite number > 0, got {self.clip_grad_norm}")
+        if self.heartbeat_timeout_s is None:
+            object.__setattr__(self, "heartbeat_timeout_s", heartbeat_timeout_from_env())
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
             raise ConfigError(
                 f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
             )
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        """--trace and --checkpoint-dir writable, --init-from present (and made absolute: ranks may start elsewhere)."""
+        if self.trace_path is not None:
+            object.__setattr__(self, "trace_path", str(check_output_file(self.trace_path, "--trace")))
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", str(check_output_dir(self.checkpoint_dir, "--checkpoint-dir")))
+        if self.init_from is not None:
+            if not Path(self.init_from).exists():
+                raise ConfigError(f"--init-from {str(self.init_from)!r} does not exist")
+            object.__setattr__(self, "init_from", str(Path(self.init_from).resolve()))
 
     def run_precision(self, plan_precision: str, device: str) -> str:
         """The plan's precision; --precision must name the same (the plan's costs and memory are for it)."""
@@ -103,10 +138,10 @@ class RunConfig:
         return device
 
 
-def heartbeat_timeout_from_env(default: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> float:
+def heartbeat_timeout_from_env() -> float:
     raw = os.environ.get(HEARTBEAT_ENV)
     if not raw:
-        return default
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:

@@ -24,7 +24,7 @@ from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.stages import check_plan_runs
-from pipeplan.runtime.train import RunResult
+from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
 
@@ -40,17 +40,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(
-    plan_path: str | os.PathLike,
-    config: RunConfig,
-    *,
-    capture_grads: bool = False,
-    threads: int | None = None,
-) -> list[RunResult]:
+def launch_local(plan_path: str | os.PathLike, config: RunConfig, *, threads: int | None = None) -> list[RunResult]:
     """Run every rank of the plan on this machine; returns the per-rank results in rank order."""
-    return [
-        per_rank[0] for per_rank in launch_many([(plan_path, config)], capture_grads=capture_grads, threads=threads)
-    ]
+    return [per_rank[0] for per_rank in launch_many([(plan_path, config)], threads=threads)]
 
 
 def launch_many(

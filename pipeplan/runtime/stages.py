@@ -254,15 +254,3 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
-
-
-def build_reference_model(
-    plan: Plan, device: torch.device | str = "cpu", *, init_from: str | None = None
-) -> tuple[ModelSpec, nn.Module]:
-    """The whole model exactly as the factory builds it with the plan's seed (what every rank's stages hold), with
-    the `init_from` file's values where given (for single-process checks)."""
-    spec = load_spec(plan)
-    module = build_whole(spec, plan.training.seed)
-    if init_from:
-        load_initial_weights(init_from, model=module, tensors=list(named_tensors(module)))
-    return spec, module.to(device)

@@ -30,7 +30,8 @@ from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_options import RunOptions
 from pipeplan.runtime.stages import check_plan_runs
-from pipeplan.runtime.train import RunResult, train
+from pipeplan.runtime.train import train
+from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import Watchdog, record_error
 
 
@@ -132,9 +133,9 @@ def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | None]:
-    """The plan path, run config and threads from `pipeplan run`'s options (one definition: RunOptions)."""
+    """The plan path, run config and threads from `pipeplan run`'s options (declared once: RunConfig's fields)."""
     options = parse_options(RunOptions, argv, prog="python -m pipeplan.runtime.worker", help=__doc__.splitlines()[0])
-    return str(options.plan), options.config, options.threads
+    return str(options.plan), options, options.threads  # RunOptions is the RunConfig the ranks run with
 
 
 def main(argv: list[str] | None = None) -> None:

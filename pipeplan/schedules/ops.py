@@ -137,9 +137,9 @@ class Schedule:
         return buffer.getvalue()
 
     @classmethod
-    def from_csv(cls, text: str, *, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
+    def from_csv(cls, text: str, *, name: str = "csv") -> Schedule:
         """Read one row per device. Stage placement is inferred from where each stage's ops appear; the
-        microbatch count is inferred (max index + 1) unless given."""
+        microbatch count is inferred (max index + 1)."""
         rows = [[cell for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
         while rows and not rows[-1]:
             rows.pop()
@@ -148,7 +148,7 @@ class Schedule:
         device_ops = tuple(tuple(Op.parse(cell) for cell in row) for row in rows)
         if any(o.version is not None for ops in device_ops for o in ops):
             raise FormatError("schedule CSV ops carry weight versions (e.g. 0F5v2); CSV holds synchronous schedules")
-        return _from_device_ops(name, device_ops, num_microbatches)
+        return _from_device_ops(name, device_ops)
 
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
@@ -183,7 +183,7 @@ class Schedule:
         )
 
 
-def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...], num_microbatches: int | None) -> Schedule:
+def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...]) -> Schedule:
     placement: dict[int, int] = {}
     max_mb = -1
     for device, ops in enumerate(device_ops):
@@ -199,7 +199,7 @@ def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...], num_micr
         name=name,
         num_devices=len(device_ops),
         num_stages=num_stages,
-        num_microbatches=num_microbatches if num_microbatches is not None else max_mb + 1,
+        num_microbatches=max_mb + 1,
         stage_device=tuple(placement[s] for s in range(num_stages)),
         device_ops=device_ops,
     )

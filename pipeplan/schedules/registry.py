@@ -76,12 +76,6 @@ class ScheduleInfo:
         assert not self.replicable or (self.placement == ONE_PER_DEVICE and not self.cost_driven), self.name
         assert not self.within_memory_limit or self.cost_driven, self.name
 
-    @property
-    def allowed_chunks(self) -> tuple[int, ...] | None:
-        """The chunk counts per device this schedule can run; None: any >= 1."""
-        fixed = fixed_chunks(self.placement)
-        return None if fixed is None else (fixed,)
-
     def resolve_chunks(self, chunks: int | None) -> int:
         """`chunks` (None: the default) checked against the placement."""
         if chunks is None:

@@ -235,7 +235,8 @@ def test_bad_output_paths_are_refused_before_measuring(tmp_path):
 )
 def test_cuda_calibration_makes_analytic_match_bf16_autocast(tmp_path_factory, options, batch_size):
     """Calibrate this GPU, then the analytic whole-model F+B is within 10% of the measured bf16-mixed time."""
-    from pipeplan.calibrate.check import analytic_step_ms, measured_step_ms
+    from calibration_check import analytic_step_ms, measured_step_ms
+
     from pipeplan.models import load_model
 
     path = tmp_path_factory.getbasetemp() / "cuda-hw.json"
@@ -261,7 +262,8 @@ def test_a_failing_link_process_is_one_error_naming_the_rank():
 @pytest.mark.parametrize("autocast", [True, False])
 def test_whole_model_check_runs_on_cpu_in_bf16(autocast):
     """The helpers the gpu test and bench_calibrate use, on a tiny model (autocast, or bf16 parameters)."""
-    from pipeplan.calibrate.check import analytic_step_ms, measured_step_ms
+    from calibration_check import analytic_step_ms, measured_step_ms
+
     from pipeplan.models import load_model
 
     spec = load_model("gpt", {"layers": "1", "hidden": "32", "heads": "2", "seq": "16"})

@@ -16,7 +16,7 @@ from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.precision_run import LossScaler
-from pipeplan.runtime.train import Trainer
+from pipeplan.runtime.trainer import Trainer
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import torch
 
+from pipeplan.models.spec import ModelSpec
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime import checkpoint
-from pipeplan.runtime.stages import build_reference_model
+from pipeplan.runtime.init_weights import load_initial_weights
+from pipeplan.runtime.materialize import build_whole, named_tensors
+from pipeplan.runtime.stages import load_spec
 
 TINY_GPT = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
 TINY_GPT_TIED = {**TINY_GPT, "tie_embeddings": True}
@@ -28,6 +31,18 @@ def make_plan(folder: Path, name: str, model: str, options: dict, **layout) -> t
     layout.setdefault("microbatch_size", 2)
     plan = manual_plan(model, options, **layout)
     return save_plan(folder, name, plan), plan
+
+
+def build_reference_model(
+    plan: Plan, device: torch.device | str = "cpu", *, init_from: str | None = None
+) -> tuple[ModelSpec, torch.nn.Module]:
+    """The whole model exactly as the factory builds it with the plan's seed (what every rank's stages hold, the
+    runtime's own `build_whole`), with the `init_from` file's values where given (for single-process checks)."""
+    spec = load_spec(plan)
+    module = build_whole(spec, plan.training.seed)
+    if init_from:
+        load_initial_weights(init_from, model=module, tensors=list(named_tensors(module)))
+    return spec, module.to(device)
 
 
 def checkpoint_files(root: str) -> dict[str, dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from async_reference import async_reference
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, make_plan
+from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, build_reference_model, make_plan
 
 from pipeplan.plan.manual import manual_plan
 from pipeplan.runtime import checkpoint
@@ -22,7 +22,7 @@ from pipeplan.runtime.asynchronous import settled_by, stream_rank_ops
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.routing import build_routing, parse_rank_ops
-from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
+from pipeplan.runtime.stages import build_pipeline_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rt_helpers import make_plan
+from rt_helpers import build_reference_model, make_plan
 
 from pipeplan.costs import optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
-from pipeplan.runtime.stages import build_reference_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

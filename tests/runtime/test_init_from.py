@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import make_plan
+from rt_helpers import build_reference_model, make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
 from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
+from pipeplan.runtime.stages import build_pipeline_model
 
 save_file = pytest.importorskip("safetensors.torch").save_file  # the [hf] extra
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"

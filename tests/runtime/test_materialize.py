@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, make_plan
+from rt_helpers import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, build_reference_model, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.graph.host_memory import HOST_MEMORY_ENV
 from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
 from pipeplan.runtime import materialize as mat
-from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
+from pipeplan.runtime.stages import build_pipeline_model
 
 HERE = Path(__file__).parent
 QUIRKY = f"{HERE / 'exact_models.py'}:quirky_lm"

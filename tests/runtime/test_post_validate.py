@@ -22,13 +22,20 @@ import sys
 import pytest
 import torch
 from post_validate_ranks import Case, run_cases
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, checkpoint_files, gathered_grads, make_plan
+from rt_helpers import (
+    TINY_GPT,
+    TINY_GPT_TIED,
+    TINY_MLP,
+    build_reference_model,
+    checkpoint_files,
+    gathered_grads,
+    make_plan,
+)
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
-from pipeplan.runtime.stages import build_reference_model
 from pipeplan.runtime.step_checks import clip_coefficient
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, gathered_grads, make_plan
+from rt_helpers import TINY_GPT_TIED, build_reference_model, gathered_grads, make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.plan.manual import manual_plan
@@ -16,7 +16,6 @@ from pipeplan.precision import get_precision
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
 from pipeplan.runtime.precision_run import LossScaler, memory_versus
-from pipeplan.runtime.stages import build_reference_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model, check_plan_runs
-from pipeplan.runtime.train import microbatches_for
+from pipeplan.runtime.trainer import microbatches_for
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -22,7 +22,7 @@ from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model
-from pipeplan.runtime.train import microbatches_for
+from pipeplan.runtime.trainer import microbatches_for
 from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activation_rises
 
 pytestmark = pytest.mark.timeout(400)

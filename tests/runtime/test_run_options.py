@@ -1,5 +1,6 @@
 """`pipeplan run` and the per-rank worker (what launch.sh and job.sbatch start) parse the same option definitions
-(RunOptions): the same arguments give the same RunConfig and threads."""
+(RunOptions, whose flags are RunConfig's fields): the same arguments give the same RunConfig and threads, and every
+flag reaches the config the ranks get."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import pipeplan.runtime.launch as launch
 from pipeplan.cli import app
 from pipeplan.runtime import worker
-from pipeplan.runtime.run_options import RunOptions
+from pipeplan.runtime.config import RunConfig
 
 
 def _through_run(monkeypatch, argv: list[str]):
@@ -68,10 +70,39 @@ def _argvs(tmp_path) -> list[list[str]]:
 def test_run_and_worker_parse_every_option_alike(tmp_path, monkeypatch):
     argvs = _argvs(tmp_path)
     flags = {arg for argv in argvs for arg in argv if arg.startswith("--")}
-    declared = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RunOptions) if f.init and f.name != "plan"}
+    run = typer.main.get_command(app).commands["run"]
+    declared = {flag for parameter in run.params for flag in parameter.opts if flag.startswith("--")}
     assert flags == declared  # the arguments below exercise every run option
     for argv in argvs:
         assert _through_run(monkeypatch, argv) == worker.parse_args(argv)
+
+
+def test_every_flag_reaches_the_ranks_config(tmp_path):
+    """Each flag but --threads (a process setting) changes a field of the RunConfig every rank gets."""
+    every = _argvs(tmp_path)[0]
+    _, config, threads = worker.parse_args(every)
+    assert isinstance(config, RunConfig) and threads == 2
+    default = RunConfig()
+    changed = {f.name for f in dataclasses.fields(RunConfig) if getattr(config, f.name) != getattr(default, f.name)}
+    assert changed == {
+        "steps",
+        "trace_path",
+        "checkpoint_dir",
+        "checkpoint_every",
+        "lr",
+        "weight_decay",
+        "heartbeat_timeout_s",
+        "device",
+        "precision",
+        "check_every",
+        "quiet",
+        "clip_grad_norm",
+        "post_validate",
+    }
+    resumed = worker.parse_args(_argvs(tmp_path)[1])[1]
+    assert resumed.resume and resumed.checkpoint_dir == str(tmp_path / "ck")
+    initialized = worker.parse_args(_argvs(tmp_path)[2])[1]
+    assert initialized.init_from == str((tmp_path / "w.pt").resolve())
 
 
 def test_worker_refuses_what_run_refuses(tmp_path):

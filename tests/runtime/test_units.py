@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, TINY_RESNET, make_plan
+from rt_helpers import TINY_GPT_TIED, TINY_RESNET, build_reference_model, make_plan
 
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.models import load_model
@@ -17,7 +17,7 @@ from pipeplan.runtime.grads import parameter_holders
 from pipeplan.runtime.launch import launch_local
 from pipeplan.runtime.materialize import materialize
 from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import build_pipeline_model, build_reference_model
+from pipeplan.runtime.stages import build_pipeline_model
 
 
 def test_rank_materializes_only_its_stages_with_reference_values(tmp_path):

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, assert_matches_reference, make_plan
+from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, assert_matches_reference, build_reference_model, make_plan
 
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.stages import build_reference_model
 
 pytestmark = pytest.mark.timeout(300)
 

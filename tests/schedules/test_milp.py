@@ -4,9 +4,9 @@ and zb-auto is never below the proven optimum."""
 from __future__ import annotations
 
 import pytest
+from milp import solve_milp
 
 from pipeplan.schedules import StageCosts, generate, peak_activation_per_device, simulate, validate
-from pipeplan.schedules.milp import solve_milp
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ live microbatches, for every schedule; the generators that schedule under a memo
 from __future__ import annotations
 
 import pytest
+from milp import solve_milp
 
 from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, MemoryCosts, StageCosts, generate, peak_activation_per_device, simulate
-from pipeplan.schedules.milp import solve_milp
 from pipeplan.schedules.simulate import activation_deltas, activation_rises
 from pipeplan.schedules.zb_auto import default_limit
 

@@ -12,7 +12,7 @@ import pytest
 from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
-from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED
+from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED, fixed_chunks
 from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info, schedule_names
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import StageCosts
@@ -49,9 +49,10 @@ def test_placement_and_chunks_match_the_generated_op_lists(name, p):
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_allowed_chunks_are_the_ones_the_generator_accepts(name):
     info = schedule_info(name)
-    assert info.allowed_chunks is None if info.placement == LOOPED else len(info.allowed_chunks) == 1
+    fixed = fixed_chunks(info.placement)  # None: any count
+    assert (fixed is None) == (info.placement == LOOPED)
     for chunks in range(1, 5):
-        if info.allowed_chunks is None or chunks in info.allowed_chunks:
+        if fixed is None or chunks == fixed:
             schedule = _generate(name, 2, chunks)
             assert schedule.num_chunks == chunks and schedule.stage_device == info.stage_device(2, chunks)
         else:

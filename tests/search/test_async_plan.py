@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from planner_helpers import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
@@ -15,7 +15,7 @@ from pipeplan.errors import ConfigError, FormatError, RunError, ScheduleError
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
-from pipeplan.plan.timing import plan_step_ms, plan_timeline
+from pipeplan.plan.timing import plan_timeline
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Layout, evaluate
 from pipeplan.search.config import SearchConfig

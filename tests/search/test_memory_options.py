@@ -9,14 +9,14 @@ import re
 from dataclasses import replace
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from planner_helpers import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.costs import allreduce_ms
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.plan.plan import ModelRef, Plan
-from pipeplan.plan.timing import plan_costs, plan_memory, plan_step_ms, plan_timeline
+from pipeplan.plan.timing import plan_costs, plan_memory, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.emit import build_plan

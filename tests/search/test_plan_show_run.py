@@ -7,13 +7,13 @@ import dataclasses
 import json
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from planner_helpers import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
-from pipeplan.plan.timing import plan_memory, plan_step_ms, plan_timeline
+from pipeplan.plan.timing import plan_memory, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES

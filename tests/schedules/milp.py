@@ -1,5 +1,6 @@
 """Exact optimum for small cases: the Zero Bubble paper's ILP (Qi et al., ICLR 2024, section 3.1 and appendix)
-solved with scipy.optimize.milp (HiGHS), one stage per device. Used by benchmarks to rate zb-auto.
+solved with scipy.optimize.milp (HiGHS), one stage per device: the yardstick tests and benchmarks/bench_schedules.py
+rate zb-auto against (not part of the package).
 
 Variables: the end time E of every F, I, W op; one binary per pair of same-stage ops whose order is open
 (F_a vs I_b, F_a vs W_b, I_a vs W_b for a > b: within a kind microbatches keep their order, as in the paper);
@@ -9,7 +10,7 @@ and the objective T. Constraints:
   - one device runs one op at a time: for an open pair, E_j >= E_i + cost_j or E_i >= E_j + cost_i (big-M);
   - memory: right after each F, the stage's live activations (earlier Fs, minus what earlier I and W freed)
     stay within the limit (`simulate.activation_deltas`);
-  - T >= every op's end (objective "makespan") or T >= each stage's last W end - first F start ("span").
+  - T >= every op's end (the makespan).
 """
 
 from __future__ import annotations
@@ -102,14 +103,11 @@ def _memory(model: _Model, delta: dict[str, tuple[float, ...]], limit: float) ->
             model.add(coeffs, -np.inf, limit - fixed + 1e-9 * max(1.0, abs(limit)))
 
 
-def _objective(model: _Model, dur: list[float], objective: str) -> None:
+def _makespan(model: _Model) -> None:
+    """T >= each stage's last W end (its last op: Ws keep microbatch order)."""
     p, m, op, t = model.p, model.m, model.op, model.t_var
     for s in range(p):
-        if objective == "makespan":
-            model.add({t: 1.0, op("W", s, m - 1): -1.0}, 0.0)
-        else:  # span: last W end - first F start
-            first = op("F", s, 0)
-            model.add({t: 1.0, op("W", s, m - 1): -1.0, first: 1.0}, dur[first])
+        model.add({t: 1.0, op("W", s, m - 1): -1.0}, 0.0)
 
 
 def solve_milp(
@@ -119,15 +117,12 @@ def solve_milp(
     costs: StageCosts | None = None,
     memory: MemoryCosts | None = None,
     memory_limit: float,
-    objective: str = "makespan",
     time_limit: float = 30.0,
 ) -> MilpResult | None:
     """The optimal schedule under `memory_limit` (None when infeasible or no solution within `time_limit` s)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
 
-    if objective not in ("makespan", "span"):
-        raise ConfigError(f"objective must be makespan or span, got {objective!r}")
     if memory is not None and memory.kept_bytes is not None:
         raise ConfigError("the MILP scheduler models no activation recomputation; give memory without kept_bytes")
     p, m = num_devices, num_microbatches
@@ -140,7 +135,7 @@ def solve_milp(
     _dependencies(model, cost, c.comm_ms)  # type: ignore[arg-type]
     _disjunctions(model, dur, big)
     _memory(model, activation_deltas(memory or unit_memory(1), p), memory_limit)
-    _objective(model, dur, objective)
+    _makespan(model)
     n_vars = model.t_var + 1
     matrix = lil_matrix((len(model.rows), n_vars))
     for r, (coeffs, _, _) in enumerate(model.rows):

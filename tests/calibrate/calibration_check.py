@@ -1,5 +1,6 @@
 """Check a calibration: the whole model's measured forward+backward time against the analytic profile's F+B sum
-for the same hardware entry (used by the `@pytest.mark.gpu` test and benchmarks/bench_calibrate.py).
+for the same hardware entry (used by the `@pytest.mark.gpu` test and benchmarks/bench_calibrate.py; not part of the
+package).
 
 Measured: the model built on `device` with fp32 parameters, forward + loss under `torch.autocast(dtype)` (none for
 float32), or with parameters and inputs in `dtype` and no autocast; then `loss.backward()`; the median of `repeats`

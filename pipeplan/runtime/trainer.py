@@ -1,0 +1,233 @@
+"""One rank's trainer: its stages built from the plan, the executor over its op list, the gradient reductions
+and the optimizer; the synchronous step (run the planned op list, all-reduce shared gradients, check the step
+globally: loss, gradient norm, NaN/inf in step_checks.py, or after an eager step with --post-validate in
+post_validate.py, then step AdamW); checkpoint save and restore. The run loop is train.py; the asynchronous step is
+asynchronous.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pipeplan.errors import RunError
+from pipeplan.plan.plan import Plan
+from pipeplan.precision import get_precision
+from pipeplan.runtime import checkpoint
+from pipeplan.runtime.comm import make_direction_groups
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.executor import Executor, MicroBatch
+from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.post_validate import PostValidator
+from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
+from pipeplan.runtime.routing import build_routing
+from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
+from pipeplan.runtime.zero import make_step_optimizer
+from pipeplan.schedules.registry import schedule_info
+
+OpTimes = list[tuple[str, float, float]]  # (op, start, end) of one step's ops on this rank (trace_io.write_trace)
+
+
+@dataclass
+class RunResult:
+    rank: int
+    losses: list[float] = field(default_factory=list)  # global mean loss per step run
+    step_ms: list[float] = field(default_factory=list)
+    first_step: int = 0
+    grads: dict[str, torch.Tensor] | None = None  # after the first step's all-reduce (when asked for)
+    optimizer_state_numel: int = 0  # elements of AdamW state this rank holds at the end (1/d of shared ones: zero=1)
+    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
+    grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
+    rollbacks: int = 0  # --post-validate: eager optimizer steps undone (clipping, NaN/inf or overflow found after)
+    microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
+
+
+def microbatches_for(
+    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
+) -> dict[int, MicroBatch]:
+    """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
+    the m-th run of b samples. Floating inputs take a low `param_dtype` (bf16 parameters get bf16 inputs)."""
+    low = param_dtype if param_dtype != torch.float32 else None
+    inputs, target = batch
+    b, m = plan.training.microbatch_size, plan.training.num_microbatches
+    base = plan.ranks[rank].pipeline * m * b
+    found = inputs[0].shape[0] if inputs else target.shape[0]
+    if found != plan.training.global_batch_size:
+        raise RunError(
+            f"the model's data gave a batch of {found} samples; the plan needs {plan.training.global_batch_size}"
+        )
+    sliced: dict[int, MicroBatch] = {}
+    for mb in wanted:
+        lo = base + mb * b
+        pieces = tuple(x[lo : lo + b].to(device, low if low and x.is_floating_point() else x.dtype) for x in inputs)
+        sliced[mb] = (pieces, target[lo : lo + b].to(device))
+    return sliced
+
+
+def _adamw(plan: Plan, config: RunConfig):
+    """AdamW over given tensors with the run's learning rate and weight decay."""
+    if plan.training.optimizer.lower() != "adamw":
+        raise RunError(f"plan optimizer {plan.training.optimizer!r} is not supported; pipeplan run trains with adamw")
+    lr = config.lr if config.lr is not None else plan.training.lr
+    decay = config.weight_decay if config.weight_decay is not None else plan.training.weight_decay
+    return lambda tensors: torch.optim.AdamW(tensors, lr=lr, weight_decay=decay)
+
+
+class Trainer:
+    def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
+        self.plan, self.config, self.rank, self.device = plan, config, rank, device
+        self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
+        self.precision = get_precision(plan.training.precision)
+        apply_param_dtype(self.model, self.precision)
+        apply_wire_dtypes(self.model, self.precision, device.type)
+        routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
+        # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py); an
+        # asynchronous stream gets them on gloo too: it sends both ways at once, and one pair for both directions
+        # measured 1.7x slower
+        asynchronous = schedule_info(plan.schedule).asynchronous
+        wanted = dist.get_backend() == "nccl" or config.direction_groups or asynchronous
+        groups = make_direction_groups(routing) if wanted else None
+        self.direction_groups = groups
+        self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
+        self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
+        self.executor.autocast = lambda: self.precision.autocast(device.type)
+        self.scaler = LossScaler() if self.precision.grad_scaler else None
+        self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
+        self.optimizer = make_step_optimizer(
+            plan.training.zero, self.sync, self.model.params, _adamw(plan, config), rank
+        )  # zero=1: AdamW state sharded over each group of ranks holding the same parameters (zero.py)
+        self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
+        self.fingerprint = self.model.traced.layer_graph.fingerprint
+        self.post_validator = (
+            PostValidator(plan, rank, device, self.optimizer, config.clip_grad_norm) if config.post_validate else None
+        )  # --post-validate: step eagerly, check after (post_validate.py)
+        self.inject_nan_at: int | None = None  # PIPEPLAN_FAULT mode=nan: a NaN gradient at this step
+        self.last_state: GlobalState | None = None  # the last step's global loss and gradient norm
+
+    def one_step(self, step: int, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
+        """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
+        anywhere stops every rank at this step with the weights as before it (fp16: every rank skips the step)."""
+        record = self._gradients(step, batch)
+        row = self._local_row(record)
+        if self.post_validator is not None:
+            self.last_state = self.post_validator.update(step, row, self.scaler)
+        else:
+            self.last_state = self._synchronized_update(step, row)
+        return self.last_state.loss, record.op_times
+
+    def _gradients(self, step: int, batch: MicroBatch):
+        """The step's forward and backward passes, then the gradient reductions among each parameter's holders."""
+        self.optimizer.zero_grad()
+        if self.scaler is not None:
+            self.executor.loss_grad = self.scaler.scale
+        pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
+        record = self.executor.run_step(pieces, step=step)
+        if self.inject_nan_at == step:
+            _poison_a_gradient(self.model.params)
+        self.optimizer.reduce_gradients()
+        return record
+
+    def _local_row(self, record) -> torch.Tensor:
+        """This rank's contribution to the global checks (fp16: of the unscaled gradients)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer.grads())
+        return local_row(record.loss_sum, self.optimizer.owned_grads(), self.device)
+
+    def _synchronized_update(self, step: int, row: torch.Tensor) -> GlobalState:
+        """Wait for every rank's row (one all-gather), then step as the global state says (step_checks.py)."""
+        state = GlobalState.from_table(gather_rows(row))  # only output-stage ranks add a loss, pre-scaled
+        verdict = judge(state, step=step, max_norm=self.config.clip_grad_norm, loss_scaling=self.scaler is not None)
+        apply_verdict(verdict, self.optimizer, self.scaler)
+        return state
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every held parameter's summed gradient (collective under zero=1: every rank calls it)."""
+        return self.optimizer.full_grads()
+
+    def save(self, step: int) -> None:
+        """Pipeline 0's first replica of each stage writes it; rank 0 publishes `latest` once all are written."""
+        root = self.config.checkpoint_dir
+        info = self.plan.ranks[self.rank]
+        writes = info.pipeline == 0 and info.stage_replica == 0
+        wanted = {n for stage in info.stages for n in self.model.stage_params[stage]} if writes else set()
+        states = self.optimizer.gathered_states(wanted)  # collective under zero=1
+        if writes:
+            for stage in info.stages:
+                names = self.model.stage_params[stage]
+                checkpoint.save_stage(
+                    root,
+                    step=step,
+                    stage=stage,
+                    names=names,
+                    params=self.model.params,
+                    buffers=dict(self.model.modules[stage].named_buffers()),
+                    optimizer_states=states,
+                    fingerprint=self.fingerprint,
+                    partition=checkpoint.partition_key(self.plan),
+                    num_stages=len(self.plan.stages),
+                )
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.mark_latest(root, step)
+        dist.barrier()
+
+    def restore(self) -> int:
+        step = checkpoint.latest_step(self.config.checkpoint_dir)
+        checkpoint.check_complete(self.config.checkpoint_dir, step, len(self.plan.stages))
+        states = {}
+        for stage in self.plan.ranks[self.rank].stages:
+            states |= checkpoint.load_stage(
+                self.config.checkpoint_dir,
+                step=step,
+                stage=stage,
+                params=self.model.params,
+                buffers=dict(self.model.modules[stage].named_buffers()),
+                fingerprint=self.fingerprint,
+                partition=checkpoint.partition_key(self.plan),
+            )
+        self.optimizer.load_states(states)
+        return step
+
+
+def _poison_a_gradient(params: dict[str, torch.nn.Parameter]) -> None:
+    """PIPEPLAN_FAULT mode=nan: one element of this rank's first gradient (by name) becomes NaN."""
+    name = next(n for n in sorted(params) if params[n].grad is not None)
+    grad = params[name].grad
+    grad[(0,) * grad.dim()] = float("nan")
+
+
+class SynchronousSteps:
+    """The step strategy of schedules that flush (train.train): one step at a time, each a segment of its own; the
+    step ends with every rank's gradients checked globally and the optimizer step (Trainer.one_step)."""
+
+    def __init__(self, trainer: Trainer, result: RunResult, *, capture_grads: bool) -> None:
+        self.trainer, self.result, self.capture_grads = trainer, result, capture_grads
+
+    @staticmethod
+    def check(plan: Plan, config: RunConfig) -> None:
+        """Nothing a synchronous plan cannot run with (launch.py checks the options up front)."""
+
+    def segments(self, start: int) -> list[tuple[int, int]]:
+        return [(step, step + 1) for step in range(start, self.trainer.config.steps)]
+
+    def check_due(self, end: int) -> bool:
+        """--check-every counts steps."""
+        return end % self.trainer.config.check_every == 0
+
+    def run(self, first: int, end: int, batches: Iterator) -> OpTimes:
+        """Run step `first` (the segment [first, first + 1)); record its loss, time and gradient norm, and the
+        gradients after the run's first step when asked. Returns this rank's op times."""
+        (step,) = range(first, end)
+        batch = next(batches)
+        began = time.perf_counter()
+        loss, op_times = self.trainer.one_step(step, batch)
+        self.result.losses.append(loss)
+        self.result.step_ms.append((time.perf_counter() - began) * 1000.0)
+        self.result.grad_norms.append(self.trainer.last_state.grad_norm)
+        if self.capture_grads and step == self.result.first_step:
+            self.result.grads = self.trainer.grads()
+        return op_times

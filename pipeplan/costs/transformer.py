@@ -83,16 +83,18 @@ def activation_bytes_per_layer(
     return total
 
 
-def forward_flops_per_layer(*, seq: int, batch: int, hidden: int) -> int:
-    """Forward matmul FLOPs of one GPT layer (4h MLP): 24·b·s·h² + 4·b·s²·h."""
+def forward_flops_per_layer(*, seq: int, batch: int, hidden: int, causal: bool = False) -> int:
+    """Forward matmul FLOPs of one GPT layer (4h MLP): 24·b·s·h² + 4·b·s²·h (Korthikanti et al. 2022, Appendix
+    A), the attention term halved when a causal kernel skips the masked half (`attention_core_flops`)."""
     _check_positive(seq=seq, batch=batch, hidden=hidden)
-    return 24 * batch * seq * hidden**2 + attention_core_flops(seq=seq, batch=batch, hidden=hidden)
+    return 24 * batch * seq * hidden**2 + attention_core_flops(seq=seq, batch=batch, hidden=hidden, causal=causal)
 
 
-def attention_core_flops(*, seq: int, batch: int, hidden: int) -> int:
-    """Forward FLOPs of QKᵀ and the product with V, 4·b·s²·h: what selective recomputation re-runs."""
+def attention_core_flops(*, seq: int, batch: int, hidden: int, causal: bool = False) -> int:
+    """Forward FLOPs of QKᵀ and the product with V, 4·b·s²·h: what selective recomputation re-runs; half under a
+    causal mask as FlashAttention computes it (its benchmarks' `flops(..., causal)`: 4·b·s²·h / 2)."""
     _check_positive(seq=seq, batch=batch, hidden=hidden)
-    return 4 * batch * seq**2 * hidden
+    return 4 * batch * seq**2 * hidden // (2 if causal else 1)
 
 
 def lm_head_flops(*, seq: int, batch: int, hidden: int, vocab: int) -> int:

@@ -42,9 +42,11 @@ from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.kernels import Kernel, KernelRates
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
-from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.profile import LayerProfile, LayerWork, Profile, Provenance
 from pipeplan.profiling.recompute import analytic_recompute
+from pipeplan.profiling.retime import retime_layer
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -96,7 +98,8 @@ class AnalyticConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCounts:
-    """Everything measured for one layer on the meta device (times in seconds)."""
+    """Everything measured for one layer on the meta device: the passes' op totals (times in seconds, kernels
+    apart), the forward's kernels, bytes and parameters."""
 
     forward: OpTotals
     input_grad: OpTotals
@@ -109,12 +112,29 @@ class LayerCounts:
     outputs: tuple = field(default=(), repr=False)
 
     @property
-    def weight_grad_seconds(self) -> float:
-        """W = the full pass (fused conv/norm gradient kernels timed as split) minus the input-gradient pass; the
-        whole backward when the layer has no input gradient to compute."""
-        if self.input_grad.num_ops == 0:
-            return self.backward.seconds
-        return max(self.backward.split_seconds - self.input_grad.seconds, 0.0)
+    def kernels(self) -> tuple[Kernel, ...]:
+        return tuple(self.forward.kernels)
+
+    @property
+    def forward_flops(self) -> float:
+        """The forward's FLOPs with its kernels' as they run (a causal attention's half; torch counts it whole)."""
+        return self.forward.flops - self.forward.kernel_flops + sum(k.flops for k in self.kernels)
+
+    def work(self, selective_rest_seconds: float = 0.0) -> LayerWork:
+        """The layer's kernels and the rest of each pass (ms): what `retime_layer` takes times from. W's rest is
+        the fused pass (fused conv/norm gradient kernels timed as split) less I's; the whole backward's when the
+        layer has no input gradient to compute."""
+        weight_rest = self.backward.rest_seconds
+        if self.input_grad.num_ops:
+            weight_rest = max(self.backward.rest_split_seconds - self.input_grad.rest_seconds, 0.0)
+        return LayerWork(
+            kernels=self.kernels,
+            rest_forward_ms=self.forward.rest_seconds * 1e3,
+            rest_input_grad_ms=self.input_grad.rest_seconds * 1e3,
+            rest_weight_grad_ms=weight_rest * 1e3,
+            rest_backward_ms=self.backward.rest_seconds * 1e3,
+            rest_selective_ms=selective_rest_seconds * 1e3,
+        )
 
 
 def _tensor_bytes(values: Sequence) -> int:
@@ -161,7 +181,8 @@ def count_layer(
     leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
     params = _unique_parameters(module)
     saved = SavedTensors()
-    with GpuSemantics(flash_attention=flash_attention), OpRecorder(roofline) as forward, saved:
+    tracing = OpRecorder(roofline, trace_kernels=True, params=params)
+    with GpuSemantics(flash_attention=flash_attention), tracing as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
@@ -191,21 +212,28 @@ def _requires_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def layer_profile(name: str, module_path: str, counts: LayerCounts) -> LayerProfile:
-    return LayerProfile(
+def layer_profile(
+    name: str, module_path: str, counts: LayerCounts, work: LayerWork, rates: KernelRates, **recompute_bytes
+) -> LayerProfile:
+    """The layer's profile: its times are its work timed at the profiled shape (`retime_layer`);
+    `recompute_bytes`: what selective and full recomputation keep."""
+    layer = LayerProfile(
         name=name,
         module_path=module_path,
-        forward_ms=counts.forward.seconds * 1e3,
-        input_grad_ms=counts.input_grad.seconds * 1e3,
-        weight_grad_ms=counts.weight_grad_seconds * 1e3,
-        backward_ms=counts.backward.seconds * 1e3,
+        forward_ms=0.0,
+        input_grad_ms=0.0,
+        weight_grad_ms=0.0,
+        backward_ms=0.0,
         activation_bytes=counts.saved_bytes,
         activation_freed_by_input_grad_bytes=counts.saved_bytes - counts.kept_until_weight_grad_bytes,
         param_count=counts.param_count,
         param_bytes=counts.param_bytes,
         output_bytes=counts.output_bytes,
-        flops=counts.forward.flops,
+        flops=counts.forward_flops,
+        work=work,
+        **recompute_bytes,
     )
+    return retime_layer(layer, rates)
 
 
 def _model_batch(spec: ModelSpec, batch_size: int, dtype: torch.dtype) -> tuple[tuple, object]:
@@ -324,7 +352,6 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     [env[name] for name in stage.inputs],
                     roofline=config.roofline,
                     input_needs_grad=needs,
-                    forward_ms=counts.forward.seconds * 1e3,
                     context=lambda: GpuSemantics(flash_attention=config.flash_attention),
                 )
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
@@ -334,8 +361,11 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     "profile with --device cpu or cuda instead"
                 ) from None
             env.update(zip(stage.outputs, counts.outputs))
-            profile = layer_profile(layer.name, layer.module_path, counts)
-            layers.append(replace(profile, **recompute.layer_fields(profile.activation_bytes)))
+            work = counts.work(recompute.selective_rest_seconds)
+            kept = recompute.byte_fields(counts.saved_bytes)
+            layers.append(
+                layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
+            )
             bar.advance(task)
     return layers
 

@@ -2,21 +2,28 @@
 
 - `OpRecorder` (a TorchDispatchMode) sees every aten op after autograd, with its inputs and outputs. FLOPs come
   from `torch.utils.flop_counter`'s registry (matmuls, convolutions, attention -- exactly what FlopCounterMode
-  counts); bytes moved are the inputs' plus the outputs' sizes (views and allocations move nothing). Each op's
-  time is its roofline `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff))`, summed; `split_seconds`
-  also times fused input+weight gradient kernels (conv, norms) as the two kernels a split backward launches.
+  counts); bytes moved are the inputs' plus the outputs' sizes (views and allocations move nothing).
+- Matmuls and attention (`KERNEL_OPS`) are `profiling.kernels.Kernel`s, timed by shape (tile and wave
+  quantization); `OpRecorder` leaves them out of `rest_seconds` and, with `trace_kernels`, records the forward's
+  with the dimension a tensor-parallel rank splits (`KernelTracer`). Every other op's time is its roofline
+  `max(flops / (peak × matmul_eff), bytes / (hbm_bw × mem_eff), launch)`, summed into `rest_seconds`;
+  `rest_split_seconds` times fused input+weight gradient kernels (conv, norms) as the two kernels a split backward
+  launches.
 (What a run saves for backward is counted by `saved_tensors`.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from pipeplan.profiling.kernel_tracer import KERNEL_OPS, KernelTracer
+from pipeplan.profiling.kernels import Kernel, KernelRates
 
 aten = torch.ops.aten
 _FREE_OPS = frozenset(
@@ -36,15 +43,30 @@ _FREE_OPS = frozenset(
 
 @dataclass(frozen=True, kw_only=True)
 class Roofline:
-    """Achievable matmul FLOP/s and memory bandwidth (peaks already multiplied by their efficiencies)."""
+    """Achievable matmul FLOP/s and memory bandwidth (peaks already multiplied by their efficiencies), and what
+    kernels are timed with (`profiling.kernels`): attention's rate, the SM count (None: no quantization)."""
 
     flops_per_s: float
     bytes_per_s: float
     launch_s: float = 0.0  # calibrated per-kernel floor (Hardware.kernel_launch_s); 0: none
+    attention_flops_per_s: float | None = None  # None: flops_per_s
+    sm_count: int | None = None
+    fp8_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.flops_per_s > 0 and self.bytes_per_s > 0, "roofline rates must be positive"
         assert self.launch_s >= 0, "kernel launch time must be >= 0"
+
+    @property
+    def kernel_rates(self) -> KernelRates:
+        return KernelRates(
+            gemm_flops_per_s=self.flops_per_s,
+            attention_flops_per_s=self.attention_flops_per_s or self.flops_per_s,
+            bytes_per_s=self.bytes_per_s,
+            sm_count=self.sm_count,
+            launch_s=self.launch_s,
+            fp8_flops_per_s=self.fp8_flops_per_s,
+        )
 
     def seconds(self, flops: float, num_bytes: float) -> float:
         """One op's time: max(compute, memory traffic, kernel launch); an op that moves nothing (a view) is free."""
@@ -55,13 +77,15 @@ class Roofline:
 
 @dataclass
 class OpTotals:
-    """Sums over the ops one recorder saw."""
+    """Sums over the ops one recorder saw: FLOPs and bytes of all; times of the ops that are not kernels."""
 
     flops: float = 0.0
     bytes: float = 0.0
-    seconds: float = 0.0
-    split_seconds: float = 0.0  # fused input+weight gradient kernels timed as two kernels (see `split_parts`)
+    rest_seconds: float = 0.0
+    rest_split_seconds: float = 0.0  # fused input+weight gradient kernels timed as two kernels (`split_parts`)
+    kernel_flops: float = 0.0  # of the matmul and attention ops (timed as kernels, not here)
     num_ops: int = 0
+    kernels: list[Kernel] = field(default_factory=list)  # the forward's, with trace_kernels
 
 
 def _is_view(func: torch._ops.OpOverload) -> bool:
@@ -113,21 +137,31 @@ def split_parts(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> 
 
 
 class OpRecorder(TorchDispatchMode):
-    """Dispatch mode summing each op's FLOPs, bytes and roofline time into `totals`."""
+    """Dispatch mode summing each op's FLOPs, bytes and (for ops that are not kernels) roofline time into
+    `totals`; with `trace_kernels` (a forward) the kernels, their tensor-parallel roles found by `KernelTracer`
+    over `params`."""
 
-    def __init__(self, roofline: Roofline) -> None:
+    def __init__(self, roofline: Roofline, *, trace_kernels: bool = False, params=()) -> None:
         super().__init__()
         self.roofline = roofline
         self.totals = OpTotals()
+        self.tracer = KernelTracer(params) if trace_kernels else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flops, moved = op_cost(func, args, kwargs, out)
-        self.totals.flops += flops
-        self.totals.bytes += moved
-        self.totals.seconds += self.roofline.seconds(flops, moved)
+        totals = self.totals
+        totals.flops += flops
+        totals.bytes += moved
+        totals.num_ops += 1
+        if self.tracer is not None:
+            kernel = self.tracer.see(func, args, out)
+            totals.kernels += [kernel] if kernel is not None else []
+        if func in KERNEL_OPS:
+            totals.kernel_flops += flops
+            return out
+        totals.rest_seconds += self.roofline.seconds(flops, moved)
         parts = split_parts(func, args, kwargs, out) if func not in _FREE_OPS else []
-        self.totals.split_seconds += sum(self.roofline.seconds(f, b) for f, b in parts)
-        self.totals.num_ops += 1
+        totals.rest_split_seconds += sum(self.roofline.seconds(f, b) for f, b in parts)
         return out

@@ -33,10 +33,26 @@ from typing import Any
 from pipeplan.errors import FormatError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.profiling.kernels import Kernel
 
-PROFILE_SCHEMA_VERSION = 2
-OLDER_PROFILE_VERSIONS = (1,)  # still read: they lack the recompute fields, which get the defaults above
+PROFILE_SCHEMA_VERSION = 3
+OLDER_PROFILE_VERSIONS = (1, 2)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the work
 SOURCES = ("measured", "analytic", "pipedream")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerWork:
+    """What an analytic profile's times are made of (schema 3), so that they can be taken again at another shape
+    (`profiling.retime.retime_layer`: a tensor- or context-parallel rank, another microbatch size): the forward's
+    matmul and attention kernels (`profiling.kernels`, their backward follows from them) and, per pass, the
+    roofline time of every other op (ms)."""
+
+    kernels: tuple[Kernel, ...]
+    rest_forward_ms: float
+    rest_input_grad_ms: float
+    rest_weight_grad_ms: float
+    rest_backward_ms: float
+    rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +74,7 @@ class LayerProfile:
     full_activation_bytes: int | None = None  # kept under full recompute: the inputs (None: Profile fills it)
     full_recompute_ms: float | None = None  # full recompute: the forward again (None: = forward_ms)
     selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
+    work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:

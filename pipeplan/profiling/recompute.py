@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.graph.saved_tensors import SavedTensors
+from pipeplan.profiling.kernel_tracer import KERNEL_OPS
 from pipeplan.profiling.opcount import Roofline, op_cost
 
 aten = torch.ops.aten
@@ -215,6 +216,22 @@ class RecomputeCosts:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class AnalyticRecompute:
+    """What the analytic profiler finds of one layer's recomputation: the bytes each mode keeps, and the roofline
+    time of the attention core's ops that are not kernels."""
+
+    attention_bytes: int
+    input_bytes: int
+    selective_rest_seconds: float
+
+    def byte_fields(self, activation_bytes: int) -> dict[str, int]:
+        assert 0 <= self.attention_bytes <= activation_bytes, "attention internals exceed the saved bytes"
+        return dict(
+            selective_activation_bytes=activation_bytes - self.attention_bytes, full_activation_bytes=self.input_bytes
+        )
+
+
 def record_forward(module: Callable, inputs: Sequence, context: Callable | None = None) -> tuple[ForwardLog, object]:
     """Run `module(*inputs)` once (inside `context()`, e.g. an autocast) under a ForwardLog."""
     with (context or contextlib.nullcontext)(), ForwardLog() as log:
@@ -273,12 +290,12 @@ def analytic_recompute(
     inputs: Sequence,
     *,
     roofline: Roofline,
-    forward_ms: float,
     input_needs_grad: Sequence[bool],
     context: Callable | None = None,
-) -> RecomputeCosts:
-    """Recompute data of one layer on the meta device: full = `forward_ms` (the roofline forward again),
-    selective = the roofline time of the attention core's ops. Floating-point inputs become leaves that require a
+) -> AnalyticRecompute:
+    """Recompute data of one layer on the meta device: the attention core's saved bytes and the roofline time of its
+    ops other than kernels (its matmuls and attention calls are the layer's kernels marked `core`, timed by
+    `retime_layer`; full recompute is the forward again). Floating-point inputs become leaves that require a
     gradient where `input_needs_grad` says; `context()` wraps the forward as the analytic profiler's does (its GPU
     semantics: flash or math attention, 1-byte dropout masks)."""
     inputs = [
@@ -288,11 +305,9 @@ def analytic_recompute(
     log, outputs = record_forward(module, inputs, context)
     core = find_attention_core(log, keep=[*inputs, *_params(module)])
     del outputs
-    costs = [op_cost(call.func, call.args, call.kwargs, call.out) for call in core.calls]
-    return RecomputeCosts(
+    rest = [op_cost(call.func, call.args, call.kwargs, call.out) for call in core.calls if call.func not in KERNEL_OPS]
+    return AnalyticRecompute(
         attention_bytes=core.saved_bytes,
         input_bytes=input_bytes(inputs),
-        full_recompute_ms=forward_ms,
-        selective_recompute_ms=sum(roofline.seconds(flops, moved) for flops, moved in costs) * 1e3,
-        attention_flops=float(sum(flops for flops, _ in costs)),
+        selective_rest_seconds=sum(roofline.seconds(flops, moved) for flops, moved in rest),
     )

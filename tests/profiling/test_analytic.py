@@ -23,6 +23,7 @@ from pipeplan.models import load_model
 from pipeplan.models.gpt import Block
 from pipeplan.profiling.analytic import count_layer, profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.kernels import pass_kernels
 from pipeplan.profiling.opcount import Roofline, split_parts
 from pipeplan.profiling.profile import Profile
 
@@ -83,8 +84,8 @@ def test_math_attention_adds_5as2b(flash_profile, math_profile):
 
 
 def test_forward_flops_per_block_are_exact(flash_profile, math_profile):
-    expected = forward_flops_per_layer(seq=SEQ, batch=BATCH, hidden=HIDDEN)
-    for profile in (flash_profile, math_profile):
+    for profile, causal in ((flash_profile, True), (math_profile, False)):  # the math path computes masked scores
+        expected = forward_flops_per_layer(seq=SEQ, batch=BATCH, hidden=HIDDEN, causal=causal)
         assert [block.flops for block in _blocks(profile)] == [expected, expected]
     head = flash_profile.layers[-1]
     assert head.name == "head" and head.flops == lm_head_flops(seq=SEQ, batch=BATCH, hidden=HIDDEN, vocab=VOCAB)
@@ -118,9 +119,30 @@ def test_backward_split_weight_grads_are_the_linear_matmuls():
     assert weight_grad_flops == linear_flops  # W = one mat1ᵀ @ grad per Linear, same size as its forward
     attention_forward = counts.forward.flops - linear_flops
     assert counts.input_grad.flops - linear_flops >= 2 * attention_forward  # dq, dk, dv, dp (+ recompute)
-    assert 0 < counts.weight_grad_seconds < counts.backward.seconds
-    split_total = counts.input_grad.seconds + counts.weight_grad_seconds
-    assert counts.backward.seconds <= split_total < 1.1 * counts.backward.seconds  # layer norms run as 2 kernels
+    work = counts.work()
+    assert 0 < work.rest_weight_grad_ms < work.rest_backward_ms
+    split_total = work.rest_input_grad_ms + work.rest_weight_grad_ms
+    assert work.rest_backward_ms <= split_total < 1.1 * work.rest_backward_ms  # layer norms run as 2 kernels
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_backward_kernels_follow_from_the_forwards(flash):
+    """The kernels each pass is timed with (derived from the forward's) do the FLOPs the recorded matmuls and
+    attention calls of that pass do; the linears' roles alternate column, row as Megatron splits a block."""
+    block, x = _meta_block()
+    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
+    kernels = counts.kernels
+    attention = sum(k.flops for k in kernels if k.kind == "attention")  # causal: half of what torch counts
+    assert all(k.causal for k in kernels if k.kind == "attention") and (attention > 0) == flash
+    assert sum(k.flops for k in pass_kernels(kernels, "forward")) + attention == counts.forward.kernel_flops
+    derived_i = sum(k.flops for k in pass_kernels(kernels, "input_grad"))
+    derived_w = sum(k.flops for k in pass_kernels(kernels, "weight_grad"))
+    assert derived_w == pytest.approx(counts.backward.kernel_flops - counts.input_grad.kernel_flops)
+    if not flash:  # FlashAttention's backward is 2.5x its forward in time; torch counts its FLOPs as 2x
+        assert derived_i == pytest.approx(counts.input_grad.kernel_flops)
+    linears = [k.tp for k in kernels if k.weight]
+    assert linears == ["n", "k", "n", "k"]  # qkv and fc column-parallel, proj and the MLP's output row-parallel
+    assert all(k.tp == "b" for k in kernels if not k.weight)  # attention split by heads
 
 
 def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
@@ -141,7 +163,7 @@ def test_fused_backward_kernels_are_split_for_weight_grads():
     conv_flops = 2 * 4 * 16 * 32 * 32 * 8 * 9
     assert counts.forward.flops == conv_flops
     assert counts.input_grad.flops == conv_flops and counts.backward.flops == 2 * conv_flops
-    assert counts.weight_grad_seconds == pytest.approx(conv_flops / 1e12)
+    assert counts.work().rest_weight_grad_ms == pytest.approx(conv_flops / 1e12 * 1e3)  # convolutions stay rest
     parts = split_parts(
         torch.ops.aten.native_layer_norm_backward.default,
         *_layer_norm_backward_call(),
@@ -240,7 +262,7 @@ def test_llama_profile_with_grouped_query_attention():
     s, h = 128, 256
     kv = 2 * 32  # kv heads × head dim
     linear_flops = 2 * s * h * (h + 2 * kv + h) + 3 * 2 * s * h * 512
-    assert block.flops == linear_flops + 4 * s * s * h
+    assert block.flops == linear_flops + 4 * s * s * h // 2  # causal: FlashAttention skips the masked half
     assert block.param_count == 2 * h + h * (h + 2 * kv + h) + 3 * h * 512
     assert 0 < block.activation_freed_by_input_grad_bytes < block.activation_bytes
 

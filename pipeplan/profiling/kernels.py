@@ -1,0 +1,164 @@
+"""Matmul and attention kernels: what an analytic profile records of each layer so that its times can be taken
+again at another shape — one tensor-parallel rank (t), one context-parallel rank (cp), another microbatch size —
+and how long one kernel takes on a GPU.
+
+A `Kernel` is one forward matmul (`gemm`: m x k times k x n, `batch` of them) or one attention call (`attention`:
+`batch` = samples x heads, m query and n key positions, head size k), at the shape the profile ran (t = cp = 1).
+Its fields name which dimensions one rank divides: `tp` by t (Megatron tensor parallelism: a column-parallel
+linear splits n, a row-parallel one k, attention its heads) and `cp` by cp (context parallelism splits the
+sequence: a linear's token rows, attention's query positions); `tokens` names the dimensions that grow with the
+microbatch size. The backward kernels follow from the forward ones (`backward_kernels`): a matmul's input gradient
+(m x n times n x k, in I; absent when its input needs no gradient) and weight gradient (n x m times m x k, in W,
+for linears only); attention's backward (in I) does 2.5 times its forward's work (FlashAttention-2: recomputed
+scores, dV, dP, dQ and dK; Dao 2023, §3.1; the FLOP counter of its benchmarks).
+
+Time of one kernel (`kernel_seconds`), on a GPU with S streaming multiprocessors (datasheet):
+- a matmul is cut into output tiles of 128 x 128, 128 x 256 or 256 x 128 elements (cuBLAS/CUTLASS tile shapes on
+  A100 and H100), one tile per SM at a time; with T tiles the kernel runs ceil(T / S) waves, each the time of one
+  tile's 2·tm·tn·k FLOPs at the SM's share of the peak x `matmul_efficiency` (what a full wave of large tiles
+  reaches: calibrate measures it). Tile padding (m or n not a multiple of the tile) and the last, partial wave are
+  why small and skinny matmuls — tensor-parallel shards — run below peak (NVIDIA, "Matrix Multiplication
+  Background User's Guide": tile and wave quantization). The tile shape giving the shortest time is taken, as
+  cuBLAS's heuristics pick one. The time is at least the bytes it moves over HBM bandwidth (a roofline) and the
+  kernel launch floor.
+- attention (FlashAttention-2) runs one thread block per 128 query rows of each (sample, head): blocks = batch x
+  ceil(m / 128), each doing 4·128·n·k FLOPs (QKᵀ and PV), half of them under a causal mask; waves as above at the
+  peak x `attention_efficiency` (FlashAttention's measured fraction of peak).
+- Without an SM count (a CPU, or a hardware file that gives none) a kernel is its FLOPs at peak x efficiency:
+  no quantization.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+GEMM_TILES = ((128, 128), (128, 256), (256, 128))
+ATTENTION_BLOCK = 128  # query rows per FlashAttention thread block
+ATTENTION_BACKWARD = 2.5  # FlashAttention-2's backward work / forward work
+PASSES = ("forward", "input_grad", "weight_grad")
+DIMS = {"m": "m", "n": "n", "k": "k", "b": "batch"}  # tag letter -> attribute
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """One matmul or attention call of a layer (see the module docstring); `fp8`: a linear's matmul that an FP8
+    recipe runs in FP8 (attention, embedding and others stay in 16 bits)."""
+
+    kind: str  # "gemm" or "attention"
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    tp: str = ""  # the dimension (m, n, k or b: batch) one tensor-parallel rank divides by t ("" none)
+    cp: str = ""  # the dimensions context parallelism divides (sequence positions)
+    tokens: str = ""  # the dimension that grows with the microbatch size
+    weight: bool = False  # a linear's matmul (one operand is a parameter): it has a weight gradient
+    input_grad: bool = True  # its activation operand(s) need a gradient
+    causal: bool = False  # attention under a causal mask: half the work
+    element_bytes: int = 2  # bytes per element of its operands
+    work: float = 1.0  # multiple of the shape's FLOPs (attention's backward: 2.5)
+    core: bool = False  # part of the attention core (re-run by selective recomputation)
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("gemm", "attention"), self.kind
+        for tag in self.tp + self.cp + self.tokens:
+            assert tag in DIMS, tag
+
+    @property
+    def flops(self) -> float:
+        if self.kind == "attention":
+            return 4.0 * self.batch * self.m * self.n * self.k * (0.5 if self.causal else 1.0) * self.work
+        return 2.0 * self.batch * self.m * self.n * self.k * self.work
+
+    @property
+    def bytes(self) -> float:
+        return float(self.element_bytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+
+    def on_rank(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> Kernel:
+        """This kernel as one rank of t x cp runs it, for a microbatch `batch_scale` times as large."""
+        sizes = {attr: float(getattr(self, attr)) for attr in DIMS.values()}
+        for tag in self.tp:
+            sizes[DIMS[tag]] /= t
+        for tag in self.cp:
+            sizes[DIMS[tag]] /= cp
+        for tag in self.tokens:
+            sizes[DIMS[tag]] *= batch_scale
+        return replace(self, **{attr: max(1, math.ceil(value)) for attr, value in sizes.items()})
+
+
+def backward_kernels(kernel: Kernel) -> dict[str, list[Kernel]]:
+    """The kernels of `kernel`'s backward, by pass (`input_grad`, `weight_grad`); see the module docstring."""
+    if kernel.kind == "attention":
+        work = replace(kernel, work=kernel.work * ATTENTION_BACKWARD)
+        return {"input_grad": [work] if kernel.input_grad else [], "weight_grad": []}
+    # C (m x n) = A (m x k) B (k x n): dA = dC Bᵀ is m x n times n x k, dB = Aᵀ dC is k x m times m x n
+    grad_a = _renamed(kernel, m=kernel.m, n=kernel.k, k=kernel.n, names={"m": "m", "n": "k", "k": "n"})
+    grad_b = _renamed(kernel, m=kernel.k, n=kernel.n, k=kernel.m, names={"m": "k", "n": "n", "k": "m"})
+    if not kernel.weight:  # both operands are activations (attention's matmuls): two input gradients
+        return {"input_grad": [grad_a, grad_b] if kernel.input_grad else [], "weight_grad": []}
+    return {"input_grad": [grad_a] if kernel.input_grad else [], "weight_grad": [grad_b]}
+
+
+def _renamed(kernel: Kernel, *, m: int, n: int, k: int, names: dict[str, str]) -> Kernel:
+    """`kernel` at a new shape whose dimension `names[old]` is the old dimension `old` (tags follow them)."""
+
+    def move(tags: str) -> str:
+        return "".join({**names, "b": "b"}[tag] for tag in tags)
+
+    return replace(kernel, m=m, n=n, k=k, tp=move(kernel.tp), cp=move(kernel.cp), tokens=move(kernel.tokens))
+
+
+def pass_kernels(kernels: tuple[Kernel, ...], name: str) -> list[Kernel]:
+    """The kernels of one pass (`forward`, `input_grad` or `weight_grad`) of a layer's forward kernels."""
+    if name == "forward":
+        return list(kernels)
+    return [k for forward in kernels for k in backward_kernels(forward)[name]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelRates:
+    """What a kernel's time depends on: peaks (FLOP/s) by kind, HBM bytes/s, SM count (None: no quantization),
+    the launch floor."""
+
+    gemm_flops_per_s: float  # peak x matmul efficiency (a full wave of large tiles)
+    attention_flops_per_s: float  # peak x attention efficiency
+    bytes_per_s: float
+    sm_count: int | None = None
+    launch_s: float = 0.0
+    fp8_flops_per_s: float | None = None  # FP8 matmuls (None: as gemm)
+
+
+def kernel_seconds(kernel: Kernel, rates: KernelRates, *, fp8: bool = False) -> float:
+    """One kernel's time (module docstring); `fp8`: a linear's matmul runs at the FP8 rate."""
+    if kernel.kind == "attention":
+        work = _attention_seconds(kernel, rates)
+    else:
+        rate = rates.fp8_flops_per_s if fp8 and kernel.weight and rates.fp8_flops_per_s else rates.gemm_flops_per_s
+        work = _gemm_seconds(kernel, rate, rates.sm_count)
+    element = 1 if fp8 and kernel.weight else kernel.element_bytes
+    memory = replace(kernel, element_bytes=element).bytes / rates.bytes_per_s
+    return max(work, memory, rates.launch_s)
+
+
+def _gemm_seconds(kernel: Kernel, rate: float, sms: int | None) -> float:
+    if not sms:
+        return kernel.flops / rate
+    best = math.inf
+    for tm, tn in GEMM_TILES:
+        tiles = kernel.batch * math.ceil(kernel.m / tm) * math.ceil(kernel.n / tn)
+        waves = math.ceil(tiles / sms)
+        best = min(best, waves * 2.0 * tm * tn * kernel.k * kernel.work / (rate / sms))
+    return best
+
+
+def _attention_seconds(kernel: Kernel, rates: KernelRates) -> float:
+    per_block = 4.0 * ATTENTION_BLOCK * kernel.n * kernel.k * (0.5 if kernel.causal else 1.0) * kernel.work
+    if not rates.sm_count:
+        return kernel.flops / rates.attention_flops_per_s
+    blocks = kernel.batch * math.ceil(kernel.m / ATTENTION_BLOCK)
+    return math.ceil(blocks / rates.sm_count) * per_block / (rates.attention_flops_per_s / rates.sm_count)
+
+
+def kernels_seconds(kernels, rates: KernelRates, *, fp8: bool = False) -> float:
+    return sum(kernel_seconds(k, rates, fp8=fp8) for k in kernels)

@@ -37,6 +37,11 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
     "matmul_efficiency": ("matmul_efficiency", 1.0),
     "memory_efficiency": ("memory_efficiency", 1.0),
+    "attention_efficiency": ("attention_efficiency", 1.0),
+    "nvlink_efficiency": ("nvlink_efficiency", 1.0),
+    "network_efficiency": ("network_efficiency", 1.0),
+    "sm_count": ("sm_count", 1.0),
+    "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
     # optional, written by `pipeplan calibrate` (see pipeplan/calibrate/measure.py): what this machine achieved
     "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
     "measured_fp16_tflops": ("measured_fp16_flops", 1e12),
@@ -64,8 +69,13 @@ class Hardware:
     network_bandwidth: float  # per GPU, one direction (e.g. 400 Gb/s InfiniBand = 50e9)
     intra_node_latency_s: float = 10e-6
     inter_node_latency_s: float = 20e-6
-    matmul_efficiency: float = 0.6  # fraction of peak FLOP/s a large matmul reaches
+    matmul_efficiency: float = 0.6  # fraction of peak a full wave of large matmul tiles reaches (profiling.kernels)
     memory_efficiency: float = 0.75  # fraction of HBM bandwidth a memory-bound kernel reaches
+    attention_efficiency: float | None = None  # fraction of peak FlashAttention reaches (None: matmul_efficiency)
+    nvlink_efficiency: float = 1.0  # fraction of the intra-node link's bandwidth collectives reach (bus bandwidth)
+    network_efficiency: float = 1.0  # the same for the inter-node network
+    sm_count: int | None = None  # streaming multiprocessors (compute units): tile and wave quantization
+    peak_fp8_flops: float | None = None  # dense FP8 tensor-core peak (None: no FP8)
     # measured by `pipeplan calibrate`; when given they replace peak x efficiency (see `matmul_flops_per_s`)
     measured_bf16_flops: float | None = None
     measured_fp16_flops: float | None = None
@@ -79,7 +89,14 @@ class Hardware:
         if not self.name:
             raise ConfigError("hardware name must be non-empty")
         positive = ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth")
-        for attr in (*positive, "nvlink_bandwidth", "network_bandwidth", *_MEASURED_ATTRS):
+        for attr in (
+            *positive,
+            "nvlink_bandwidth",
+            "network_bandwidth",
+            "sm_count",
+            "peak_fp8_flops",
+            *_MEASURED_ATTRS,
+        ):
             value = getattr(self, attr)
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
@@ -88,9 +105,15 @@ class Hardware:
         for attr in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s"):
             if not getattr(self, attr) >= 0:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)!r}")
-        for attr in ("matmul_efficiency", "memory_efficiency"):
+        for attr in ("matmul_efficiency", "memory_efficiency", "nvlink_efficiency", "network_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1], got {getattr(self, attr)!r}")
+        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
+            raise ConfigError(f"hardware {self.name!r}: attention_efficiency must lie in (0, 1]")
+
+    @property
+    def attention_fraction(self) -> float:
+        return self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense matmul peak for `dtype`: bf16/fp16 tensor cores, else TF32 (float32 matmuls on tensor cores)."""
@@ -154,7 +177,7 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise FormatError(f"{where}: {key} must be a number, got {value!r}")
         attr, scale = _FILE_FIELDS[key]
-        kwargs[attr] = int(value * scale) if attr == "memory_bytes" else float(value * scale)
+        kwargs[attr] = int(value * scale) if attr in ("memory_bytes", "sm_count") else float(value * scale)
     required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]
     if required:
         raise FormatError(f"{where} is missing field(s): {', '.join(required)}")
@@ -232,8 +255,8 @@ def cluster_for(hardware: str | Hardware, num_devices: int, devices_per_node: in
         num_devices=num_devices,
         devices_per_node=devices_per_node,
         memory_per_device=spec.memory_bytes,
-        intra_node_bandwidth=spec.nvlink_bandwidth,
-        inter_node_bandwidth=spec.network_bandwidth,
+        intra_node_bandwidth=spec.nvlink_bandwidth * spec.nvlink_efficiency,
+        inter_node_bandwidth=spec.network_bandwidth * spec.network_efficiency,
         intra_node_latency_s=spec.intra_node_latency_s,
         inter_node_latency_s=spec.inter_node_latency_s,
         hardware=spec.name,

@@ -89,10 +89,16 @@ class AnalyticConfig:
 
     @property
     def roofline(self) -> Roofline:
+        hardware = self.hardware
+        peak = hardware.peak_flops(self.torch_dtype)
+        matmul = hardware.matmul_flops_per_s(self.torch_dtype, self.matmul_efficiency)
         return Roofline(
-            flops_per_s=self.hardware.matmul_flops_per_s(self.torch_dtype, self.matmul_efficiency),
-            bytes_per_s=self.hardware.memory_bytes_per_s(self.memory_efficiency),
-            launch_s=self.hardware.kernel_launch_s,
+            flops_per_s=matmul,
+            bytes_per_s=hardware.memory_bytes_per_s(self.memory_efficiency),
+            launch_s=hardware.kernel_launch_s,
+            attention_flops_per_s=peak * hardware.attention_fraction,
+            sm_count=hardware.sm_count,
+            fp8_flops_per_s=hardware.peak_fp8_flops * matmul / peak if hardware.peak_fp8_flops else None,
         )
 
 

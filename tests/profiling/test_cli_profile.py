@@ -116,7 +116,6 @@ def test_hardware_is_ignored_with_a_warning_on_cpu():
 
 
 def test_meta_device_uses_the_analytic_profiler():
-    pytest.importorskip("pipeplan.profiling.analytic")
     result = _run("profile", "gpt", "-a", "layers=2", "--device", "meta", "--hardware", "h100", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.plan.plan import Plan
+from pipeplan.search.config import PREDICTION_MARGIN
 
 runner = CliRunner()
 PLAN = ["plan", "--devices", "4", "--memory-per-device", "1GiB", "-B", "8"]
@@ -31,12 +32,28 @@ def _one_error_line(output: str) -> str:
 
 
 def test_auto_tries_every_size_and_the_rationale_says_why(stack_file, tmp_path):
-    result = runner.invoke(app, [*PLAN, "--profile", str(stack_file), "-o", str(tmp_path / "p"), "--json"])
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
+    """auto's plan is the one forced at its t, that t is the smallest within the prediction margin of the fastest
+    forced size, and the rationale gives every other size's own figure."""
+
+    def plan(*extra: str) -> dict:
+        out = tmp_path / "-".join(("p", *extra))
+        result = runner.invoke(app, [*PLAN, "--profile", str(stack_file), "-o", str(out), "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    summary = plan()
+    forced = {size: plan("--tensor-parallel", str(size)) for size in (1, 2, 4)}
+    assert all(forced[size]["training"]["tensor_parallel"] == size for size in forced)
     t = summary["training"]["tensor_parallel"]
+    fastest = min(f["predicted"]["step_ms"] for f in forced.values())
+    close = [size for size, f in forced.items() if f["predicted"]["step_ms"] <= fastest * (1 + PREDICTION_MARGIN)]
+    assert t == min(close)
+    for key in ("predicted", "schedule", "stages", "training"):
+        assert summary[key] == forced[t][key], key
     assert summary["rationale"].startswith(f"Tensor parallelism t={t}: ")
-    assert all(f"t={size}" in summary["rationale"] for size in (1, 2, 4) if size != t)
+    for size in (1, 2, 4):
+        if size != t:
+            assert f"{forced[size]['predicted']['samples_per_s']:.2f} samples/s at t={size}" in summary["rationale"]
 
 
 def test_a_forced_size_is_planned_shown_and_refused_by_run(stack_file, tmp_path):

@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from planner_helpers import stack_profile
+from helpers.search import stack_profile
 from rich.console import Console
 from typer.testing import CliRunner
 

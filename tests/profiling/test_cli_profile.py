@@ -17,14 +17,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_model.py"
 QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1", "--timer", "cpu"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _run(*args):
     return CliRunner().invoke(app, list(args))
 

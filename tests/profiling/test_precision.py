@@ -7,7 +7,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
@@ -38,7 +37,6 @@ def test_bytes_per_parameter_follow_the_precision():
 
 @pytest.fixture(scope="module")
 def measured():
-    torch.set_num_threads(1)
     spec = load_model("gpt", SMALL_GPT)
     return {
         name: profile_model(spec, batch_size=4, warmup=0, repeats=1, progress=False, precision=name)

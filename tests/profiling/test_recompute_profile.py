@@ -68,7 +68,6 @@ def _profile_with_logs(monkeypatch, make_profile, seq: int):
 
 
 def _measured(spec, **kwargs):
-    torch.set_num_threads(1)
     return profile_model(spec, batch_size=BATCH, warmup=0, repeats=1, progress=False, **kwargs)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from async_reference import async_reference
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, make_plan
+from helpers.async_reference import async_reference
+from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, make_plan
 
 from pipeplan.plan.manual import manual_plan
 from pipeplan.runtime import checkpoint

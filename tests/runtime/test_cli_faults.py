@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, make_plan
+from helpers.runtime import TINY_GPT_TIED, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint

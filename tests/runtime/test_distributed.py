@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import (
+from helpers.runtime import (
     TINY_GPT,
     TINY_GPT_TIED,
     TINY_MLP,

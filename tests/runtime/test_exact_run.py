@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import make_plan, reference_losses
+from helpers.runtime import make_plan, reference_losses
 
 from pipeplan.models import load_model
 from pipeplan.runtime import materialize as mat

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rt_helpers import make_plan
+from helpers.runtime import make_plan
 
 from pipeplan.costs import optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import make_plan
+from helpers.runtime import make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import trace_module

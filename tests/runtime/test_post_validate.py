@@ -21,8 +21,8 @@ import sys
 
 import pytest
 import torch
-from post_validate_ranks import Case, run_cases
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, checkpoint_files, gathered_grads, make_plan
+from helpers.post_validate_ranks import Case, run_cases
+from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, checkpoint_files, gathered_grads, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint

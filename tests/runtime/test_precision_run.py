@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, gathered_grads, make_plan
+from helpers.runtime import TINY_GPT_TIED, gathered_grads, make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.plan.manual import manual_plan

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_RESNET, assert_matches_reference, make_plan
+from helpers.runtime import TINY_GPT, TINY_RESNET, assert_matches_reference, make_plan
 
 from pipeplan.errors import ConfigError, FormatError, RunError
 from pipeplan.models import load_model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, make_plan
+from helpers.runtime import TINY_GPT, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint

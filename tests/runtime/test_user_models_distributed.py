@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import assert_matches_reference, make_plan, reference_losses
+from helpers.runtime import assert_matches_reference, make_plan, reference_losses
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many

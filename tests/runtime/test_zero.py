@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, assert_matches_reference, make_plan
+from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, assert_matches_reference, make_plan
 
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig

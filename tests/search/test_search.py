@@ -7,7 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.plan.asynchronous import searched_schedules

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import stack_profile
+from helpers.search import stack_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

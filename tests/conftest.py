@@ -4,6 +4,7 @@ long-running tests: `make test-fast` (pytest -m "not slow") leaves them out, `ma
 
 from __future__ import annotations
 
+import multiprocessing.process
 import sys
 from pathlib import Path
 
@@ -31,6 +32,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
+
+
+_RUNNING: dict[str, pytest.Item] = {}  # the test being run (its fixtures' set-up included)
+_STARTED = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    """A test not marked `slow` that starts a process through multiprocessing (torch's launchers: every in-process
+    `launch_local`/`launch_many`/`pipeplan run`, calibrate's link ranks), in its body or in a fixture it sets up,
+    fails: `make test-fast` stays free of multi-process runs. Runs started as a subprocess (`python -m pipeplan run`,
+    launch.sh) are marked by hand."""
+    start = multiprocessing.process.BaseProcess.start
+
+    def guarded_start(process) -> None:
+        item = _RUNNING.get("item")
+        if item is not None and item.get_closest_marker("slow") is None:
+            item.stash.setdefault(_STARTED, []).append(repr(process))
+            raise RuntimeError(f"{item.nodeid} starts processes: mark it @pytest.mark.slow")
+        start(process)
+
+    multiprocessing.process.BaseProcess.start = guarded_start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _RUNNING["item"] = item
+    yield
+    _RUNNING.pop("item", None)
+
+
+@pytest.fixture(autouse=True)
+def _only_slow_tests_start_processes(request):
+    """Fails the test (also where its code caught the refusal) if it tried to start a process unmarked."""
+    yield
+    started = request.node.stash.get(_STARTED, [])
+    assert not started, f"{request.node.nodeid} starts processes ({started[0]}): mark it @pytest.mark.slow"
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # multi-process runs
 
 
 def _run(args: list[str], *, env_extra: dict[str, str] | None = None, timeout: float = 150):

@@ -14,7 +14,7 @@ from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 from pipeplan.runtime.stages import build_reference_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]  # multi-process runs
 
 # ~117M parameters against a few MB of activations (seq 128, one sample per microbatch)
 GPT = dict(layers=8, hidden=1024, heads=16, seq=128, vocab=8192)

@@ -140,6 +140,7 @@ def _same_run(got, expected, label: str) -> None:
             assert torch.equal(grad, theirs.grads[name]), f"{label} {name}"
 
 
+@pytest.mark.slow
 def test_two_ranks_recomputation_matches_the_run_without_it(tmp_path):
     cases = [  # label, model, options, layout, modes
         ("gpt dropout zb-h1", "gpt", DROPOUT_GPT, dict(schedule="zb-h1"), ("full", "selective")),
@@ -168,6 +169,7 @@ def test_two_ranks_recomputation_matches_the_run_without_it(tmp_path):
     assert_matches_reference(plans[-1], [rank[len(runs) - 1] for rank in results], "resnet 1f1b full")
 
 
+@pytest.mark.slow
 def test_four_ranks_recomputation_matches_single_process(tmp_path):
     cases = [
         (

@@ -16,7 +16,7 @@ from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # multi-process runs
 POISONED = str(Path(__file__).with_name("toy_models.py")) + ":poisoned_mlp"
 
 

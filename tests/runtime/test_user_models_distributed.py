@@ -18,7 +18,7 @@ from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.stages import build_pipeline_model
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # multi-process runs
 os.environ["HF_HUB_OFFLINE"] = "1"  # the ranks inherit it: nothing is ever downloaded
 
 USER = str(Path(__file__).with_name("user_models.py"))

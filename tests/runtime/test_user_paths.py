@@ -150,6 +150,7 @@ def _plan_model(model_file: Path, out: Path) -> Plan:
     return Plan.load(out / "plan.json")
 
 
+@pytest.mark.slow
 def test_plan_is_relocatable_and_refuses_an_edited_model_file(model_file, tmp_path):
     plan = _plan_model(model_file, tmp_path / "plan")
     assert plan.model.ref == f"{model_file.resolve()}:build"

@@ -20,7 +20,7 @@ from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.stages import build_reference_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 STEPS, HALF = 4, 2
 TOL = dict(rtol=1e-6, atol=1e-6)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ format: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
+
+# everything but the tests marked slow: the multi-process runs (gloo ranks) and a few long ones
+test-fast: $(STAMP) lint
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -39,8 +39,8 @@ def _calibrated(device: str):
 
 def _rows(device: str, hardware, reference, cases, dtypes) -> list[dict]:
 
-    sys.path.insert(0, str(ROOT / "tests" / "calibrate"))
-    from calibration_check import analytic_step_ms, measured_step_ms
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.calibration_check import analytic_step_ms, measured_step_ms
 
     from pipeplan.models import load_model
 

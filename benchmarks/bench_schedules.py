@@ -15,9 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "schedules"))  # the exact MILP (tests/schedules/milp.py)
+sys.path.insert(0, str(ROOT / "tests"))  # the exact MILP (tests/helpers/milp.py)
 
-from milp import solve_milp  # noqa: E402
+from helpers.milp import solve_milp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from timing import median_seconds  # noqa: E402

@@ -34,6 +34,7 @@ def cpu_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_cpu_calibration_loads_through_the_hardware_file_loader(cpu_file):
     entry = json.loads(cpu_file.read_text())["hardware"]["mycpu"]
     spec = load_hardware_file(cpu_file)["mycpu"]
@@ -51,6 +52,7 @@ def test_cpu_calibration_loads_through_the_hardware_file_loader(cpu_file):
     assert "gloo" in spec.sources and "measured" in spec.sources
 
 
+@pytest.mark.slow
 def test_profile_meta_with_the_calibrated_file(cpu_file, tmp_path):
     target = tmp_path / "p.json"
     args = ("profile", *GPT, "--device", "meta", "--hardware", "mycpu", "--hardware-file", cpu_file, "-o", target)
@@ -63,6 +65,7 @@ def test_profile_meta_with_the_calibrated_file(cpu_file, tmp_path):
     assert f"{spec.measured_bf16_flops / 1e12:.1f} TFLOP/s" in profile.provenance.notes
 
 
+@pytest.mark.slow
 def test_plan_with_the_calibrated_file_uses_its_memory_and_links(cpu_file, tmp_path):
     args = ("plan", *GPT, "--device", "meta", "--hardware", "mycpu", "--hardware-file", cpu_file, "--devices", "2")
     result = _run(*args, "-o", tmp_path / "plan", "--json")
@@ -75,6 +78,7 @@ def test_plan_with_the_calibrated_file_uses_its_memory_and_links(cpu_file, tmp_p
     assert missing.exit_code == 1 and "--hardware NAME is needed; choose one of:" in missing.output
 
 
+@pytest.mark.slow
 def test_calibrate_json_prints_only_the_file(tmp_path):
     result = _run("calibrate", "--device", "cpu", "--quick", "--dtype", "fp32", "--json")
     assert result.exit_code == 0, result.output
@@ -235,7 +239,7 @@ def test_bad_output_paths_are_refused_before_measuring(tmp_path):
 )
 def test_cuda_calibration_makes_analytic_match_bf16_autocast(tmp_path_factory, options, batch_size):
     """Calibrate this GPU, then the analytic whole-model F+B is within 10% of the measured bf16-mixed time."""
-    from calibration_check import analytic_step_ms, measured_step_ms
+    from helpers.calibration_check import analytic_step_ms, measured_step_ms
 
     from pipeplan.models import load_model
 
@@ -250,6 +254,7 @@ def test_cuda_calibration_makes_analytic_match_bf16_autocast(tmp_path_factory, o
     assert measured / predicted == pytest.approx(1.0, abs=0.10), (measured, predicted)
 
 
+@pytest.mark.slow
 def test_a_failing_link_process_is_one_error_naming_the_rank():
     from pipeplan.calibrate.links import _run
     from pipeplan.calibrate.spec import SIZES
@@ -262,7 +267,7 @@ def test_a_failing_link_process_is_one_error_naming_the_rank():
 @pytest.mark.parametrize("autocast", [True, False])
 def test_whole_model_check_runs_on_cpu_in_bf16(autocast):
     """The helpers the gpu test and bench_calibrate use, on a tiny model (autocast, or bf16 parameters)."""
-    from calibration_check import analytic_step_ms, measured_step_ms
+    from helpers.calibration_check import analytic_step_ms, measured_step_ms
 
     from pipeplan.models import load_model
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from planner_helpers import capacity_config, make_cluster, synthetic_profile
+from helpers.search import capacity_config, make_cluster, synthetic_profile
 
 from pipeplan.capacity.memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.capacity.sweep import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import capacity_config
+from helpers.cli import one_error_line
+from helpers.search import capacity_config
 from typer.testing import CliRunner
 
 from pipeplan.capacity.inputs import capacity_profile
@@ -85,10 +86,7 @@ def test_cli_json_and_plot(tmp_path):
     ids=["bad-hardware", "bad-devices", "target-without-days", "plot-not-png", "bad-seq"],
 )
 def test_cli_errors_are_one_line(args, needle):
-    result = runner.invoke(app, ["capacity", "gpt2-124m", *args])
-    assert result.exit_code == 1
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+    assert needle in one_error_line(runner.invoke(app, ["capacity", "gpt2-124m", *args]))
 
 
 def test_models_without_tokens_per_sample_need_a_global_batch():

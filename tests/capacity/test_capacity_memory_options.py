@@ -5,7 +5,7 @@ optimizer state."""
 from __future__ import annotations
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.capacity.memory import device_memory_split, memory_floor_bytes
 from pipeplan.search.candidate import Rejection, min_memory_bytes

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fuzz_cases import Case, corrupted_plans, make_files, option_cases
+from helpers.fuzz_cases import Case, corrupted_plans, make_files, option_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

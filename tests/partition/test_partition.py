@@ -246,11 +246,7 @@ def test_chunked_plans_fit_device_memory_when_it_binds(schedule):
     config = PartitionConfig(num_microbatches=4, schedule=schedule, precision="bf16-mixed")
     loose = partition(profile, roomy, config)
     limit = int(max(loose.device_memory_bytes) * 0.8)
-    try:
-        tight = partition(profile, dataclasses.replace(roomy, memory_per_device=limit), config)
-    except InfeasibleError as exc:
-        assert "--memory-per-device" in str(exc)
-        return
+    tight = partition(profile, dataclasses.replace(roomy, memory_per_device=limit), config)  # fits: costs more time
     assert max(tight.device_memory_bytes) <= limit
     assert tight.objective_ms >= loose.objective_ms
 

@@ -17,14 +17,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_model.py"
 QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1", "--timer", "cpu"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _run(*args):
     return CliRunner().invoke(app, list(args))
 
@@ -116,7 +108,6 @@ def test_hardware_is_ignored_with_a_warning_on_cpu():
 
 
 def test_meta_device_uses_the_analytic_profiler():
-    pytest.importorskip("pipeplan.profiling.analytic")
     result = _run("profile", "gpt", "-a", "layers=2", "--device", "meta", "--hardware", "h100", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

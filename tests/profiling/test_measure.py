@@ -14,15 +14,6 @@ from pipeplan.profiling.summary import fidelity
 SMALL_GPT = dict(layers=2, hidden=32, heads=2, seq=16, vocab=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: far less noisy on a machine shared with other jobs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _quick(ref, options, batch_size=2, **kwargs):
     kwargs = {"precision": "fp32", **kwargs}
     return profile_model(load_model(ref, options), batch_size=batch_size, warmup=0, repeats=1, progress=False, **kwargs)

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 import pytest
-import torch
+from helpers.cli import one_error_line
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
@@ -38,7 +38,6 @@ def test_bytes_per_parameter_follow_the_precision():
 
 @pytest.fixture(scope="module")
 def measured():
-    torch.set_num_threads(1)
     spec = load_model("gpt", SMALL_GPT)
     return {
         name: profile_model(spec, batch_size=4, warmup=0, repeats=1, progress=False, precision=name)
@@ -92,20 +91,13 @@ def test_plan_memory_changes_as_the_byte_table_says(measured):
         assert fp32 - bf16 == pytest.approx(static, abs=2)
 
 
-def _one_line(result) -> str:
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_profile_plan_and_run_honour_the_precision(tmp_path):
     opts = [arg for key, value in SMALL_GPT.items() for arg in ("-a", f"{key}={value}")]
     path = tmp_path / "p.json"
     result = runner.invoke(app, ["profile", "gpt", *opts, "--precision", "bf16-mixed", "--repeats", "1", "-o", path])
     assert result.exit_code == 0, result.output
     assert json.loads(path.read_text())["provenance"]["precision"] == "bf16-mixed"
-    line = _one_line(runner.invoke(app, ["plan", "gpt", *opts, "--profile", str(path), "--precision", "fp32"]))
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", *opts, "--profile", str(path), "--precision", "fp32"]))
     assert "--precision fp32 but the profile was made for bf16-mixed" in line
     out = tmp_path / "plan"
     args = ["plan", "gpt", *opts, "--profile", str(path), "--devices", "2", "-B", "4", "-o", str(out), "--json"]
@@ -116,11 +108,11 @@ def test_profile_plan_and_run_honour_the_precision(tmp_path):
         "bfloat16",
         16.0,
     )
-    line = _one_line(runner.invoke(app, ["run", str(out / "plan.json"), "--precision", "fp32"]))
+    line = one_error_line(runner.invoke(app, ["run", str(out / "plan.json"), "--precision", "fp32"]))
     assert "--precision fp32 but the plan was made for bf16-mixed" in line
-    line = _one_line(runner.invoke(app, ["profile", "gpt", "--precision", "fp16-mixed"]))
+    line = one_error_line(runner.invoke(app, ["profile", "gpt", "--precision", "fp16-mixed"]))
     assert "fp16-mixed needs CUDA" in line
-    line = _one_line(runner.invoke(app, ["plan", "gpt", "--precision", "fp7", "-o", str(tmp_path / "x")]))
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--precision", "fp7", "-o", str(tmp_path / "x")]))
     assert "--precision 'fp7' is not supported" in line
-    line = _one_line(runner.invoke(app, ["plan", "gpt", "--optimizer", "adamw-fp32", "--precision", "bf16"]))
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--optimizer", "adamw-fp32", "--precision", "bf16"]))
     assert "--optimizer adamw-fp32 means adamw under --precision fp32" in line

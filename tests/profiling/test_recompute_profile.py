@@ -16,8 +16,7 @@ from pipeplan.costs.transformer import activation_bytes_per_layer, attention_cor
 from pipeplan.errors import FormatError
 from pipeplan.models import load_model
 from pipeplan.profiling import recompute
-from pipeplan.profiling.analytic import count_layer
-from pipeplan.profiling.analytic import profile_analytic
+from pipeplan.profiling.analytic import count_layer, profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.measure import profile_model
 from pipeplan.profiling.opcount import Roofline
@@ -69,7 +68,6 @@ def _profile_with_logs(monkeypatch, make_profile, seq: int):
 
 
 def _measured(spec, **kwargs):
-    torch.set_num_threads(1)
     kwargs = {"precision": "fp32", **kwargs}
     return profile_model(spec, batch_size=BATCH, warmup=0, repeats=1, progress=False, **kwargs)
 

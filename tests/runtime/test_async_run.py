@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from async_reference import async_reference
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, build_reference_model, make_plan
+from helpers.async_reference import async_reference
+from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, build_reference_model, make_plan
 
 from pipeplan.plan.manual import manual_plan
 from pipeplan.runtime import checkpoint
@@ -111,11 +111,13 @@ def two_ranks(tmp_path_factory):
     return launch.launch()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["2bw", "pipedream", "2bw tied"])
 def test_two_ranks_match_the_version_by_version_reference(two_ranks, label):
     check_against_reference(two_ranks, label)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
 def test_resumed_run_equals_the_uninterrupted_one(two_ranks, name):
     whole = two_ranks.result(f"{name} whole")[0]
@@ -128,6 +130,7 @@ def test_resumed_run_equals_the_uninterrupted_one(two_ranks, name):
     check_against_reference(two_ranks, f"{name} whole", segments=[(0, 2), (2, 4)])  # each segment a fresh stream
 
 
+@pytest.mark.slow
 def test_2bw_parameters_follow_the_one_step_stale_rule(two_ranks):
     """Spelled out for 2BW: W(t+1) = AdamW(W(t), grad f_t(W(t-1))), W(-1) = W(0), summed over the step's m
     microbatches — the reference's generic version bookkeeping gives exactly this; here the rule itself."""
@@ -173,6 +176,7 @@ def four_ranks(tmp_path_factory):
     return launch.launch()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["2bw dp", "pipedream dp", "pipedream 4 stages", "2bw 4 stages"])
 def test_four_ranks_match_the_version_by_version_reference(four_ranks, label):
     check_against_reference(four_ranks, label)

@@ -13,14 +13,14 @@ import time
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, make_plan
+from helpers.runtime import TINY_GPT_TIED, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # multi-process runs
 
 
 def _run(args: list[str], *, env_extra: dict[str, str] | None = None, timeout: float = 150):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import (
+from helpers.runtime import (
     TINY_GPT,
     TINY_GPT_TIED,
     TINY_MLP,
@@ -29,7 +29,7 @@ from pipeplan.schedules.registry import schedule_names
 
 SYNCHRONOUS = schedule_names(asynchronous=False)  # asynchronous schedules: tests/runtime/test_async_run.py
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 ONE_STEP = RunConfig(steps=1, quiet=True, heartbeat_timeout_s=30.0)
 TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"

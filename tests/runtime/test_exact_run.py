@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import make_plan, reference_losses
+from helpers.runtime import make_plan, reference_losses
 
 from pipeplan.models import load_model
 from pipeplan.runtime import materialize as mat
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 save_file = pytest.importorskip("safetensors.torch").save_file  # the [hf] extra
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"

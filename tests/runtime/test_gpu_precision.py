@@ -17,7 +17,7 @@ import torch
 from pipeplan.models import load_model
 from pipeplan.profiling.measure import profile_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]  # multi-process runs
 
 # big enough that the GPU, not Python, sets the pace (the issue measured this model on an H100)
 GPT_ARGS = ["-a", "layers=8", "-a", "hidden=1024", "-a", "heads=16", "-a", "seq=1024", "-a", "vocab=8192"]

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rt_helpers import build_reference_model, make_plan
+from helpers.runtime import build_reference_model, make_plan
 
 from pipeplan.costs import optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]  # multi-process runs
 
 # ~117M parameters against a few MB of activations (seq 128, one sample per microbatch)
 GPT = dict(layers=8, hidden=1024, heads=16, seq=128, vocab=8192)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import build_reference_model, make_plan
+from helpers.runtime import build_reference_model, make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import trace_module

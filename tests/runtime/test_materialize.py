@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, build_reference_model, make_plan
+from helpers.runtime import TINY_GPT_TIED, TINY_MLP, TINY_RESNET, build_reference_model, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.graph.host_memory import HOST_MEMORY_ENV

@@ -21,15 +21,15 @@ import sys
 
 import pytest
 import torch
-from post_validate_ranks import Case, run_cases
-from rt_helpers import (
+from helpers.post_validate_ranks import Case, run_cases
+from helpers.runtime import (
     TINY_GPT,
     TINY_GPT_TIED,
     TINY_MLP,
-    build_reference_model,
     checkpoint_files,
     gathered_grads,
     make_plan,
+    reference_training,
 )
 
 from pipeplan.errors import RunError
@@ -38,7 +38,7 @@ from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
 from pipeplan.runtime.step_checks import clip_coefficient
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 STEPS, LR = 4, 3e-3
 CLIP_ALL, CLIP_SOME = 1e-2, 0.8  # the tiny gpt's global norms are ~0.6-1.2 over these steps
@@ -121,35 +121,15 @@ def test_clip_values_trigger_as_intended(launched):
     assert post[0].rollbacks == STEPS
 
 
-def _reference_clipped(plan, max_norm: float):
-    """Single-process AdamW with torch.nn.utils.clip_grad_norm_ on the whole model: losses, norms, and the first
-    step's clipped gradients."""
-    spec, module = build_reference_model(plan)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=plan.training.weight_decay)
-    batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
-    b, count = plan.training.microbatch_size, plan.training.num_microbatches * plan.training.data_parallel
-    losses, norms, first_grads = [], [], {}
-    for _ in range(STEPS):
-        inputs, target = next(batches)
-        optimizer.zero_grad()
-        total = 0.0
-        for mb in range(count):
-            piece = slice(mb * b, (mb + 1) * b)
-            loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
-            loss.backward()
-            total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)))
-        first_grads = first_grads or {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        optimizer.step()
-        losses.append(total)
-    return losses, norms, first_grads
-
-
 @pytest.mark.parametrize("layout", ["1f1b", "tied zb-h1 zero1", "dp zero1"])
 def test_clipping_matches_single_process_clip_grad_norm(launched, layout):
     by_label, plans = launched
     result, _ = by_label[_label(layout, CLIP_SOME, False)]
-    losses, norms, grads = _reference_clipped(plans[layout], CLIP_SOME)
+    plan = plans[layout]
+    reference = reference_training(
+        plan, STEPS, lr=LR, weight_decay=plan.training.weight_decay, clip_grad_norm=CLIP_SOME
+    )
+    losses, norms, grads = reference.losses, reference.grad_norms, reference.first_grads
     assert clip_coefficient(norms[0], CLIP_SOME) < 1.0  # the first step is clipped
     torch.testing.assert_close(result[0].losses, losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result[0].grad_norms, norms, rtol=1e-5, atol=1e-7)

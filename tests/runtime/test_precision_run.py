@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, build_reference_model, gathered_grads, make_plan
+from helpers.runtime import TINY_GPT_TIED, build_reference_model, gathered_grads, make_plan
 
 from pipeplan.errors import ConfigError
 from pipeplan.plan.manual import manual_plan
@@ -50,6 +50,7 @@ def precision_runs(tmp_path_factory):
     return [(plan, [per_rank[i] for per_rank in results]) for i, (_, plan) in enumerate(plans)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=["bf16-mixed", "bf16"])
 def test_two_rank_run_matches_single_process_under_its_precision(precision_runs, index):
     plan, per_rank = precision_runs[index]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_RESNET, assert_matches_reference, make_plan
+from helpers.runtime import TINY_GPT, TINY_RESNET, assert_matches_reference, make_plan
 
 from pipeplan.errors import ConfigError, FormatError, RunError
 from pipeplan.models import load_model
@@ -142,6 +142,7 @@ def _same_run(got, expected, label: str) -> None:
             assert torch.equal(grad, theirs.grads[name]), f"{label} {name}"
 
 
+@pytest.mark.slow
 def test_two_ranks_recomputation_matches_the_run_without_it(tmp_path):
     cases = [  # label, model, options, layout, modes
         ("gpt dropout zb-h1", "gpt", DROPOUT_GPT, dict(schedule="zb-h1"), ("full", "selective")),
@@ -170,6 +171,7 @@ def test_two_ranks_recomputation_matches_the_run_without_it(tmp_path):
     assert_matches_reference(plans[-1], [rank[len(runs) - 1] for rank in results], "resnet 1f1b full")
 
 
+@pytest.mark.slow
 def test_four_ranks_recomputation_matches_single_process(tmp_path):
     cases = [
         (

@@ -17,7 +17,7 @@ from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # multi-process runs
 
 runner = CliRunner()
 OPTIONS = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=0.3)  # dropout: math-path attention

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, make_plan
+from helpers.runtime import TINY_GPT, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # multi-process runs
 POISONED = str(Path(__file__).with_name("toy_models.py")) + ":poisoned_mlp"
 
 

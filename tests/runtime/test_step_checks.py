@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_MLP, make_plan
+from helpers.runtime import TINY_GPT, TINY_MLP, make_plan
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT_TIED, TINY_RESNET, build_reference_model, make_plan
+from helpers.runtime import TINY_GPT_TIED, TINY_RESNET, build_reference_model, make_plan
 
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.models import load_model

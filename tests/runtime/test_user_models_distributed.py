@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import assert_matches_reference, make_plan, reference_losses
+from helpers.runtime import assert_matches_reference, make_plan, reference_losses
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.stages import build_pipeline_model
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # multi-process runs
 os.environ["HF_HUB_OFFLINE"] = "1"  # the ranks inherit it: nothing is ever downloaded
 
 USER = str(Path(__file__).with_name("user_models.py"))

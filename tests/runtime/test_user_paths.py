@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import one_error_line
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
@@ -78,24 +79,16 @@ def model_file(tmp_path):
     return folder / "net.py"
 
 
-def _one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_factory_and_build_errors_are_one_line(model_file):
     ref = f"{model_file}:build"
-    line = _one_line_error(runner.invoke(app, ["profile", ref, "-a", "fail=factory"]))
+    line = one_error_line(runner.invoke(app, ["profile", ref, "-a", "fail=factory"]))
     assert f"model factory {ref!r} raised RuntimeError: no GPU budget for this model" in line
-    line = _one_line_error(runner.invoke(app, ["profile", ref, "-a", "fail=build"]))
+    line = one_error_line(runner.invoke(app, ["profile", ref, "-a", "fail=build"]))
     assert "(its ModelSpec.build) raised KeyError" in line and "vocab_size" in line
 
 
 def test_wrong_sample_batch_structure_is_one_line(model_file):
-    line = _one_line_error(runner.invoke(app, ["profile", f"{model_file}:build", "-a", "pairs=true"]))
+    line = one_error_line(runner.invoke(app, ["profile", f"{model_file}:build", "-a", "pairs=true"]))
     assert "sample_batch returned (Tensor, Tensor)" in line and "((inputs, ...), target)" in line
 
 
@@ -112,14 +105,14 @@ def test_plan_options_fail_before_profiling(monkeypatch, tmp_path, option, messa
         raise AssertionError("profiled before checking the options")
 
     monkeypatch.setattr(plan_job, "profile_model_input", no_profiling)
-    line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", *option, "-o", str(tmp_path)]))
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--devices", "2", *option, "-o", str(tmp_path)]))
     assert message in line
 
 
 def test_output_that_is_a_file_fails_before_profiling(monkeypatch, tmp_path):
     monkeypatch.setattr(plan_job, "profile_model_input", None)  # calling it would be a TypeError traceback
     (tmp_path / "taken").write_text("x")
-    line = _one_line_error(runner.invoke(app, ["plan", "gpt", "--devices", "2", "-o", str(tmp_path / "taken")]))
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--devices", "2", "-o", str(tmp_path / "taken")]))
     assert "--output" in line and "is a file" in line
 
 
@@ -128,7 +121,7 @@ def test_run_init_from_a_missing_file_is_one_line(tmp_path):
 
     plan = manual_plan("mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
     plan.save(tmp_path / "plan.json")
-    line = _one_line_error(runner.invoke(app, ["run", str(tmp_path / "plan.json"), "--init-from", "nope.pt"]))
+    line = one_error_line(runner.invoke(app, ["run", str(tmp_path / "plan.json"), "--init-from", "nope.pt"]))
     assert "--init-from 'nope.pt' does not exist" in line
 
 
@@ -150,6 +143,7 @@ def _plan_model(model_file: Path, out: Path) -> Plan:
     return Plan.load(out / "plan.json")
 
 
+@pytest.mark.slow
 def test_plan_is_relocatable_and_refuses_an_edited_model_file(model_file, tmp_path):
     plan = _plan_model(model_file, tmp_path / "plan")
     assert plan.model.ref == f"{model_file.resolve()}:build"
@@ -173,7 +167,7 @@ def test_plan_is_relocatable_and_refuses_an_edited_model_file(model_file, tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step     2" in done.stdout
     model_file.write_text(model_file.read_text() + "\n# edited\n")
-    line = _one_line_error(runner.invoke(app, ["run", str(tmp_path / "plan" / "plan.json"), "--steps", "1"]))
+    line = one_error_line(runner.invoke(app, ["run", str(tmp_path / "plan" / "plan.json"), "--steps", "1"]))
     assert "changed since the plan was made" in line
 
 

@@ -13,13 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import TINY_GPT, TINY_GPT_TIED, TINY_MLP, assert_matches_reference, build_reference_model, make_plan
+from helpers.runtime import (
+    TINY_GPT,
+    TINY_GPT_TIED,
+    TINY_MLP,
+    assert_matches_reference,
+    build_reference_model,
+    make_plan,
+)
 
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 STEPS, HALF = 4, 2
 TOL = dict(rtol=1e-6, atol=1e-6)

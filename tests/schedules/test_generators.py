@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, default_chunks, generate, stage_device, validate
 from pipeplan.schedules.placement import V_SHAPED
-from pipeplan.schedules.registry import schedule_info
+from pipeplan.schedules.registry import clear_schedule_cache, schedule_info
 
 
 def _supported(name: str, p: int, m: int, v: int) -> bool:
@@ -81,10 +81,15 @@ def test_memory_limit_checked_for_fixed_schedules():
 
 
 def test_generators_are_pure_and_deterministic():
+    """Generated twice from nothing, another size in between: the same op lists. `generate` caches fixed orders,
+    so the cache is emptied before each generation; `a is not b` shows two generations are compared."""
     for name in SCHEDULE_NAMES:
+        clear_schedule_cache()
         a = generate(name, num_devices=4, num_microbatches=8)
+        generate(name, num_devices=2, num_microbatches=4)
+        clear_schedule_cache()
         b = generate(name, num_devices=4, num_microbatches=8)
-        assert a == b
+        assert a is not b and a == b, name
 
 
 def test_schedules_package_does_not_import_torch():

@@ -4,7 +4,7 @@ and zb-auto is never below the proven optimum."""
 from __future__ import annotations
 
 import pytest
-from milp import solve_milp
+from helpers.milp import solve_milp
 
 from pipeplan.schedules import StageCosts, generate, peak_activation_per_device, simulate, validate
 

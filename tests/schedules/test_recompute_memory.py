@@ -5,7 +5,7 @@ live microbatches, for every schedule; the generators that schedule under a memo
 from __future__ import annotations
 
 import pytest
-from milp import solve_milp
+from helpers.milp import solve_milp
 
 from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, MemoryCosts, StageCosts, generate, peak_activation_per_device, simulate

@@ -13,7 +13,13 @@ from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
 from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED, fixed_chunks
-from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info, schedule_names
+from pipeplan.schedules.registry import (
+    SCHEDULE_NAMES,
+    clear_schedule_cache,
+    default_chunks,
+    schedule_info,
+    schedule_names,
+)
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import StageCosts
 
@@ -76,9 +82,20 @@ def test_cost_driven_generators_take_costs_and_fixed_ones_do_not(name):
     info = schedule_info(name)
     parameters = set(inspect.signature(info.generator).parameters)
     assert ({"costs", "memory", "memory_limit"} <= parameters) == info.cost_driven
-    if not info.cost_driven:  # a fixed order: costs cannot change it
-        skewed = StageCosts(forward_ms=[1, 5, 1], input_grad_ms=[3, 1, 1], weight_grad_ms=[0.1, 2, 4], comm_ms=2)
-        assert _generate(name, 3).device_ops == _generate(name, 3, costs=skewed).device_ops
+    stages = 3 * info.default_chunks
+    skewed = StageCosts(
+        forward_ms=[(1, 5, 1)[s % 3] for s in range(stages)],
+        input_grad_ms=[(3, 1, 1)[s % 3] for s in range(stages)],
+        weight_grad_ms=[(0.1, 2, 4)[s % 3] for s in range(stages)],
+        comm_ms=2,
+    )
+    clear_schedule_cache()  # fixed orders are cached: generate each one afresh
+    plain = _generate(name, 3)
+    clear_schedule_cache()
+    steered = _generate(name, 3, costs=skewed)
+    assert plain is not steered
+    # a fixed order: costs cannot change it; a cost-driven one follows these skewed costs away from the unit-cost order
+    assert (plain.device_ops == steered.device_ops) == (not info.cost_driven)
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)

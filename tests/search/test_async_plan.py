@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import make_cluster, plan_step_ms, synthetic_profile
+from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

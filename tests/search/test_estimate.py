@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers.search import make_cluster, synthetic_profile
 from hypothesis import given
 from hypothesis import strategies as st
-from planner_helpers import make_cluster, synthetic_profile
 
 from pipeplan.search.candidate import Evaluation, Layout, evaluate
 from pipeplan.search.estimate import min_largest_stage, partition_lower_bound_ms, probe_microbatches

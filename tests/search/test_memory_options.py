@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from planner_helpers import make_cluster, plan_step_ms, synthetic_profile
+from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

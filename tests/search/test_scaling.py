@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from planner_helpers import synthetic_profile
+from helpers.search import synthetic_profile
 
 from pipeplan.search.scaling import scale_profile
 

@@ -7,7 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.plan.asynchronous import searched_schedules
@@ -21,28 +21,31 @@ from pipeplan.units import parse_size
 
 
 def _brute_force(profile, cluster, config) -> list[Evaluation]:
-    """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`), under
-    each of the search's memory options (ZeRO settings; stages recompute only where the layout does not fit without)."""
-    found = []
+    """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`)."""
     names = searched_schedules(SCHEDULE_NAMES, allow_async=config.allow_async, named=False)
-    for item in enumerate_layouts(profile.num_layers, cluster, config, names):
-        if isinstance(item, Rejection):
-            continue
-        for zero in zero_choices(item, config):
-            for recompute in ("none", "auto") if config.recompute == "auto" else ("none",):
-                result = evaluate(
-                    item,
-                    scale_profile(profile, item.microbatch_size),
-                    cluster,
-                    optimizer=config.optimizer,
-                    precision=config.precision,
-                    zero=zero,
-                    recompute=recompute,
-                    global_batch_size=config.global_batch_size,
-                )
-                if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
-                    found.append(result)
-                    break
+    layouts = enumerate_layouts(profile.num_layers, cluster, config, names)
+    return [e for item in layouts if not isinstance(item, Rejection) for e in _fitting(item, profile, cluster, config)]
+
+
+def _fitting(layout, profile, cluster, config) -> list[Evaluation]:
+    """`layout` evaluated without pruning under each of the search's memory options (ZeRO settings; stages
+    recompute only where the layout does not fit without): the evaluations that fit."""
+    found = []
+    for zero in zero_choices(layout, config):
+        for recompute in ("none", "auto") if config.recompute == "auto" else ("none",):
+            result = evaluate(
+                layout,
+                scale_profile(profile, layout.microbatch_size),
+                cluster,
+                optimizer=config.optimizer,
+                precision=config.precision,
+                zero=zero,
+                recompute=recompute,
+                global_batch_size=config.global_batch_size,
+            )
+            if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
+                found.append(result)
+                break
     return found
 
 
@@ -68,13 +71,19 @@ def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused, a
 
 
 def test_pruned_candidates_are_really_slower():
-    profile = synthetic_profile(cut_bytes=20_000_000)
-    result = search_plans(
-        profile, make_cluster(4), SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4), precision="bf16-mixed")
-    )
+    """Each layout pruned by the balanced estimate or the busiest-device bound, evaluated in full, is no faster than
+    the search's fastest plan (the pruning is safe), and its reason says by how much it was expected to lose."""
+    profile, cluster = synthetic_profile(cut_bytes=20_000_000), make_cluster(4)
+    config = SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4), precision="bf16-mixed")
+    result = search_plans(profile, cluster, config)
     pruned = [r for r in result.rejected if r.kind in ("bound", "estimate")]
-    assert pruned, "expected the lower bound to prune something"
+    assert pruned, "expected the estimate or the bound to prune something"
     assert all(re.search(r"(at least|estimated) [0-9.]+% slower", r.reason) for r in pruned)
+    evaluated = {id(r): _fitting(r.layout, profile, cluster, config) for r in pruned}
+    assert sum(map(len, evaluated.values())) >= len(pruned) // 2, "most pruned layouts should fit when evaluated"
+    for r in pruned:
+        for evaluation in evaluated[id(r)]:
+            assert evaluation.step_ms >= result.fastest.step_ms * (1 - 1e-9), (r.layout, r.reason)
 
 
 def test_forced_schedule_is_used():

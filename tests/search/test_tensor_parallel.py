@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from planner_helpers import stack_profile
+from helpers.search import stack_profile
 
 from pipeplan.cluster import Cluster, Link
 from pipeplan.costs.transformer import activation_bytes_per_layer

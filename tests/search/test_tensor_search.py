@@ -8,7 +8,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from planner_helpers import make_cluster, stack_profile
+from helpers.search import make_cluster, stack_profile
 
 from pipeplan.errors import ConfigError, InfeasibleError, RunError
 from pipeplan.plan.plan import ModelRef, Plan

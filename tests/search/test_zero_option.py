@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import synthetic_profile
+from helpers.search import synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

@@ -1,4 +1,4 @@
-"""Helpers for the planner tests: small synthetic profiles (no torch work) and clusters."""
+"""Helpers for the search (and capacity) tests: small synthetic profiles (no torch work) and clusters."""
 
 from __future__ import annotations
 

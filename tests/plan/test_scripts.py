@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.scripts import launch_script, sbatch_script, write_plan_dir

@@ -7,15 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "search"))
-
-from planner_helpers import synthetic_profile  # noqa: E402
-
-from pipeplan.plan.manual import manual_plan  # noqa: E402
+from helpers.search import synthetic_profile
+from pipeplan.hardware import hardware_presets
+from pipeplan.plan.manual import manual_plan
 
 TINY_GPT = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
 
@@ -65,7 +62,7 @@ def make_files(root: Path) -> Files:
     (root / "empty.json").write_text("")
     (root / "exits.py").write_text("import sys\nsys.exit(0)\n")
     (root / "raises.py").write_text("def build():\n    raise RuntimeError('boom')\n")
-    base = json.loads((Path(__file__).parents[2] / "pipeplan/hardware.json").read_text())["hardware"]["h100"]
+    base = hardware_presets()["h100"].to_file_entry()
     for name, field, value in (
         ("nan_hw.json", "hbm_tb_per_s", math.nan),
         ("inf_hw.json", "peak_bf16_tflops", math.inf),

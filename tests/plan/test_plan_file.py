@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from planner_helpers import make_cluster, synthetic_profile
+from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.errors import FormatError, RunError
 from pipeplan.graph.trace import Layer, LayerGraph, TensorInfo

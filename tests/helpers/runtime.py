@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,12 +95,33 @@ def reference_losses(
     plan: Plan, steps: int, *, lr: float, weight_decay: float, init_from: str | None = None
 ) -> list[float]:
     """Single-process AdamW training of the whole model on the plan's batches (mean loss over the global batch)."""
+    return reference_training(plan, steps, lr=lr, weight_decay=weight_decay, init_from=init_from).losses
+
+
+@dataclass
+class ReferenceRun:
+    losses: list[float]
+    grad_norms: list[float]  # before clipping, one per step (with `clip_grad_norm` only)
+    first_grads: dict[str, torch.Tensor]  # the first step's gradients (clipped, with `clip_grad_norm`)
+
+
+def reference_training(
+    plan: Plan,
+    steps: int,
+    *,
+    lr: float,
+    weight_decay: float,
+    init_from: str | None = None,
+    clip_grad_norm: float | None = None,
+) -> ReferenceRun:
+    """Single-process AdamW training of the whole model on the plan's batches (mean loss over the global batch),
+    optionally with torch.nn.utils.clip_grad_norm_ before each update."""
     spec, module = build_reference_model(plan, init_from=init_from)
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
     b = plan.training.microbatch_size
     count = plan.training.num_microbatches * plan.training.data_parallel
-    losses = []
+    run = ReferenceRun(losses=[], grad_norms=[], first_grads={})
     for _ in range(steps):
         inputs, target = next(batches)
         optimizer.zero_grad()
@@ -109,6 +131,10 @@ def reference_losses(
             loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
             loss.backward()
             total += float(loss.detach())
+        if clip_grad_norm is not None:
+            run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)))
+        if not run.first_grads:
+            run.first_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         optimizer.step()
-        losses.append(total)
-    return losses
+        run.losses.append(total)
+    return run

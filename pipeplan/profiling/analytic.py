@@ -27,23 +27,20 @@ between ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.loss_stage import last_layer_stage, model_loss
 from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
-from pipeplan.graph.saved_tensors import SavedTensors, saved_split
-from pipeplan.graph.split_backward import analyze, backward_full, backward_input
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.gpu_ops import GpuSemantics
-from pipeplan.profiling.kernels import Kernel, KernelRates
-from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
+from pipeplan.profiling.kernels import KernelRates
+from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
+from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.profile import LayerProfile, LayerWork, Profile, Provenance
 from pipeplan.profiling.recompute import analytic_recompute
 from pipeplan.profiling.retime import retime_layer
@@ -100,122 +97,6 @@ class AnalyticConfig:
             sm_count=hardware.sm_count,
             fp8_flops_per_s=hardware.peak_fp8_flops * matmul / peak if hardware.peak_fp8_flops else None,
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerCounts:
-    """Everything measured for one layer on the meta device: the passes' op totals (times in seconds, kernels
-    apart), the forward's kernels, bytes and parameters."""
-
-    forward: OpTotals
-    input_grad: OpTotals
-    backward: OpTotals
-    saved_bytes: int
-    kept_until_weight_grad_bytes: int
-    output_bytes: int
-    param_count: int
-    param_bytes: int
-    outputs: tuple = field(default=(), repr=False)
-
-    @property
-    def kernels(self) -> tuple[Kernel, ...]:
-        return tuple(self.forward.kernels)
-
-    @property
-    def forward_flops(self) -> float:
-        """The forward's FLOPs with its kernels' as they run (a causal attention's half; torch counts it whole)."""
-        return self.forward.flops - self.forward.kernel_flops + sum(k.flops for k in self.kernels)
-
-    def work(self, selective_rest_seconds: float = 0.0) -> LayerWork:
-        """The layer's kernels and the rest of each pass (ms): what `retime_layer` takes times from. W's rest is
-        the fused pass (fused conv/norm gradient kernels timed as split) less I's; the whole backward's when the
-        layer has no input gradient to compute."""
-        weight_rest = self.backward.rest_seconds
-        if self.input_grad.num_ops:
-            weight_rest = max(self.backward.rest_split_seconds - self.input_grad.rest_seconds, 0.0)
-        return LayerWork(
-            kernels=self.kernels,
-            rest_forward_ms=self.forward.rest_seconds * 1e3,
-            rest_input_grad_ms=self.input_grad.rest_seconds * 1e3,
-            rest_weight_grad_ms=weight_rest * 1e3,
-            rest_backward_ms=self.backward.rest_seconds * 1e3,
-            rest_selective_ms=selective_rest_seconds * 1e3,
-        )
-
-
-def _tensor_bytes(values: Sequence) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-
-
-def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list({id(p): p for p in module.parameters()}.values())
-
-
-def _leaf_input(value, needs_grad: bool):
-    if not isinstance(value, torch.Tensor):
-        return value
-    leaf = value.detach()
-    return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
-
-
-def _record(roofline: Roofline, run: Callable[[], object], params: Sequence[torch.Tensor]) -> OpTotals:
-    """The ops one backward pass launches (parameter gradients cleared before and after)."""
-    for p in params:
-        p.grad = None
-    with OpRecorder(roofline) as recorder:
-        run()
-    for p in params:
-        p.grad = None
-    return recorder.totals
-
-
-def count_layer(
-    module: nn.Module,
-    inputs: Sequence,
-    *,
-    roofline: Roofline,
-    flash_attention: bool = True,
-    input_needs_grad: Sequence[bool] | None = None,
-    loss: Callable[[tuple], torch.Tensor] | None = None,
-) -> LayerCounts:
-    """Run `module(*inputs)` forward and backward on meta tensors and count it (see the module docstring).
-
-    `loss(outputs)` makes the backward start from that scalar (the last pipeline stage); otherwise from every
-    floating-point output, with gradients shaped like them.
-    """
-    needs = list(input_needs_grad) if input_needs_grad is not None else [True] * len(inputs)
-    leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
-    params = _unique_parameters(module)
-    saved = SavedTensors()
-    tracing = OpRecorder(roofline, trace_kernels=True, params=params)
-    with GpuSemantics(flash_attention=flash_attention), tracing as forward, saved:
-        outputs = module(*leaves)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
-    grads = [torch.empty_like(r) if r.dim() else torch.ones_like(r) for r in roots]
-    grad_inputs = [leaf for leaf in leaves if _requires_grad(leaf)]
-    weights = [p for p in params if p.requires_grad]
-    info = analyze(roots, grad_inputs, weights)
-    split = saved_split(saved, info.weight_grad_nodes, exclude=[*params, *module.buffers()])
-    # the passes the runtime runs (split_backward): B with the graph kept, then I (W is B's ops less I's)
-    backward = _record(roofline, lambda: backward_full(roots, grads, grad_inputs, weights, retain_graph=True), weights)
-    input_grad = _record(roofline, lambda: backward_input(roots, grads, grad_inputs, weights), weights)
-    param_count = sum(p.numel() for p in params)
-    return LayerCounts(
-        forward=forward.totals,
-        input_grad=input_grad,
-        backward=backward,
-        saved_bytes=split.total_bytes,
-        kept_until_weight_grad_bytes=split.kept_until_weight_grad_bytes,
-        output_bytes=_tensor_bytes(outputs),
-        param_count=param_count,
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
-        outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
-    )
-
-
-def _requires_grad(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def layer_profile(
@@ -308,7 +189,7 @@ def profile_analytic(
         provenance=replace(
             _provenance(spec, config, traced.layer_graph, model_ref, model_options), precision=precision
         ),
-        input_bytes=_tensor_bytes(model_inputs),
+        input_bytes=tensor_bytes(model_inputs),
     )
 
 
@@ -381,7 +262,7 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
     total = 0
     for info in cut:
         value = env.get(info.producer)
-        total += _tensor_bytes([value]) if isinstance(value, torch.Tensor) else info.bytes
+        total += tensor_bytes([value]) if isinstance(value, torch.Tensor) else info.bytes
     return total
 
 
@@ -413,4 +294,5 @@ def _provenance(
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,
         loss_in_last_layer=True,
+        kernel_rates=roofline.kernel_rates,
     )

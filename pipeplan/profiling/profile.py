@@ -33,7 +33,7 @@ from typing import Any
 from pipeplan.errors import FormatError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.jsonio import build_dataclass, read_json, write_json
-from pipeplan.profiling.kernels import Kernel
+from pipeplan.profiling.kernels import Kernel, KernelRates
 
 PROFILE_SCHEMA_VERSION = 3
 OLDER_PROFILE_VERSIONS = (1, 2)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the work
@@ -53,6 +53,20 @@ class LayerWork:
     rest_weight_grad_ms: float
     rest_backward_ms: float
     rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
+
+    def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> LayerWork:
+        """The work of one rank of t tensor- x cp context-parallel ranks, for a microbatch `batch_scale` times as
+        large: kernels at the rank's shape (`Kernel.on_rank`); the rest (norms, dropouts, residual adds: split along
+        the sequence under sequence and context parallelism) x batch_scale / (t x cp)."""
+        rest = batch_scale / (t * cp)
+        return LayerWork(
+            kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale) for k in self.kernels),
+            rest_forward_ms=self.rest_forward_ms * rest,
+            rest_input_grad_ms=self.rest_input_grad_ms * rest,
+            rest_weight_grad_ms=self.rest_weight_grad_ms * rest,
+            rest_backward_ms=self.rest_backward_ms * rest,
+            rest_selective_ms=self.rest_selective_ms * rest,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +148,7 @@ class Provenance:
     tokens_per_sample: int | None = None
     notes: str = ""
     loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
+    kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -1,10 +1,9 @@
-"""A layer's times taken again from its work (`LayerProfile.work`): on one rank of t tensor-parallel x cp
-context-parallel ranks, for a microbatch `batch_scale` times the profiled one, on `rates` (the one timing model
-the analytic profiler and the search's tensor/context parallelism and microbatch scaling share).
+"""A layer's times taken from its work (`LayerProfile.work`), on `rates` (the profile's `provenance.kernel_rates`):
+the one timing model the analytic profiler and the search's tensor/context parallelism and microbatch scaling
+share. `reshaped_layer` first takes the work to one rank of t tensor- x cp context-parallel ranks and another
+microbatch size (`LayerWork.reshaped`).
 
-Each pass is its kernels at the rank's shape (`Kernel.on_rank`, `kernel_seconds`) plus the rest of its ops, whose
-roofline time divides by t x cp (sequence parallelism splits norms, dropouts and residual adds along the sequence
-as tensor parallelism splits the rest; context parallelism splits every position) and grows with the microbatch:
+Each pass is its kernels (`kernel_seconds`) plus the rest of its ops:
 - F: the forward's kernels; I: their input gradients; W: their weight gradients; B: I's and W's kernels with the
   fused pass's rest;
 - full recomputation: F again; selective: the attention core again (its kernels, and the rest of its ops) where
@@ -19,31 +18,37 @@ from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernel
 from pipeplan.profiling.profile import LayerProfile
 
 
-def retime_layer(
-    layer: LayerProfile, rates: KernelRates, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, fp8: bool = False
-) -> LayerProfile:
-    """`layer` with F, I, W, B and both recompute times taken from its work (unchanged without work)."""
+def retime_layer(layer: LayerProfile, rates: KernelRates | None, *, fp8: bool = False) -> LayerProfile:
+    """`layer` with F, I, W, B and both recompute times taken from its work (unchanged without work or rates)."""
     work = layer.work
-    if work is None:
+    if work is None or rates is None:
         return layer
-    ranks = [k.on_rank(t=t, cp=cp, batch_scale=batch_scale) for k in work.kernels]
-    rest = batch_scale / (t * cp)
 
     def timed(name: str) -> float:
-        return kernels_seconds(pass_kernels(tuple(ranks), name), rates, fp8=fp8) * 1e3
+        return kernels_seconds(pass_kernels(work.kernels, name), rates, fp8=fp8) * 1e3
 
     forward, input_grad, weight_grad = timed("forward"), timed("input_grad"), timed("weight_grad")
-    core = kernels_seconds([k for k in ranks if k.core], rates, fp8=fp8) * 1e3
-    forward_ms = work.rest_forward_ms * rest + forward
+    core = kernels_seconds([k for k in work.kernels if k.core], rates, fp8=fp8) * 1e3
+    forward_ms = work.rest_forward_ms + forward
     return replace(
         layer,
         forward_ms=forward_ms,
-        input_grad_ms=work.rest_input_grad_ms * rest + input_grad,
-        weight_grad_ms=work.rest_weight_grad_ms * rest + weight_grad,
-        backward_ms=work.rest_backward_ms * rest + input_grad + weight_grad,
+        input_grad_ms=work.rest_input_grad_ms + input_grad,
+        weight_grad_ms=work.rest_weight_grad_ms + weight_grad,
+        backward_ms=work.rest_backward_ms + input_grad + weight_grad,
         full_recompute_ms=forward_ms,
-        selective_recompute_ms=(work.rest_selective_ms * rest + core) if _drops_attention(layer) else 0.0,
+        selective_recompute_ms=(work.rest_selective_ms + core) if _drops_attention(layer) else 0.0,
     )
+
+
+def reshaped_layer(
+    layer: LayerProfile, rates: KernelRates | None, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0
+) -> LayerProfile | None:
+    """`layer`'s times on one rank of t x cp for a microbatch `batch_scale` times as large, from its work (its
+    bytes are the caller's); None without work or rates (the caller scales linearly)."""
+    if layer.work is None or rates is None:
+        return None
+    return retime_layer(replace(layer, work=layer.work.reshaped(t=t, cp=cp, batch_scale=batch_scale)), rates)
 
 
 def _drops_attention(layer: LayerProfile) -> bool:

@@ -1,23 +1,37 @@
 """Rescale a Profile to another microbatch size.
 
 A profile holds costs for one microbatch of `provenance.batch_size` samples. The planner scales every
-per-microbatch quantity linearly by `microbatch_size / batch_size`: op times, activation (under every recompute
-mode) / output / cut / input bytes, recompute times and FLOPs. Parameter counts and bytes do not depend on the
-batch. Linear time scaling is exact for compute-bound layers and pessimistic when growing the batch on an
-under-utilized device (real kernels get more efficient), so the planner profiles at the smallest microbatch size
-it considers and only scales up.
+per-microbatch quantity linearly by `microbatch_size / batch_size`: activation (under every recompute mode) /
+output / cut / input bytes and FLOPs. Parameter counts and bytes do not depend on the batch. Times: an analytic
+layer's are taken again from its work at the new size (`profiling.retime`: its matmuls at the new shapes, so a
+larger microbatch's better tile use shows); other layers' scale linearly, which is exact for compute-bound layers
+and pessimistic when growing the batch on an under-utilized device, so the planner profiles at the smallest
+microbatch size it considers and only scales up.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.profile import LayerProfile, Profile
+from pipeplan.profiling.retime import reshaped_layer
 
 
-def _scale_layer(layer: LayerProfile, factor: float) -> LayerProfile:
+def _scale_layer(layer: LayerProfile, factor: float, rates: KernelRates | None) -> LayerProfile:
     activation = round(layer.activation_bytes * factor)
     freed = min(activation, round(layer.activation_freed_by_input_grad_bytes * factor))
+    retimed = reshaped_layer(layer, rates, batch_scale=factor)
+    if retimed is not None:
+        return replace(
+            retimed,
+            activation_bytes=activation,
+            activation_freed_by_input_grad_bytes=freed,
+            output_bytes=round(layer.output_bytes * factor),
+            flops=layer.flops * factor,
+            selective_activation_bytes=min(activation, round(layer.selective_activation_bytes * factor)),
+            full_activation_bytes=round(layer.full_activation_bytes * factor),
+        )
     return replace(
         layer,
         forward_ms=layer.forward_ms * factor,
@@ -48,7 +62,7 @@ def scale_profile(profile: Profile, microbatch_size: int) -> Profile:
 
     return replace(
         profile,
-        layers=tuple(_scale_layer(layer, factor) for layer in profile.layers),
+        layers=tuple(_scale_layer(layer, factor, profile.provenance.kernel_rates) for layer in profile.layers),
         cut_bytes=tuple(round(b * factor) for b in profile.cut_bytes),
         input_bytes=round(profile.input_bytes * factor),
         whole_forward_ms=scale_optional(profile.whole_forward_ms),
@@ -56,6 +70,6 @@ def scale_profile(profile: Profile, microbatch_size: int) -> Profile:
         provenance=replace(
             profile.provenance,
             batch_size=microbatch_size,
-            notes=(profile.provenance.notes + f" scaled linearly from batch size {base}").strip(),
+            notes=(profile.provenance.notes + f" scaled from batch size {base}").strip(),
         ),
     )

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from rt_helpers import build_reference_model
 from torch.func import functional_call
 
+from helpers.runtime import build_reference_model
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.schedules.registry import generate

@@ -21,9 +21,10 @@ from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.hardware import load_hardware
 from pipeplan.models import load_model
 from pipeplan.models.gpt import Block
-from pipeplan.profiling.analytic import count_layer, profile_analytic
+from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import pass_kernels
+from pipeplan.profiling.layer_count import count_layer
 from pipeplan.profiling.opcount import Roofline, split_parts
 from pipeplan.profiling.profile import Profile
 

@@ -16,8 +16,9 @@ from pipeplan.costs.transformer import activation_bytes_per_layer, attention_cor
 from pipeplan.errors import FormatError
 from pipeplan.models import load_model
 from pipeplan.profiling import recompute
-from pipeplan.profiling.analytic import count_layer, profile_analytic
+from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.layer_count import count_layer
 from pipeplan.profiling.measure import profile_model
 from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.pipedream import read_pipedream_graph
@@ -241,5 +242,8 @@ def test_scaling_a_profile_scales_every_mode(gpt_math):
     for small, big in zip(gpt_math.layers, doubled.layers, strict=True):
         assert big.selective_activation_bytes == 2 * small.selective_activation_bytes
         assert big.full_activation_bytes == 2 * small.full_activation_bytes
-        assert big.full_recompute_ms == pytest.approx(2 * small.full_recompute_ms)
-        assert big.selective_recompute_ms == pytest.approx(2 * small.selective_recompute_ms)
+        # retimed from the layer's work: twice the rows, but a matmul reads its weights once (at most 2x)
+        assert big.full_recompute_ms == big.forward_ms and small.full_recompute_ms < big.full_recompute_ms
+        assert big.full_recompute_ms <= 2 * small.full_recompute_ms * (1 + 1e-9)
+        assert big.selective_recompute_ms <= 2 * small.selective_recompute_ms * (1 + 1e-9)
+        assert (big.selective_recompute_ms > 0) == (small.selective_recompute_ms > 0)

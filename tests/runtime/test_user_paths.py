@@ -172,7 +172,7 @@ def test_plan_is_relocatable_and_refuses_an_edited_model_file(model_file, tmp_pa
 
 
 def _state(plan: Plan) -> dict[str, torch.Tensor]:
-    from rt_helpers import build_reference_model
+    from helpers.runtime import build_reference_model
 
     return build_reference_model(plan)[1].state_dict()
 

@@ -95,3 +95,12 @@ def test_help_examples_parse(name, argv):
     assert argv[0] == name, f"`{name} --help` shows an example of `{argv[0]}`"
     with COMMANDS[name].make_context(name, argv[1:]) as context:
         assert context.params
+
+
+def test_version_prints_without_a_command():
+    from typer.testing import CliRunner
+
+    from pipeplan import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == __version__

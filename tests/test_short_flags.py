@@ -3,8 +3,10 @@ depth, and so on. And every `Example:` line of a command's --help parses with th
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import typer
@@ -104,3 +106,17 @@ def test_version_prints_without_a_command():
 
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == __version__
+
+
+def test_the_short_flag_table_in_docs_matches_the_commands():
+    """docs/cli.md's table: each short flag, the long option it stands for, and the commands that have it."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    rows = re.findall(r"^\| `(-\w)` \| `(--[\w-]+)`[^|]*\| ([^|]+) \|$", text, flags=re.MULTILINE)
+    documented = {short: (long, {c.strip() for c in commands.split(",")}) for short, long, commands in rows}
+    assert documented.pop("-h", None) == ("--help", {"every command"})
+    meanings = short_flag_meanings()
+    assert set(documented) == set(meanings), "docs/cli.md lists other short flags than the commands have"
+    for short, per_command in meanings.items():
+        long, commands = documented[short]
+        assert long in frozenset.intersection(*per_command.values()), f"docs/cli.md: {short} is not {long}"
+        assert commands == set(per_command), f"docs/cli.md: {short} is in {sorted(per_command)}"

@@ -57,7 +57,7 @@ class DocCommand:
         return {path.rstrip("/") for path in found}
 
     def reads(self, path: str) -> bool:
-        return any(word == path or word.startswith(path + "/") for word in self.argv)
+        return any(word == path or word.startswith(path + "/") for word in self.argv[1:])  # not the command name
 
     def __str__(self) -> str:
         return f"{self.document}:{self.line}: {self.text}"
@@ -254,11 +254,12 @@ def test_extract_joins_continuations_and_honours_exclusions(tmp_path):
 def test_split_slow_keeps_what_multi_process_commands_need(tmp_path):
     doc = tmp_path / "sample.md"
     doc.write_text(
-        "```bash\npipeplan profile gpt -o gpt.json\npipeplan plan gpt --profile gpt.json -o p\n"
-        "pipeplan capacity llama-7b --hardware h100 -n 8\npipeplan run p/plan.json\n"
+        "```bash\npipeplan profile gpt -o gpt.json\npipeplan plan gpt --profile gpt.json\n"
+        "pipeplan plan gpt --profile gpt.json -o p\npipeplan capacity llama-7b --hardware h100 -n 8\n"
+        "pipeplan run p/plan.json\npipeplan run plan/plan.json\n"
         "pipeplan calibrate --device cpu -o hw.json\npipeplan profile gpt --hardware-file hw.json --device meta\n"
         "pipeplan show p/plan.json\n```\n"
     )
     quick, slow = split_slow(extract(doc, root=tmp_path))
-    assert [c.argv[0] for c in quick] == ["profile", "plan", "capacity", "show"]
-    assert [c.argv[0] for c in slow] == ["profile", "plan", "run", "calibrate", "profile"]
+    assert [c.line for c in quick] == [2, 3, 4, 5, 10]
+    assert [c.line for c in slow] == [2, 3, 4, 6, 7, 8, 9]  # not capacity; `plan` without -o writes ./plan

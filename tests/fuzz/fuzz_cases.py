@@ -65,7 +65,7 @@ def make_files(root: Path) -> Files:
     (root / "empty.json").write_text("")
     (root / "exits.py").write_text("import sys\nsys.exit(0)\n")
     (root / "raises.py").write_text("def build():\n    raise RuntimeError('boom')\n")
-    base = json.loads((Path(__file__).parents[2] / "pipeplan/profiling/hardware.json").read_text())["hardware"]["h100"]
+    base = json.loads((Path(__file__).parents[2] / "pipeplan/hardware.json").read_text())["hardware"]["h100"]
     for name, field, value in (
         ("nan_hw.json", "hbm_tb_per_s", math.nan),
         ("inf_hw.json", "peak_bf16_tflops", math.inf),

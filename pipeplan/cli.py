@@ -92,15 +92,22 @@ def _register() -> None:
         app.command(name=name)(_one_line_errors(func))
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the pipeplan version and exit."),
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    """`pipeplan --version`: eager, so that it prints before click asks for a command."""
+    if value:
         from pipeplan import __version__
 
         typer.echo(__version__)
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the pipeplan version and exit."
+    ),
+) -> None:
+    pass
 
 
 _register()

@@ -27,7 +27,7 @@ DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"
 class ProfileOptions:
     model: str = argument(help=MODEL_HELP)
     assignments: list[str] | None = option(None, "--arg", "-a", help="Model option key=value (repeatable).")
-    batch_size: int = option(1, "--batch-size", "-b", help="Samples per profiled microbatch.")
+    batch_size: int = option(1, "--batch-size", "--microbatch-size", "-b", help="Samples per profiled microbatch.")
     device: str = option("cpu", "--device", help="cpu or cuda (measured), meta (analytic, needs --hardware).")
     hardware: str | None = option(None, "--hardware", help="Hardware preset for --device meta (h100, a100-80gb, ...).")
     hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate).")

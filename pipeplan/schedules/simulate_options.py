@@ -35,7 +35,7 @@ STEPS_HELP = (
 @dataclass(frozen=True, kw_only=True)
 class SimulateOptions:
     schedule: str | None = option(None, "--schedule", "-s", help=f"One of: {', '.join(SCHEDULE_NAMES)}.")
-    stages: int = option(..., "--stages", "-p", help="Pipeline devices P.")
+    stages: int = option(..., "--stages", "--pipeline-depth", "-p", help="Pipeline devices P.")
     microbatches: int = option(..., "--microbatches", "-m", help="Microbatches per step M.")
     chunks: int | None = option(None, "--chunks", "-v", help="Stages per device (interleaved; default per schedule).")
     f: float = option(1.0, "--f", help="Forward ms of one device's model slice.")

@@ -85,4 +85,5 @@ def test_models_command_lists_every_builtin():
     assert all(row["params"] > 0 and row["description"] for row in rows)
     table = CliRunner().invoke(app, ["models"])
     assert table.exit_code == 0 and "resnet" in table.output
+    assert "pip install 'pipeplan[hf]'" in " ".join(table.output.split())  # the extra's name, not read as markup
     assert "Example: pipeplan models" in CliRunner().invoke(app, ["models", "--help"]).output

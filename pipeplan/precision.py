@@ -7,6 +7,14 @@
   (CUDA only: one global scale, inf checks all-reduced so every rank skips an overflowing step together).
 - `bf16`: bf16 parameters, gradients and optimizer state (AdamW's moments take the parameters' dtype); no fp32
   master copy, no autocast: the cheapest and least accurate mode.
+- `bf16-main` / `fp16-main`: mixed precision as Megatron-Core holds it (its Float16 optimizer / distributed
+  optimizer): 16-bit parameters and activations, fp32 gradients (the main-grad buffer), and an fp32 main copy of
+  the parameters with fp32 Adam moments in the optimizer (2 + 4 + 12 bytes per parameter with AdamW); no
+  per-microbatch weight casts. `fp16-main` scales the loss.
+- `fp8`: `bf16-main` with Transformer Engine's FP8 linears (delayed scaling, HYBRID format): every linear's matmul
+  (forward, input and weight gradients) at the FP8 peak, attention and everything else in bf16; each step keeps an
+  FP8 copy of the weights and its transpose (2 bytes per parameter, Hopper's layout).
+The last three are analytic (capacity, `plan --device meta`): `pipeplan run` executes the first four.
 
 Bytes per parameter (weights, gradients, optimizer state by optimizer and mode) are a cost: the one table is in
 `pipeplan.costs.optimizer`, reading `Precision.param_bytes` from here. Activations are counted in the
@@ -30,6 +38,10 @@ class Precision:
     param_dtype: torch.dtype  # what the parameters (and their gradients, optimizer state) are stored in
     autocast_dtype: torch.dtype | None  # torch.autocast's dtype around each forward, None: no autocast
     grad_scaler: bool = False  # fp16: loss scaling with torch.amp.GradScaler
+    grad_dtype: torch.dtype | None = None  # gradients (None: the parameters' dtype)
+    main_weights: bool = False  # the optimizer holds an fp32 main copy of 16-bit parameters (and fp32 moments)
+    fp8_linears: bool = False  # linears' matmuls run in FP8 (Transformer Engine)
+    runnable: bool = True  # `pipeplan run` executes it (else analytic only)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -43,6 +55,10 @@ class Precision:
     def param_bytes(self) -> int:
         return self.param_dtype.itemsize
 
+    @property
+    def grad_bytes(self) -> int:
+        return (self.grad_dtype or self.param_dtype).itemsize
+
     def autocast(self, device_type: str):
         """The context each stage forward (and the loss) runs in."""
         if self.autocast_dtype is None:
@@ -55,6 +71,15 @@ PRECISIONS: dict[str, Precision] = {
     "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16),
     "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, grad_scaler=True),
     "bf16": Precision("bf16", torch.bfloat16, None),
+    "bf16-main": Precision(
+        "bf16-main", torch.bfloat16, None, grad_dtype=torch.float32, main_weights=True, runnable=False
+    ),
+    "fp16-main": Precision(
+        "fp16-main", torch.float16, None, True, grad_dtype=torch.float32, main_weights=True, runnable=False
+    ),
+    "fp8": Precision(
+        "fp8", torch.bfloat16, None, grad_dtype=torch.float32, main_weights=True, fp8_linears=True, runnable=False
+    ),
 }
 
 
@@ -77,8 +102,15 @@ def profile_precision(provenance) -> str:
 
 
 def check_device_precision(precision: str, device: str) -> None:
-    """fp16 loss scaling is a CUDA feature here: refuse fp16-mixed on the CPU with one line."""
-    get_precision(precision)
+    """One line refusing what cannot run on `device` (cpu, cuda or meta: analytic): the analytic-only modes
+    anywhere but meta, and fp16 loss scaling (a CUDA feature here) on the CPU."""
+    mode = get_precision(precision)
+    if not mode.runnable and device != "meta":
+        raise ConfigError(
+            f"--precision {precision} is analytic only (pipeplan's runtime does not hold Megatron's fp32 main weights"
+            f"{' or FP8 linears' if mode.fp8_linears else ''}): plan it with --device meta --hardware NAME, or run "
+            "bf16-mixed or bf16"
+        )
     if precision == "fp16-mixed" and device == "cpu":
         raise ConfigError(
             "--precision fp16-mixed needs CUDA (its gradient scaler is not supported on the CPU); use bf16-mixed"

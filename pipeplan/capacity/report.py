@@ -44,6 +44,7 @@ class CapacityRow:
     needed_devices: int | None = None  # the smallest swept count that fits (rows that do not fit)
     extended: bool = False  # a count added by doubling beyond the listed ones
     tensor_parallel: int | None = None
+    context_parallel: int | None = None
     recompute: tuple[str, ...] | None = None  # per stage of the chosen plan
     zero: int | None = None
     tensor_parallel_reason: str = ""
@@ -99,7 +100,7 @@ class CapacityReport:
     flops_per_token: float
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
     per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
-    per_tensor_parallel: dict[int, tuple[CapacityRow, ...]] = field(default_factory=dict)  # t -> its best per count
+    per_tensor_parallel: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)  # `8`, `8x2` (t x cp)
     answer: TargetAnswer | None = None
 
     def to_dict(self) -> dict:
@@ -114,9 +115,7 @@ class CapacityReport:
             "flops_per_token": self.flops_per_token,
             "rows": [row.to_dict() for row in self.rows],
             "per_schedule": {name: [r.to_dict() for r in rows] for name, rows in self.per_schedule.items()},
-            "per_tensor_parallel": {
-                str(t): [r.to_dict() for r in rows] for t, rows in self.per_tensor_parallel.items()
-            },
+            "per_tensor_parallel": {key: [r.to_dict() for r in rows] for key, rows in self.per_tensor_parallel.items()},
             "answer": self.answer.to_dict() if self.answer else None,
         }
 

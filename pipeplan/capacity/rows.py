@@ -54,6 +54,7 @@ def result_row(
         memory=device_memory_split(best, result.profiles[layout.microbatch_size], result.config.split),
         time=time,
         tensor_parallel=layout.tensor_parallel,
+        context_parallel=layout.context_parallel,
         recompute=tuple(stage.recompute for stage in best.partition.stages),
         zero=best.zero,
     )

@@ -51,7 +51,8 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.search import SearchResult, search_plans
-from pipeplan.search.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_inputs
+from pipeplan.search.sharding import split_inputs
+from pipeplan.search.stack import CONTEXT_PARALLEL_SIZES, TENSOR_PARALLEL_SIZES
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
@@ -80,9 +81,12 @@ class CapacityConfig:
     days: float | None = None
     max_devices: int | None = None
     tensor_parallel: str | int = "auto"  # auto, or one size t (search.tensor_search)
+    context_parallel: str | int = 1  # auto, or one size cp
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
+        cp = parse_tensor_parallel(self.context_parallel, option="--context-parallel")
+        object.__setattr__(self, "context_parallel", cp)
         if not self.device_counts or any(n < 1 for n in self.device_counts):
             raise ConfigError(f"--devices needs counts >= 1, got {list(self.device_counts)}")
         object.__setattr__(self, "device_counts", tuple(sorted(set(self.device_counts))))
@@ -163,7 +167,7 @@ def capacity_sweep(
         flops_per_token=sweep.flops_per_token,
         rows=rows,
         per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()},
-        per_tensor_parallel={t: tuple(rs) for t, rs in sorted(sweep.family_rows.items())},
+        per_tensor_parallel={key: tuple(rs) for key, rs in sweep.family_rows.items()},
         answer=answer,
     )
 
@@ -176,7 +180,7 @@ class _Sweep:
         self.flops_per_token = model_flops_per_token(profile)
         self.rows: dict[int, CapacityRow] = {}
         self.schedule_rows: dict[str, list[CapacityRow]] = {name: [] for name in config.schedules}
-        self.family_rows: dict[int, list[CapacityRow]] = {}
+        self.family_rows: dict[str, list[CapacityRow]] = {}
 
     def row(self, n: int, *, extended: bool = False) -> CapacityRow:
         if n not in self.rows:
@@ -196,7 +200,8 @@ class _Sweep:
         """Double the largest listed count until a row is `wanted`, up to max_devices; beyond global batch x layers
         x the largest tensor-parallel size devices no straight pipeline exists, so the doubling stops there too."""
         n = self.config.device_counts[-1] * 2
-        layouts = self.config.search.global_batch_size * self.profile.num_layers * max(TENSOR_PARALLEL_SIZES)
+        layouts = self.config.search.global_batch_size * self.profile.num_layers
+        layouts *= max(TENSOR_PARALLEL_SIZES) * max(CONTEXT_PARALLEL_SIZES)
         limit = min(self.config.max_devices, layouts)
         while n <= limit:
             if progress is not None:
@@ -212,49 +217,57 @@ def plan_device_count(
     num_devices: int,
     flops_per_token: float,
     schedule_rows: dict[str, list[CapacityRow]] | None = None,
-    family_rows: dict[int, list[CapacityRow]] | None = None,
+    family_rows: dict[str, list[CapacityRow]] | None = None,
 ) -> CapacityRow:
-    """The row of one device count: the best over the tensor-parallel sizes (see the module docstring). With
-    config.per_schedule each schedule's best over the sizes is appended to `schedule_rows`; each size's row to
-    `family_rows[t]`."""
+    """The row of one device count: the best over the tensor- and context-parallel sizes (see the module
+    docstring). With config.per_schedule each schedule's best over the sizes is appended to `schedule_rows`; each
+    size's row to `family_rows[label]` (`family_label`)."""
     cluster = cluster_for(config.hardware, num_devices, config.devices_per_node)
     tries: list[TensorParallelTry] = []
-    rows: dict[int, CapacityRow] = {}
+    rows: dict[str, CapacityRow] = {}
     schedule_best: dict[str, CapacityRow] = {}
-    for item in tensor_parallel_sizes(config.tensor_parallel, profile, cluster):
+    for item in tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel):
         if item.reason:
             tries.append(item)
             continue
-        t = item.tensor_parallel
-        rows[t], result, per_schedule = _plan_tensor_parallel(profile, config, cluster, t, flops_per_token)
-        tries.append(replace(item, result=result, reason="" if result else rows[t].reason, searched=True))
+        key = family_label(item.tensor_parallel, item.context_parallel)
+        rows[key], result, per_schedule = _plan_split(profile, config, cluster, item, flops_per_token)
+        tries.append(replace(item, result=result, reason="" if result else rows[key].reason, searched=True))
         for name, row in per_schedule.items():
             if name not in schedule_best or _faster(row, schedule_best[name]):
                 schedule_best[name] = row
-    for t, row in rows.items():
+    for key, row in rows.items():
         if family_rows is not None:
-            family_rows.setdefault(t, []).append(row)
+            family_rows.setdefault(key, []).append(row)
     if config.per_schedule and schedule_rows is not None:
         for name in config.schedules:
             schedule_rows[name].append(schedule_best[name])
     if not any(item.result is not None for item in tries):
-        return rows[max(rows)]  # the largest size searched: the least memory per device
+        return rows[list(rows)[-1]]  # the largest group searched: the least memory per device
     chosen = chosen_try(tuple(tries))
     score = lambda result: f"MFU {mfu(result, config.hardware.peak_bf16_flops, flops_per_token, num_devices):.0%}"  # noqa: E731
-    return replace(rows[chosen.tensor_parallel], tensor_parallel_reason=tensor_parallel_reason(tuple(tries), score))
+    key = family_label(chosen.tensor_parallel, chosen.context_parallel)
+    return replace(rows[key], tensor_parallel_reason=tensor_parallel_reason(tuple(tries), score))
+
+
+def family_label(t: int, cp: int) -> str:
+    """How reports and plots name a (t, cp) family: `8`, or `8x2` with context parallelism."""
+    return f"{t}x{cp}" if cp > 1 else str(t)
 
 
 def _faster(row: CapacityRow, other: CapacityRow) -> bool:
     return row.fits and (not other.fits or row.step_ms < other.step_ms)
 
 
-def _plan_tensor_parallel(
-    profile: Profile, config: CapacityConfig, cluster: Cluster, t: int, flops_per_token: float
+def _plan_split(
+    profile: Profile, config: CapacityConfig, cluster: Cluster, item: TensorParallelTry, flops_per_token: float
 ) -> tuple[CapacityRow, SearchResult | None, dict[str, CapacityRow]]:
-    """One size's row, its best search result (None: nothing fits) and, with config.per_schedule, each schedule's
-    row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
-    search_config = replace(config.search, tensor_parallel=t)
-    screen = screen_layouts(*tensor_parallel_inputs(profile, cluster, t), search_config, config.schedules)
+    """One (t, cp)'s row, its best search result (None: nothing fits) and, with config.per_schedule, each
+    schedule's row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
+    t, cp = item.tensor_parallel, item.context_parallel
+    search_config = replace(config.search, tensor_parallel=t, context_parallel=cp)
+    split = split_inputs(profile, cluster, t, cp, tp_overlap=search_config.overlap.tensor)
+    screen = screen_layouts(*split, search_config, config.schedules)
     num_devices = cluster.num_devices
     names = screen.schedules
     groups = [(name,) for name in names] if config.per_schedule else [names] if names else []
@@ -272,6 +285,7 @@ def _plan_tensor_parallel(
         reason=screen.reason(cluster),
         needed_memory_bytes=ceil_or_none(screen.floor_bytes),
         tensor_parallel=t,
+        context_parallel=cp,
     )
     per_schedule = {}
     if config.per_schedule:

@@ -69,16 +69,24 @@ def resolve_optimizer(optimizer: str | float, precision: str) -> tuple[str | flo
     return optimizer, precision
 
 
+FP8_WEIGHT_COPY_BYTES = 2  # Transformer Engine's FP8 weight and its transpose (Hopper), kept through a step
+
+
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is refused where 1 is taken
 def static_split(optimizer: str | float, precision: str) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
-    number as optimizer is the whole figure (counted as optimizer state). Cached: the partitioner asks for it per
-    candidate stage."""
+    number as optimizer is the whole figure (counted as optimizer state). Main-weight modes (`bf16-main`,
+    `fp16-main`, `fp8`: Megatron's layout) hold fp32 gradients and, in the optimizer, an fp32 main copy and fp32
+    moments: 2 + 4 + (4 + 4 x states); `fp8` adds its FP8 weight copies to the weights. Cached: the partitioner
+    asks for it per candidate stage."""
     optimizer, precision = resolve_optimizer(optimizer, precision)
     if not isinstance(optimizer, str):
         return 0.0, 0.0, float(optimizer)
-    size = float(PRECISIONS[precision].param_bytes)
-    return size, size, size * OPTIMIZER_STATES[optimizer]
+    mode = PRECISIONS[precision]
+    weights = float(mode.param_bytes + (FP8_WEIGHT_COPY_BYTES if mode.fp8_linears else 0))
+    if mode.main_weights:
+        return weights, float(mode.grad_bytes), 4.0 + 4.0 * OPTIMIZER_STATES[optimizer]
+    return weights, float(mode.grad_bytes), mode.param_bytes * float(OPTIMIZER_STATES[optimizer])
 
 
 def bytes_per_param(optimizer: str | float, precision: str, *, zero: int = 0, group_size=1):

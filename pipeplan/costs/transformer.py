@@ -118,6 +118,7 @@ class TensorParallelComm:
 
     forward: tuple[Collective, ...]
     backward: tuple[Collective, ...]
+    regather: tuple[Collective, ...] = ()  # backward: sequence-parallel inputs gathered again for the wgrads
 
 
 def tensor_parallel_comm_per_layer(
@@ -128,9 +129,10 @@ def tensor_parallel_comm_per_layer(
     projection and after the MLP) and 2 in the backward (the conjugate operators before the QKV and first MLP
     Linear); with it each all-reduce becomes a reduce-scatter and each identity before a block an all-gather: 2
     all-gathers + 2 reduce-scatters forward, the same backward. Every message is the whole s·b·h activation;
-    a ring all-reduce is a reduce-scatter followed by an all-gather, so both cost the same bandwidth. Megatron's
-    implementation also all-gathers a Linear's sharded input again in the backward for its weight gradient
-    (overlapped); that is not counted here. No collectives for t = 1."""
+    a ring all-reduce is a reduce-scatter followed by an all-gather, so both cost the same bandwidth. With sequence
+    parallelism Megatron also all-gathers each column-parallel Linear's sequence-sharded input again in the
+    backward for its weight gradient (Korthikanti §4.2.2: "an extra all-gather ... overlapped with gradient
+    computation"): 2 per layer, `regather`. No collectives for t = 1."""
     _check_positive(seq=seq, batch=batch, hidden=hidden, tensor_parallel=tensor_parallel)
     _check_positive(bytes_per_element=bytes_per_element)
     if tensor_parallel == 1:
@@ -138,6 +140,6 @@ def tensor_parallel_comm_per_layer(
     message = seq * batch * hidden * bytes_per_element
     if sequence_parallel:
         one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
-    else:
-        one_pass = (Collective("all-reduce", 2, message),)
+        return TensorParallelComm(forward=one_pass, backward=one_pass, regather=(Collective("all-gather", 2, message),))
+    one_pass = (Collective("all-reduce", 2, message),)
     return TensorParallelComm(forward=one_pass, backward=one_pass)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pipeplan.costs.overlap import DeviceStep, Overlap, step_end_ms
 from pipeplan.errors import ConfigError
 from pipeplan.precision import get_precision
 from pipeplan.schedules.registry import generate, schedule_info
@@ -58,15 +59,44 @@ def updates_per_step(name: str, num_microbatches: int) -> int:
     return num_microbatches // generate(name, num_devices=1, num_microbatches=num_microbatches).update_every
 
 
-def predicted_step(name: str, timeline: Timeline, num_microbatches: int, allreduce_ms: float) -> tuple[float, float]:
-    """(step ms, bubble rate) of a simulated step or stream: synchronous: the makespan plus the all-reduce after
-    the flush, the timeline's bubble; asynchronous: the steady state (module docstring)."""
+def predicted_step(
+    name: str,
+    timeline: Timeline,
+    num_microbatches: int,
+    device_sync_ms: Sequence[float],
+    device_optimizer_ms: Sequence[float] = (),
+    overlap: Overlap = Overlap(),
+) -> tuple[float, float]:
+    """(step ms, bubble rate) of a simulated step or stream. Synchronous: each device's last op, then its gradient
+    exchange (`device_sync_ms`, the stages it holds one after another) and optimizer update, the last device's end
+    (`costs.overlap.step_end_ms`), with the timeline's bubble; asynchronous: the steady state (module docstring),
+    each update paying the slowest device's exchange and update."""
+    optimizer = list(device_optimizer_ms) or [0.0] * len(device_sync_ms)
     if not schedule_info(name).asynchronous:
-        return timeline.makespan + allreduce_ms, timeline.bubble_rate
+        devices = [
+            DeviceStep(
+                ops_end_ms=max(ends, default=0.0),
+                sync_ms=sync,
+                overlap_window_ms=_last_backward_ms(ops, starts, ends, num_microbatches),
+                optimizer_ms=update,
+            )
+            for ops, starts, ends, sync, update in zip(
+                timeline.device_ops, timeline.starts, timeline.ends, device_sync_ms, optimizer, strict=True
+            )
+        ]
+        return step_end_ms(devices, overlap), timeline.bubble_rate
     step = stream_step_ms(timeline, num_microbatches)
     busy = sum(busy_per_step(timeline, num_microbatches))
     bubble = max(0.0, 1.0 - busy / (timeline.num_devices * step)) if step > 0 else 0.0
-    return step + updates_per_step(name, num_microbatches) * allreduce_ms, bubble
+    update = max(device_sync_ms, default=0.0) + max(optimizer, default=0.0)
+    return step + updates_per_step(name, num_microbatches) * update, bubble
+
+
+def _last_backward_ms(ops, starts, ends, num_microbatches: int) -> float:
+    """How long a device's backward of the last microbatch runs: the window a gradient reduction started at its
+    first layer's gradient can overlap (`costs.overlap`)."""
+    last = [(s, e) for o, s, e in zip(ops, starts, ends) if o.kind != "F" and o.microbatch == num_microbatches - 1]
+    return max(e for _, e in last) - min(s for s, _ in last) if last else 0.0
 
 
 def busy_per_step(timeline: Timeline, num_microbatches: int) -> tuple[float, ...]:

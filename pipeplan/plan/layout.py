@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeplan.cluster import Cluster
+from pipeplan.costs.overlap import Overlap, blocking_transfers
 from pipeplan.plan.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate, schedule_info
@@ -126,3 +127,14 @@ def simulate_layout(
     if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
         return simulate(schedule, costs, memory)
     return simulate_expanded(schedule, costs, memory)
+
+
+def transfer_costs(costs: StageCosts, pipe: PipelineLayout, overlap: Overlap) -> StageCosts:
+    """`costs` as a step runs them on `pipe`: without `overlap.p2p` pipeline transfers block their senders where the
+    two stages' devices differ (`costs.overlap.blocking_transfers`); the search and a plan's timing both call it."""
+    if overlap.p2p:
+        return costs
+    num_stages = 1 + max(s for stages in pipe.device_stages for s in stages)
+    return blocking_transfers(
+        costs, [pipe.stage_devices(s) != pipe.stage_devices(s + 1) for s in range(num_stages - 1)]
+    )

@@ -70,6 +70,8 @@ class TrainingConfig:
     device: str = "cpu"  # what the costs were measured or estimated for: cpu, or cuda (one GPU per rank)
     zero: int = 0  # ZeRO stage: 0, or 1 = optimizer state sharded over the ranks holding the same parameters
     tensor_parallel: int = 1  # devices per tensor-parallel group (analytic plans only; `run` needs 1)
+    context_parallel: int = 1  # tensor-parallel groups per context-parallel group (analytic plans only)
+    overlap: str = "none"  # communication overlap the step was predicted with (costs.overlap.Overlap.label)
 
     def __post_init__(self) -> None:
         from pipeplan.precision import PRECISIONS
@@ -83,7 +85,14 @@ class TrainingConfig:
                 f"training.zero must be 0 or 1 (ZeRO-1 shards optimizer state; stages 2 and 3 are not supported), "
                 f"got {self.zero}"
             )
-        for name in ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel", "tensor_parallel"):
+        from pipeplan.costs.overlap import Overlap
+
+        try:
+            Overlap.parse(self.overlap)
+        except PipeplanError as exc:
+            raise FormatError(f"training.overlap: {exc}") from None
+        names = ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel", "tensor_parallel")
+        for name in (*names, "context_parallel"):
             if getattr(self, name) < 1:
                 raise FormatError(f"training.{name} must be >= 1")
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel
@@ -117,6 +126,7 @@ class StagePlan:
     recompute_ms: float = 0.0  # what recomputation adds per microbatch, included in input_grad_ms / backward_ms
     kept_bytes: int | None = None  # held from F to I or B under `recompute` (None: activation_bytes)
     recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
+    optimizer_ms: float = 0.0  # predicted optimizer update on one device holding the stage (after its exchange)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:

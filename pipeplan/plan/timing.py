@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipeplan.costs import bytes_per_param, device_static_bytes
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError
-from pipeplan.plan.asynchronous import with_weight_versions
-from pipeplan.plan.layout import PipelineLayout, simulate_layout
+from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
+from pipeplan.plan.layout import PipelineLayout, simulate_layout, transfer_costs
 from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate
@@ -29,7 +30,8 @@ def plan_pipeline(plan: Plan) -> PipelineLayout:
 
 
 def plan_costs(plan: Plan) -> StageCosts:
-    """Per-stage op times on one device and the per-boundary transfer times, as the search simulated them."""
+    """Per-stage op times on one device and the per-boundary transfer times, as the search stored them (before
+    `plan.layout.transfer_costs` makes transfers block their senders where the plan does not overlap them)."""
     return StageCosts(
         forward_ms=tuple(s.forward_ms for s in plan.stages),
         input_grad_ms=tuple(s.input_grad_ms for s in plan.stages),
@@ -98,12 +100,24 @@ def plan_schedule(plan: Plan) -> Schedule:
 
 
 def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
-    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs (or `costs`, e.g. measured op times
-    for a replay): the search's step (without the gradient all-reduce that follows it) and its per-rank peak
-    bytes."""
+    """Simulate pipeline 0's op lists (rank_ops) again with the plan's costs, transfers as the plan runs them
+    (`plan.layout.transfer_costs`), or with `costs` as given (e.g. measured op times for a replay): the search's
+    step (without the gradient exchange and updates that follow it) and its per-rank peak bytes."""
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
-    return simulate_layout(pipe, plan.schedule, num_stages, m, costs or plan_costs(plan), plan_memory(plan))
+    if costs is None:
+        costs = transfer_costs(plan_costs(plan), pipe, Overlap.parse(plan.training.overlap))
+    return simulate_layout(pipe, plan.schedule, num_stages, m, costs, plan_memory(plan))
+
+
+def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
+    """The step the plan predicts, again from a timeline of its op lists (`plan_timeline`): each rank's end, its
+    stages' gradient exchange and optimizer updates (`plan.asynchronous.predicted_step`, as the search timed it)."""
+    device_stages = plan_pipeline(plan).device_stages
+    sync = [sum(plan.stages[s].allreduce_ms for s in stages) for stages in device_stages]
+    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in device_stages]
+    overlap = Overlap.parse(plan.training.overlap)
+    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, sync, updates, overlap)[0]
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -67,6 +67,7 @@ class AnalyticConfig:
     flash_attention: bool = True
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
+    fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -95,7 +96,7 @@ class AnalyticConfig:
             launch_s=hardware.kernel_launch_s,
             attention_flops_per_s=peak * hardware.attention_fraction,
             sm_count=hardware.sm_count,
-            fp8_flops_per_s=hardware.peak_fp8_flops * matmul / peak if hardware.peak_fp8_flops else None,
+            fp8_flops_per_s=hardware.peak_fp8_flops * matmul / peak if self.fp8_linears else None,
         )
 
 
@@ -170,7 +171,10 @@ def profile_analytic(
         flash_attention=flash_attention,
         matmul_efficiency=matmul_efficiency,
         memory_efficiency=memory_efficiency,
+        fp8_linears=mode.fp8_linears,
     )
+    if mode.fp8_linears and not config.hardware.peak_fp8_flops:
+        raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
     mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)

@@ -126,15 +126,17 @@ class KernelRates:
     bytes_per_s: float
     sm_count: int | None = None
     launch_s: float = 0.0
-    fp8_flops_per_s: float | None = None  # FP8 matmuls (None: as gemm)
+    fp8_flops_per_s: float | None = None  # linears' matmuls in FP8 at this rate (None: in 16 bits)
 
 
-def kernel_seconds(kernel: Kernel, rates: KernelRates, *, fp8: bool = False) -> float:
-    """One kernel's time (module docstring); `fp8`: a linear's matmul runs at the FP8 rate."""
+def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
+    """One kernel's time (module docstring); a linear's matmul runs at the FP8 rate (1-byte operands) when the
+    rates give one (precision fp8)."""
+    fp8 = rates.fp8_flops_per_s is not None
     if kernel.kind == "attention":
         work = _attention_seconds(kernel, rates)
     else:
-        rate = rates.fp8_flops_per_s if fp8 and kernel.weight and rates.fp8_flops_per_s else rates.gemm_flops_per_s
+        rate = rates.fp8_flops_per_s if fp8 and kernel.weight else rates.gemm_flops_per_s
         work = _gemm_seconds(kernel, rate, rates.sm_count)
     element = 1 if fp8 and kernel.weight else kernel.element_bytes
     memory = replace(kernel, element_bytes=element).bytes / rates.bytes_per_s
@@ -160,5 +162,5 @@ def _attention_seconds(kernel: Kernel, rates: KernelRates) -> float:
     return math.ceil(blocks / rates.sm_count) * per_block / (rates.attention_flops_per_s / rates.sm_count)
 
 
-def kernels_seconds(kernels, rates: KernelRates, *, fp8: bool = False) -> float:
-    return sum(kernel_seconds(k, rates, fp8=fp8) for k in kernels)
+def kernels_seconds(kernels, rates: KernelRates) -> float:
+    return sum(kernel_seconds(k, rates) for k in kernels)

@@ -45,7 +45,7 @@ class ProfileRequest:
 
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
-        check_device_precision(self.precision, "cpu" if kind == "cpu" else "cuda")
+        check_device_precision(self.precision, kind)
 
 
 def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:

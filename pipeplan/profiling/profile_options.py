@@ -46,7 +46,7 @@ class ProfileOptions:
         if self.output is not None:  # checked, and the path kept as it will be written (~ expanded)
             object.__setattr__(self, "output", str(check_output_file(self.output, "--output")))
         self._check_device()
-        check_device_precision(self.run_precision, "cpu" if self.device == "cpu" else "cuda")
+        check_device_precision(self.run_precision, self.device.partition(":")[0])
         check_tracer(self.tracer)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")

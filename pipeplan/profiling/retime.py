@@ -18,17 +18,17 @@ from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernel
 from pipeplan.profiling.profile import LayerProfile
 
 
-def retime_layer(layer: LayerProfile, rates: KernelRates | None, *, fp8: bool = False) -> LayerProfile:
+def retime_layer(layer: LayerProfile, rates: KernelRates | None) -> LayerProfile:
     """`layer` with F, I, W, B and both recompute times taken from its work (unchanged without work or rates)."""
     work = layer.work
     if work is None or rates is None:
         return layer
 
     def timed(name: str) -> float:
-        return kernels_seconds(pass_kernels(work.kernels, name), rates, fp8=fp8) * 1e3
+        return kernels_seconds(pass_kernels(work.kernels, name), rates) * 1e3
 
     forward, input_grad, weight_grad = timed("forward"), timed("input_grad"), timed("weight_grad")
-    core = kernels_seconds([k for k in work.kernels if k.core], rates, fp8=fp8) * 1e3
+    core = kernels_seconds([k for k in work.kernels if k.core], rates) * 1e3
     forward_ms = work.rest_forward_ms + forward
     return replace(
         layer,

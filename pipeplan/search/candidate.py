@@ -28,28 +28,31 @@ from dataclasses import dataclass, replace
 from pipeplan.cluster import Cluster
 from pipeplan.costs import (
     LayerArrays,
-    bytes_per_param,
     compute_ms,
     device_static_bytes,
-    stage_freed_bytes,
-    static_bytes,
     transfer_ms,
 )
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.result import Partition
-from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
-from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout
+from pipeplan.plan.asynchronous import with_weight_versions
+from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout, transfer_costs
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
-from pipeplan.search.gradient_sync import allreduce_step_ms, stage_allreduce_ms
-from pipeplan.search.recompute_choice import settle_recompute, with_recompute_bytes
+from pipeplan.search.gradient_sync import (
+    allreduce_step_ms,
+    step_end,
+)
+from pipeplan.search.recompute_choice import settle_recompute
+from pipeplan.search.stage_memory import activation_budget, memory_costs, stage_bytes_per_param
 from pipeplan.units import format_bytes
 
 STRAIGHT = "straight"
+NO_OVERLAP = Overlap()
 REPLICATED = "replicated"
 
 
@@ -63,14 +66,16 @@ class Layout:
     pipeline_devices: int
     num_microbatches: int
     mode: str = STRAIGHT
-    tensor_parallel: int = 1  # devices per tensor-parallel group; the search's devices are such groups
+    tensor_parallel: int = 1  # devices per tensor-parallel group
+    context_parallel: int = 1  # tensor-parallel groups per context-parallel group; a search device is t x cp
 
     @property
     def label(self) -> str:
         """e.g. `1f1b 4x2 m=8 b=1`: P devices per pipeline x D pipelines, m microbatches of b samples; with tensor
-        parallelism ` t=8` (each of the P x D pipeline devices a group of 8 devices)."""
+        and context parallelism ` t=8 cp=2` (each of the P x D pipeline devices a group of 16 devices)."""
         suffix = " replicated" if self.mode == REPLICATED else ""
         tensor = f" t={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        tensor += f" cp={self.context_parallel}" if self.context_parallel > 1 else ""
         return (
             f"{self.schedule} {self.pipeline_devices}x{self.data_parallel} m={self.num_microbatches} "
             f"b={self.microbatch_size}{tensor}{suffix}"
@@ -85,14 +90,16 @@ class Evaluation:
     partition: Partition
     schedule: Schedule
     pipeline: PipelineLayout
-    costs: StageCosts  # per stage as simulated: one op's time on one device; comm_ms per boundary
+    costs: StageCosts  # per stage: one op's time on one device; comm_ms per boundary (before `transfer_costs`)
     memory: MemoryCosts  # per stage activation bytes, per pipeline device static bytes, as simulated
     timeline: Timeline
     stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush (ZeRO-1: its exchange)
+    stage_optimizer_ms: tuple[float, ...]  # per stage, its optimizer update on one of its devices
     step_ms: float
     samples_per_s: float
     device_memory_bytes: tuple[int, ...]  # the simulator's peak per pipeline device (static + activations)
     zero: int = 0  # ZeRO stage the memory and gradient exchange were counted with
+    overlap: Overlap = NO_OVERLAP  # communication overlap the step was timed with
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -103,15 +110,11 @@ class Evaluation:
         return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
 
     def resimulate(self, costs: StageCosts) -> Timeline:
-        """This candidate's op lists simulated again under other `costs` (e.g. free transfers)."""
-        return simulate_layout(
-            self.pipeline,
-            self.schedule.name,
-            self.partition.num_stages,
-            self.layout.num_microbatches,
-            costs,
-            self.memory,
-        )
+        """This candidate's op lists simulated again under other `costs` (e.g. free transfers), transfers blocking
+        or not as its overlap says."""
+        timed = transfer_costs(costs, self.pipeline, self.overlap)
+        num_stages, m = self.partition.num_stages, self.layout.num_microbatches
+        return simulate_layout(self.pipeline, self.schedule.name, num_stages, m, timed, self.memory)
 
     @property
     def label_with_replicas(self) -> str:
@@ -234,10 +237,13 @@ def evaluate_partition(
     precision: str,
     zero: int = 0,
     recompute: str = "none",
+    overlap: Overlap = NO_OVERLAP,
 ) -> Evaluation | Rejection:
     """Generate the schedule for `part`, settle its stages' recomputation modes on the exact peaks (recompute
-    `auto`), simulate one step of the layout's op lists, check the simulated peak bytes against
-    `cluster.memory_per_device` (the search passes memory less its reserve) and add the gradient exchange."""
+    `auto`), simulate one step of the layout's op lists (pipeline transfers blocking their sender unless
+    `overlap.p2p`), check the simulated peak bytes against `cluster.memory_per_device` (the search passes memory
+    less its reserve), and end the step with each device's gradient exchange (over its stages' replicas, pipelines
+    and context-parallel ranks) and optimizer update (`costs.overlap.step_end_ms`)."""
     per_param = stage_bytes_per_param(part, layout.data_parallel, optimizer, precision, zero)
     made = _schedule_layout(layout, part, profile, cluster, per_param)
     if isinstance(made, Rejection):
@@ -251,15 +257,14 @@ def evaluate_partition(
     memory = replace(memory_costs(part, profile), static_bytes=static)
     counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
     memory = with_weight_versions(memory, layout.schedule, counts, precision)
-    timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, costs, memory)
+    timed = transfer_costs(costs, pipe, overlap)
+    timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, timed, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
     over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
     if over is not None:
         return over
-    allreduce_ms = stage_allreduce_ms(profile, cluster, part, layout.data_parallel, zero=zero)
-    step_ms, bubble = predicted_step(
-        layout.schedule, timeline, layout.num_microbatches, allreduce_step_ms(part, allreduce_ms)
-    )
+    options = dict(optimizer=optimizer, precision=precision, zero=zero, overlap=overlap)
+    allreduce_ms, optimizer_ms, step_ms, bubble = step_end(layout, part, pipe, timeline, profile, cluster, **options)
     timeline = replace(timeline, bubble_rate=bubble)  # asynchronous: the steady state's, not the stream's
     return Evaluation(
         layout=layout,
@@ -270,10 +275,12 @@ def evaluate_partition(
         memory=memory,
         timeline=timeline,
         stage_allreduce_ms=allreduce_ms,
+        stage_optimizer_ms=optimizer_ms,
         step_ms=step_ms,
         samples_per_s=global_batch_size / step_ms * 1000.0,
         device_memory_bytes=device_bytes,
         zero=zero,
+        overlap=overlap,
     )
 
 
@@ -292,7 +299,7 @@ def _schedule_layout(
             chunks=part.chunks,
             costs=_stage_costs(part, profile, cluster, pipe=None),
             memory=memory_costs(part, profile) if auto else None,
-            memory_limit=_activation_budget(part, cluster, per_param) if auto else None,
+            memory_limit=activation_budget(part, cluster, per_param) if auto else None,
             steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
         )
         pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
@@ -304,42 +311,6 @@ def _schedule_layout(
         reason = f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline"
         return Rejection(layout=layout, kind="topology", reason=reason)
     return schedule, pipe
-
-
-def stage_bytes_per_param(
-    part: Partition, data_parallel: int, optimizer: str | float, precision: str, zero: int
-) -> float | tuple[float, ...]:
-    """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
-    replicas in every data-parallel pipeline)."""
-    if not zero:
-        return bytes_per_param(optimizer, precision)
-    return tuple(
-        bytes_per_param(optimizer, precision, zero=zero, group_size=s.replicas * data_parallel) for s in part.stages
-    )
-
-
-def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
-    """Per stage: one microbatch's saved activation bytes and the part of them I frees (none on the model's first
-    stage, `costs.stage_freed_bytes`), and under recomputation what each stage keeps until its backward and
-    re-creates while it runs (`costs.recompute`; static bytes per device are added once the layout is known,
-    `partition.costs.device_static_bytes`)."""
-    arrays = LayerArrays.from_profile(profile)
-    ranges = part.stage_ranges
-    memory = MemoryCosts(
-        activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in ranges),
-        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, "none", a, b)) for a, b in ranges),
-    )
-    if all(s.recompute == "none" for s in part.stages):
-        return memory
-    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages])
-
-
-def _activation_budget(part: Partition, cluster: Cluster, per_param) -> float:
-    """Live activation bytes zb-auto (one stage per device) may use per device: memory less the largest stage's
-    static bytes."""
-    each = [per_param] * part.num_stages if isinstance(per_param, float) else per_param
-    largest = max(float(static_bytes(s.param_count, each[s.index])) for s in part.stages)
-    return max(cluster.memory_per_device - largest, 1e-9)
 
 
 def _memory_rejection(

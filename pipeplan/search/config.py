@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.costs import RECOMPUTE_CHOICES, bytes_per_param, check_zero_stage, resolve_optimizer, static_split
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.units import format_bytes
 
@@ -48,7 +49,9 @@ class SearchConfig:
     zero: int | str = "auto"  # ZeRO stage (0, or 1: sharded optimizer state), or auto: the search tries both
     recompute: str = "auto"  # auto: stages recompute activations where memory needs it; none: never
     allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
-    tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (planner.tensor_parallel)
+    tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (search.sharding)
+    context_parallel: int = 1  # cp > 1: the groups are t x cp devices splitting the sequence too (search.sharding)
+    overlap: Overlap = Overlap()  # communication overlap (costs.overlap; Megatron-Core's defaults: none)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:

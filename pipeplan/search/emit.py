@@ -21,7 +21,7 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
-from pipeplan.search.tensor_parallel import devices_cluster
+from pipeplan.search.sharding import devices_cluster
 
 
 def build_plan(
@@ -52,13 +52,15 @@ def build_plan(
         device=run_device_for(profile.provenance.device),
         zero=chosen.zero,
         tensor_parallel=result.config.tensor_parallel,
+        context_parallel=result.config.context_parallel,
+        overlap=result.config.overlap.label,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel
     tokens = model.tokens_per_sample
     return Plan(
         model=model,
-        cluster=devices_cluster(result.cluster, result.config.tensor_parallel),
+        cluster=devices_cluster(result.cluster, result.config.tensor_parallel, result.config.context_parallel),
         training=training,
         schedule=layout.schedule,
         chunks=chosen.schedule.num_chunks,
@@ -122,6 +124,7 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 activation_bytes=int(chosen.memory.activation_bytes[index]),
                 activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
+                optimizer_ms=chosen.stage_optimizer_ms[index],
                 **_recompute_fields(chosen, index),
             )
         )

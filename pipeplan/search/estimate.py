@@ -27,7 +27,8 @@ from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts, simulate
 from pipeplan.search.candidate import REPLICATED, Layout, stage_work_ms
-from pipeplan.search.gradient_sync import allreduce_step_ms, stage_allreduce_ms
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.gradient_sync import SyncGroup, allreduce_step_ms, stage_allreduce_ms
 
 
 @functools.lru_cache(maxsize=512)
@@ -43,7 +44,7 @@ def probe_microbatches(num_devices: int, num_microbatches: int) -> int:
     return 2 * num_devices + num_microbatches % num_devices
 
 
-def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> float:
+def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, grad_overlap: bool = False) -> float:
     """Step time of `layout` with perfectly balanced stages (see the module docstring). Raises ScheduleError
     when the schedule does not support the layout's shape."""
     p, m = layout.pipeline_devices, layout.num_microbatches
@@ -73,7 +74,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster) -> 
         if m > m0:  # steady state: P more microbatches cost the same whatever m is, once m >= 2P
             makespan += (m - m0) / p * (simulate(_schedule(probe, p, m0 + p), costs).makespan - makespan)
         pipeline = max(makespan, m * busiest)
-    return pipeline + allreduce_lower_bound_ms(layout, profile, cluster)
+    return pipeline + (0.0 if grad_overlap else allreduce_lower_bound_ms(layout, profile, cluster))
 
 
 def backward_kinds(schedule: Schedule) -> frozenset[str]:
@@ -130,8 +131,14 @@ def allreduce_lower_bound_ms(layout: Layout, profile: Profile, cluster: Cluster)
     return allreduce_ms(grad_bytes, layout.data_parallel, link)
 
 
-def partition_lower_bound_ms(layout: Layout, part: Partition, profile: Profile, cluster: Cluster) -> float:
-    """m x the busiest device's work per microbatch (its stages' F + backward, / replicas) + the all-reduce."""
+def partition_lower_bound_ms(
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, config: SearchConfig
+) -> float:
+    """m x the busiest device's work per microbatch (its stages' F + backward, / replicas) + the gradient
+    all-reduce (not when the reduction overlaps the backward: it may hide)."""
     busiest = busiest_device_ms(stage_work_ms(part), stages_per_device([s.devices for s in part.stages]))
-    allreduce = allreduce_step_ms(part, stage_allreduce_ms(profile, cluster, part, layout.data_parallel))
-    return layout.num_microbatches * busiest + allreduce
+    if config.overlap.grad_reduce:
+        return layout.num_microbatches * busiest
+    group = SyncGroup(data_parallel=layout.data_parallel, context_parallel=layout.context_parallel)
+    per_stage = stage_allreduce_ms(profile, cluster, part, group, precision=config.precision)
+    return layout.num_microbatches * busiest + allreduce_step_ms(part, per_stage)

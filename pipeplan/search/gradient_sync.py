@@ -1,31 +1,101 @@
-"""The gradient exchange a step ends with, per stage and per step (the formulas are the cost module's)."""
+"""The end of a step, per stage: the gradient exchange over the ranks holding the same parameters, and the
+optimizer update (the formulas are the cost module's: `costs.gradient_sync_ms`, `costs.overlap`).
+
+A stage's parameters are held by its replicas in every data-parallel pipeline and, under context parallelism, by
+each of the cp ranks of a group (they split the sequence, not the weights): the exchange runs over replicas x
+pipelines x cp ranks, over the slowest link among them: inter-node when the pipelines' groups sit in different
+nodes, or when context-parallel groups fill whole nodes on a cluster of several (the search's cluster then has one
+group per node; a group of exactly one node's devices is counted inter-node too: pessimistic when cp ranks share
+the node and there is one pipeline). Its bytes are the stage's gradients in the precision's gradient dtype;
+ZeRO-1 (the distributed optimizer) reduce-scatters them and all-gathers the parameters in their own dtype.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from pipeplan.cluster import Cluster
-from pipeplan.costs import busiest_device_ms, gradient_sync_ms, stages_per_device
+from pipeplan.costs import busiest_device_ms, gradient_sync_ms, stages_per_device, static_split
+from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
+from pipeplan.plan.asynchronous import predicted_step
+from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 
 
-def stage_param_bytes(profile: Profile, first_layer: int, last_layer: int) -> int:
-    return sum(layer.param_bytes for layer in profile.layers[first_layer : last_layer + 1])
+@dataclass(frozen=True, kw_only=True)
+class SyncGroup:
+    """Who else holds a stage's parameters: `data_parallel` pipelines, `context_parallel` ranks per group."""
+
+    data_parallel: int = 1
+    context_parallel: int = 1
+
+
+def stage_param_count(profile: Profile, first_layer: int, last_layer: int) -> int:
+    return sum(layer.param_count for layer in profile.layers[first_layer : last_layer + 1])
 
 
 def stage_allreduce_ms(
-    profile: Profile, cluster: Cluster, part: Partition, data_parallel: int, *, zero: int = 0
+    profile: Profile, cluster: Cluster, part: Partition, group: SyncGroup, *, precision: str, zero: int = 0
 ) -> tuple[float, ...]:
-    """Per stage, the ring all-reduce of its gradients over its replicas in every pipeline (pipeline k's device d
-    is global rank k x P + d), or ZeRO-1's reduce-scatter + all-gather (`costs.gradient_sync_ms`; gradients are
-    in the parameters' dtype, so both move the stage's parameter bytes)."""
+    """Per stage, the ring all-reduce of its gradients over its holders (pipeline k's device d is global rank k x P
+    + d; see the module docstring), or ZeRO-1's reduce-scatter + all-gather (`costs.gradient_sync_ms`)."""
+    mode = get_precision(precision)
     times = []
     for stage in part.stages:
-        group = [k * part.num_devices + d for k in range(data_parallel) for d in stage.devices]
-        grad_bytes = stage_param_bytes(profile, stage.first_layer, stage.last_layer)
-        times.append(gradient_sync_ms(grad_bytes, grad_bytes, len(group), cluster.link_between(group), zero))
+        devices = [k * part.num_devices + d for k in range(group.data_parallel) for d in stage.devices]
+        whole_nodes = group.context_parallel > 1 and cluster.devices_per_node == 1 and cluster.num_nodes > 1
+        link = cluster.inter_link if whole_nodes else cluster.link_between(devices)
+        count = stage_param_count(profile, stage.first_layer, stage.last_layer)
+        size = len(devices) * group.context_parallel
+        times.append(gradient_sync_ms(count * mode.grad_bytes, count * mode.param_bytes, size, link, zero))
     return tuple(times)
+
+
+def stage_optimizer_ms(
+    part: Partition, profile: Profile, *, optimizer: str | float, precision: str, zero: int, group: SyncGroup
+) -> tuple[float, ...]:
+    """Per stage, one of its devices' optimizer update: its parameters (its 1/holders share under ZeRO-1) times the
+    bytes an update moves per parameter, at the profile's memory rate (0 when the profile does not know it: a
+    measured profile)."""
+    rates = profile.provenance.kernel_rates
+    if rates is None or not isinstance(optimizer, str):
+        return tuple(0.0 for _ in part.stages)
+    moved = optimizer_bytes_per_param(static_split(optimizer, precision), get_precision(precision).main_weights)
+    times = []
+    for stage in part.stages:
+        shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1
+        count = stage_param_count(profile, stage.first_layer, stage.last_layer) / shards
+        times.append(optimizer_step_ms(count, moved, rates.bytes_per_s))
+    return tuple(times)
+
+
+def per_device(per_stage: Sequence[float], device_stages: Sequence[Sequence[int]]) -> tuple[float, ...]:
+    """Per device of a pipeline, the sum over the stages (chunks) it holds."""
+    return tuple(sum(per_stage[s] for s in stages) for stages in device_stages)
 
 
 def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:
     """After the flush each device reduces its stages (chunks) one after another; devices run in parallel."""
     return busiest_device_ms(per_stage_ms, stages_per_device([s.devices for s in part.stages]))
+
+
+def step_end(
+    layout, part: Partition, pipe, timeline, profile: Profile, cluster: Cluster, *, optimizer, precision, zero, overlap
+) -> tuple:
+    """(per-stage exchange ms, per-stage optimizer ms, step ms, bubble rate) of a simulated `layout`
+    (`search.candidate.Layout`) with pipeline layout `pipe`: each device's last op, then its stages' exchanges and
+    updates (`plan.asynchronous.predicted_step`)."""
+    group = SyncGroup(data_parallel=layout.data_parallel, context_parallel=layout.context_parallel)
+    allreduce = stage_allreduce_ms(profile, cluster, part, group, precision=precision, zero=zero)
+    updates = stage_optimizer_ms(part, profile, optimizer=optimizer, precision=precision, zero=zero, group=group)
+    step, bubble = predicted_step(
+        layout.schedule,
+        timeline,
+        layout.num_microbatches,
+        per_device(allreduce, pipe.device_stages),
+        per_device(updates, pipe.device_stages),
+        overlap,
+    )
+    return allreduce, updates, step, bubble

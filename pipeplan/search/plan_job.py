@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.cluster import Cluster
+from pipeplan.costs.overlap import Overlap
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models import parse_assignments
 from pipeplan.plan.plan import Plan
@@ -82,12 +83,13 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         zero=parse_zero(options.zero),
         recompute=options.recompute,
         allow_async=options.allow_async,
+        overlap=Overlap.parse(options.overlap),
     )
     config.check_devices(cluster.num_devices)
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
     schedules = None if options.schedule == "auto" else (options.schedule,)
-    tensor_sizes = tensor_parallel_sizes(options.tensor_parallel, source.profile, cluster)
+    tensor_sizes = tensor_parallel_sizes(options.tensor_parallel, source.profile, cluster, options.context_parallel)
     return PlanJob(
         source=source,
         cluster=cluster,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.console import warn
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import check_tracer
 from pipeplan.options import argument, option
@@ -30,6 +31,14 @@ ZERO_HELP = (
 )
 RECOMPUTE_HELP = (
     "auto: stages recompute activations (selective or full, the cheapest that fits) where memory needs it; none: never."
+)
+CONTEXT_HELP = (
+    "Context-parallel ranks per tensor-parallel group (ring attention over the sequence): 1, N, or auto (analytic "
+    "profiles: try 1,2,4,8). Plans with N > 1 are analytic."
+)
+OVERLAP_HELP = (
+    "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
+    "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 ASYNC_HELP = (
@@ -69,6 +78,8 @@ class PlanOptions:
     zero: str = option("auto", "--zero", help=ZERO_HELP)
     recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
     tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
+    context_parallel: str = option("1", "--context-parallel", help=CONTEXT_HELP)
+    overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
     allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
@@ -92,9 +103,14 @@ class PlanOptions:
         check_tracer(self.tracer)
         if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
             searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
-        t = parse_tensor_parallel(self.tensor_parallel)
-        if t != AUTO and t > 1 and self.profile is None and self.device != "meta":
-            raise ConfigError(
-                f"--tensor-parallel {t} plans analytically: profile with --device meta --hardware NAME (or give an "
-                "analytic --profile)"
-            )
+        Overlap.parse(self.overlap)
+        for flag, text in (
+            ("--tensor-parallel", self.tensor_parallel),
+            ("--context-parallel", self.context_parallel),
+        ):
+            size = parse_tensor_parallel(text, option=flag)
+            if size != AUTO and size > 1 and self.profile is None and self.device != "meta":
+                raise ConfigError(
+                    f"{flag} {size} plans analytically: profile with --device meta --hardware NAME (or give an "
+                    "analytic --profile)"
+                )

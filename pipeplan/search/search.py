@@ -54,7 +54,7 @@ from pipeplan.search.candidate import (
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig
 from pipeplan.search.estimate import balanced_estimate_ms
 from pipeplan.search.scaling import scale_profile
-from pipeplan.search.tensor_parallel import devices_phrase, tensor_parallel_profiles
+from pipeplan.search.sharding import devices_phrase, split_cluster, split_inputs
 from pipeplan.search.variants import evaluate_layout, zero_choices
 from pipeplan.units import format_bytes
 
@@ -65,7 +65,7 @@ PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none
 class SearchResult:
     """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason; `best`: the
     chosen one (the simplest within PREDICTION_MARGIN of the fastest). With config.tensor_parallel t > 1: one
-    rank's `profiles`, and `cluster` of t-device groups (planner.tensor_parallel: `devices_cluster` undoes it)."""
+    rank's `profiles`, and `cluster` of t x cp-device groups (search.sharding: `devices_cluster` undoes it)."""
 
     ranked: tuple[Evaluation, ...]
     rejected: tuple[Rejection, ...]
@@ -139,6 +139,7 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
                         num_microbatches=m,
                         mode=mode,
                         tensor_parallel=config.tensor_parallel,
+                        context_parallel=config.context_parallel,
                     )
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
     return found
@@ -174,7 +175,11 @@ def search_plans(
         schedule_info(name, also_accepted=("auto",))
     names = searched_schedules(names, allow_async=config.allow_async, zero=config.zero, named=bool(schedules))
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
-    profiles, cluster = tensor_parallel_profiles(profiles, cluster, config.tensor_parallel)  # after scaling: latency
+    t, cp = config.tensor_parallel, config.context_parallel  # after scaling: each message's latency counted once
+    profiles = {
+        b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor)[0] for b, scaled in profiles.items()
+    }
+    cluster = split_cluster(cluster, t, cp)
     usable = usable_cluster(cluster, config)
     pending: list[tuple[float, Layout]] = []
     rejected: list[Rejection] = []
@@ -184,7 +189,7 @@ def search_plans(
             continue
         scaled = profiles[item.microbatch_size]
         try:
-            estimate = balanced_estimate_ms(item, scaled, cluster)
+            estimate = balanced_estimate_ms(item, scaled, cluster, grad_overlap=config.overlap.grad_reduce)
         except ScheduleError as exc:  # the schedule cannot run this shape at all: say that before memory
             rejected.append(Rejection(layout=item, kind="schedule", reason=str(exc)))
             continue
@@ -206,7 +211,8 @@ def search_plans(
     _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
     if not evaluated:
         smallest = smallest_fitting_memory(rejected, profiles, usable, config)
-        message = infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes, config.tensor_parallel)
+        split = (config.tensor_parallel, config.context_parallel)
+        message = infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes, split)
         raise InfeasibleError(message)
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
@@ -290,10 +296,14 @@ def smallest_fitting_memory(
 
 
 def infeasible_message(
-    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, reserve: int = 0, tensor_parallel: int = 1
+    rejected: list[Rejection],
+    cluster: Cluster,
+    smallest_memory: int | None,
+    reserve: int = 0,
+    split: tuple[int, int] = (1, 1),
 ) -> str:
     """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart)."""
-    devices = devices_phrase(cluster.num_devices, tensor_parallel)  # `cluster` as searched: groups of t devices
+    devices = devices_phrase(cluster.num_devices, *split)  # `cluster` as searched: groups of t x cp devices
     memory_bound = any(r.kind == "memory" for r in rejected)
     others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
     if memory_bound and (smallest_memory is not None or not others):

@@ -1,13 +1,16 @@
-"""The outer tensor-parallel loop: the pipeline search (`search_plans`) once per tensor-parallel size t, the choice
-between them and why — `search_tensor_parallel(profile, cluster, config, sizes)`.
+"""The outer loop over how a group of devices splits each layer: the pipeline search (`search_plans`) once per
+tensor-parallel size t and context-parallel size cp, the choice between them and why —
+`search_tensor_parallel(profile, cluster, config, tries)`.
 
-Sizes (`tensor_parallel_sizes`): `auto` tries t in TENSOR_PARALLEL_SIZES that divide the devices per node and the
-device count, for analytic profiles only (a measured profile plans t = 1: the runtime measured and runs whole
-layers); a t the model cannot take (heads, hidden size or sequence not divisible, not a transformer stack) is
-recorded with its reason and not searched. A given N is checked and refused with one line.
+Sizes (`tensor_parallel_sizes`): `auto` tries t in TENSOR_PARALLEL_SIZES dividing the devices per node and the
+device count, and cp in CONTEXT_PARALLEL_SIZES, for analytic profiles only (a measured profile plans t = cp = 1:
+the runtime measured and runs whole layers); a size the model or cluster cannot take (heads, hidden size or
+sequence not divisible, not a transformer stack, groups that do not tile nodes) is recorded with its reason and
+not searched. A given size is checked and refused with one line.
 
-Choice: the fastest predicted step over all t; sizes within the search's PREDICTION_MARGIN of it are ties, and the
-smallest such t wins (fewer devices per group, less communication; t = 1 stays runnable by `pipeplan run`).
+Choice: the fastest predicted step over all (t, cp); sizes within the search's PREDICTION_MARGIN of it are ties,
+and the smallest group wins (fewer devices per group, less communication; then the smaller cp; t = cp = 1 stays
+runnable by `pipeplan run`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.profiling.profile import Profile
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig
 from pipeplan.search.search import Progress, SearchResult, search_plans
-from pipeplan.search.tensor_parallel import (
+from pipeplan.search.stack import (
+    CONTEXT_PARALLEL_SIZES,
     TENSOR_PARALLEL_SIZES,
-    check_tensor_parallel,
+    check_split,
+    context_parallel_problem,
     stack_problem,
     tensor_parallel_problem,
 )
@@ -32,10 +37,11 @@ AUTO = "auto"
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelTry:
-    """One size: its search result, or why it gave none: not applicable to the cluster or model (not searched),
-    or the search's InfeasibleError."""
+    """One (t, cp): its search result, or why it gave none: not applicable to the cluster or model (not
+    searched), or the search's InfeasibleError."""
 
     tensor_parallel: int
+    context_parallel: int = 1
     result: SearchResult | None = None
     reason: str = ""
     searched: bool = False
@@ -44,45 +50,64 @@ class TensorParallelTry:
     def step_ms(self) -> float:
         return self.result.best.step_ms if self.result is not None else float("inf")
 
+    @property
+    def label(self) -> str:
+        return f"t={self.tensor_parallel}" + (f" cp={self.context_parallel}" if self.context_parallel > 1 else "")
 
-def parse_tensor_parallel(text: str | int | None) -> str | int:
-    """`auto` or a size >= 1 (--tensor-parallel)."""
+
+def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-parallel") -> str | int:
+    """`auto` or a size >= 1 (--tensor-parallel, --context-parallel)."""
     if text is None or str(text).strip().lower() == AUTO:
         return AUTO
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise ConfigError(f"--tensor-parallel must be auto or a whole number >= 1, got {text!r}") from None
+        raise ConfigError(f"{option} must be auto or a whole number >= 1, got {text!r}") from None
     if value < 1:
-        raise ConfigError(f"--tensor-parallel must be >= 1, got {value}")
+        raise ConfigError(f"{option} must be >= 1, got {value}")
     return value
 
 
-def tensor_parallel_sizes(request: str | int, profile: Profile, cluster: Cluster) -> tuple[TensorParallelTry, ...]:
-    """The sizes to search (tries without a result yet), and the sizes `auto` leaves out with their reasons."""
+def tensor_parallel_sizes(
+    request: str | int, profile: Profile, cluster: Cluster, context: str | int = 1
+) -> tuple[TensorParallelTry, ...]:
+    """The (t, cp) to search (tries without a result yet), and those `auto` leaves out with their reasons."""
     request = parse_tensor_parallel(request)
-    if request != AUTO:
-        t = int(request)
-        if t > 1 and profile.provenance.source != "analytic":
+    context = parse_tensor_parallel(context, option="--context-parallel")
+    analytic = profile.provenance.source == "analytic"
+    for value, option in ((request, "--tensor-parallel"), (context, "--context-parallel")):
+        if value != AUTO and value > 1 and not analytic:
             raise ConfigError(
-                f"--tensor-parallel {t} plans analytically: give an analytic profile (--device meta --hardware NAME); "
+                f"{option} {value} plans analytically: give an analytic profile (--device meta --hardware NAME); "
                 f"this one is {profile.provenance.source}"
             )
-        check_tensor_parallel(profile, t, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
-        return (TensorParallelTry(tensor_parallel=t),)
-    if profile.provenance.source != "analytic":
-        return (TensorParallelTry(tensor_parallel=1),)
+    ts = _sizes(request, TENSOR_PARALLEL_SIZES if analytic else (1,))
+    cps = _sizes(context, CONTEXT_PARALLEL_SIZES if analytic else (1,))
+    given = request != AUTO and context != AUTO
+    if given:
+        check_split(profile, ts[0], cps[0], devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
     tries = []
-    for t in TENSOR_PARALLEL_SIZES:
-        if cluster.devices_per_node % t or cluster.num_devices % t:
+    for t in ts:
+        if request == AUTO and (cluster.devices_per_node % t or cluster.num_devices % t):
             continue  # the cluster's shape: not worth a word
-        problem = tensor_parallel_problem(
-            profile, t, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices
-        )
-        if problem is None and t > 1:
-            problem = stack_problem(profile)
-        tries.append(TensorParallelTry(tensor_parallel=t, reason=problem or ""))
+        for cp in cps:
+            if context == AUTO and cluster.num_devices % (t * cp):
+                continue
+            problem = None if given else _problem(profile, t, cp, cluster)
+            tries.append(TensorParallelTry(tensor_parallel=t, context_parallel=cp, reason=problem or ""))
     return tuple(tries)
+
+
+def _sizes(request: str | int, auto: tuple[int, ...]) -> tuple[int, ...]:
+    return auto if request == AUTO else (int(request),)
+
+
+def _problem(profile: Profile, t: int, cp: int, cluster: Cluster) -> str | None:
+    kw = dict(devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
+    problem = tensor_parallel_problem(profile, t, **kw) or context_parallel_problem(profile, t, cp, **kw)
+    if problem is None and t * cp > 1:
+        problem = stack_problem(profile)
+    return problem
 
 
 def search_tensor_parallel(
@@ -94,61 +119,59 @@ def search_tensor_parallel(
     *,
     progress: Progress | None = None,
 ) -> tuple[TensorParallelTry, ...]:
-    """`search_plans` for every size without a reason; InfeasibleError when none gives a plan (the message of the
-    largest size searched, which has the most memory per device)."""
+    """`search_plans` for every (t, cp) without a reason; InfeasibleError when none gives a plan (the message of the
+    largest group searched, which has the most memory per device)."""
     done: list[TensorParallelTry] = []
     for item in sizes:
         if item.reason:
             done.append(item)
             continue
+        split = replace(config, tensor_parallel=item.tensor_parallel, context_parallel=item.context_parallel)
         try:
-            result = search_plans(
-                profile, cluster, replace(config, tensor_parallel=item.tensor_parallel), schedules, progress=progress
-            )
+            result = search_plans(profile, cluster, split, schedules, progress=progress)
             done.append(replace(item, result=result, searched=True))
         except InfeasibleError as exc:
             done.append(replace(item, reason=str(exc), searched=True))
     if not any(item.result is not None for item in done):
-        searched = [item for item in done if item.searched]
+        searched = sorted((item for item in done if item.searched), key=_group_key)
         raise InfeasibleError(searched[-1].reason)
     return tuple(done)
 
 
+def _group_key(item: TensorParallelTry) -> tuple[int, int]:
+    return item.tensor_parallel * item.context_parallel, item.context_parallel
+
+
 def chosen_try(tries: tuple[TensorParallelTry, ...]) -> TensorParallelTry:
-    """The smallest t within PREDICTION_MARGIN of the fastest step (see the module docstring)."""
+    """The smallest group within PREDICTION_MARGIN of the fastest step (see the module docstring)."""
     fastest = min(item.step_ms for item in tries)
-    return min(
-        (item for item in tries if item.step_ms <= fastest * (1.0 + PREDICTION_MARGIN)),
-        key=lambda item: item.tensor_parallel,
-    )
+    return min((item for item in tries if item.step_ms <= fastest * (1.0 + PREDICTION_MARGIN)), key=_group_key)
 
 
 def tensor_parallel_reason(tries: tuple[TensorParallelTry, ...], score: Callable[[SearchResult], str]) -> str:
-    """Why the chosen t, one sentence, e.g. `t=8: MFU 41% vs MFU 33% at t=4; t=1, t=2: no plan fits in memory`
-    (the other sizes fastest first); `score` words a result (its throughput or MFU). Empty when only one size was
-    tried."""
+    """Why the chosen (t, cp), one sentence, e.g. `t=8: MFU 41% vs MFU 33% at t=4; t=1, t=2: no plan fits in
+    memory` (the others fastest first); `score` words a result (its throughput or MFU). Empty when only one size
+    was tried."""
     if len(tries) < 2:
         return ""
     chosen = chosen_try(tries)
     others = sorted((item for item in tries if item.result is not None and item is not chosen), key=lambda i: i.step_ms)
-    head = f"t={chosen.tensor_parallel}: {score(chosen.result)}"
+    head = f"{chosen.label}: {score(chosen.result)}"
     if others:
         runner = others[0]
-        tie = (
-            runner.step_ms <= chosen.step_ms * (1.0 + PREDICTION_MARGIN)
-            and runner.tensor_parallel > chosen.tensor_parallel
-        )
-        note = " (within the prediction margin: the smaller t is preferred)" if tie else ""
-        compared = [f"{score(item.result)} at t={item.tensor_parallel}" for item in others]
+        tie = runner.step_ms <= chosen.step_ms * (1.0 + PREDICTION_MARGIN) and _group_key(runner) > _group_key(chosen)
+        note = " (within the prediction margin: the smaller group is preferred)" if tie else ""
+        compared = [f"{score(item.result)} at {item.label}" for item in others]
         head += f" vs {compared[0]}{note}" + "".join(f", {text}" for text in compared[1:])
     failed = [item for item in tries if item.result is None]
     memory = [item for item in failed if item.searched and "memory" in item.reason]
     parts = [head]
     if memory:
-        parts.append(f"{', '.join(f't={i.tensor_parallel}' for i in memory)}: no plan fits in memory")
-    grouped: dict[str, list[int]] = {}  # the same reason for several sizes is said once
+        parts.append(f"{', '.join(i.label for i in memory)}: no plan fits in memory")
+    grouped: dict[str, list[str]] = {}  # the same reason for several sizes is said once
     for item in failed:
         if item not in memory:
-            grouped.setdefault(item.reason.removeprefix(f"t={item.tensor_parallel} "), []).append(item.tensor_parallel)
-    parts += [f"{', '.join(f't={t}' for t in sizes)}: {reason}" for reason, sizes in grouped.items()]
+            reason = item.reason.removeprefix(f"t={item.tensor_parallel} ").removeprefix(f"cp={item.context_parallel} ")
+            grouped.setdefault(reason, []).append(item.label)
+    parts += [f"{', '.join(labels)}: {reason}" for reason, labels in grouped.items()]
     return "; ".join(parts)

@@ -138,13 +138,19 @@ def _evaluate_with_retries(
         part = partition_layout(layout, profile, budget, explain=False, **options)
         if isinstance(part, Rejection):
             return part
-        bound = partition_lower_bound_ms(layout, _without_recompute_time(part), profile, cluster)
+        bound = partition_lower_bound_ms(layout, _without_recompute_time(part), profile, cluster, config)
         if bound >= best_ms:
             slower = format_percent(bound / best_ms - 1.0)
             reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
             return Rejection(layout=layout, kind="bound", reason=reason)
         result = evaluate_partition(
-            layout, part, profile, cluster, global_batch_size=config.global_batch_size, **options
+            layout,
+            part,
+            profile,
+            cluster,
+            global_batch_size=config.global_batch_size,
+            overlap=config.overlap,
+            **options,
         )
         if not isinstance(result, Rejection) or not result.retry_budget_bytes:
             return result

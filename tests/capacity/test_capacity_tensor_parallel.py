@@ -72,9 +72,9 @@ def test_the_row_takes_the_size_that_fits_and_says_why():
     assert row.tensor_parallel_reason.endswith("t=1: no plan fits in memory")
     assert len(row.recompute) == row.pipeline_devices and row.zero in (0, 1)
     families = report.per_tensor_parallel
-    assert set(families) == {1, 2, 4} and not families[1][0].fits
-    assert families[row.tensor_parallel][0].step_ms == row.step_ms
-    assert "full" in families[2][0].recompute  # t=2 fits only with recomputation: the layout columns say so
+    assert set(families) == {"1", "2", "4"} and not families["1"][0].fits
+    assert families[str(row.tensor_parallel)][0].step_ms == row.step_ms
+    assert "full" in families["2"][0].recompute  # t=2 fits only with recomputation: the layout columns say so
     data = report.to_dict()
     assert data["rows"][0]["tensor_parallel"] == row.tensor_parallel
     assert data["rows"][0]["recompute"] == list(row.recompute) and data["rows"][0]["zero"] == row.zero
@@ -83,7 +83,7 @@ def test_the_row_takes_the_size_that_fits_and_says_why():
 
 def test_a_forced_size_is_the_only_one_searched():
     report = capacity_sweep(stack_profile(block=BLOCK), _config(tensor_parallel=1))
-    assert not report.rows[0].fits and set(report.per_tensor_parallel) == {1}
+    assert not report.rows[0].fits and set(report.per_tensor_parallel) == {"1"}
     with pytest.raises(ConfigError, match="--tensor-parallel"):
         _config(tensor_parallel="x")
 

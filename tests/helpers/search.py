@@ -5,19 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import busiest_device_ms
-from pipeplan.plan.asynchronous import predicted_step
-from pipeplan.plan.plan import Plan
+from pipeplan.plan.timing import plan_step_ms  # noqa: F401  (re-exported for the tests)
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.schedules.simulate import Timeline
-
-
-def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
-    """The step a plan predicts, again from its re-simulated timeline: the pipeline's makespan plus the all-reduce
-    after the flush (each rank reduces its stages in turn; ranks in parallel); for an asynchronous plan the
-    stream's steady state (plan/asynchronous.predicted_step)."""
-    allreduce = busiest_device_ms([s.allreduce_ms for s in plan.stages], [info.stages for info in plan.ranks])
-    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, allreduce)[0]
 
 
 def synthetic_profile(

@@ -11,6 +11,7 @@ from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs.overlap import Overlap
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
 from pipeplan.plan.timing import plan_memory, plan_timeline
@@ -75,9 +76,8 @@ def test_replicated_stages_are_simulated_as_the_lists_run_executes():
     """A replicated stage's replicas each run their own op list at full op time: the search's timeline is exactly
     `simulate` of those lists (stage s on its replicas), not the stage at 1/replicas of its time."""
     profile = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=CUT)
-    config = SearchConfig(
-        global_batch_size=12, zero=0, precision="bf16-mixed"
-    )  # with ZeRO-1 plain data parallelism fits
+    # with ZeRO-1 plain data parallelism fits; transfers beside compute: an op takes its stage's time
+    config = SearchConfig(global_batch_size=12, zero=0, precision="bf16-mixed", overlap=Overlap(p2p=True))
     result = search_plans(profile, make_cluster(3, memory=60 * 2**20), config, ("1f1b",))
     chosen = result.best
     assert max(chosen.partition.replicas) > 1

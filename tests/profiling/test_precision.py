@@ -32,8 +32,8 @@ def test_bytes_per_parameter_follow_the_precision():
     assert resolve_optimizer("adamw-bf16", "bf16-mixed") == ("adamw", "bf16-mixed")
     with pytest.raises(ConfigError, match="--optimizer adamw-fp32 means adamw under --precision fp32"):
         resolve_optimizer("adamw-fp32", "bf16")
-    with pytest.raises(ConfigError, match="--precision 'fp8' is not supported"):
-        resolve_optimizer("adamw", "fp8")
+    with pytest.raises(ConfigError, match="--precision 'fp4' is not supported"):
+        resolve_optimizer("adamw", "fp4")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import search_plans
-from pipeplan.search.tensor_parallel import devices_cluster, tensor_parallel_cluster, tensor_parallel_profile
+from pipeplan.search.sharding import Links, devices_cluster, split_cluster, split_profile
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
@@ -50,10 +50,10 @@ def test_search_with_t_runs_on_one_rank_and_the_groups():
     profile, cluster = stack_profile(), make_cluster(8, memory=2**30)
     result = search_plans(profile, cluster, _config(tensor_parallel=2), ["1f1b"])
     assert all(e.layout.tensor_parallel == 2 and e.layout.label.endswith(" t=2") for e in result.ranked)
-    assert result.cluster == tensor_parallel_cluster(cluster, 2) and devices_cluster(result.cluster, 2) == cluster
+    assert result.cluster == split_cluster(cluster, 2, 1) and devices_cluster(result.cluster, 2) == cluster
     same = search_plans(
-        tensor_parallel_profile(profile, 2, cluster.intra_link),
-        tensor_parallel_cluster(cluster, 2),
+        split_profile(profile, 2, 1, Links(tensor=cluster.intra_link, context=cluster.intra_link)),
+        split_cluster(cluster, 2, 1),
         _config(),
         ["1f1b"],
     )
@@ -137,7 +137,7 @@ def test_the_smallest_t_within_the_prediction_margin_wins_and_the_reason_says_so
     assert chosen_try(tries).tensor_parallel == 2
     why = tensor_parallel_reason(tries, lambda r: f"{r.best.step_ms:.0f} ms")
     assert why == (
-        "t=2: 101 ms vs 100 ms at t=4 (within the prediction margin: the smaller t is preferred), 120 ms at t=8; "
+        "t=2: 101 ms vs 100 ms at t=4 (within the prediction margin: the smaller group is preferred), 120 ms at t=8; "
         "t=1: no plan fits in memory"
     )
     heads = "must divide the model's 25 attention heads (heads)"
@@ -153,6 +153,6 @@ def test_profiles_are_sharded_after_scaling_to_the_microbatch():
     profile, cluster = stack_profile(hidden_bytes=1 << 20), make_cluster(4, memory=2**30)
     result = search_plans(profile, cluster, _config(microbatch_sizes=(1, 2), tensor_parallel=2), ["1f1b"])
     link = cluster.intra_link
-    assert result.profiles[2] == tensor_parallel_profile(scale_profile(profile, 2), 2, link)
-    scaled_after = scale_profile(tensor_parallel_profile(profile, 2, link), 2)
+    assert result.profiles[2] == split_profile(scale_profile(profile, 2), 2, 1, Links(tensor=link, context=link))
+    scaled_after = scale_profile(split_profile(profile, 2, 1, Links(tensor=link, context=link)), 2)
     assert result.profiles[2].layers[1].forward_ms < scaled_after.layers[1].forward_ms

@@ -1,0 +1,243 @@
+"""Tensor and context parallelism in the analytic planner: a profile as one rank of a t x cp group sees it, and the
+cluster of such groups the pipeline search then runs on — `split_inputs(profile, cluster, t, cp)`.
+
+Model: Megatron-LM tensor parallelism with sequence parallelism (Shoeybi et al., "Megatron-LM", 2019, §3;
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023, §4) and
+Megatron-Core context parallelism (ring attention over cp ranks with load-balanced causal chunks: each rank holds
+2 of 2·cp sequence chunks; docs "context_parallel", Transformer Engine `AttnFuncWithCPAndKVP2P`).
+
+- Which layers: the profile must be a transformer stack at block granularity — its first layer an embedding (a
+  lookup: parameters, no FLOPs), then a uniform run of blocks (same parameters and FLOPs, the hidden state in and
+  out), then the LM head. Anything else is refused with one line (`transformer_layers`).
+- Compute: a layer's times come from its work (`profiling.retime.reshaped_layer`: every matmul at the rank's
+  shape — column-parallel linears n / t, row-parallel ones k / t, attention heads / t; context parallelism: token
+  rows / cp, attention queries / cp against all keys, causal work balanced — tile and wave quantization included;
+  the other ops / (t·cp)). A layer without work (a measured profile) divides its times by t·cp.
+- Memory: every kept-bytes field (none, selective, full, I's share) divides by t·cp, rounded up (Korthikanti Table
+  2 with sequence parallelism is 1/t of the unsplit bytes; context parallelism splits every position); parameters
+  by t (context-parallel ranks hold the same weights); a stage boundary sends each rank's shard: cut bytes / t·cp.
+- Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.transformer.
+  tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
+  backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
+  (only what exceeds them is exposed). With `tp_overlap` (Megatron's tp_comm_overlap, off by default as in
+  Megatron-Core) each collective hides behind its layer's linears, pipelined in t chunks: exposed max(comm - matmul
+  time, comm / t). Context parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV
+  backward over the context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
+  The embedding reduce-scatters forward and all-gathers backward; the head all-gathers its input and its
+  vocab-parallel cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
+
+`split_cluster` turns the cluster into groups of t·cp consecutive ranks (tensor parallelism innermost, then
+context parallelism, as Megatron orders ranks); groups larger than a node span whole nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pipeplan.cluster import Cluster, Link
+from pipeplan.costs import all_gather_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
+from pipeplan.costs.transformer import tensor_parallel_comm_per_layer
+from pipeplan.errors import ConfigError
+from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernels
+from pipeplan.profiling.profile import LayerProfile, Profile
+from pipeplan.profiling.retime import reshaped_layer
+from pipeplan.search.stack import stack_problem, transformer_layers
+
+CROSS_ENTROPY_ALLREDUCES = 3  # max logit, sum of exponentials, target logit; fp32 per token
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerComm:
+    """Milliseconds of collectives one layer adds to its forward and to its backward."""
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """The links a group's collectives run on."""
+
+    tensor: Link
+    context: Link
+
+
+def group_links(cluster: Cluster, t: int, cp: int) -> Links:
+    """Tensor parallelism inside a node when t fits one; context-parallel peers t ranks apart: inside a node when
+    t·cp fits one."""
+    return Links(tensor=cluster.link_for_consecutive(t), context=cluster.link_for_consecutive(t * cp))
+
+
+def _collectives_ms(collectives, t: int, link: Link, positions: int) -> float:
+    time = {"all-gather": all_gather_ms, "reduce-scatter": reduce_scatter_ms, "all-reduce": allreduce_ms}
+    return sum(c.count * time[c.kind](c.message_bytes / positions, t, link) for c in collectives)
+
+
+def _exposed(comm: float, work: float, chunks: int) -> float:
+    """A collective pipelined with `work` in `chunks`: what cannot hide (the first chunk, or the excess)."""
+    return max(comm - work, comm / chunks) if comm > 0 else 0.0
+
+
+def block_comm(layer: LayerProfile, hidden_bytes: int, t: int, cp: int, links: Links, rates, tp_overlap: bool):
+    """A block's collectives on one rank (module docstring), exposed parts only."""
+    comm = tensor_parallel_comm_per_layer(
+        seq=1, batch=1, hidden=hidden_bytes, tensor_parallel=t, sequence_parallel=True, bytes_per_element=1
+    )  # the formula's message is s·b·h elements x bytes: the profiled hidden-state bytes, passed whole
+    forward = _collectives_ms(comm.forward, t, links.tensor, cp)
+    backward = _collectives_ms(comm.backward, t, links.tensor, cp)
+    regather = _collectives_ms(comm.regather, t, links.tensor, cp)
+    work = layer.work
+    matmul = {name: 0.0 for name in ("forward", "input_grad")}
+    attention = {name: 0.0 for name in ("forward", "input_grad")}
+    if work is not None and rates is not None:
+        for name in matmul:
+            kernels = pass_kernels(work.kernels, name)
+            matmul[name] = kernels_seconds([k for k in kernels if k.weight], rates) * 1e3
+            attention[name] = kernels_seconds([k for k in kernels if k.kind == "attention" or k.core], rates) * 1e3
+    if tp_overlap:
+        forward, backward = _exposed(forward, matmul["forward"], t), _exposed(backward, matmul["input_grad"], t)
+    backward += max(regather - matmul["input_grad"], 0.0)
+    ring = context_ring_ms(layer, cp, links.context)
+    forward += max(ring - attention["forward"], 0.0)
+    backward += max(2 * ring - attention["input_grad"], 0.0)
+    return LayerComm(forward_ms=forward, backward_ms=backward)
+
+
+def context_ring_ms(layer: LayerProfile, cp: int, link: Link) -> float:
+    """Forward ring of context parallelism: cp - 1 transfers of the rank's K and V chunk (per attention call of the
+    layer, from its kernel at the rank's shape: batch x positions x head size); 0 for cp = 1."""
+    if cp == 1 or layer.work is None:
+        return 0.0
+    total = 0.0
+    for kernel in layer.work.kernels:
+        if kernel.kind == "attention" or (kernel.core and kernel.kind == "gemm" and kernel.k <= kernel.n):
+            kv_bytes = 2 * kernel.batch * (kernel.n / cp) * kernel.k * kernel.element_bytes
+            total += (cp - 1) * transfer_ms(kv_bytes, link)
+            if kernel.kind == "gemm":
+                break  # math attention: one K and one V per layer, however many matmuls read them
+    return total
+
+
+def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: bool) -> list[LayerComm]:
+    """Per layer: the embedding's, each block's and the head's collectives (see the module docstring)."""
+    if t == 1 and cp == 1:
+        return [LayerComm()] * profile.num_layers
+    stack = transformer_layers(profile)
+    hidden = stack.hidden_bytes
+    rates = profile.provenance.kernel_rates
+    tokens = profile.provenance.batch_size * (profile.provenance.tokens_per_sample or 1) / cp
+    split = hidden / cp
+    embedding = LayerComm(
+        forward_ms=reduce_scatter_ms(split, t, links.tensor), backward_ms=all_gather_ms(split, t, links.tensor)
+    )
+    losses = CROSS_ENTROPY_ALLREDUCES * allreduce_ms(4 * tokens, t, links.tensor)
+    head = LayerComm(
+        forward_ms=all_gather_ms(split, t, links.tensor) + losses, backward_ms=reduce_scatter_ms(split, t, links.tensor)
+    )
+    blocks = [block_comm(profile.layers[i], hidden, t, cp, links, rates, tp_overlap) for i in stack.blocks]
+    return [embedding, *blocks, head]
+
+
+def _split(value: int, parts: int) -> int:
+    return -(-value // parts)
+
+
+def _shard_layer(layer: LayerProfile, t: int, cp: int, comm: LayerComm, rates: KernelRates | None) -> LayerProfile:
+    """One rank's share of `layer` plus its collectives (backward ones on I when it has input-gradient work)."""
+    ranks = t * cp
+    timed = reshaped_layer(layer, rates, t=t, cp=cp) or _divided_times(layer, ranks)
+    on_input = timed.input_grad_ms > 0
+    params = _split(layer.param_count, t)
+    return replace(
+        timed,
+        forward_ms=timed.forward_ms + comm.forward_ms,
+        input_grad_ms=timed.input_grad_ms + (comm.backward_ms if on_input else 0.0),
+        weight_grad_ms=timed.weight_grad_ms + (0.0 if on_input else comm.backward_ms),
+        backward_ms=timed.backward_ms + comm.backward_ms,
+        full_recompute_ms=timed.full_recompute_ms + comm.forward_ms,
+        activation_bytes=_split(layer.activation_bytes, ranks),
+        activation_freed_by_input_grad_bytes=_split(layer.activation_freed_by_input_grad_bytes, ranks),
+        param_count=params,
+        param_bytes=round(layer.param_bytes * params / layer.param_count) if layer.param_count else 0,
+        output_bytes=_split(layer.output_bytes, ranks),
+        flops=layer.flops / ranks,
+        peak_memory_bytes=_split(layer.peak_memory_bytes, ranks),
+        selective_activation_bytes=_split(layer.selective_activation_bytes, ranks),
+        full_activation_bytes=_split(layer.full_activation_bytes, ranks),
+    )
+
+
+def _divided_times(layer: LayerProfile, ranks: int) -> LayerProfile:
+    """A layer without work: its times / ranks (exact for compute-bound rooflines; optimistic for small shards)."""
+    return replace(
+        layer,
+        forward_ms=layer.forward_ms / ranks,
+        input_grad_ms=layer.input_grad_ms / ranks,
+        weight_grad_ms=layer.weight_grad_ms / ranks,
+        backward_ms=layer.backward_ms / ranks,
+        full_recompute_ms=layer.full_recompute_ms / ranks,
+        selective_recompute_ms=layer.selective_recompute_ms / ranks,
+    )
+
+
+def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap: bool = False) -> Profile:
+    """`profile` as each rank of a t x cp group runs it, collectives over `links` included; t = cp = 1 returns it
+    unchanged. Raises ConfigError when the profile is not a transformer stack."""
+    if t < 1 or cp < 1:
+        raise ConfigError(f"--tensor-parallel and --context-parallel must be >= 1, got {t} and {cp}")
+    if t == 1 and cp == 1:
+        return profile
+    comms = layer_comms(profile, t, cp, links, tp_overlap)
+    rates = profile.provenance.kernel_rates
+    layers = tuple(_shard_layer(layer, t, cp, comm, rates) for layer, comm in zip(profile.layers, comms, strict=True))
+    notes = f"{profile.provenance.notes}; tensor parallel t={t} (sequence parallel), context parallel cp={cp}, per rank"
+    return replace(
+        profile,
+        layers=layers,
+        cut_bytes=tuple(_split(b, t * cp) for b in profile.cut_bytes),
+        whole_forward_ms=None,
+        whole_backward_ms=None,
+        provenance=replace(profile.provenance, notes=notes.lstrip("; ")),
+    )
+
+
+def split_cluster(cluster: Cluster, t: int, cp: int) -> Cluster:
+    """The cluster as the pipeline search sees it: N / (t·cp) groups of t·cp consecutive ranks, devices_per_node /
+    (t·cp) of them per node (1 when a group spans nodes: every link between groups is then inter-node), one
+    device's memory and links."""
+    size = t * cp
+    if size == 1:
+        return cluster
+    assert cluster.num_devices % size == 0, "checked by split_problem"
+    per_node = max(1, cluster.devices_per_node // size)
+    return replace(cluster, num_devices=cluster.num_devices // size, devices_per_node=per_node)
+
+
+def devices_cluster(cluster: Cluster, t: int, cp: int = 1) -> Cluster:
+    """The inverse of `split_cluster`: the devices themselves (`devices_per_node`: a node's, when known)."""
+    size = t * cp
+    if size == 1:
+        return cluster
+    return replace(cluster, num_devices=cluster.num_devices * size, devices_per_node=cluster.devices_per_node * size)
+
+
+def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_overlap: bool = False):
+    """What the pipeline search runs on: one rank's profile and the cluster of t·cp groups; unchanged for t = cp =
+    1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
+    from pipeplan.search.stack import check_split
+
+    check_split(profile, t, cp, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
+    if t * cp == 1:
+        return profile, cluster
+    links = group_links(cluster, t, cp)
+    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap), split_cluster(cluster, t, cp)
+
+
+def devices_phrase(num_groups: int, t: int, cp: int = 1) -> str:
+    """How messages name `num_groups` groups of t x cp devices: `64 device(s) with tensor parallelism t=8`."""
+    split = f" with tensor parallelism t={t}" if t > 1 else ""
+    split += f"{' and' if t > 1 else ' with'} context parallelism cp={cp}" if cp > 1 else ""
+    return f"{num_groups * t * cp} device(s){split}"
+
+
+__all__ = ["stack_problem", "split_inputs", "split_profile", "split_cluster", "devices_cluster", "group_links"]

@@ -1,0 +1,138 @@
+"""What tensor and context parallelism need of a model and a cluster, and why a size cannot be used (one clause).
+
+- The profile must be a transformer stack at block granularity (`stack_problem`): an embedding (parameters, no
+  FLOPs), a uniform run of blocks (the hidden state in and out, the same parameters and FLOPs), an LM head.
+- Tensor parallelism t splits heads and the hidden size, so t must divide them (read from the model's options),
+  the sequence (sequence parallelism splits it) and the node: tensor-parallel ranks stay in one node, as Megatron
+  places them (NVLink).
+- Context parallelism cp splits the sequence into 2·cp load-balanced chunks, so 2·cp must divide the sequence
+  length, which must be known (a sequence model); its ranks sit next to the tensor-parallel ones: a t·cp group
+  fills whole nodes when larger than one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.errors import ConfigError
+from pipeplan.profiling.profile import Profile
+
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)  # what `auto` tries (each must divide the devices per node)
+CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)  # what `auto` tries
+# model options that name the sizes t must divide (built-in gpt/llama, Hugging Face configs)
+DIVIDED_OPTIONS = (
+    ("heads", "attention heads"),
+    ("hidden", "hidden size"),
+    ("kv_heads", "key/value heads"),
+    ("num_attention_heads", "attention heads"),
+    ("hidden_size", "hidden size"),
+    ("num_key_value_heads", "key/value heads"),
+    ("n_head", "attention heads"),
+    ("n_embd", "hidden size"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerLayers:
+    """The roles of a profile's layers: embedding 0, blocks 1..n-2, head n-1; `hidden_bytes`: one block's output
+    (s·b·h elements in the profile's dtype), the message of every tensor-parallel collective."""
+
+    num_layers: int
+    hidden_bytes: int
+
+    @property
+    def blocks(self) -> range:
+        return range(1, self.num_layers - 1)
+
+
+def transformer_layers(profile: Profile) -> TransformerLayers:
+    """The stack's roles (see the module docstring), or ConfigError naming the first layer that does not fit."""
+    problem = stack_problem(profile)
+    if problem is not None:
+        raise ConfigError(
+            f"tensor and context parallelism model a transformer stack: {problem}; use --tensor-parallel 1 "
+            "--context-parallel 1"
+        )
+    return TransformerLayers(num_layers=profile.num_layers, hidden_bytes=profile.layers[0].output_bytes)
+
+
+def stack_problem(profile: Profile) -> str | None:
+    """Why the profile is not a transformer stack at block granularity (one clause), or None when it is."""
+    layers = profile.layers
+    if len(layers) < 3:
+        return f"the profile has {len(layers)} layer(s), not an embedding, blocks and an LM head"
+    embedding, head, blocks = layers[0], layers[-1], layers[1:-1]
+    if embedding.param_count == 0 or embedding.flops > 0:
+        return f"layer {embedding.name!r} is not an embedding lookup (parameters, no FLOPs)"
+    for index, block in enumerate(blocks, start=1):
+        before, after = profile.cut_bytes[index - 1], profile.cut_bytes[index]
+        if block.param_count == 0 or block.flops <= 0 or block.output_bytes != embedding.output_bytes:
+            return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
+        if before != after:
+            return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
+        if (block.param_count, block.flops) != (blocks[0].param_count, blocks[0].flops):
+            return f"layer {block.name!r} differs from {blocks[0].name!r} (profile at block granularity)"
+    if head.param_count == 0 or head.flops <= 0:
+        return f"layer {head.name!r} is not an LM head (parameters, FLOPs)"
+    return None
+
+
+def _int_option(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def tensor_parallel_problem(profile: Profile, t: int, *, devices_per_node: int, num_devices: int) -> str | None:
+    """Why `t` cannot split this model on this cluster (one clause), or None when it can."""
+    if t < 1:
+        return f"tensor parallel size must be >= 1, got {t}"
+    if t == 1:
+        return None
+    if devices_per_node % t:
+        return f"t={t} must divide the {devices_per_node} devices per node (tensor parallelism stays in a node)"
+    if num_devices % t:
+        return f"t={t} must divide the {num_devices} devices"
+    options = profile.provenance.spec_options or profile.provenance.model_options  # older profiles: the given ones
+    for key, what in DIVIDED_OPTIONS:
+        value = _int_option(options.get(key))
+        if value is not None and value % t:
+            return f"t={t} must divide the model's {value} {what} ({key})"
+    seq = profile.provenance.tokens_per_sample
+    if seq is not None and seq % t:
+        return f"t={t} must divide the sequence length {seq} (sequence parallelism splits it)"
+    return None
+
+
+def context_parallel_problem(profile: Profile, t: int, cp: int, *, devices_per_node: int, num_devices: int):
+    """Why `cp` (beside t) cannot split this model on this cluster (one clause), or None when it can."""
+    if cp < 1:
+        return f"context parallel size must be >= 1, got {cp}"
+    if cp == 1:
+        return None
+    size = t * cp
+    if num_devices % size:
+        return f"t={t} x cp={cp} = {size} must divide the {num_devices} devices"
+    if size > devices_per_node and size % devices_per_node:
+        return f"t={t} x cp={cp} = {size} devices must fill whole nodes of {devices_per_node}"
+    if size < devices_per_node and devices_per_node % size:
+        return f"t={t} x cp={cp} = {size} must divide the {devices_per_node} devices per node"
+    seq = profile.provenance.tokens_per_sample
+    if seq is None:
+        return f"cp={cp} needs a sequence model (the profile does not say its tokens per sample)"
+    if seq % (2 * cp * t):
+        return f"cp={cp} must split the sequence length {seq} into 2·cp chunks of whole t={t} shards"
+    return None
+
+
+def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num_devices: int) -> None:
+    """ConfigError naming the option when (t, cp) cannot be used (sizes, or a profile that is not a stack)."""
+    problem = tensor_parallel_problem(profile, t, devices_per_node=devices_per_node, num_devices=num_devices)
+    if problem is not None:
+        raise ConfigError(f"--tensor-parallel {t}: {problem}")
+    problem = context_parallel_problem(profile, t, cp, devices_per_node=devices_per_node, num_devices=num_devices)
+    if problem is not None:
+        raise ConfigError(f"--context-parallel {cp}: {problem}")
+    if t * cp > 1:
+        transformer_layers(profile)

@@ -1,0 +1,47 @@
+"""A candidate's memory inputs: static bytes per parameter per stage, the per-stage activation costs the simulator
+counts, and the budget zb-auto generates its schedule under."""
+
+from __future__ import annotations
+
+from pipeplan.cluster import Cluster
+from pipeplan.costs import LayerArrays, bytes_per_param, stage_freed_bytes, static_bytes
+from pipeplan.partition.result import Partition
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.simulate import MemoryCosts
+from pipeplan.search.recompute_choice import with_recompute_bytes
+
+
+def stage_bytes_per_param(
+    part: Partition, data_parallel: int, optimizer: str | float, precision: str, zero: int
+) -> float | tuple[float, ...]:
+    """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
+    replicas in every data-parallel pipeline)."""
+    if not zero:
+        return bytes_per_param(optimizer, precision)
+    return tuple(
+        bytes_per_param(optimizer, precision, zero=zero, group_size=s.replicas * data_parallel) for s in part.stages
+    )
+
+
+def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
+    """Per stage: one microbatch's saved activation bytes and the part of them I frees (none on the model's first
+    stage, `costs.stage_freed_bytes`), and under recomputation what each stage keeps until its backward and
+    re-creates while it runs (`costs.recompute`; static bytes per device are added once the layout is known,
+    `partition.costs.device_static_bytes`)."""
+    arrays = LayerArrays.from_profile(profile)
+    ranges = part.stage_ranges
+    memory = MemoryCosts(
+        activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in ranges),
+        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, "none", a, b)) for a, b in ranges),
+    )
+    if all(s.recompute == "none" for s in part.stages):
+        return memory
+    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages])
+
+
+def activation_budget(part: Partition, cluster: Cluster, per_param) -> float:
+    """Live activation bytes zb-auto (one stage per device) may use per device: memory less the largest stage's
+    static bytes."""
+    each = [per_param] * part.num_stages if isinstance(per_param, float) else per_param
+    largest = max(float(static_bytes(s.param_count, each[s.index])) for s in part.stages)
+    return max(cluster.memory_per_device - largest, 1e-9)

@@ -23,7 +23,6 @@ from pipeplan.costs import (
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.single import held_counts
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import default_chunks
 from pipeplan.search.candidate import REPLICATED, Evaluation, Layout, Rejection
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.scaling import scale_profile
@@ -92,7 +91,7 @@ def memory_floor_bytes(layout: Layout, profile: Profile, per_param: float, *, re
     """
     if layout.mode == REPLICATED:
         return 0.0
-    chunks = default_chunks(layout.schedule)
+    chunks = layout.num_chunks
     held = held_counts(layout.schedule, layout.pipeline_devices, layout.num_microbatches, chunks)
     inflight = np.asarray([before_i for _, before_i in held])
     static = np.concatenate([[0.0], np.cumsum(static_bytes([la.param_count for la in profile.layers], per_param))])

@@ -17,8 +17,10 @@ class LayerArrays:
     (`costs.recompute`): prefix sums of the bytes kept under selective recomputation and of the two recompute times;
     per item, `entering[k]` the bytes entering item k from before it (the model's inputs for the first: what a stage
     starting there keeps under full recomputation) and `internals[k]` the largest attention internals one of its
-    layers saves (what selective recomputation re-creates at once). `reversed_order`: the items run last to first
-    (`reversed()`), so a stage's first layer in model order is its last item."""
+    layers saves (what selective recomputation re-creates at once); for full recomputation layer by layer, prefix
+    sums of every layer's entering bytes (`inputs`) and per item the most one layer re-creates (`regrowth`).
+    `reversed_order`: the items run last to first (`reversed()`), so a stage's first layer in model order is its
+    last item."""
 
     forward: np.ndarray
     input_grad: np.ndarray
@@ -35,6 +37,8 @@ class LayerArrays:
     full_recompute: np.ndarray | None = None  # ms (None: the forward)
     entering: np.ndarray | None = None  # per item (None: the cut before it)
     internals: np.ndarray | None = None  # per item (None: 0)
+    inputs: np.ndarray | None = None  # prefix sums of each layer's `entering` (None: the cut before each)
+    regrowth: np.ndarray | None = None  # per item: the most one of its layers re-creates when re-run (None: 0)
     reversed_order: bool = False
 
     def __post_init__(self) -> None:
@@ -45,6 +49,8 @@ class LayerArrays:
             "full_recompute": self.forward,
             "entering": self.cut[:-1].copy(),
             "internals": np.zeros(n),
+            "inputs": np.concatenate([[0.0], np.cumsum(self.cut[:-1])]),
+            "regrowth": np.zeros(n),
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:
@@ -76,6 +82,8 @@ class LayerArrays:
             full_recompute=prefix([la.full_recompute_ms for la in layers]),
             entering=entering,
             internals=np.asarray([la.activation_bytes - la.selective_activation_bytes for la in layers], dtype=float),
+            inputs=prefix(list(entering)),
+            regrowth=np.maximum(np.asarray([la.activation_bytes for la in layers], dtype=float) - entering, 0.0),
         )
 
     @property
@@ -94,6 +102,7 @@ class LayerArrays:
             bounds=self.bounds[b],
             entering=self.entering[b[:-1]],
             internals=np.maximum.reduceat(self.internals, b[:-1]),
+            regrowth=np.maximum.reduceat(self.regrowth, b[:-1]),
         )
 
     def reversed(self) -> LayerArrays:
@@ -105,6 +114,7 @@ class LayerArrays:
             bounds=self.bounds[-1] - self.bounds[::-1],
             entering=self.entering[::-1].copy(),
             internals=self.internals[::-1].copy(),
+            regrowth=self.regrowth[::-1].copy(),
             reversed_order=not self.reversed_order,
         )
 
@@ -120,6 +130,7 @@ class LayerArrays:
         "selective",
         "selective_recompute",
         "full_recompute",
+        "inputs",
     )
 
     def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:

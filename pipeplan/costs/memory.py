@@ -84,8 +84,9 @@ def stage_memory_bytes(
     if mode == "none":
         return params + total_r * (saved - freed) + before_r * freed
     after_i = saved - freed if config.splits_backward else 0.0
-    kept = stage_kept_bytes(arrays, mode, first, last)
-    rise = stage_recompute_bytes(arrays, mode, first, last)
+    per_layer = config.layer_recompute
+    kept = stage_kept_bytes(arrays, mode, first, last, per_layer=per_layer)
+    rise = stage_recompute_bytes(arrays, mode, first, last, per_layer=per_layer)
     return params + total_r * after_i + before_r * np.maximum(kept - after_i, 0.0) + rise
 
 

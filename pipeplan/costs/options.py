@@ -25,5 +25,9 @@ class CostOptions(Protocol):
     def recompute_modes(self) -> tuple[str, ...]:  # the recomputation modes a stage may take, cheapest first
         ...
 
+    @property
+    def layer_recompute(self) -> bool:  # full recomputation layer by layer (the engines), not whole stages
+        ...
+
     def static_bytes_per_param(self, group_size):  # weights + gradients + optimizer state per parameter
         ...

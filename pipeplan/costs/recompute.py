@@ -13,6 +13,12 @@ After I a stage holds A - f (kept until W) in every mode (`stage_freed_bytes`: t
 or only the attention internals selective recomputation dropped). `schedules.simulate.MemoryCosts` (kept_bytes,
 recompute_bytes) carries K and R into the simulator's memory model; the partitioner's screen bounds the same.
 
+Full recomputation layer by layer (`per_layer`: what Megatron-LM's `--recompute-granularity full --recompute-method
+uniform --recompute-num-layers 1` and torchtitan's full activation checkpointing do, the engines that run analytic
+plans pipeplan's runtime cannot — tensor or context parallel, Megatron's mixed precision) keeps every layer's
+input (K = the sum of its layers' entering bytes) and re-creates one layer at a time (R = the largest layer's
+activations less its input); pipeplan's runtime re-runs a whole stage at once (the table above).
+
 Full recomputation keeps the stage's inputs: the bytes crossing the cut before it, which is exact for sequential
 models (a GPT, llama) and a bound where a skip connection passes through the stage to a later one. R = A - K takes
 the inputs to be among the saved tensors (the stage's first op saves its input: a norm, linear or embedding).
@@ -30,8 +36,12 @@ from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 RECOMPUTE_CHOICES = ("none", "auto")  # the partitioner's option: no recomputation, or the cheapest mode that fits
 
 
-def stage_kept_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+def stage_kept_bytes(
+    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int, *, per_layer: bool = False
+) -> np.ndarray:
     """K: bytes one microbatch of stage [first..last] holds from its F to its I (or B), vectorized over `first`."""
+    if mode == "full" and per_layer:
+        return arrays.span("inputs", first, last)
     if mode == "full":
         return np.broadcast_to(arrays.stage_start(first, last), np.shape(first)).astype(np.float64)
     return arrays.span("selective" if mode == "selective" else "activation", first, last)
@@ -49,8 +59,12 @@ def stage_freed_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, l
     return np.maximum(base, dropped)
 
 
-def stage_recompute_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+def stage_recompute_bytes(
+    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int, *, per_layer: bool = False
+) -> np.ndarray:
     """R: bytes recomputation re-creates on top of K while the stage's I (or B) runs."""
+    if mode == "full" and per_layer:
+        return arrays.span_max("regrowth", first, last)
     if mode == "full":
         return np.maximum(arrays.span("activation", first, last) - stage_kept_bytes(arrays, mode, first, last), 0.0)
     if mode == "selective":

@@ -5,6 +5,9 @@
 - `parameter_balanced_partition`: DeepSpeed's default `partition_method="parameters"`: contiguous stages whose
   largest parameter count is as small as possible (the min-max split of the parameter counts, solved exactly by the
   same DP on parameter counts instead of times).
+- `even_blocks_partition`: Megatron-LM's split of a transformer stack: the blocks in equal runs (the first
+  `blocks mod S` stages one more), the embedding with the first stage and the LM head with the last (what
+  `--pipeline-model-parallel-size` with `--num-layers-per-virtual-pipeline-stage` does).
 
 Both use P = config.num_stages, or min(layers, devices x chunks), and ignore memory limits (their memory is
 reported in the Partition, not enforced).
@@ -56,6 +59,22 @@ def uniform_partition(profile: Profile, cluster: Cluster, config: PartitionConfi
     starts = np.concatenate([[0], np.cumsum(sizes)])
     stages = [(int(starts[s]), int(starts[s + 1]) - 1, 1) for s in range(p)]
     return _score(arrays, cluster, config, stages)
+
+
+def cut_partition(profile: Profile, cluster: Cluster, config: PartitionConfig, lasts: list[int]) -> Partition:
+    """The straight partition whose stage s ends at layer `lasts[s]` (its last layer, inclusive), scored."""
+    arrays = LayerArrays.from_profile(profile)
+    firsts = [0, *[last + 1 for last in lasts[:-1]]]
+    return _score(arrays, cluster, config, [(a, b, 1) for a, b in zip(firsts, lasts, strict=True)])
+
+
+def even_blocks_partition(profile: Profile, cluster: Cluster, config: PartitionConfig, num_stages: int) -> Partition:
+    """Megatron's split of an embedding, blocks and a head into `num_stages` stages (module docstring)."""
+    blocks = profile.num_layers - 2
+    sizes = [blocks // num_stages + (1 if s < blocks % num_stages else 0) for s in range(num_stages)]
+    lasts = [int(v) for v in np.cumsum(sizes)]  # block s ends at layer lasts[s] (layer 0 is the embedding)
+    lasts[-1] = profile.num_layers - 1  # the head joins the last stage
+    return cut_partition(profile, cluster, config, lasts)
 
 
 def parameter_balanced_partition(profile: Profile, cluster: Cluster, config: PartitionConfig) -> Partition:

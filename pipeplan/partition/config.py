@@ -49,6 +49,7 @@ class PartitionConfig:
     recompute: str = "none"
     zero: int = 0
     data_parallel: int = 1
+    layer_recompute: bool = False  # full recomputation layer by layer, as the engines run analytic plans
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:

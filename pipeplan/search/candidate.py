@@ -39,6 +39,7 @@ from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout, transfer_costs
+from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
@@ -68,6 +69,14 @@ class Layout:
     mode: str = STRAIGHT
     tensor_parallel: int = 1  # devices per tensor-parallel group
     context_parallel: int = 1  # tensor-parallel groups per context-parallel group; a search device is t x cp
+    chunks: int | None = None  # stages per device of a looped schedule (interleaved's v); None: the schedule's
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages (chunks) per pipeline device: one when replicated, else `chunks` or the schedule's default."""
+        if self.mode == REPLICATED:
+            return 1
+        return self.chunks or default_chunks(self.schedule)
 
     @property
     def label(self) -> str:
@@ -76,6 +85,7 @@ class Layout:
         suffix = " replicated" if self.mode == REPLICATED else ""
         tensor = f" t={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         tensor += f" cp={self.context_parallel}" if self.context_parallel > 1 else ""
+        tensor += f" v={self.chunks}" if self.chunks and self.chunks != default_chunks(self.schedule) else ""
         return (
             f"{self.schedule} {self.pipeline_devices}x{self.data_parallel} m={self.num_microbatches} "
             f"b={self.microbatch_size}{tensor}{suffix}"
@@ -158,15 +168,24 @@ def recompute_label(part: Partition) -> str:
     return ",".join(s.recompute for s in part.stages)
 
 
+def engine_recompute(layout: Layout, precision: str) -> bool:
+    """Whether full recomputation runs layer by layer (`costs.recompute`): in the engines that run what pipeplan's
+    runtime cannot (tensor or context parallel layouts, Megatron's mixed precision and FP8)."""
+    analytic = bool(precision) and not get_precision(precision).runnable
+    return analytic or layout.tensor_parallel * layout.context_parallel > 1
+
+
 def partition_config(
     layout: Layout, optimizer: str | float, precision: str, *, zero: int = 0, recompute: str = "none"
 ) -> PartitionConfig:
     """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
     return PartitionConfig(
+        layer_recompute=engine_recompute(layout, precision),
         num_microbatches=layout.num_microbatches,
         schedule=layout.schedule,
         mode=layout.mode,
-        num_stages=None if layout.mode == REPLICATED else layout.pipeline_devices * default_chunks(layout.schedule),
+        chunks=layout.num_chunks,
+        num_stages=None if layout.mode == REPLICATED else layout.pipeline_devices * layout.num_chunks,
         optimizer=optimizer,
         precision=precision,
         zero=zero,
@@ -245,7 +264,7 @@ def evaluate_partition(
     less its reserve), and end the step with each device's gradient exchange (over its stages' replicas, pipelines
     and context-parallel ranks) and optimizer update (`costs.overlap.step_end_ms`)."""
     per_param = stage_bytes_per_param(part, layout.data_parallel, optimizer, precision, zero)
-    made = _schedule_layout(layout, part, profile, cluster, per_param)
+    made = _schedule_layout(layout, part, profile, cluster, per_param, precision)
     if isinstance(made, Rejection):
         return made
     schedule, pipe = made
@@ -254,7 +273,8 @@ def evaluate_partition(
         config = partition_config(layout, optimizer, precision, zero=zero, recompute=recompute)
         part = settle_recompute(part, profile, pipe, static, cluster.memory_per_device, config)
     costs = _stage_costs(part, profile, cluster, pipe=pipe)
-    memory = replace(memory_costs(part, profile), static_bytes=static)
+    per_layer = engine_recompute(layout, precision)
+    memory = replace(memory_costs(part, profile, per_layer=per_layer), static_bytes=static)
     counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
     memory = with_weight_versions(memory, layout.schedule, counts, precision)
     timed = transfer_costs(costs, pipe, overlap)
@@ -285,7 +305,7 @@ def evaluate_partition(
 
 
 def _schedule_layout(
-    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param, precision: str
 ) -> tuple[Schedule, PipelineLayout] | Rejection:
     """The schedule for `part` (zb-auto generated under the activation bytes left after static memory) and the
     op lists of one pipeline, or why there are none."""
@@ -298,7 +318,7 @@ def _schedule_layout(
             num_microbatches=layout.num_microbatches,
             chunks=part.chunks,
             costs=_stage_costs(part, profile, cluster, pipe=None),
-            memory=memory_costs(part, profile) if auto else None,
+            memory=memory_costs(part, profile, per_layer=engine_recompute(layout, precision)) if auto else None,
             memory_limit=activation_budget(part, cluster, per_param) if auto else None,
             steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
         )

@@ -52,6 +52,7 @@ class SearchConfig:
     tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (search.sharding)
     context_parallel: int = 1  # cp > 1: the groups are t x cp devices splitting the sequence too (search.sharding)
     overlap: Overlap = Overlap()  # communication overlap (costs.overlap; Megatron-Core's defaults: none)
+    interleave: tuple[int, ...] = (2,)  # chunks per device the looped schedule (interleaved) is tried with
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -72,6 +73,8 @@ class SearchConfig:
         object.__setattr__(self, "precision", precision)
         if self.memory_reserve_bytes < 0:
             raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
+        if not self.interleave or min(self.interleave) < 1:
+            raise ConfigError(f"--interleave values must be >= 1, got {list(self.interleave)}")
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
             raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
         if self.zero == 1:

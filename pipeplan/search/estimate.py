@@ -24,7 +24,7 @@ from pipeplan.costs import allreduce_ms, busiest_device_ms, stages_per_device, t
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import default_chunks, generate, schedule_info
+from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts, simulate
 from pipeplan.search.candidate import REPLICATED, Layout, stage_work_ms
 from pipeplan.search.config import SearchConfig
@@ -32,9 +32,9 @@ from pipeplan.search.gradient_sync import SyncGroup, allreduce_step_ms, stage_al
 
 
 @functools.lru_cache(maxsize=512)
-def _schedule(name: str, num_devices: int, num_microbatches: int) -> Schedule:
+def _schedule(name: str, num_devices: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
     """A fixed-order schedule (every generator but zb-auto ignores costs), cached across microbatch sizes."""
-    return generate(name, num_devices=num_devices, num_microbatches=num_microbatches)
+    return generate(name, num_devices=num_devices, num_microbatches=num_microbatches, chunks=chunks)
 
 
 def probe_microbatches(num_devices: int, num_microbatches: int) -> int:
@@ -48,7 +48,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, 
     """Step time of `layout` with perfectly balanced stages (see the module docstring). Raises ScheduleError
     when the schedule does not support the layout's shape."""
     p, m = layout.pipeline_devices, layout.num_microbatches
-    chunks = 1 if layout.mode == REPLICATED else default_chunks(layout.schedule)
+    chunks = layout.num_chunks
     stages = p * chunks
     forward = sum(layer.forward_ms for layer in profile.layers) / stages
     input_grad = sum(layer.input_grad_ms for layer in profile.layers) / stages
@@ -63,7 +63,8 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, 
     # practice: estimate it with zb-h1 and skip its (slow) list scheduling here
     probe = "zb-h1" if layout.schedule == "zb-auto" else layout.schedule
     m0 = probe_microbatches(p, m)
-    schedule = _schedule(probe, p, m0)
+    looped = layout.chunks if layout.mode != REPLICATED else None
+    schedule = _schedule(probe, p, m0, looped)
     busiest = per_device_bound_ms(layout, profile, backward_kinds(schedule))
     if layout.mode == REPLICATED or schedule_info(layout.schedule).asynchronous:
         # the partitioner may replicate stages down to fewer than P stages (even one: plain data parallelism, no
@@ -72,7 +73,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, 
     else:
         makespan = simulate(schedule, costs).makespan
         if m > m0:  # steady state: P more microbatches cost the same whatever m is, once m >= 2P
-            makespan += (m - m0) / p * (simulate(_schedule(probe, p, m0 + p), costs).makespan - makespan)
+            makespan += (m - m0) / p * (simulate(_schedule(probe, p, m0 + p, looped), costs).makespan - makespan)
         pipeline = max(makespan, m * busiest)
     return pipeline + (0.0 if grad_overlap else allreduce_lower_bound_ms(layout, profile, cluster))
 
@@ -90,7 +91,7 @@ def per_device_bound_ms(layout: Layout, profile: Profile, kinds: frozenset[str])
     even = sum(work) / layout.pipeline_devices
     if layout.mode == REPLICATED:
         return even
-    stages = layout.pipeline_devices * default_chunks(layout.schedule)
+    stages = layout.pipeline_devices * layout.num_chunks
     return max(even, min_largest_stage(work, stages))
 
 

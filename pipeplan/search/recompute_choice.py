@@ -39,14 +39,22 @@ from pipeplan.units import format_bytes
 
 
 def with_recompute_bytes(
-    memory: MemoryCosts, arrays: LayerArrays, ranges: Sequence[tuple[int, int]], modes: Sequence[str]
+    memory: MemoryCosts,
+    arrays: LayerArrays,
+    ranges: Sequence[tuple[int, int]],
+    modes: Sequence[str],
+    *,
+    per_layer: bool = False,
 ) -> MemoryCosts:
-    """`memory` with each stage's kept, re-created and I-freed bytes under its mode (`costs.recompute`)."""
+    """`memory` with each stage's kept, re-created and I-freed bytes under its mode (`costs.recompute`; `per_layer`:
+    full recomputation layer by layer)."""
     pairs = list(zip(ranges, modes, strict=True))
     return replace(
         memory,
-        kept_bytes=tuple(float(stage_kept_bytes(arrays, m, a, b)) for (a, b), m in pairs),
-        recompute_bytes=tuple(float(stage_recompute_bytes(arrays, m, a, b)) for (a, b), m in pairs),
+        kept_bytes=tuple(float(stage_kept_bytes(arrays, m, a, b, per_layer=per_layer)) for (a, b), m in pairs),
+        recompute_bytes=tuple(
+            float(stage_recompute_bytes(arrays, m, a, b, per_layer=per_layer)) for (a, b), m in pairs
+        ),
         input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, m, a, b)) for (a, b), m in pairs),
     )
 
@@ -54,8 +62,10 @@ def with_recompute_bytes(
 class _Peaks:
     """Exact activation peaks of one pipeline's devices for a choice of modes (static bytes added)."""
 
-    def __init__(self, part: Partition, arrays: LayerArrays, device_ops, static: Sequence[float]) -> None:
-        self.arrays, self.ranges, self.static = arrays, part.stage_ranges, static
+    def __init__(
+        self, part: Partition, arrays: LayerArrays, device_ops, static: Sequence[float], per_layer: bool
+    ) -> None:
+        self.arrays, self.ranges, self.static, self.per_layer = arrays, part.stage_ranges, static, per_layer
         self.ops = device_ops  # Ops, per device
         self.base = MemoryCosts(
             activation_bytes=tuple(float(arrays.span("activation", a, b)) for a, b in self.ranges),
@@ -63,7 +73,7 @@ class _Peaks:
         )
 
     def of(self, modes: Sequence[str], devices: Sequence[int]) -> list[float]:
-        memory = with_recompute_bytes(self.base, self.arrays, self.ranges, modes)
+        memory = with_recompute_bytes(self.base, self.arrays, self.ranges, modes, per_layer=self.per_layer)
         delta, rise = activation_deltas(memory, len(modes)), activation_rises(memory, len(modes))
         return [self.static[d] + device_activation_peak(self.ops[d], delta, rise) for d in devices]
 
@@ -77,7 +87,7 @@ def settle_recompute(
     if all(m == "none" for m in modes):
         return part
     arrays = LayerArrays.from_profile(profile)
-    peaks = _Peaks(part, arrays, pipe.op_lists(), static)
+    peaks = _Peaks(part, arrays, pipe.op_lists(), static, config.layer_recompute)
     ms = [_mode_ms(arrays, config, a, b) for a, b in part.stage_ranges]
     for stage in sorted(range(part.num_stages), key=lambda s: -ms[s][modes[s]]):
         cheaper = sorted((t, m) for m, t in ms[stage].items() if t < ms[stage][modes[stage]])

@@ -42,7 +42,8 @@ from pipeplan.costs import (
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import SCHEDULE_NAMES, default_chunks, schedule_info
+from pipeplan.schedules.placement import LOOPED
+from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.search.candidate import (
     REPLICATED,
     STRAIGHT,
@@ -127,21 +128,25 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
             p = n // d
             m = config.global_batch_size // (d * b)
             for name in schedules:
-                modes = [STRAIGHT]
-                if config.replication and schedule_info(name).replicable and p > 1:
-                    modes.append(REPLICATED)
-                for mode in modes:
-                    layout = Layout(
-                        schedule=name,
-                        microbatch_size=b,
-                        data_parallel=d,
-                        pipeline_devices=p,
-                        num_microbatches=m,
-                        mode=mode,
-                        tensor_parallel=config.tensor_parallel,
-                        context_parallel=config.context_parallel,
-                    )
+                shape = dict(schedule=name, microbatch_size=b, data_parallel=d, pipeline_devices=p, num_microbatches=m)
+                for layout in _variants(Layout(**shape, **_split_of(config)), config, p):
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
+    return found
+
+
+def _split_of(config: SearchConfig) -> dict:
+    return dict(tensor_parallel=config.tensor_parallel, context_parallel=config.context_parallel)
+
+
+def _variants(layout: Layout, config: SearchConfig, p: int) -> list[Layout]:
+    """`layout` straight, with each interleave factor of `config.interleave` for looped schedules, and replicated
+    where the schedule allows it."""
+    info = schedule_info(layout.schedule)
+    found = [layout]
+    if info.placement == LOOPED:
+        found = [replace(layout, chunks=v) for v in config.interleave]
+    if config.replication and info.replicable and p > 1:
+        found.append(replace(layout, mode=REPLICATED))
     return found
 
 
@@ -153,7 +158,7 @@ def _static_rejection(layout: Layout, num_layers: int, per_node: int, schedules:
         return Rejection(
             layout=layout, kind="topology", reason=f"{p} devices per pipeline do not tile nodes of {per_node}"
         )
-    stages = p * (1 if layout.mode == REPLICATED else default_chunks(layout.schedule))
+    stages = p * layout.num_chunks
     if layout.mode == STRAIGHT and stages > num_layers:
         return Rejection(
             layout=layout, kind="topology", reason=f"needs {stages} stages but the model has {num_layers} layers"

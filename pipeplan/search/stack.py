@@ -4,7 +4,7 @@
   FLOPs), a uniform run of blocks (the hidden state in and out, the same parameters and FLOPs), an LM head.
 - Tensor parallelism t splits heads and the hidden size, so t must divide them (read from the model's options),
   the sequence (sequence parallelism splits it) and the node: tensor-parallel ranks stay in one node, as Megatron
-  places them (NVLink).
+  places them (NVLink), unless the user asks for a size that fills whole nodes.
 - Context parallelism cp splits the sequence into 2·cp load-balanced chunks, so 2·cp must divide the sequence
   length, which must be known (a sequence model); its ranks sit next to the tensor-parallel ones: a t·cp group
   fills whole nodes when larger than one.
@@ -84,13 +84,16 @@ def _int_option(value) -> int | None:
         return None
 
 
-def tensor_parallel_problem(profile: Profile, t: int, *, devices_per_node: int, num_devices: int) -> str | None:
-    """Why `t` cannot split this model on this cluster (one clause), or None when it can."""
+def tensor_parallel_problem(
+    profile: Profile, t: int, *, devices_per_node: int, num_devices: int, spanning: bool = False
+) -> str | None:
+    """Why `t` cannot split this model on this cluster (one clause), or None when it can; `spanning` (a size the user
+    gave) lets a group fill several whole nodes (its collectives then cross the network)."""
     if t < 1:
         return f"tensor parallel size must be >= 1, got {t}"
     if t == 1:
         return None
-    if devices_per_node % t:
+    if devices_per_node % t and not (spanning and t % devices_per_node == 0):
         return f"t={t} must divide the {devices_per_node} devices per node (tensor parallelism stays in a node)"
     if num_devices % t:
         return f"t={t} must divide the {num_devices} devices"
@@ -128,7 +131,9 @@ def context_parallel_problem(profile: Profile, t: int, cp: int, *, devices_per_n
 
 def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num_devices: int) -> None:
     """ConfigError naming the option when (t, cp) cannot be used (sizes, or a profile that is not a stack)."""
-    problem = tensor_parallel_problem(profile, t, devices_per_node=devices_per_node, num_devices=num_devices)
+    problem = tensor_parallel_problem(
+        profile, t, devices_per_node=devices_per_node, num_devices=num_devices, spanning=True
+    )
     if problem is not None:
         raise ConfigError(f"--tensor-parallel {t}: {problem}")
     problem = context_parallel_problem(profile, t, cp, devices_per_node=devices_per_node, num_devices=num_devices)

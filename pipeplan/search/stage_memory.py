@@ -23,7 +23,7 @@ def stage_bytes_per_param(
     )
 
 
-def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
+def memory_costs(part: Partition, profile: Profile, *, per_layer: bool = False) -> MemoryCosts:
     """Per stage: one microbatch's saved activation bytes and the part of them I frees (none on the model's first
     stage, `costs.stage_freed_bytes`), and under recomputation what each stage keeps until its backward and
     re-creates while it runs (`costs.recompute`; static bytes per device are added once the layout is known,
@@ -36,7 +36,7 @@ def memory_costs(part: Partition, profile: Profile) -> MemoryCosts:
     )
     if all(s.recompute == "none" for s in part.stages):
         return memory
-    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages])
+    return with_recompute_bytes(memory, arrays, ranges, [s.recompute for s in part.stages], per_layer=per_layer)
 
 
 def activation_budget(part: Partition, cluster: Cluster, per_param) -> float:

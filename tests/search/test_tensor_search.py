@@ -16,7 +16,7 @@ from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import search_plans
-from pipeplan.search.sharding import Links, devices_cluster, split_cluster, split_profile
+from pipeplan.search.sharding import Links, devices_cluster, group_links, split_cluster, split_profile
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
@@ -75,8 +75,17 @@ def test_a_tensor_parallel_plan_records_t_and_run_refuses_it():
 
 
 def test_t_that_the_cluster_cannot_take_is_refused_by_the_search():
-    with pytest.raises(ConfigError, match="--tensor-parallel 4: t=4 must divide the 2 devices per node"):
-        search_plans(stack_profile(), make_cluster(4, devices_per_node=2), _config(tensor_parallel=4))
+    with pytest.raises(ConfigError, match="--tensor-parallel 4: t=4 must divide the 3 devices per node"):
+        search_plans(stack_profile(), make_cluster(12, devices_per_node=3), _config(tensor_parallel=4))
+
+
+def test_a_given_t_may_fill_whole_nodes_and_then_talks_over_the_network():
+    """Asked for, tensor parallelism spans whole nodes; auto keeps it inside one."""
+    profile, cluster = stack_profile(), make_cluster(4, devices_per_node=2)
+    result = search_plans(profile, cluster, _config(tensor_parallel=4))
+    assert result.cluster.num_devices == 1
+    assert group_links(cluster, 4, 1).tensor == cluster.inter_link != cluster.intra_link
+    assert 4 not in [item.tensor_parallel for item in tensor_parallel_sizes("auto", profile, cluster)]
 
 
 def test_tensor_parallelism_fits_where_the_pipeline_alone_does_not():

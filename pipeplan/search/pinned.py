@@ -1,0 +1,159 @@
+"""A pinned layout: `--layout "tp=8,cp=2,pp=9,vp=7,dp=4,mbs=1,recompute=none"` predicted exactly as given — the
+step, each stage's memory, what binds — beside the planner's own choice.
+
+Keys (`parse_layout`): tp, cp, pp, vp (chunks per pipeline device: vp > 1 runs the interleaved schedule, 1 runs
+1f1b unless `schedule=` names another), dp, mbs (microbatch size), recompute (none | selective | full, or one mode
+per stage joined by `/`), zero (0, or 1: the distributed optimizer), schedule, split (even: Megatron's equal runs
+of blocks, the embedding with the first stage and the head with the last; balanced: pipeplan's partitioner on the
+same costs). tp x cp x pp x dp must be the device count; the global batch must be mbs x microbatches x dp. Tensor
+parallelism may span nodes here (when tp is larger than a node): its collectives then run on the inter-node link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pipeplan.cluster import Cluster
+from pipeplan.costs import LayerArrays
+from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
+from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
+from pipeplan.partition.baselines import even_blocks_partition
+from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import schedule_info
+from pipeplan.search.candidate import Evaluation, Layout, Rejection, evaluate, evaluate_partition, partition_config
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.recompute_choice import with_modes
+from pipeplan.search.scaling import scale_profile
+from pipeplan.search.search import usable_cluster
+from pipeplan.search.sharding import split_inputs
+
+KEYS = ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule", "split")
+SPLITS = ("even", "balanced")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PinnedLayout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = 1
+    mbs: int = 1
+    recompute: tuple[str, ...] = ("none",)  # one mode for every stage, or one per stage
+    zero: int = 0
+    schedule: str | None = None
+    split: str = "even"
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or ("interleaved" if self.vp > 1 else "1f1b")
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def label(self) -> str:
+        modes = "/".join(self.recompute)
+        return (
+            f"tp={self.tp},cp={self.cp},pp={self.pp},vp={self.vp},dp={self.dp},mbs={self.mbs},recompute={modes},"
+            f"zero={self.zero}"
+        )
+
+
+def parse_layout(text: str) -> PinnedLayout:
+    """`key=value` pairs joined by commas (module docstring); one ConfigError line naming the bad part."""
+    values: dict[str, object] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep or key not in KEYS:
+            raise ConfigError(f"--layout part {part!r} must be key=value with key one of {', '.join(KEYS)}")
+        if key == "recompute":
+            modes = tuple(m.strip() for m in value.split("/"))
+            bad = [m for m in modes if m not in RECOMPUTE_MODES]
+            if bad:
+                raise ConfigError(f"--layout recompute={bad[0]!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+            values[key] = modes
+        elif key in ("schedule", "split"):
+            values[key] = value
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--layout {key}={value!r} must be a whole number") from None
+            if values[key] < (0 if key == "zero" else 1):
+                raise ConfigError(f"--layout {key} must be >= {0 if key == 'zero' else 1}, got {value}")
+    layout = PinnedLayout(**values)
+    _check(layout)
+    return layout
+
+
+def _check(layout: PinnedLayout) -> None:
+    if layout.split not in SPLITS:
+        raise ConfigError(f"--layout split={layout.split!r} is not one of {', '.join(SPLITS)}")
+    if layout.zero not in (0, 1):
+        raise ConfigError(f"--layout zero={layout.zero} is not supported: 0, or 1 (the distributed optimizer)")
+    info = schedule_info(layout.schedule_name)
+    if layout.vp > 1 and info.placement != "looped":
+        raise ConfigError(f"--layout vp={layout.vp} needs a looped schedule (interleaved), not {info.name}")
+    stages = layout.pp * layout.vp
+    if len(layout.recompute) not in (1, stages):
+        raise ConfigError(f"--layout recompute names {len(layout.recompute)} stages; give one mode or {stages}")
+
+
+def pinned_layout(layout: PinnedLayout, config: SearchConfig, cluster: Cluster) -> Layout:
+    """The search's Layout for `layout` on `cluster` (the devices, before grouping), checked against the batch."""
+    if layout.devices != cluster.num_devices:
+        raise ConfigError(
+            f"--layout tp x cp x pp x dp = {layout.devices} devices, but --devices is {cluster.num_devices}"
+        )
+    per_step = layout.mbs * layout.dp
+    if config.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global-batch-size {config.global_batch_size} is not a multiple of mbs x dp = {per_step} (--layout)"
+        )
+    return Layout(
+        schedule=layout.schedule_name,
+        microbatch_size=layout.mbs,
+        data_parallel=layout.dp,
+        pipeline_devices=layout.pp,
+        num_microbatches=config.global_batch_size // per_step,
+        tensor_parallel=layout.tp,
+        context_parallel=layout.cp,
+        chunks=layout.vp if layout.vp > 1 else None,
+    )
+
+
+def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout):
+    """(the Evaluation of `pinned`, or the Rejection saying why it does not run or fit; the usable cluster of
+    groups it was evaluated on)."""
+    layout = pinned_layout(pinned, config, cluster)
+    scaled = scale_profile(profile, pinned.mbs)
+    sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor)
+    usable = usable_cluster(groups, config)
+    options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
+    stages = pinned.pp * pinned.vp
+    try:
+        if pinned.split == "balanced":
+            recompute = "auto" if pinned.recompute != ("none",) else "none"
+            found = evaluate(
+                layout, sharded, usable, global_batch_size=config.global_batch_size, recompute=recompute, **options
+            )
+            return found, usable
+        if stages > sharded.num_layers - 2:
+            raise ConfigError(f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks")
+        part_config = partition_config(layout, **options)
+        part = even_blocks_partition(sharded, groups, part_config, stages)
+        modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
+        part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
+        result = evaluate_partition(
+            layout, part, sharded, usable, global_batch_size=config.global_batch_size, overlap=config.overlap, **options
+        )
+    except (InfeasibleError, ScheduleError) as exc:
+        return Rejection(layout=layout, kind="schedule", reason=str(exc)), usable
+    return result, usable
+
+
+def is_fit(result: Evaluation | Rejection) -> bool:
+    return isinstance(result, Evaluation)

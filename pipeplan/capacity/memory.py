@@ -188,7 +188,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
     for layout in enumerate_layouts(profile.num_layers, cluster, config, schedules):
         if isinstance(layout, Rejection):
             continue
-        per_param = config.least_per_param(layout.data_parallel)
+        per_param = config.least_per_param(layout.holders)
         need = spread_static_bytes(params, per_param, layout.pipeline_devices) + reserve
         if need <= cluster.memory_per_device:
             try:

@@ -27,8 +27,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -72,11 +71,7 @@ class Attention(nn.Module):
         k = self.k(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
         q, k = self._rotary(q, seq), self._rotary(k, seq)
-        if self.kv_heads != self.heads:
-            groups = self.heads // self.kv_heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o(y.transpose(1, 2).flatten(-2))
 
 

@@ -51,7 +51,10 @@ def plan_memory(plan: Plan) -> MemoryCosts:
         per_param = [
             float(
                 bytes_per_param(
-                    training.optimizer, training.precision, zero=1, group_size=s.replicas * training.data_parallel
+                    training.optimizer,
+                    training.precision,
+                    zero=1,
+                    group_size=s.replicas * training.data_parallel * training.context_parallel,
                 )
             )
             for s in plan.stages

@@ -1,4 +1,4 @@
-"""Make a meta-device run save and compute what a CUDA run would, for the two ops where they differ.
+"""Make a meta-device run save and compute what a CUDA run would, for the ops where they differ.
 
 On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 
@@ -11,6 +11,11 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
   and the float32 logsumexp, no s² tensors. With `flash_attention=False` it is the Megatron-style math path: the
   scores matmul, softmax (saves its output, 2·a·s²·b bytes), dropout (1-byte mask, a·s²·b) and the matmul with
   v (saves the dropped probabilities, 2·a·s²·b) -- the 5·a·s²·b term of Korthikanti et al. (2022).
+  Grouped-query attention (`enable_gqa`) runs natively in FlashAttention: only the key/value heads are saved.
+- `F.rms_norm` decomposes into elementwise ops that save their intermediates; CUDA engines run a fused kernel
+  (Apex, Transformer Engine) that saves the input and the fp32 reciprocal RMS: `_FusedRMSNorm` does that.
+- `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
+  and recompute silu in the backward: `_FusedSwiGLU`.
 """
 
 from __future__ import annotations
@@ -34,13 +39,22 @@ def gpu_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return aten.native_dropout(x, p, True)[0]
 
 
+def _expand_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads (grouped-query attention); unchanged when they match."""
+    groups = heads // tensor.shape[-3]
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
+
+
 class _FlashAttention(torch.autograd.Function):
-    """FlashAttention-2 forward/backward via the aten flash ops (meta kernels exist for both)."""
+    """FlashAttention-2 forward/backward via the aten flash ops (meta kernels exist for both). Grouped-query
+    attention runs natively as FlashAttention-2 does it: the kernel reads each key/value head for its group of
+    query heads, so only the key/value heads are saved (the expansion here only feeds the aten op its shapes)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool, scale):
+        heads = q.shape[-3]
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=scale
+            q, _expand_heads(k, heads), _expand_heads(v, heads), dropout_p, is_causal, False, scale=scale
         )
         # the CUDA kernel writes (b, s, heads, d) and returns it transposed to (b, heads, s, d)
         batch, heads, seq, head_dim = out.shape
@@ -53,10 +67,54 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, seed, offset = ctx.saved_tensors
         cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale = ctx.flash_args
+        heads, kv_heads = q.shape[-3], k.shape[-3]
         grad_q, grad_k, grad_v = aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale
+            grad_out,
+            q,
+            _expand_heads(k, heads),
+            _expand_heads(v, heads),
+            out,
+            lse,
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            seed,
+            offset,
+            scale=scale,
         )
+        if kv_heads != heads:  # each key/value head's gradient sums over its group of query heads
+            grad_k, grad_v = (g.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3) for g in (grad_k, grad_v))
         return grad_q, grad_k, grad_v, None, None, None
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as the fused kernels of production engines run it (Apex / Transformer Engine): saves the input and
+    the fp32 reciprocal root mean square only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int, eps: float):
+        reduce = tuple(range(-dims, 0))
+        rstd = torch.rsqrt(x.float().pow(2).mean(reduce, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.dims = reduce
+        normed = (x.float() * rstd).to(x.dtype)
+        return normed * weight if weight is not None else normed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_normed = (grad * weight).float() if weight is not None else grad.float()
+        mean = (grad_normed * normed).mean(ctx.dims, keepdim=True)
+        grad_x = ((grad_normed - normed * mean) * rstd).to(x.dtype)
+        if weight is None:
+            return grad_x, None, None, None
+        sum_dims = tuple(range(grad.dim() - weight.dim()))
+        grad_w = (grad.float() * normed).sum(sum_dims).to(weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 def math_attention(
@@ -90,6 +148,26 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
+_MULTIPLY = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up as fused SwiGLU kernels run it (Megatron's bias_swiglu, Transformer Engine): saves gate and
+    up and recomputes silu in the backward (no saved silu output)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        return grad * up * (sig + silu * (1 - sig)), grad * silu
+
+
 class GpuSemantics(TorchFunctionMode):
     """Torch-function mode that swaps dropout and attention for their CUDA equivalents (see module docstring)."""
 
@@ -97,6 +175,7 @@ class GpuSemantics(TorchFunctionMode):
         super().__init__()
         self.flash_attention = flash_attention
         self._warned = False
+        self._silu: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(silu output) -> (output, gate)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -108,14 +187,38 @@ class GpuSemantics(TorchFunctionMode):
             return gpu_dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(_sdpa_arguments(args, kwargs))
+        if func is F.rms_norm:
+            return self._rms_norm(args, kwargs)
+        if func is F.silu and not kwargs.get("inplace", False) and len(args) == 1:
+            out = func(*args, **kwargs)
+            self._silu[id(out)] = (out, args[0])
+            return out
+        if func in _MULTIPLY and len(args) == 2 and not kwargs:
+            fused = self._swiglu(*args)
+            if fused is not None:
+                return fused
         return func(*args, **kwargs)
+
+    def _swiglu(self, a, b) -> torch.Tensor | None:
+        """silu(gate) * up (either order) as one fused kernel (`_FusedSwiGLU`)."""
+        for first, other in ((a, b), (b, a)):
+            found = self._silu.get(id(first)) if isinstance(first, torch.Tensor) else None
+            if found is not None and found[0] is first and isinstance(other, torch.Tensor):
+                return _FusedSwiGLU.apply(found[1], other)
+        return None
+
+    def _rms_norm(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        names = ("input", "normalized_shape", "weight", "eps")
+        bound = {**dict(weight=None, eps=None), **dict(zip(names, args, strict=False)), **kwargs}
+        x = bound["input"]
+        eps = bound["eps"] if bound["eps"] is not None else torch.finfo(x.dtype).eps
+        return _FusedRMSNorm.apply(x, bound["weight"], len(tuple(bound["normalized_shape"])), eps)
 
     def _attention(self, bound: dict[str, Any]) -> torch.Tensor:
         q, k, v = bound["query"], bound["key"], bound["value"]
-        if bound["enable_gqa"] and k.shape[-3] != q.shape[-3]:
-            groups = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
         use_flash = self.flash_attention and bound["attn_mask"] is None and q.dim() == 4
+        if bound["enable_gqa"] and not use_flash:
+            k, v = _expand_heads(k, q.shape[-3]), _expand_heads(v, q.shape[-3])
         if self.flash_attention and not use_flash and not self._warned:
             self._warned = True
             warn(

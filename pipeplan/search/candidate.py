@@ -72,6 +72,12 @@ class Layout:
     chunks: int | None = None  # stages per device of a looped schedule (interleaved's v); None: the schedule's
 
     @property
+    def holders(self) -> int:
+        """Ranks of a stage replica that hold the same parameters: one per pipeline and per context-parallel rank
+        (ZeRO-1 shards the optimizer state over them; the gradient exchange runs over them)."""
+        return self.data_parallel * self.context_parallel
+
+    @property
     def num_chunks(self) -> int:
         """Stages (chunks) per pipeline device: one when replicated, else `chunks` or the schedule's default."""
         if self.mode == REPLICATED:
@@ -189,7 +195,7 @@ def partition_config(
         optimizer=optimizer,
         precision=precision,
         zero=zero,
-        data_parallel=layout.data_parallel,
+        data_parallel=layout.holders,
         recompute=recompute,
     )
 
@@ -263,7 +269,7 @@ def evaluate_partition(
     `overlap.p2p`), check the simulated peak bytes against `cluster.memory_per_device` (the search passes memory
     less its reserve), and end the step with each device's gradient exchange (over its stages' replicas, pipelines
     and context-parallel ranks) and optimizer update (`costs.overlap.step_end_ms`)."""
-    per_param = stage_bytes_per_param(part, layout.data_parallel, optimizer, precision, zero)
+    per_param = stage_bytes_per_param(part, layout.holders, optimizer, precision, zero)
     made = _schedule_layout(layout, part, profile, cluster, per_param, precision)
     if isinstance(made, Rejection):
         return made

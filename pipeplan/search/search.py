@@ -263,7 +263,7 @@ def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
-    static = spread_static_bytes(params, config.least_per_param(layout.data_parallel), layout.pipeline_devices)
+    static = spread_static_bytes(params, config.least_per_param(layout.holders), layout.pipeline_devices)
     if static <= cluster.memory_per_device:
         return None
     return Rejection(

@@ -50,7 +50,7 @@ def zero_choices(layout: Layout, config: SearchConfig) -> tuple[int, ...]:
         return (int(config.zero),)
     if schedule_info(layout.schedule).asynchronous:
         return (0,)  # stashed weight versions need per-parameter tensors, not ZeRO-1's flat buffers
-    shared = layout.data_parallel > 1 or layout.mode == REPLICATED
+    shared = layout.holders > 1 or layout.mode == REPLICATED
     return (0, 1) if shared and isinstance(config.optimizer, str) else (0,)
 
 

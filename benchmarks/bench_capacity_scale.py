@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipeplan.capacity.inputs import CAPACITY_PRECISION, capacity_profile  # noqa: E402
+from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
+from pipeplan.capacity.options import CAPACITY_PRECISION  # noqa: E402
 from pipeplan.capacity.report import CapacityReport, CapacityRow  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job
 from pipeplan.capacity.options import CapacityOptions
+from pipeplan.capacity.pinned import PinnedReport
 from pipeplan.capacity.report import CapacityReport, CapacityRow
 from pipeplan.console import out, print_json, progress_task
 from pipeplan.options import command
@@ -24,6 +25,7 @@ def capacity(options: CapacityOptions) -> None:
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
     Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
+    Example: pipeplan capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"
     """
     job = prepare_capacity(options)
     with progress_task("planning", total=len(job.config.device_counts), quiet=options.json_output) as update:
@@ -33,12 +35,30 @@ def capacity(options: CapacityOptions) -> None:
     if options.json_output:
         print_json(report.to_dict())
         return
+    if isinstance(report, PinnedReport):
+        render_pinned(report)
+        return
     render_report(report)
     if job.plot is not None:
         out.print(f"wrote {job.plot}")
 
 
-HEADERS = ("N", "plan PxDP", "t", "recompute", "ZeRO", "step ms", "tok/s", "MFU", "bubble", "W", "G", "O", "A", "binds")
+HEADERS = (
+    "N",
+    "plan PxDP",
+    "t x cp",
+    "recompute",
+    "ZeRO",
+    "step ms",
+    "tok/s",
+    "MFU",
+    "bubble",
+    "W",
+    "G",
+    "O",
+    "A",
+    "binds",
+)
 LEFT = ("plan PxDP", "recompute", "binds")
 
 
@@ -53,7 +73,9 @@ def _row_cells(row: CapacityRow) -> list[str]:
     return [
         count,
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",
-        str(row.tensor_parallel),
+        f"{row.tensor_parallel}x{row.context_parallel}"
+        if (row.context_parallel or 1) > 1
+        else str(row.tensor_parallel),
         row.recompute_label,
         str(row.zero),
         format_ms(row.step_ms),
@@ -87,9 +109,10 @@ def render_report(report: CapacityReport) -> None:
     wide.print(table)
     stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
-        "plan PxDP: schedule, P device groups per pipeline x DP pipelines, m microbatches of b samples; t: devices "
-        "per tensor-parallel group (N = t x P x DP); recompute: activation recomputation per stage; ZeRO: optimizer "
-        "sharding stage; W/G/O/A: weights, gradients, optimizer state, activations (GiB) on the busiest device"
+        "plan PxDP: schedule, P device groups per pipeline x DP pipelines, m microbatches of b samples; t x cp: "
+        "devices per tensor-parallel group x context-parallel groups (N = t x cp x P x DP); recompute: activation "
+        "recomputation per stage; ZeRO: optimizer sharding stage; W/G/O/A: weights, gradients, optimizer state, "
+        "activations (GiB) on the busiest device"
         f"{' (A with pipedream stashed weight copies)' if stash else ''}; * = a count added by doubling",
         highlight=False,
     )
@@ -99,3 +122,23 @@ def render_report(report: CapacityReport) -> None:
                 out.print(f"  {row.num_devices} devices: {note}", highlight=False, soft_wrap=True)
     if report.answer is not None:
         out.print(f"[bold]answer:[/] {report.answer.message}", highlight=False, soft_wrap=True)
+
+
+def render_pinned(report: PinnedReport) -> None:
+    """The pinned layout's row and the planner's, each pipeline device's memory, and why they differ."""
+    table = Table(show_lines=False, pad_edge=False)
+    for header in ("", *HEADERS):
+        table.add_column(header, justify="left" if header in LEFT or not header else "right", no_wrap=header != "binds")
+    table.add_row("pinned", *_row_cells(report.row))
+    table.add_row("planner", *_row_cells(report.free))
+    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))
+    wide.print(table)
+    out.print(f"pinned: {report.layout.label}", highlight=False)
+    if report.device_memory_bytes:
+        peaks = ", ".join(format_gib(b, digits=1) for b in report.device_memory_bytes)
+        out.print(f"memory per pipeline device (GiB, simulated peak): {peaks}", highlight=False, soft_wrap=True)
+    for name, row in (("pinned", report.row), ("planner", report.free)):
+        for note in (row.reason, row.tensor_parallel_reason):
+            if note:
+                out.print(f"  {name}: {note}", highlight=False, soft_wrap=True)
+    out.print(f"[bold]comparison:[/] {report.comparison}", highlight=False, soft_wrap=True)

@@ -8,10 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeplan.capacity.options import CapacityOptions
+from pipeplan.capacity.options import CAPACITY_PRECISION, CapacityOptions
+from pipeplan.capacity.pinned import PinnedReport, pinned_report
 from pipeplan.capacity.report import CapacityReport
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch
 from pipeplan.console import warn
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for, resolve_hardware
 from pipeplan.models import parse_assignments
@@ -22,10 +24,9 @@ from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
+from pipeplan.search.pinned import PinnedLayout, parse_layout
 from pipeplan.search.tensor_search import tensor_parallel_sizes
 from pipeplan.units import parse_count, parse_int_list
-
-CAPACITY_PRECISION = "bf16-mixed"  # capacity plans analytic GPU runs: bf16 autocast, fp32 master weights
 
 
 def parse_device_counts(text: str) -> tuple[int, ...]:
@@ -51,8 +52,9 @@ def capacity_profile(
     batch_size: int,
     quiet: bool,
     batch_given: bool = True,
+    precision: str = CAPACITY_PRECISION,
 ) -> Profile:
-    """The analytic profile (meta device, bf16-mixed, flash attention) through the one model -> profile path;
+    """The analytic profile (meta device, flash attention, `precision`) through the one model -> profile path;
     `seq` replaces the model's (a preset's too). Without `batch_given` the default global batch counts tokens, so
     the model must say its tokens per sample."""
     if seq is not None:
@@ -65,7 +67,7 @@ def capacity_profile(
         model=model,
         options=options,
         batch_size=batch_size,
-        precision=CAPACITY_PRECISION,
+        precision=precision,
         device="meta",
         hardware=hardware,
         progress=not quiet,
@@ -83,30 +85,38 @@ def capacity_profile(
 
 @dataclass(frozen=True, kw_only=True)
 class CapacityJob:
-    """A resolved `pipeplan capacity`: the analytic profile, what to sweep, and where to plot (None: no plot)."""
+    """A resolved `pipeplan capacity`: the analytic profile, what to sweep, where to plot (None: no plot), and a
+    pinned layout to predict beside the planner's choice (None: a sweep)."""
 
     model: str
     profile: Profile
     config: CapacityConfig
     plot: Path | None
+    layout: PinnedLayout | None = None
 
 
 def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     """Check the sweep before profiling, profile, then fill in the default global batch (it needs the profile)."""
-    counts = parse_device_counts(options.devices)
+    pinned = parse_layout(options.layout) if options.layout is not None else None
+    counts = parse_device_counts(options.devices) if options.devices is not None else (pinned.devices,)
+    if pinned is not None and counts != (pinned.devices,):
+        raise ConfigError(f"--layout uses {pinned.devices} devices; drop --devices or give --devices {pinned.devices}")
     hardware = resolve_hardware(options.hardware, options.hardware_file)
-    sizes = microbatch_candidates(options.microbatch_size, options.global_batch_size or 1)
+    size_text = options.microbatch_size if pinned is None else str(pinned.mbs)
+    sizes = microbatch_candidates(size_text, options.global_batch_size or 1)
     target = parse_count(options.target_tokens, option="--target-tokens") if options.target_tokens is not None else None
     search = SearchConfig(
         global_batch_size=options.global_batch_size or math.lcm(*sizes),
         microbatch_sizes=sizes,
-        precision=CAPACITY_PRECISION,
+        precision=options.precision,
         optimizer=options.optimizer,
         replication=options.replication,
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, hardware.memory_bytes),
         zero=parse_zero(options.zero),
         recompute=options.recompute,
         allow_async=options.allow_async,
+        overlap=Overlap.parse(options.overlap),
+        interleave=parse_int_list(options.interleave, option="--interleave", example="2,3,4"),
     )
     config = CapacityConfig(
         hardware=hardware,
@@ -122,6 +132,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         target_tokens=target,
         days=options.days,
         tensor_parallel=options.tensor_parallel,
+        context_parallel=options.context_parallel,
     )
     if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
@@ -134,18 +145,24 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         batch_size=min(sizes),
         quiet=options.json_output,
         batch_given=batch_given,
+        precision=options.precision,
     )
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
         config = replace(config, search=replace(search, global_batch_size=batch))
     for count in config.device_counts:  # a given --tensor-parallel the model or a count cannot take: refused now
-        tensor_parallel_sizes(config.tensor_parallel, profile, cluster_for(hardware, count, config.devices_per_node))
+        cluster = cluster_for(hardware, count, config.devices_per_node)
+        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel)
     plot = Path(options.plot) if options.plot is not None else None
-    return CapacityJob(model=options.model, profile=profile, config=config, plot=plot)
+    return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
 
 
-def run_capacity_job(job: CapacityJob, *, progress: Callable[[int, int, str], None] | None = None) -> CapacityReport:
-    """The sweep, and its plot when --plot asked for one."""
+def run_capacity_job(
+    job: CapacityJob, *, progress: Callable[[int, int, str], None] | None = None
+) -> CapacityReport | PinnedReport:
+    """The sweep, and its plot when --plot asked for one; with --layout, that layout beside the planner's choice."""
+    if job.layout is not None:
+        return pinned_report(job.profile, job.config, job.layout)
     report = capacity_sweep(job.profile, job.config, model=job.model, progress=progress)
     if job.plot is not None:
         from pipeplan.capacity.plot import plot_capacity

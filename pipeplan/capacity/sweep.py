@@ -242,6 +242,9 @@ def plan_device_count(
     if config.per_schedule and schedule_rows is not None:
         for name in config.schedules:
             schedule_rows[name].append(schedule_best[name])
+    if not rows:  # no size could be searched: say why (the first reason)
+        reason = next((item.reason for item in tries if item.reason), "no tensor/context-parallel size applies")
+        return CapacityRow(num_devices=num_devices, binding="does-not-fit", reason=reason)
     if not any(item.result is not None for item in tries):
         return rows[list(rows)[-1]]  # the largest group searched: the least memory per device
     chosen = chosen_try(tuple(tries))

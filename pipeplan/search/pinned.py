@@ -20,7 +20,14 @@ from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.partition.baselines import even_blocks_partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info
-from pipeplan.search.candidate import Evaluation, Layout, Rejection, evaluate, evaluate_partition, partition_config
+from pipeplan.search.candidate import (
+    Evaluation,
+    Layout,
+    Rejection,
+    evaluate_partition,
+    partition_config,
+    partition_layout,
+)
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.recompute_choice import with_modes
 from pipeplan.search.scaling import scale_profile
@@ -125,9 +132,46 @@ def pinned_layout(layout: PinnedLayout, config: SearchConfig, cluster: Cluster) 
     )
 
 
-def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout):
-    """(the Evaluation of `pinned`, or the Rejection saying why it does not run or fit; the usable cluster of
-    groups it was evaluated on)."""
+@dataclass(frozen=True, kw_only=True)
+class PinnedResult:
+    """A pinned layout evaluated: `evaluation` (None when it does not run or fit: `rejection` says why), the profile
+    of one rank it ran on and the cluster of t x cp groups (physical memory)."""
+
+    layout: Layout
+    evaluation: Evaluation | None
+    rejection: Rejection | None
+    profile: Profile
+    groups: Cluster
+
+    def as_search_result(self, config: SearchConfig):
+        """The evaluation as a one-candidate SearchResult (what capacity rows and plans are built from)."""
+        from pipeplan.search.search import SearchResult
+
+        assert self.evaluation is not None
+        split = replace(
+            config, tensor_parallel=self.layout.tensor_parallel, context_parallel=self.layout.context_parallel
+        )
+        rejected = () if self.rejection is None else (self.rejection,)
+        profiles = {self.layout.microbatch_size: self.profile}
+        return SearchResult(
+            ranked=(self.evaluation,), rejected=rejected, profiles=profiles, cluster=self.groups, config=split
+        )
+
+
+def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout) -> PinnedResult:
+    """`pinned` on `cluster` (its devices) under `config` (batch, precision, optimizer, reserve, overlap)."""
+    layout, sharded, groups, found = _evaluate(profile, cluster, config, pinned)
+    fits = isinstance(found, Evaluation)
+    return PinnedResult(
+        layout=layout,
+        evaluation=found if fits else None,
+        rejection=None if fits else found,
+        profile=sharded,
+        groups=groups,
+    )
+
+
+def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout):
     layout = pinned_layout(pinned, config, cluster)
     scaled = scale_profile(profile, pinned.mbs)
     sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor)
@@ -135,25 +179,24 @@ def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pi
     options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
     stages = pinned.pp * pinned.vp
     try:
-        if pinned.split == "balanced":
+        if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (and modes, where recompute is not none)
             recompute = "auto" if pinned.recompute != ("none",) else "none"
-            found = evaluate(
-                layout, sharded, usable, global_batch_size=config.global_batch_size, recompute=recompute, **options
-            )
-            return found, usable
-        if stages > sharded.num_layers - 2:
-            raise ConfigError(f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks")
-        part_config = partition_config(layout, **options)
-        part = even_blocks_partition(sharded, groups, part_config, stages)
-        modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
-        part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
+            part = partition_layout(layout, sharded, usable, explain=False, recompute=recompute, **options)
+            if isinstance(part, Rejection):
+                return layout, sharded, groups, part
+        else:
+            if stages > sharded.num_layers - 2:
+                raise ConfigError(
+                    f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks"
+                )
+            part_config = partition_config(layout, **options)
+            part = even_blocks_partition(sharded, groups, part_config, stages)
+            modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
+            part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
+        batch = config.global_batch_size
         result = evaluate_partition(
-            layout, part, sharded, usable, global_batch_size=config.global_batch_size, overlap=config.overlap, **options
+            layout, part, sharded, usable, global_batch_size=batch, overlap=config.overlap, **options
         )
     except (InfeasibleError, ScheduleError) as exc:
-        return Rejection(layout=layout, kind="schedule", reason=str(exc)), usable
-    return result, usable
-
-
-def is_fit(result: Evaluation | Rejection) -> bool:
-    return isinstance(result, Evaluation)
+        return layout, sharded, groups, Rejection(layout=layout, kind="schedule", reason=str(exc))
+    return layout, sharded, groups, result

@@ -86,6 +86,8 @@ def tensor_parallel_sizes(
     given = request != AUTO and context != AUTO
     if given:
         check_split(profile, ts[0], cps[0], devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
+    elif request != AUTO:  # a given t is refused in one line even while cp is searched
+        check_split(profile, ts[0], 1, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
     tries = []
     for t in ts:
         if request == AUTO and (cluster.devices_per_node % t or cluster.num_devices % t):

@@ -24,7 +24,10 @@ SMALL = ["gpt2-124m", "--hardware", "h100", "--devices", "8,16", "--seq", str(SE
 
 @pytest.fixture(scope="module")
 def gpt2_profile():
-    return capacity_profile("gpt2-124m", {}, seq=SEQ, hardware=load_hardware("h100"), batch_size=1, quiet=True)
+    hardware = load_hardware("h100")
+    return capacity_profile(
+        "gpt2-124m", {}, seq=SEQ, hardware=hardware, batch_size=1, quiet=True, precision="bf16-mixed"
+    )
 
 
 def test_seq_replaces_the_presets_and_flops_per_token_match_6n_plus_attention(gpt2_profile):
@@ -67,8 +70,9 @@ def test_cli_json_and_plot(tmp_path):
     assert [row["num_devices"] for row in data["rows"]] == [8, 16]
     for row in data["rows"]:
         assert row["fits"] and row["binding"] in ("memory", "bubble", "communication", "compute")
-        memory = row["memory"]
-        assert memory["weights"] + memory["gradients"] + memory["optimizer"] == 16 * memory["param_count"]
+        memory = row["memory"]  # capacity's default precision, bf16-main: bf16 weights, fp32 gradients, 12 B state
+        assert (memory["weights"], memory["gradients"]) == (2 * memory["param_count"], 4 * memory["param_count"])
+        assert memory["weights"] + memory["gradients"] + memory["optimizer"] == 18 * memory["param_count"]
     assert data["answer"] is None
     assert set(data["per_schedule"]) >= {"1f1b", "zbv"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -76,12 +76,12 @@ def blocking_transfers(costs: StageCosts, crosses: Sequence[bool]) -> StageCosts
     )
 
 
-def optimizer_bytes_per_param(split: tuple[float, float, float], master_weights: bool) -> float:
-    """Bytes an AdamW-style update moves per parameter it owns (a memory-bound kernel): its optimizer state (master
+def optimizer_bytes_per_param(split: tuple[float, float, float], weights_are_master: bool) -> float:
+    """Bytes an AdamW-style update moves per parameter it owns (a memory-bound kernel): its optimizer state (main
     copy and moments, `split[2]`) read and written, the gradient read, the weights written (read and written too
-    when they are the master copy themselves)."""
+    when they are the master copy themselves: no separate main copy)."""
     weights, gradients, state = split
-    return 2.0 * state + gradients + (2.0 if master_weights else 1.0) * weights
+    return 2.0 * state + gradients + (2.0 if weights_are_master else 1.0) * weights
 
 
 def optimizer_step_ms(param_count: float, bytes_per_param: float, bytes_per_s: float | None) -> float:

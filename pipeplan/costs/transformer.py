@@ -83,6 +83,21 @@ def activation_bytes_per_layer(
     return total
 
 
+def llama_activation_bytes_per_layer(
+    *, seq: int, batch: int, hidden: int, heads: int, kv_heads: int, intermediate: int, tensor_parallel: int = 1
+) -> int:
+    """Bytes a Llama-style layer (RMSNorm, grouped-query attention, SwiGLU, no dropout) keeps for backward with
+    FlashAttention and fused norm and SwiGLU kernels, 16-bit activations, sequence parallelism over t ranks:
+    s·b/t x (12h + 4h·g/a + 6F) — two norm inputs and outputs (8h), q (2h), k and v of the g key/value heads
+    (4h·g/a), the attention output (2h), SwiGLU's gate and up (4F) and its output (2F). Megatron-LM's
+    `compute_activation_memory` counts the GPT-style 34·s·b·h/t instead and notes it ignores grouped-query
+    attention and SwiGLU (its TODO); this is the same accounting for those blocks (the fp32 reciprocal RMSs and
+    logsumexp, s·b·(2 + a)·4 bytes, are left out)."""
+    _check_positive(seq=seq, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate)
+    per_token = 12 * hidden + 4 * hidden * kv_heads // heads + 6 * intermediate
+    return seq * batch * per_token // tensor_parallel
+
+
 def forward_flops_per_layer(*, seq: int, batch: int, hidden: int, causal: bool = False) -> int:
     """Forward matmul FLOPs of one GPT layer (4h MLP): 24·b·s·h² + 4·b·s²·h (Korthikanti et al. 2022, Appendix
     A), the attention term halved when a causal kernel skips the masked half (`attention_core_flops`)."""

@@ -14,13 +14,13 @@ scores, dV, dP, dQ and dK; Dao 2023, §3.1; the FLOP counter of its benchmarks).
 
 Time of one kernel (`kernel_seconds`), on a GPU with S streaming multiprocessors (datasheet):
 - a matmul is cut into output tiles of 128 x 128, 128 x 256 or 256 x 128 elements (cuBLAS/CUTLASS tile shapes on
-  A100 and H100), one tile per SM at a time; with T tiles the kernel runs ceil(T / S) waves, each the time of one
-  tile's 2·tm·tn·k FLOPs at the SM's share of the peak x `matmul_efficiency` (what a full wave of large tiles
-  reaches: calibrate measures it). Tile padding (m or n not a multiple of the tile) and the last, partial wave are
-  why small and skinny matmuls — tensor-parallel shards — run below peak (NVIDIA, "Matrix Multiplication
-  Background User's Guide": tile and wave quantization). The tile shape giving the shortest time is taken, as
-  cuBLAS's heuristics pick one. The time is at least the bytes it moves over HBM bandwidth (a roofline) and the
-  kernel launch floor.
+  A100 and H100; a side narrowed to the power of two covering a skinny dimension), one tile per SM at a time;
+  with T tiles the kernel runs ceil(T / S) waves, each the time of one tile's 2·tm·tn·k FLOPs at the SM's share of
+  the peak x `matmul_efficiency` (what a full wave of large tiles reaches: calibrate measures it). Tile padding (m
+  or n not a multiple of the tile) and the last, partial wave are why small and skinny matmuls — tensor-parallel
+  shards — run below peak (NVIDIA, "Matrix Multiplication Background User's Guide": tile and wave quantization).
+  The tile shape giving the shortest time is taken, as cuBLAS's heuristics pick one. The time is at least the
+  bytes it moves over HBM bandwidth (a roofline) and the kernel launch floor.
 - attention (FlashAttention-2) runs one thread block per 128 query rows of each (sample, head): blocks = batch x
   ceil(m / 128), each doing 4·128·n·k FLOPs (QKᵀ and PV), half of them under a causal mask; waves as above at the
   peak x `attention_efficiency` (FlashAttention's measured fraction of peak).
@@ -73,6 +73,10 @@ class Kernel:
 
     @property
     def bytes(self) -> float:
+        """HBM traffic: the operands and the result; attention reads q, k, v and writes its output (the m x n
+        scores never leave the chip: FlashAttention's tiling)."""
+        if self.kind == "attention":
+            return float(self.element_bytes * self.batch * (2 * self.m * self.k + 2 * self.n * self.k))
         return float(self.element_bytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
 
     def on_rank(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> Kernel:
@@ -149,11 +153,18 @@ def _gemm_seconds(kernel: Kernel, rate: float, sms: int | None) -> float:
     if not sms:
         return kernel.flops / rate
     best = math.inf
-    for tm, tn in GEMM_TILES:
+    for tile_m, tile_n in GEMM_TILES:
+        tm, tn = _fitted(tile_m, kernel.m), _fitted(tile_n, kernel.n)
         tiles = kernel.batch * math.ceil(kernel.m / tm) * math.ceil(kernel.n / tn)
         waves = math.ceil(tiles / sms)
         best = min(best, waves * 2.0 * tm * tn * kernel.k * kernel.work / (rate / sms))
     return best
+
+
+def _fitted(tile: int, size: int) -> int:
+    """A tile side no larger than the power of two covering `size` (at least 16): libraries pick narrow tiles for
+    skinny matmuls instead of padding them to 128."""
+    return min(tile, max(16, 1 << max(size - 1, 1).bit_length()))
 
 
 def _attention_seconds(kernel: Kernel, rates: KernelRates) -> float:

@@ -62,7 +62,7 @@ def stage_optimizer_ms(
     rates = profile.provenance.kernel_rates
     if rates is None or not isinstance(optimizer, str):
         return tuple(0.0 for _ in part.stages)
-    moved = optimizer_bytes_per_param(static_split(optimizer, precision), get_precision(precision).main_weights)
+    moved = optimizer_bytes_per_param(static_split(optimizer, precision), not get_precision(precision).main_weights)
     times = []
     for stage in part.stages:
         shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1

@@ -1,0 +1,60 @@
+"""Communication overlap options, blocking pipeline transfers, the per-device end of a step, the optimizer update,
+and Megatron's mixed precision bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeplan.costs import adam_bytes_per_parameter, static_split
+from pipeplan.costs.overlap import (
+    DeviceStep,
+    Overlap,
+    blocking_transfers,
+    optimizer_bytes_per_param,
+    optimizer_step_ms,
+    step_end_ms,
+)
+from pipeplan.errors import ConfigError
+from pipeplan.schedules.simulate import StageCosts
+
+
+def test_overlap_options_parse_and_default_to_megatron_core_s_none():
+    assert Overlap() == Overlap.parse("none") and Overlap().label == "none"
+    assert Overlap.parse("all") == Overlap(tensor=True, p2p=True, grad_reduce=True, param_gather=True)
+    assert Overlap.parse("grad-reduce,p2p") == Overlap(grad_reduce=True, p2p=True)
+    assert Overlap.parse(Overlap(tensor=True, p2p=True).label) == Overlap(tensor=True, p2p=True)
+    with pytest.raises(ConfigError, match="--overlap 'nccl'"):
+        Overlap.parse("nccl")
+
+
+def test_blocking_transfers_busy_the_sender_where_stages_cross_devices():
+    costs = StageCosts(forward_ms=2.0, input_grad_ms=1.0, weight_grad_ms=1.0, comm_ms=(0.5, 0.25))
+    blocked = blocking_transfers(costs, [True, False])
+    assert blocked.forward_ms == (2.5, 2.0, 2.0)  # stage 0 sends its activations; stage 1's boundary stays on-device
+    assert blocked.input_grad_ms == (1.0, 1.5, 1.0) and blocked.backward_ms == (2.0, 2.5, 2.0)
+    assert blocked.comm_ms == (0.0, 0.0)
+
+
+def test_the_step_ends_with_each_device_s_exchange_and_update():
+    first = DeviceStep(ops_end_ms=100.0, sync_ms=10.0, overlap_window_ms=6.0, optimizer_ms=2.0)
+    devices = [first, DeviceStep(ops_end_ms=95.0, sync_ms=20.0, overlap_window_ms=25.0, optimizer_ms=2.0)]
+    assert step_end_ms(devices, Overlap()) == 117.0  # device 1: 95 + 20 + 2
+    assert step_end_ms(devices, Overlap(grad_reduce=True)) == 106.0  # device 0: 100 + (10 - 6) + 2; device 1 hides
+
+
+def test_megatron_mixed_precision_is_megatron_s_table():
+    """Megatron Core's distributed-optimizer table (16-bit parameters, fp32 gradients: 18 -> 6 + 12/d)."""
+    for precision in ("bf16-main", "fp16-main"):
+        split = static_split("adamw", precision)
+        assert split == (2.0, 4.0, 12.0) and sum(split) == adam_bytes_per_parameter(
+            param_dtype="bf16", grad_dtype="fp32", data_parallel=1, distributed=False
+        )
+    assert static_split("adamw", "fp8") == (4.0, 4.0, 12.0)  # + the FP8 weight and its transpose
+    assert static_split("adamw", "bf16-mixed") == (4.0, 4.0, 8.0)  # autocast: fp32 parameters are the master
+
+
+def test_optimizer_update_moves_its_state_twice():
+    assert optimizer_bytes_per_param((2.0, 4.0, 12.0), weights_are_master=False) == 2 * 12 + 4 + 2
+    assert optimizer_bytes_per_param((4.0, 4.0, 8.0), weights_are_master=True) == 2 * 8 + 4 + 2 * 4
+    assert optimizer_step_ms(1e9, 30.0, 3e12) == pytest.approx(10.0)
+    assert optimizer_step_ms(1e9, 30.0, None) == 0.0

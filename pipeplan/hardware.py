@@ -134,7 +134,8 @@ class Hardware:
             raise ConfigError(
                 f"hardware {self.name!r}: {measured[0]} with sm_count would count tile and wave quantization twice "
                 "(a measured matmul rate already contains it); give matmul_efficiency instead (pipeplan calibrate "
-                "writes it) or leave out sm_count"
+                "writes it on a GPU) or leave out sm_count (an entry named like a preset inherits its sm_count: "
+                "choose another name)"
             )
 
     @property

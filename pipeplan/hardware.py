@@ -59,7 +59,8 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "network_efficiency": ("network_efficiency", 1.0),
     "sm_count": ("sm_count", 1.0),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
-    # optional, written by `pipeplan calibrate` (see pipeplan/calibrate/measure.py): what this machine achieved
+    # optional, written by `pipeplan calibrate` (pipeplan/calibrate/hardware_file.py): what this machine achieved;
+    # the matmul rates only without sm_count (a CPU), see the module docstring
     "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
     "measured_fp16_tflops": ("measured_fp16_flops", 1e12),
     "measured_tf32_tflops": ("measured_tf32_flops", 1e12),

@@ -1,10 +1,27 @@
-"""Hardware presets for analytic profiles and cluster descriptions (h100, h200, a100-40gb, a100-80gb, b200).
+"""Hardware presets for analytic profiles and cluster descriptions: h100 (SXM5 80GB), h200, a100-40gb, a100-80gb,
+b200 and mi300x.
 
-The figures live in `hardware.json` beside this file, in datasheet units with a `sources` note per entry naming
-the vendor datasheets. A user file (`--hardware-file`) has the same shape: `{"schema_version": 1, "hardware":
-{name: {...}}}`; an entry named like a preset overrides only the fields it gives, a new name must give them all.
-`pipeplan calibrate` writes such entries with optional `measured_*` figures and `kernel_launch_us`, which the
-analytic model prefers over peak x efficiency (`Hardware.matmul_flops_per_s`; see calibrate_file.py).
+The figures live in `hardware.json` beside this file, in datasheet units, with a `sources` note per entry that
+names where every figure comes from: peaks, memory and link bandwidths and `sm_count` from vendor datasheets and
+whitepapers; the efficiencies from published measurements (cuBLAS / hipBLASLt large matmuls, BabelStream copy,
+FlashAttention forward+backward, nccl-tests / rccl-tests bus bandwidth), each marked where no measurement of that
+GPU exists and the nearest documented figure stands in. What the efficiencies mean (the analytic model's terms):
+
+- `matmul_efficiency`: the fraction of the dense peak a FULL WAVE of large matmul tiles reaches;
+  `profiling.kernels` adds tile and wave quantization over `sm_count` SMs (AMD: compute units) on top, so small and
+  skinny matmuls come out below it. `attention_efficiency`: the same for FlashAttention's thread blocks (None: as
+  matmuls).
+- `memory_efficiency`: the fraction of HBM bandwidth a streaming kernel reaches (STREAM-like copy / datasheet).
+- `nvlink_efficiency`, `network_efficiency`: collectives' achieved bus bandwidth / the link's datasheet bandwidth
+  (`cluster_for` multiplies them in). `nvlink_gb_per_s` is the intra-node fabric whatever its name (MI300X:
+  Infinity Fabric, 7 links summed; see its `sources`).
+
+A user file (`--hardware-file`) has the same shape: `{"schema_version": 1, "hardware": {name: {...}}}`; an entry
+named like a preset overrides only the fields it gives, a new name must give them all. `pipeplan calibrate` writes
+such entries (see pipeplan/calibrate/hardware_file.py): on a GPU the fitted `matmul_efficiency` and `sm_count`, on a
+CPU (no SMs) `measured_*` matmul figures, which `Hardware.matmul_flops_per_s` prefers over peak x efficiency. A
+measured matmul rate already contains the quantization of the shapes it was measured at, so an entry may not
+combine `measured_bf16/fp16/tf32_tflops` with `sm_count` (the kernel model would count it twice).
 """
 
 from __future__ import annotations
@@ -42,7 +59,8 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "network_efficiency": ("network_efficiency", 1.0),
     "sm_count": ("sm_count", 1.0),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
-    # optional, written by `pipeplan calibrate` (see pipeplan/calibrate/measure.py): what this machine achieved
+    # optional, written by `pipeplan calibrate` (pipeplan/calibrate/hardware_file.py): what this machine achieved;
+    # the matmul rates only without sm_count (a CPU), see the module docstring
     "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
     "measured_fp16_tflops": ("measured_fp16_flops", 1e12),
     "measured_tf32_tflops": ("measured_tf32_flops", 1e12),
@@ -110,6 +128,16 @@ class Hardware:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1], got {getattr(self, attr)!r}")
         if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
             raise ConfigError(f"hardware {self.name!r}: attention_efficiency must lie in (0, 1]")
+        if self.sm_count is not None and self.sm_count != int(self.sm_count):
+            raise ConfigError(f"hardware {self.name!r}: sm_count must be a whole number, got {self.sm_count!r}")
+        measured = [attr for attr in _MEASURED_MATMUL_ATTRS if getattr(self, attr) is not None]
+        if self.sm_count is not None and measured:
+            raise ConfigError(
+                f"hardware {self.name!r}: {measured[0]} with sm_count would count tile and wave quantization twice "
+                "(a measured matmul rate already contains it); give matmul_efficiency instead (pipeplan calibrate "
+                "writes it on a GPU) or leave out sm_count (an entry named like a preset inherits its sm_count: "
+                "choose another name)"
+            )
 
     @property
     def attention_fraction(self) -> float:
@@ -131,7 +159,8 @@ class Hardware:
 
     def matmul_flops_per_s(self, dtype: torch.dtype, efficiency: float | None = None) -> float:
         """The matmul rate the analytic model uses: peak x `efficiency` when one is given (an explicit override),
-        else the calibrated figure when there is one, else peak x matmul_efficiency."""
+        else the calibrated figure when there is one (entries without `sm_count` only: a CPU calibration), else peak
+        x matmul_efficiency (with `sm_count`: a full wave's rate, which profiling.kernels quantizes)."""
         measured = self.measured_flops(dtype)
         if efficiency is None and measured is not None:
             return measured
@@ -153,7 +182,8 @@ class Hardware:
         return entry
 
 
-_MEASURED_ATTRS = ("measured_bf16_flops", "measured_fp16_flops", "measured_tf32_flops", "measured_hbm_bandwidth")
+_MEASURED_MATMUL_ATTRS = ("measured_bf16_flops", "measured_fp16_flops", "measured_tf32_flops")
+_MEASURED_ATTRS = (*_MEASURED_MATMUL_ATTRS, "measured_hbm_bandwidth")
 
 
 def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> dict[str, Any]:
@@ -177,6 +207,8 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise FormatError(f"{where}: {key} must be a number, got {value!r}")
         attr, scale = _FILE_FIELDS[key]
+        if attr == "sm_count" and not float(value).is_integer():
+            raise FormatError(f"{where}: sm_count must be a whole number, got {value!r}")
         kwargs[attr] = int(value * scale) if attr in ("memory_bytes", "sm_count") else float(value * scale)
     required = [key for key, (attr, _) in _FILE_FIELDS.items() if attr not in kwargs and attr in _REQUIRED_ATTRS]
     if required:

@@ -2,17 +2,28 @@
 
 How the measured figures map in (the analytic model then uses them; see `Hardware.matmul_flops_per_s`):
 
-- `measured_bf16_tflops` / `measured_fp16_tflops` / `measured_tf32_tflops` (float32 matmuls: TF32 on a GPU, plain
-  fp32 on a CPU), `measured_hbm_tb_per_s` and `kernel_launch_us` hold what was measured; the analytic roofline uses
-  them in place of peak x efficiency, and the launch time as a per-kernel floor.
-- peaks: a GPU recognized by name (H100/H200/A100/B200 SXM, memory within 15%) keeps that preset's datasheet peaks;
-  any other device (a CPU, another GPU) has no datasheet here, so its peak fields ARE the measured figures. The
-  efficiencies are then measured / peak (1.0 when the peak is the measurement), so peak x efficiency is the
-  measured rate too.
-- links: with 2+ GPUs, `nvlink_gb_per_s` / `intra_node_latency_us` are the measured nccl point-to-point figures; on
-  a CPU the local gloo figures (also used for the inter-node fields: one machine). Whatever was not measured (all
-  links with one GPU; the network on a GPU node) is copied from the nearest preset, named in `sources`.
-- `calibration` keeps every raw measurement; the loader reads none of it.
+- matmuls on a GPU (an SM count was read): `sm_count` and the full-wave `matmul_efficiency` that `calibrate.fit`
+  fits to the measured shapes through the kernel model (profiling.kernels: tile and wave quantization), so that the
+  model times the measured shapes as measured. No `measured_*_tflops` are written there: a measured rate already
+  contains its shapes' quantization and the model would count it twice (`Hardware` refuses the two together); the
+  raw per-shape figures stay in `calibration`. One efficiency serves every dtype (bf16, else fp16, else tf32 is
+  fitted; `sources` gives the tf32 fit beside it).
+- matmuls on a CPU (no SMs, no quantization): `measured_bf16_tflops` / `measured_fp16_tflops` /
+  `measured_tf32_tflops` (float32 matmuls) hold the median over shapes of what was measured, which the analytic
+  roofline uses in place of peak x efficiency. `measured_hbm_tb_per_s` and `kernel_launch_us` likewise on both.
+- peaks: a GPU recognized by name (H100/H200/A100/B200 SXM, MI300X; memory within 15%) keeps that preset's datasheet
+  peaks, FP8 peak and `attention_efficiency` (not measured here; `sources` says so), and its efficiencies are the
+  fitted full-wave rate / peak and measured bandwidth / peak. Any other device has no datasheet here, so its peak
+  fields ARE the fitted full-wave (GPU) or median measured (CPU) rates, with efficiency 1.0. A rate above the
+  preset's peak raises the peak (efficiency 1.0), and `sources` says so.
+- links: on a recognized GPU with 2+ GPUs, `nvlink_gb_per_s` stays the datasheet's and `nvlink_efficiency` is the
+  measured nccl all-reduce bus bandwidth / it (capped at 1: NVLink SHARP reports more than the wire);
+  `intra_node_latency_us` is measured. On another GPU the measured point-to-point bandwidth is `nvlink_gb_per_s`
+  (efficiency 1.0); on a CPU the local gloo figures (also used for the inter-node fields: one machine). Whatever was
+  not measured (all links with one GPU; the network on a GPU node) is copied from the nearest preset with its
+  efficiency, named in `sources`.
+- `calibration` keeps every raw measurement (and, on a GPU, each shape's fitted full-wave rate); the loader reads
+  none of it.
 """
 
 from __future__ import annotations
@@ -23,12 +34,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipeplan.calibrate.fit import full_wave_flops_per_s
 from pipeplan.calibrate.spec import Calibration
 from pipeplan.errors import ConfigError, FormatError, OutputError
 from pipeplan.hardware import HARDWARE_SCHEMA_VERSION, Hardware, hardware_presets, validate_hardware_data
 from pipeplan.jsonio import read_json, write_json
 
-_FAMILIES = ("h100", "h200", "a100", "b200")
+_FAMILIES = ("h100", "h200", "a100", "b200", "mi300x")
 _OTHER_VARIANTS = ("pcie", "nvl", "mig")  # same family, other peaks than the SXM presets
 
 
@@ -66,10 +78,19 @@ def _rate(measured: float | None, peak: float | None, what: str, notes: list[str
     return peak, measured / peak
 
 
+def _achieved(cal: Calibration, dtype: str) -> float | None:
+    """One dtype's matmul rate for the model: a full wave's (the kernel-model fit) with an SM count, else the median
+    measured rate; None when the dtype was not measured."""
+    samples = [sample for sample in cal.matmul if sample.dtype == dtype]
+    if not samples:
+        return None
+    return full_wave_flops_per_s(samples, cal.sm_count) if cal.sm_count else cal.matmul_flops_per_s(dtype)
+
+
 def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str]) -> dict[str, Any]:
-    low = cal.matmul_flops_per_s("bf16") or cal.matmul_flops_per_s("fp16")
-    f32 = cal.matmul_flops_per_s("tf32" if cal.device == "cuda" else "fp32")
-    any_f32 = f32 or cal.matmul_flops_per_s("fp32")
+    low = _achieved(cal, "bf16") or _achieved(cal, "fp16")
+    f32 = _achieved(cal, "tf32" if cal.device == "cuda" else "fp32")
+    any_f32 = f32 or _achieved(cal, "fp32")
     if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
         notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
         low, any_f32 = low or any_f32, any_f32 or low
@@ -86,6 +107,15 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
         "measured_hbm_tb_per_s": cal.memory_bytes_per_s / 1e12,
         "kernel_launch_us": cal.launch_s * 1e6,
     }
+    if cal.sm_count:
+        fields["sm_count"] = cal.sm_count
+        tf32 = f", tf32 alone {eff_f32:.3f}" if eff_low and eff_f32 else ""
+        notes.append(
+            f"matmul_efficiency {fields['matmul_efficiency']:.3f}: the full-wave fraction of peak fitted to the "
+            f"measured matmuls over {cal.sm_count} SMs (median over shapes of the kernel model's time at peak / the "
+            f"measured time; calibrate/fit.py){tf32}; one efficiency for every dtype"
+        )
+        return fields
     for key, value in (("bf16", cal.matmul_flops_per_s("bf16")), ("fp16", cal.matmul_flops_per_s("fp16"))):
         if value is not None:
             fields[f"measured_{key}_tflops"] = value / 1e12
@@ -94,54 +124,102 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     return fields
 
 
-def _link_fields(cal: Calibration, fallback: Hardware, notes: list[str]) -> dict[str, Any]:
-    copied = {
-        "nvlink_gb_per_s": fallback.nvlink_bandwidth / 1e9,
-        "network_gb_per_s": fallback.network_bandwidth / 1e9,
-        "intra_node_latency_us": fallback.intra_node_latency_s * 1e6,
-        "inter_node_latency_us": fallback.inter_node_latency_s * 1e6,
+def _copied_links(preset: Hardware) -> dict[str, Any]:
+    return {
+        "nvlink_gb_per_s": preset.nvlink_bandwidth / 1e9,
+        "network_gb_per_s": preset.network_bandwidth / 1e9,
+        "intra_node_latency_us": preset.intra_node_latency_s * 1e6,
+        "inter_node_latency_us": preset.inter_node_latency_s * 1e6,
+        "nvlink_efficiency": preset.nvlink_efficiency,
+        "network_efficiency": preset.network_efficiency,
     }
+
+
+def _link_fields(cal: Calibration, fallback: Hardware, matched: bool, notes: list[str]) -> dict[str, Any]:
+    copied = _copied_links(fallback)
     link = cal.links
     if link is None:
         notes.append(f"links NOT measured ({', '.join(cal.notes) or 'skipped'}): copied from preset {fallback.name!r}")
         return copied
-    measured = {"nvlink_gb_per_s": link.p2p_bytes_per_s / 1e9, "intra_node_latency_us": link.latency_s * 1e6}
+    latency = link.latency_s * 1e6
     if cal.device == "cpu":
         notes.append(f"links: {link.backend} between {link.ranks} local processes, also used for the inter-node fields")
+        bandwidth = link.p2p_bytes_per_s / 1e9
         return {
-            **measured,
-            "network_gb_per_s": measured["nvlink_gb_per_s"],
-            "inter_node_latency_us": measured["intra_node_latency_us"],
+            "nvlink_gb_per_s": bandwidth,
+            "network_gb_per_s": bandwidth,
+            "intra_node_latency_us": latency,
+            "inter_node_latency_us": latency,
+            "nvlink_efficiency": 1.0,
+            "network_efficiency": 1.0,
         }
     notes.append(f"links: {link.backend} over {link.ranks} GPUs, network NOT measured: copied from {fallback.name!r}")
-    return {**copied, **measured}
+    if not matched:  # no datasheet link bandwidth: the measured point-to-point figure is the link
+        return {
+            **copied,
+            "nvlink_gb_per_s": link.p2p_bytes_per_s / 1e9,
+            "intra_node_latency_us": latency,
+            "nvlink_efficiency": 1.0,
+        }
+    fraction = link.allreduce_bus_bytes_per_s / fallback.nvlink_bandwidth
+    notes.append(
+        f"nvlink_efficiency {min(fraction, 1.0):.3f}: measured all-reduce bus bandwidth "
+        f"{link.allreduce_bus_bytes_per_s / 1e9:.1f} GB/s over {link.ranks} GPUs / the datasheet's "
+        f"{fallback.nvlink_bandwidth / 1e9:.0f} GB/s"
+        + (" (above the wire: NVLink SHARP; capped at 1)" if fraction > 1 else "")
+    )
+    return {**copied, "intra_node_latency_us": latency, "nvlink_efficiency": min(fraction, 1.0)}
+
+
+def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
+    """What a recognized GPU keeps from its preset because calibrate does not measure it."""
+    fields: dict[str, Any] = {"attention_efficiency": preset.attention_fraction}
+    if preset.peak_fp8_flops is not None:
+        fields["peak_fp8_tflops"] = preset.peak_fp8_flops / 1e12
+    notes.append(f"attention_efficiency and the FP8 peak: preset {preset.name!r}'s (not measured here)")
+    return fields
+
+
+def _matmul_fit_record(cal: Calibration) -> dict[str, Any]:
+    """Each measured shape's full-wave rate (the record behind the fitted matmul_efficiency)."""
+    record: dict[str, Any] = {"sm_count": cal.sm_count}
+    for sample in cal.matmul:
+        rate = full_wave_flops_per_s([sample], cal.sm_count)
+        record.setdefault(sample.dtype, []).append({"shape_mnk": list(sample.shape), "full_wave_tflops": rate / 1e12})
+    return record
 
 
 def hardware_entry(cal: Calibration) -> dict[str, Any]:
     """The `--hardware-file` entry for a calibration (see the module docstring for the mapping)."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
+    extra: dict[str, Any] = {}
     if cal.device == "cuda":
         preset, matched = nearest_preset(cal.device_name, cal.memory_bytes)
         if matched:
             notes.append(f"peaks: datasheet figures of preset {preset.name!r} (matched by device name and memory)")
+            extra = _preset_only_fields(preset, notes)
         else:
-            notes.append("peaks: no datasheet for this GPU here, so the peak fields are the measured figures")
+            notes.append("peaks: no datasheet for this GPU here, so the peak fields are the measured (full-wave) rates")
         compute = _compute_fields(cal, preset if matched else None, notes)
-        links = _link_fields(cal, preset, notes)
+        links = _link_fields(cal, preset, matched, notes)
     else:
         notes.append(
             "peaks: no datasheet for a CPU, so the peak fields are the measured figures (fp32 in the tf32 ones)"
         )
         compute = _compute_fields(cal, None, notes)
-        links = _link_fields(cal, _cpu_fallback(), notes)
+        links = _link_fields(cal, _cpu_fallback(), False, notes)
+    raw = cal.to_dict()
+    if cal.sm_count:
+        raw["matmul_fit"] = _matmul_fit_record(cal)
     return {
         "description": f"{cal.device_name} ({cal.device}), measured by pipeplan calibrate on {stamp}, "
         f"torch {cal.torch_version}",
         **compute,
+        **extra,
         **links,
         "sources": "pipeplan calibrate: " + "; ".join(notes),
-        "calibration": cal.to_dict(),
+        "calibration": raw,
     }
 
 

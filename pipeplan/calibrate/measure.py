@@ -3,19 +3,23 @@
 Measured, each as the median of `repeats` timed samples after `warmup` untimed runs (CUDA: CUDA events around the
 work, then a synchronize; CPU: `time.perf_counter`):
 
-- dense matmul FLOP/s per dtype (`torch.matmul(a, b, out=c)`, 2·m·n·k FLOPs) at a few shapes; the figure kept per
-  dtype is the median over the shapes (they are transformer-like: tokens x hidden x 4·hidden and squares), since
-  the analytic model applies one rate to every matmul. `tf32` is a float32 matmul with TF32 allowed
-  (`torch.set_float32_matmul_precision("high")`), `fp32` one without; on a CPU `fp32` is the float32 figure.
+- dense matmul FLOP/s per dtype (`torch.matmul(a, b, out=c)`, 2·m·n·k FLOPs) at a few shapes (transformer-like:
+  tokens x hidden x 4·hidden, and squares); every sample is kept. On a CPU the figure used is the median over the
+  shapes (the model applies one rate to every matmul there); on a GPU, the fit of `calibrate.fit`. `tf32` is a
+  float32 matmul with TF32 allowed (`torch.set_float32_matmul_precision("high")`), `fp32` one without; on a CPU
+  `fp32` is the float32 figure.
 - memory bandwidth: `copy_` (reads + writes 2·size bytes) and `add` (3·size bytes) at a few sizes, from
   activation-sized tensors to ones far beyond the caches; the figure kept is the median over sizes of the mean of
   copy and add (mid-sized kernels reach less than a huge copy, and a model's elementwise ops are mid-sized).
+- the SM count (CUDA: `multi_processor_count`), which the kernel model's tile and wave quantization needs: with
+  it `calibrate.fit` turns the matmul samples into the full-wave `matmul_efficiency` the model uses (not the median
+  measured rate, which already contains the quantization of the measured shapes).
 - kernel launch overhead: the time per op of many back-to-back `x.add_(1)` on a one-element tensor (what a tiny op
   costs when the host's dispatch and launch, not the device, is the limit).
-- links (`calibrate_links`): point-to-point and all-reduce bandwidth and the small-message latency between local
+- links (`calibrate.links`): point-to-point and all-reduce bandwidth and the small-message latency between local
   processes: nccl across the GPUs with 2+ GPUs, gloo between two CPU processes with `--device cpu`.
 
-`calibrate_file.hardware_entry` turns a `Calibration` into a `--hardware-file` entry.
+`calibrate.hardware_file.hardware_entry` turns a `Calibration` into a `--hardware-file` entry.
 """
 
 from __future__ import annotations
@@ -134,21 +138,23 @@ def _physical_memory_bytes() -> int:
         raise ConfigError("cannot read this machine's physical memory size (os.sysconf)") from None
 
 
-def describe_device(config: CalibrateConfig) -> tuple[torch.device, str, int]:
-    """(torch device, its name, its memory in bytes)."""
+def describe_device(config: CalibrateConfig) -> tuple[torch.device, Calibration]:
+    """(torch device, an empty Calibration naming it: its name, memory in bytes and, on CUDA, its SM count)."""
     if config.kind == "cuda":
         device = torch.device(config.device if ":" in config.device else f"cuda:{torch.cuda.current_device()}")
         props = torch.cuda.get_device_properties(device)
-        return device, props.name, int(props.total_memory)
-    return torch.device("cpu"), _cpu_name(), _physical_memory_bytes()
+        memory, sms = int(props.total_memory), int(props.multi_processor_count)
+        return device, Calibration(device="cuda", device_name=props.name, memory_bytes=memory, sm_count=sms)
+    return torch.device("cpu"), Calibration(
+        device="cpu", device_name=_cpu_name(), memory_bytes=_physical_memory_bytes()
+    )
 
 
 def calibrate(config: CalibrateConfig, *, advance: Callable[[str], None] | None = None) -> Calibration:
     """Run every measurement of `config` on this machine; `advance(description)` is called after each step."""
     step = advance or (lambda _description: None)
-    device, name, memory = describe_device(config)
+    device, result = describe_device(config)
     sizes = config.sizes
-    result = Calibration(device=config.kind, device_name=name, memory_bytes=memory)
     for dtype in config.dtypes:
         for shape in sizes.matmul_shapes:
             result.matmul.append(measure_matmul(dtype, shape, device, sizes))

@@ -141,6 +141,7 @@ class Calibration:
     device: str  # "cpu" or "cuda"
     device_name: str
     memory_bytes: int  # device memory (CUDA) or physical RAM (CPU)
+    sm_count: int | None = None  # streaming multiprocessors (CUDA); None on a CPU: no tile or wave quantization
     matmul: list[MatmulSample] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
     launch_s: float = 0.0
@@ -179,6 +180,7 @@ class Calibration:
         return {
             "device": self.device,
             "device_name": self.device_name,
+            "sm_count": self.sm_count,
             "torch_version": self.torch_version,
             "matmul": matmul,
             "memory": [_memory_dict(m) for m in self.memory],

@@ -8,9 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from pipeplan.calibrate.fit import model_seconds
 from pipeplan.calibrate.hardware_file import hardware_entry, nearest_preset, write_hardware_file
 from pipeplan.calibrate.measure import median_seconds
-from pipeplan.calibrate.spec import CalibrateConfig, Calibration, LinkResult, MatmulSample, MemorySample
+from pipeplan.calibrate.spec import SIZES, CalibrateConfig, Calibration, LinkResult, MatmulSample, MemorySample
 from pipeplan.cli import app
 from pipeplan.hardware import Hardware, load_hardware, load_hardware_file
 from pipeplan.profiling.analytic import AnalyticConfig
@@ -49,7 +50,10 @@ def test_cpu_calibration_loads_through_the_hardware_file_loader(cpu_file):
     assert spec.kernel_launch_s == pytest.approx(raw["kernel_launch_us"] * 1e-6) and spec.kernel_launch_s > 0
     assert spec.nvlink_bandwidth == pytest.approx(raw["links"]["p2p_gb_per_s"] * 1e9)
     assert spec.intra_node_latency_s == pytest.approx(raw["links"]["latency_us"] * 1e-6)
+    assert spec.nvlink_efficiency == spec.network_efficiency == 1.0  # the measurement is the link
     assert "gloo" in spec.sources and "measured" in spec.sources
+    # a CPU has no SMs: no quantization, so the measured median rates stand (today's behaviour)
+    assert spec.sm_count is None and raw["sm_count"] is None and "matmul_fit" not in raw
 
 
 @pytest.mark.slow
@@ -90,14 +94,30 @@ def test_calibrate_json_prints_only_the_file(tmp_path):
     assert "not measured" in entry["sources"]
 
 
-def _synthetic(device_name: str, memory_gb: float, *, bf16: float, tf32: float, links: LinkResult | None = None):
-    matmul = [MatmulSample("bf16", (1024, 1024, 1024), 2 * 1024**3 / (bf16 * 1e12))]
-    matmul += [MatmulSample("tf32", (1024, 1024, 1024), 2 * 1024**3 / (tf32 * 1e12))]
+GPU_SHAPES = SIZES[("cuda", False)].matmul_shapes
+
+
+def _samples(dtype: str, full_wave_tflops: float, sm_count: int, shapes=GPU_SHAPES) -> list[MatmulSample]:
+    """Matmuls timed as the kernel model times them when a full wave runs at `full_wave_tflops`."""
+    return [MatmulSample(dtype, shape, model_seconds(shape, full_wave_tflops * 1e12, sm_count)) for shape in shapes]
+
+
+def _synthetic(
+    device_name: str,
+    memory_gb: float,
+    *,
+    bf16: float,
+    tf32: float,
+    links: LinkResult | None = None,
+    sm_count: int = 132,
+):
+    """A GPU calibration whose matmuls run, in the kernel model, at full-wave rates `bf16` and `tf32` TFLOP/s."""
     return Calibration(
         device="cuda",
         device_name=device_name,
         memory_bytes=int(memory_gb * 1e9),
-        matmul=matmul,
+        sm_count=sm_count,
+        matmul=_samples("bf16", bf16, sm_count) + _samples("tf32", tf32, sm_count),
         memory=[
             MemorySample(1 << 30, 2.9e12, 3.1e12),
             MemorySample(1 << 24, 2.0e12, 2.2e12),
@@ -115,21 +135,30 @@ def _load(tmp_path, entry: dict, name: str = "gpu") -> Hardware:
     return load_hardware(name, hardware_file=path)
 
 
-def test_a_known_gpu_keeps_datasheet_peaks_and_derives_efficiencies(tmp_path):
-    spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 80GB HBM3", 85.0, bf16=700.0, tf32=380.0)))
+def test_a_known_gpu_keeps_datasheet_peaks_and_fits_the_full_wave_efficiency(tmp_path):
+    entry = hardware_entry(_synthetic("NVIDIA H100 80GB HBM3", 85.0, bf16=700.0, tf32=380.0))
+    spec = _load(tmp_path, entry)
     h100 = load_hardware("h100")
     assert spec.peak_bf16_flops == h100.peak_bf16_flops and spec.hbm_bandwidth == h100.hbm_bandwidth
-    assert spec.matmul_efficiency == pytest.approx(700.0 / 989.4)
+    assert spec.sm_count == 132 and spec.matmul_efficiency == pytest.approx(700.0 / 989.4)
     assert spec.memory_efficiency == pytest.approx(3.0 / 3.35)
     assert spec.memory_bytes == 85_000_000_000
-    # one GPU: the links are the h100 preset's, and the file says they were not measured
+    # no measured matmul rates beside sm_count (the kernel model would count quantization twice): raw records only
+    assert spec.measured_bf16_flops is None and spec.measured_tf32_flops is None
+    fits = [record["full_wave_tflops"] for record in entry["calibration"]["matmul_fit"]["bf16"]]
+    assert fits == pytest.approx([700.0] * len(GPU_SHAPES))
+    assert f"tf32 alone {380 / 494.7:.3f}" in spec.sources
+    # what calibrate does not measure is the preset's, and the file says so
+    assert spec.attention_efficiency == h100.attention_efficiency and spec.peak_fp8_flops == h100.peak_fp8_flops
+    # one GPU: the links are the h100 preset's (with its efficiencies), and the file says they were not measured
     assert spec.nvlink_bandwidth == h100.nvlink_bandwidth and spec.network_bandwidth == h100.network_bandwidth
+    assert spec.nvlink_efficiency == h100.nvlink_efficiency and spec.network_efficiency == h100.network_efficiency
     assert "links NOT measured" in spec.sources and "'h100'" in spec.sources
     roofline = AnalyticConfig(batch_size=1, hardware=spec).roofline
     assert roofline.flops_per_s == pytest.approx(700e12) and roofline.bytes_per_s == pytest.approx(3.0e12)
-    assert roofline.launch_s == pytest.approx(4e-6)
-    f32 = AnalyticConfig(batch_size=1, hardware=spec, dtype="float32").roofline
-    assert f32.flops_per_s == pytest.approx(380e12)
+    assert roofline.launch_s == pytest.approx(4e-6) and roofline.sm_count == 132
+    f32 = AnalyticConfig(batch_size=1, hardware=spec, dtype="float32").roofline  # one efficiency for every dtype
+    assert f32.flops_per_s == pytest.approx(494.7e12 * 700.0 / 989.4)
     # an explicit efficiency still means peak x that efficiency
     forced = AnalyticConfig(batch_size=1, hardware=spec, matmul_efficiency=0.5).roofline
     assert forced.flops_per_s == pytest.approx(989.4e12 * 0.5)
@@ -144,10 +173,12 @@ def test_a_known_gpu_measured_in_tf32_only_keeps_the_bf16_peak_unmeasured(tmp_pa
     assert AnalyticConfig(batch_size=1, hardware=spec).roofline.flops_per_s == pytest.approx(989.4e12 * 400 / 494.7)
 
 
-def test_an_unknown_gpu_uses_its_measurements_as_peaks_and_names_the_link_fallback(tmp_path):
-    spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0)))
+def test_an_unknown_gpu_uses_its_full_wave_rates_as_peaks_and_names_the_link_fallback(tmp_path):
+    spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0, sm_count=114)))
     assert spec.peak_bf16_flops == pytest.approx(400e12) and spec.matmul_efficiency == 1.0
+    assert spec.peak_tf32_flops == pytest.approx(200e12) and spec.sm_count == 114
     assert spec.hbm_bandwidth == pytest.approx(3.0e12) and spec.memory_efficiency == 1.0
+    assert spec.peak_fp8_flops is None and spec.attention_efficiency is None  # no datasheet: nothing copied
     assert nearest_preset("NVIDIA H100 PCIe", 40_000_000_000) == (load_hardware("a100-40gb"), False)
     assert spec.nvlink_bandwidth == load_hardware("a100-40gb").nvlink_bandwidth and "'a100-40gb'" in spec.sources
 
@@ -163,10 +194,32 @@ def test_measured_links_and_a_rate_above_the_preset_peak(tmp_path):
     )
     entry = hardware_entry(_synthetic("NVIDIA H200", 150.0, bf16=1200.0, tf32=400.0, links=link))
     spec = _load(tmp_path, entry)
-    assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.intra_node_latency_s == pytest.approx(12e-6)
-    assert spec.network_bandwidth == load_hardware("h200").network_bandwidth and "network NOT measured" in spec.sources
+    h200 = load_hardware("h200")
+    # a known GPU keeps the datasheet link; the measured all-reduce bus bandwidth gives its efficiency
+    assert spec.nvlink_bandwidth == h200.nvlink_bandwidth and spec.nvlink_efficiency == pytest.approx(360 / 450)
+    assert spec.intra_node_latency_s == pytest.approx(12e-6) and "nvlink_efficiency 0.800" in spec.sources
+    assert spec.network_bandwidth == h200.network_bandwidth and spec.network_efficiency == h200.network_efficiency
+    assert "network NOT measured" in spec.sources
     assert spec.peak_bf16_flops == pytest.approx(1200e12) and "peak is raised" in spec.sources
+    assert spec.matmul_efficiency == 1.0
     assert entry["calibration"]["links"]["allreduce_bus_gb_per_s"] == pytest.approx(360.0)
+
+
+def test_nvlink_sharp_above_the_wire_caps_the_efficiency_and_an_unknown_gpu_keeps_its_p2p(tmp_path):
+    sharp = LinkResult(
+        backend="nccl",
+        ranks=8,
+        p2p_bytes_per_s=380e9,
+        allreduce_bus_bytes_per_s=480e9,
+        latency_s=12e-6,
+        message_bytes=1 << 28,
+    )
+    spec = _load(tmp_path, hardware_entry(_synthetic("NVIDIA H100 80GB HBM3", 85.0, bf16=700, tf32=380, links=sharp)))
+    assert spec.nvlink_efficiency == 1.0 and "NVLink SHARP" in spec.sources
+    (tmp_path / "other").mkdir()
+    other = _synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0, links=sharp, sm_count=114)
+    spec = _load(tmp_path / "other", hardware_entry(other))
+    assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.nvlink_efficiency == 1.0
 
 
 def test_calibrated_hardware_round_trips_through_its_file_entry(tmp_path):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import pipeplan.hardware
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.hardware import (
     Hardware,
@@ -16,14 +19,91 @@ from pipeplan.hardware import (
     load_hardware_file,
 )
 
-NAMES = ("h100", "h200", "a100-40gb", "a100-80gb", "b200")
+NAMES = ("h100", "h200", "a100-40gb", "a100-80gb", "b200", "mi300x")
+EFFICIENCIES = (
+    "matmul_efficiency",
+    "memory_efficiency",
+    "attention_efficiency",
+    "nvlink_efficiency",
+    "network_efficiency",
+)
+FP8 = ("h100", "h200", "b200", "mi300x")  # datasheets: FP8 dense = 2 x BF16 dense; A100 has no FP8
+RAW = json.loads(Path(pipeplan.hardware.__file__).with_name("hardware.json").read_text())["hardware"]
 
 
 def test_every_preset_is_present_and_cites_sources():
     presets = hardware_presets()
-    assert set(NAMES) <= set(presets)
+    assert set(NAMES) == set(presets)
     for name in NAMES:
         assert "datasheet" in presets[name].sources.lower(), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_preset_gives_every_field_itself(name):
+    """Written out in hardware.json (not the dataclass defaults): peaks, memory, links, SMs, all efficiencies."""
+    required = {
+        "description",
+        "sources",
+        "peak_bf16_tflops",
+        "peak_tf32_tflops",
+        "hbm_gb",
+        "hbm_tb_per_s",
+        "nvlink_gb_per_s",
+        "network_gb_per_s",
+        "intra_node_latency_us",
+        "inter_node_latency_us",
+        "sm_count",
+        *EFFICIENCIES,
+    }
+    assert required <= set(RAW[name]), required - set(RAW[name])
+    assert ("peak_fp8_tflops" in RAW[name]) == (name in FP8)
+    assert not [key for key in RAW[name] if key.startswith("measured_")]  # datasheets, not one machine's run
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sources_state_and_justify_each_efficiency(name):
+    """Each efficiency is named in `sources` with the value the entry uses, followed by where it comes from."""
+    sources = RAW[name]["sources"]
+    for key in EFFICIENCIES:
+        stated = re.findall(rf"{key} ([0-9.]+): (\S+)", sources)
+        assert len(stated) == 1, (name, key)
+        assert float(stated[0][0]) == pytest.approx(RAW[name][key]), (name, key)
+    assert f"sm_count {RAW[name]['sm_count']}:" in sources
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preset_efficiencies_are_sane(name):
+    spec = load_hardware(name)
+    assert 0.5 < spec.matmul_efficiency < 1  # cuBLAS / hipBLASLt large GEMMs: 51% (MI300X) to 82% (A100)
+    assert 0.5 < spec.memory_efficiency < 1
+    assert 0.3 < spec.attention_efficiency <= spec.matmul_efficiency  # attention's matmuls, plus softmax and masking
+    assert 0.5 < spec.nvlink_efficiency < 1 and 0.5 < spec.network_efficiency < 1
+    assert spec.peak_tf32_flops == pytest.approx(spec.peak_bf16_flops / 2, rel=0.03)  # B200's is 1.1 of 2.25 PF
+
+
+def test_fp8_peak_is_twice_bf16_where_the_datasheet_says_so():
+    for name in NAMES:
+        spec = load_hardware(name)
+        if name in FP8:
+            assert spec.peak_fp8_flops == pytest.approx(2 * spec.peak_bf16_flops, rel=1e-4), name
+        else:
+            assert spec.peak_fp8_flops is None, name
+    assert "no FP8" in load_hardware("a100-80gb").sources
+
+
+def test_sm_counts_and_the_mi300x_fabric():
+    assert {name: load_hardware(name).sm_count for name in NAMES} == {
+        "a100-40gb": 108,
+        "a100-80gb": 108,
+        "h100": 132,
+        "h200": 132,
+        "b200": 148,
+        "mi300x": 304,
+    }
+    mi300x = load_hardware("mi300x")
+    assert mi300x.nvlink_bandwidth == pytest.approx(7 * 64e9)  # 7 Infinity Fabric links x 64 GB/s per direction
+    assert "one peer" in mi300x.sources and mi300x.memory_bytes == 192 * 10**9
+    assert mi300x.peak_bf16_flops == pytest.approx(1307.4e12) and mi300x.hbm_bandwidth == pytest.approx(5.3e12)
 
 
 def test_preset_figures_match_datasheets():
@@ -75,7 +155,7 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
     assert merged["mygpu"].memory_bytes == 24 * 10**9 and merged["mygpu"].matmul_efficiency == 0.6
     assert set(NAMES) <= set(merged)
     assert load_hardware("mygpu", hardware_file=path).network_bandwidth == pytest.approx(12.5e9)
-    assert hardware_presets()["h100"].matmul_efficiency == 0.6  # presets themselves are untouched
+    assert hardware_presets()["h100"].matmul_efficiency == RAW["h100"]["matmul_efficiency"]  # presets untouched
 
 
 @pytest.mark.parametrize(
@@ -85,6 +165,8 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
         ({"h100": {"hbm_bw": 1}}, "unknown field"),
         ({"h100": {"matmul_efficiency": 1.5}}, "matmul_efficiency must lie in"),
         ({"h100": {"hbm_gb": -1}}, "memory_bytes must be positive"),
+        ({"h100": {"sm_count": 132.5}}, "sm_count must be a whole number"),
+        ({"h100": {"measured_bf16_tflops": 700}}, "would count tile and wave quantization twice"),
         ({"h100": {"hbm_gb": "lots"}}, "must be a number"),
         ({"h100": []}, "must be a JSON object"),
         ({}, "non-empty 'hardware'"),
@@ -128,8 +210,9 @@ def test_cluster_for_uses_hbm_nvlink_and_network():
     h100 = load_hardware("h100")
     assert cluster.num_nodes == 2 and cluster.devices_per_node == 8
     assert cluster.memory_per_device == h100.memory_bytes
-    assert cluster.intra_node_bandwidth == h100.nvlink_bandwidth
-    assert cluster.inter_node_bandwidth == h100.network_bandwidth
+    # collectives reach the datasheet bandwidth x the measured bus-bandwidth fraction
+    assert cluster.intra_node_bandwidth == pytest.approx(h100.nvlink_bandwidth * 0.82)
+    assert cluster.inter_node_bandwidth == pytest.approx(h100.network_bandwidth * 0.94)
     assert cluster.hardware == "h100"
     one_gb = 1e9
     assert cluster.transfer_s(one_gb, same_node=True) < cluster.transfer_s(one_gb, same_node=False)

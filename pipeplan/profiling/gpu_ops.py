@@ -97,23 +97,24 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int, eps: float):
         reduce = tuple(range(-dims, 0))
-        rstd = torch.rsqrt(x.float().pow(2).mean(reduce, keepdim=True) + eps)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32, as the kernels accumulate
+        rstd = torch.rsqrt(wide.pow(2).mean(reduce, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd, weight)
         ctx.dims = reduce
-        normed = (x.float() * rstd).to(x.dtype)
+        normed = (wide * rstd).to(x.dtype)
         return normed * weight if weight is not None else normed
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad_normed = (grad * weight).float() if weight is not None else grad.float()
+        normed = x.to(rstd.dtype) * rstd
+        grad_normed = (grad * weight if weight is not None else grad).to(rstd.dtype)
         mean = (grad_normed * normed).mean(ctx.dims, keepdim=True)
         grad_x = ((grad_normed - normed * mean) * rstd).to(x.dtype)
         if weight is None:
             return grad_x, None, None, None
         sum_dims = tuple(range(grad.dim() - weight.dim()))
-        grad_w = (grad.float() * normed).sum(sum_dims).to(weight.dtype)
+        grad_w = (grad.to(rstd.dtype) * normed).sum(sum_dims).to(weight.dtype)
         return grad_x, grad_w, None, None
 
 

@@ -14,7 +14,10 @@
 - `fp8`: `bf16-main` with Transformer Engine's FP8 linears (delayed scaling, HYBRID format): every linear's matmul
   (forward, input and weight gradients) at the FP8 peak, attention and everything else in bf16; each step keeps an
   FP8 copy of the weights and its transpose (2 bytes per parameter, Hopper's layout).
-The last three are analytic (capacity, `plan --device meta`): `pipeplan run` executes the first four.
+- `bf16-main-bf16grads` / `fp8-bf16grads`: the same with 16-bit gradient buffers and reductions (Megatron-Core's
+  library default `grad_reduce_in_fp32=False`, NeMo 1.x's `grad_sync_dtype: bf16`; Megatron-LM's training script
+  accumulates bf16 models' gradients in fp32: the modes without the suffix).
+The main-weight modes are analytic (capacity, `plan --device meta`): `pipeplan run` executes the first four.
 
 Bytes per parameter (weights, gradients, optimizer state by optimizer and mode) are a cost: the one table is in
 `pipeplan.costs.optimizer`, reading `Precision.param_bytes` from here. Activations are counted in the
@@ -79,6 +82,12 @@ PRECISIONS: dict[str, Precision] = {
     ),
     "fp8": Precision(
         "fp8", torch.bfloat16, None, grad_dtype=torch.float32, main_weights=True, fp8_linears=True, runnable=False
+    ),
+    "bf16-main-bf16grads": Precision(
+        "bf16-main-bf16grads", torch.bfloat16, None, grad_dtype=torch.bfloat16, main_weights=True, runnable=False
+    ),
+    "fp8-bf16grads": Precision(
+        "fp8-bf16grads", torch.bfloat16, None, main_weights=True, fp8_linears=True, runnable=False
     ),
 }
 

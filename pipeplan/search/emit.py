@@ -85,7 +85,10 @@ def build_plan(
 
 
 def _sentence(reason: str) -> str:
-    return f"Tensor parallelism {reason}." if reason else ""
+    """The rationale's opening: why this tensor/context-parallel size (`t=8: ...`), or a whole sentence already."""
+    if not reason:
+        return ""
+    return f"Tensor parallelism {reason}." if reason.startswith("t=") else reason
 
 
 def _check_graph_matches(profile: Profile, graph: LayerGraph) -> None:

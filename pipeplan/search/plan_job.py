@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeplan.cluster import Cluster
 from pipeplan.costs.overlap import Overlap
+from pipeplan.errors import InfeasibleError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models import parse_assignments
 from pipeplan.plan.plan import Plan
@@ -31,7 +32,9 @@ from pipeplan.search.inputs import (
     pipeline_depth_candidates,
     profile_model_input,
 )
+from pipeplan.search.pinned import PinnedLayout, evaluate_pinned, parse_layout, pinned_layout
 from pipeplan.search.plan_options import PlanOptions
+from pipeplan.search.search import SearchResult
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
@@ -52,7 +55,8 @@ class PlanJob:
     config: SearchConfig
     schedules: tuple[str, ...] | None  # None: every schedule (--schedule auto)
     output: Path
-    tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (planner.tensor_search)
+    tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (search.tensor_search)
+    layout: PinnedLayout | None = None  # --layout: plan exactly this (the search's choice is compared)
 
 
 def prepare_plan(options: PlanOptions) -> PlanJob:
@@ -86,6 +90,9 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         overlap=Overlap.parse(options.overlap),
     )
     config.check_devices(cluster.num_devices)
+    pinned = parse_layout(options.layout) if options.layout is not None else None
+    if pinned is not None:  # checked before the (slow) profiling
+        pinned_layout(pinned, config, cluster)
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
     schedules = None if options.schedule == "auto" else (options.schedule,)
@@ -97,7 +104,23 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         schedules=schedules,
         output=Path(options.output),
         tensor_parallel=tensor_sizes,
+        layout=pinned,
     )
+
+
+def _pinned_result(job: PlanJob, free: SearchResult) -> tuple[SearchResult, str]:
+    """The pinned layout as a one-candidate result, and a sentence comparing it with the search's choice."""
+    found = evaluate_pinned(job.source.profile, job.cluster, job.config, job.layout)
+    if found.evaluation is None:
+        raise InfeasibleError(f"--layout {job.layout.label}: {found.rejection.reason}")
+    pinned = found.evaluation
+    gap = pinned.step_ms / free.best.step_ms - 1.0
+    faster = "faster" if gap < 0 else "slower"
+    why = (
+        f"Layout pinned by --layout ({job.layout.label}): {abs(gap):.1%} {faster} than the search's choice "
+        f"{free.best.label_with_replicas} ({free.best.step_ms:,.2f} ms/step)."
+    )
+    return found.as_search_result(job.config), why
 
 
 def _profile_file(options: PlanOptions) -> PlanInput | None:
@@ -133,8 +156,10 @@ def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = 
         job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
     )
     result = chosen_try(tries).result
-    source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
     why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
+    if job.layout is not None:  # the pinned layout is the plan; the search's choice is what it is compared with
+        result, why = _pinned_result(job, result)
+    source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
     timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
     write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)

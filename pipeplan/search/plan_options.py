@@ -13,6 +13,7 @@ from pipeplan.options import argument, option
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.search.inputs import check_plan_options
+from pipeplan.search.pinned import parse_layout
 from pipeplan.search.tensor_search import AUTO, parse_tensor_parallel
 
 DEFAULT_OUTPUT = "plan"
@@ -39,6 +40,10 @@ CONTEXT_HELP = (
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
     "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
+)
+LAYOUT_HELP = (
+    'Plan exactly this layout (compared with the search\'s choice), e.g. "tp=2,pp=2,vp=2,dp=1,mbs=1,recompute=none" '
+    "(keys: tp cp pp vp dp mbs recompute zero schedule split; tp x cp x pp x dp = --devices)."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 ASYNC_HELP = (
@@ -80,6 +85,7 @@ class PlanOptions:
     tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
     context_parallel: str = option("1", "--context-parallel", help=CONTEXT_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
+    layout: str | None = option(None, "--layout", help=LAYOUT_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
     allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
@@ -104,6 +110,8 @@ class PlanOptions:
         if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
             searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
         Overlap.parse(self.overlap)
+        if self.layout is not None:
+            parse_layout(self.layout)
         for flag, text in (
             ("--tensor-parallel", self.tensor_parallel),
             ("--context-parallel", self.context_parallel),

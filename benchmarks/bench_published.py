@@ -6,12 +6,14 @@ A100 80 GB on Selene, fp16, sequence 2048, vocabulary 51,200, one data-parallel 
 no flash attention, sequence parallelism with selective recomputation, plain tensor parallelism with full
 recomputation; measured seconds per iteration): each row's layout is pinned (`search.pinned`, Megatron's even
 split of blocks) and predicted with the `a100-80gb` preset; the targets are a mean absolute error <= 5%, the worst
-row <= 10%, every row within its 80 GB, and the planner's free choice on each row's devices and batch predicted no
-slower than the published layout.
+row <= 10%, every row within its 80 GB less the default reserve (5%), and the planner's free choice on each row's
+devices and batch predicted no slower than the published layout.
 
 Held out (not targets, reported for how the model generalizes): NVIDIA's DGX Cloud benchmarking recipes v25.01.1
-(H100 80 GB, NeMo with Transformer Engine: flash attention, sequence parallelism, Megatron's mixed precision with
-the distributed optimizer, every communication overlap on; measured step seconds, BF16 and FP8).
+(H100 80 GB, NeMo with Transformer Engine: flash attention, sequence parallelism, bf16 weights with fp32 main
+weights and Adam moments sharded by the distributed optimizer, gradients kept and reduced in bf16 (the recipes'
+`grad_sync_dtype: bf16`), every communication overlap on; measured step seconds, BF16 and FP8), predicted with the
+`h100` preset and the default memory reserve, as a user would get them.
 
 Run: .venv/bin/python benchmarks/bench_published.py [--quick]   (--quick: the two smallest target rows only)
 """
@@ -37,7 +39,7 @@ from pipeplan.costs.overlap import Overlap  # noqa: E402
 from pipeplan.hardware import cluster_for, load_hardware  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
 from pipeplan.profiling.analytic import profile_analytic  # noqa: E402
-from pipeplan.search.config import SearchConfig  # noqa: E402
+from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 from pipeplan.search.pinned import evaluate_pinned, parse_layout  # noqa: E402
 from pipeplan.search.tensor_search import chosen_try, search_tensor_parallel, tensor_parallel_sizes  # noqa: E402
 
@@ -123,7 +125,8 @@ def korthikanti(rows) -> list[dict]:
         options = dict(hidden=hidden, layers=layers, heads=heads, vocab=GPT3_VOCAB, seq=GPT3_SEQ, dropout=0.1)
         start = time.perf_counter()
         profile = _profile("gpt", {**options, "tie_embeddings": True}, hardware, "fp16-main", flash=False)
-        config = SearchConfig(global_batch_size=batch, precision="fp16-main", memory_reserve_bytes=0, zero=0)
+        reserve = default_memory_reserve(hardware.memory_bytes)  # as `plan` and `capacity` keep it
+        config = SearchConfig(global_batch_size=batch, precision="fp16-main", zero=0, memory_reserve_bytes=reserve)
         published = []
         for mode, measured in (("full", full_s), ("selective", selective_s)):
             evaluation, reason = _pinned(profile, hardware, f"{layout},recompute={mode}", config)
@@ -154,12 +157,15 @@ def held_out() -> list[dict]:
     hardware = load_hardware("h100")
     found = []
     for name, model, options, layout, batch, bf16_s, fp8_s in HELD_OUT:
-        for precision, measured in (("bf16-main", bf16_s), ("fp8", fp8_s)):
+        for precision, measured in (("bf16-main-bf16grads", bf16_s), ("fp8-bf16grads", fp8_s)):
             if precision == "fp8" and not hardware.peak_fp8_flops:
                 continue
             profile = _profile(model, options, hardware, precision, flash=True)
             config = SearchConfig(
-                global_batch_size=batch, precision=precision, memory_reserve_bytes=0, overlap=Overlap.parse("all")
+                global_batch_size=batch,
+                precision=precision,
+                overlap=Overlap.parse("all"),
+                memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
             )
             evaluation, reason = _pinned(profile, hardware, layout, config)
             predicted = evaluation.step_ms / 1e3 if evaluation else None
@@ -181,7 +187,7 @@ def held_out() -> list[dict]:
 def _summary(rows: list[dict]) -> dict:
     ratios = [row["ratio"] for row in rows if row["ratio"] is not None]
     errors = [abs(r - 1.0) for r in ratios]
-    fits = all(row["peak_gib"] is not None and row["peak_gib"] <= 80e9 / GIB for row in rows)
+    fits = all(row["peak_gib"] is not None for row in rows)  # a pinned layout over the usable memory is refused
     return dict(
         mean_abs_error=statistics.mean(errors) if errors else None,
         worst_abs_error=max(errors) if errors else None,
@@ -222,7 +228,7 @@ def main() -> int:
     console.print(_table("Korthikanti et al. 2022 Table 5 (A100 80 GB): targets", targets, "recompute"))
     console.print(
         f"mean |error| {summary['mean_abs_error']:.1%} (target <= 5%), worst {summary['worst_abs_error']:.1%} "
-        f"(<= 10%), every row fits 80 GB: {summary['all_fit']}, planner's free choice no slower: "
+        f"(<= 10%), every row fits 80 GB (less 5% reserve): {summary['all_fit']}, planner's free choice no slower: "
         f"{summary['free_no_slower']}"
     )
     other = [] if args.quick else held_out()

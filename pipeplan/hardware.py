@@ -7,7 +7,8 @@ whitepapers; the efficiencies from published measurements (cuBLAS / hipBLASLt la
 FlashAttention forward+backward, nccl-tests / rccl-tests bus bandwidth), each marked where no measurement of that
 GPU exists and the nearest documented figure stands in. What the efficiencies mean (the analytic model's terms):
 
-- `matmul_efficiency`: the fraction of the dense peak a FULL WAVE of large matmul tiles reaches;
+- `matmul_efficiency`: the fraction of the dense peak a FULL WAVE of large matmul tiles reaches (FP8 matmuls:
+  `fp8_matmul_efficiency` of the FP8 peak where measured);
   `profiling.kernels` adds tile and wave quantization over `sm_count` SMs (AMD: compute units) on top, so small and
   skinny matmuls come out below it. `attention_efficiency`: the same for FlashAttention's thread blocks (None: as
   matmuls).
@@ -46,7 +47,7 @@ _PRESETS_PATH = Path(__file__).with_name("hardware.json")
 _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "peak_bf16_tflops": ("peak_bf16_flops", 1e12),
     "peak_tf32_tflops": ("peak_tf32_flops", 1e12),
-    "hbm_gb": ("memory_bytes", 1e9),
+    "memory_mib": ("memory_bytes", 2**20),  # as nvidia-smi / rocm-smi report it (H100 80GB: 81,559 MiB)
     "hbm_tb_per_s": ("hbm_bandwidth", 1e12),
     "nvlink_gb_per_s": ("nvlink_bandwidth", 1e9),
     "network_gb_per_s": ("network_bandwidth", 1e9),
@@ -59,6 +60,7 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "network_efficiency": ("network_efficiency", 1.0),
     "sm_count": ("sm_count", 1.0),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
+    "fp8_matmul_efficiency": ("fp8_matmul_efficiency", 1.0),
     # optional, written by `pipeplan calibrate` (pipeplan/calibrate/hardware_file.py): what this machine achieved;
     # the matmul rates only without sm_count (a CPU), see the module docstring
     "measured_bf16_tflops": ("measured_bf16_flops", 1e12),
@@ -67,6 +69,7 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "measured_hbm_tb_per_s": ("measured_hbm_bandwidth", 1e12),
     "kernel_launch_us": ("kernel_launch_s", 1e-6),
 }
+_READ_ONLY_FIELDS = {"hbm_gb": ("memory_bytes", 1e9)}  # older files: memory in decimal GB (never written)
 _TEXT_FIELDS = ("description", "sources")
 _RECORD_FIELDS = ("calibration",)  # free-form JSON objects kept in the file for people; the model reads none
 _REQUIRED_ATTRS = frozenset(
@@ -94,6 +97,7 @@ class Hardware:
     network_efficiency: float = 1.0  # the same for the inter-node network
     sm_count: int | None = None  # streaming multiprocessors (compute units): tile and wave quantization
     peak_fp8_flops: float | None = None  # dense FP8 tensor-core peak (None: no FP8)
+    fp8_matmul_efficiency: float | None = None  # matmul_efficiency of FP8 matmuls (None: the bf16 one)
     # measured by `pipeplan calibrate`; when given they replace peak x efficiency (see `matmul_flops_per_s`)
     measured_bf16_flops: float | None = None
     measured_fp16_flops: float | None = None
@@ -126,8 +130,9 @@ class Hardware:
         for attr in ("matmul_efficiency", "memory_efficiency", "nvlink_efficiency", "network_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1], got {getattr(self, attr)!r}")
-        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
-            raise ConfigError(f"hardware {self.name!r}: attention_efficiency must lie in (0, 1]")
+        for attr in ("attention_efficiency", "fp8_matmul_efficiency"):
+            if getattr(self, attr) is not None and not 0 < getattr(self, attr) <= 1:
+                raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1]")
         if self.sm_count is not None and self.sm_count != int(self.sm_count):
             raise ConfigError(f"hardware {self.name!r}: sm_count must be a whole number, got {self.sm_count!r}")
         measured = [attr for attr in _MEASURED_MATMUL_ATTRS if getattr(self, attr) is not None]
@@ -166,6 +171,14 @@ class Hardware:
             return measured
         return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency)
 
+    def fp8_matmul_flops_per_s(self, efficiency: float | None = None) -> float | None:
+        """FP8 linears' full-wave rate: the FP8 peak x `efficiency` when one is given (an explicit override), else
+        x fp8_matmul_efficiency (cuBLASLt's FP8 GEMMs reach a lower fraction of their peak than bf16's), else x
+        matmul_efficiency. None without an FP8 peak."""
+        if self.peak_fp8_flops is None:
+            return None
+        return self.peak_fp8_flops * (efficiency or self.fp8_matmul_efficiency or self.matmul_efficiency)
+
     def memory_bytes_per_s(self, efficiency: float | None = None) -> float:
         """The memory-bound rate the analytic model uses (same precedence as `matmul_flops_per_s`)."""
         if efficiency is None and self.measured_hbm_bandwidth is not None:
@@ -190,9 +203,11 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
     if not isinstance(entry, dict):
         raise FormatError(f"{where} must be a JSON object")
     known = set(_FILE_FIELDS) | set(_TEXT_FIELDS) | set(_RECORD_FIELDS)
-    unknown = sorted(set(entry) - known)
+    unknown = sorted(set(entry) - known - set(_READ_ONLY_FIELDS))
     if unknown:
         raise FormatError(f"{where} has unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    if "hbm_gb" in entry and "memory_mib" in entry:
+        raise FormatError(f"{where} gives both memory_mib and hbm_gb: keep memory_mib (the driver's figure)")
     kwargs = dict(base or {})
     for key, value in entry.items():
         if key in _RECORD_FIELDS:
@@ -206,7 +221,7 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise FormatError(f"{where}: {key} must be a number, got {value!r}")
-        attr, scale = _FILE_FIELDS[key]
+        attr, scale = _FILE_FIELDS.get(key) or _READ_ONLY_FIELDS[key]
         if attr == "sm_count" and not float(value).is_integer():
             raise FormatError(f"{where}: sm_count must be a whole number, got {value!r}")
         kwargs[attr] = int(value * scale) if attr in ("memory_bytes", "sm_count") else float(value * scale)

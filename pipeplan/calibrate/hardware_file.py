@@ -100,7 +100,7 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     fields: dict[str, Any] = {
         "peak_bf16_tflops": peak_low / 1e12,
         "peak_tf32_tflops": peak_f32 / 1e12,
-        "hbm_gb": cal.memory_bytes / 1e9,
+        "memory_mib": cal.memory_bytes / 2**20,
         "hbm_tb_per_s": peak_mem / 1e12,
         "matmul_efficiency": eff_low or eff_f32 or (preset.matmul_efficiency if preset else 1.0),
         "memory_efficiency": eff_mem,
@@ -176,7 +176,9 @@ def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
     fields: dict[str, Any] = {"attention_efficiency": preset.attention_fraction}
     if preset.peak_fp8_flops is not None:
         fields["peak_fp8_tflops"] = preset.peak_fp8_flops / 1e12
-    notes.append(f"attention_efficiency and the FP8 peak: preset {preset.name!r}'s (not measured here)")
+    if preset.fp8_matmul_efficiency is not None:
+        fields["fp8_matmul_efficiency"] = preset.fp8_matmul_efficiency
+    notes.append(f"attention_efficiency and the FP8 peak and efficiency: preset {preset.name!r}'s (not measured here)")
     return fields
 
 

@@ -96,7 +96,7 @@ class AnalyticConfig:
             launch_s=hardware.kernel_launch_s,
             attention_flops_per_s=peak * hardware.attention_fraction,
             sm_count=hardware.sm_count,
-            fp8_flops_per_s=hardware.peak_fp8_flops * matmul / peak if self.fp8_linears else None,
+            fp8_flops_per_s=hardware.fp8_matmul_flops_per_s(self.matmul_efficiency) if self.fp8_linears else None,
         )
 
 

@@ -30,8 +30,8 @@ def parse_zero(text: str) -> int | str:
 def default_memory_reserve(memory_per_device: int) -> int:
     """max(1 GiB, 5% of device memory), at most a quarter of it: a CUDA context with cuBLAS/cuDNN workspaces
     takes 0.5-1 GiB, NCCL's point-to-point and all-reduce buffers a few hundred MiB more, and the caching
-    allocator's fragmentation is typically a few percent of what it holds. On an 80 GB H100 that keeps 4 GB
-    free; the quarter cap keeps small (test, CPU) devices usable."""
+    allocator's fragmentation is typically a few percent of what it holds. On an H100 80GB (81,559 MiB) that keeps
+    4.0 GiB free; the quarter cap keeps small (test, CPU) devices usable."""
     return min(max(GIB, int(0.05 * memory_per_device)), memory_per_device // 4)
 
 

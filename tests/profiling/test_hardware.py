@@ -46,7 +46,7 @@ def test_every_preset_gives_every_field_itself(name):
         "sources",
         "peak_bf16_tflops",
         "peak_tf32_tflops",
-        "hbm_gb",
+        "memory_mib",
         "hbm_tb_per_s",
         "nvlink_gb_per_s",
         "network_gb_per_s",
@@ -64,8 +64,8 @@ def test_every_preset_gives_every_field_itself(name):
 def test_sources_state_and_justify_each_efficiency(name):
     """Each efficiency is named in `sources` with the value the entry uses, followed by where it comes from."""
     sources = RAW[name]["sources"]
-    for key in EFFICIENCIES:
-        stated = re.findall(rf"{key} ([0-9.]+): (\S+)", sources)
+    for key in (*EFFICIENCIES, *(["fp8_matmul_efficiency"] if "fp8_matmul_efficiency" in RAW[name] else [])):
+        stated = re.findall(rf"(?<![a-z0-9_]){key} ([0-9.]+): (\S+)", sources)
         assert len(stated) == 1, (name, key)
         assert float(stated[0][0]) == pytest.approx(RAW[name][key]), (name, key)
     assert f"sm_count {RAW[name]['sm_count']}:" in sources
@@ -91,6 +91,17 @@ def test_fp8_peak_is_twice_bf16_where_the_datasheet_says_so():
     assert "no FP8" in load_hardware("a100-80gb").sources
 
 
+def test_fp8_matmuls_reach_a_lower_fraction_of_their_peak():
+    """Measured cuBLASLt FP8 GEMMs: 0.70 of the FP8 peak on H100 against 0.80 of bf16's; without a measurement
+    (MI300X) FP8 uses the bf16 fraction."""
+    h100, mi300x = load_hardware("h100"), load_hardware("mi300x")
+    assert h100.fp8_matmul_flops_per_s() == pytest.approx(0.70 * 1978.9e12)
+    assert h100.fp8_matmul_flops_per_s() < 2 * h100.matmul_flops_per_s(torch.bfloat16)
+    assert h100.fp8_matmul_flops_per_s(0.5) == pytest.approx(0.5 * 1978.9e12)  # an explicit efficiency overrides
+    assert mi300x.fp8_matmul_flops_per_s() == pytest.approx(mi300x.peak_fp8_flops * mi300x.matmul_efficiency)
+    assert load_hardware("a100-80gb").fp8_matmul_flops_per_s() is None
+
+
 def test_sm_counts_and_the_mi300x_fabric():
     assert {name: load_hardware(name).sm_count for name in NAMES} == {
         "a100-40gb": 108,
@@ -102,17 +113,17 @@ def test_sm_counts_and_the_mi300x_fabric():
     }
     mi300x = load_hardware("mi300x")
     assert mi300x.nvlink_bandwidth == pytest.approx(7 * 64e9)  # 7 Infinity Fabric links x 64 GB/s per direction
-    assert "one peer" in mi300x.sources and mi300x.memory_bytes == 192 * 10**9
+    assert "one peer" in mi300x.sources and mi300x.memory_bytes == 196288 * 2**20  # rocm-smi: 205,822,885,888 B
     assert mi300x.peak_bf16_flops == pytest.approx(1307.4e12) and mi300x.hbm_bandwidth == pytest.approx(5.3e12)
 
 
 def test_preset_figures_match_datasheets():
     h100, h200, a100, b200 = (load_hardware(n) for n in ("h100", "h200", "a100-80gb", "b200"))
     assert h100.peak_bf16_flops == pytest.approx(989.4e12)
-    assert h100.hbm_bandwidth == pytest.approx(3.35e12) and h100.memory_bytes == 80 * 10**9
-    assert h200.memory_bytes == 141 * 10**9 and h200.hbm_bandwidth == pytest.approx(4.8e12)
+    assert h100.hbm_bandwidth == pytest.approx(3.35e12) and h100.memory_bytes == 81559 * 2**20  # nvidia-smi
+    assert h200.memory_bytes == 143771 * 2**20 and h200.hbm_bandwidth == pytest.approx(4.8e12)
     assert a100.peak_bf16_flops == pytest.approx(312e12) and a100.hbm_bandwidth == pytest.approx(2.039e12)
-    assert load_hardware("a100-40gb").memory_bytes == 40 * 10**9
+    assert load_hardware("a100-40gb").memory_bytes == 40 * 2**30
     assert b200.peak_bf16_flops > 2 * h100.peak_bf16_flops
     assert h100.network_bandwidth == pytest.approx(50e9)  # 400 Gb/s InfiniBand per GPU
     assert h100.nvlink_bandwidth == pytest.approx(450e9)  # 900 GB/s bidirectional
@@ -142,7 +153,7 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
     new_entry = dict(
         peak_bf16_tflops=100,
         peak_tf32_tflops=50,
-        hbm_gb=24,
+        memory_mib=24576,
         hbm_tb_per_s=1.0,
         nvlink_gb_per_s=32,
         network_gb_per_s=12.5,
@@ -152,7 +163,7 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
     merged = load_hardware_file(path)
     assert merged["h100"].matmul_efficiency == 0.5
     assert merged["h100"].peak_bf16_flops == hardware_presets()["h100"].peak_bf16_flops  # other fields kept
-    assert merged["mygpu"].memory_bytes == 24 * 10**9 and merged["mygpu"].matmul_efficiency == 0.6
+    assert merged["mygpu"].memory_bytes == 24 * 2**30 and merged["mygpu"].matmul_efficiency == 0.6
     assert set(NAMES) <= set(merged)
     assert load_hardware("mygpu", hardware_file=path).network_bandwidth == pytest.approx(12.5e9)
     assert hardware_presets()["h100"].matmul_efficiency == RAW["h100"]["matmul_efficiency"]  # presets untouched
@@ -161,10 +172,11 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
 @pytest.mark.parametrize(
     "entries, match",
     [
-        ({"x": {"hbm_gb": 10}}, "missing field"),
+        ({"x": {"memory_mib": 10}}, "missing field"),
+        ({"h100": {"memory_mib": 80000, "hbm_gb": 80}}, "both memory_mib and hbm_gb"),
         ({"h100": {"hbm_bw": 1}}, "unknown field"),
         ({"h100": {"matmul_efficiency": 1.5}}, "matmul_efficiency must lie in"),
-        ({"h100": {"hbm_gb": -1}}, "memory_bytes must be positive"),
+        ({"h100": {"memory_mib": -1}}, "memory_bytes must be positive"),
         ({"h100": {"sm_count": 132.5}}, "sm_count must be a whole number"),
         ({"h100": {"measured_bf16_tflops": 700}}, "would count tile and wave quantization twice"),
         ({"h100": {"hbm_gb": "lots"}}, "must be a number"),
@@ -175,6 +187,19 @@ def test_hardware_file_overrides_fields_and_adds_entries(tmp_path):
 def test_bad_hardware_files_are_format_errors(tmp_path, entries, match):
     with pytest.raises(FormatError, match=match):
         load_hardware_file(_write(tmp_path, entries))
+
+
+def test_older_files_give_memory_in_decimal_gb(tmp_path):
+    """`hbm_gb` (decimal GB, the datasheets' rounding) is still read; files are written with `memory_mib`."""
+    merged = load_hardware_file(_write(tmp_path, {"h100": {"hbm_gb": 80}}))
+    assert merged["h100"].memory_bytes == 80 * 10**9
+    assert "hbm_gb" not in merged["h100"].to_file_entry() and merged["h100"].to_file_entry()["memory_mib"] > 76000
+
+
+def test_presets_hold_the_memory_the_driver_reports():
+    """nvidia-smi on an H100 80GB HBM3 reports 81,559 MiB (85.5e9 B, not the datasheet's 80e9)."""
+    assert hardware_presets()["h100"].memory_bytes == 81559 * 2**20
+    assert hardware_presets()["a100-80gb"].memory_bytes == 80 * 2**30
 
 
 def test_hardware_file_version_and_existence(tmp_path):

@@ -12,10 +12,12 @@ For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the 
 `num_microbatches`, weight versions on the ops, `num_op_microbatches` in all); `run` regenerates the stream its
 --steps need from the same generator and checks these lists are that generator's.
 A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
-start with `require_runnable()`, which raises one clear RunError. So does a plan with tensor parallelism
-(`training.tensor_parallel` t > 1, planned analytically by `planner.tensor_parallel`): there each rank of
-`ranks` stands for a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t + t - 1,
-on node r·t // devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
+start with `require_runnable()`, which raises one clear RunError (`not_runnable_reason`). So does a plan with
+context parallelism, one predicted with gradient or parameter collectives overlapped (`training.overlap`), and one
+with tensor parallelism (`training.tensor_parallel` t > 1, planned analytically by `search.sharding`): there each
+rank of `ranks` stands for a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t +
+t - 1, on node r·t // devices_per_node), and the stages' costs, parameters and bytes are one device's of the
+group.
 """
 
 from __future__ import annotations
@@ -188,24 +190,46 @@ class Plan:
 
     @property
     def runnable(self) -> bool:
-        """False for plans made from a profile file alone (no model to trace, so no FX node names per stage) and
-        for tensor-parallel plans (the runtime has no tensor-parallel layers)."""
-        return self.training.tensor_parallel == 1 and all(stage.node_names for stage in self.stages)
+        """Whether `pipeplan run` can execute this plan (`not_runnable_reason` says why not)."""
+        return self.not_runnable_reason() is None
 
-    def require_runnable(self) -> None:
-        """Raise RunError unless `pipeplan run` can execute this plan."""
-        t = self.training.tensor_parallel
+    def not_runnable_reason(self) -> str | None:
+        """Why `pipeplan run` cannot execute this plan, in one line, or None: made from a profile file alone (no
+        model to trace, so no FX node names per stage), tensor- or context-parallel (the runtime has no such
+        layers), or predicted with gradient or parameter collectives hidden behind compute (the runtime reduces
+        gradients after the flush)."""
+        from pipeplan.costs.overlap import Overlap
+
+        t, cp = self.training.tensor_parallel, self.training.context_parallel
         if t > 1:
-            raise RunError(
+            return (
                 f"this plan uses tensor parallelism (t={t}), which `run` does not execute: the runtime has no "
                 "tensor-parallel layers (column/row-parallel Linear, head-parallel attention, vocab-parallel "
                 "embedding and loss) or their collectives; re-plan with --tensor-parallel 1 to run it"
             )
-        if not self.runnable:
-            raise RunError(
+        if cp > 1:
+            return (
+                f"this plan uses context parallelism (cp={cp}), which `run` does not execute (no ring attention); "
+                "re-plan with --context-parallel 1 to run it"
+            )
+        overlap = Overlap.parse(self.training.overlap)
+        if overlap.grad_reduce or overlap.param_gather:
+            return (
+                f"this plan was predicted with --overlap {self.training.overlap}, but `run` reduces gradients and "
+                "updates parameters after the pipeline flush; re-plan with --overlap none or p2p to run it"
+            )
+        if not all(stage.node_names for stage in self.stages):
+            return (
                 "this plan was made from a profile without a model, so its stages name no FX nodes; re-plan with "
                 "MODEL (e.g. `pipeplan plan gpt ...`) instead of --profile to get a runnable plan"
             )
+        return None
+
+    def require_runnable(self) -> None:
+        """Raise RunError unless `pipeplan run` can execute this plan."""
+        reason = self.not_runnable_reason()
+        if reason:
+            raise RunError(reason)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": PLAN_SCHEMA_VERSION, **asdict(self)}

@@ -171,12 +171,10 @@ def _headline(plan: Plan) -> Text:
     if stale:  # asynchronous: what the speed costs in optimization semantics
         text.append("\nStaleness: ", style="bold yellow")
         text.append(f"{stale} (asynchronous: no flush, each stage steps on its own)")
-    if not plan.runnable:
+    reason = plan.not_runnable_reason()
+    if reason:
         text.append("\nNot runnable: ", style="bold yellow")
-        if plan.training.tensor_parallel > 1:
-            text.append("tensor parallelism is planned analytically; `run` does not execute it (--tensor-parallel 1).")
-        else:
-            text.append("planned from a profile without a model; re-plan with MODEL to run it.")
+        text.append(reason.removeprefix("this plan "))
     return text
 
 

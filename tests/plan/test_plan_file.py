@@ -4,6 +4,8 @@ with one clear line."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 
 import pytest
 from helpers.search import make_cluster, synthetic_profile
@@ -92,6 +94,23 @@ def test_plan_without_model_is_not_runnable():
     assert not plan.runnable
     with pytest.raises(RunError, match="re-plan with MODEL"):
         plan.require_runnable()
+
+
+@pytest.mark.parametrize(
+    ("training", "needle"),
+    [
+        (dict(context_parallel=2), "context parallelism (cp=2)"),
+        (dict(overlap="grad-reduce"), "--overlap grad-reduce"),
+        (dict(overlap="p2p,param-gather"), "--overlap p2p,param-gather"),
+    ],
+)
+def test_engine_only_plans_are_refused_by_run(plan, training, needle):
+    """What the runtime does not do (ring attention, collectives hidden behind the backward) is never run as if."""
+    engine = replace(plan, training=replace(plan.training, **training))
+    assert not engine.runnable and needle in engine.not_runnable_reason()
+    with pytest.raises(RunError, match=re.escape(needle)):
+        engine.require_runnable()
+    assert replace(plan, training=replace(plan.training, overlap="p2p")).runnable  # the runtime's sends are async
 
 
 def _damaged(plan: Plan, edit) -> dict:

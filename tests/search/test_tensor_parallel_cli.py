@@ -56,7 +56,7 @@ def test_a_forced_size_is_planned_shown_and_refused_by_run(stack_file, tmp_path)
     result = runner.invoke(app, [*PLAN, "--profile", str(stack_file), "-o", str(out), "--tensor-parallel", "2"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # rich wraps at the runner's 80 columns
-    assert "tensor parallel t=2" in text and "Not runnable: tensor parallelism is planned analytically" in text
+    assert "tensor parallel t=2" in text and "Not runnable: uses tensor parallelism (t=2)" in text
     plan = Plan.load(out / "plan.json")
     assert plan.training.tensor_parallel == 2 and plan.world_size * 2 == plan.cluster.num_devices == 4
     shown = runner.invoke(app, ["show", str(out / "plan.json"), "--json"])

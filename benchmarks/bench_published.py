@@ -99,12 +99,20 @@ def _profile(model: str, options: dict, hardware, precision: str, flash: bool):
     return profile_analytic(spec, batch_size=1, hardware=hardware, precision=precision, flash_attention=flash)
 
 
-def _pinned(profile, hardware, layout_text: str, config: SearchConfig):
+def _pinned(profile, hardware, layout_text: str, config: SearchConfig, measured: float, **labels) -> dict:
+    """One row: the pinned layout's predicted step against the measured one, its peak memory, or why it is refused."""
     layout = parse_layout(layout_text)
     found = evaluate_pinned(profile, cluster_for(hardware, layout.devices, 8), config, layout)
-    if found.evaluation is None:
-        return None, found.rejection.reason
-    return found.evaluation, ""
+    evaluation = found.evaluation
+    predicted = evaluation.step_ms / 1e3 if evaluation else None
+    return dict(
+        **labels,
+        measured_s=measured,
+        predicted_s=predicted,
+        ratio=predicted / measured if predicted else None,
+        peak_gib=evaluation.peak_memory_bytes / GIB if evaluation else None,
+        reason="" if evaluation else found.rejection.reason,
+    )
 
 
 def _free_choice(profile, hardware, devices: int, config: SearchConfig) -> tuple[str, float]:
@@ -129,22 +137,18 @@ def korthikanti(rows) -> list[dict]:
         config = SearchConfig(global_batch_size=batch, precision="fp16-main", zero=0, memory_reserve_bytes=reserve)
         published = []
         for mode, measured in (("full", full_s), ("selective", selective_s)):
-            evaluation, reason = _pinned(profile, hardware, f"{layout},recompute={mode}", config)
-            predicted = evaluation.step_ms / 1e3 if evaluation else None
-            memory = evaluation.peak_memory_bytes / GIB if evaluation else None
-            published.append(predicted or float("inf"))
-            found.append(
-                dict(
-                    model=name,
-                    layout=layout,
-                    recompute=mode,
-                    measured_s=measured,
-                    predicted_s=predicted,
-                    ratio=predicted / measured if predicted else None,
-                    peak_gib=memory,
-                    reason=reason,
-                )
+            row = _pinned(
+                profile,
+                hardware,
+                f"{layout},recompute={mode}",
+                config,
+                measured,
+                model=name,
+                layout=layout,
+                recompute=mode,
             )
+            published.append(row["predicted_s"] or float("inf"))
+            found.append(row)
         free = replace(config, interleave=(2, 3, 4), replication=False)
         label, step_ms = _free_choice(profile, hardware, parse_layout(layout).devices, free)
         for row in found[-2:]:
@@ -158,8 +162,6 @@ def held_out() -> list[dict]:
     found = []
     for name, model, options, layout, batch, bf16_s, fp8_s in HELD_OUT:
         for precision, measured in (("bf16-main-bf16grads", bf16_s), ("fp8-bf16grads", fp8_s)):
-            if precision == "fp8" and not hardware.peak_fp8_flops:
-                continue
             profile = _profile(model, options, hardware, precision, flash=True)
             config = SearchConfig(
                 global_batch_size=batch,
@@ -167,19 +169,8 @@ def held_out() -> list[dict]:
                 overlap=Overlap.parse("all"),
                 memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
             )
-            evaluation, reason = _pinned(profile, hardware, layout, config)
-            predicted = evaluation.step_ms / 1e3 if evaluation else None
             found.append(
-                dict(
-                    model=name,
-                    layout=layout,
-                    precision=precision,
-                    measured_s=measured,
-                    predicted_s=predicted,
-                    ratio=predicted / measured if predicted else None,
-                    peak_gib=evaluation.peak_memory_bytes / GIB if evaluation else None,
-                    reason=reason,
-                )
+                _pinned(profile, hardware, layout, config, measured, model=name, layout=layout, precision=precision)
             )
     return found
 

@@ -231,6 +231,19 @@ def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
     return export_graph(module, spec, meta_inputs, meta_module=build_module(spec, "meta"))
 
 
+def traced_constants(module: nn.Module, spec: ModelSpec, *, granularity: int | None, tracer: str) -> nn.Module:
+    """A module holding, under their qualified names, the tensor constants the tracer captures, computed from
+    `module`'s real tensors: fx's (ops on buffers alone) from tracing it; export's from an export on the module's
+    own device, where a constant the forward makes from Python values (an index list such as `x[..., [-2], :]`,
+    lifted by export under the submodule that made it) keeps the value the meta export has lost."""
+    if tracer != "export":
+        return trace_module(module, spec, batch_size=1, granularity=granularity, tracer=tracer or "fx").graph_module
+    from pipeplan.graph.export_trace import export_program
+
+    device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
+    return export_program(module, spec, _sample_inputs(spec, 1, str(device)))[0]
+
+
 def trace_module(
     module: nn.Module,
     spec: ModelSpec,

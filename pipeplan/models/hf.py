@@ -1,12 +1,19 @@
-"""Hugging Face transformers models as pipeplan models: `hf:gpt2`, `hf:llama`, `hf:bert`, any `hf:<model_type>`
-that `AutoConfig.for_model` knows, or `hf:path/to/dir` (a local model directory: its config.json, and its
-*.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
+"""Hugging Face transformers models as pipeplan models: `hf:gpt2`, `hf:llama`, `hf:bert`, `hf:vit`, any
+`hf:<model_type>` that `AutoConfig.for_model` knows, or `hf:path/to/dir` (a local model directory: its config.json,
+and its *.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
+The types tested end to end are listed in models/hf_types.py; another type is tried with a warning, and
+encoder-decoder and multimodal configs are refused in one line.
 
-`-a key=value` sets a config field (converted to the type of the field's default: `-a n_layer=4 -a n_embd=128`);
-two options belong to the adapter itself:
-- `task`: `causal-lm` (shifted next-token cross-entropy on the logits; the target is the input ids) or
-  `classification` (cross-entropy of `num_labels` classes); default causal-lm for decoder model types (gpt2,
-  llama, ...), classification for encoders (bert, roberta, ...);
+`-a key=value` sets a config field (converted to the type of the field's default, JSON for a list or dict field:
+`-a n_layer=4 -a n_embd=128`); the config is built from the merged fields (models/hf_config.py), so derived fields
+(head_dim, num_key_value_heads, layer_types, ...) follow the given ones; the spec's options, which the profile and
+the plan record, hold the effective shape-defining fields. An error the config or the model build raises on these
+fields is one ModelError line naming the -a options. Three options belong to the adapter itself:
+- `task`: `causal-lm` (shifted next-token cross-entropy on the logits; the target is the input ids),
+  `classification` (cross-entropy of `num_labels` classes over token sequences) or `image-classification`
+  (cross-entropy of `num_labels` classes over synthetic images of the config's num_channels x image_size x
+  image_size); default causal-lm for decoder model types (gpt2, llama, ...), classification for encoders (bert,
+  roberta, ...), image-classification for vision types (vit);
 - `seq_len`: tokens per sample of the synthetic batch (default min(128, the config's maximum positions));
 - `data`: `fixed` (default: every training step sees the same synthetic batch, so the loss visibly falls) or
   `random` (a fresh random batch each step: random tokens have nothing to learn beyond their frequencies).
@@ -16,7 +23,6 @@ loss reads `.logits` from it. transformers is an optional dependency: `pip insta
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,90 +30,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeplan.console import warn
 from pipeplan.errors import ModelError
+from pipeplan.models.hf_config import (
+    ADAPTER_OPTIONS,
+    build_config,
+    effective_fields,
+    first_line,
+    given_line,
+    transformers_module,
+)
+from pipeplan.models.hf_types import SUPPORTED, refusal
 from pipeplan.models.spec import ModelSpec
 
-TASKS = ("causal-lm", "classification")
+TASKS = ("causal-lm", "classification", "image-classification")
 DATA = ("fixed", "random")
-ADAPTER_OPTIONS = ("task", "seq_len", "data")
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
+_AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+_MAPPINGS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING",
+}
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ModelError("hf: models need transformers: pip install 'pipeplan[hf]'") from None
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
-def _base_config(target: str):
-    transformers = _transformers()
-    directory = Path(target)
-    if (directory / "config.json").is_file():
-        return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True), directory
-    if os.sep in target or target.startswith("."):
-        raise ModelError(f"hf:{target}: no config.json in that directory (hf:DIR needs a local model directory)")
-    try:
-        return transformers.AutoConfig.for_model(target), None
-    except ValueError:
-        raise ModelError(
-            f"hf:{target}: unknown model type; use a transformers model_type (gpt2, llama, bert, ...) or hf:path/to/dir"
-        ) from None
-
-
-def _convert(config, key: str, raw: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
-    default = getattr(config, key)
-    kinds = [type(default)] if default is not None else [int, float]
-    for kind in kinds:
-        try:
-            if kind is bool:
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(raw)
-                return raw.lower() in ("true", "1", "yes")
-            if kind in (int, float):
-                return kind(raw)
-        except ValueError:
-            continue
-        if kind is str:
-            return raw
-    if default is None:
-        return raw
-    raise ModelError(f"hf option {key}={raw!r} must be {type(default).__name__} (the type of the config's default)")
-
-
-def _configure(target: str, options: dict[str, Any]):
-    """(config with the options applied, model directory or None, adapter options, options as converted)."""
-    config, directory = _base_config(target)
-    adapter = {key: options[key] for key in ADAPTER_OPTIONS if key in options}
-    applied: dict[str, Any] = {}
-    for key, raw in options.items():
-        if key in ADAPTER_OPTIONS:
-            continue
-        if not hasattr(config, key):
-            raise ModelError(
-                f"hf:{target} has no config field {key!r} (see transformers' {type(config).__name__}); adapter "
-                f"options: {', '.join(ADAPTER_OPTIONS)}"
-            )
-        applied[key] = _convert(config, key, raw)
-        setattr(config, key, applied[key])
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
-    return config, directory, adapter, applied
+def _has_head(config, task: str) -> bool:
+    mapping = getattr(transformers_module().models.auto.modeling_auto, _MAPPINGS[task])
+    return type(config) in mapping
 
 
 def _task(config, requested: Any) -> str:
-    mappings = _transformers().models.auto.modeling_auto
-    causal = type(config) in mappings.MODEL_FOR_CAUSAL_LM_MAPPING
-    encoder = type(config) in mappings.MODEL_FOR_MASKED_LM_MAPPING  # BERT-like: has an LM head only as a decoder
-    task = str(requested) if requested is not None else ("causal-lm" if causal and not encoder else "classification")
+    if requested is None:
+        mappings = transformers_module().models.auto.modeling_auto
+        encoder = type(config) in mappings.MODEL_FOR_MASKED_LM_MAPPING  # BERT-like: an LM head only as a decoder
+        if _has_head(config, "causal-lm") and not encoder:
+            return "causal-lm"
+        return "image-classification" if _has_head(config, "image-classification") else "classification"
+    task = str(requested)
     if task not in TASKS:
         raise ModelError(f"hf option task={task!r} must be one of {', '.join(TASKS)}")
-    if task == "causal-lm" and not causal:
-        raise ModelError(f"hf model type {config.model_type!r} has no causal-LM head; use -a task=classification")
+    if not _has_head(config, task):
+        heads = [t for t in TASKS if _has_head(config, t)]
+        raise ModelError(
+            f"hf model type {config.model_type!r} has no {task} head; use -a task={heads[0]}"
+            if heads
+            else f"hf model type {config.model_type!r} has no {task} head"
+        )
     return task
 
 
@@ -137,52 +109,100 @@ def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(_logits(output), target)
 
 
-def _builder(config, directory: Path | None, task: str):
-    transformers = _transformers()
-    auto = transformers.AutoModelForCausalLM if task == "causal-lm" else transformers.AutoModelForSequenceClassification
+def _builder(config, directory: Path | None, task: str, asked: str):
+    """build() of the model; an exception while building it from the config is one line naming the options."""
+    auto = getattr(transformers_module(), _AUTO_CLASSES[task])
     weights = sorted(directory.glob("*.safetensors")) if directory is not None else []
 
     def build() -> nn.Module:
-        if weights and torch.get_default_device().type != "meta":
-            model = auto.from_pretrained(str(directory), config=config, local_files_only=True)
-        else:
-            model = auto.from_config(config)
+        try:
+            if weights and torch.get_default_device().type != "meta":
+                model = auto.from_pretrained(str(directory), config=config, local_files_only=True)
+            else:
+                model = auto.from_config(config)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(
+                f"{asked}: building the model from its config raised {type(exc).__name__}: {first_line(exc)}; "
+                "check these -a options"
+            ) from None
         return model.train()
 
     return build
+
+
+def _shapes(config, task: str) -> dict[str, Any]:
+    """The config fields that define the model's shapes (num_labels only where a classifier head uses it)."""
+    fields = effective_fields(config)
+    if task == "causal-lm":
+        fields.pop("num_labels", None)
+    return fields
+
+
+def _sampler(config, task: str, adapter: dict[str, Any]):
+    """(sample_batch(batch_size, generator), tokens per sample or None) of the task's synthetic batches."""
+    labels = int(getattr(config, "num_labels", 2))
+    if task == "image-classification":
+        if "seq_len" in adapter:
+            raise ModelError("hf option seq_len is for token models; an image's size is -a image_size (and patch_size)")
+        size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
+
+        def images(batch_size: int, generator: torch.Generator | None = None):
+            pixels = torch.randn((batch_size, channels, size, size), generator=generator)
+            return (pixels,), torch.randint(0, labels, (batch_size,), generator=generator)
+
+        return images, None
+    seq, vocab = _seq_len(config, adapter.get("seq_len")), int(config.vocab_size)
+
+    def tokens(batch_size: int, generator: torch.Generator | None = None):
+        ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
+        if task == "causal-lm":
+            return (ids,), ids.clone()
+        return (ids,), torch.randint(0, labels, (batch_size,), generator=generator)
+
+    return tokens, seq
+
+
+def _check_type(target: str, config, directory: Path | None) -> None:
+    reason = refusal(config)
+    if reason is not None:
+        raise ModelError(f"hf:{target} ({config.model_type}): {reason}")
+    if directory is None and config.model_type not in SUPPORTED:
+        warn(
+            f"hf:{target} is not among the model types pipeplan tests end to end ({', '.join(SUPPORTED)}); trying it",
+            once=True,
+        )
 
 
 def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
     """The ModelSpec of `hf:<target>` (see the module docstring)."""
     if not target:
         raise ModelError("hf: needs a model type or directory, e.g. hf:gpt2, hf:llama, hf:bert or hf:path/to/dir")
-    config, directory, adapter, applied = _configure(target, dict(options or {}))
+    options = dict(options or {})
+    adapter = {key: options[key] for key in ADAPTER_OPTIONS if key in options}
+    config, directory, applied = build_config(target, options)
+    _check_type(target, config, directory)
     task = _task(config, adapter.get("task"))
-    seq = _seq_len(config, adapter.get("seq_len"))
-    vocab, labels = int(config.vocab_size), int(getattr(config, "num_labels", 2))
     data = str(adapter.get("data", "fixed"))
     if data not in DATA:
         raise ModelError(f"hf option data={data!r} must be one of {', '.join(DATA)}")
     if task == "classification" and getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
         config.pad_token_id = 0  # sequence classification of a decoder finds each row's last non-pad token
-
-    def sample_batch(batch_size: int, generator: torch.Generator | None = None):
-        ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
-        if task == "causal-lm":
-            return (ids,), ids.clone()
-        return (ids,), torch.randint(0, labels, (batch_size,), generator=generator)
+    sample_batch, seq = _sampler(config, task, adapter)
 
     def fixed_batches(batch_size: int, seed: int):
         batch = sample_batch(batch_size, generator=torch.Generator().manual_seed(seed))
         while True:
             yield batch
 
+    shown = {"seq_len": seq} if seq is not None else {}
     return ModelSpec(
         name=f"hf:{target}",
         data=fixed_batches if data == "fixed" else None,
-        build=_builder(config, directory, task),
+        build=_builder(config, directory, task, given_line(target, applied)),
         sample_batch=sample_batch,
         loss_fn=causal_lm_loss if task == "causal-lm" else classification_loss,
-        options={**applied, "task": task, "seq_len": seq, "data": data},
+        options={**_shapes(config, task), **applied, "task": task, **shown, "data": data},
         tokens_per_sample=seq,
     )

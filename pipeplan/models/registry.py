@@ -184,6 +184,13 @@ def canonical_ref(ref: str) -> tuple[str, str]:
     return f"{path.resolve()}:{ref.rpartition(':')[2]}", file_sha256(path)
 
 
+def recorded_options(ref: str, spec: ModelSpec, given: dict[str, Any]) -> dict[str, Any]:
+    """The options a plan records for its model: an `hf:` model's every config field that defines its shapes as
+    built, with the adapter's options (rebuilding from them gives the same model, whatever transformers' defaults
+    are); other models' options as given (a preset refuses its fixed options given again)."""
+    return dict(spec.options) if ref.startswith("hf:") else dict(given)
+
+
 def load_model(
     ref: str, options: dict[str, Any] | None = None, *, preset_overridable: tuple[str, ...] = ()
 ) -> ModelSpec:

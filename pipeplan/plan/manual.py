@@ -14,7 +14,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.graph.trace import LayerGraph, trace_model
 from pipeplan.models import load_model
-from pipeplan.models.registry import canonical_ref
+from pipeplan.models.registry import canonical_ref, recorded_options
 from pipeplan.plan.layout import pipeline_layout, rank_infos
 from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
 from pipeplan.precision import get_precision
@@ -65,7 +65,7 @@ def _model_ref(model: str, options: dict[str, Any], spec, graph) -> ModelRef:
     ref, digest = canonical_ref(model)
     return ModelRef(
         ref=ref,
-        options=options,
+        options=recorded_options(model, spec, options),
         fingerprint=graph.fingerprint,
         tokens_per_sample=spec.tokens_per_sample,
         file_sha256=digest,

@@ -62,6 +62,15 @@ def profile_table(profile: Profile) -> Table:
     return table
 
 
+def options_line(profile: Profile) -> str | None:
+    """The options the model was built with (a Hugging Face model's effective config: the fields that define its
+    shapes as built, derived ones included)."""
+    options = profile.provenance.spec_options
+    if not options:
+        return None
+    return "model built with: " + ", ".join(f"{key}={value}" for key, value in options.items())
+
+
 def fidelity_line(profile: Profile) -> str | None:
     ratios = fidelity(profile)
     if ratios["forward_sum_over_whole"] is None or ratios["split_backward_sum_over_whole"] is None:

@@ -25,7 +25,7 @@ from pipeplan.graph.stage import (
     stage_boundary,
     value_tensor_meta,
 )
-from pipeplan.graph.trace import TracedModel, trace_model, trace_module
+from pipeplan.graph.trace import TracedModel, trace_model, traced_constants
 from pipeplan.models import load_model
 from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
@@ -229,9 +229,7 @@ def materialize_stages(
         def constants() -> nn.Module:  # the tracer's constants (ops on buffers alone), from the real whole model
             if init_from:  # computed from the file's buffers, so the whole file is read
                 load_initial_weights(init_from, model=whole, tensors=list(named_tensors(whole)))
-            return trace_module(
-                whole, spec, batch_size=1, granularity=plan.model.granularity, tracer=plan.model.tracer or "fx"
-            ).graph_module
+            return traced_constants(whole, spec, granularity=plan.model.granularity, tracer=plan.model.tracer)
 
         materialize_from_whole(whole, stages, roots=roots, device=device, constants=constants)
         return

@@ -135,7 +135,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
     """Profile the model on the spot (`profiling.profile_job`, the path `pipeplan profile` takes) and trace its
     graph on the meta device: the plan names each stage's FX nodes."""
     from pipeplan.graph.trace import trace_model
-    from pipeplan.models.registry import canonical_ref
+    from pipeplan.models.registry import canonical_ref, recorded_options
 
     profile, spec = profile_request(request)
     tracer = profile.provenance.tracer or request.tracer
@@ -147,7 +147,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
     model = ModelRef(
         ref=ref,
         file_sha256=digest,
-        options=dict(request.options),
+        options=recorded_options(request.model, spec, request.options),
         fingerprint=traced.layer_graph.fingerprint,
         granularity=request.granularity,
         tokens_per_sample=spec.tokens_per_sample,
@@ -179,7 +179,7 @@ def attach_model(
     profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model
-    from pipeplan.models.registry import canonical_ref
+    from pipeplan.models.registry import canonical_ref, recorded_options
 
     spec = load_model(model, options)
     prov = source.profile.provenance
@@ -198,7 +198,7 @@ def attach_model(
     ref = ModelRef(
         ref=canonical,
         file_sha256=digest,
-        options=dict(options),
+        options=recorded_options(model, spec, options),
         fingerprint=graph.fingerprint,
         granularity=granularity,
         tokens_per_sample=spec.tokens_per_sample,

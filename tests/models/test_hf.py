@@ -50,7 +50,7 @@ def test_options_are_config_fields_converted_to_their_types():
         ("hf:gpt2", {"task": "translate"}, "task='translate' must be one of"),
         ("hf:gpt2", {"seq_len": "5000"}, "seq_len=5000 must lie in"),
         ("hf:gpt2", {"data": "some"}, "data='some' must be one of"),
-        ("hf:distilbert", {"task": "causal-lm"}, "no causal-LM head"),
+        ("hf:distilbert", {"task": "causal-lm"}, "no causal-lm head; use -a task=classification"),
         ("hf:no_such_type", {}, "unknown model type"),
         ("hf:./missing_dir", {}, "no config.json"),
     ],
@@ -94,6 +94,7 @@ def test_bert_classification_profiles_and_plans_from_the_cli(tmp_path):
         app, ["profile", "hf:bert", *TINY_BERT, "-b", "2", "--warmup", "0", "--repeats", "1", "-o", str(profile)]
     )
     assert result.exit_code == 0, result.output
+    assert "model built with: vocab_size=64, hidden_size=32, num_hidden_layers=2" in " ".join(result.output.split())
     provenance = json.loads(profile.read_text())["provenance"]
     assert provenance["tracer"] == "export" and provenance["model"] == "hf:bert"
     args = ["plan", "hf:bert", *TINY_BERT, "--profile", str(profile), "--devices", "2", "-o", str(tmp_path / "p")]
@@ -101,6 +102,8 @@ def test_bert_classification_profiles_and_plans_from_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["model"]["tracer"] == "export" and all(stage["node_names"] for stage in plan["stages"])
+    recorded = plan["model"]["options"]  # the effective config, derived fields included
+    assert recorded["hidden_size"] == 32 and recorded["num_attention_heads"] == 2 and recorded["num_labels"] == 2
     assert plan["stages"][-1]["layer_names"][-1] == "classifier"
 
 

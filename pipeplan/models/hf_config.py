@@ -1,0 +1,178 @@
+"""The config of an `hf:` model, built from the merged `-a` options the way `AutoConfig.for_model(model_type,
+**fields)` builds it: every field is set before the config derives others from it (head_dim from hidden_size and
+num_attention_heads, num_key_value_heads from num_attention_heads, ...), so the model is exactly the one asked
+for. The default config is read only to know which fields exist and their types. `effective_fields` are the
+fields that define the model's shapes, as built (recorded in the profile and the plan)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeplan.errors import ModelError
+
+ADAPTER_OPTIONS = ("task", "seq_len", "data")
+
+# Fields that define parameter and activation shapes (transformers' common names; a config's attribute_map turns
+# them into its own, e.g. GPT-2's n_embd). Each is recorded where the config has it and it is set.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "n_inner",
+    "ffn_dim",
+    "ffn_hidden_size",
+    "hidden_dim",
+    "max_position_embeddings",
+    "partial_rotary_factor",
+    "rotary_dim",
+    "rotary_pct",
+    "num_labels",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "d_ff",
+    "num_decoder_layers",
+)
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("hf: models need transformers: pip install 'pipeplan[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def given_line(target: str, options: dict[str, Any]) -> str:
+    """`hf:llama -a hidden_size=32 -a ...` (the model as the user asked for it, for error lines)."""
+    shown = " ".join(f"-a {key}={value}" for key, value in options.items())
+    return f"hf:{target} {shown}".rstrip()
+
+
+def _default_config(target: str):
+    """(the type's default config or the directory's config, the directory or None)."""
+    transformers = transformers_module()
+    directory = Path(target)
+    if (directory / "config.json").is_file():
+        return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True), directory
+    if os.sep in target or target.startswith("."):
+        raise ModelError(f"hf:{target}: no config.json in that directory (hf:DIR needs a local model directory)")
+    try:
+        return transformers.AutoConfig.for_model(target), None
+    except ValueError:
+        raise ModelError(
+            f"hf:{target}: unknown model type; use a transformers model_type (gpt2, llama, bert, ...) or hf:path/to/dir"
+        ) from None
+
+
+def _convert(config, key: str, raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    default = getattr(config, key)
+    if isinstance(default, list | dict):  # e.g. GPT-Neo's attention_types=[[["global","local"],1]]: JSON
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, type(default)):
+            kind = type(default).__name__
+            raise ModelError(f"hf option {key}={raw!r} must be a JSON {kind} (as the config's default)")
+        return value
+    kinds = [type(default)] if default is not None else [int, float]
+    for kind in kinds:
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                return raw.lower() in ("true", "1", "yes")
+            if kind in (int, float):
+                return kind(raw)
+        except ValueError:
+            continue
+        if kind is str:
+            return raw
+    if default is None:
+        return raw
+    raise ModelError(f"hf option {key}={raw!r} must be {type(default).__name__} (the type of the config's default)")
+
+
+def _fields(target: str, default, options: dict[str, Any]) -> dict[str, Any]:
+    """The config fields among `options`, converted to their defaults' types (one line per unknown field)."""
+    fields: dict[str, Any] = {}
+    for key, raw in options.items():
+        if key in ADAPTER_OPTIONS:
+            continue
+        if not hasattr(default, key):
+            raise ModelError(
+                f"hf:{target} has no config field {key!r} (see transformers' {type(default).__name__}); adapter "
+                f"options: {', '.join(ADAPTER_OPTIONS)}"
+            )
+        fields[key] = _convert(default, key, raw)
+    return fields
+
+
+def build_config(target: str, options: dict[str, Any]):
+    """(config built from the merged fields, model directory or None, the fields as converted)."""
+    default, directory = _default_config(target)
+    fields = _fields(target, default, options)
+    merged = {**fields, **({"use_cache": False} if hasattr(default, "use_cache") else {})}
+    try:
+        if directory is not None:
+            config = type(default).from_dict({**default.to_dict(), **merged})
+        else:
+            config = transformers_module().AutoConfig.for_model(target, **merged)
+    except Exception as exc:  # a config's own validation of the fields (ValueError, AssertionError, ...)
+        raise ModelError(
+            f"{given_line(target, fields)}: the config refuses these options: {type(exc).__name__}: {first_line(exc)}"
+        ) from None
+    check_fields(target, config, fields)
+    return config, directory, fields
+
+
+def check_fields(target: str, config, fields: dict[str, Any]) -> None:
+    """Fields whose mismatch the model only meets far from the cause (an embedding's padding_idx assertion, a
+    broadcast inside rotary attention): one line naming them."""
+    rotary, hidden, heads = (getattr(config, k, None) for k in ("rotary_dim", "hidden_size", "num_attention_heads"))
+    if all(isinstance(v, int) for v in (rotary, hidden, heads)) and heads and rotary > hidden // heads:
+        whose = "given" if "rotary_dim" in fields else "the config's default"
+        raise ModelError(
+            f"hf:{target}: rotary_dim={rotary} ({whose}) exceeds the head size hidden_size / num_attention_heads = "
+            f"{hidden // heads}; give -a rotary_dim={hidden // heads} or less"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < vocab:  # the embedding's padding_idx: the model cannot be built
+        whose = "given" if "pad_token_id" in fields else "the config's default"
+        raise ModelError(
+            f"hf:{target}: vocab_size={vocab} but pad_token_id={pad} ({whose}) must be a token of the vocabulary; "
+            f"give -a vocab_size above {pad} or -a pad_token_id below {vocab}"
+        )
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def effective_fields(config) -> dict[str, Any]:
+    """The shape-defining fields of `config` under its own names (GPT-2: n_embd, n_layer, ...), as built: each a
+    field the config serializes, so that giving them all again as -a options rebuilds the same config."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    settable = {*config.to_dict(), "num_labels"}  # not a read-only property (Falcon's head_dim): -a can give it
+    found: dict[str, Any] = {}
+    for name in SHAPE_FIELDS:
+        own = aliases.get(name, name)
+        value = getattr(config, own, None)
+        if own in settable and isinstance(value, int | float) and not isinstance(value, bool):
+            found[own] = value
+    return found

@@ -19,7 +19,9 @@ from pipeplan.models.hf_types import SUPPORTED
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
 
-ATTENTION = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin|c_attn|query_key_value|qkv_proj)$")
+ATTENTION = re.compile(
+    r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin|c_attn|query_key_value|qkv_proj)$"
+)
 MLP_IN = re.compile(r"(^|\.)(gate_proj|up_proj|c_fc|fc1|fc_in|dense_h_to_4h|intermediate\.dense|lin1|gate_up_proj)$")
 KV_OF = {"falcon": 1}  # Falcon's default multi_query: one key/value head
 FFN_OF = {"bloom": 4 * HIDDEN}  # Bloom has no feed-forward field: 4 x hidden

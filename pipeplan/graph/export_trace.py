@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -26,17 +27,25 @@ from pipeplan.models.spec import ModelSpec
 
 
 def export_graph(
-    module: nn.Module, spec: ModelSpec, inputs: tuple, *, meta_module: nn.Module | None = None
+    module: nn.Module,
+    spec: ModelSpec,
+    inputs: tuple,
+    *,
+    meta_module: nn.Module | None = None,
+    real_inputs: Callable[[], tuple] | None = None,
 ) -> tuple[fx.GraphModule, TreeSpec | None]:
     """(unlifted GraphModule with tensor_meta and mutation records on its nodes, the output's pytree spec).
 
     The export always runs on the meta device (`inputs` on meta; `meta_module`: the same model built on meta,
     when `module` lives on a real device): the captured ops depend on the device's kernels (strides decide whether
     a `.contiguous()` is recorded), and the profile, the plan and every rank must see one graph. The graph then
-    uses `module`'s own parameters and buffers (bound by qualified name) and its device."""
+    uses `module`'s own parameters and buffers (bound by qualified name) and its device, and the values of the
+    constants its forward makes from Python values (`real_inputs()`: the sample batch on `module`'s device)."""
     gm, out_spec = export_program(meta_module if meta_module is not None else module, spec, inputs)
     if meta_module is not None:
         _bind_state(gm, module)
+        if real_inputs is not None:
+            _bind_constants(gm, module, spec, real_inputs)
         device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
         retarget_device(gm, device)
     return gm, out_spec
@@ -53,6 +62,32 @@ def _bind_state(gm: fx.GraphModule, module: nn.Module) -> None:
                 if name not in real:
                     raise TraceError(f"the exported graph holds {name!r}, which the model does not; use --tracer fx")
                 getattr(owner, store)[attr] = real[name]
+
+
+def _meta_constants(gm: nn.Module) -> dict[str, torch.Tensor]:
+    """Qualified name -> each plain tensor attribute on the meta device (export's lifted constants)."""
+    found = {}
+    for path, owner in gm.named_modules(remove_duplicate=False):
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                found[f"{path}.{attr}" if path else attr] = value
+    return found
+
+
+def _bind_constants(gm: fx.GraphModule, module: nn.Module, spec: ModelSpec, real_inputs: Callable[[], tuple]) -> None:
+    """Give the constants a forward makes from Python values (`x[..., [-2], :]`'s index, `torch.tensor(min)`) the
+    values they have: export on the meta device lifts them without data; an export of the real `module` (only when
+    there are such constants) computes them, under the same names."""
+    constants = _meta_constants(gm)
+    if not constants:
+        return
+    real, _ = export_program(module, spec, real_inputs())
+    for name, meta in constants.items():
+        owner_path, _, attr = name.rpartition(".")
+        value = getattr(real.get_submodule(owner_path) if owner_path else real, attr, None)
+        if not isinstance(value, torch.Tensor) or value.shape != meta.shape or value.dtype != meta.dtype:
+            raise TraceError(f"torch.export captured constant {name!r} on the meta device but not on the model's")
+        object.__setattr__(gm.get_submodule(owner_path) if owner_path else gm, attr, value)
 
 
 def export_program(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[fx.GraphModule, TreeSpec | None]:

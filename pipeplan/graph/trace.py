@@ -228,7 +228,13 @@ def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
     meta_inputs = _sample_inputs(spec, batch_size, "meta")
     if device == "meta":
         return export_graph(module, spec, meta_inputs)
-    return export_graph(module, spec, meta_inputs, meta_module=build_module(spec, "meta"))
+    return export_graph(
+        module,
+        spec,
+        meta_inputs,
+        meta_module=build_module(spec, "meta"),
+        real_inputs=lambda: _sample_inputs(spec, batch_size, device),
+    )
 
 
 def traced_constants(module: nn.Module, spec: ModelSpec, *, granularity: int | None, tracer: str) -> nn.Module:

@@ -3,7 +3,11 @@
 key with `safetensors.safe_open`). Every rank checks the file's keys against the whole model's state_dict keys
 (a missing or unexpected key is one ConfigError line naming them) and then reads only its own stages' tensors.
 Tied weights may be saved under any one of their names (as Hugging Face's save_pretrained does). Tensors not in a
-state_dict (non-persistent buffers) keep the factory's values."""
+state_dict (non-persistent buffers) keep the factory's values. A checkpoint of a Hugging Face base model (keys
+without the `model.` prefix, the model's `base_model_prefix`) maps onto a model with a head (`*ForCausalLM`) as
+transformers' from_pretrained maps it: each key gains the prefix, and the head's tensors the file cannot hold keep
+their initial values (`mapping_note` says so). `check_initial_weights` checks keys, shapes and dtypes against a
+meta-built model before any rank starts, reading no tensor data."""
 
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ class WeightFile:
                 "directory of .safetensors shards"
             )
         self.keys = set(self._state) if self._state is not None else set(self._handles)
+        self._file_key: dict[str, str] = {}  # model key -> the file's key, where they differ (a base model's)
+        self.optional: set[str] = set()  # model keys the file need not hold (a base model's head)
+        self.mapping_note: str | None = None
 
     def _open_safetensors(self, file: str) -> None:
         try:
@@ -83,9 +90,39 @@ class WeightFile:
         self._state = state
 
     def get(self, key: str) -> torch.Tensor:
+        key = self._file_key.get(key, key)
         if self._state is not None:
             return self._state[key]
         return self._handles[key].get_tensor(key)
+
+    def layout(self, key: str) -> tuple[tuple[int, ...], str, bool]:
+        """(shape, dtype name, floating point) of `key`'s tensor, without reading its data."""
+        key = self._file_key.get(key, key)
+        if self._state is not None:
+            value = self._state[key]
+            return tuple(value.shape), str(value.dtype), value.is_floating_point()
+        piece = self._handles[key].get_slice(key)
+        dtype = piece.get_dtype()
+        return tuple(piece.get_shape()), dtype, dtype.startswith(("F", "BF"))  # F16, F32, BF16, F8_E4M3, ...
+
+    def map_onto(self, model: nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
+        """Where the file holds the model's base model (`model.` of a `*ForCausalLM` missing from every key, as
+        `AutoModel` saves it), read each key under the prefixed name, as transformers maps it; the tensors outside
+        the base model that the file cannot hold (the head, unless tied) keep their initial values."""
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        if not prefix or self.keys <= set(groups) or any(key.startswith(f"{prefix}.") for key in self.keys):
+            return
+        mapped = {f"{prefix}.{key}": key for key in self.keys}
+        if not set(mapped) <= set(groups):
+            return
+        self._file_key, self.keys = mapped, set(mapped)
+        self.optional = {key for key in groups if not key.startswith(f"{prefix}.")}
+        kept = sorted(key for key in self.optional if not any(name in self.keys for name in groups[key]))
+        self.mapping_note = (
+            f"--init-from {self.path!r} holds the base model (keys without the {prefix!r} prefix): read as "
+            f"{prefix}.*, as transformers' from_pretrained maps it"
+            + (f"; {_shown(kept)} keep their initial values (not in a base model)" if kept else "")
+        )
 
 
 def _shown(keys: list[str]) -> str:
@@ -103,7 +140,11 @@ def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 def check_keys(weights: WeightFile, groups: dict[str, tuple[str, ...]]) -> None:
     """One line naming the missing and unexpected keys, if any (a tied tensor needs only one of its names)."""
-    missing = [key for key, names in groups.items() if not any(name in weights.keys for name in names)]
+    missing = [
+        key
+        for key, names in groups.items()
+        if key not in weights.optional and not any(name in weights.keys for name in names)
+    ]
     unexpected = sorted(weights.keys - set(groups))
     problems = []
     if missing:
@@ -125,6 +166,7 @@ def load_initial_weights(
     keys and its ties the aliases."""
     weights = WeightFile(path)
     groups = _alias_groups(model)
+    weights.map_onto(model, groups)
     check_keys(weights, groups)
     done: set[int] = set()
     with torch.no_grad():
@@ -133,12 +175,12 @@ def load_initial_weights(
                 continue
             done.add(id(tensor))
             present = [key for key in groups[name] if key in weights.keys]
+            if not present:  # a base model's head: keeps its initial values
+                continue
             value = weights.get(present[0])
-            if tuple(value.shape) != tuple(tensor.shape) or value.is_floating_point() != tensor.is_floating_point():
-                raise ConfigError(
-                    f"--init-from {weights.path!r} holds {present[0]!r} as {tuple(value.shape)} {value.dtype}, but the "
-                    f"model's is {tuple(tensor.shape)} {tensor.dtype}; give the state_dict of this model and options"
-                )
+            _check_layout(
+                weights, present[0], (tuple(value.shape), str(value.dtype), value.is_floating_point()), tensor
+            )
             for other in present[1:]:
                 if not torch.equal(weights.get(other), value):
                     raise ConfigError(
@@ -146,3 +188,27 @@ def load_initial_weights(
                         "values; save them equal (or only one of them)"
                     )
             tensor.copy_(value)
+
+
+def _check_layout(weights: WeightFile, key: str, found: tuple[tuple[int, ...], str, bool], tensor: torch.Tensor):
+    shape, dtype, floating = found
+    if shape != tuple(tensor.shape) or floating != tensor.is_floating_point():
+        raise ConfigError(
+            f"--init-from {weights.path!r} holds {key!r} as {shape} {dtype}, but the model's is "
+            f"{tuple(tensor.shape)} {tensor.dtype}; give the state_dict of this model and options"
+        )
+
+
+def check_initial_weights(path: str | os.PathLike, model: nn.Module) -> str | None:
+    """Check the file against the whole model (meta-built is enough) before any rank starts: its keys (a base
+    model's mapped), then each tensor's shape and kind (floating or integer) in state_dict order, reading no data;
+    one ConfigError line naming the first bad key. Returns the base-model mapping's note, if any."""
+    weights = WeightFile(path)
+    groups = _alias_groups(model)
+    weights.map_onto(model, groups)
+    check_keys(weights, groups)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        present = [key for key in groups[name] if key in weights.keys]
+        if present:
+            _check_layout(weights, present[0], weights.layout(present[0]), tensor)
+    return weights.mapping_note

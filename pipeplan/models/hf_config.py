@@ -160,8 +160,13 @@ def check_fields(target: str, config, fields: dict[str, Any]) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else "(no message)"
+    """The message's first line, with the next one where the first only announces it (ends with a colon, as
+    transformers' config validation errors do), on one line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def effective_fields(config) -> dict[str, Any]:

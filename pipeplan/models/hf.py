@@ -23,6 +23,7 @@ loss reads `.logits` from it. transformers is an optional dependency: `pip insta
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -168,10 +169,10 @@ def _check_type(target: str, config, directory: Path | None) -> None:
     reason = refusal(config)
     if reason is not None:
         raise ModelError(f"hf:{target} ({config.model_type}): {reason}")
-    if directory is None and config.model_type not in SUPPORTED:
+    if directory is None and config.model_type not in SUPPORTED and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # said once, where the user runs a command (not again by each rank of `run`)
         warn(
-            f"hf:{target} is not among the model types pipeplan tests end to end ({', '.join(SUPPORTED)}); trying it",
-            once=True,
+            f"hf:{target} is not among the types tested end to end (pipeplan/models/hf_types.py); trying it", once=True
         )
 
 
@@ -181,8 +182,9 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         raise ModelError("hf: needs a model type or directory, e.g. hf:gpt2, hf:llama, hf:bert or hf:path/to/dir")
     options = dict(options or {})
     adapter = {key: options[key] for key in ADAPTER_OPTIONS if key in options}
-    config, directory, applied = build_config(target, options)
-    _check_type(target, config, directory)
+    config, directory, applied = build_config(
+        target, options, check=lambda default, at: _check_type(target, default, at)
+    )
     task = _task(config, adapter.get("task"))
     data = str(adapter.get("data", "fixed"))
     if data not in DATA:

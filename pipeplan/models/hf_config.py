@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,12 @@ def _fields(target: str, default, options: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def build_config(target: str, options: dict[str, Any]):
-    """(config built from the merged fields, model directory or None, the fields as converted)."""
+def build_config(target: str, options: dict[str, Any], check: Callable[[Any, Path | None], None] | None = None):
+    """(config built from the merged fields, model directory or None, the fields as converted); `check(default
+    config, directory)` runs first (a refused kind of model is refused before its fields are looked at)."""
     default, directory = _default_config(target)
+    if check is not None:
+        check(default, directory)
     fields = _fields(target, default, options)
     merged = {**fields, **({"use_cache": False} if hasattr(default, "use_cache") else {})}
     try:

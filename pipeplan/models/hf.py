@@ -31,6 +31,9 @@ TASKS = ("causal-lm", "classification")
 DATA = ("fixed", "random")
 ADAPTER_OPTIONS = ("task", "seq_len", "data")
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
+# mixture-of-experts types the adapter is tested with (tiny configs, profile -> plan -> exact 2-rank runs); their
+# experts run as transformers' grouped-matmul implementation inside each decoder layer (docs/moe.md)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def _transformers():
@@ -133,6 +136,17 @@ def causal_lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
 
 
+def with_router_aux_loss(loss_fn, coef: float):
+    """`loss_fn` plus `coef` times the model's router load-balancing loss (`output.aux_loss`), as a transformers
+    MoE model adds it to its loss when given labels and `output_router_logits` is on."""
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        aux = getattr(output, "aux_loss", None)
+        return loss_fn(output, target) if aux is None else loss_fn(output, target) + coef * aux
+
+    return loss
+
+
 def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(_logits(output), target)
 
@@ -166,6 +180,10 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
     if task == "classification" and getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
         config.pad_token_id = 0  # sequence classification of a decoder finds each row's last non-pad token
 
+    loss_fn = causal_lm_loss if task == "causal-lm" else classification_loss
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None):
+        loss_fn = with_router_aux_loss(loss_fn, float(config.router_aux_loss_coef))
+
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):
         ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
         if task == "causal-lm":
@@ -182,7 +200,7 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         data=fixed_batches if data == "fixed" else None,
         build=_builder(config, directory, task),
         sample_batch=sample_batch,
-        loss_fn=causal_lm_loss if task == "causal-lm" else classification_loss,
+        loss_fn=loss_fn,
         options={**applied, "task": task, "seq_len": seq, "data": data},
         tokens_per_sample=seq,
     )

@@ -82,6 +82,14 @@ def _repeated_containers(module: nn.Module) -> set[str]:
     return found
 
 
+def leaf_layer(module: nn.Module, path: str) -> str:
+    """The layer (default grouping) the module at `path` would lie in as a leaf: its repeated block (`blocks.0` for
+    `blocks.0.moe`), or itself when it is a layer of its own (a top-level child); '' when a leaf there would swallow
+    more than one layer's worth of model (the root, a single-child wrapper, a container split into layers)."""
+    key = _DefaultKeys(module)(path, leaf=True)
+    return key if key and (path == key or path.startswith(key + ".")) else ""
+
+
 def _root_prefix(module: nn.Module) -> str:
     """Descend through single-child wrappers (`self.model = Inner()`) so they do not make a one-layer model."""
     prefix, current = "", module
@@ -105,7 +113,8 @@ class _DefaultKeys:
             ".".join(path.split(".")[:i]) for path in self.repeated if path for i in range(1, path.count(".") + 1)
         }
 
-    def __call__(self, path: str) -> str:
+    def __call__(self, path: str, leaf: bool = False) -> str:
+        """`leaf`: the path is a module fx did not trace into (one call_module node), never split up."""
         if not path:
             return ""
         root = self.root_prefix
@@ -121,7 +130,7 @@ class _DefaultKeys:
                 return ".".join(parts[: depth + 2])
             if head in self.descend and head not in self.repeated:
                 if len(parts) == depth + 1:
-                    return ""  # the container's own code joins a neighbour
+                    return head if leaf else ""  # the container's own code joins a neighbour
                 depth += 1
                 continue
             return head
@@ -137,7 +146,7 @@ def layer_keys(gm: fx.GraphModule, module: nn.Module, granularity: int | None) -
         if node.op == "get_attr" and len(node.users) == 1:  # a tied weight is named after one of its owners
             path = node_module_path(next(iter(node.users))) or path
         if granularity is None:
-            keys.append(default(path))
+            keys.append(default(path, leaf=node.op == "call_module"))
             continue
         parts = path.split(".") if path else []
         if len(parts) >= granularity:

@@ -1,0 +1,66 @@
+"""Measured profiles of mixture-of-experts models say how the sample batch was routed: the model's own routers on the
+sample batch, counted per expert, checked against the router logits the models return; the summary prints it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.moe import HF_MOE, USER_MOE
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
+from pipeplan.models import load_model
+from pipeplan.profiling.profile import ExpertRouting, Profile
+from pipeplan.profiling.routing import measure_routing
+
+QUICK = ["--warmup", "0", "--repeats", "1", "--threads", "1", "--timer", "cpu"]
+
+
+def _off():
+    return torch.autocast("cpu", enabled=False)
+
+
+def _expected(router_logits, top_k: int, experts: int) -> list[tuple[int, ...]]:
+    """Tokens per expert of plain top-k routing, from each layer's router logits."""
+    return [
+        tuple(torch.bincount(x.topk(top_k, -1).indices.flatten(), minlength=experts).tolist()) for x in router_logits
+    ]
+
+
+@pytest.mark.parametrize(("model", "options"), [(USER_MOE, {"dispatch": "nonzero"}), ("hf:mixtral", HF_MOE["mixtral"])])
+def test_routing_counts_what_the_routers_chose(model, options):
+    spec = load_model(model, options)
+    torch.manual_seed(0)
+    module = spec.build()
+    (ids,), _ = spec.sample_batch(3, generator=torch.Generator().manual_seed(0))
+    routing = measure_routing(module, (ids,), _off)
+    output = module(ids)
+    logits = output["router_logits"] if isinstance(output, dict) else output.router_logits
+    assert len(routing) == len(logits) and all(r.experts == 4 and r.top_k == 2 for r in routing)
+    assert [r.tokens_per_expert for r in routing] == _expected(logits, 2, 4)
+    assert all(r.tokens == ids.numel() and sum(r.tokens_per_expert) == 2 * ids.numel() for r in routing)
+
+
+def test_dense_model_records_no_routing():
+    spec = load_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq": 8, "vocab": 64})
+    (ids,), _ = spec.sample_batch(1)
+    assert measure_routing(spec.build(), (ids,), _off) == ()
+
+
+def test_imbalance_is_the_busiest_expert_over_the_mean():
+    routed = ExpertRouting(module="m", experts=4, top_k=2, tokens=8, tokens_per_expert=(8, 4, 4, 0))
+    assert routed.imbalance == 2.0
+
+
+def test_profile_of_a_user_moe_records_and_prints_routing_and_eager_layers(tmp_path):
+    target = tmp_path / "moe.json"
+    result = CliRunner().invoke(app, ["profile", USER_MOE, "-a", "layers=2", "-b", "2", "-o", str(target), *QUICK])
+    assert result.exit_code == 0, result.output
+    profile = Profile.load(target)
+    source = profile.provenance
+    assert source.eager_modules == ("blocks.0.moe", "blocks.1.moe")
+    assert [r.module for r in source.expert_routing] == ["blocks.0.moe", "blocks.1.moe"]
+    assert all(r.tokens == 12 and sum(r.tokens_per_expert) == 24 for r in source.expert_routing)
+    output = " ".join(result.output.split())
+    assert "run eagerly inside their layers" in output and "blocks.1.moe: 4 experts top-2, 12 tokens" in output
+    assert "per expert min/mean/max" in output

@@ -10,6 +10,7 @@ from helpers.moe import HF_MOE, USER_MOE
 from torch import nn
 
 from pipeplan.graph.moe import moe_modules
+from pipeplan.graph.run_dtypes import value_dtypes
 from pipeplan.graph.trace import trace_model
 from pipeplan.models import load_model
 from pipeplan.models.hf import MOE_TYPES, causal_lm_loss
@@ -104,3 +105,15 @@ def test_a_leaf_holding_an_expert_list_is_one_layer_not_merged_into_its_neighbou
 
 def test_dense_models_have_no_moe_modules():
     assert moe_modules(load_model("gpt", {"layers": 2, "hidden": 32, "heads": 2, "seq": 8, "vocab": 64}).build()) == []
+
+
+def test_eager_moe_layers_have_their_real_dtypes_under_a_mixed_precision():
+    spec = load_model(USER_MOE, {"layers": 2})
+    traced = trace_model(spec, batch_size=2)
+    dtypes = value_dtypes(traced, "bf16-mixed", "cpu")  # the eager layers cannot run on fake tensors: run for real
+    (ids,), _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = traced.module(ids)
+    expected = [output["logits"].dtype, *(logits.dtype for logits in output["router_logits"])]
+    assert [dtypes[name] for name in traced.layer_graph.output_names] == expected
+    assert expected[1] == torch.bfloat16  # the router's linear runs in bf16 under autocast

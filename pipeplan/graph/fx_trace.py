@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipeplan.errors import TraceError
 from pipeplan.graph.grouping import leaf_layer
+from pipeplan.graph.moe import recognise
 from pipeplan.models.spec import ModelSpec
 
 
@@ -49,9 +50,9 @@ class _Tracer(fx.Tracer):
 def symbolic_trace(module: nn.Module, spec: ModelSpec, *, auto_leaves: bool = False) -> fx.GraphModule:
     """fx-trace `module`, with the spec's leaf modules as leaves. With `auto_leaves`, a module whose code fx cannot
     trace (data-dependent routing: `if mask.any()`, `nonzero`) becomes a leaf too when it lies inside one layer (a
-    repeated block, or a top-level child: grouping.leaf_layer), and the trace is tried again (each such class
-    once): it then runs eagerly inside its layer, so cuts stay at block boundaries. The leaves' paths are kept in
-    `gm.meta["eager_modules"]`."""
+    repeated block, or a top-level child: grouping.leaf_layer; an MoE layer counts as one), and the trace is tried
+    again (each such class once): it then runs eagerly inside its layer, so cuts stay at block boundaries. The
+    leaves' paths are kept in `gm.meta["eager_modules"]`."""
     leaf_types = tuple(spec.leaf_modules)
     while True:
         tracer = _Tracer(leaf_types)
@@ -59,7 +60,7 @@ def symbolic_trace(module: nn.Module, spec: ModelSpec, *, auto_leaves: bool = Fa
             graph = tracer.trace(module)
         except Exception as exc:  # torch.fx raises many types for untraceable code
             failed = tracer.failed_module
-            if auto_leaves and failed is not None and failed[1] not in leaf_types and leaf_layer(module, failed[0]):
+            if auto_leaves and failed is not None and failed[1] not in leaf_types and _may_be_leaf(module, failed[0]):
                 leaf_types += (failed[1],)
                 continue
             raise _trace_error(exc, module, failed) from None
@@ -70,6 +71,12 @@ def symbolic_trace(module: nn.Module, spec: ModelSpec, *, auto_leaves: bool = Fa
             if n.op == "call_module" and leaf_types and isinstance(gm.get_submodule(str(n.target)), leaf_types)
         )
         return gm
+
+
+def _may_be_leaf(module: nn.Module, path: str) -> bool:
+    """Whether the module at `path` may become an automatic leaf: it lies within one layer (an MoE layer holding its
+    experts counts as one unit)."""
+    return bool(leaf_layer(module, path, whole=lambda m: recognise(m) is not None))
 
 
 def _trace_error(exc: Exception, module: nn.Module, failed: tuple[str, type] | None) -> TraceError:

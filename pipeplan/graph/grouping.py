@@ -17,6 +17,7 @@ moves right after the node it unpacks, and every get_attr is duplicated per user
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch.fx as fx
 from torch import nn
@@ -82,12 +83,19 @@ def _repeated_containers(module: nn.Module) -> set[str]:
     return found
 
 
-def leaf_layer(module: nn.Module, path: str) -> str:
+def leaf_layer(module: nn.Module, path: str, *, whole: Callable[[nn.Module], bool] = lambda m: False) -> str:
     """The layer (default grouping) the module at `path` would lie in as a leaf: its repeated block (`blocks.0` for
-    `blocks.0.moe`), or itself when it is a layer of its own (a top-level child); '' when a leaf there would swallow
-    more than one layer's worth of model (the root, a single-child wrapper, a container split into layers)."""
-    key = _DefaultKeys(module)(path, leaf=True)
-    return key if key and (path == key or path.startswith(key + ".")) else ""
+    `blocks.0.moe`, `blocks.0` itself), or itself when it is a layer of its own (a top-level child); '' when a leaf
+    there would swallow several layers: the root, a single-child wrapper, or a top-level child holding repeated
+    blocks (an `encoder` above its layers) unless `whole(that module)` says it is one unit (an MoE layer above its
+    experts)."""
+    keys = _DefaultKeys(module)
+    key = keys(path, leaf=True)
+    if not key or not (path == key or path.startswith(key + ".")):
+        return ""
+    own_layer = path == key and path.rpartition(".")[0] not in keys.repeated  # a layer of its own, not a block
+    holds_blocks = any(c.startswith(path + ".") for c in keys.repeated)
+    return "" if own_layer and holds_blocks and not whole(module.get_submodule(path)) else key
 
 
 def _root_prefix(module: nn.Module) -> str:

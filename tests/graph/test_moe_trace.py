@@ -9,6 +9,7 @@ import torch
 from helpers.moe import HF_MOE, USER_MOE
 from torch import nn
 
+from pipeplan.errors import TraceError
 from pipeplan.graph.moe import moe_modules
 from pipeplan.graph.run_dtypes import value_dtypes
 from pipeplan.graph.trace import trace_model
@@ -117,3 +118,34 @@ def test_eager_moe_layers_have_their_real_dtypes_under_a_mixed_precision():
     expected = [output["logits"].dtype, *(logits.dtype for logits in output["router_logits"])]
     assert [dtypes[name] for name in traced.layer_graph.output_names] == expected
     assert expected[1] == torch.bfloat16  # the router's linear runs in bf16 under autocast
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) if x.sum() > 0 else -layer(x)  # data-dependent, in the container's own code
+        return x
+
+
+class _WithEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.encoder, self.head = nn.Linear(8, 8), _Encoder(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.stem(x)))
+
+
+def test_untraceable_container_of_blocks_is_refused_not_made_one_layer():
+    spec = ModelSpec(
+        name="encoder",
+        build=_WithEncoder,
+        sample_batch=lambda b, generator=None: ((torch.randn(b, 8, generator=generator),), torch.zeros(b)),
+        loss_fn=lambda output, target: output.sum(),
+    )
+    with pytest.raises(TraceError, match=r"module 'encoder' \(_Encoder\)"):
+        trace_model(spec)

@@ -65,11 +65,9 @@ def symbolic_trace(module: nn.Module, spec: ModelSpec, *, auto_leaves: bool = Fa
                 continue
             raise _trace_error(exc, module, failed) from None
         gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
-        gm.meta["eager_modules"] = tuple(
-            str(n.target)
-            for n in graph.nodes
-            if n.op == "call_module" and leaf_types and isinstance(gm.get_submodule(str(n.target)), leaf_types)
-        )
+        calls = [str(n.target) for n in graph.nodes if n.op == "call_module"]
+        eager = [path for path in calls if leaf_types and isinstance(gm.get_submodule(path), leaf_types)]
+        gm.meta["eager_modules"] = tuple(dict.fromkeys(eager))  # a module called twice is listed once
         return gm
 
 

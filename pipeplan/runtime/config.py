@@ -60,7 +60,7 @@ class RunConfig:
     check_every: int = option(  # 0: never
         10, "--check-every", help="Steps between checks that replicas and tied weights agree (0: never)."
     )
-    quiet: bool = option(False, "--quiet", help="No per-step log lines (the summary is still printed).")
+    quiet: bool = option(False, "--quiet", help="No per-step lines; the summary is still printed.")
     clip_grad_norm: float | None = option(None, "--clip-grad-norm", help=CLIP_HELP)  # None: no clipping
     post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)  # post_validate.py
     # not flags: tests and benchmarks set them

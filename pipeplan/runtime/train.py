@@ -92,7 +92,7 @@ def _finish(trainer: Trainer, result: RunResult, op_times: OpTimes) -> None:
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
         write_trace(config.trace_path, rank, op_times, world_size=plan.world_size)
-    if not config.quiet and result.step_ms:
+    if result.step_ms:  # --quiet drops only the per-step lines
         peaks = gather_peak_memory(device)
         if rank == 0:
             _log_summary(plan, result.step_ms, peaks)

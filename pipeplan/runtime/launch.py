@@ -22,8 +22,9 @@ from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.optim import check_training
 from pipeplan.runtime.post_validate import check_post_validate
-from pipeplan.runtime.stages import check_plan_runs
+from pipeplan.runtime.stages import check_plan_runs, load_spec
 from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
@@ -57,6 +58,7 @@ def launch_many(
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
         check_post_validate(plan, config.post_validate)
         check_async_run(plan, config)
+        check_training(plan, load_spec(plan), config)  # optimizer vs plan and factory, schedule options
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:

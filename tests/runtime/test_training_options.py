@@ -168,3 +168,24 @@ def test_the_log_keeps_full_precision_and_a_resume_keeps_whole_earlier_lines(tmp
     fresh = MetricsLog(str(path), None, start=0)  # a fresh run starts the file anew
     fresh.close()
     assert path.read_text() == ""
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-nomomentum", "adamw-bf16"])
+def test_a_plan_records_the_optimizer_its_memory_was_counted_for(optimizer):
+    """(sgd-nomomentum was recorded as sgd, whose momentum `show` then counted under ZeRO-1; an alias unfolds)"""
+    from helpers.search import make_cluster, synthetic_profile
+
+    from pipeplan.plan.plan import ModelRef
+    from pipeplan.plan.timing import plan_memory
+    from pipeplan.search.config import SearchConfig
+    from pipeplan.search.emit import build_plan
+    from pipeplan.search.search import search_plans
+
+    profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
+    config = SearchConfig(
+        global_batch_size=16, pipeline_depths=(1,), zero=1, precision="bf16-mixed", optimizer=optimizer
+    )
+    result = search_plans(profile, make_cluster(4, memory=1 << 30), config)
+    plan = build_plan(result, model=ModelRef(ref="synthetic"))
+    assert plan.training.optimizer == optimizer.split("-bf16")[0]
+    assert plan_memory(plan) == result.best.memory

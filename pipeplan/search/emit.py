@@ -45,7 +45,7 @@ def build_plan(
         microbatch_size=layout.microbatch_size,
         num_microbatches=layout.num_microbatches,
         data_parallel=layout.data_parallel,
-        optimizer=str(result.config.optimizer).split("-")[0],  # the algorithm (adamw, sgd); --precision the bytes
+        optimizer=str(result.config.optimizer),  # what the memory was counted for (adamw, sgd, sgd-nomomentum)
         optimizer_bytes_per_param=result.config.per_param,
         dtype=get_precision(result.config.precision).compute_dtype_name,
         precision=result.config.precision,

@@ -133,6 +133,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         days=options.days,
         tensor_parallel=options.tensor_parallel,
         context_parallel=options.context_parallel,
+        expert_parallel=options.expert_parallel,
     )
     if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
@@ -152,7 +153,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         config = replace(config, search=replace(search, global_batch_size=batch))
     for count in config.device_counts:  # a given --tensor-parallel the model or a count cannot take: refused now
         cluster = cluster_for(hardware, count, config.devices_per_node)
-        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel)
+        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel)
     plot = Path(options.plot) if options.plot is not None else None
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
 

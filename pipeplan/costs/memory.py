@@ -74,13 +74,18 @@ def stage_memory_bytes(
     Without recomputation that is <= in-flight x (A - f) + before-I x f; with it <= in-flight x (A - f) +
     before-I x max(0, K - (A - f)) + R (a fused B frees all, so there A - f counts as 0). Each count is a replica's
     `replica_share`. Static bytes follow `config.static_bytes_per_param(group_size)` (ZeRO-1 shards the optimizer
-    state over the group, by default the replicas in every data-parallel pipeline). The planner checks every
+    state over the group, by default the replicas in every data-parallel pipeline; routed-expert weights under
+    expert parallelism ep over group / ep). The planner checks every
     candidate's exact peak with the simulator."""
     total, before_i = held
     total_r, before_r = replica_share(total, replicas), replica_share(before_i, replicas)
     saved, freed = arrays.span("activation", first, last), stage_freed_bytes(arrays, mode, first, last)
     group = np.asarray(replicas, dtype=np.float64) * config.data_parallel if group_size is None else group_size
     params = static_bytes(arrays.span("param_count", first, last), config.static_bytes_per_param(group))
+    ep = config.expert_parallel
+    if ep > 1:  # routed-expert weights: ZeRO-1 shards their state over group / ep (`expert_bytes_per_param`)
+        expert_shift = config.static_bytes_per_param(np.maximum(group / ep, 1.0)) - config.static_bytes_per_param(group)
+        params = params + static_bytes(arrays.span("expert_param_count", first, last), expert_shift)
     if mode == "none":
         return params + total_r * (saved - freed) + before_r * freed
     after_i = saved - freed if config.splits_backward else 0.0

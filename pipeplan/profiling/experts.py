@@ -17,6 +17,12 @@ def routed_share(layer: LayerProfile, tokens: int) -> float:
     return min(1.0, kernels[0].m / tokens)
 
 
+def expert_count(layer: LayerProfile) -> int:
+    """Routed experts of the layer: its grouped expert matmuls' batch (0 without)."""
+    kernels = [k for k in (layer.work.kernels if layer.work is not None else ()) if k.experts]
+    return kernels[0].batch if kernels else 0
+
+
 def active_param_count(profile: Profile) -> float:
     """Parameters one token uses: every layer's dense ones and top_k / experts of its routed-expert weights."""
     tokens = profile.provenance.batch_size * (profile.provenance.tokens_per_sample or 1)
@@ -33,4 +39,4 @@ def is_moe(profile: Profile) -> bool:
     return any(layer.expert_param_count for layer in profile.layers)
 
 
-__all__ = ["active_param_count", "is_moe", "routed_share"]
+__all__ = ["active_param_count", "expert_count", "is_moe", "routed_share"]

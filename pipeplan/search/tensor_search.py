@@ -20,14 +20,17 @@ from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.profiling.experts import is_moe
 from pipeplan.profiling.profile import Profile
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig
 from pipeplan.search.search import Progress, SearchResult, search_plans
 from pipeplan.search.stack import (
     CONTEXT_PARALLEL_SIZES,
+    EXPERT_PARALLEL_SIZES,
     TENSOR_PARALLEL_SIZES,
     check_split,
     context_parallel_problem,
+    expert_parallel_problem,
     stack_problem,
     tensor_parallel_problem,
 )
@@ -42,6 +45,7 @@ class TensorParallelTry:
 
     tensor_parallel: int
     context_parallel: int = 1
+    expert_parallel: int = 1
     result: SearchResult | None = None
     reason: str = ""
     searched: bool = False
@@ -52,7 +56,8 @@ class TensorParallelTry:
 
     @property
     def label(self) -> str:
-        return f"t={self.tensor_parallel}" + (f" cp={self.context_parallel}" if self.context_parallel > 1 else "")
+        label = f"t={self.tensor_parallel}" + (f" cp={self.context_parallel}" if self.context_parallel > 1 else "")
+        return label + (f" ep={self.expert_parallel}" if self.expert_parallel > 1 else "")
 
 
 def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-parallel") -> str | int:
@@ -69,11 +74,12 @@ def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-par
 
 
 def tensor_parallel_sizes(
-    request: str | int, profile: Profile, cluster: Cluster, context: str | int = 1
+    request: str | int, profile: Profile, cluster: Cluster, context: str | int = 1, expert: str | int = 1
 ) -> tuple[TensorParallelTry, ...]:
     """The (t, cp) to search (tries without a result yet), and those `auto` leaves out with their reasons."""
     request = parse_tensor_parallel(request)
     context = parse_tensor_parallel(context, option="--context-parallel")
+    expert = parse_tensor_parallel(expert, option="--expert-parallel")
     analytic = profile.provenance.source == "analytic"
     for value, option in ((request, "--tensor-parallel"), (context, "--context-parallel")):
         if value != AUTO and value > 1 and not analytic:
@@ -96,8 +102,26 @@ def tensor_parallel_sizes(
             if context == AUTO and cluster.num_devices % (t * cp):
                 continue
             problem = None if given else _problem(profile, t, cp, cluster)
-            tries.append(TensorParallelTry(tensor_parallel=t, context_parallel=cp, reason=problem or ""))
+            for ep in _expert_sizes(expert, profile, cluster, t, cp):
+                tries.append(
+                    TensorParallelTry(tensor_parallel=t, context_parallel=cp, expert_parallel=ep, reason=problem or "")
+                )
     return tuple(tries)
+
+
+def _expert_sizes(expert: str | int, profile: Profile, cluster: Cluster, t: int, cp: int) -> tuple[int, ...]:
+    """The ep to try beside (t, cp): a given one (checked: one line when it cannot split this model), or with `auto`
+    those of EXPERT_PARALLEL_SIZES that split a mixture-of-experts model's experts and the devices (1 for a dense
+    model)."""
+    if expert != AUTO:
+        problem = expert_parallel_problem(profile, t, cp, int(expert), num_devices=cluster.num_devices)
+        if problem is not None:
+            raise ConfigError(f"--expert-parallel {expert}: {problem}")
+        return (int(expert),)
+    if not is_moe(profile) or profile.provenance.source != "analytic":
+        return (1,)
+    n = cluster.num_devices
+    return tuple(ep for ep in EXPERT_PARALLEL_SIZES if not expert_parallel_problem(profile, t, cp, ep, num_devices=n))
 
 
 def _sizes(request: str | int, auto: tuple[int, ...]) -> tuple[int, ...]:
@@ -128,7 +152,12 @@ def search_tensor_parallel(
         if item.reason:
             done.append(item)
             continue
-        split = replace(config, tensor_parallel=item.tensor_parallel, context_parallel=item.context_parallel)
+        split = replace(
+            config,
+            tensor_parallel=item.tensor_parallel,
+            context_parallel=item.context_parallel,
+            expert_parallel=item.expert_parallel,
+        )
         try:
             result = search_plans(profile, cluster, split, schedules, progress=progress)
             done.append(replace(item, result=result, searched=True))
@@ -140,8 +169,8 @@ def search_tensor_parallel(
     return tuple(done)
 
 
-def _group_key(item: TensorParallelTry) -> tuple[int, int]:
-    return item.tensor_parallel * item.context_parallel, item.context_parallel
+def _group_key(item: TensorParallelTry) -> tuple[int, int, int]:
+    return item.tensor_parallel * item.context_parallel, item.context_parallel, item.expert_parallel
 
 
 def chosen_try(tries: tuple[TensorParallelTry, ...]) -> TensorParallelTry:

@@ -151,11 +151,17 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
         config = replace(config, search=replace(search, global_batch_size=batch))
-    for count in config.device_counts:  # a given --tensor-parallel the model or a count cannot take: refused now
-        cluster = cluster_for(hardware, count, config.devices_per_node)
-        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel)
+    _check_sizes(config, profile)
     plot = Path(options.plot) if options.plot is not None else None
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
+
+
+def _check_sizes(config: CapacityConfig, profile: Profile) -> None:
+    """A given --tensor-parallel, --context-parallel or --expert-parallel the model or a count cannot take: refused
+    before the sweep."""
+    for count in config.device_counts:
+        cluster = cluster_for(config.hardware, count, config.devices_per_node)
+        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel)
 
 
 def run_capacity_job(

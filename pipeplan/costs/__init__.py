@@ -47,6 +47,8 @@ from pipeplan.costs.memory import (
     screened_recompute,
     spread_static_bytes,
     stage_memory_bytes,
+    stage_optimizer_state_bytes,
+    stage_static_per_param,
     static_bytes,
 )
 from pipeplan.costs.optimizer import (
@@ -56,6 +58,7 @@ from pipeplan.costs.optimizer import (
     bytes_per_param,
     check_zero_stage,
     expert_bytes_per_param,
+    expert_holders,
     megatron_adam_split,
     resolve_optimizer,
     sharded_bytes_per_param,
@@ -94,6 +97,9 @@ __all__ = [
     "all_gather_ms",
     "all_to_all_ms",
     "expert_bytes_per_param",
+    "expert_holders",
+    "stage_optimizer_state_bytes",
+    "stage_static_per_param",
     "backward_op_ms",
     "stage_grad_ms",
     "allreduce_ms",

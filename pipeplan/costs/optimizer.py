@@ -106,8 +106,14 @@ def expert_bytes_per_param(optimizer: str | float, precision: str, *, zero: int,
     is held by group_size / expert_parallel of them, over which ZeRO-1 shards its optimizer state."""
     if not zero or expert_parallel == 1:
         return bytes_per_param(optimizer, precision, zero=zero, group_size=group_size)
-    holders = np.maximum(np.asarray(group_size, dtype=np.float64) / expert_parallel, 1.0)
-    return bytes_per_param(optimizer, precision, zero=zero, group_size=holders)
+    return bytes_per_param(optimizer, precision, zero=zero, group_size=expert_holders(group_size, expert_parallel))
+
+
+def expert_holders(group_size, expert_parallel: int):
+    """Devices holding the same routed expert (the expert data-parallel group): the `group_size` devices holding a
+    stage's dense parameters / `expert_parallel`, at least 1 (Megatron-Core carves ep ranks from them). Elementwise;
+    what ZeRO-1 shards expert optimizer state over and expert gradients are exchanged over."""
+    return np.maximum(np.asarray(group_size, dtype=np.float64) / expert_parallel, 1.0)
 
 
 def check_zero_stage(zero: int, *, option: str = "--zero") -> int:

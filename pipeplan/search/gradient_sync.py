@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import busiest_device_ms, gradient_sync_ms, stages_per_device, static_split
+from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import predicted_step
@@ -59,7 +59,7 @@ def stage_allreduce_ms(
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
         dense = count - experts
         time = gradient_sync_ms(dense * mode.grad_bytes, dense * mode.param_bytes, size, link, zero)
-        ep_size = max(size // group.expert_parallel, 1)  # the expert data-parallel group
+        ep_size = int(expert_holders(size, group.expert_parallel))  # the expert data-parallel group
         time += gradient_sync_ms(experts * mode.grad_bytes, experts * mode.param_bytes, ep_size, link, zero)
         times.append(time)
     return tuple(times)
@@ -80,7 +80,7 @@ def stage_optimizer_ms(
         shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
         count = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
-        count = count / shards + experts / max(shards / group.expert_parallel, 1)
+        count = count / shards + experts / float(expert_holders(shards, group.expert_parallel))
         times.append(optimizer_step_ms(count, moved, rates.bytes_per_s))
     return tuple(times)
 

@@ -4,7 +4,14 @@ counts, and the budget zb-auto generates its schedule under."""
 from __future__ import annotations
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import LayerArrays, bytes_per_param, expert_bytes_per_param, stage_freed_bytes, static_bytes
+from pipeplan.costs import (
+    LayerArrays,
+    bytes_per_param,
+    stage_freed_bytes,
+    stage_static_per_param,
+    static_bytes,
+    static_split,
+)
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.simulate import MemoryCosts
@@ -23,19 +30,17 @@ def stage_bytes_per_param(
 ) -> float | tuple[float, ...]:
     """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
     replicas in every data-parallel pipeline; under expert parallelism `ep` its routed-expert weights' over 1/ep of
-    them, `expert_bytes_per_param`, weighted by their share of the stage's parameters in `profile`)."""
+    them: `costs.stage_static_per_param`, with the routed-expert parameters of the stage's layers in `profile`)."""
     if not zero:
         return bytes_per_param(optimizer, precision)
     found = []
     for s in part.stages:
         group = s.replicas * data_parallel
-        dense = bytes_per_param(optimizer, precision, zero=zero, group_size=group)
+        dense = bytes_per_param(optimizer, precision, zero=zero, group_size=group)  # checks the optimizer
         layers = profile.layers[s.first_layer : s.last_layer + 1] if profile is not None and ep > 1 else ()
         experts, count = sum(la.expert_param_count for la in layers), sum(la.param_count for la in layers)
-        if experts:
-            shift = expert_bytes_per_param(optimizer, precision, zero=zero, group_size=group, expert_parallel=ep)
-            dense += experts / count * (float(shift) - dense)
-        found.append(dense)
+        split = static_split(optimizer, precision)
+        found.append(stage_static_per_param(split, count, experts, group, zero, ep) if experts else dense)
     return tuple(found)
 
 

@@ -73,3 +73,25 @@ def test_expert_parallelism_is_refused_where_it_cannot_split(moe_profile):
     dense = profile_analytic(load_model("llama", {"layers": "2"}), batch_size=1, hardware="h100", precision="bf16")
     with pytest.raises(ConfigError, match="no routed experts"):
         split_inputs(dense, cluster, 1, 1, ep=2)
+
+
+def test_capacity_memory_columns_sum_to_the_searched_static_bytes_under_ep(moe_profile):
+    """capacity's W + G + O equal the search's static bytes of that device (ZeRO-1, ep=2: the routed experts' state
+    over half the holders), and O exceeds the dense-group figure the columns used to show."""
+    from pipeplan.capacity.memory import device_memory_split
+    from pipeplan.costs import optimizer_state_bytes
+    from pipeplan.search.config import SearchConfig
+    from pipeplan.search.search import search_plans
+
+    cluster = Cluster(num_devices=4, devices_per_node=8, memory_per_device=80 << 30, intra_node_bandwidth=450e9)
+    config = SearchConfig(global_batch_size=8, precision="bf16-main", zero=1, expert_parallel=2, replication=False)
+    result = search_plans(moe_profile, cluster, config, ("1f1b",))
+    best = next(e for e in result.ranked if e.layout.data_parallel == 4)  # 1 stage x 4 pipelines
+    profile = result.profiles[best.layout.microbatch_size]
+    split = device_memory_split(best, profile, config.split)
+    device = split.device
+    assert split.weights + split.gradients + split.optimizer == pytest.approx(best.memory.static_bytes[device], abs=2)
+    experts = sum(layer.expert_param_count for layer in profile.layers)
+    assert experts > 0
+    dense_group = optimizer_state_bytes(split.param_count, config.split[2], 4, 1)
+    assert split.optimizer == pytest.approx(dense_group + experts * config.split[2] * (1 / 2 - 1 / 4), abs=2)

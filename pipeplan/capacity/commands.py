@@ -144,10 +144,11 @@ def render_report(report: CapacityReport) -> None:
 def render_pinned(report: PinnedReport) -> None:
     """The pinned layout's row and the planner's, each pipeline device's memory, and why they differ."""
     table = Table(show_lines=False, pad_edge=False)
-    for header in ("", *HEADERS):
+    moe = any((row.expert_parallel or 1) > 1 for row in (report.row, report.free))
+    for header in ("", *_headers(moe)):
         table.add_column(header, justify="left" if header in LEFT or not header else "right", no_wrap=header != "binds")
-    table.add_row("pinned", *_row_cells(report.row))
-    table.add_row("planner", *_row_cells(report.free))
+    table.add_row("pinned", *_with_ep(_row_cells(report.row), report.row, moe))
+    table.add_row("planner", *_with_ep(_row_cells(report.free), report.free, moe))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))
     wide.print(table)
     out.print(f"pinned: {report.layout.label}", highlight=False)

@@ -102,22 +102,26 @@ def tensor_parallel_sizes(
             if context == AUTO and cluster.num_devices % (t * cp):
                 continue
             problem = None if given else _problem(profile, t, cp, cluster)
-            for ep in _expert_sizes(expert, profile, cluster, t, cp):
+            for ep in _expert_sizes(expert, profile, cluster, t, cp, given=given):
                 tries.append(
                     TensorParallelTry(tensor_parallel=t, context_parallel=cp, expert_parallel=ep, reason=problem or "")
                 )
     return tuple(tries)
 
 
-def _expert_sizes(expert: str | int, profile: Profile, cluster: Cluster, t: int, cp: int) -> tuple[int, ...]:
-    """The ep to try beside (t, cp): a given one (checked: one line when it cannot split this model), or with `auto`
+def _expert_sizes(
+    expert: str | int, profile: Profile, cluster: Cluster, t: int, cp: int, *, given: bool = True
+) -> tuple[int, ...]:
+    """The ep to try beside (t, cp): a given one (checked: one line when it cannot split this model, or the devices
+    with the given t and cp; a (t, cp) that `auto` tries and the given ep does not fit is left out), or with `auto`
     those of EXPERT_PARALLEL_SIZES that split a mixture-of-experts model's experts and the devices (1 for a dense
     model)."""
     if expert != AUTO:
-        problem = expert_parallel_problem(profile, t, cp, int(expert), num_devices=cluster.num_devices)
+        n = cluster.num_devices
+        problem = expert_parallel_problem(profile, t if given else 1, cp if given else 1, int(expert), num_devices=n)
         if problem is not None:
             raise ConfigError(f"--expert-parallel {expert}: {problem}")
-        return (int(expert),)
+        return () if expert_parallel_problem(profile, t, cp, int(expert), num_devices=n) else (int(expert),)
     if not is_moe(profile) or profile.provenance.source != "analytic":
         return (1,)
     n = cluster.num_devices

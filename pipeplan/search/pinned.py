@@ -21,6 +21,7 @@ from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.partition.baselines import even_blocks_partition
 from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.placement import V_SHAPED
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.candidate import (
     Evaluation,
@@ -106,7 +107,9 @@ def _check(layout: PinnedLayout) -> None:
     if layout.zero not in (0, 1):
         raise ConfigError(f"--layout zero={layout.zero} is not supported: 0, or 1 (the distributed optimizer)")
     info = schedule_info(layout.schedule_name)
-    if layout.vp > 1 and info.placement != "looped":
+    if info.placement == V_SHAPED and layout.vp != 2:  # dualpipev, zbv: two chunks per device, in a V
+        raise ConfigError(f"--layout schedule={info.name} holds 2 chunks per device in a V: give vp=2")
+    if layout.vp > 1 and info.placement not in ("looped", V_SHAPED):
         raise ConfigError(f"--layout vp={layout.vp} needs a looped schedule (interleaved), not {info.name}")
     if (layout.dp * layout.cp) % layout.ep:
         raise ConfigError(

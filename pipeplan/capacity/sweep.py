@@ -57,6 +57,7 @@ from pipeplan.search.stack import CONTEXT_PARALLEL_SIZES, TENSOR_PARALLEL_SIZES
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
+    dominated_reason,
     parse_tensor_parallel,
     tensor_parallel_reason,
     tensor_parallel_sizes,
@@ -237,6 +238,10 @@ def plan_device_count(
     for item in sizes:
         if item.reason:
             tries.append(item)
+            continue
+        pruned = "" if config.per_schedule else dominated_reason(profile, cluster, config.search, item, tries)
+        if pruned:  # an ep that cannot be chosen (its compute floor): no row of its own
+            tries.append(replace(item, reason=pruned))
             continue
         key = family_label(item.tensor_parallel, item.context_parallel, item.expert_parallel)
         rows[key], result, per_schedule = _plan_split(profile, config, cluster, item, flops_per_token)

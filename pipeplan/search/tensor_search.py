@@ -15,6 +15,7 @@ runnable by `pipeplan run`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -156,6 +157,10 @@ def search_tensor_parallel(
         if item.reason:
             done.append(item)
             continue
+        pruned = dominated_reason(profile, cluster, config, item, done)
+        if pruned:
+            done.append(replace(item, reason=pruned))
+            continue
         split = replace(
             config,
             tensor_parallel=item.tensor_parallel,
@@ -171,6 +176,39 @@ def search_tensor_parallel(
         searched = sorted((item for item in done if item.searched), key=_group_key)
         raise InfeasibleError(searched[-1].reason)
     return tuple(done)
+
+
+def compute_floor_ms(profile: Profile, cluster: Cluster, config: SearchConfig, item: TensorParallelTry) -> float:
+    """A lower bound on any plan's step with `item`'s (t, cp, ep): each device's share of the global batch's compute
+    (F + the cheaper of B and I + W per layer, on one rank's split profile at the microbatch size doing a sample
+    fastest). Every schedule, replication, recomputation and communication only adds to the busiest device's ops,
+    which the step is at least."""
+    from pipeplan.search.scaling import scale_profile
+    from pipeplan.search.sharding import split_inputs
+
+    t, cp, ep = item.tensor_parallel, item.context_parallel, item.expert_parallel
+    per_sample = math.inf
+    for b in config.microbatch_sizes:
+        rank = split_inputs(scale_profile(profile, b), cluster, t, cp, tp_overlap=config.overlap.tensor, ep=ep)[0]
+        work = sum(la.forward_ms + min(la.backward_ms, la.input_grad_ms + la.weight_grad_ms) for la in rank.layers)
+        per_sample = min(per_sample, work / b)
+    return per_sample * config.global_batch_size * t * cp / cluster.num_devices
+
+
+def dominated_reason(
+    profile: Profile, cluster: Cluster, config: SearchConfig, item: TensorParallelTry, done: list[TensorParallelTry]
+) -> str:
+    """Why an expert-parallel `item` (ep > 1) need not be searched: its `compute_floor_ms` is over the fastest step
+    found so far by more than PREDICTION_MARGIN, so it can be neither the fastest nor within the margin of it (the
+    choice, `chosen_try`, is the same with or without it); "" otherwise (ep = 1 tries are always searched)."""
+    found = [d.step_ms for d in done if d.result is not None]
+    if item.expert_parallel == 1 or not found:
+        return ""
+    floor = compute_floor_ms(profile, cluster, config, item)
+    best = min(found)
+    if floor <= best * (1.0 + PREDICTION_MARGIN):
+        return ""
+    return f"not searched: its compute alone is at least {floor:,.1f} ms/step, over the fastest found ({best:,.1f})"
 
 
 def _group_key(item: TensorParallelTry) -> tuple[int, int, int]:

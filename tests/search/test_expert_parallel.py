@@ -11,6 +11,12 @@ from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.search.sharding import Links, expert_comms, split_inputs
+from pipeplan.search.tensor_search import (
+    chosen_try,
+    compute_floor_ms,
+    search_tensor_parallel,
+    tensor_parallel_sizes,
+)
 
 BATCH, SEQ, HIDDEN, TOP_K = 2, 32, 64, 2
 
@@ -95,3 +101,28 @@ def test_capacity_memory_columns_sum_to_the_searched_static_bytes_under_ep(moe_p
     assert experts > 0
     dense_group = optimizer_state_bytes(split.param_count, config.split[2], 4, 1)
     assert split.optimizer == pytest.approx(dense_group + experts * config.split[2] * (1 / 2 - 1 / 4), abs=2)
+
+
+def test_an_ep_whose_compute_floor_is_over_the_fastest_is_not_searched_and_the_choice_is_the_same(
+    moe_profile, monkeypatch
+):
+    """`dominated_reason` skips ep > 1 tries whose compute alone exceeds the fastest step found by more than the
+    prediction margin (here every all-to-all's latency outweighs the tiny experts); searching them anyway chooses
+    the same (t, ep) and plan, and each skipped try's true step is above its floor."""
+    from pipeplan.search import tensor_search
+    from pipeplan.search.config import SearchConfig
+
+    cluster = Cluster(num_devices=4, devices_per_node=8, memory_per_device=80 << 30, intra_node_bandwidth=450e9)
+    config = SearchConfig(global_batch_size=8, precision="bf16-main", replication=False)
+    sizes = tensor_parallel_sizes("1", moe_profile, cluster, 1, "auto")
+    assert [item.expert_parallel for item in sizes] == [1, 2, 4]
+    pruned = search_tensor_parallel(moe_profile, cluster, config, sizes, ("1f1b",))
+    assert [item.searched for item in pruned] == [True, False, False]
+    assert all(item.reason.startswith("not searched: its compute alone is at least") for item in pruned[1:])
+    monkeypatch.setattr(tensor_search, "dominated_reason", lambda *args: "")
+    full = search_tensor_parallel(moe_profile, cluster, config, sizes, ("1f1b",))
+    assert all(item.searched for item in full)
+    assert chosen_try(pruned).label == chosen_try(full).label
+    assert chosen_try(pruned).result.best.step_ms == chosen_try(full).result.best.step_ms
+    for item in full[1:]:
+        assert item.step_ms >= compute_floor_ms(moe_profile, cluster, config, item)

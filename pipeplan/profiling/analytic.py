@@ -119,6 +119,7 @@ def layer_profile(
         output_bytes=counts.output_bytes,
         flops=counts.forward_flops,
         work=work,
+        expert_param_count=counts.expert_param_count,
         **recompute_bytes,
     )
     return retime_layer(layer, rates)

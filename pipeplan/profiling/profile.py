@@ -59,13 +59,14 @@ class LayerWork:
     rest_backward_ms: float
     rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
 
-    def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> LayerWork:
+    def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, ep: int = 1) -> LayerWork:
         """The work of one rank of t tensor- x cp context-parallel ranks, for a microbatch `batch_scale` times as
         large: kernels at the rank's shape (`Kernel.on_rank`); the rest (norms, dropouts, residual adds: split along
-        the sequence under sequence and context parallelism) x batch_scale / (t x cp)."""
+        the sequence under sequence and context parallelism) x batch_scale / (t x cp); grouped expert matmuls under
+        expert parallelism `ep` (`Kernel.on_rank`)."""
         rest = batch_scale / (t * cp)
         return LayerWork(
-            kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale) for k in self.kernels),
+            kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale, ep=ep) for k in self.kernels),
             rest_forward_ms=self.rest_forward_ms * rest,
             rest_input_grad_ms=self.rest_input_grad_ms * rest,
             rest_weight_grad_ms=self.rest_weight_grad_ms * rest,
@@ -94,6 +95,7 @@ class LayerProfile:
     full_recompute_ms: float | None = None  # full recompute: the forward again (None: = forward_ms)
     selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
     work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
+    expert_param_count: int = 0  # of param_count: routed experts' weights (expert parallelism splits them)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:

@@ -4,7 +4,9 @@ assignments each expert receives in every MoE layer that `graph.moe.moe_modules`
 
 - experts held as an nn.ModuleList (hand-written layers): the rows of the tokens each expert module is called with;
 - fused experts (transformers: one module with expert-stacked weights called with `top_k_index`): the expert ids
-  of its first integer tensor argument (ids outside [0, experts) — expert-parallel sentinels — are not counted).
+  of its first integer tensor argument (ids outside [0, experts) — expert-parallel sentinels — are not counted);
+  fused experts called with a list of tokens per expert (pipeplan's built-in `moe`): that list.
+A layer whose assignments no hook saw is left out (never reported as zero tokens per expert).
 
 The measured profiler times each layer on the activations of that same batch, so its expert times are those of
 this routing; the profile records it (`Provenance.expert_routing`) and its summary prints it.
@@ -41,7 +43,12 @@ class _Counter:
         return hook
 
     def fused_called(self, module, args, kwargs) -> None:
-        found = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+        values = (*args, *kwargs.values())
+        found = [a for a in values if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+        lists = [a for a in values if isinstance(a, list | tuple) and len(a) == self.layer.num_experts]
+        if not found and lists and all(isinstance(n, int) for n in lists[0]):
+            self.per_expert = [a + int(b) for a, b in zip(self.per_expert, lists[0], strict=True)]
+            return
         if not found:
             return
         ids = found[0].flatten().long()
@@ -83,4 +90,4 @@ def measure_routing(module: nn.Module, inputs: tuple, autocast: Callable) -> tup
     finally:
         for handle in handles:
             handle.remove()
-    return tuple(counter.result() for counter in counters)
+    return tuple(counter.result() for counter in counters if sum(counter.per_expert) > 0)

@@ -64,3 +64,23 @@ def test_profile_of_a_user_moe_records_and_prints_routing_and_eager_layers(tmp_p
     output = " ".join(result.output.split())
     assert "run eagerly inside their layers" in output and "blocks.1.moe: 4 experts top-2, 12 tokens" in output
     assert "per expert min/mean/max" in output
+
+
+def test_builtin_moe_routing_counts_every_assignment_of_its_own_router():
+    """The built-in `moe` calls its stacked experts with a list of tokens per expert: each MoE layer reports
+    tokens x top_k assignments, as its router's top-k chose them (never a silent all-zero count)."""
+    spec = load_model("moe", {})
+    torch.manual_seed(0)
+    module = spec.build()
+    (ids,), _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(0))
+    routing = measure_routing(module, (ids,), _off)
+    layers = [m for m in module.modules() if hasattr(m, "route")]
+    assert routing and len(routing) == len(layers)
+    for found, layer in zip(routing, layers, strict=True):
+        hidden = {}
+        handle = layer.register_forward_pre_hook(lambda mod, args: hidden.setdefault("x", args[0]))
+        with torch.no_grad():
+            module(ids)
+        handle.remove()
+        _, chosen = layer.route(hidden["x"].reshape(-1, hidden["x"].shape[-1]))
+        assert found.tokens_per_expert == tuple(torch.bincount(chosen.flatten(), minlength=found.experts).tolist())

@@ -78,7 +78,7 @@ def test_builtin_moe_routing_counts_every_assignment_of_its_own_router():
     assert routing and len(routing) == len(layers)
     for found, layer in zip(routing, layers, strict=True):
         hidden = {}
-        handle = layer.register_forward_pre_hook(lambda mod, args: hidden.setdefault("x", args[0]))
+        handle = layer.register_forward_pre_hook(lambda mod, args, seen=hidden: seen.setdefault("x", args[0]))
         with torch.no_grad():
             module(ids)
         handle.remove()

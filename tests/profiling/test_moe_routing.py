@@ -84,3 +84,17 @@ def test_builtin_moe_routing_counts_every_assignment_of_its_own_router():
         handle.remove()
         _, chosen = layer.route(hidden["x"].reshape(-1, hidden["x"].shape[-1]))
         assert found.tokens_per_expert == tuple(torch.bincount(chosen.flatten(), minlength=found.experts).tolist())
+
+
+def test_analytic_profiles_refuse_experts_the_meta_device_cannot_dispatch():
+    """transformers' experts run no expert on meta (they loop over the experts the routing reached): an analytic
+    profile would silently count attention and the router alone, so it is refused; the built-in family counts them."""
+    from pipeplan.errors import ConfigError
+    from pipeplan.profiling.analytic import profile_analytic
+
+    spec = load_model("hf:mixtral", HF_MOE["mixtral"])
+    with pytest.raises(ConfigError, match="cannot count the experts of 'model.layers.0.mlp'"):
+        profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16-mixed")
+    builtin = profile_analytic(load_model("moe", {}), batch_size=2, hardware="h100", precision="bf16-mixed")
+    assert sum(layer.expert_param_count > 0 for layer in builtin.layers) == 3
+    assert builtin.provenance.eager_modules  # the built-in's MoE layers run eagerly on real devices

@@ -5,10 +5,10 @@
     pipeplan run moe-plan/plan.json --steps 10
 
 The routing (`argmax`, boolean-mask indexing, a Python `if` on `mask.any()`) depends on the values, so torch.fx
-cannot trace through it and torch.export cannot capture it either. Listing the class in
-`ModelSpec(leaf_modules=(MoE,))` keeps each MoE call whole: fx records it as one call, and every step runs it on
-real tensors (where a step only needs shapes, as planning and each rank's set-up do, pipeplan takes them from one
-run of the model on the CPU instead of the meta device).
+cannot trace through it and torch.export cannot capture it either. Nothing needs declaring: pipeplan keeps each MoE
+call whole by itself (fx records it as one call inside its block, and every step runs it eagerly on real tensors;
+where a step only needs shapes, as planning and each rank's set-up do, pipeplan takes them from one run of the
+model on the CPU instead of the meta device). `ModelSpec(leaf_modules=(MoE,))` says the same explicitly.
 """
 
 from __future__ import annotations
@@ -78,5 +78,4 @@ def build(layers: int = 4, width: int = 64, experts: int = 4, tokens: int = 16, 
         build=lambda: MoEClassifier(features, width, layers, experts, classes),
         sample_batch=sample_batch,
         loss_fn=F.cross_entropy,
-        leaf_modules=(MoE,),
     )

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from pipeplan.console import err
-from pipeplan.errors import PipeplanError
+from pipeplan.errors import DEBUG_ENV, PipeplanError
 
 app = typer.Typer(
     name="pipeplan",
@@ -39,9 +39,6 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("capacity", "pipeplan.capacity.commands:capacity"),
     ("calibrate", "pipeplan.calibrate.commands:calibrate"),
 ]
-
-
-DEBUG_ENV = "PIPEPLAN_DEBUG"  # set to 1 to see the traceback of an unexpected error
 
 
 def _error_line(exc: BaseException) -> str:

@@ -55,6 +55,12 @@ class Link:
         """Ring reduce-scatter of `num_bytes` (each device keeps 1/n, reduced): (n-1)/n x bytes / bandwidth."""
         return self.ring_s(num_bytes, group_size, passes=1)
 
+    def all_to_all_s(self, num_bytes, group_size):
+        """All-to-all of `num_bytes` per device over `group_size` devices, each keeping 1/n and sending the rest in
+        n - 1 pairwise exchanges of bytes / n (mixture-of-experts dispatch and combine): (n-1) latency + (n-1)/n x
+        bytes / bandwidth; 0 for one device or no bytes."""
+        return self.ring_s(num_bytes, group_size, passes=1)
+
     def all_gather_s(self, num_bytes, group_size):
         """Ring all-gather into `num_bytes` per device (each contributes 1/n): (n-1)/n x bytes / bandwidth."""
         return self.ring_s(num_bytes, group_size, passes=1)

@@ -1,5 +1,7 @@
 """Errors a user can cause. Each message names the option or input to change; the CLI prints it as one line."""
 
+DEBUG_ENV = "PIPEPLAN_DEBUG"  # set to 1 to see the traceback of an unexpected error (and of a failed rank's error)
+
 
 class PipeplanError(Exception):
     """Base class for every user-fixable error (CLI exit code 1)."""

@@ -90,27 +90,44 @@ def _row_cells(row: CapacityRow) -> list[str]:
     ]
 
 
+def _headers(moe: bool) -> tuple[str, ...]:
+    """The table's columns: an ep column after t x cp for mixture-of-experts models."""
+    return (*HEADERS[:3], "ep", *HEADERS[3:]) if moe else HEADERS
+
+
+def _with_ep(cells: list[str], row: CapacityRow, moe: bool) -> list[str]:
+    return [*cells[:3], str(row.expert_parallel or "") if row.fits else "", *cells[3:]] if moe else cells
+
+
+def _active(report: CapacityReport) -> str:
+    return f" ({format_count(report.active_param_count)} active)" if report.active_param_count is not None else ""
+
+
 def render_report(report: CapacityReport) -> None:
     usable = report.usable_memory_bytes
     out.print(
-        f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters, "
+        f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters"
+        f"{_active(report)}, "
         f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
         f"{report.tokens_per_sample} tokens; plans fit in {format_bytes(usable)} of "
         f"{format_bytes(report.memory_per_device)} per device ({format_bytes(report.memory_reserve_bytes)} reserve)",
         highlight=False,
     )
     table = Table(show_lines=False, pad_edge=False)
-    for header in HEADERS:
+    moe = report.active_param_count is not None
+    for header in _headers(moe):
         left = header in LEFT
         table.add_column(header, justify="left" if left else "right", no_wrap=header != "binds", min_width=4)
     for row in report.rows:
-        table.add_row(*_row_cells(row))
+        table.add_row(*_with_ep(_row_cells(row), row, moe))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))  # pipes: the whole table
     wide.print(table)
     stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
         "plan PxDP: schedule, P device groups per pipeline x DP pipelines, m microbatches of b samples; t x cp: "
-        "devices per tensor-parallel group x context-parallel groups (N = t x cp x P x DP); recompute: activation "
+        "devices per tensor-parallel group x context-parallel groups (N = t x cp x P x DP); "
+        f"{'ep: ranks the routed experts are split over (of the DP x cp ranks; balanced routing); ' if moe else ''}"
+        "recompute: activation "
         "recomputation per stage; ZeRO: optimizer sharding stage; W/G/O/A: weights, gradients, optimizer state, "
         "activations (GiB) on the busiest device"
         f"{' (A with pipedream stashed weight copies)' if stash else ''}; * = a count added by doubling",
@@ -127,10 +144,11 @@ def render_report(report: CapacityReport) -> None:
 def render_pinned(report: PinnedReport) -> None:
     """The pinned layout's row and the planner's, each pipeline device's memory, and why they differ."""
     table = Table(show_lines=False, pad_edge=False)
-    for header in ("", *HEADERS):
+    moe = any((row.expert_parallel or 1) > 1 for row in (report.row, report.free))
+    for header in ("", *_headers(moe)):
         table.add_column(header, justify="left" if header in LEFT or not header else "right", no_wrap=header != "binds")
-    table.add_row("pinned", *_row_cells(report.row))
-    table.add_row("planner", *_row_cells(report.free))
+    table.add_row("pinned", *_with_ep(_row_cells(report.row), report.row, moe))
+    table.add_row("planner", *_with_ep(_row_cells(report.free), report.free, moe))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))
     wide.print(table)
     out.print(f"pinned: {report.layout.label}", highlight=False)

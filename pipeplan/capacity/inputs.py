@@ -24,7 +24,7 @@ from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
-from pipeplan.search.pinned import PinnedLayout, parse_layout
+from pipeplan.search.pinned import PinnedLayout, check_pinned_experts, parse_layout
 from pipeplan.search.tensor_search import tensor_parallel_sizes
 from pipeplan.units import parse_count, parse_int_list
 
@@ -133,6 +133,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         days=options.days,
         tensor_parallel=options.tensor_parallel,
         context_parallel=options.context_parallel,
+        expert_parallel=options.expert_parallel,
     )
     if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
         warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
@@ -150,11 +151,19 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
         config = replace(config, search=replace(search, global_batch_size=batch))
-    for count in config.device_counts:  # a given --tensor-parallel the model or a count cannot take: refused now
-        cluster = cluster_for(hardware, count, config.devices_per_node)
-        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel)
+    _check_sizes(config, profile, pinned)
     plot = Path(options.plot) if options.plot is not None else None
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
+
+
+def _check_sizes(config: CapacityConfig, profile: Profile, pinned: PinnedLayout | None) -> None:
+    """A given --tensor-parallel, --context-parallel or --expert-parallel (or --layout ep=) the model or a count
+    cannot take: refused before the sweep."""
+    if pinned is not None:
+        check_pinned_experts(pinned, profile, cluster_for(config.hardware, pinned.devices, config.devices_per_node))
+    for count in config.device_counts:
+        cluster = cluster_for(config.hardware, count, config.devices_per_node)
+        tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel)
 
 
 def run_capacity_job(

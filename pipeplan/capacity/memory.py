@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import (
-    optimizer_state_bytes,
-    spread_static_bytes,
-    static_bytes,
-)
+from pipeplan.costs import spread_static_bytes, stage_optimizer_state_bytes, static_bytes
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.single import held_counts
 from pipeplan.profiling.profile import Profile
@@ -59,10 +55,14 @@ def device_memory_split(evaluation: Evaluation, profile: Profile, split: tuple[f
     stages = [part.stages[s] for s in evaluation.pipeline.device_stages[device]]
     params = sum(s.param_count for s in stages)
     weights, gradients = (round(float(static_bytes(params, b))) for b in split[:2])
-    groups = [s.replicas * evaluation.layout.data_parallel for s in stages]  # ZeRO-1 splits the state over them
-    state = round(
-        sum(float(optimizer_state_bytes(s.param_count, split[2], g, evaluation.zero)) for s, g in zip(stages, groups))
-    )
+    layout = evaluation.layout
+    state = 0.0
+    for s in stages:  # ZeRO-1 splits the state over the stage's holders; routed experts' over 1/ep of them
+        experts = sum(layer.expert_param_count for layer in profile.layers[s.first_layer : s.last_layer + 1])
+        group = s.replicas * layout.holders
+        ep = layout.expert_parallel
+        state += float(stage_optimizer_state_bytes(s.param_count, experts, split[2], group, evaluation.zero, ep))
+    state = round(state)
     return MemorySplit(
         device=device,
         param_count=params,

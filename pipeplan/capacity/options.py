@@ -18,6 +18,7 @@ OPTIMIZER_HELP = "adamw (its bytes follow --precision: 18 B/param under bf16-mai
 RESERVE_HELP = "Device memory kept free, e.g. 2GiB (default: max(1GiB, 5%)), as in plan."
 TENSOR_HELP = "auto (try 1,2,4,8 dividing the devices per node; transformer stacks) or a size t, e.g. 1."
 CONTEXT_HELP = "A size cp (default 1), or auto: try 1,2,4,8 where the sequence splits (ring attention; a slower sweep)."
+EXPERT_HELP = "A size ep, or auto (default): MoE models try 1,2,...,64 dividing the experts (dense models: 1)."
 INTERLEAVE_HELP = "Chunks per device the interleaved schedule is tried with, e.g. 2,3,4."
 PRECISION_HELP = (
     "bf16-main (Megatron: bf16 weights, fp32 gradients and main weights: 18 B/param, the default), fp16-main, fp8 "
@@ -26,7 +27,7 @@ PRECISION_HELP = (
 OVERLAP_HELP = "none (Megatron-Core's default), all, or tensor,p2p,grad-reduce,param-gather."
 LAYOUT_HELP = (
     'Predict one layout exactly beside the planner\'s choice, e.g. "tp=8,cp=2,pp=9,vp=7,dp=4,mbs=1,recompute=none" '
-    "(keys: tp cp pp vp dp mbs recompute zero schedule split)."
+    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split)."
 )
 PLOT_HELP = "Write MFU and memory vs devices per tensor-parallel size, and MFU per schedule (PNG)."
 
@@ -52,6 +53,7 @@ class CapacityOptions:
     )
     tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
     context_parallel: str = option("1", "--context-parallel", help=CONTEXT_HELP)
+    expert_parallel: str = option("auto", "--expert-parallel", help=EXPERT_HELP)
     interleave: str = option("2,3,4", "--interleave", help=INTERLEAVE_HELP)
     precision: str = option(CAPACITY_PRECISION, "--precision", help=PRECISION_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)

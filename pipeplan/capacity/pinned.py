@@ -56,6 +56,7 @@ def pinned_report(profile: Profile, config: CapacityConfig, layout: PinnedLayout
 def describe(row: CapacityRow) -> str:
     """`interleaved 9x4 m=63 b=1 t=8 cp=2 recompute none`: a row's layout in one phrase."""
     split = f" t={row.tensor_parallel}" + (f" cp={row.context_parallel}" if (row.context_parallel or 1) > 1 else "")
+    split += f" ep={row.expert_parallel}" if (row.expert_parallel or 1) > 1 else ""
     return (
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}"
         f"{split} recompute {row.recompute_label or 'none'}"

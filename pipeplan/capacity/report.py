@@ -45,6 +45,7 @@ class CapacityRow:
     extended: bool = False  # a count added by doubling beyond the listed ones
     tensor_parallel: int | None = None
     context_parallel: int | None = None
+    expert_parallel: int | None = None
     recompute: tuple[str, ...] | None = None  # per stage of the chosen plan
     zero: int | None = None
     tensor_parallel_reason: str = ""
@@ -98,6 +99,7 @@ class CapacityReport:
     usable_memory_bytes: int  # what plans fit in (the search's `usable_memory_bytes`)
     param_count: int
     flops_per_token: float
+    active_param_count: int | None = None  # mixture-of-experts models: parameters one token uses (None: dense)
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
     per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
     per_tensor_parallel: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)  # `8`, `8x2` (t x cp)

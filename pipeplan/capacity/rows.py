@@ -55,6 +55,7 @@ def result_row(
         time=time,
         tensor_parallel=layout.tensor_parallel,
         context_parallel=layout.context_parallel,
+        expert_parallel=layout.expert_parallel,
         recompute=tuple(stage.recompute for stage in best.partition.stages),
         zero=best.zero,
     )

@@ -47,6 +47,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.plan.asynchronous import searched_schedules
+from pipeplan.profiling.experts import active_param_count, is_moe
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
 from pipeplan.search.config import SearchConfig
@@ -56,6 +57,7 @@ from pipeplan.search.stack import CONTEXT_PARALLEL_SIZES, TENSOR_PARALLEL_SIZES
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
+    dominated_reason,
     parse_tensor_parallel,
     tensor_parallel_reason,
     tensor_parallel_sizes,
@@ -82,11 +84,14 @@ class CapacityConfig:
     max_devices: int | None = None
     tensor_parallel: str | int = "auto"  # auto, or one size t (search.tensor_search)
     context_parallel: str | int = 1  # auto, or one size cp
+    expert_parallel: str | int = "auto"  # auto (1 for a dense model), or one size ep
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
         cp = parse_tensor_parallel(self.context_parallel, option="--context-parallel")
         object.__setattr__(self, "context_parallel", cp)
+        ep = parse_tensor_parallel(self.expert_parallel, option="--expert-parallel")
+        object.__setattr__(self, "expert_parallel", ep)
         if not self.device_counts or any(n < 1 for n in self.device_counts):
             raise ConfigError(f"--devices needs counts >= 1, got {list(self.device_counts)}")
         object.__setattr__(self, "device_counts", tuple(sorted(set(self.device_counts))))
@@ -164,6 +169,7 @@ def capacity_sweep(
         global_batch_size=config.search.global_batch_size,
         tokens_per_sample=profile.provenance.tokens_per_sample or 1,
         param_count=sum(layer.param_count for layer in profile.layers),
+        active_param_count=round(active_param_count(profile)) if is_moe(profile) else None,
         flops_per_token=sweep.flops_per_token,
         rows=rows,
         per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()},
@@ -226,11 +232,18 @@ def plan_device_count(
     tries: list[TensorParallelTry] = []
     rows: dict[str, CapacityRow] = {}
     schedule_best: dict[str, CapacityRow] = {}
-    for item in tensor_parallel_sizes(config.tensor_parallel, profile, cluster, config.context_parallel):
+    sizes = tensor_parallel_sizes(
+        config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel
+    )
+    for item in sizes:
         if item.reason:
             tries.append(item)
             continue
-        key = family_label(item.tensor_parallel, item.context_parallel)
+        pruned = "" if config.per_schedule else dominated_reason(profile, cluster, config.search, item, tries)
+        if pruned:  # an ep that cannot be chosen (its compute floor): no row of its own
+            tries.append(replace(item, reason=pruned))
+            continue
+        key = family_label(item.tensor_parallel, item.context_parallel, item.expert_parallel)
         rows[key], result, per_schedule = _plan_split(profile, config, cluster, item, flops_per_token)
         tries.append(replace(item, result=result, reason="" if result else rows[key].reason, searched=True))
         for name, row in per_schedule.items():
@@ -249,13 +262,14 @@ def plan_device_count(
         return rows[list(rows)[-1]]  # the largest group searched: the least memory per device
     chosen = chosen_try(tuple(tries))
     score = lambda result: f"MFU {mfu(result, config.hardware.peak_bf16_flops, flops_per_token, num_devices):.0%}"  # noqa: E731
-    key = family_label(chosen.tensor_parallel, chosen.context_parallel)
+    key = family_label(chosen.tensor_parallel, chosen.context_parallel, chosen.expert_parallel)
     return replace(rows[key], tensor_parallel_reason=tensor_parallel_reason(tuple(tries), score))
 
 
-def family_label(t: int, cp: int) -> str:
-    """How reports and plots name a (t, cp) family: `8`, or `8x2` with context parallelism."""
-    return f"{t}x{cp}" if cp > 1 else str(t)
+def family_label(t: int, cp: int, ep: int = 1) -> str:
+    """How reports and plots name a (t, cp, ep) family: `8`, `8x2` with context parallelism, `1 ep=8` with expert
+    parallelism."""
+    return (f"{t}x{cp}" if cp > 1 else str(t)) + (f" ep={ep}" if ep > 1 else "")
 
 
 def _faster(row: CapacityRow, other: CapacityRow) -> bool:
@@ -267,9 +281,9 @@ def _plan_split(
 ) -> tuple[CapacityRow, SearchResult | None, dict[str, CapacityRow]]:
     """One (t, cp)'s row, its best search result (None: nothing fits) and, with config.per_schedule, each
     schedule's row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
-    t, cp = item.tensor_parallel, item.context_parallel
-    search_config = replace(config.search, tensor_parallel=t, context_parallel=cp)
-    split = split_inputs(profile, cluster, t, cp, tp_overlap=search_config.overlap.tensor)
+    t, cp, ep = item.tensor_parallel, item.context_parallel, item.expert_parallel
+    search_config = replace(config.search, tensor_parallel=t, context_parallel=cp, expert_parallel=ep)
+    split = split_inputs(profile, cluster, t, cp, tp_overlap=search_config.overlap.tensor, ep=ep)
     screen = screen_layouts(*split, search_config, config.schedules)
     num_devices = cluster.num_devices
     names = screen.schedules
@@ -289,6 +303,7 @@ def _plan_split(
         needed_memory_bytes=ceil_or_none(screen.floor_bytes),
         tensor_parallel=t,
         context_parallel=cp,
+        expert_parallel=ep,
     )
     per_schedule = {}
     if config.per_schedule:

@@ -3,8 +3,8 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
 
     link: latency + bytes / bandwidth; ring collectives   pipeplan.cluster.Link (Cluster picks intra/inter node)
     per-boundary transfer, all-reduce, reduce-scatter,    costs.comm: transfer_ms, allreduce_ms, reduce_scatter_ms,
-    all-gather, ZeRO-1's exchange, in ms                  all_gather_ms, zero1_exchange_ms; gradient_sync_ms
-                                                          (all-reduce, or ZeRO-1's exchange)
+    all-gather, ZeRO-1's exchange, all-to-all, in ms      all_gather_ms, zero1_exchange_ms; gradient_sync_ms
+                                                          (all-reduce, or ZeRO-1's exchange); all_to_all_ms
     PipeDream's transfer and 4 (r-1) replication terms    costs.comm: pipedream_transfer_ms, pipedream_sync_ms
     compute per microbatch (F + I + W or F + B)           costs.stage: compute_ms (span_compute_ms over layers)
     an I or B op with recomputation                       costs.stage: backward_op_ms
@@ -18,7 +18,8 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
     bytes per parameter: weights + gradients +            costs.optimizer: sharded_bytes_per_param; the parts by
     optimizer state / shards (one formula)                mode (static_split, OPTIMIZER_STATES) or Megatron's
                                                           dtypes (megatron_adam_split); bytes_per_param,
-                                                          zero_bytes_per_param, adam_bytes_per_parameter
+                                                          zero_bytes_per_param, adam_bytes_per_parameter;
+                                                          expert_bytes_per_param (expert data-parallel group)
     static memory (weights, gradients, optimizer state)   costs.memory: static_bytes (optimizer_state_bytes,
                                                           spread_static_bytes, device_static_bytes)
     in-flight microbatches per replica                    costs.memory: replica_share
@@ -29,6 +30,7 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
 from pipeplan.costs.arrays import LayerArrays, balanced_bounds
 from pipeplan.costs.comm import (
     all_gather_ms,
+    all_to_all_ms,
     allreduce_ms,
     gradient_sync_ms,
     pipedream_sync_ms,
@@ -45,6 +47,8 @@ from pipeplan.costs.memory import (
     screened_recompute,
     spread_static_bytes,
     stage_memory_bytes,
+    stage_optimizer_state_bytes,
+    stage_static_per_param,
     static_bytes,
 )
 from pipeplan.costs.optimizer import (
@@ -53,6 +57,8 @@ from pipeplan.costs.optimizer import (
     adam_bytes_per_parameter,
     bytes_per_param,
     check_zero_stage,
+    expert_bytes_per_param,
+    expert_holders,
     megatron_adam_split,
     resolve_optimizer,
     sharded_bytes_per_param,
@@ -89,6 +95,11 @@ __all__ = [
     "StageCostModel",
     "adam_bytes_per_parameter",
     "all_gather_ms",
+    "all_to_all_ms",
+    "expert_bytes_per_param",
+    "expert_holders",
+    "stage_optimizer_state_bytes",
+    "stage_static_per_param",
     "backward_op_ms",
     "stage_grad_ms",
     "allreduce_ms",

@@ -40,10 +40,12 @@ class LayerArrays:
     inputs: np.ndarray | None = None  # prefix sums of each layer's `entering` (None: the cut before each)
     regrowth: np.ndarray | None = None  # per item: the most one of its layers re-creates when re-run (None: 0)
     reversed_order: bool = False
+    expert_param_count: np.ndarray | None = None  # of param_count: routed-expert weights (None: 0)
 
     def __post_init__(self) -> None:
         n = len(self.bounds) - 1
         defaults = {
+            "expert_param_count": np.zeros(n + 1),
             "selective": self.activation,
             "selective_recompute": np.zeros(n + 1),
             "full_recompute": self.forward,
@@ -75,6 +77,7 @@ class LayerArrays:
             freed=prefix([la.activation_freed_by_input_grad_bytes for la in layers]),
             param_bytes=prefix([la.param_bytes for la in layers]),
             param_count=prefix([la.param_count for la in layers]),
+            expert_param_count=prefix([la.expert_param_count for la in layers]),
             cut=cut,
             bounds=np.arange(len(layers) + 1),
             selective=prefix([la.selective_activation_bytes for la in layers]),
@@ -127,6 +130,7 @@ class LayerArrays:
         "freed",
         "param_bytes",
         "param_count",
+        "expert_param_count",
         "selective",
         "selective_recompute",
         "full_recompute",

@@ -33,6 +33,11 @@ def all_gather_ms(num_bytes, group_size, link: Link):
     return link.all_gather_s(num_bytes, group_size) * MS_PER_S
 
 
+def all_to_all_ms(num_bytes, group_size, link: Link):
+    """All-to-all of `num_bytes` per device over `group_size` devices (`Link.all_to_all_s`)."""
+    return link.all_to_all_s(num_bytes, group_size) * MS_PER_S
+
+
 def pipedream_transfer_ms(cut_bytes, replicas, bandwidth: float):
     """PipeDream's transfer term of a cut feeding r replicas: 2 x bytes / (bandwidth x r)."""
     return 2 * cut_bytes / (bandwidth * replicas) * MS_PER_S

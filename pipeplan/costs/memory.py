@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeplan.costs.arrays import LayerArrays
-from pipeplan.costs.optimizer import optimizer_shards
+from pipeplan.costs.optimizer import expert_holders, optimizer_shards, zero_bytes_per_param
 from pipeplan.costs.options import CostOptions
 from pipeplan.costs.recompute import (
     mode_offered,
@@ -32,6 +32,30 @@ def optimizer_state_bytes(param_count, optimizer_bytes_per_param: float, group_s
     devices: all of it with zero 0, 1/d with zero 1 (the last shard rounds the buffer up to d x ceil(count / d)
     elements, at most d - 1 more, which this ignores)."""
     return static_bytes(param_count, optimizer_bytes_per_param) / optimizer_shards(group_size, zero)
+
+
+def stage_optimizer_state_bytes(
+    param_count, expert_param_count, optimizer_bytes_per_param: float, group_size, zero: int, expert_parallel: int = 1
+):
+    """`optimizer_state_bytes` of a stage whose `param_count` parameters include `expert_param_count` routed-expert
+    ones: under expert parallelism those are held by `expert_holders(group_size, expert_parallel)` devices, so ZeRO-1
+    shards their state over that many instead of the stage's whole group. The one formula the search's static bytes
+    (`stage_static_per_param`) and capacity's optimizer column both use."""
+    experts = expert_param_count if expert_parallel > 1 else 0
+    dense = optimizer_state_bytes(np.asarray(param_count) - experts, optimizer_bytes_per_param, group_size, zero)
+    holders = expert_holders(group_size, expert_parallel)
+    return dense + optimizer_state_bytes(experts, optimizer_bytes_per_param, holders, zero)
+
+
+def stage_static_per_param(
+    split: tuple[float, float, float], param_count: int, expert_param_count: int, group_size, zero: int, ep: int = 1
+) -> float:
+    """Static bytes per parameter of a stage: weights + gradients + `stage_optimizer_state_bytes` / its parameters
+    (`split`: `static_split`); `zero_bytes_per_param` for a stage without routed experts or ep = 1."""
+    if not param_count or not expert_param_count or ep == 1:
+        return float(zero_bytes_per_param(split, group_size, zero))
+    state = stage_optimizer_state_bytes(param_count, expert_param_count, split[2], group_size, zero, ep)
+    return split[0] + split[1] + float(state) / param_count
 
 
 def spread_static_bytes(param_count, per_param: float, num_devices: int) -> float:
@@ -74,13 +98,19 @@ def stage_memory_bytes(
     Without recomputation that is <= in-flight x (A - f) + before-I x f; with it <= in-flight x (A - f) +
     before-I x max(0, K - (A - f)) + R (a fused B frees all, so there A - f counts as 0). Each count is a replica's
     `replica_share`. Static bytes follow `config.static_bytes_per_param(group_size)` (ZeRO-1 shards the optimizer
-    state over the group, by default the replicas in every data-parallel pipeline). The planner checks every
+    state over the group, by default the replicas in every data-parallel pipeline; routed-expert weights under
+    expert parallelism ep over group / ep). The planner checks every
     candidate's exact peak with the simulator."""
     total, before_i = held
     total_r, before_r = replica_share(total, replicas), replica_share(before_i, replicas)
     saved, freed = arrays.span("activation", first, last), stage_freed_bytes(arrays, mode, first, last)
     group = np.asarray(replicas, dtype=np.float64) * config.data_parallel if group_size is None else group_size
     params = static_bytes(arrays.span("param_count", first, last), config.static_bytes_per_param(group))
+    ep = config.expert_parallel
+    if ep > 1:  # routed-expert weights: ZeRO-1 shards their state over group / ep (`expert_bytes_per_param`)
+        holders = expert_holders(group, ep)
+        expert_shift = config.static_bytes_per_param(holders) - config.static_bytes_per_param(group)
+        params = params + static_bytes(arrays.span("expert_param_count", first, last), expert_shift)
     if mode == "none":
         return params + total_r * (saved - freed) + before_r * freed
     after_i = saved - freed if config.splits_backward else 0.0

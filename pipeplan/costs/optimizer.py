@@ -100,6 +100,22 @@ def bytes_per_param(optimizer: str | float, precision: str, *, zero: int = 0, gr
     return float(value) if np.ndim(value) == 0 else value
 
 
+def expert_bytes_per_param(optimizer: str | float, precision: str, *, zero: int, group_size, expert_parallel: int):
+    """`bytes_per_param` of a routed-expert parameter: expert parallelism `expert_parallel` splits the experts over
+    ranks carved from the `group_size` devices holding a stage's dense parameters (Megatron-Core), so each expert
+    is held by group_size / expert_parallel of them, over which ZeRO-1 shards its optimizer state."""
+    if not zero or expert_parallel == 1:
+        return bytes_per_param(optimizer, precision, zero=zero, group_size=group_size)
+    return bytes_per_param(optimizer, precision, zero=zero, group_size=expert_holders(group_size, expert_parallel))
+
+
+def expert_holders(group_size, expert_parallel: int):
+    """Devices holding the same routed expert (the expert data-parallel group): the `group_size` devices holding a
+    stage's dense parameters / `expert_parallel`, at least 1 (Megatron-Core carves ep ranks from them). Elementwise;
+    what ZeRO-1 shards expert optimizer state over and expert gradients are exchanged over."""
+    return np.maximum(np.asarray(group_size, dtype=np.float64) / expert_parallel, 1.0)
+
+
 def check_zero_stage(zero: int, *, option: str = "--zero") -> int:
     """`zero` if pipeplan supports that ZeRO stage, else one ConfigError naming the option."""
     if isinstance(zero, bool) or zero not in ZERO_STAGES:

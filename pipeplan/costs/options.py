@@ -29,5 +29,9 @@ class CostOptions(Protocol):
     def layer_recompute(self) -> bool:  # full recomputation layer by layer (the engines), not whole stages
         ...
 
+    @property
+    def expert_parallel(self) -> int:  # ranks the routed experts are split over (ZeRO-1: their state over group / ep)
+        ...
+
     def static_bytes_per_param(self, group_size):  # weights + gradients + optimizer state per parameter
         ...

@@ -102,6 +102,7 @@ def export_program(module: nn.Module, spec: ModelSpec, inputs: tuple) -> tuple[f
         ) from None
     gm = program.module()
     _drop_guards(gm)
+    _portable_histc(gm)
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
@@ -129,8 +130,8 @@ def _refuse_constants(gm: fx.GraphModule, module: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _quiet():
-    """torch logs warnings and partial graphs while an export fails; pipeplan reports the failure in one line."""
-    logging.disable(logging.WARNING)
+    """torch logs warnings, errors and partial graphs while an export fails; pipeplan reports it in one line."""
+    logging.disable(logging.CRITICAL)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -149,6 +150,31 @@ def _drop_guards(gm: fx.GraphModule) -> None:
                 graph_module.graph.erase_node(node)
         graph_module.graph.lint()
         graph_module.recompile()
+
+
+def _portable_histc(gm: fx.GraphModule) -> None:
+    """`histc` of integers has a CUDA kernel and no CPU one (and the reverse for floats under deterministic
+    algorithms): Hugging Face MoE code picks the dtype by the device it runs on, so on the meta device it records an
+    integer histc that a CPU rank cannot run. Give every histc a float32 copy of an integer input instead: counts
+    below 2**24 are exact in float32, and the graph (its fingerprint) is the same whatever device it runs on."""
+    histc = torch.ops.aten.histc.default
+    for graph_module in _graph_modules(gm):
+        changed = False
+        for node in list(graph_module.graph.nodes):
+            source = node.args[0] if node.op == "call_function" and node.target is histc else None
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.is_floating_point():
+                continue
+            with graph_module.graph.inserting_before(node):
+                copy = graph_module.graph.call_function(
+                    torch.ops.aten._to_copy.default, (source,), {"dtype": torch.float32}
+                )
+            copy.meta["val"] = value.to(torch.float32)
+            node.replace_input_with(source, copy)
+            changed = True
+        if changed:
+            graph_module.graph.lint()
+            graph_module.recompile()
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -20,6 +20,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_leaves
 
 from pipeplan.errors import TraceError
+from pipeplan.graph.grouping import leaf_layer
+from pipeplan.graph.moe import recognise
 from pipeplan.models.spec import ModelSpec
 
 
@@ -45,21 +47,46 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def symbolic_trace(module: nn.Module, spec: ModelSpec) -> fx.GraphModule:
-    tracer = _Tracer(tuple(spec.leaf_modules))
-    try:
-        graph = tracer.trace(module)
-    except Exception as exc:  # torch.fx raises many types for untraceable code
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if tracer.failed_module is not None:
-            path, cls = tracer.failed_module
-            where = f"module {path!r} ({cls.__name__})"
-            fix = f"mark it a leaf: leaf_modules=({cls.__name__},) in the factory's ModelSpec"
-        else:
-            where = f"the top-level forward of {type(module).__name__}"
-            fix = "move the data-dependent code into a submodule and list its class in ModelSpec.leaf_modules"
-        raise TraceError(f"torch.fx cannot trace {where}: {reason}; {fix}") from None
-    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+def symbolic_trace(module: nn.Module, spec: ModelSpec, *, auto_leaves: bool = False) -> fx.GraphModule:
+    """fx-trace `module`, with the spec's leaf modules as leaves. With `auto_leaves`, a module whose code fx cannot
+    trace (data-dependent routing: `if mask.any()`, `nonzero`) becomes a leaf too when it lies inside one layer (a
+    repeated block, or a top-level child: grouping.leaf_layer; an MoE layer counts as one), and the trace is tried
+    again (each such class once): it then runs eagerly inside its layer, so cuts stay at block boundaries. The
+    leaves' paths are kept in `gm.meta["eager_modules"]`."""
+    leaf_types = tuple(spec.leaf_modules)
+    while True:
+        tracer = _Tracer(leaf_types)
+        try:
+            graph = tracer.trace(module)
+        except Exception as exc:  # torch.fx raises many types for untraceable code
+            failed = tracer.failed_module
+            if auto_leaves and failed is not None and failed[1] not in leaf_types and _may_be_leaf(module, failed[0]):
+                leaf_types += (failed[1],)
+                continue
+            raise _trace_error(exc, module, failed) from None
+        gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+        calls = [str(n.target) for n in graph.nodes if n.op == "call_module"]
+        eager = [path for path in calls if leaf_types and isinstance(gm.get_submodule(path), leaf_types)]
+        gm.meta["eager_modules"] = tuple(dict.fromkeys(eager))  # a module called twice is listed once
+        return gm
+
+
+def _may_be_leaf(module: nn.Module, path: str) -> bool:
+    """Whether the module at `path` may become an automatic leaf: it lies within one layer (an MoE layer holding its
+    experts counts as one unit)."""
+    return bool(leaf_layer(module, path, whole=lambda m: recognise(m) is not None))
+
+
+def _trace_error(exc: Exception, module: nn.Module, failed: tuple[str, type] | None) -> TraceError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if failed is not None:
+        path, cls = failed
+        where = f"module {path!r} ({cls.__name__})"
+        fix = f"mark it a leaf: leaf_modules=({cls.__name__},) in the factory's ModelSpec"
+    else:
+        where = f"the top-level forward of {type(module).__name__}"
+        fix = "move the data-dependent code into a submodule and list its class in ModelSpec.leaf_modules"
+    return TraceError(f"torch.fx cannot trace {where}: {reason}; {fix}")
 
 
 class _ShapeProp(ShapeProp):

@@ -17,6 +17,7 @@ moves right after the node it unpacks, and every get_attr is duplicated per user
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch.fx as fx
 from torch import nn
@@ -82,6 +83,21 @@ def _repeated_containers(module: nn.Module) -> set[str]:
     return found
 
 
+def leaf_layer(module: nn.Module, path: str, *, whole: Callable[[nn.Module], bool] = lambda m: False) -> str:
+    """The layer (default grouping) the module at `path` would lie in as a leaf: its repeated block (`blocks.0` for
+    `blocks.0.moe`, `blocks.0` itself), or itself when it is a layer of its own (a top-level child); '' when a leaf
+    there would swallow several layers: the root, a single-child wrapper, or a top-level child holding repeated
+    blocks (an `encoder` above its layers) unless `whole(that module)` says it is one unit (an MoE layer above its
+    experts)."""
+    keys = _DefaultKeys(module)
+    key = keys(path, leaf=True)
+    if not key or not (path == key or path.startswith(key + ".")):
+        return ""
+    own_layer = path == key and path.rpartition(".")[0] not in keys.repeated  # a layer of its own, not a block
+    holds_blocks = any(c.startswith(path + ".") for c in keys.repeated)
+    return "" if own_layer and holds_blocks and not whole(module.get_submodule(path)) else key
+
+
 def _root_prefix(module: nn.Module) -> str:
     """Descend through single-child wrappers (`self.model = Inner()`) so they do not make a one-layer model."""
     prefix, current = "", module
@@ -105,7 +121,8 @@ class _DefaultKeys:
             ".".join(path.split(".")[:i]) for path in self.repeated if path for i in range(1, path.count(".") + 1)
         }
 
-    def __call__(self, path: str) -> str:
+    def __call__(self, path: str, leaf: bool = False) -> str:
+        """`leaf`: the path is a module fx did not trace into (one call_module node), never split up."""
         if not path:
             return ""
         root = self.root_prefix
@@ -121,7 +138,7 @@ class _DefaultKeys:
                 return ".".join(parts[: depth + 2])
             if head in self.descend and head not in self.repeated:
                 if len(parts) == depth + 1:
-                    return ""  # the container's own code joins a neighbour
+                    return head if leaf else ""  # the container's own code joins a neighbour
                 depth += 1
                 continue
             return head
@@ -137,7 +154,7 @@ def layer_keys(gm: fx.GraphModule, module: nn.Module, granularity: int | None) -
         if node.op == "get_attr" and len(node.users) == 1:  # a tied weight is named after one of its owners
             path = node_module_path(next(iter(node.users))) or path
         if granularity is None:
-            keys.append(default(path))
+            keys.append(default(path, leaf=node.op == "call_module"))
             continue
         parts = path.split(".") if path else []
         if len(parts) >= granularity:

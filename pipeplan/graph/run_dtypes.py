@@ -3,13 +3,17 @@ fake tensors (no memory, no compute) of the run's device type, under that mode's
 low-precision parameters. Autocast's op lists differ between CPU and CUDA (e.g. CUDA keeps layer_norm and
 softmax in fp32), so the dtypes are those of `device_type`. The runtime sends cut values in these dtypes, and
 profiles count the bytes crossing a cut with them.
+
+A module run eagerly (`LayerGraph.eager_modules`: data-dependent code such as MoE dispatch) cannot run on fake
+tensors; it runs once on real random tensors of the device type instead (when that device is here: always for the
+CPU), under the same autocast, and its outputs' dtypes are read off that run.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -21,9 +25,10 @@ class _Recorder(fx.Interpreter):
     """Runs the meta-traced graph on fake tensors of `device`: devices the trace baked in (`device=meta` arguments,
     constant tensors) are moved to it."""
 
-    def __init__(self, module: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, module: fx.GraphModule, device: torch.device, eager: tuple[str, ...] = ()) -> None:
         super().__init__(module)
         self.device = device
+        self.eager = eager
         self.dtypes: dict[str, object] = {}
         self.current = ""  # the node running now
 
@@ -37,6 +42,37 @@ class _Recorder(fx.Interpreter):
     def fetch_attr(self, target: str):
         return self._move(super().fetch_attr(target))
 
+    def call_module(self, target, args, kwargs):
+        try:
+            return super().call_module(target, args, kwargs)
+        except Exception:
+            real = self.device.type == "cpu" or (self.device.type == "cuda" and torch.cuda.is_available())
+            if target not in self.eager or not real:
+                raise
+        return self._real_run(self.fetch_attr(target), args, kwargs)
+
+    def _real_run(self, module: nn.Module, args, kwargs):
+        """`module` once on real random tensors of the same shapes and dtypes (see the module docstring), its outputs
+        as fake tensors again."""
+
+        def real(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.is_floating_point():
+                return torch.randn(tuple(value.shape), dtype=value.dtype, device=self.device)
+            return torch.zeros(tuple(value.shape), dtype=value.dtype, device=self.device)
+
+        with unset_fake_temporarily(), torch.no_grad():
+            state = {name: real(t) for name, t in (*module.named_parameters(), *module.named_buffers())}
+            result = torch.func.functional_call(module, state, tree_map(real, args), tree_map(real, kwargs))
+        # back under the fake mode: empty tensors of the real outputs' shapes and dtypes
+        return tree_map(
+            lambda v: (
+                torch.empty(tuple(v.shape), dtype=v.dtype, device=self.device) if isinstance(v, torch.Tensor) else v
+            ),
+            result,
+        )
+
     def run_node(self, node: fx.Node):
         self.current = node.name
         with self._set_current_node(node):
@@ -47,14 +83,15 @@ class _Recorder(fx.Interpreter):
 
 
 class _Runner(nn.Module):
-    def __init__(self, graph_module: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, graph_module: fx.GraphModule, device: torch.device, eager: tuple[str, ...]) -> None:
         super().__init__()
         self.gm = graph_module
         self.device = device
+        self.eager = eager
         self.recorder: _Recorder | None = None
 
     def forward(self, *inputs):
-        self.recorder = _Recorder(self.gm, self.device)
+        self.recorder = _Recorder(self.gm, self.device, self.eager)
         return self.recorder.run(*inputs)
 
 
@@ -85,7 +122,7 @@ def fake_run(traced, precision: str, device_type: str) -> tuple[dict[str, object
     """(value dtypes by node, autocast's parameter copies by node) from one run on fake tensors."""
     mode = get_precision(precision)
     device = torch.device(device_type)
-    runner = _Runner(traced.graph_module, device)
+    runner = _Runner(traced.graph_module, device, traced.layer_graph.eager_modules)
     sample, _ = traced.spec.sample_batch(traced.batch_size, generator=torch.Generator().manual_seed(0))
 
     def fake(t: torch.Tensor) -> torch.Tensor:

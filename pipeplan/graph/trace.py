@@ -60,6 +60,7 @@ class LayerGraph:
     fingerprint: str
     output_names: tuple[str, ...] = ()  # every graph value in the model's output (default: output_name)
     tracer: str = "fx"  # fx | export
+    eager_modules: tuple[str, ...] = ()  # modules fx did not trace into (declared or automatic leaves), by path
 
     def __post_init__(self) -> None:
         assert len(self.cuts) == len(self.layers) - 1, "one cut between each pair of adjacent layers"
@@ -202,21 +203,30 @@ def trace_model(
 
 
 def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
-    """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used)."""
+    """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used).
+
+    auto: fx, else export, else fx with automatic leaves (a module inside a repeated block that neither can trace,
+    such as an MoE layer with data-dependent routing, runs eagerly: fx_trace.symbolic_trace)."""
     from pipeplan.graph.fx_trace import propagate_shapes, symbolic_trace
 
-    inputs = _sample_inputs(spec, batch_size, device)
     if tracer == "export":
         return (*_export(module, spec, batch_size, device), "export")
     try:
         gm = symbolic_trace(module, spec)
     except TraceError as fx_error:
-        if tracer == "fx":
-            raise TraceError(f"{fx_error}; or trace with --tracer export") from None
+        export_error = None
+        if tracer == "auto":
+            try:
+                return (*_export(module, spec, batch_size, device), "export")
+            except TraceError as error:
+                export_error = error
         try:
-            return (*_export(module, spec, batch_size, device), "export")
-        except TraceError as export_error:
+            gm = symbolic_trace(module, spec, auto_leaves=True)
+        except TraceError:
+            if export_error is None:
+                raise TraceError(f"{fx_error}; or trace with --tracer export") from None
             raise TraceError(f"{fx_error}; and {export_error}") from None
+    inputs = _sample_inputs(spec, batch_size, device)
     propagate_shapes(gm, spec, inputs, device, lambda: _sample_inputs(spec, batch_size, "cpu"))
     return gm, None, "fx"
 
@@ -281,6 +291,7 @@ def trace_module(
         output_names=output_names,
         fingerprint=_fingerprint(gm, layers, used),
         tracer=used,
+        eager_modules=tuple(gm.meta.get("eager_modules", ())),
     )
     return TracedModel(
         module=module,

@@ -10,6 +10,7 @@ from typing import Any
 from pipeplan.models.gpt import gpt
 from pipeplan.models.llama import llama
 from pipeplan.models.mlp import mlp
+from pipeplan.models.moe import moe
 from pipeplan.models.resnet import resnet
 from pipeplan.models.spec import ModelSpec
 
@@ -59,4 +60,52 @@ register(
     llama,
     "Llama 2 70B shapes (grouped-query attention, 8 kv heads)",
     preset=dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, **_LLAMA),
+)
+register(
+    "moe",
+    moe,
+    "mixture-of-experts decoder (LLaMA-style attention, shared + top-k routed SwiGLU experts, first layers dense)",
+)
+register(
+    "mixtral-8x7b",
+    moe,
+    "Mixtral 8x7B shapes (Jiang et al. 2024): 8 experts, top-2, softmax gates, no shared experts",
+    preset=dict(
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        experts=8,
+        top_k=2,
+        expert_intermediate=14336,
+        shared_experts=0,
+        dense_layers=0,
+        intermediate=14336,
+        gate="softmax",
+        vocab=32000,
+        seq=4096,
+        rope_theta=1e6,
+    ),
+)
+register(
+    "deepseek-v3",
+    moe,
+    "DeepSeek-V3 shapes (2024): 3 dense then 58 MoE layers, 1 shared + 256 routed experts, top-8 sigmoid gates; "
+    "MLA approximated by standard multi-head attention of about its parameter count (205M vs 187M per layer)",
+    preset=dict(
+        layers=61,
+        hidden=7168,
+        heads=128,
+        kv_heads=128,
+        experts=256,
+        top_k=8,
+        expert_intermediate=2048,
+        shared_experts=1,
+        dense_layers=3,
+        intermediate=18432,
+        gate="sigmoid",
+        scale=2.5,
+        vocab=129280,
+        seq=4096,
+    ),
 )

@@ -41,12 +41,13 @@ from pipeplan.models.hf_config import (
     given_line,
     transformers_module,
 )
-from pipeplan.models.hf_types import SUPPORTED, refusal
+from pipeplan.models.hf_types import MOE, SUPPORTED, refusal
 from pipeplan.models.spec import ModelSpec
 
 TASKS = ("causal-lm", "classification", "image-classification")
 DATA = ("fixed", "random")
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
+MOE_TYPES = MOE  # mixture-of-experts types the adapter is tested with (models/hf_types.py)
 _AUTO_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
     "classification": "AutoModelForSequenceClassification",
@@ -104,6 +105,17 @@ def causal_lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts token t+1 of the target (the input ids)."""
     logits = _logits(output)[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+
+def with_router_aux_loss(loss_fn, coef: float):
+    """`loss_fn` plus `coef` times the model's router load-balancing loss (`output.aux_loss`), as a transformers
+    MoE model adds it to its loss when given labels and `output_router_logits` is on."""
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        aux = getattr(output, "aux_loss", None)
+        return loss_fn(output, target) if aux is None else loss_fn(output, target) + coef * aux
+
+    return loss
 
 
 def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -192,6 +204,9 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
     if task == "classification" and getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
         config.pad_token_id = 0  # sequence classification of a decoder finds each row's last non-pad token
     sample_batch, seq = _sampler(config, task, adapter)
+    loss_fn = causal_lm_loss if task == "causal-lm" else classification_loss
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None):
+        loss_fn = with_router_aux_loss(loss_fn, float(config.router_aux_loss_coef))
 
     def fixed_batches(batch_size: int, seed: int):
         batch = sample_batch(batch_size, generator=torch.Generator().manual_seed(seed))
@@ -204,7 +219,7 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         data=fixed_batches if data == "fixed" else None,
         build=_builder(config, directory, task, given_line(target, applied)),
         sample_batch=sample_batch,
-        loss_fn=causal_lm_loss if task == "causal-lm" else classification_loss,
+        loss_fn=loss_fn,
         options={**_shapes(config, task), **applied, "task": task, **shown, "data": data},
         tokens_per_sample=seq,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,18 @@ class ModelSpec:
     - `sample_batch(batch_size, generator)` returns `((inputs, ...), target)`: a tuple of input tensors for
       `forward` and the target tensor for `loss_fn(output, target)`. Deterministic for a given generator state.
     - `data(batch_size, seed)` optionally yields real `((inputs, ...), target)` batches for training (default:
-      synthetic batches from `sample_batch`).
+      synthetic batches from `sample_batch`): global batches of `batch_size` samples, the same stream on every rank;
+      data-parallel pipeline p of d trains on samples [p*B/d, (p+1)*B/d) of each. A `data` that also takes a keyword
+      `shard=(p, d)` is called that way instead and yields only pipeline p's B/d samples of each global batch (each
+      pipeline then reads only its own shard). `seed` is the run's (`--seed`, default the plan's); a resumed run
+      draws and drops the batches of the steps already done.
+    - `optimizer(named_parameters, lr, weight_decay)` optionally builds the optimizer over a rank's parameters (a
+      list of (whole-model name, parameter), e.g. to exempt norms and biases from weight decay) instead of the
+      plan's; `lr` and `weight_decay` are the run's (--lr, --weight-decay, default the plan's). Not with ZeRO-1.
+      The plan counted memory for its own `--optimizer` (plan with the bytes per parameter yours keeps).
+    - `lr_lambda(step)` optionally gives the learning-rate factor at 0-based `step` (as
+      torch.optim.lr_scheduler.LambdaLR's lr_lambda; a function of the step alone, so resuming is exact) instead
+      of --lr-schedule / --warmup-steps / --decay-steps.
     - `leaf_modules`: module classes torch.fx must not trace into (e.g. one with data-dependent control flow).
     - `init_module(module)`: a *complete* per-submodule initializer (after the submodule's own
       `reset_parameters()`, it sets every parameter and buffer of that submodule), declared only for models too
@@ -92,6 +104,8 @@ class ModelSpec:
     leaf_modules: tuple[type[nn.Module], ...] = ()
     data: Callable[[int, int], Iterator[Batch]] | None = None
     init_module: Callable[[nn.Module], None] | None = None
+    optimizer: Callable[[list[tuple[str, nn.Parameter]], float, float], torch.optim.Optimizer] | None = None
+    lr_lambda: Callable[[int], float] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -99,13 +113,50 @@ class ModelSpec:
         for attr in ("build", "sample_batch", "loss_fn"):
             if not callable(getattr(self, attr)):
                 raise TypeError(f"ModelSpec.{attr} must be callable")
+        for attr in ("data", "init_module", "optimizer", "lr_lambda"):
+            if getattr(self, attr) is not None and not callable(getattr(self, attr)):
+                raise TypeError(f"ModelSpec.{attr} must be callable or None")
 
     def batches(self, batch_size: int, seed: int = 0) -> Iterator[Batch]:
-        """Training batches: the factory's real data if it supplies some, else endless synthetic ones."""
+        """Global training batches: the factory's real data if it supplies some, else endless synthetic ones."""
         if self.data is not None:
-            for batch in self.data(batch_size, seed):
+            sharded = takes_shard(self.data)
+            for batch in self.data(batch_size, seed, shard=(0, 1)) if sharded else self.data(batch_size, seed):
                 yield check_batch(batch, f"model {self.name!r}: data")
             return
         generator = torch.Generator().manual_seed(seed)
         while True:
             yield self.sample_batch(batch_size, generator=generator)
+
+    def shard_batches(self, batch_size: int, seed: int, shard: tuple[int, int]) -> Iterator[Batch]:
+        """Data-parallel pipeline `shard` = (p, d)'s samples of each global batch of `batch_size`: [p*B/d,
+        (p+1)*B/d), read by the factory's `data(..., shard=(p, d))` where it takes `shard`, else cut from the global
+        batch. The shards of one step, joined in pipeline order, are `batches()`'s global batch."""
+        index, count = shard
+        size = batch_size // count
+        if self.data is not None and takes_shard(self.data):
+            where = f"{self.name!r}: data(shard={shard})"
+            for batch in self.data(batch_size, seed, shard=shard):
+                yield _sized(check_batch(batch, f"model {where}"), size, where)
+            return
+        for batch in self.batches(batch_size, seed):
+            inputs, target = _sized(batch, batch_size, f"{self.name!r}: data")
+            cut = slice(index * size, (index + 1) * size)
+            yield tuple(x[cut] for x in inputs), target[cut]
+
+
+def takes_shard(data: Callable) -> bool:
+    """Whether a `data` function accepts the keyword `shard` (then it reads one pipeline's part of each batch)."""
+    try:
+        parameters = inspect.signature(data).parameters
+    except (TypeError, ValueError):
+        return False
+    return "shard" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _sized(batch: Batch, size: int, where: str) -> Batch:
+    inputs, target = batch
+    found = inputs[0].shape[0] if inputs else target.shape[0]
+    if found != size or target.shape[0] != size:
+        raise ModelError(f"model {where} gave a batch of {found} samples; the run needs {size}")
+    return batch

@@ -49,6 +49,7 @@ class PartitionConfig:
     recompute: str = "none"
     zero: int = 0
     data_parallel: int = 1
+    expert_parallel: int = 1  # routed experts split over ep of the data_parallel holders (costs.memory)
     layer_recompute: bool = False  # full recomputation layer by layer, as the engines run analytic plans
 
     def __post_init__(self) -> None:

@@ -13,11 +13,11 @@ For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the 
 --steps need from the same generator and checks these lists are that generator's.
 A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
 start with `require_runnable()`, which raises one clear RunError (`not_runnable_reason`). So does a plan with
-context parallelism, one predicted with gradient or parameter collectives overlapped (`training.overlap`), and one
-with tensor parallelism (`training.tensor_parallel` t > 1, planned analytically by `search.sharding`): there each
-rank of `ranks` stands for a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t +
-t - 1, on node r·t // devices_per_node), and the stages' costs, parameters and bytes are one device's of the
-group.
+context or expert parallelism (`training.expert_parallel`: a MoE model's routed experts over ep ranks), one
+predicted with gradient or parameter collectives overlapped (`training.overlap`), and one with tensor parallelism
+(`training.tensor_parallel` t > 1, planned analytically by `search.sharding`): there each rank of `ranks` stands for
+a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t + t - 1, on node r·t //
+devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class TrainingConfig:
     zero: int = 0  # ZeRO stage: 0, or 1 = optimizer state sharded over the ranks holding the same parameters
     tensor_parallel: int = 1  # devices per tensor-parallel group (analytic plans only; `run` needs 1)
     context_parallel: int = 1  # tensor-parallel groups per context-parallel group (analytic plans only)
+    expert_parallel: int = 1  # ranks of pipelines x cp a MoE model's routed experts split over (analytic plans only)
     overlap: str = "none"  # communication overlap the step was predicted with (costs.overlap.Overlap.label)
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class TrainingConfig:
         except PipeplanError as exc:
             raise FormatError(f"training.overlap: {exc}") from None
         names = ("global_batch_size", "microbatch_size", "num_microbatches", "data_parallel", "tensor_parallel")
-        for name in (*names, "context_parallel"):
+        for name in (*names, "context_parallel", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise FormatError(f"training.{name} must be >= 1")
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel
@@ -129,12 +130,15 @@ class StagePlan:
     kept_bytes: int | None = None  # held from F to I or B under `recompute` (None: activation_bytes)
     recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
     optimizer_ms: float = 0.0  # predicted optimizer update on one device holding the stage (after its exchange)
+    expert_param_count: int = 0  # of param_count: routed-expert weights (ZeRO-1 shards their state over 1/ep)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:
             raise FormatError(f"plan stage {self.index}: {problem}")
         if min(self.kept_bytes or 0, self.recompute_bytes, self.recompute_ms) < 0:
             raise FormatError(f"plan stage {self.index}: kept_bytes, recompute_bytes and recompute_ms must be >= 0")
+        if not 0 <= self.expert_param_count <= self.param_count:
+            raise FormatError(f"plan stage {self.index}: expert_param_count must be between 0 and param_count")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,8 +199,8 @@ class Plan:
 
     def not_runnable_reason(self) -> str | None:
         """Why `pipeplan run` cannot execute this plan, in one line, or None: made from a profile file alone (no
-        model to trace, so no FX node names per stage), tensor- or context-parallel (the runtime has no such
-        layers), or predicted with gradient or parameter collectives hidden behind compute (the runtime reduces
+        model to trace, so no FX node names per stage), tensor-, context- or expert-parallel (the runtime has no
+        such layers), or predicted with gradient or parameter collectives hidden behind compute (the runtime reduces
         gradients after the flush)."""
         from pipeplan.costs.overlap import Overlap
 
@@ -211,6 +215,12 @@ class Plan:
             return (
                 f"this plan uses context parallelism (cp={cp}), which `run` does not execute (no ring attention); "
                 "re-plan with --context-parallel 1 to run it"
+            )
+        if self.training.expert_parallel > 1:
+            return (
+                f"this plan uses expert parallelism (ep={self.training.expert_parallel}), which `run` does not "
+                "execute (no all-to-all dispatch of tokens to experts on other ranks); re-plan with "
+                "--expert-parallel 1 to run it"
             )
         overlap = Overlap.parse(self.training.overlap)
         if overlap.grad_reduce or overlap.param_gather:

@@ -30,6 +30,8 @@ def describe(plan: Plan) -> str:
     t = plan.training.tensor_parallel
     devices = plan.world_size * t
     tensor = f", tensor parallel t={t} (each stage device a group of {t})" if t > 1 else ""
+    ep = plan.training.expert_parallel
+    tensor += f", expert parallel ep={ep} (routed experts split over {ep} pipelines' ranks)" if ep > 1 else ""
     return (
         f"{model} on {devices} device(s) ({plan.cluster.num_nodes} node(s) x "
         f"{min(devices, plan.cluster.devices_per_node)}), schedule {plan.schedule}, {len(plan.stages)} "

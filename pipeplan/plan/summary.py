@@ -146,6 +146,7 @@ def _chosen_label(plan: Plan) -> str:
     replicated = " replicated" if any(s.replicas > 1 for s in plan.stages) else ""
     t = plan.training
     tensor = f" t={t.tensor_parallel}" if t.tensor_parallel > 1 else ""
+    tensor += f" ep={t.expert_parallel}" if t.expert_parallel > 1 else ""
     return (
         f"{plan.schedule} {pipeline_devices}x{t.data_parallel} m={t.num_microbatches} b={t.microbatch_size}"
         f"{tensor}{replicated}"

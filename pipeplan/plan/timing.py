@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeplan.costs import bytes_per_param, device_static_bytes
+from pipeplan.costs import device_static_bytes, stage_static_per_param, static_split
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError
 from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
@@ -43,19 +43,17 @@ def plan_costs(plan: Plan) -> StageCosts:
 
 def plan_memory(plan: Plan) -> MemoryCosts:
     """Per stage activation bytes (and I's frees, and under recomputation what is kept and re-created), per
-    pipeline-0 rank static bytes (ZeRO-1: each stage's optimizer state split over its holders), as searched."""
+    pipeline-0 rank static bytes (ZeRO-1: each stage's optimizer state split over its holders, its routed experts'
+    over 1/ep of them), as searched."""
     device_stages = [info.stages for info in plan.ranks if info.pipeline == 0]
     training = plan.training
     per_param: float | list[float] = training.optimizer_bytes_per_param
-    if training.zero:
+    if training.zero:  # the search's `stage_bytes_per_param`: routed experts' state over 1/ep of the holders
+        split = static_split(training.optimizer, training.precision)
+        holders = training.data_parallel * training.context_parallel
         per_param = [
-            float(
-                bytes_per_param(
-                    training.optimizer,
-                    training.precision,
-                    zero=1,
-                    group_size=s.replicas * training.data_parallel * training.context_parallel,
-                )
+            stage_static_per_param(
+                split, s.param_count, s.expert_param_count, s.replicas * holders, 1, training.expert_parallel
             )
             for s in plan.stages
         ]

@@ -37,6 +37,7 @@ from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
+from pipeplan.profiling.experts import check_experts_counted
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
@@ -119,6 +120,7 @@ def layer_profile(
         output_bytes=counts.output_bytes,
         flops=counts.forward_flops,
         work=work,
+        expert_param_count=counts.expert_param_count,
         **recompute_bytes,
     )
     return retime_layer(layer, rates)
@@ -183,6 +185,7 @@ def profile_analytic(
     upcast = mode.autocast_dtype is not None  # autocast runs the loss in fp32 (profiling.loss_stage)
     make_loss = lambda stage: model_loss(traced, stage, spec.loss_fn, target, upcast=upcast)  # noqa: E731
     layers = _profile_layers(traced, config, env, make_loss, progress=progress)
+    check_experts_counted(traced.module, traced.layer_graph.layers, layers)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
     if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
         layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
@@ -295,6 +298,7 @@ def _provenance(
         spec_options=dict(spec.options),
         graph_fingerprint=graph.fingerprint,
         tracer=graph.tracer,
+        eager_modules=graph.eager_modules,
         tokens_per_sample=spec.tokens_per_sample,
         notes=notes,
         loss_in_last_layer=True,

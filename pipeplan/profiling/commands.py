@@ -6,7 +6,7 @@ from pipeplan.console import out, print_json
 from pipeplan.options import command
 from pipeplan.profiling.profile_job import profile_from_options
 from pipeplan.profiling.profile_options import ProfileOptions
-from pipeplan.profiling.summary import fidelity_line, options_line, profile_table
+from pipeplan.profiling.summary import fidelity_line, options_line, profile_table, routing_lines
 
 
 @command(ProfileOptions)
@@ -22,7 +22,7 @@ def profile(options: ProfileOptions) -> None:
         print_json(result.to_dict())
         return
     out.print(profile_table(result))
-    for line in (options_line(result), fidelity_line(result)):
+    for line in [options_line(result), *routing_lines(result), fidelity_line(result)]:
         if line:
             out.print(line, highlight=False)
     if options.output is not None:

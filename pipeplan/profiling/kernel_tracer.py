@@ -11,7 +11,11 @@ activations are split while the forward runs on the meta device:
 
 Token positions (what context parallelism splits, `cp`) are a linear's rows (`m`: samples x positions) and
 attention's query positions; the microbatch grows a linear's rows and attention's batch (`tokens`). Every matmul
-and attention call becomes one `Kernel` at the shape it ran (t = cp = 1)."""
+and attention call becomes one `Kernel` at the shape it ran (t = cp = 1).
+
+A batched matmul whose second operand is a 3-D parameter is a grouped expert matmul (`Kernel.experts`: one matmul
+per expert over its stacked weights, `models.moe.Experts`); those parameters are the layer's expert weights
+(`expert_params`), which expert parallelism splits over its ranks."""
 
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class KernelTracer:
     def __init__(self, params) -> None:
         self._params = {id(p): p for p in params}  # views of parameters join this
         self._split: dict[int, torch.Tensor] = {}  # activations a tensor-parallel rank holds a part of
+        self.expert_params: dict[int, torch.Tensor] = {}  # stacked expert weights (a grouped matmul's operand)
 
     def _is_param(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._params
@@ -65,9 +70,9 @@ class KernelTracer:
         elif _is_view(func) and any(self._is_param(t) for t in inputs):
             self._mark(outputs, split=False, param=True)
             return None
-        else:
-            split = any(self._is_split(t) for t in inputs)
-        self._mark(outputs, split=split)
+        else:  # indices (integer tensors) are not features: they split nothing
+            split = any(self._is_split(t) for t in inputs if t.is_floating_point())
+        self._mark([t for t in outputs if t.is_floating_point()], split=split)
         return kernel
 
     def _gemm(self, func, args: tuple) -> tuple[Kernel, bool]:
@@ -89,8 +94,18 @@ class KernelTracer:
         row = self._is_split(activation)  # a split input: row-parallel (contract k / t), output whole again
         tp = "k" if row else ("n" if weight_b else "m")
         rows = "m" if weight_b else "n"  # the activation's token rows
+        experts = batched and weight_b and b.dim() == 3  # a grouped matmul over stacked expert weights
+        if experts:
+            self.expert_params[id(b)] = b
         kernel = Kernel(
-            kind="gemm", tp=tp, cp=rows, tokens=rows, weight=True, input_grad=activation.requires_grad, **common
+            kind="gemm",
+            tp=tp,
+            cp=rows,
+            tokens=rows,
+            weight=True,
+            input_grad=activation.requires_grad,
+            experts=experts,
+            **common,
         )
         return kernel, not row
 

@@ -21,6 +21,9 @@ Time of one kernel (`kernel_seconds`), on a GPU with S streaming multiprocessors
   shards — run below peak (NVIDIA, "Matrix Multiplication Background User's Guide": tile and wave quantization).
   The tile shape giving the shortest time is taken, as cuBLAS's heuristics pick one. The time is at least the
   bytes it moves over HBM bandwidth (a roofline) and the kernel launch floor.
+- a grouped expert matmul (`experts`: a mixture-of-experts layer's experts, `batch` of them, balanced routing
+  giving each m token rows) is one grouped kernel (GroupedGEMM, as Megatron-Core and DeepGEMM run experts): each
+  expert's matmul is cut into tiles (tile quantization per expert), and the tiles of all experts share the waves.
 - attention (FlashAttention-2) runs one thread block per 128 query rows of each (sample, head): blocks = batch x
   ceil(m / 128), each doing 4·128·n·k FLOPs (QKᵀ and PV), half of them under a causal mask; waves as above at the
   peak x `attention_efficiency` (FlashAttention's measured fraction of peak).
@@ -59,6 +62,7 @@ class Kernel:
     element_bytes: int = 2  # bytes per element of its operands
     work: float = 1.0  # multiple of the shape's FLOPs (attention's backward: 2.5)
     core: bool = False  # part of the attention core (re-run by selective recomputation)
+    experts: bool = False  # a grouped matmul over `batch` experts' stacked weights (expert parallelism splits it)
 
     def __post_init__(self) -> None:
         assert self.kind in ("gemm", "attention"), self.kind
@@ -79,15 +83,20 @@ class Kernel:
             return float(self.element_bytes * self.batch * (2 * self.m * self.k + 2 * self.n * self.k))
         return float(self.element_bytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
 
-    def on_rank(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> Kernel:
-        """This kernel as one rank of t x cp runs it, for a microbatch `batch_scale` times as large."""
+    def on_rank(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, ep: int = 1) -> Kernel:
+        """This kernel as one rank of t x cp runs it, for a microbatch `batch_scale` times as large; a grouped expert
+        matmul under expert parallelism `ep` runs experts / ep matmuls, each on the tokens of ep ranks (balanced
+        routing: ep times its rows)."""
         sizes = {attr: float(getattr(self, attr)) for attr in DIMS.values()}
         for tag in self.tp:
             sizes[DIMS[tag]] /= t
         for tag in self.cp:
             sizes[DIMS[tag]] /= cp
+        grow = batch_scale * (ep if self.experts else 1)
         for tag in self.tokens:
-            sizes[DIMS[tag]] *= batch_scale
+            sizes[DIMS[tag]] *= grow
+        if self.experts:
+            sizes["batch"] /= ep
         return replace(self, **{attr: max(1, math.ceil(value)) for attr, value in sizes.items()})
 
 

@@ -31,6 +31,7 @@ class LayerCounts:
     output_bytes: int
     param_count: int
     param_bytes: int
+    expert_param_count: int = 0  # of param_count: stacked expert weights (`KernelTracer.expert_params`)
     outputs: tuple = field(default=(), repr=False)
 
     @property
@@ -126,6 +127,7 @@ def count_layer(
         output_bytes=tensor_bytes(outputs),
         param_count=param_count,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
+        expert_param_count=sum(p.numel() for p in tracing.tracer.expert_params.values()),
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
     )
 

@@ -6,7 +6,8 @@ split into what I frees and what must live until W, by the one rule the runtime 
 and B run the backward implementation the runtime runs (split_backward). The last layer runs the model's loss
 after it, as a pipeline's last stage does (loss_stage): what the loss saves (cross-entropy's log-softmax), its
 FLOPs and its time are the last layer's. Whole-model forward (with the loss) and backward times are measured too,
-to check that the per-layer sums agree.
+to check that the per-layer sums agree. Layers run on the activations of the sample batch, so mixture-of-experts
+layers are timed with the routing their own routers choose for it, which the profile records (routing.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import check_device_precision, get_precision
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.profiling.recompute import measured_recompute
+from pipeplan.profiling.routing import measure_routing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,7 +286,7 @@ def profile_traced(
     return Profile(
         layers=tuple(layers),
         cut_bytes=_cut_bytes(traced, config),
-        provenance=_provenance(traced, config, model_ref, model_options),
+        provenance=_provenance(traced, config, model_ref, model_options, inputs),
         input_bytes=_tensor_bytes(inputs),
         whole_forward_ms=_median(whole_forward + more_forward),
         whole_backward_ms=_median(whole_backward + more_backward),
@@ -307,7 +309,7 @@ def _given_options(spec: ModelSpec, given: dict | None) -> dict:
     return {key: spec.options.get(key, value) for key, value in given.items()}
 
 
-def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_options) -> Provenance:
+def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_options, inputs) -> Provenance:
     spec = traced.spec
     device = config.device
     if device.startswith("cuda"):
@@ -327,6 +329,8 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         tokens_per_sample=spec.tokens_per_sample,
         notes=f"warmup={config.warmup} repeats={config.repeats} timer={config.timer} threads={torch.get_num_threads()}",
         loss_in_last_layer=True,
+        eager_modules=traced.layer_graph.eager_modules,
+        expert_routing=measure_routing(traced.module, inputs, config.autocast),
     )
 
 

@@ -22,6 +22,11 @@ FLOPs) include what the loss saves for backward (cross-entropy: the b·s·V log-
 precision, and the target), kept under none and selective, recomputed under full. `provenance.loss_in_last_layer`
 says so; profiles written before (the field absent) left it out of measured profiles and counted it in the compute
 dtype in mixed-precision analytic ones, and loading one warns.
+
+Mixture-of-experts models: `provenance.expert_routing` says, per MoE layer, how the measured profile's sample batch
+was routed by the model's own routers (tokens per expert; `profiling.routing`), and `provenance.eager_modules`
+which modules ran eagerly inside their layers (data-dependent code, `graph.fx_trace`). Both are absent (empty) in
+older files and in profiles of dense models; no schema change.
 """
 
 from __future__ import annotations
@@ -54,13 +59,14 @@ class LayerWork:
     rest_backward_ms: float
     rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
 
-    def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0) -> LayerWork:
+    def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, ep: int = 1) -> LayerWork:
         """The work of one rank of t tensor- x cp context-parallel ranks, for a microbatch `batch_scale` times as
         large: kernels at the rank's shape (`Kernel.on_rank`); the rest (norms, dropouts, residual adds: split along
-        the sequence under sequence and context parallelism) x batch_scale / (t x cp)."""
+        the sequence under sequence and context parallelism) x batch_scale / (t x cp); grouped expert matmuls under
+        expert parallelism `ep` (`Kernel.on_rank`)."""
         rest = batch_scale / (t * cp)
         return LayerWork(
-            kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale) for k in self.kernels),
+            kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale, ep=ep) for k in self.kernels),
             rest_forward_ms=self.rest_forward_ms * rest,
             rest_input_grad_ms=self.rest_input_grad_ms * rest,
             rest_weight_grad_ms=self.rest_weight_grad_ms * rest,
@@ -89,6 +95,7 @@ class LayerProfile:
     full_recompute_ms: float | None = None  # full recompute: the forward again (None: = forward_ms)
     selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
     work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
+    expert_param_count: int = 0  # of param_count: routed experts' weights (expert parallelism splits them)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:
@@ -132,6 +139,24 @@ def _check_mode(recompute: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertRouting:
+    """How one mixture-of-experts layer routed the profiled sample batch (measured profiles: the model's own router
+    on the sample batch, `profiling.routing`); its layer's times were measured with this routing."""
+
+    module: str  # the MoE layer's module path (graph.moe.moe_modules)
+    experts: int
+    top_k: int | None
+    tokens: int  # tokens entering the layer
+    tokens_per_expert: tuple[int, ...]  # (token, expert) assignments each expert received
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest expert's tokens over the mean (1.0 = perfectly balanced)."""
+        mean = sum(self.tokens_per_expert) / len(self.tokens_per_expert) if self.tokens_per_expert else 0.0
+        return max(self.tokens_per_expert) / mean if mean else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Provenance:
     source: str  # measured | analytic | pipedream
     device: str = "cpu"  # cpu, cuda:NAME, meta
@@ -149,6 +174,8 @@ class Provenance:
     notes: str = ""
     loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
+    eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)
+    expert_routing: tuple[ExpertRouting, ...] = ()  # per MoE layer, how the sample batch was routed (measured)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -42,13 +42,13 @@ def retime_layer(layer: LayerProfile, rates: KernelRates | None) -> LayerProfile
 
 
 def reshaped_layer(
-    layer: LayerProfile, rates: KernelRates | None, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0
+    layer: LayerProfile, rates: KernelRates | None, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, ep: int = 1
 ) -> LayerProfile | None:
     """`layer`'s times on one rank of t x cp for a microbatch `batch_scale` times as large, from its work (its
     bytes are the caller's); None without work or rates (the caller scales linearly)."""
     if layer.work is None or rates is None:
         return None
-    return retime_layer(replace(layer, work=layer.work.reshaped(t=t, cp=cp, batch_scale=batch_scale)), rates)
+    return retime_layer(replace(layer, work=layer.work.reshaped(t=t, cp=cp, batch_scale=batch_scale, ep=ep)), rates)
 
 
 def _drops_attention(layer: LayerProfile) -> bool:

@@ -71,6 +71,25 @@ def options_line(profile: Profile) -> str | None:
     return "model built with: " + ", ".join(f"{key}={value}" for key, value in options.items())
 
 
+def routing_lines(profile: Profile) -> list[str]:
+    """How each mixture-of-experts layer routed the profiled batch, and which modules ran eagerly."""
+    source = profile.provenance
+    lines = []
+    if source.eager_modules:
+        shown = ", ".join(source.eager_modules[:4]) + (
+            f" (+{len(source.eager_modules) - 4})" if len(source.eager_modules) > 4 else ""
+        )
+        lines.append(f"run eagerly inside their layers (data-dependent code): {shown}")
+    for routed in source.expert_routing:
+        counts = routed.tokens_per_expert
+        lines.append(
+            f"{routed.module}: {routed.experts} experts{f' top-{routed.top_k}' if routed.top_k else ''}, "
+            f"{routed.tokens} tokens; per expert min/mean/max {min(counts)}/{sum(counts) / len(counts):.1f}/"
+            f"{max(counts)} (max/mean {routed.imbalance:.2f})"
+        )
+    return lines
+
+
 def fidelity_line(profile: Profile) -> str | None:
     ratios = fidelity(profile)
     if ratios["forward_sum_over_whole"] is None or ratios["split_backward_sum_over_whole"] is None:

@@ -43,10 +43,12 @@ class VersionStore:
         update_every: int,
         optimizer: FullOptimizer,
         describe_group: Callable[[int, int], str],
+        before_update: Callable[[int], None] = lambda group: None,
         capture: dict[int, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.model, self.update_every, self.optimizer = model, update_every, optimizer
         self.describe_group = describe_group  # (stage, group) -> "step 12" for messages
+        self.before_update = before_update  # (group) -> None: sets the learning rate of that group's step
         self.capture = capture  # microbatch -> its weight gradients (tests)
         self.params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
         self.slots = {s: _parameter_slots(model.modules[s], self.params[s]) for s in model.modules}
@@ -123,6 +125,7 @@ class VersionStore:
                     param.data = param.data.clone()
         else:
             self.leafsets.pop((stage, version), None)
+        self.before_update(version)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.made[stage] = version + 1

@@ -69,13 +69,18 @@ class AsyncExecutor(Executor):
         self.per_step, self.first_step = plan.training.num_microbatches, first_step
         rule = generate(plan.schedule, num_devices=1, num_microbatches=self.per_step)
         self.loss_grad = self.per_step / rule.update_every  # each update's gradient: its microbatches' mean loss
+
+        def step_of(group: int) -> int:  # the 0-based step an update group belongs to
+            return first_step + group * rule.update_every // self.per_step
+
         self.weights = VersionStore(
             model,
             self.ops,
             update_every=rule.update_every,
             optimizer=trainer.optimizer,
             capture=capture,
-            describe_group=lambda stage, group: f"step {first_step + group * rule.update_every // self.per_step + 1}",
+            describe_group=lambda stage, group: f"step {step_of(group) + 1}",
+            before_update=lambda group: trainer.schedule.apply(trainer.optimizer.optimizer, step_of(group)),
         )
         steps = plan.num_op_microbatches // self.per_step
         self.step_losses = torch.zeros(steps, dtype=torch.float64, device=trainer.device)

@@ -18,6 +18,7 @@ def run(options: RunOptions) -> None:
 
     Example: pipeplan run out/plan.json --steps 20 --trace out/measured.json
     Example: pipeplan run plan/plan.json --init-from weights.safetensors
+    Example: pipeplan run plan/plan.json --steps 100 --lr-schedule cosine --warmup-steps 10 --log train.jsonl
     """
     from pipeplan.runtime.launch import launch_local  # torch.distributed import only when running
 

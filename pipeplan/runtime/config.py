@@ -11,6 +11,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.options import option
 from pipeplan.paths import check_output_dir, check_output_file
+from pipeplan.runtime.metrics import check_tensorboard
 
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
@@ -31,6 +32,18 @@ INIT_FROM_HELP = (
     "Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); each rank "
     "reads only its stages' tensors."
 )
+OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum")  # the names costs/optimizer.py counts state for (a test compares)
+LR_SCHEDULES = ("constant", "cosine", "linear")
+OPTIMIZER_HELP = (
+    "adamw, sgd or sgd-nomomentum; must be the plan's (default: the plan's, whose memory was counted for it)."
+)
+SCHEDULE_HELP = "constant, cosine or linear decay after the warm-up, reaching 0 at --decay-steps."
+SEED_HELP = "Seed of the initial weights, the data order and dropout (default: the plan's)."
+LOG_HELP = (
+    "Write one JSON line per finished step here: step, loss, lr, grad_norm, step_ms, samples/s, tokens/s and the "
+    "predicted step (--resume appends)."
+)
+TENSORBOARD_HELP = "Also write the log's scalars as TensorBoard event files in this directory (needs tensorboard)."
 PRECISION_HELP = (
     "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16; must be the plan's (default), e.g. --precision bf16-mixed."
 )
@@ -48,8 +61,18 @@ class RunConfig:
     checkpoint_every: int = option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end).")
     resume: bool = option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir.")
     init_from: str | None = option(None, "--init-from", help=INIT_FROM_HELP, metavar="<path>")  # made absolute
-    lr: float | None = option(None, "--lr", help="AdamW learning rate (default: the plan's).")
-    weight_decay: float | None = option(None, "--weight-decay", help="AdamW weight decay (default: the plan's).")
+    optimizer: str | None = option(None, "--optimizer", help=OPTIMIZER_HELP)  # None: the plan's (optim.py)
+    lr: float | None = option(None, "--lr", help="Peak learning rate (default: the plan's).")
+    lr_schedule: str = option("constant", "--lr-schedule", help=SCHEDULE_HELP)
+    warmup_steps: int = option(0, "--warmup-steps", help="Steps of linear warm-up to --lr (default 0).")
+    decay_steps: int | None = option(  # None: --steps
+        None, "--decay-steps", help="Step at which cosine or linear decay reaches 0 (default: --steps)."
+    )
+    weight_decay: float | None = option(None, "--weight-decay", help="Weight decay (default: the plan's).")
+    momentum: float | None = option(None, "--momentum", help="SGD momentum (--optimizer sgd only; default 0.9).")
+    seed: int | None = option(None, "--seed", help=SEED_HELP)  # None: the plan's
+    log_path: str | None = option(None, "--log", help=LOG_HELP, metavar="<file.jsonl>")
+    tensorboard_dir: str | None = option(None, "--tensorboard", help=TENSORBOARD_HELP, metavar="<dir>")
     heartbeat_timeout_s: float | None = option(  # None: $PIPEPLAN_HEARTBEAT_TIMEOUT or 60 s (resolved at init)
         None, "--heartbeat-timeout", help="Seconds without a peer's heartbeat before every rank stops (default 60)."
     )
@@ -60,7 +83,7 @@ class RunConfig:
     check_every: int = option(  # 0: never
         10, "--check-every", help="Steps between checks that replicas and tied weights agree (0: never)."
     )
-    quiet: bool = option(False, "--quiet", help="No per-step log lines (the summary is still printed).")
+    quiet: bool = option(False, "--quiet", help="No per-step lines; the summary is still printed.")
     clip_grad_norm: float | None = option(None, "--clip-grad-norm", help=CLIP_HELP)  # None: no clipping
     post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)  # post_validate.py
     # not flags: tests and benchmarks set them
@@ -73,8 +96,7 @@ class RunConfig:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
-        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        self._check_training()
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
         if self.resume and self.init_from:
@@ -98,12 +120,42 @@ class RunConfig:
             )
         self._check_paths()
 
+    def _check_training(self) -> None:
+        """The optimizer and schedule options by themselves (against the plan and model: optim.check_training)."""
+        for flag, value in (("--weight-decay", self.weight_decay), ("--momentum", self.momentum)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {value}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; choose from: {', '.join(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; choose from: {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ConfigError(f"--decay-steps must be >= 1, got {self.decay_steps}")
+        if self.decay_steps is not None and self.lr_schedule == "constant":
+            warn("--decay-steps is ignored with --lr-schedule constant")
+        horizon = self.decay_steps or self.steps
+        if self.lr_schedule != "constant" and horizon <= self.warmup_steps:
+            raise ConfigError(
+                f"--lr-schedule {self.lr_schedule} decays from --warmup-steps {self.warmup_steps} to --decay-steps "
+                f"{horizon} (default --steps): make --decay-steps larger than --warmup-steps"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed must be >= 0 and < 2**63, got {self.seed}")
+
     def _check_paths(self) -> None:
-        """--trace and --checkpoint-dir writable, --init-from present (and made absolute: ranks may start elsewhere)."""
+        """--trace, --log, --checkpoint-dir and --tensorboard writable, --init-from present (and made absolute: ranks
+        may start elsewhere)."""
         if self.trace_path is not None:
             object.__setattr__(self, "trace_path", str(check_output_file(self.trace_path, "--trace")))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", str(check_output_dir(self.checkpoint_dir, "--checkpoint-dir")))
+        if self.log_path is not None:
+            object.__setattr__(self, "log_path", str(check_output_file(self.log_path, "--log")))
+        if self.tensorboard_dir is not None:
+            found = check_tensorboard(str(check_output_dir(self.tensorboard_dir, "--tensorboard")))
+            object.__setattr__(self, "tensorboard_dir", found)  # None where tensorboard is not installed
         if self.init_from is not None:
             if not Path(self.init_from).exists():
                 raise ConfigError(f"--init-from {str(self.init_from)!r} does not exist")

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -22,9 +23,10 @@ from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.optim import check_training
 from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.prelaunch import check_before_launch
-from pipeplan.runtime.stages import check_plan_runs
+from pipeplan.runtime.stages import check_plan_runs, load_spec
 from pipeplan.runtime.trainer import RunResult
 from pipeplan.runtime.watchdog import ERROR_DIR_ENV
 from pipeplan.runtime.worker import run_plans
@@ -58,6 +60,7 @@ def launch_many(
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
         check_post_validate(plan, config.post_validate)
         check_async_run(plan, config)
+        check_training(plan, load_spec(plan), config)  # optimizer vs plan and factory, schedule options
         check_before_launch(plan, config)  # --init-from keys, shapes, dtypes; the model buildable here
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
@@ -79,21 +82,33 @@ def launch_many(
         **_shutdown_option(),
     )
     with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors, _quiet_torch_logs():
-        previous = os.environ.get(ERROR_DIR_ENV)
-        os.environ[ERROR_DIR_ENV] = errors  # inherited by the spawned ranks
-        try:
-            jobs = [(str(path), config) for path, config in runs]
-            results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
-        except ChildFailedError as exc:
-            raise RunError(_failure_line(exc, Path(errors), world_size)) from None
-        except SignalException:  # Ctrl-C or SIGTERM: the agent has stopped every rank
-            raise KeyboardInterrupt from None
-        finally:
-            if previous is None:
-                os.environ.pop(ERROR_DIR_ENV, None)
-            else:
-                os.environ[ERROR_DIR_ENV] = previous
+        # inherited by the spawned ranks (and multiprocessing's resource tracker: a failed rank's os._exit leaves
+        # semaphores it cleans up, and its warning about them would follow the error line)
+        warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
+        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}):
+            try:
+                jobs = [(str(path), config) for path, config in runs]
+                results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
+            except ChildFailedError as exc:
+                _print_rank_tracebacks(Path(errors))
+                raise RunError(_failure_line(exc, Path(errors), world_size)) from None
+            except SignalException:  # Ctrl-C or SIGTERM: the agent has stopped every rank
+                raise KeyboardInterrupt from None
     return [results[rank] for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _shutdown_option() -> dict[str, int]:
@@ -119,6 +134,12 @@ def _quiet_torch_logs():
 
 def _entry(jobs: list[tuple[str, RunConfig]], capture_grads: bool, threads: int | None) -> list[RunResult]:
     return run_plans(jobs, capture_grads=capture_grads, threads=threads)
+
+
+def _print_rank_tracebacks(errors: Path) -> None:
+    """PIPEPLAN_DEBUG=1: each failed rank's traceback (the ranks left them beside their one-line messages)."""
+    for path in sorted(errors.glob("rank_*.traceback")):
+        print(f"{path.stem.replace('_', ' ')}: {path.read_text()}", file=sys.stderr, end="", flush=True)
 
 
 def _failure_line(exc: ChildFailedError, errors: Path, world_size: int) -> str:

@@ -23,6 +23,8 @@ from pipeplan.console import out, warn
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import AsynchronousSteps
 from pipeplan.runtime.config import FaultSpec, RunConfig
+from pipeplan.runtime.metrics import MetricsLog, step_record
+from pipeplan.runtime.optim import run_plan
 from pipeplan.runtime.precision_run import gather_peak_memory, memory_versus
 from pipeplan.runtime.step_checks import clip_coefficient
 from pipeplan.runtime.trace_io import write_trace
@@ -51,6 +53,7 @@ class StepStrategy(Protocol):
 def train(
     plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
 ) -> RunResult:
+    plan = run_plan(plan, config)  # --seed, --lr and --weight-decay in place of the plan's
     strategy = AsynchronousSteps if schedule_info(plan.schedule).asynchronous else SynchronousSteps
     strategy.check(plan, config)  # before building anything
     trainer = Trainer(plan, config, rank=rank, device=device)
@@ -59,10 +62,23 @@ def train(
     steps: StepStrategy = strategy(trainer, result, capture_grads=capture_grads)
     if start >= config.steps and rank == 0:
         warn(f"the checkpoint is at step {start} >= --steps {config.steps}: no step to run")
-    fault = FaultSpec.from_env()
-    batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
+    shard = (plan.ranks[rank].pipeline, plan.training.data_parallel)  # this pipeline's part of each global batch
+    batches = trainer.model.spec.shard_batches(plan.training.global_batch_size, plan.training.seed, shard)
     for _ in range(start):  # the same data order as an uninterrupted run
         next(batches)
+    metrics = MetricsLog(config.log_path, config.tensorboard_dir, start=start) if rank == 0 else None
+    try:
+        _run_segments(trainer, steps, result, batches, start, watchdog, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return result
+
+
+def _run_segments(trainer: Trainer, steps: StepStrategy, result: RunResult, batches, start, watchdog, metrics) -> None:
+    """The run from step `start` on: its segments, the checks and checkpoints between them, the end of the run."""
+    config, rank, device = trainer.config, trainer.rank, trainer.device
+    fault = FaultSpec.from_env()
     op_times: OpTimes = []
     checked = None  # the step after which shared weights were last compared
     if device.type == "cuda":
@@ -71,7 +87,7 @@ def train(
         for step in range(first, end):  # (a stream has no step boundary to stop at: faults fire at its start)
             _maybe_fail(fault, rank, step, watchdog, trainer)
         op_times = steps.run(first, end, batches)
-        _log_steps(trainer, result, first, end)
+        _log_steps(trainer, result, first, end, metrics)
         if config.check_every and steps.check_due(end):
             trainer.sync.check_in_sync(checked := end - 1)
         if config.checkpoint_dir and _checkpoint_due(config, end - 1):
@@ -79,7 +95,6 @@ def train(
     if config.check_every and checked != config.steps - 1:
         trainer.sync.check_in_sync(config.steps - 1)
     _finish(trainer, result, op_times)
-    return result
 
 
 def _finish(trainer: Trainer, result: RunResult, op_times: OpTimes) -> None:
@@ -92,16 +107,32 @@ def _finish(trainer: Trainer, result: RunResult, op_times: OpTimes) -> None:
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
         write_trace(config.trace_path, rank, op_times, world_size=plan.world_size)
-    if not config.quiet and result.step_ms:
+    if result.step_ms:  # --quiet drops only the per-step lines
         peaks = gather_peak_memory(device)
         if rank == 0:
             _log_summary(plan, result.step_ms, peaks)
             _log_checks(config, result)
 
 
-def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int) -> None:
-    """Rank 0 logs every --log-every'th step of the segment just run (every rank takes part in reading peaks)."""
-    config = trainer.config
+def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int, metrics: MetricsLog | None) -> None:
+    """Rank 0 writes every step of the segment just run to --log and prints every --log-every'th (every rank takes
+    part in reading peaks)."""
+    config, plan = trainer.config, trainer.plan
+    base = len(result.losses) - end  # result.losses[base + step] is step's
+    for step in range(first, end) if metrics is not None else ():
+        norm = result.grad_norms[base + step] if len(result.grad_norms) == len(result.losses) else None
+        metrics.write(
+            step_record(
+                step=step,
+                loss=result.losses[base + step],
+                lr=plan.training.lr * trainer.schedule.factor(step),
+                grad_norm=norm,
+                step_ms=result.step_ms[base + step],
+                samples=plan.training.global_batch_size,
+                tokens=plan.model.tokens_per_sample,
+                predicted_ms=plan.predicted.step_ms,
+            )
+        )
     if config.quiet or not config.log_every:
         return
     due = [step for step in range(first, end) if (step + 1) % config.log_every == 0]
@@ -109,9 +140,9 @@ def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int) -> Non
         return
     peaks = gather_peak_memory(trainer.device)  # one small all_gather on CUDA
     if trainer.rank == 0:
-        base = len(result.losses) - end  # result.losses[base + step] is step's
         for step in due:
-            _log_step(trainer.plan, step, result.losses[base + step], result.step_ms[base + step], peaks)
+            lr = plan.training.lr * trainer.schedule.factor(step)
+            _log_step(plan, step, result.losses[base + step], lr, result.step_ms[base + step], peaks)
 
 
 def _checkpoint_due(config: RunConfig, step: int) -> bool:
@@ -154,15 +185,16 @@ def _log_checks(config: RunConfig, result: RunResult) -> None:
         out.print(rolled, highlight=False)
 
 
-def _log_step(plan: Plan, step: int, loss: float, step_ms: float, peaks: list[int] | None = None) -> None:
+def _log_step(plan: Plan, step: int, loss: float, lr: float, step_ms: float, peaks: list[int] | None = None) -> None:
     samples = plan.training.global_batch_size / (step_ms / 1000.0)
     tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
     predicted = plan.predicted.step_ms
     versus = f"  predicted {predicted:.1f} ms ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
     memory = memory_versus(plan, peaks)
     versus += f"  mem GiB {memory}" if memory else ""
+    rates = f"samples/s {samples:,.1f}{tokens}{versus}"
     out.print(
-        f"step {step + 1:>5}  loss {loss:.4f}  step {step_ms:8.1f} ms  samples/s {samples:,.1f}{tokens}{versus}",
+        f"step {step + 1:>5}  loss {loss:.6g}  lr {lr:.3g}  step {step_ms:8.1f} ms  {rates}",
         highlight=False,
         soft_wrap=True,
     )

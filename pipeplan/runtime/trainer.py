@@ -1,8 +1,8 @@
 """One rank's trainer: its stages built from the plan, the executor over its op list, the gradient reductions
 and the optimizer; the synchronous step (run the planned op list, all-reduce shared gradients, check the step
 globally: loss, gradient norm, NaN/inf in step_checks.py, or after an eager step with --post-validate in
-post_validate.py, then step AdamW); checkpoint save and restore. The run loop is train.py; the asynchronous step is
-asynchronous.py."""
+post_validate.py, then step the optimizer at the step's learning rate: optim.py); checkpoint save and restore.
+The run loop is train.py; the asynchronous step is asynchronous.py."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipeplan.runtime.comm import make_direction_groups
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
 from pipeplan.runtime.post_validate import PostValidator
 from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
 from pipeplan.runtime.routing import build_routing
@@ -47,34 +48,23 @@ class RunResult:
 
 
 def microbatches_for(
-    plan: Plan, rank: int, batch: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
+    plan: Plan, rank: int, shard: MicroBatch, wanted: set[int], device: torch.device, param_dtype=torch.float32
 ) -> dict[int, MicroBatch]:
-    """This rank's slices of the global batch: pipeline p owns samples [p*M*b, (p+1)*M*b), microbatch m of it
-    the m-th run of b samples. Floating inputs take a low `param_dtype` (bf16 parameters get bf16 inputs)."""
+    """This rank's microbatches from its pipeline's shard of the global batch (`ModelSpec.shard_batches`: pipeline
+    p's samples [p*M*b, (p+1)*M*b)): microbatch m is the shard's m-th run of b samples. Floating inputs take a low
+    `param_dtype` (bf16 parameters get bf16 inputs)."""
     low = param_dtype if param_dtype != torch.float32 else None
-    inputs, target = batch
+    inputs, target = shard
     b, m = plan.training.microbatch_size, plan.training.num_microbatches
-    base = plan.ranks[rank].pipeline * m * b
     found = inputs[0].shape[0] if inputs else target.shape[0]
-    if found != plan.training.global_batch_size:
-        raise RunError(
-            f"the model's data gave a batch of {found} samples; the plan needs {plan.training.global_batch_size}"
-        )
+    if found != m * b:
+        raise RunError(f"pipeline {plan.ranks[rank].pipeline} got {found} samples of a step; the plan needs {m * b}")
     sliced: dict[int, MicroBatch] = {}
     for mb in wanted:
-        lo = base + mb * b
+        lo = mb * b
         pieces = tuple(x[lo : lo + b].to(device, low if low and x.is_floating_point() else x.dtype) for x in inputs)
         sliced[mb] = (pieces, target[lo : lo + b].to(device))
     return sliced
-
-
-def _adamw(plan: Plan, config: RunConfig):
-    """AdamW over given tensors with the run's learning rate and weight decay."""
-    if plan.training.optimizer.lower() != "adamw":
-        raise RunError(f"plan optimizer {plan.training.optimizer!r} is not supported; pipeplan run trains with adamw")
-    lr = config.lr if config.lr is not None else plan.training.lr
-    decay = config.weight_decay if config.weight_decay is not None else plan.training.weight_decay
-    return lambda tensors: torch.optim.AdamW(tensors, lr=lr, weight_decay=decay)
 
 
 class Trainer:
@@ -97,9 +87,18 @@ class Trainer:
         self.executor.autocast = lambda: self.precision.autocast(device.type)
         self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
-        self.optimizer = make_step_optimizer(
-            plan.training.zero, self.sync, self.model.params, _adamw(plan, config), rank
-        )  # zero=1: AdamW state sharded over each group of ranks holding the same parameters (zero.py)
+        self.optimizer_name = run_optimizer(plan, self.model.spec, optimizer=config.optimizer, momentum=config.momentum)
+        make = optimizer_factory(
+            self.optimizer_name,
+            self.model.spec,
+            self.model.params,
+            lr=plan.training.lr,
+            weight_decay=plan.training.weight_decay,
+            momentum=config.momentum if config.momentum is not None else SGD_MOMENTUM,
+        )  # (the run's --lr, --weight-decay and --seed are in `plan`: train.run_plan)
+        self.optimizer = make_step_optimizer(plan.training.zero, self.sync, self.model.params, make, rank)
+        # zero=1: the optimizer state sharded over each group of ranks holding the same parameters (zero.py)
+        self.schedule = run_schedule(self.model.spec, config)
         self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
         self.post_validator = (
@@ -108,10 +107,11 @@ class Trainer:
         self.inject_nan_at: int | None = None  # PIPEPLAN_FAULT mode=nan: a NaN gradient at this step
         self.last_state: GlobalState | None = None  # the last step's global loss and gradient norm
 
-    def one_step(self, step: int, batch: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
+    def one_step(self, step: int, shard: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
         """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
         anywhere stops every rank at this step with the weights as before it (fp16: every rank skips the step)."""
-        record = self._gradients(step, batch)
+        record = self._gradients(step, shard)
+        self.schedule.apply(self.optimizer.optimizer, step)
         row = self._local_row(record)
         if self.post_validator is not None:
             self.last_state = self.post_validator.update(step, row, self.scaler)
@@ -119,12 +119,12 @@ class Trainer:
             self.last_state = self._synchronized_update(step, row)
         return self.last_state.loss, record.op_times
 
-    def _gradients(self, step: int, batch: MicroBatch):
+    def _gradients(self, step: int, shard: MicroBatch):
         """The step's forward and backward passes, then the gradient reductions among each parameter's holders."""
         self.optimizer.zero_grad()
         if self.scaler is not None:
             self.executor.loss_grad = self.scaler.scale
-        pieces = microbatches_for(self.plan, self.rank, batch, self.wanted, self.device, self.precision.param_dtype)
+        pieces = microbatches_for(self.plan, self.rank, shard, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
         if self.inject_nan_at == step:
             _poison_a_gradient(self.model.params)

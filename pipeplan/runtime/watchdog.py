@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pipeplan.errors import DEBUG_ENV
+
 PREFIX = "pipeplan/heartbeat/"
 PID_PREFIX = "pipeplan/pid/"  # host:pid of each rank, so a watchdog can end a frozen peer on its own host
 FAILED_KEY = "pipeplan/failed"
@@ -32,12 +34,19 @@ WATCHED_PEERS = 4
 ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"  # the local launcher collects each failed rank's one-line message here
 
 
-def record_error(rank: int, message: str) -> None:
-    """Print a rank's one-line error and leave it for the local launcher's summary."""
-    print(f"pipeplan rank {rank}: error: {message}", file=sys.stderr, flush=True)
+def record_error(rank: int, message: str, trace: str | None = None) -> None:
+    """A rank's one-line error (and, under PIPEPLAN_DEBUG=1, its traceback `trace`): left for the local launcher,
+    which prints one line for the whole run (launch.py), or printed here when no launcher collects it (torchrun)."""
     folder = os.environ.get(ERROR_DIR_ENV)
+    trace = trace if os.environ.get(DEBUG_ENV) else None
     if folder:
+        if trace:
+            Path(folder, f"rank_{rank}.traceback").write_text(trace)
         Path(folder, f"rank_{rank}.txt").write_text(message + "\n")
+        return
+    if trace:
+        print(f"pipeplan rank {rank}: {trace}", file=sys.stderr, end="", flush=True)
+    print(f"pipeplan rank {rank}: error: {message}", file=sys.stderr, flush=True)
 
 
 def _connect(timeout_s: float) -> dist.Store:

@@ -4,12 +4,14 @@
         -m pipeplan.runtime.worker DIR/plan.json [OPTIONS]
 
 OPTIONS are `pipeplan run`'s (pipeplan.runtime.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
---checkpoint-every, --resume, --init-from, --lr, --weight-decay, --heartbeat-timeout, --device, --precision,
---threads, --check-every, --quiet, --clip-grad-norm, --post-validate.
+--checkpoint-every, --resume, --init-from, --optimizer, --lr, --lr-schedule, --warmup-steps, --decay-steps,
+--weight-decay, --momentum, --seed, --log, --tensorboard, --heartbeat-timeout, --device, --precision, --threads,
+--check-every, --quiet, --clip-grad-norm, --post-validate.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
-(cuda:LOCAL_RANK). A user error prints one line and exits 1.
+(cuda:LOCAL_RANK). A user error prints one line naming the rank (and its traceback under PIPEPLAN_DEBUG=1) and
+exits 1; under `pipeplan run` the launcher prints one line for the whole run instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import re
 import signal
 import sys
 import threading
+import traceback
 from datetime import timedelta
 
 import torch
@@ -100,9 +103,9 @@ def run_plans(
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: leave without a traceback
         os._exit(INTERRUPTED_EXIT)
     except PipeplanError as exc:
-        _fail(rank, str(exc), watchdog)
+        _fail(rank, str(exc), watchdog, traceback.format_exc())
     except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank
-        _fail(rank, f"{type(exc).__name__}: {_short(str(exc))}", watchdog)
+        _fail(rank, f"{type(exc).__name__}: {_short(str(exc))}", watchdog, traceback.format_exc())
     raise AssertionError("unreachable")
 
 
@@ -123,8 +126,8 @@ def _short(text: str) -> str:
     return sentence[:200]
 
 
-def _fail(rank: int, message: str, watchdog: Watchdog | None) -> None:
-    record_error(rank, message)
+def _fail(rank: int, message: str, watchdog: Watchdog | None, trace: str) -> None:
+    record_error(rank, message, trace)
     if watchdog is not None:
         watchdog.report_failure(f"rank {rank} failed: {message}")
         watchdog.stop(done=False)

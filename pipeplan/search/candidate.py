@@ -69,6 +69,7 @@ class Layout:
     mode: str = STRAIGHT
     tensor_parallel: int = 1  # devices per tensor-parallel group
     context_parallel: int = 1  # tensor-parallel groups per context-parallel group; a search device is t x cp
+    expert_parallel: int = 1  # ranks of pipelines x cp the routed experts are split over
     chunks: int | None = None  # stages per device of a looped schedule (interleaved's v); None: the schedule's
 
     @property
@@ -91,6 +92,7 @@ class Layout:
         suffix = " replicated" if self.mode == REPLICATED else ""
         tensor = f" t={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         tensor += f" cp={self.context_parallel}" if self.context_parallel > 1 else ""
+        tensor += f" ep={self.expert_parallel}" if self.expert_parallel > 1 else ""
         tensor += f" v={self.chunks}" if self.chunks and self.chunks != default_chunks(self.schedule) else ""
         return (
             f"{self.schedule} {self.pipeline_devices}x{self.data_parallel} m={self.num_microbatches} "
@@ -196,6 +198,7 @@ def partition_config(
         precision=precision,
         zero=zero,
         data_parallel=layout.holders,
+        expert_parallel=layout.expert_parallel,
         recompute=recompute,
     )
 
@@ -269,7 +272,9 @@ def evaluate_partition(
     `overlap.p2p`), check the simulated peak bytes against `cluster.memory_per_device` (the search passes memory
     less its reserve), and end the step with each device's gradient exchange (over its stages' replicas, pipelines
     and context-parallel ranks) and optimizer update (`costs.overlap.step_end_ms`)."""
-    per_param = stage_bytes_per_param(part, layout.holders, optimizer, precision, zero)
+    per_param = stage_bytes_per_param(
+        part, layout.holders, optimizer, precision, zero, profile=profile, ep=layout.expert_parallel
+    )
     made = _schedule_layout(layout, part, profile, cluster, per_param, precision)
     if isinstance(made, Rejection):
         return made

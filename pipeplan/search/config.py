@@ -51,6 +51,7 @@ class SearchConfig:
     allow_async: bool = False  # also consider asynchronous schedules (pipedream, pipedream-2bw: stale weights)
     tensor_parallel: int = 1  # t > 1: search one rank's profile on t-device groups (search.sharding)
     context_parallel: int = 1  # cp > 1: the groups are t x cp devices splitting the sequence too (search.sharding)
+    expert_parallel: int = 1  # ep > 1: routed experts split over ep of the pipelines x cp ranks (search.sharding)
     overlap: Overlap = Overlap()  # communication overlap (costs.overlap; Megatron-Core's defaults: none)
     interleave: tuple[int, ...] = (2,)  # chunks per device the looped schedule (interleaved) is tried with
 

@@ -45,7 +45,7 @@ def build_plan(
         microbatch_size=layout.microbatch_size,
         num_microbatches=layout.num_microbatches,
         data_parallel=layout.data_parallel,
-        optimizer=str(result.config.optimizer).split("-")[0],  # the algorithm (adamw, sgd); --precision the bytes
+        optimizer=str(result.config.optimizer),  # what the memory was counted for (adamw, sgd, sgd-nomomentum)
         optimizer_bytes_per_param=result.config.per_param,
         dtype=get_precision(result.config.precision).compute_dtype_name,
         precision=result.config.precision,
@@ -53,6 +53,7 @@ def build_plan(
         zero=chosen.zero,
         tensor_parallel=result.config.tensor_parallel,
         context_parallel=result.config.context_parallel,
+        expert_parallel=result.config.expert_parallel,
         overlap=result.config.overlap.label,
     )
     pipe = chosen.pipeline
@@ -122,6 +123,7 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 weight_grad_ms=stage.weight_grad_ms,
                 backward_ms=stage.backward_ms,
                 param_count=sum(layer.param_count for layer in profile.layers[first : last + 1]),
+                expert_param_count=sum(layer.expert_param_count for layer in profile.layers[first : last + 1]),
                 memory_bytes=int(stage_memory[index]),
                 comm_ms=chosen.costs.comm_ms[index] if index + 1 < len(chosen.partition.stages) else 0.0,
                 activation_bytes=int(chosen.memory.activation_bytes[index]),

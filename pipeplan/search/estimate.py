@@ -140,6 +140,10 @@ def partition_lower_bound_ms(
     busiest = busiest_device_ms(stage_work_ms(part), stages_per_device([s.devices for s in part.stages]))
     if config.overlap.grad_reduce:
         return layout.num_microbatches * busiest
-    group = SyncGroup(data_parallel=layout.data_parallel, context_parallel=layout.context_parallel)
+    group = SyncGroup(
+        data_parallel=layout.data_parallel,
+        context_parallel=layout.context_parallel,
+        expert_parallel=layout.expert_parallel,
+    )
     per_stage = stage_allreduce_ms(profile, cluster, part, group, precision=config.precision)
     return layout.num_microbatches * busiest + allreduce_step_ms(part, per_stage)

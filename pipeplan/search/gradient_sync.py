@@ -7,7 +7,9 @@ pipelines x cp ranks, over the slowest link among them: inter-node when the pipe
 nodes, or when context-parallel groups fill whole nodes on a cluster of several (the search's cluster then has one
 group per node; a group of exactly one node's devices is counted inter-node too: pessimistic when cp ranks share
 the node and there is one pipeline). Its bytes are the stage's gradients in the precision's gradient dtype;
-ZeRO-1 (the distributed optimizer) reduce-scatters them and all-gathers the parameters in their own dtype.
+ZeRO-1 (the distributed optimizer) reduce-scatters them and all-gathers the parameters in their own dtype. Under
+expert parallelism ep the routed experts' gradients are exchanged over the expert data-parallel group, 1/ep of the
+holders (Megatron-Core), and ZeRO-1 shards their update over it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import busiest_device_ms, gradient_sync_ms, stages_per_device, static_split
+from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import predicted_step
@@ -30,10 +32,15 @@ class SyncGroup:
 
     data_parallel: int = 1
     context_parallel: int = 1
+    expert_parallel: int = 1  # routed experts are held by 1/ep of the others
 
 
 def stage_param_count(profile: Profile, first_layer: int, last_layer: int) -> int:
     return sum(layer.param_count for layer in profile.layers[first_layer : last_layer + 1])
+
+
+def stage_expert_count(profile: Profile, first_layer: int, last_layer: int) -> int:
+    return sum(layer.expert_param_count for layer in profile.layers[first_layer : last_layer + 1])
 
 
 def stage_allreduce_ms(
@@ -49,7 +56,12 @@ def stage_allreduce_ms(
         link = cluster.inter_link if whole_nodes else cluster.link_between(devices)
         count = stage_param_count(profile, stage.first_layer, stage.last_layer)
         size = len(devices) * group.context_parallel
-        times.append(gradient_sync_ms(count * mode.grad_bytes, count * mode.param_bytes, size, link, zero))
+        experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
+        dense = count - experts
+        time = gradient_sync_ms(dense * mode.grad_bytes, dense * mode.param_bytes, size, link, zero)
+        ep_size = int(expert_holders(size, group.expert_parallel))  # the expert data-parallel group
+        time += gradient_sync_ms(experts * mode.grad_bytes, experts * mode.param_bytes, ep_size, link, zero)
+        times.append(time)
     return tuple(times)
 
 
@@ -66,7 +78,9 @@ def stage_optimizer_ms(
     times = []
     for stage in part.stages:
         shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1
-        count = stage_param_count(profile, stage.first_layer, stage.last_layer) / shards
+        experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
+        count = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
+        count = count / shards + experts / float(expert_holders(shards, group.expert_parallel))
         times.append(optimizer_step_ms(count, moved, rates.bytes_per_s))
     return tuple(times)
 
@@ -87,7 +101,11 @@ def step_end(
     """(per-stage exchange ms, per-stage optimizer ms, step ms, bubble rate) of a simulated `layout`
     (`search.candidate.Layout`) with pipeline layout `pipe`: each device's last op, then its stages' exchanges and
     updates (`plan.asynchronous.predicted_step`)."""
-    group = SyncGroup(data_parallel=layout.data_parallel, context_parallel=layout.context_parallel)
+    group = SyncGroup(
+        data_parallel=layout.data_parallel,
+        context_parallel=layout.context_parallel,
+        expert_parallel=layout.expert_parallel,
+    )
     allreduce = stage_allreduce_ms(profile, cluster, part, group, precision=precision, zero=zero)
     updates = stage_optimizer_ms(part, profile, optimizer=optimizer, precision=precision, zero=zero, group=group)
     step, bubble = predicted_step(

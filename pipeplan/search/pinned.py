@@ -5,8 +5,10 @@ Keys (`parse_layout`): tp, cp, pp, vp (chunks per pipeline device: vp > 1 runs t
 1f1b unless `schedule=` names another), dp, mbs (microbatch size), recompute (none | selective | full, or one mode
 per stage joined by `/`), zero (0, or 1: the distributed optimizer), schedule, split (even: Megatron's equal runs
 of blocks, the embedding with the first stage and the head with the last; balanced: pipeplan's partitioner on the
-same costs). tp x cp x pp x dp must be the device count; the global batch must be mbs x microbatches x dp. Tensor
-parallelism may span nodes here (when tp is larger than a node): its collectives then run on the inter-node link.
+same costs), ep (expert parallelism of a mixture-of-experts model: its routed experts split over ep of the dp x cp
+ranks; ep must divide dp x cp and the experts). tp x cp x pp x dp must be the device count; the global batch must
+be mbs x microbatches x dp. Tensor parallelism may span nodes here (when tp is larger than a node): its collectives
+then run on the inter-node link.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.partition.baselines import even_blocks_partition
 from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.placement import V_SHAPED
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.candidate import (
     Evaluation,
@@ -33,8 +36,9 @@ from pipeplan.search.recompute_choice import with_modes
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import usable_cluster
 from pipeplan.search.sharding import split_inputs
+from pipeplan.search.stack import expert_parallel_problem
 
-KEYS = ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule", "split")
+KEYS = ("tp", "cp", "ep", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule", "split")
 SPLITS = ("even", "balanced")
 
 
@@ -42,6 +46,7 @@ SPLITS = ("even", "balanced")
 class PinnedLayout:
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism (mixture-of-experts models): ranks of dp x cp the routed experts split over
     pp: int = 1
     vp: int = 1
     dp: int = 1
@@ -64,7 +69,7 @@ class PinnedLayout:
         modes = "/".join(self.recompute)
         return (
             f"tp={self.tp},cp={self.cp},pp={self.pp},vp={self.vp},dp={self.dp},mbs={self.mbs},recompute={modes},"
-            f"zero={self.zero}"
+            f"zero={self.zero}" + (f",ep={self.ep}" if self.ep > 1 else "")
         )
 
 
@@ -102,8 +107,14 @@ def _check(layout: PinnedLayout) -> None:
     if layout.zero not in (0, 1):
         raise ConfigError(f"--layout zero={layout.zero} is not supported: 0, or 1 (the distributed optimizer)")
     info = schedule_info(layout.schedule_name)
-    if layout.vp > 1 and info.placement != "looped":
+    if info.placement == V_SHAPED and layout.vp != 2:  # dualpipev, zbv: two chunks per device, in a V
+        raise ConfigError(f"--layout schedule={info.name} holds 2 chunks per device in a V: give vp=2")
+    if layout.vp > 1 and info.placement not in ("looped", V_SHAPED):
         raise ConfigError(f"--layout vp={layout.vp} needs a looped schedule (interleaved), not {info.name}")
+    if (layout.dp * layout.cp) % layout.ep:
+        raise ConfigError(
+            f"--layout ep={layout.ep} must divide dp x cp = {layout.dp * layout.cp} (its ranks come from them)"
+        )
     stages = layout.pp * layout.vp
     if len(layout.recompute) not in (1, stages):
         raise ConfigError(f"--layout recompute names {len(layout.recompute)} stages; give one mode or {stages}")
@@ -128,8 +139,17 @@ def pinned_layout(layout: PinnedLayout, config: SearchConfig, cluster: Cluster) 
         num_microbatches=config.global_batch_size // per_step,
         tensor_parallel=layout.tp,
         context_parallel=layout.cp,
+        expert_parallel=layout.ep,
         chunks=layout.vp if layout.vp > 1 else None,
     )
+
+
+def check_pinned_experts(pinned: PinnedLayout, profile: Profile, cluster: Cluster) -> None:
+    """One ConfigError line naming `--layout ep=` when ep cannot split this model's experts (a dense model, ep not
+    dividing the experts; `search.stack.expert_parallel_problem`)."""
+    problem = expert_parallel_problem(profile, pinned.tp, pinned.cp, pinned.ep, num_devices=cluster.num_devices)
+    if problem is not None:
+        raise ConfigError(f"--layout ep={pinned.ep}: {problem}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +169,10 @@ class PinnedResult:
 
         assert self.evaluation is not None
         split = replace(
-            config, tensor_parallel=self.layout.tensor_parallel, context_parallel=self.layout.context_parallel
+            config,
+            tensor_parallel=self.layout.tensor_parallel,
+            context_parallel=self.layout.context_parallel,
+            expert_parallel=self.layout.expert_parallel,
         )
         rejected = () if self.rejection is None else (self.rejection,)
         profiles = {self.layout.microbatch_size: self.profile}
@@ -173,8 +196,11 @@ def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pi
 
 def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout):
     layout = pinned_layout(pinned, config, cluster)
+    check_pinned_experts(pinned, profile, cluster)
     scaled = scale_profile(profile, pinned.mbs)
-    sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor)
+    sharded, groups = split_inputs(
+        scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor, ep=pinned.ep
+    )
     usable = usable_cluster(groups, config)
     options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
     stages = pinned.pp * pinned.vp

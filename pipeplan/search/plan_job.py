@@ -32,7 +32,13 @@ from pipeplan.search.inputs import (
     pipeline_depth_candidates,
     profile_model_input,
 )
-from pipeplan.search.pinned import PinnedLayout, evaluate_pinned, parse_layout, pinned_layout
+from pipeplan.search.pinned import (
+    PinnedLayout,
+    check_pinned_experts,
+    evaluate_pinned,
+    parse_layout,
+    pinned_layout,
+)
 from pipeplan.search.plan_options import PlanOptions
 from pipeplan.search.search import SearchResult
 from pipeplan.search.tensor_search import (
@@ -95,8 +101,12 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         pinned_layout(pinned, config, cluster)
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
+    if pinned is not None:
+        check_pinned_experts(pinned, source.profile, cluster)
     schedules = None if options.schedule == "auto" else (options.schedule,)
-    tensor_sizes = tensor_parallel_sizes(options.tensor_parallel, source.profile, cluster, options.context_parallel)
+    tensor_sizes = tensor_parallel_sizes(
+        options.tensor_parallel, source.profile, cluster, options.context_parallel, options.expert_parallel
+    )
     return PlanJob(
         source=source,
         cluster=cluster,

@@ -37,13 +37,17 @@ CONTEXT_HELP = (
     "Context-parallel ranks per tensor-parallel group (ring attention over the sequence): 1, N, or auto (analytic "
     "profiles: try 1,2,4,8). Plans with N > 1 are analytic."
 )
+EXPERT_HELP = (
+    "Ranks the routed experts of a mixture-of-experts model are split over (of the DP x cp ranks): N, or auto "
+    "(analytic MoE profiles: try 1,2,4,... dividing the experts; otherwise 1). Plans with N > 1 are analytic."
+)
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
     "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
 )
 LAYOUT_HELP = (
     'Plan exactly this layout (compared with the search\'s choice), e.g. "tp=2,pp=2,vp=2,dp=1,mbs=1,recompute=none" '
-    "(keys: tp cp pp vp dp mbs recompute zero schedule split; tp x cp x pp x dp = --devices)."
+    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split; tp x cp x pp x dp = --devices)."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 ASYNC_HELP = (
@@ -84,6 +88,7 @@ class PlanOptions:
     recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
     tensor_parallel: str = option("auto", "--tensor-parallel", "-t", help=TENSOR_HELP)
     context_parallel: str = option("1", "--context-parallel", help=CONTEXT_HELP)
+    expert_parallel: str = option("auto", "--expert-parallel", help=EXPERT_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
     layout: str | None = option(None, "--layout", help=LAYOUT_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
@@ -115,6 +120,7 @@ class PlanOptions:
         for flag, text in (
             ("--tensor-parallel", self.tensor_parallel),
             ("--context-parallel", self.context_parallel),
+            ("--expert-parallel", self.expert_parallel),
         ):
             size = parse_tensor_parallel(text, option=flag)
             if size != AUTO and size > 1 and self.profile is None and self.device != "meta":

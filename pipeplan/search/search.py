@@ -135,7 +135,11 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
 
 
 def _split_of(config: SearchConfig) -> dict:
-    return dict(tensor_parallel=config.tensor_parallel, context_parallel=config.context_parallel)
+    return dict(
+        tensor_parallel=config.tensor_parallel,
+        context_parallel=config.context_parallel,
+        expert_parallel=config.expert_parallel,
+    )
 
 
 def _variants(layout: Layout, config: SearchConfig, p: int) -> list[Layout]:
@@ -158,6 +162,10 @@ def _static_rejection(layout: Layout, num_layers: int, per_node: int, schedules:
         return Rejection(
             layout=layout, kind="topology", reason=f"{p} devices per pipeline do not tile nodes of {per_node}"
         )
+    ep, cp = layout.expert_parallel, layout.context_parallel
+    if (layout.data_parallel * cp) % ep:
+        reason = f"ep={ep} must divide the {layout.data_parallel} pipeline(s) x cp={cp} (its ranks come from them)"
+        return Rejection(layout=layout, kind="topology", reason=reason)
     stages = p * layout.num_chunks
     if layout.mode == STRAIGHT and stages > num_layers:
         return Rejection(
@@ -182,7 +190,8 @@ def search_plans(
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
     t, cp = config.tensor_parallel, config.context_parallel  # after scaling: each message's latency counted once
     profiles = {
-        b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor)[0] for b, scaled in profiles.items()
+        b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor, ep=config.expert_parallel)[0]
+        for b, scaled in profiles.items()
     }
     cluster = split_cluster(cluster, t, cp)
     usable = usable_cluster(cluster, config)

@@ -35,9 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster, Link
-from pipeplan.costs import all_gather_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
+from pipeplan.costs import all_gather_ms, all_to_all_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
 from pipeplan.costs.transformer import tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
+from pipeplan.profiling.experts import expert_count, routed_share
 from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernels
 from pipeplan.profiling.profile import LayerProfile, Profile
 from pipeplan.profiling.retime import reshaped_layer
@@ -60,12 +61,18 @@ class Links:
 
     tensor: Link
     context: Link
+    expert: Link | None = None  # the expert-parallel group's (all-to-all)
 
 
-def group_links(cluster: Cluster, t: int, cp: int) -> Links:
+def group_links(cluster: Cluster, t: int, cp: int, ep: int = 1) -> Links:
     """Tensor parallelism inside a node when t fits one; context-parallel peers t ranks apart: inside a node when
-    t·cp fits one."""
-    return Links(tensor=cluster.link_for_consecutive(t), context=cluster.link_for_consecutive(t * cp))
+    t·cp fits one; expert-parallel peers t·cp ranks apart (Megatron-Core's order: ep next to cp): inside a node when
+    t·cp·ep fits one."""
+    return Links(
+        tensor=cluster.link_for_consecutive(t),
+        context=cluster.link_for_consecutive(t * cp),
+        expert=cluster.link_for_consecutive(t * cp * ep),
+    )
 
 
 def _collectives_ms(collectives, t: int, link: Link, positions: int) -> float:
@@ -118,10 +125,11 @@ def context_ring_ms(layer: LayerProfile, cp: int, link: Link) -> float:
     return total
 
 
-def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: bool) -> list[LayerComm]:
-    """Per layer: the embedding's, each block's and the head's collectives (see the module docstring)."""
+def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: bool, ep: int = 1) -> list[LayerComm]:
+    """Per layer: the embedding's, each block's and the head's collectives (see the module docstring), and each
+    MoE block's all-to-alls (`expert_comms`)."""
     if t == 1 and cp == 1:
-        return [LayerComm()] * profile.num_layers
+        return expert_comms(profile, t, cp, ep, links, [LayerComm()] * profile.num_layers)
     stack = transformer_layers(profile)
     hidden = stack.hidden_bytes
     rates = profile.provenance.kernel_rates
@@ -135,19 +143,41 @@ def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: boo
         forward_ms=all_gather_ms(split, t, links.tensor) + losses, backward_ms=reduce_scatter_ms(split, t, links.tensor)
     )
     blocks = [block_comm(profile.layers[i], hidden, t, cp, links, rates, tp_overlap) for i in stack.blocks]
-    return [embedding, *blocks, head]
+    return expert_comms(profile, t, cp, ep, links, [embedding, *blocks, head])
+
+
+def expert_comms(profile: Profile, t: int, cp: int, ep: int, links: Links, comms: list[LayerComm]) -> list[LayerComm]:
+    """`comms` plus, per MoE block under ep > 1, the all-to-all dispatch and combine: forward 2, backward 2 (their
+    gradients), each moving the rank's token slots (its tokens x top_k, balanced routing) of the hidden state over
+    the ep group's link, exposed."""
+    if ep == 1:
+        return comms
+    assert links.expert is not None
+    tokens = profile.provenance.batch_size * (profile.provenance.tokens_per_sample or 1)
+    hidden = profile.layers[0].output_bytes / (t * cp)  # the rank's hidden state (sequence parallel under t)
+    out = []
+    for layer, comm in zip(profile.layers, comms, strict=True):
+        a2a = all_to_all_ms(hidden * routed_share(layer, tokens) * expert_count(layer), ep, links.expert)
+        moe = layer.expert_param_count > 0
+        out.append(
+            replace(comm, forward_ms=comm.forward_ms + 2 * a2a, backward_ms=comm.backward_ms + 2 * a2a) if moe else comm
+        )
+    return out
 
 
 def _split(value: int, parts: int) -> int:
     return -(-value // parts)
 
 
-def _shard_layer(layer: LayerProfile, t: int, cp: int, comm: LayerComm, rates: KernelRates | None) -> LayerProfile:
+def _shard_layer(
+    layer: LayerProfile, t: int, cp: int, comm: LayerComm, rates: KernelRates | None, ep: int = 1
+) -> LayerProfile:
     """One rank's share of `layer` plus its collectives (backward ones on I when it has input-gradient work)."""
     ranks = t * cp
-    timed = reshaped_layer(layer, rates, t=t, cp=cp) or _divided_times(layer, ranks)
+    timed = reshaped_layer(layer, rates, t=t, cp=cp, ep=ep) or _divided_times(layer, ranks)
     on_input = timed.input_grad_ms > 0
-    params = _split(layer.param_count, t)
+    experts = _split(layer.expert_param_count, t * ep)
+    params = _split(layer.param_count - layer.expert_param_count, t) + experts
     return replace(
         timed,
         forward_ms=timed.forward_ms + comm.forward_ms,
@@ -164,6 +194,7 @@ def _shard_layer(layer: LayerProfile, t: int, cp: int, comm: LayerComm, rates: K
         peak_memory_bytes=_split(layer.peak_memory_bytes, ranks),
         selective_activation_bytes=_split(layer.selective_activation_bytes, ranks),
         full_activation_bytes=_split(layer.full_activation_bytes, ranks),
+        expert_param_count=experts,
     )
 
 
@@ -180,17 +211,24 @@ def _divided_times(layer: LayerProfile, ranks: int) -> LayerProfile:
     )
 
 
-def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap: bool = False) -> Profile:
-    """`profile` as each rank of a t x cp group runs it, collectives over `links` included; t = cp = 1 returns it
-    unchanged. Raises ConfigError when the profile is not a transformer stack."""
-    if t < 1 or cp < 1:
-        raise ConfigError(f"--tensor-parallel and --context-parallel must be >= 1, got {t} and {cp}")
-    if t == 1 and cp == 1:
+def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap: bool = False, ep: int = 1) -> Profile:
+    """`profile` as each rank of a t x cp group (and of an ep expert-parallel group) runs it, collectives over
+    `links` included; t = cp = ep = 1 returns it unchanged. Raises ConfigError when the profile is not a
+    transformer stack."""
+    if t < 1 or cp < 1 or ep < 1:
+        raise ConfigError(
+            f"--tensor-parallel, --context-parallel and --expert-parallel must be >= 1, got {t}, {cp}, {ep}"
+        )
+    if t == 1 and cp == 1 and ep == 1:
         return profile
-    comms = layer_comms(profile, t, cp, links, tp_overlap)
+    comms = layer_comms(profile, t, cp, links, tp_overlap, ep)
     rates = profile.provenance.kernel_rates
-    layers = tuple(_shard_layer(layer, t, cp, comm, rates) for layer, comm in zip(profile.layers, comms, strict=True))
-    notes = f"{profile.provenance.notes}; tensor parallel t={t} (sequence parallel), context parallel cp={cp}, per rank"
+    layers = tuple(
+        _shard_layer(layer, t, cp, comm, rates, ep) for layer, comm in zip(profile.layers, comms, strict=True)
+    )
+    experts = f", expert parallel ep={ep}" if ep > 1 else ""
+    split = f"tensor parallel t={t} (sequence parallel), context parallel cp={cp}{experts}"
+    notes = f"{profile.provenance.notes}; {split}, per rank"
     return replace(
         profile,
         layers=layers,
@@ -221,16 +259,16 @@ def devices_cluster(cluster: Cluster, t: int, cp: int = 1) -> Cluster:
     return replace(cluster, num_devices=cluster.num_devices * size, devices_per_node=cluster.devices_per_node * size)
 
 
-def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_overlap: bool = False):
+def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_overlap: bool = False, ep: int = 1):
     """What the pipeline search runs on: one rank's profile and the cluster of t·cp groups; unchanged for t = cp =
-    1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
+    ep = 1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
     from pipeplan.search.stack import check_split
 
-    check_split(profile, t, cp, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
-    if t * cp == 1:
+    check_split(profile, t, cp, devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices, ep=ep)
+    if t * cp * ep == 1:
         return profile, cluster
-    links = group_links(cluster, t, cp)
-    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap), split_cluster(cluster, t, cp)
+    links = group_links(cluster, t, cp, ep)
+    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap, ep=ep), split_cluster(cluster, t, cp)
 
 
 def devices_phrase(num_groups: int, t: int, cp: int = 1) -> str:

@@ -8,6 +8,8 @@
 - Context parallelism cp splits the sequence into 2·cp load-balanced chunks, so 2·cp must divide the sequence
   length, which must be known (a sequence model); its ranks sit next to the tensor-parallel ones: a t·cp group
   fills whole nodes when larger than one.
+- Expert parallelism ep splits a mixture-of-experts model's routed experts (ep must divide them) over ranks carved
+  from the data-parallel x context-parallel ones (Megatron-Core); dense and MoE blocks may differ from each other.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
+from pipeplan.profiling.experts import expert_count
 from pipeplan.profiling.profile import Profile
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)  # what `auto` tries (each must divide the devices per node)
+EXPERT_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)  # what `auto` tries for a mixture-of-experts model
 CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)  # what `auto` tries
 # model options that name the sizes t must divide (built-in gpt/llama, Hugging Face configs)
 DIVIDED_OPTIONS = (
@@ -70,8 +74,9 @@ def stack_problem(profile: Profile) -> str | None:
             return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
         if before != after:
             return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
-        if (block.param_count, block.flops) != (blocks[0].param_count, blocks[0].flops):
-            return f"layer {block.name!r} differs from {blocks[0].name!r} (profile at block granularity)"
+        first = next(b for b in blocks if (b.expert_param_count > 0) == (block.expert_param_count > 0))
+        if (block.param_count, block.flops) != (first.param_count, first.flops):  # dense and MoE blocks apart
+            return f"layer {block.name!r} differs from {first.name!r} (profile at block granularity)"
     if head.param_count == 0 or head.flops <= 0:
         return f"layer {head.name!r} is not an LM head (parameters, FLOPs)"
     return None
@@ -129,8 +134,27 @@ def context_parallel_problem(profile: Profile, t: int, cp: int, *, devices_per_n
     return None
 
 
-def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num_devices: int) -> None:
-    """ConfigError naming the option when (t, cp) cannot be used (sizes, or a profile that is not a stack)."""
+def expert_parallel_problem(profile: Profile, t: int, cp: int, ep: int, *, num_devices: int) -> str | None:
+    """Why `ep` (beside t and cp) cannot split this model's experts on this cluster (one clause), or None when it
+    can: the profile must be an analytic one of a mixture-of-experts model, ep must divide its experts, and t x cp x
+    ep the devices (ep ranks come from the data-parallel x context-parallel ranks; the search also needs ep to divide
+    pipelines x cp)."""
+    if ep < 1:
+        return f"expert parallel size must be >= 1, got {ep}"
+    if ep == 1:
+        return None
+    experts = {expert_count(layer) for layer in profile.layers if layer.expert_param_count}
+    if not experts:
+        return f"ep={ep} needs an analytic profile of a mixture-of-experts model (this one has no routed experts)"
+    if any(e % ep for e in experts):
+        return f"ep={ep} must divide the model's {min(experts)} routed experts"
+    if num_devices % (t * cp * ep):
+        return f"t={t} x cp={cp} x ep={ep} = {t * cp * ep} must divide the {num_devices} devices"
+    return None
+
+
+def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num_devices: int, ep: int = 1) -> None:
+    """ConfigError naming the option when (t, cp, ep) cannot be used (sizes, or a profile that is not a stack)."""
     problem = tensor_parallel_problem(
         profile, t, devices_per_node=devices_per_node, num_devices=num_devices, spanning=True
     )
@@ -139,5 +163,8 @@ def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num
     problem = context_parallel_problem(profile, t, cp, devices_per_node=devices_per_node, num_devices=num_devices)
     if problem is not None:
         raise ConfigError(f"--context-parallel {cp}: {problem}")
+    problem = expert_parallel_problem(profile, t, cp, ep, num_devices=num_devices)
+    if problem is not None:
+        raise ConfigError(f"--expert-parallel {ep}: {problem}")
     if t * cp > 1:
         transformer_layers(profile)

@@ -4,7 +4,14 @@ counts, and the budget zb-auto generates its schedule under."""
 from __future__ import annotations
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import LayerArrays, bytes_per_param, stage_freed_bytes, static_bytes
+from pipeplan.costs import (
+    LayerArrays,
+    bytes_per_param,
+    stage_freed_bytes,
+    stage_static_per_param,
+    static_bytes,
+    static_split,
+)
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.simulate import MemoryCosts
@@ -12,15 +19,29 @@ from pipeplan.search.recompute_choice import with_recompute_bytes
 
 
 def stage_bytes_per_param(
-    part: Partition, data_parallel: int, optimizer: str | float, precision: str, zero: int
+    part: Partition,
+    data_parallel: int,
+    optimizer: str | float,
+    precision: str,
+    zero: int,
+    *,
+    profile: Profile | None = None,
+    ep: int = 1,
 ) -> float | tuple[float, ...]:
     """Static bytes per parameter: one figure, or with ZeRO-1 one per stage (its optimizer state split over its
-    replicas in every data-parallel pipeline)."""
+    replicas in every data-parallel pipeline; under expert parallelism `ep` its routed-expert weights' over 1/ep of
+    them: `costs.stage_static_per_param`, with the routed-expert parameters of the stage's layers in `profile`)."""
     if not zero:
         return bytes_per_param(optimizer, precision)
-    return tuple(
-        bytes_per_param(optimizer, precision, zero=zero, group_size=s.replicas * data_parallel) for s in part.stages
-    )
+    found = []
+    for s in part.stages:
+        group = s.replicas * data_parallel
+        dense = bytes_per_param(optimizer, precision, zero=zero, group_size=group)  # checks the optimizer
+        layers = profile.layers[s.first_layer : s.last_layer + 1] if profile is not None and ep > 1 else ()
+        experts, count = sum(la.expert_param_count for la in layers), sum(la.param_count for la in layers)
+        split = static_split(optimizer, precision)
+        found.append(stage_static_per_param(split, count, experts, group, zero, ep) if experts else dense)
+    return tuple(found)
 
 
 def memory_costs(part: Partition, profile: Profile, *, per_layer: bool = False) -> MemoryCosts:

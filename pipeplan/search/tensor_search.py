@@ -15,19 +15,23 @@ runnable by `pipeplan run`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.profiling.experts import is_moe
 from pipeplan.profiling.profile import Profile
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig
 from pipeplan.search.search import Progress, SearchResult, search_plans
 from pipeplan.search.stack import (
     CONTEXT_PARALLEL_SIZES,
+    EXPERT_PARALLEL_SIZES,
     TENSOR_PARALLEL_SIZES,
     check_split,
     context_parallel_problem,
+    expert_parallel_problem,
     stack_problem,
     tensor_parallel_problem,
 )
@@ -42,6 +46,7 @@ class TensorParallelTry:
 
     tensor_parallel: int
     context_parallel: int = 1
+    expert_parallel: int = 1
     result: SearchResult | None = None
     reason: str = ""
     searched: bool = False
@@ -52,7 +57,8 @@ class TensorParallelTry:
 
     @property
     def label(self) -> str:
-        return f"t={self.tensor_parallel}" + (f" cp={self.context_parallel}" if self.context_parallel > 1 else "")
+        label = f"t={self.tensor_parallel}" + (f" cp={self.context_parallel}" if self.context_parallel > 1 else "")
+        return label + (f" ep={self.expert_parallel}" if self.expert_parallel > 1 else "")
 
 
 def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-parallel") -> str | int:
@@ -69,11 +75,12 @@ def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-par
 
 
 def tensor_parallel_sizes(
-    request: str | int, profile: Profile, cluster: Cluster, context: str | int = 1
+    request: str | int, profile: Profile, cluster: Cluster, context: str | int = 1, expert: str | int = 1
 ) -> tuple[TensorParallelTry, ...]:
     """The (t, cp) to search (tries without a result yet), and those `auto` leaves out with their reasons."""
     request = parse_tensor_parallel(request)
     context = parse_tensor_parallel(context, option="--context-parallel")
+    expert = parse_tensor_parallel(expert, option="--expert-parallel")
     analytic = profile.provenance.source == "analytic"
     for value, option in ((request, "--tensor-parallel"), (context, "--context-parallel")):
         if value != AUTO and value > 1 and not analytic:
@@ -96,8 +103,30 @@ def tensor_parallel_sizes(
             if context == AUTO and cluster.num_devices % (t * cp):
                 continue
             problem = None if given else _problem(profile, t, cp, cluster)
-            tries.append(TensorParallelTry(tensor_parallel=t, context_parallel=cp, reason=problem or ""))
+            for ep in _expert_sizes(expert, profile, cluster, t, cp, given=given):
+                tries.append(
+                    TensorParallelTry(tensor_parallel=t, context_parallel=cp, expert_parallel=ep, reason=problem or "")
+                )
     return tuple(tries)
+
+
+def _expert_sizes(
+    expert: str | int, profile: Profile, cluster: Cluster, t: int, cp: int, *, given: bool = True
+) -> tuple[int, ...]:
+    """The ep to try beside (t, cp): a given one (checked: one line when it cannot split this model, or the devices
+    with the given t and cp; a (t, cp) that `auto` tries and the given ep does not fit is left out), or with `auto`
+    those of EXPERT_PARALLEL_SIZES that split a mixture-of-experts model's experts and the devices (1 for a dense
+    model)."""
+    if expert != AUTO:
+        n = cluster.num_devices
+        problem = expert_parallel_problem(profile, t if given else 1, cp if given else 1, int(expert), num_devices=n)
+        if problem is not None:
+            raise ConfigError(f"--expert-parallel {expert}: {problem}")
+        return () if expert_parallel_problem(profile, t, cp, int(expert), num_devices=n) else (int(expert),)
+    if not is_moe(profile) or profile.provenance.source != "analytic":
+        return (1,)
+    n = cluster.num_devices
+    return tuple(ep for ep in EXPERT_PARALLEL_SIZES if not expert_parallel_problem(profile, t, cp, ep, num_devices=n))
 
 
 def _sizes(request: str | int, auto: tuple[int, ...]) -> tuple[int, ...]:
@@ -128,7 +157,16 @@ def search_tensor_parallel(
         if item.reason:
             done.append(item)
             continue
-        split = replace(config, tensor_parallel=item.tensor_parallel, context_parallel=item.context_parallel)
+        pruned = dominated_reason(profile, cluster, config, item, done)
+        if pruned:
+            done.append(replace(item, reason=pruned))
+            continue
+        split = replace(
+            config,
+            tensor_parallel=item.tensor_parallel,
+            context_parallel=item.context_parallel,
+            expert_parallel=item.expert_parallel,
+        )
         try:
             result = search_plans(profile, cluster, split, schedules, progress=progress)
             done.append(replace(item, result=result, searched=True))
@@ -140,8 +178,41 @@ def search_tensor_parallel(
     return tuple(done)
 
 
-def _group_key(item: TensorParallelTry) -> tuple[int, int]:
-    return item.tensor_parallel * item.context_parallel, item.context_parallel
+def compute_floor_ms(profile: Profile, cluster: Cluster, config: SearchConfig, item: TensorParallelTry) -> float:
+    """A lower bound on any plan's step with `item`'s (t, cp, ep): each device's share of the global batch's compute
+    (F + the cheaper of B and I + W per layer, on one rank's split profile at the microbatch size doing a sample
+    fastest). Every schedule, replication, recomputation and communication only adds to the busiest device's ops,
+    which the step is at least."""
+    from pipeplan.search.scaling import scale_profile
+    from pipeplan.search.sharding import split_inputs
+
+    t, cp, ep = item.tensor_parallel, item.context_parallel, item.expert_parallel
+    per_sample = math.inf
+    for b in config.microbatch_sizes:
+        rank = split_inputs(scale_profile(profile, b), cluster, t, cp, tp_overlap=config.overlap.tensor, ep=ep)[0]
+        work = sum(la.forward_ms + min(la.backward_ms, la.input_grad_ms + la.weight_grad_ms) for la in rank.layers)
+        per_sample = min(per_sample, work / b)
+    return per_sample * config.global_batch_size * t * cp / cluster.num_devices
+
+
+def dominated_reason(
+    profile: Profile, cluster: Cluster, config: SearchConfig, item: TensorParallelTry, done: list[TensorParallelTry]
+) -> str:
+    """Why an expert-parallel `item` (ep > 1) need not be searched: its `compute_floor_ms` is over the fastest step
+    found so far by more than PREDICTION_MARGIN, so it can be neither the fastest nor within the margin of it (the
+    choice, `chosen_try`, is the same with or without it); "" otherwise (ep = 1 tries are always searched)."""
+    found = [d.step_ms for d in done if d.result is not None]
+    if item.expert_parallel == 1 or not found:
+        return ""
+    floor = compute_floor_ms(profile, cluster, config, item)
+    best = min(found)
+    if floor <= best * (1.0 + PREDICTION_MARGIN):
+        return ""
+    return f"not searched: its compute alone is at least {floor:,.1f} ms/step, over the fastest found ({best:,.1f})"
+
+
+def _group_key(item: TensorParallelTry) -> tuple[int, int, int]:
+    return item.tensor_parallel * item.context_parallel, item.context_parallel, item.expert_parallel
 
 
 def chosen_try(tries: tuple[TensorParallelTry, ...]) -> TensorParallelTry:

@@ -138,14 +138,33 @@ def _spec(build, leaf_modules=()):
     )
 
 
-def test_untraceable_model_names_the_module_and_the_fix():
-    with pytest.raises(TraceError) as info:
-        trace_model(_spec(Outer))
+def test_untraceable_module_becomes_an_eager_leaf_and_a_declared_one_is_kept():
+    for spec in (_spec(Outer), _spec(Outer, leaf_modules=(Branchy,))):
+        traced = trace_model(spec)
+        assert [layer.name for layer in traced.layer_graph.layers] == ["pre", "branchy"]
+        assert traced.layer_graph.eager_modules == ("branchy",)
+
+
+class BranchyOuter(Outer):
+    def forward(self, x):
+        return self.branchy(self.pre(x)) if x.sum() > 0 else x
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = BranchyOuter()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_untraceable_module_holding_the_whole_model_names_the_module_and_the_fix():
+    with pytest.raises(TraceError) as info:  # as a leaf it would make the model one layer: refused
+        trace_model(_spec(Wrapper))
     message = str(info.value)
-    assert "'branchy'" in message and "Branchy" in message and "leaf_modules=(Branchy,)" in message
+    assert "'inner'" in message and "leaf_modules=(BranchyOuter,)" in message and "torch.export" in message
     assert "\n" not in message
-    traced = trace_model(_spec(Outer, leaf_modules=(Branchy,)))
-    assert [layer.name for layer in traced.layer_graph.layers] == ["pre", "branchy"]
 
 
 def test_untraceable_top_level_forward():

@@ -47,7 +47,8 @@ def _run_case(case: Case, rank: int) -> Outcome:
         trainer.scaler = LossScaler(init_scale=case.loss_scale)
     if case.nan_at is not None and case.nan_at[0] == rank:
         trainer.inject_nan_at = case.nan_at[1]
-    batches = trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed)
+    shard = (plan.ranks[rank].pipeline, plan.training.data_parallel)
+    batches = trainer.model.spec.shard_batches(plan.training.global_batch_size, plan.training.seed, shard)
     outcome = Outcome()
     for step in range(case.config.steps):
         try:

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeplan.errors import ModelError
 from pipeplan.models import load_model
-from pipeplan.models.hf_types import SUPPORTED
+from pipeplan.models.hf_types import DENSE, SUPPORTED
 
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
@@ -47,7 +47,7 @@ def _first_block(model: nn.Module) -> nn.Module:
     return stacks[0][0]
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", DENSE)
 def test_shapes_follow_from_the_given_fields(model_type):
     model = _meta(f"hf:{model_type}", tiny_options(model_type))
     block = _first_block(model)

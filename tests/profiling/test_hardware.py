@@ -19,7 +19,7 @@ from pipeplan.hardware import (
     load_hardware_file,
 )
 
-NAMES = ("h100", "h200", "a100-40gb", "a100-80gb", "b200", "mi300x")
+NAMES = ("h100", "h800", "h200", "a100-40gb", "a100-80gb", "b200", "mi300x")
 EFFICIENCIES = (
     "matmul_efficiency",
     "memory_efficiency",
@@ -27,7 +27,7 @@ EFFICIENCIES = (
     "nvlink_efficiency",
     "network_efficiency",
 )
-FP8 = ("h100", "h200", "b200", "mi300x")  # datasheets: FP8 dense = 2 x BF16 dense; A100 has no FP8
+FP8 = ("h100", "h800", "h200", "b200", "mi300x")  # datasheets: FP8 dense = 2 x BF16 dense; A100 has no FP8
 RAW = json.loads(Path(pipeplan.hardware.__file__).with_name("hardware.json").read_text())["hardware"]
 
 
@@ -107,6 +107,7 @@ def test_sm_counts_and_the_mi300x_fabric():
         "a100-40gb": 108,
         "a100-80gb": 108,
         "h100": 132,
+        "h800": 132,
         "h200": 132,
         "b200": 148,
         "mi300x": 304,
@@ -127,6 +128,14 @@ def test_preset_figures_match_datasheets():
     assert b200.peak_bf16_flops > 2 * h100.peak_bf16_flops
     assert h100.network_bandwidth == pytest.approx(50e9)  # 400 Gb/s InfiniBand per GPU
     assert h100.nvlink_bandwidth == pytest.approx(450e9)  # 900 GB/s bidirectional
+    h800 = load_hardware("h800")  # H100 SXM compute and memory, NVLink 400 GB/s bidirectional
+    assert h800.nvlink_bandwidth == pytest.approx(200e9) and h800.network_bandwidth == h100.network_bandwidth
+    assert (h800.peak_bf16_flops, h800.peak_fp8_flops, h800.memory_bytes, h800.hbm_bandwidth) == (
+        h100.peak_bf16_flops,
+        h100.peak_fp8_flops,
+        h100.memory_bytes,
+        h100.hbm_bandwidth,
+    )
     for spec in (h100, h200, a100, b200):
         assert spec.nvlink_bandwidth > spec.network_bandwidth
         assert spec.intra_node_latency_s <= spec.inter_node_latency_s

@@ -71,6 +71,10 @@ def test_hung_rank_is_detected_by_heartbeat(tmp_path):
     assert elapsed < 100
     last = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert last and "rank 1 stopped responding" in last[-1], proc.stderr[-2000:]
+    # one line, once: the ranks leave their messages to the launcher, and no peer's lost connection follows
+    from_ranks = [line for line in proc.stderr.splitlines() if "pipeplan rank" in line and "injected" not in line]
+    assert len(last) == 1 and not from_ranks and "closed by peer" not in proc.stderr, proc.stderr[-2000:]
+    assert "resource_tracker" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_diverged_tied_copies_stop_the_run(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import pipeplan.runtime.launch as launch
 from pipeplan.cli import app
 from pipeplan.runtime import worker
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.metrics import tensorboard_available
 
 
 def _through_run(monkeypatch, argv: list[str]):
@@ -61,6 +62,22 @@ def _argvs(tmp_path) -> list[list[str]]:
         "--clip-grad-norm",
         "1.5",
         "--post-validate",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0.5",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "1",
+        "--decay-steps",
+        "8",
+        "--seed",
+        "5",
+        "--log",
+        str(tmp_path / "log.jsonl"),
+        "--tensorboard",
+        str(tmp_path / "tb"),
     ]
     resumed = ["plan.json", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
     initialized = ["plan.json", "--init-from", str(weights)]
@@ -98,6 +115,14 @@ def test_every_flag_reaches_the_ranks_config(tmp_path):
         "quiet",
         "clip_grad_norm",
         "post_validate",
+        "optimizer",
+        "momentum",
+        "lr_schedule",
+        "warmup_steps",
+        "decay_steps",
+        "seed",
+        "log_path",
+        *(["tensorboard_dir"] if tensorboard_available() else []),  # else ignored, with a warning
     }
     resumed = worker.parse_args(_argvs(tmp_path)[1])[1]
     assert resumed.resume and resumed.checkpoint_dir == str(tmp_path / "ck")

@@ -37,7 +37,7 @@ DENSE = (
 )
 
 # mixture-of-experts types (router and experts inside each decoder layer, run as transformers' grouped-matmul
-# experts: docs/moe.md); tested by tests/graph/test_moe_trace.py and tests/runtime/test_moe_run.py
+# experts: docs/models.md); tested by tests/graph/test_moe_trace.py and tests/runtime/test_moe_run.py
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 SUPPORTED = DENSE + MOE

@@ -155,7 +155,7 @@ class RunConfig:
             object.__setattr__(self, "log_path", str(check_output_file(self.log_path, "--log")))
         if self.tensorboard_dir is not None:
             found = check_tensorboard(str(check_output_dir(self.tensorboard_dir, "--tensorboard")))
-            object.__setattr__(self, "tensorboard_dir", found)  # None where tensorboard is not installed
+            object.__setattr__(self, "tensorboard_dir", found)
         if self.init_from is not None:
             if not Path(self.init_from).exists():
                 raise ConfigError(f"--init-from {str(self.init_from)!r} does not exist")

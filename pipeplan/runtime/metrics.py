@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
 
@@ -40,10 +39,12 @@ def tensorboard_available() -> bool:
 
 
 def check_tensorboard(directory: str | None) -> str | None:
-    """--tensorboard's directory, or None (with a warning) where tensorboard is not installed."""
+    """--tensorboard's directory; refused in one line where tensorboard is not installed (never silently dropped)."""
     if directory is not None and not tensorboard_available():
-        warn("--tensorboard is ignored: tensorboard is not installed (pip install tensorboard); --log has the values")
-        return None
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package (pip install tensorboard); --log FILE.jsonl writes the same "
+            "values without it"
+        )
     return directory
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import pipeplan.runtime.launch as launch
 from pipeplan.cli import app
+from pipeplan.errors import ConfigError
 from pipeplan.runtime import worker
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.metrics import tensorboard_available
@@ -76,8 +77,7 @@ def _argvs(tmp_path) -> list[list[str]]:
         "5",
         "--log",
         str(tmp_path / "log.jsonl"),
-        "--tensorboard",
-        str(tmp_path / "tb"),
+        *(["--tensorboard", str(tmp_path / "tb")] if tensorboard_available() else []),
     ]
     resumed = ["plan.json", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
     initialized = ["plan.json", "--init-from", str(weights)]
@@ -89,6 +89,8 @@ def test_run_and_worker_parse_every_option_alike(tmp_path, monkeypatch):
     flags = {arg for argv in argvs for arg in argv if arg.startswith("--")}
     run = typer.main.get_command(app).commands["run"]
     declared = {flag for parameter in run.params for flag in parameter.opts if flag.startswith("--")}
+    if not tensorboard_available():  # --tensorboard is refused without it (test_tensorboard_without_the_package)
+        declared.discard("--tensorboard")
     assert flags == declared  # the arguments below exercise every run option
     for argv in argvs:
         assert _through_run(monkeypatch, argv) == worker.parse_args(argv)
@@ -122,7 +124,7 @@ def test_every_flag_reaches_the_ranks_config(tmp_path):
         "decay_steps",
         "seed",
         "log_path",
-        *(["tensorboard_dir"] if tensorboard_available() else []),  # else ignored, with a warning
+        *(["tensorboard_dir"] if tensorboard_available() else []),
     }
     resumed = worker.parse_args(_argvs(tmp_path)[1])[1]
     assert resumed.resume and resumed.checkpoint_dir == str(tmp_path / "ck")
@@ -137,3 +139,9 @@ def test_worker_refuses_what_run_refuses(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         worker.main(["plan.json", "--no-such-option"])
     assert stopped.value.code == 2
+
+
+@pytest.mark.skipif(tensorboard_available(), reason="tensorboard is installed here")
+def test_tensorboard_without_the_package_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
+        RunConfig(tensorboard_dir=str(tmp_path / "tb"))

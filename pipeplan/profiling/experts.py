@@ -49,16 +49,15 @@ def is_moe(profile: Profile) -> bool:
 def check_experts_counted(model: nn.Module, layers: Sequence[Layer], profiles: Sequence[LayerProfile]) -> None:
     """Refuse an analytic profile that missed a model's routed experts: every MoE layer `graph.moe` finds must
     show up as a layer with grouped expert matmuls. On the meta device a layer that dispatches by the routing
-    (transformers' expert loops, which skip experts no token reaches) runs no expert at all, so its profile would
-    count attention and the router only; only the built-in `moe` family runs a balanced stand-in there."""
+    (an expert loop that skips experts no token reaches) runs no expert at all, so its profile would count
+    attention and the router only; grouped matmuls (transformers' default, the built-in `moe`) are counted."""
     for found in moe_modules(model):
         inside = [i for i, layer in enumerate(layers) if f"{found.path}.".startswith(f"{layer.module_path}.")]
         owner = inside[0] if inside else None
         if owner is not None and not profiles[owner].expert_param_count:
             raise ConfigError(
                 f"analytic profiling cannot count the experts of {found.path!r}: they dispatch by the routing, which "
-                "the meta device cannot run; profile with --device cpu or cuda, or plan the built-in `moe` family "
-                "(balanced routing; docs/models.md)"
+                "the meta device cannot run; profile with --device cpu or cuda (docs/models.md)"
             )
 
 

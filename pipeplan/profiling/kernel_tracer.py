@@ -14,8 +14,10 @@ attention's query positions; the microbatch grows a linear's rows and attention'
 and attention call becomes one `Kernel` at the shape it ran (t = cp = 1).
 
 A batched matmul whose second operand is a 3-D parameter is a grouped expert matmul (`Kernel.experts`: one matmul
-per expert over its stacked weights, `models.moe.Experts`); those parameters are the layer's expert weights
-(`expert_params`), which expert parallelism splits over its ranks."""
+per expert over its stacked weights, `models.moe.Experts`); so is a grouped-mm call (`aten._grouped_mm`,
+transformers' `grouped_mm_fallback`: tokens sorted by expert x (experts, in, out) weights, per-expert offsets),
+whose rows are taken as balanced over the experts (the offsets hold no data on the meta device). Those parameters
+are the layer's expert weights (`expert_params`), which expert parallelism splits over its ranks."""
 
 from __future__ import annotations
 
@@ -28,6 +30,29 @@ aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}  # first operand
 ATTENTION_OPS = frozenset((aten._scaled_dot_product_flash_attention.default,))
 KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, aten._scaled_dot_product_flash_attention_backward.default))
+GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")  # (tokens, in) x (experts, in, out)
+GROUPED_MM_BACKWARD = ("transformers::grouped_mm_fallback_backward",)  # timed from the forward's Kernel
+
+
+def _op_name(func) -> str:
+    schema = getattr(func, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+def is_grouped_mm(func) -> bool:
+    """A grouped expert matmul (by name: transformers registers its op when a model is built)."""
+    return _op_name(func) in GROUPED_MM
+
+
+def is_kernel_op(func) -> bool:
+    """An op timed as (part of) a Kernel, not by the roofline of the rest."""
+    return func in KERNEL_OPS or _op_name(func) in GROUPED_MM + GROUPED_MM_BACKWARD
+
+
+def grouped_mm_flops(args: tuple) -> float:
+    """2 x tokens x in x out: each sorted token row runs through one expert's (in, out) matrix."""
+    tokens, weight = args[0], args[1]
+    return 2.0 * tokens.shape[0] * weight.shape[-2] * weight.shape[-1]
 
 
 def _is_view(func) -> bool:
@@ -65,6 +90,8 @@ class KernelTracer:
         kernel = None
         if func in GEMM_OPS:
             kernel, split = self._gemm(func, args)
+        elif is_grouped_mm(func):
+            kernel, split = self._grouped(args)
         elif func in ATTENTION_OPS:
             kernel, split = self._attention(args), self._is_split(args[0])
         elif _is_view(func) and any(self._is_param(t) for t in inputs):
@@ -106,6 +133,28 @@ class KernelTracer:
             input_grad=activation.requires_grad,
             experts=experts,
             **common,
+        )
+        return kernel, not row
+
+    def _grouped(self, args: tuple) -> tuple[Kernel, bool]:
+        """A grouped-mm call as one grouped expert Kernel: batch = experts, m = the rows each gets when balanced."""
+        tokens, weight = args[0], args[1]
+        experts, k, n = weight.shape
+        self.expert_params[id(weight)] = weight
+        row = self._is_split(tokens)
+        kernel = Kernel(
+            kind="gemm",
+            m=-(-tokens.shape[0] // experts),
+            n=n,
+            k=k,
+            batch=experts,
+            element_bytes=tokens.element_size(),
+            tp="k" if row else "n",
+            cp="m",
+            tokens="m",
+            weight=True,
+            input_grad=tokens.requires_grad,
+            experts=True,
         )
         return kernel, not row
 

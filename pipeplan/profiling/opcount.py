@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from pipeplan.profiling.kernel_tracer import KERNEL_OPS, KernelTracer
+from pipeplan.profiling.kernel_tracer import KernelTracer, grouped_mm_flops, is_grouped_mm, is_kernel_op
 from pipeplan.profiling.kernels import Kernel, KernelRates
 
 aten = torch.ops.aten
@@ -101,7 +101,7 @@ def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tupl
     """(FLOPs, bytes moved) of one aten op call."""
     if func in _FREE_OPS or _is_view(func):
         return 0.0, 0
-    flops = 0.0
+    flops = grouped_mm_flops(args) if is_grouped_mm(func) else 0.0
     counter = flop_registry.get(func.overloadpacket)
     if counter is not None:
         flops = float(counter(*args, **kwargs, out_val=out))
@@ -158,7 +158,7 @@ class OpRecorder(TorchDispatchMode):
         if self.tracer is not None:
             kernel = self.tracer.see(func, args, out)
             totals.kernels += [kernel] if kernel is not None else []
-        if func in KERNEL_OPS:
+        if is_kernel_op(func):
             totals.kernel_flops += flops
             return out
         totals.rest_seconds += self.roofline.seconds(flops, moved)

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.graph.saved_tensors import SavedTensors
-from pipeplan.profiling.kernel_tracer import KERNEL_OPS
+from pipeplan.profiling.kernel_tracer import is_kernel_op
 from pipeplan.profiling.opcount import Roofline, op_cost
 
 aten = torch.ops.aten
@@ -305,7 +305,7 @@ def analytic_recompute(
     log, outputs = record_forward(module, inputs, context)
     core = find_attention_core(log, keep=[*inputs, *_params(module)])
     del outputs
-    rest = [op_cost(call.func, call.args, call.kwargs, call.out) for call in core.calls if call.func not in KERNEL_OPS]
+    rest = [op_cost(call.func, call.args, call.kwargs, call.out) for call in core.calls if not is_kernel_op(call.func)]
     return AnalyticRecompute(
         attention_bytes=core.saved_bytes,
         input_bytes=input_bytes(inputs),

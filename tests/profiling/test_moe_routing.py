@@ -86,15 +86,60 @@ def test_builtin_moe_routing_counts_every_assignment_of_its_own_router():
         assert found.tokens_per_expert == tuple(torch.bincount(chosen.flatten(), minlength=found.experts).tolist())
 
 
-def test_analytic_profiles_refuse_experts_the_meta_device_cannot_dispatch():
-    """transformers' experts run no expert on meta (they loop over the experts the routing reached): an analytic
-    profile would silently count attention and the router alone, so it is refused; the built-in family counts them."""
-    from pipeplan.errors import ConfigError
+def test_analytic_profiles_count_transformers_grouped_experts():
+    """transformers' experts run as grouped matmuls (tokens sorted by expert x stacked weights): on meta each
+    becomes one grouped expert kernel with balanced rows; FLOPs and expert weights as counted by hand."""
     from pipeplan.profiling.analytic import profile_analytic
 
+    options = HF_MOE["mixtral"]
+    hidden, ffn, experts, top_k = (
+        int(options[k]) for k in ("hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok")
+    )
+    profile = profile_analytic(load_model("hf:mixtral", options), batch_size=2, hardware="h100", precision="bf16-mixed")
+    blocks = [layer for layer in profile.layers if layer.expert_param_count]
+    assert len(blocks) == int(options["num_hidden_layers"])
+    tokens = 2 * int(options["seq_len"])
+    for layer in blocks:
+        assert layer.expert_param_count == experts * 3 * hidden * ffn
+        grouped = [k for k in layer.work.kernels if k.experts]
+        assert [(k.batch, k.m) for k in grouped] == [(experts, tokens * top_k // experts)] * 2
+        routed = 2 * tokens * top_k * 3 * hidden * ffn  # gate, up and down projections of top_k experts per token
+        dense = [k for k in layer.work.kernels if not k.experts and not k.core]
+        assert layer.flops >= routed + sum(2 * k.m * k.n * k.k * k.batch for k in dense)
+        assert layer.flops < 1.2 * (routed + sum(2 * k.m * k.n * k.k * k.batch for k in dense))
+
+
+def test_a_moe_layer_whose_experts_were_not_counted_is_refused():
+    """The guard behind every analytic profile: an MoE layer found in the model whose profiled layer holds no
+    expert weights (its experts never ran on meta) is one line, not a profile of attention and router alone."""
+    from dataclasses import replace
+
+    from pipeplan.errors import ConfigError
+    from pipeplan.graph.trace import Layer
+    from pipeplan.profiling.experts import check_experts_counted
+
     spec = load_model("hf:mixtral", HF_MOE["mixtral"])
-    with pytest.raises(ConfigError, match="cannot count the experts of 'model.layers.0.mlp'"):
-        profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16-mixed")
-    builtin = profile_analytic(load_model("moe", {}), batch_size=2, hardware="h100", precision="bf16-mixed")
-    assert sum(layer.expert_param_count > 0 for layer in builtin.layers) == 3
-    assert builtin.provenance.eager_modules  # the built-in's MoE layers run eagerly on real devices
+    module = spec.build()
+    layers = [Layer(name=f"model.layers.{i}", module_path=f"model.layers.{i}", nodes=()) for i in range(2)]
+    counted = [_layer_profile(1)] * 2
+    check_experts_counted(module, layers, counted)  # counted: fine
+    with pytest.raises(ConfigError, match="cannot count the experts of 'model.layers.1.mlp'"):
+        check_experts_counted(module, layers, [counted[0], replace(counted[1], expert_param_count=0)])
+
+
+def _layer_profile(expert_params: int):
+    from pipeplan.profiling.profile import LayerProfile
+
+    return LayerProfile(
+        name="x",
+        forward_ms=1.0,
+        input_grad_ms=1.0,
+        weight_grad_ms=1.0,
+        backward_ms=2.0,
+        activation_bytes=0,
+        activation_freed_by_input_grad_bytes=0,
+        param_count=1,
+        param_bytes=4,
+        output_bytes=0,
+        expert_param_count=expert_params,
+    )

@@ -73,10 +73,9 @@ def test_uneven_interleaved_stages_go_into_the_layout():
 
 
 def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express():
-    plan = manual_plan(
-        "gpt", schedule="zb-h1", pipeline_devices=2, num_microbatches=4, zero=1, precision="bf16-mixed",
-        recompute=["selective", "none"], cuts=[(0, 1), (2, 5)],
-    )  # fmt: skip
+    recompute = ["selective", "none"]
+    layout = {"pipeline_devices": 2, "num_microbatches": 4, "cuts": [(0, 1), (2, 5)], "recompute": recompute}
+    plan = manual_plan("gpt", schedule="zb-h1", zero=1, precision="bf16-mixed", **layout)
     training = dataclasses.replace(
         plan.training, tensor_parallel=2, context_parallel=2, expert_parallel=2, overlap="grad-reduce,param-gather"
     )

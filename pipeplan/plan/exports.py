@@ -9,13 +9,14 @@ from pathlib import Path
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.plan.export_megatron import megatron_export
+from pipeplan.plan.export_torchtitan import torchtitan_export
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.timing import plan_schedule
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import validate
 
-EXPORT_FORMATS = ("torch-csv", "megatron")
+EXPORT_FORMATS = ("torch-csv", "megatron", "torchtitan")
 
 
 def torch_csv(plan: Plan) -> str:
@@ -48,7 +49,21 @@ def export_plan(plan: Plan, fmt: str, output: Path) -> tuple[list[str], list[str
                 f"all {plan.training.data_parallel} pipelines run the same lists"
             )
         return [f"wrote {output}"], notes
+    if fmt == "torchtitan":
+        return _write_torchtitan(plan, output)
     exported = megatron_export(plan)
     atomic_write_text(output, exported.render())
     notes += [f"cannot express: {note}" for note in exported.notes]
     return [*exported.flags, f"wrote {output}"], notes
+
+
+def _write_torchtitan(plan: Plan, output: Path) -> tuple[list[str], list[str]]:
+    """The job config at `output` and, when it points at one, the torch CSV schedule beside it (same stem)."""
+    csv_path = output.with_suffix(".csv")
+    exported = torchtitan_export(plan, str(csv_path))
+    written = []
+    if exported.needs_csv:
+        atomic_write_text(csv_path, torch_csv(plan))
+        written.append(f"wrote {csv_path}")
+    atomic_write_text(output, exported.render())
+    return [*written, f"wrote {output}"], [f"cannot express: {note}" for note in exported.notes]

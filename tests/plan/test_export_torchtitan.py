@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
-import tomllib
 import types
 
 import pytest
+import tomllib
 from typer.testing import CliRunner
 
 from pipeplan.cli import app

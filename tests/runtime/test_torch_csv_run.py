@@ -33,5 +33,5 @@ def test_exported_csv_runs_in_torch_with_the_reference_losses(tmp_path):
         assert set(found) == set(grads), label
         for name, grad in found.items():
             torch.testing.assert_close(
-                grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{label} {n}: {m}"
+                grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, w=f"{label} {name}": f"{w}: {m}"
             )

@@ -46,10 +46,8 @@ def _export(tmp_path, plan):
 
 def test_torchtitan_parses_the_job_config(tmp_path):
     config_manager = _config_manager()
-    plan = manual_plan(
-        "gpt", schedule="interleaved", pipeline_devices=2, num_microbatches=4, microbatch_size=2, data_parallel=2,
-        precision="bf16-mixed", recompute=["full"] * 4,
-    )  # fmt: skip
+    layout = {"pipeline_devices": 2, "num_microbatches": 4, "microbatch_size": 2, "data_parallel": 2}
+    plan = manual_plan("gpt", schedule="interleaved", precision="bf16-mixed", recompute=["full"] * 4, **layout)
     toml, result = _export(tmp_path, plan)
     config = config_manager().parse_args(["--job.config_file", str(toml)])
     parallelism = config.parallelism

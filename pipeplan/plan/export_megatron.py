@@ -65,7 +65,10 @@ class MegatronExport:
 
     def render(self) -> str:
         """The args file: comments (notes, then members), then one flag per line."""
-        lines = [f"# pipeplan export --format megatron: {len(self.flags)} flags for Megatron-LM's pretrain_gpt.py"]
+        lines = [
+            f"# pipeplan export --format megatron: {len(self.flags)} flags for Megatron-LM's pretrain_gpt.py; use as",
+            "# torchrun ... pretrain_gpt.py $(grep -v '^#' THIS_FILE) --hidden-size ... (the model's own flags)",
+        ]
         lines += [f"# cannot express: {note}" for note in self.notes]
         lines += [f"# {member}" for member in self.members]
         return "\n".join([*lines, *self.flags]) + "\n"

@@ -105,6 +105,9 @@ def test_replicas_and_cuts_inside_a_block_are_noted():
     stages[1] = dataclasses.replace(stages[1], layer_names=("blocks.1.mlp", *stages[1].layer_names[1:]))
     notes = megatron_export(dataclasses.replace(plan, stages=tuple(stages))).notes
     assert any("stage 0 ends inside blocks.1" in note for note in notes)
+    hf_names = [("model.embed_tokens", "model.layers.0", "model.layers.1.mlp"), ("model.norm", "lm_head")]
+    hf = tuple(dataclasses.replace(stage, layer_names=names) for stage, names in zip(stages, hf_names))
+    assert _flag(megatron_export(dataclasses.replace(plan, stages=hf)), "--pipeline-model-parallel-layout") == "Ett|L"
     no_blocks = tuple(dataclasses.replace(stage, layer_names=(f"part{stage.index}",)) for stage in stages)
     with pytest.raises(ConfigError, match="re-plan without --granularity"):
         megatron_export(dataclasses.replace(plan, stages=no_blocks))

@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev,plot,hf]'
+	$(BIN)/pip install -q --no-deps 'torchtitan==0.2.0'  # its config loader, for the export tests (0.2: TOML configs)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -7,17 +7,11 @@ from pathlib import Path
 import typer
 
 from pipeplan.console import err, out, print_json
-from pipeplan.errors import ConfigError
-from pipeplan.jsonio import atomic_write_text
 from pipeplan.paths import check_output_file
+from pipeplan.plan.exports import EXPORT_FORMATS, export_plan
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.summary import render_summary, summary_dict
-from pipeplan.plan.timing import plan_schedule, plan_timeline
-from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import schedule_info
-from pipeplan.schedules.validate import validate
-
-EXPORT_FORMATS = ("torch-csv",)
+from pipeplan.plan.timing import plan_timeline
 
 
 def show(
@@ -40,34 +34,17 @@ def export(
     fmt: str = typer.Option("torch-csv", "--format", "-f", help=f"One of: {', '.join(EXPORT_FORMATS)}."),
     output: str = typer.Option(..., "--output", "-o", help="File to write."),
 ) -> None:
-    """Write a plan's per-rank op lists in another tool's format.
+    """Write a plan in another tool's format.
 
     torch-csv: the "compute_only" CSV schedule torch.distributed.pipelining's PipelineScheduleMulti._load_csv
     reads, one row per rank of one pipeline (plans with replicated stages cannot be exported: torch runs a stage
-    on one rank).
+    on one rank). megatron: Megatron-LM arguments, one flag per line, with a `#` comment for each plan setting
+    Megatron cannot express and each stage's module FQNs.
 
-    Example: pipeplan export plan/plan.json --format torch-csv -o schedule.csv
+    Example: pipeplan export plan/plan.json --format megatron -o megatron.args
     """
-    if fmt not in EXPORT_FORMATS:
-        raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
-    output = check_output_file(output, "--output")
-    loaded = Plan.load(plan_file)
-    if schedule_info(loaded.schedule).asynchronous:
-        raise ConfigError(
-            f"torch.distributed.pipelining has no asynchronous schedules (weight versions, no flush); {loaded.schedule}"
-            " plans run with `pipeplan run` only"
-        )
-    if any(stage.replicas > 1 for stage in loaded.stages):
-        raise ConfigError(
-            "torch.distributed.pipelining runs each stage on one rank, but this plan replicates stages; "
-            "re-plan with --no-replication to export it"
-        )
-    schedule: Schedule = plan_schedule(loaded)
-    validate(schedule)  # an op list that cannot run (deadlock, B before F) is not exported
-    atomic_write_text(output, schedule.to_csv())
-    if loaded.training.data_parallel > 1:
-        err.print(
-            f"wrote pipeline 0's {schedule.num_devices} ranks; "
-            f"all {loaded.training.data_parallel} pipelines run the same lists"
-        )
-    out.print(f"wrote {output}")
+    lines, notes = export_plan(Plan.load(plan_file), fmt, Path(check_output_file(output, "--output")))
+    for note in notes:
+        err.print(note, markup=False, highlight=False)
+    for line in lines:
+        out.print(line, markup=False, highlight=False)

@@ -1,0 +1,126 @@
+"""`export --format megatron`: the flags and Megatron-Core's own config dataclasses accepting the same values
+(their __post_init__ validation runs), notes for what Megatron cannot express, stage membership."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
+from pipeplan.errors import ConfigError
+from pipeplan.plan.export_megatron import megatron_export
+from pipeplan.plan.manual import manual_plan
+
+runner = CliRunner()
+
+
+def _megatron():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformer = pytest.importorskip("megatron.core.transformer.transformer_config")
+        distributed = pytest.importorskip("megatron.core.distributed")
+        optimizer = pytest.importorskip("megatron.core.optimizer")
+    return transformer.TransformerConfig, distributed.DistributedDataParallelConfig, optimizer.OptimizerConfig
+
+
+def _accepted_by_megatron(exported, **model):
+    """Megatron-Core's dataclasses built from the export (plus the model's shape, which a plan does not hold)."""
+    transformer_config, ddp_config, optimizer_config = _megatron()
+    kwargs = {"hidden_size": 64, "num_attention_heads": 4, "pipeline_dtype": torch.float32, **model}
+    config = transformer_config(**exported.transformer, **kwargs)
+    ddp_config(**exported.ddp)
+    optimizer_config(**exported.optimizer)
+    return config
+
+
+def _flag(exported, name):
+    values = [flag.split(" ", 1)[1] if " " in flag else True for flag in exported.flags if flag.split()[0] == name]
+    return values[0] if values else None
+
+
+def test_even_stages_need_no_layout():
+    exported = megatron_export(manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4))
+    config = _accepted_by_megatron(exported)
+    assert config.pipeline_model_parallel_size == 2 and config.num_layers == 4
+    assert _flag(exported, "--pipeline-model-parallel-layout") is None and not exported.notes
+    assert _flag(exported, "--global-batch-size") == "4" and _flag(exported, "--micro-batch-size") == "1"
+    assert exported.members[1:] == (
+        "stage 0 (pipeline rank 0, virtual stage 0): embed, blocks.0-1",
+        "stage 1 (pipeline rank 1, virtual stage 0): blocks.2-3, head",
+    )
+
+
+def test_uneven_interleaved_stages_go_into_the_layout():
+    plan = manual_plan("gpt", schedule="interleaved", pipeline_devices=2, num_microbatches=4, recompute=["full"] * 4)
+    exported = megatron_export(plan)
+    config = _accepted_by_megatron(exported)
+    assert _flag(exported, "--pipeline-model-parallel-layout") == "Et|tt|t|L"
+    layout = config.pipeline_model_parallel_layout  # Megatron's parsed layout: [pipeline rank][virtual stage]
+    assert config.virtual_pipeline_model_parallel_size == 2
+    assert [[len([x for x in chunk if x.name == "decoder"]) for chunk in rank] for rank in layout.layout] == [
+        [1, 1],
+        [2, 0],
+    ]
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
+        "full",
+        "uniform",
+        2,
+    )
+
+
+def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express():
+    recompute = ["selective", "none"]
+    layout = {"pipeline_devices": 2, "num_microbatches": 4, "cuts": [(0, 1), (2, 5)], "recompute": recompute}
+    plan = manual_plan("gpt", schedule="zb-h1", zero=1, precision="bf16-mixed", **layout)
+    training = dataclasses.replace(
+        plan.training, tensor_parallel=2, context_parallel=2, expert_parallel=2, overlap="grad-reduce,param-gather"
+    )
+    plan = dataclasses.replace(
+        plan, training=training, cluster=dataclasses.replace(plan.cluster, num_devices=8, devices_per_node=8)
+    )
+    exported = megatron_export(plan)
+    config = _accepted_by_megatron(exported, num_moe_experts=4, add_bias_linear=False)
+    assert (config.tensor_model_parallel_size, config.context_parallel_size, config.expert_model_parallel_size) == (
+        2,
+        2,
+        2,
+    )
+    assert config.sequence_parallel and config.bf16 and config.recompute_granularity == "selective"
+    for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--bf16"):
+        assert _flag(exported, flag) is True, flag
+    notes = " | ".join(exported.notes)
+    assert "zb-h1" in notes and "recomputation differs per stage" in notes and "bf16-mixed" in notes
+    assert exported.members[0].startswith("world size 8 GPUs: tp 2 x cp 2 x pp 2 x dp 1")
+
+
+def test_replicas_and_cuts_inside_a_block_are_noted():
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, replicas=[2, 1])
+    assert "different numbers of times" in megatron_export(plan).notes[0]
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], layer_names=(*stages[0].layer_names[:-1], "blocks.1.attn"))
+    stages[1] = dataclasses.replace(stages[1], layer_names=("blocks.1.mlp", *stages[1].layer_names[1:]))
+    notes = megatron_export(dataclasses.replace(plan, stages=tuple(stages))).notes
+    assert any("stage 0 ends inside blocks.1" in note for note in notes)
+    hf_names = [("model.embed_tokens", "model.layers.0", "model.layers.1.mlp"), ("model.norm", "lm_head")]
+    hf = tuple(dataclasses.replace(stage, layer_names=names) for stage, names in zip(stages, hf_names))
+    assert _flag(megatron_export(dataclasses.replace(plan, stages=hf)), "--pipeline-model-parallel-layout") == "Ett|L"
+    no_blocks = tuple(dataclasses.replace(stage, layer_names=(f"part{stage.index}",)) for stage in stages)
+    with pytest.raises(ConfigError, match="re-plan without --granularity"):
+        megatron_export(dataclasses.replace(plan, stages=no_blocks))
+
+
+def test_cli_writes_the_args_file_with_comments(tmp_path):
+    plan = manual_plan("gpt", schedule="gpipe", pipeline_devices=2, num_microbatches=4, cuts=[(0, 3), (4, 5)])
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "megatron.args"
+    result = runner.invoke(app, ["export", str(tmp_path / "plan.json"), "-f", "megatron", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    flags = [line for line in lines if not line.startswith("#")]
+    assert all(line.startswith("--") for line in flags) and "--pipeline-model-parallel-layout Ettt|tL" in flags
+    assert any(line.startswith("# cannot express: schedule gpipe") for line in lines)
+    assert "--pipeline-model-parallel-size 2" in result.stdout

@@ -56,6 +56,11 @@ def read_checkpoint(
     root = Path(root)
     if not root.is_dir():
         raise RunError(f"checkpoint directory {str(root)!r} does not exist; give a --checkpoint-dir of `pipeplan run`")
+    if step is None and not (root / checkpoint.LATEST).is_file():
+        raise RunError(
+            f"{str(root)!r} holds no complete checkpoint (no '{checkpoint.LATEST}' file): not a --checkpoint-dir of "
+            "`pipeplan run`, or its first checkpoint is still being written; or pick one with --step"
+        )
     step = checkpoint.latest_step(root) if step is None else step
     where = checkpoint.step_dir(root, step)
     if not where.is_dir():
@@ -120,11 +125,11 @@ def _held(stages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal (NaNs in the same places count as equal)."""
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-    )
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).contiguous().view(torch.uint8)
 
 
 def whole_state(ckpt: CheckpointStep) -> WholeState:

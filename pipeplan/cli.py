@@ -36,6 +36,7 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("show", "pipeplan.plan.commands:show"),
     ("export", "pipeplan.plan.commands:export"),
     ("run", "pipeplan.runtime.commands:run"),
+    ("export-weights", "pipeplan.runtime.commands:export_weights"),
     ("capacity", "pipeplan.capacity.commands:capacity"),
     ("calibrate", "pipeplan.calibrate.commands:calibrate"),
 ]

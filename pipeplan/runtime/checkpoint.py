@@ -1,7 +1,9 @@
 """Per-stage checkpoints: `DIR/step_00000012/stage_003.pt` holds that stage's parameters, their optimizer state, the
 step and the writer's RNG state; `DIR/latest` (written last, atomically, after every stage file is in place) names
 the newest complete checkpoint, so a crash while saving leaves the previous one intact. Each file is written to a
-temp name and renamed; files are read with torch.load(weights_only=True)."""
+temp name and renamed; files are read with torch.load(weights_only=True). Beside the stage files, `plan.json` (the
+run's effective plan) and `run.json` (the `--init-from` file the run started from, carried over by resumed runs)
+let `pipeplan export-weights` rebuild the whole model's state_dict from a checkpoint alone."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from pipeplan.jsonio import atomic_write_text
 from pipeplan.plan.plan import Plan
 
 LATEST = "latest"
+PLAN_FILE = "plan.json"
+RUN_FILE = "run.json"
 KEEP = 2  # complete checkpoints kept
 
 
@@ -81,8 +85,13 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def mark_latest(root: str | os.PathLike, step: int) -> None:
-    """Publish `step` as the newest complete checkpoint, then prune all but the newest KEEP."""
+def mark_latest(root: str | os.PathLike, step: int, plan: Plan | None = None, init_from: str | None = None) -> None:
+    """Publish `step` as the newest complete checkpoint, then prune all but the newest KEEP. With `plan`, first
+    write the plan and the run's initial-weights file (`init_from`, absolute) beside the stage files."""
+    if plan is not None:
+        plan.save(step_dir(root, step) / PLAN_FILE)
+        source = str(Path(init_from).absolute()) if init_from else None
+        atomic_write_text(step_dir(root, step) / RUN_FILE, json.dumps({"init_from": source}) + "\n")
     atomic_write_text(Path(root) / LATEST, step_dir(root, step).name + "\n")
     done = sorted(p for p in Path(root).glob("step_*") if p.is_dir())
     for old in done[:-KEEP]:
@@ -98,6 +107,16 @@ def latest_step(root: str | os.PathLike) -> int:
         return int(name.removeprefix("step_"))
     except ValueError:
         raise RunError(f"checkpoint marker {str(marker)!r} holds {name!r}, not step_NNNNNNNN") from None
+
+
+def recorded_init_from(root: str | os.PathLike, step: int | None = None) -> str | None:
+    """The `--init-from` file the run that wrote checkpoint `step` (default the newest) started from (None: the
+    plan's seed, or no record)."""
+    try:
+        record = step_dir(root, latest_step(root) if step is None else step) / RUN_FILE
+        return json.loads(record.read_text()).get("init_from") if record.is_file() else None
+    except (RunError, ValueError, OSError):
+        return None
 
 
 def check_complete(root: str | os.PathLike, step: int, num_stages: int) -> None:

@@ -130,7 +130,7 @@ def _shown(keys: list[str]) -> str:
     return ", ".join(keys[:SHOWN_KEYS]) + more
 
 
-def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+def alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """state_dict key -> every state_dict key naming the same tensor (itself included)."""
     by_id: dict[int, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
@@ -165,7 +165,7 @@ def load_initial_weights(
     is left as built). `model` is the whole model (meta-built is enough): its state_dict keys are the expected
     keys and its ties the aliases."""
     weights = WeightFile(path)
-    groups = _alias_groups(model)
+    groups = alias_groups(model)
     weights.map_onto(model, groups)
     check_keys(weights, groups)
     done: set[int] = set()
@@ -204,7 +204,7 @@ def check_initial_weights(path: str | os.PathLike, model: nn.Module) -> str | No
     model's mapped), then each tensor's shape and kind (floating or integer) in state_dict order, reading no data;
     one ConfigError line naming the first bad key. Returns the base-model mapping's note, if any."""
     weights = WeightFile(path)
-    groups = _alias_groups(model)
+    groups = alias_groups(model)
     weights.map_onto(model, groups)
     check_keys(weights, groups)
     for name, tensor in model.state_dict(keep_vars=True).items():

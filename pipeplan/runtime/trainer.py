@@ -171,8 +171,9 @@ class Trainer:
                     num_stages=len(self.plan.stages),
                 )
         dist.barrier()
-        if self.rank == 0:
-            checkpoint.mark_latest(root, step)
+        if self.rank == 0:  # a resumed run started from what the run it resumes started from
+            start = self.config.init_from or (checkpoint.recorded_init_from(root) if self.config.resume else None)
+            checkpoint.mark_latest(root, step, self.plan, start)
         dist.barrier()
 
     def restore(self) -> int:

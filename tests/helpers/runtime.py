@@ -103,6 +103,7 @@ class ReferenceRun:
     losses: list[float]
     grad_norms: list[float]  # before clipping, one per step (with `clip_grad_norm` only)
     first_grads: dict[str, torch.Tensor]  # the first step's gradients (clipped, with `clip_grad_norm`)
+    module: torch.nn.Module | None = None  # the trained whole model
 
 
 def reference_training(
@@ -121,7 +122,7 @@ def reference_training(
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
     b = plan.training.microbatch_size
     count = plan.training.num_microbatches * plan.training.data_parallel
-    run = ReferenceRun(losses=[], grad_norms=[], first_grads={})
+    run = ReferenceRun(losses=[], grad_norms=[], first_grads={}, module=module)
     for _ in range(steps):
         inputs, target = next(batches)
         optimizer.zero_grad()

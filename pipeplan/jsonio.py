@@ -9,26 +9,26 @@ import os
 import tempfile
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeplan.errors import FormatError, OutputError
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old file or the complete new one. An OS error (a
-    directory in the way, a full disk, no permission) is one OutputError naming the path; nothing is left behind."""
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Have `write(temporary_path)` write the file, then rename it onto `path`, so that readers see either the old
+    file or the complete new one. An OS error (a directory in the way, a full disk, no permission) is one
+    OutputError naming the path; nothing is left behind."""
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
     except OSError as exc:
         raise OutputError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(tmp)
         os.replace(tmp, target)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -36,6 +36,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (`atomic_write`), synced to disk before the rename."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    atomic_write(path, write)
 
 
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pipeplan.errors import ConfigError, OutputError
-from pipeplan.jsonio import atomic_write_text
+from pipeplan.jsonio import atomic_write, atomic_write_text
 from pipeplan.paths import check_output_dir, check_output_file
 
 INDEX = "model.safetensors.index.json"
@@ -67,18 +67,7 @@ def write_weights(tensors: dict[str, torch.Tensor], target: Path, *, shard_gb: f
 
 def _atomic_file(tensors: dict[str, torch.Tensor], target: Path) -> None:
     save_file = _save_file()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=METADATA)
-        os.replace(tmp, target)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(target, lambda tmp: save_file(tensors, tmp, metadata=METADATA))
 
 
 def shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:

@@ -106,6 +106,21 @@ class ReferenceRun:
     module: torch.nn.Module | None = None  # the trained whole model
 
 
+def global_batch_backward(spec, module: torch.nn.Module, batch, plan: Plan) -> float:
+    """Backward of the mean loss over one global batch of the plan, microbatch by microbatch (gradients accumulate
+    in `module`); returns that loss."""
+    inputs, target = batch
+    b = plan.training.microbatch_size
+    count = plan.training.num_microbatches * plan.training.data_parallel
+    total = 0.0
+    for mb in range(count):
+        piece = slice(mb * b, (mb + 1) * b)
+        loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def reference_training(
     plan: Plan,
     steps: int,
@@ -120,18 +135,10 @@ def reference_training(
     spec, module = build_reference_model(plan, init_from=init_from)
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
-    b = plan.training.microbatch_size
-    count = plan.training.num_microbatches * plan.training.data_parallel
     run = ReferenceRun(losses=[], grad_norms=[], first_grads={}, module=module)
     for _ in range(steps):
-        inputs, target = next(batches)
         optimizer.zero_grad()
-        total = 0.0
-        for mb in range(count):
-            piece = slice(mb * b, (mb + 1) * b)
-            loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
-            loss.backward()
-            total += float(loss.detach())
+        total = global_batch_backward(spec, module, next(batches), plan)
         if clip_grad_norm is not None:
             run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)))
         if not run.first_grads:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runtime import build_reference_model, checkpoint_files, make_plan, save_plan
+from helpers.runtime import build_reference_model, checkpoint_files, global_batch_backward, make_plan, save_plan
 from runtime.training_models import TEXT, TINY_TEXT, decay_groups, halving
 
 from pipeplan.errors import RunError
@@ -73,17 +73,10 @@ def _reference(plan, optimizer, factor):
     opt = optimizer([p for _, p in named]) if optimizer else decay_groups(named, 3e-3, 0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     batches = spec.batches(plan.training.global_batch_size, plan.training.seed)
-    count = plan.training.num_microbatches * plan.training.data_parallel
-    b, losses, norms = plan.training.microbatch_size, [], []
+    losses, norms = [], []
     for _ in range(STEPS):
-        inputs, target = next(batches)
         opt.zero_grad()
-        total = 0.0
-        for mb in range(count):
-            piece = slice(mb * b, (mb + 1) * b)
-            loss = spec.loss_fn(module(*(x[piece] for x in inputs)), target[piece]) / count
-            loss.backward()
-            total += float(loss.detach())
+        total = global_batch_backward(spec, module, next(batches), plan)
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for _, p in named if p.grad is not None])))
         opt.step()
         schedule.step()

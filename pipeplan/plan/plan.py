@@ -105,6 +105,13 @@ class TrainingConfig:
                 f"num_microbatches x data_parallel ({expected})"
             )
 
+    def unplanned_optimizer_bytes(self, name: str) -> float:
+        """Bytes per parameter (weights + gradients + state, unsharded) that optimizer `name` needs under this plan's
+        precision beyond what the plan counted (0 when it fits its accounting)."""
+        from pipeplan.costs.optimizer import bytes_per_param
+
+        return max(0.0, bytes_per_param(name, self.precision) - self.optimizer_bytes_per_param)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:

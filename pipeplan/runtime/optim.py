@@ -3,7 +3,8 @@
 Optimizer: the plan's (`training.optimizer`, the name its memory was counted for: adamw, sgd or sgd-nomomentum, as
 costs/optimizer.py counts their state) unless the model's factory supplies its own (`ModelSpec.optimizer`). `run
 --optimizer NAME` only confirms the plan's: another name is refused, since the plan's memory was counted for its
-own. A plan made with `--optimizer BYTES` names no algorithm: `run --optimizer NAME` picks one.
+own. A plan made with `--optimizer BYTES` names no algorithm: `run --optimizer NAME` picks one whose bytes fit
+the plan's accounting (a heavier one is refused).
 
     adamw            torch.optim.AdamW(lr, weight_decay)
     sgd              torch.optim.SGD(lr, momentum (default 0.9), weight_decay)
@@ -81,6 +82,11 @@ def run_optimizer(plan: Plan, spec: ModelSpec, *, optimizer: str | None, momentu
         )
     else:
         name = optimizer
+        if plan.training.unplanned_optimizer_bytes(name) > 1e-9:
+            raise ConfigError(
+                f"--optimizer {name} needs more than the {planned} bytes per parameter the plan counted under "
+                f"{plan.training.precision}; re-run `pipeplan plan --optimizer {name}` or pick a lighter optimizer"
+            )
     if momentum is not None and name != "sgd":
         raise ConfigError(f"--momentum applies to --optimizer sgd only, and this run steps {name}; drop --momentum")
     return name

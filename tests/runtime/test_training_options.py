@@ -87,6 +87,10 @@ def test_the_plan_decides_the_optimizer_and_run_may_only_confirm_it(plan):
     with pytest.raises(ConfigError, match="names no optimizer; pass --optimizer"):
         run_optimizer(in_bytes, spec, optimizer=None, momentum=None)
     assert run_optimizer(in_bytes, spec, optimizer="sgd-nomomentum", momentum=None) == "sgd-nomomentum"
+    tight = _with(base, optimizer="8.0", optimizer_bytes_per_param=8.0)  # fp32 weights + gradients, no state
+    assert run_optimizer(tight, spec, optimizer="sgd-nomomentum", momentum=None) == "sgd-nomomentum"
+    with pytest.raises(ConfigError, match="--optimizer adamw needs more than the 8.0 bytes per parameter"):
+        run_optimizer(tight, spec, optimizer="adamw", momentum=None)
 
 
 def test_a_factory_optimizer_and_schedule_exclude_the_flags_that_would_be_ignored(plan):

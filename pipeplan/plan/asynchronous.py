@@ -95,13 +95,17 @@ def predicted_step(
 def _last_backward_ms(ops, starts, ends, num_microbatches: int) -> float:
     """How long a device's backward of the last microbatch runs: the window a gradient reduction started at its
     first layer's gradient can overlap (`costs.overlap`)."""
-    last = [(s, e) for o, s, e in zip(ops, starts, ends) if o.kind != "F" and o.microbatch == num_microbatches - 1]
+    last = [
+        (s, e)
+        for o, s, e in zip(ops, starts, ends)
+        if any(h.kind != "F" and h.microbatch == num_microbatches - 1 for h in o.parts)  # (an F&B op's B half)
+    ]
     return max(e for _, e in last) - min(s for s, _ in last) if last else 0.0
 
 
 def busy_per_step(timeline: Timeline, num_microbatches: int) -> tuple[float, ...]:
     """Per device, its compute per step of a stream's timeline (every step of a stream does the same work)."""
-    steps = 1 + max(entry.op.microbatch for entry in timeline.entries) // num_microbatches
+    steps = 1 + max(h.microbatch for entry in timeline.entries for h in entry.op.parts) // num_microbatches
     return tuple(busy / steps for busy in timeline.device_busy)
 
 

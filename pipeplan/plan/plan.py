@@ -197,7 +197,8 @@ class Plan:
         """Microbatches the op lists cover: one step's, or an asynchronous schedule's whole stream."""
         if not schedule_info(self.schedule).asynchronous:
             return self.training.num_microbatches
-        return 1 + max((Op.parse(text).microbatch for ops in self.rank_ops for text in ops), default=-1)
+        parts = (o for ops in self.rank_ops for text in ops for o in Op.parse(text).parts)
+        return 1 + max((o.microbatch for o in parts), default=-1)
 
     @property
     def runnable(self) -> bool:
@@ -353,14 +354,17 @@ def _check_rank_ops(plan: Plan) -> None:
     for info, ops in zip(plan.ranks, plan.rank_ops):
         for text in ops:
             try:
-                op = Op.parse(text)
+                parts = Op.parse(text).parts  # an OVERLAP_F_B op: both halves
             except PipeplanError as exc:
                 raise FormatError(f"plan rank {info.rank}: {exc}") from None
-            if op.stage not in info.stages:
-                raise FormatError(f"plan rank {info.rank} runs op {text} of stage {op.stage}, which it does not hold")
-            if op.microbatch >= num_mb:  # (never for a stream: num_op_microbatches counts its highest)
-                raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
-            pipeline_ops[info.pipeline].append(op)
+            for op in parts:
+                if op.stage not in info.stages:
+                    raise FormatError(
+                        f"plan rank {info.rank} runs op {text} of stage {op.stage}, which it does not hold"
+                    )
+                if op.microbatch >= num_mb:  # (never for a stream: num_op_microbatches counts its highest)
+                    raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
+            pipeline_ops[info.pipeline].extend(parts)
     for pipeline, ops in enumerate(pipeline_ops):
         try:
             check_complete(ops, len(plan.stages), num_mb)

@@ -3,7 +3,9 @@
 F receives its stage's inputs (model inputs from the batch, activations from the producing stage: locally when the
 producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
 stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
-back to each producer; W later computes the weight gradients from what I kept. B, I and W are the profiler's
+back to each producer; W later computes the weight gradients from what I kept. An OVERLAP_F_B op (dualpipev's F&B
+pair) gathers both halves' inputs, then runs the backward on a second thread while the forward runs and sends
+(`overlap.PairWorker`), as DualPipe overlaps them. B, I and W are the profiler's
 implementation (graph/split_backward.py), so what was measured is what runs; I releases every saved tensor W
 does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done. The loss
 (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +26,7 @@ from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_ke
 from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import Mailbox
+from pipeplan.runtime.overlap import PairWorker
 from pipeplan.runtime.recompute_run import SelectiveRecompute
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
 from pipeplan.runtime.stages import PipelineModel
@@ -72,13 +76,15 @@ class Executor:
         self.mailbox = Mailbox(
             rank=rank, routing=routing, meta_of=self._meta_of, device=device, direction_groups=direction_groups
         )
-        self.receives = [self._receives_of(o) for o in self.ops]
+        self.receives = [[m for part in o.parts for m in self._receives_of(part)] for o in self.ops]
+        self.pairs = PairWorker() if any(o.halves is not None for o in self.ops) else None
         self.cuda_events = False  # CUDA --trace: time each op with a pair of CUDA events, read after the step
         self.track_saved = False  # record the peak of held_activation_bytes over the step's ops (a diagnostic)
         self.autocast = contextlib.nullcontext  # the precision's autocast around each stage forward and the loss
         self.loss_grad = 1.0  # the loss's seed gradient: fp16 loss scaling's scale
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
         self.recompute = {s: plan.stages[s].recompute for s in model.modules}  # none | selective | full
+        self.seeded = threading.Lock()  # the global RNG's seed-and-draw of one stage forward at a time
 
     def _meta_of(self, message: Message):
         return self.model.value_meta[message.value]
@@ -124,8 +130,12 @@ class Executor:
             self.mailbox.release_sent()
             self._began = time.perf_counter()  # moved past any receive wait by _computing()
             self._start_event = self._event() if self.cuda_events else None
-            if o.kind == "F":
-                loss = self._forward(o, microbatches[o.microbatch])
+            if o.kind == "F" or o.halves is not None:
+                loss = (
+                    self._forward(o, microbatches[o.microbatch])
+                    if o.halves is None
+                    else self._overlapped(o, microbatches)
+                )
                 if loss is not None:
                     record.loss_sum = loss if record.loss_sum is None else record.loss_sum + loss
             elif o.kind == "W":
@@ -191,12 +201,42 @@ class Executor:
         return value
 
     def _forward(self, o: Op, batch: MicroBatch) -> torch.Tensor | None:
-        io = self.model.stage_io[o.stage]
-        args = [self._input_value(o, name, batch) for name in io.inputs]
+        args = [self._input_value(o, name, batch) for name in self.model.stage_io[o.stage].inputs]
         self._computing()
+        return self._forward_finish(o, args, batch, *self._forward_compute(o, args, batch))
+
+    def _overlapped(self, o: Op, microbatches: dict[int, MicroBatch]) -> torch.Tensor | None:
+        """An OVERLAP_F_B op: both halves' inputs first (as DualPipe waits for both), then the backward's compute
+        on the pair worker's thread while this one runs the forward and sends its outputs; the backward's input
+        gradients are sent once it is done. Each half computes what it computes alone (same kernels, same seeds)."""
+        forward, backward = o.parts
+        batch = microbatches[forward.microbatch]
+        args = [self._input_value(forward, name, batch) for name in self.model.stage_io[forward.stage].inputs]
+        saved = self._saved.pop((backward.stage, backward.microbatch))
+        output_grads = {name: self._output_grad(backward, name) for name in saved.output_names}
+        self._computing()
+        assert self.pairs is not None
+        loss, input_grads = self.pairs.run(
+            lambda: self._forward_finish(forward, args, batch, *self._forward_compute(forward, args, batch)),
+            lambda: self._backward_compute(backward, saved, output_grads),
+        )
+        self._backward_finish(backward, saved, input_grads)
+        self._backward_done(backward)
+        return loss
+
+    def _forward_compute(
+        self, o: Op, args: list, batch: MicroBatch
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, SavedTensors]:
         tensors = SavedTensors(hold=False)
         full = self.recompute[o.stage] == "full"  # keep only the inputs; rerun with grad before I or B
         outputs, loss = self._run_stage(o, args, batch[1], tensors, grad=not full)
+        return outputs, loss, tensors
+
+    def _forward_finish(
+        self, o: Op, args: list, batch: MicroBatch, outputs: dict, loss: torch.Tensor | None, tensors: SavedTensors
+    ) -> torch.Tensor | None:
+        io = self.model.stage_io[o.stage]
+        full = self.recompute[o.stage] == "full"
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, outputs[message.value])
         for name, value in outputs.items():
@@ -224,9 +264,9 @@ class Executor:
         (dropout repeats exactly, a recomputation draws what the forward drew), what autograd saves recorded in
         `tensors`: (outputs by name, the scaled loss on the last stage)."""
         io = self.model.stage_io[o.stage]
-        torch.manual_seed(self._forward_seed(o))
         selective = SelectiveRecompute() if self.recompute[o.stage] == "selective" else contextlib.nullcontext()
-        with torch.set_grad_enabled(grad), self.autocast(), tensors, selective:
+        with self.seeded, torch.set_grad_enabled(grad), self.autocast(), tensors, selective:
+            torch.manual_seed(self._forward_seed(o))  # (held: an overlapped pair's other half may seed meanwhile)
             results = self._call_stage(o, args)
             outputs = dict(zip(io.outputs, results, strict=True))
             loss = None
@@ -252,6 +292,10 @@ class Executor:
         saved = self._saved.pop((o.stage, o.microbatch))
         output_grads = {name: self._output_grad(o, name) for name in saved.output_names}
         self._computing()
+        self._backward_finish(o, saved, self._backward_compute(o, saved, output_grads))
+
+    def _backward_compute(self, o: Op, saved: _Saved, output_grads: dict[str, torch.Tensor]) -> list:
+        """The backward of `o` (B or I) from its output gradients; its input gradients (no communication)."""
         if saved.rerun is not None:  # full recomputation: the forward again, with grad, right before I or B
             args, target = saved.rerun
             outputs, saved.loss = self._run_stage(o, args, target, saved.tensors)
@@ -273,6 +317,9 @@ class Executor:
             input_grads, state = backward_input(roots, grads, saved.inputs, params, saved=saved.tensors)
             self._weight_state[(o.stage, o.microbatch)] = (state, saved.tensors)
         del saved.outputs, saved.loss
+        return input_grads
+
+    def _backward_finish(self, o: Op, saved: _Saved, input_grads: list) -> None:
         by_name = dict(zip(saved.input_names, input_grads, strict=True))
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, by_name[message.value])

@@ -71,7 +71,7 @@ def op_owners(plan: Plan, rank_ops: list[list[Op]]) -> dict[tuple[int, int, int]
     for rank, ops in enumerate(rank_ops):
         pipeline = plan.ranks[rank].pipeline
         held = set(plan.ranks[rank].stages)
-        for o in ops:
+        for o in (part for op in ops for part in op.parts):  # an OVERLAP_F_B op: both halves
             if o.stage not in held:
                 raise RunError(f"plan rank {rank} runs {o} but holds stages {sorted(held)}; re-create the plan")
             pipeline_ops[pipeline].append(o)
@@ -84,7 +84,7 @@ def op_owners(plan: Plan, rank_ops: list[list[Op]]) -> dict[tuple[int, int, int]
             raise RunError(f"plan pipeline {pipeline}: {exc}; re-create the plan") from None
     for rank, ops in enumerate(rank_ops):
         pipeline = plan.ranks[rank].pipeline
-        for o in ops:
+        for o in (part for op in ops for part in op.parts):
             if o.kind != "F" and owner[(pipeline, o.stage, o.microbatch)] != rank:
                 raise RunError(f"plan rank {rank} runs {o} but the forward ran on another rank; re-create the plan")
     return owner
@@ -122,7 +122,7 @@ def build_routing(
     counters: dict[tuple[int, int], int] = defaultdict(int)
     for rank, ops in enumerate(rank_ops):
         pipeline = plan.ranks[rank].pipeline
-        for o in ops:
+        for o in (part for op in ops for part in op.parts):  # an OVERLAP_F_B's halves send as their own ops
             messages = _messages_after(o, rank, pipeline, stage_io, consumers, producer, owner, differentiable)
             sends[(rank, o)] = tuple(messages)
             for message in messages:

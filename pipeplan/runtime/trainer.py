@@ -99,7 +99,7 @@ class Trainer:
         self.optimizer = make_step_optimizer(plan.training.zero, self.sync, self.model.params, make, rank)
         # zero=1: the optimizer state sharded over each group of ranks holding the same parameters (zero.py)
         self.schedule = run_schedule(self.model.spec, config)
-        self.wanted = {o.microbatch for o in self.executor.ops if o.kind == "F"}
+        self.wanted = {f.microbatch for o in self.executor.ops for f in o.parts if f.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
         self.post_validator = (
             PostValidator(plan, rank, device, self.optimizer, config.clip_grad_norm) if config.post_validate else None

@@ -1,13 +1,16 @@
 """DualPipeV (DeepSeek, github.com/deepseek-ai/DualPipe, `DualPipeV`; the "cut-in-half" V-shaped variant of
 DualPipe from the DeepSeek-V3 technical report, 2024): device d holds stages d and 2p-1-d (a V, like ZB-V).
-Forward of chunk 0 overlaps backward of chunk 1 in the steady state; part of the backwards split into I + W with
-W deferred (FIFO) to fill bubbles. Our serial op lists write an overlapped F+B pair as F then B. Needs m >= 2p.
+Forward of one chunk overlaps the backward of the other in the steady state: such a pair is one op,
+`Op.overlap(F, B)` (torch's OVERLAP_F_B), timed once by the engine (`engine.overlapped_ms`) and run overlapped by
+`pipeplan run` (runtime/overlap.py). Part of the backwards split into I + W with W deferred (FIFO) to fill bubbles.
+Needs m >= 2p.
 
 Phase structure per device d (p devices, m microbatches), following DualPipeV's eight steps:
-  1. 2(p-1-d) chunk-0 forwards                   5. p-1-d x (B1, F1, B0)
+  1. 2(p-1-d) chunk-0 forwards                   5. p-1-d x (B1, F1&B0)
   2. d+1 x (F0, F1)                              6. d+1 x (B1, B0), the second half split (I, W deferred)
   3. p-1-d x (I1 + deferred W, F1)               7. p-1-d x (W, I0 + deferred W)
-  4. m-2p+d+1 x (F0, B1, F1, B0)                  8. the remaining d+1 deferred W
+  4. m-2p+d+1 x (F0&B1, F1&B0)                   8. the remaining d+1 deferred W
+(X&Y: one overlapped F&B op.)
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ class _Device:
         self.ops.append(Op("F", self.stage[chunk], self.fwd[chunk]))
         self.fwd[chunk] += 1
 
+    def overlapped(self, forward_chunk: int) -> None:
+        """One fused op: the forward of `forward_chunk` and the full backward of the other chunk, overlapped."""
+        backward_chunk = 1 - forward_chunk
+        self.forward(forward_chunk)
+        self.backward(backward_chunk)
+        backward = self.ops.pop()
+        self.ops.append(Op.overlap(self.ops.pop(), backward))
+
     def backward(self, chunk: int, *, split: bool = False) -> None:
         stage, mb = self.stage[chunk], self.bwd[chunk]
         if split:
@@ -57,15 +68,12 @@ def _device_ops(p: int, device: int, m: int) -> list[Op]:
         dev.backward(1, split=True)
         dev.weight()
         dev.forward(1)
-    for _ in range(m - 2 * p + device + 1):  # 4 (main): F0+B1 overlapped, F1+B0 overlapped
-        dev.forward(0)
+    for _ in range(m - 2 * p + device + 1):  # 4 (main): F0&B1 overlapped, F1&B0 overlapped
+        dev.overlapped(0)
+        dev.overlapped(1)
+    for _ in range(p - 1 - device):  # 5: B1, F1&B0
         dev.backward(1)
-        dev.forward(1)
-        dev.backward(0)
-    for _ in range(p - 1 - device):  # 5: B1, F1+B0
-        dev.backward(1)
-        dev.forward(1)
-        dev.backward(0)
+        dev.overlapped(1)
     split = False
     steps = device + 1
     for i in range(steps):  # 6: B1 B0, the second half split into I + deferred W
@@ -90,25 +98,3 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
         raise ScheduleError(f"dualpipev needs --microbatches >= 2 x --stages ({2 * p}); got {m}")
     device_ops = [_device_ops(p, d, m) for d in range(p)]
     return make_schedule("dualpipev", m, stage_devices(V_SHAPED, p, 2), device_ops)
-
-
-def overlapped_pairs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
-    """(device, step) of every overlapped F&B pair in a dualpipev schedule: an F of one chunk directly followed
-    by the full backward B of the device's other chunk (steps 4 and 5 above). DualPipe's runtime runs such a
-    pair as one unit; `simulate(..., fused=...)` can time it so (see `fused_pairs`)."""
-    pairs = []
-    for device, ops in enumerate(schedule.device_ops):
-        for step in range(len(ops) - 1):
-            a, b = ops[step], ops[step + 1]
-            if a.kind == "F" and b.kind == "B" and a.stage != b.stage:
-                pairs.append((device, step))
-    return tuple(pairs)
-
-
-def fused_pairs(schedule: Schedule, overlap_ms: float) -> dict[tuple[int, int], float]:
-    """`simulate`'s `fused` argument: every overlapped F&B pair of a dualpipev schedule takes `overlap_ms`."""
-    if schedule.name != "dualpipev":
-        raise ScheduleError(f"--overlap-ms applies to --schedule dualpipev only, not {schedule.name}")
-    if not overlap_ms >= 0:
-        raise ScheduleError(f"--overlap-ms must be >= 0, got {overlap_ms}")
-    return {pair: float(overlap_ms) for pair in overlapped_pairs(schedule)}

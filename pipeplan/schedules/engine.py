@@ -2,7 +2,9 @@
 dependencies are done, plus the boundary's transfer time when the producing stage sits on another device.
 
 Dependencies (`dependencies`, the one rule): F(s, mb) needs F(s-1, mb); I/B(s, mb) needs F(s, mb) and the backward
-(I or B) of (s+1, mb); W(s, mb) needs I(s, mb). `execute` expects lists that passed `validate.check_complete` (it
+(I or B) of (s+1, mb); W(s, mb) needs I(s, mb). An OVERLAP_F_B op (DualPipe's F&B pair) needs both halves'
+dependencies, starts once all are done and takes `overlapped_ms` (the one cost formula of an overlapped pair);
+both halves end with it. `execute` expects lists that passed `validate.check_complete` (it
 is given the backward kinds that returns); `replicate` calls it on expanded lists whose stages sit on several
 devices. Which op can run next depends only on which ops are done, never on durations, so `timing_order` records
 one run's order once and `replay` times the same op lists under any costs along it (`validate.run_in_order` does,
@@ -19,8 +21,16 @@ from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import KIND_INDEX, KINDS, Op, Schedule, format_grid
 
 Dependencies = tuple[int, int, int, int]  # (key, boundary charged or -1) of the first and second dependency, or -1
-Order = array  # of int64: 9 per op, see `timing_order`
+Order = array  # of int64: 9 per op half, see `timing_order`
 NO_DEPENDENCIES: Dependencies = (-1, -1, -1, -1)
+_OPEN, _CLOSE = len(KINDS), len(KINDS) + 1  # `timing_order`'s kind of an OVERLAP_F_B's forward and backward half
+
+
+def overlapped_ms(forward_ms: float, backward_ms: float, overlap_ms: float | None) -> float:
+    """The time of one OVERLAP_F_B op, the forward `forward_ms` and the full backward `backward_ms` overlapped:
+    `overlap_ms` where given (`StageCosts.overlap_ms`, simulate's --overlap-ms), else the two halves' sum (no
+    gain counted from the overlap: what a runtime without spare compute for it gives)."""
+    return forward_ms + backward_ms if overlap_ms is None else overlap_ms
 
 
 def execute(
@@ -29,14 +39,13 @@ def execute(
     *,
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
-    fused: Mapping[tuple[int, int], float] | None = None,
+    overlap_ms: float | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per-device start and end times, aligned with `device_ops`. `op_ms[kind][stage]` gives durations (all 0
     when None); `comm_ms[boundary]` is charged when producer and consumer are on different devices (by
-    `schedule.stage_device`). `fused[(device, step)] = ms` runs that op and the next one as one unit (DualPipe's
-    overlapped F&B pair): it starts when both ops' inputs are ready and both end after `ms`. `backward_kind[slot]`
+    `schedule.stage_device`); an OVERLAP_F_B op takes `overlapped_ms(F, B, overlap_ms)`. `backward_kind[slot]`
     (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input gradient."""
-    return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {})
+    return replay(schedule, timing_order(schedule, backward_kind), op_ms, comm_ms, overlap_ms)
 
 
 def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: int, o: Op) -> Dependencies:
@@ -59,14 +68,18 @@ def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: i
 
 
 def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
-    """The ops in the order `execute` runs them (each after its dependencies and its device's previous op), 9 ints
-    as (device, step, key, kind index, stage, *`dependencies`): what `replay` needs. Raises ScheduleError on a
-    deadlock, as `execute` does (the same walk, without times)."""
+    """The ops in the order they can run (each after its dependencies and its device's previous op), 9 ints per
+    op as (device, step, key, kind index, stage, *`dependencies`): what `replay` needs. An OVERLAP_F_B op is two
+    such rows, its forward (kind `_OPEN`) then its backward (`_CLOSE`), placed once both halves can start. Raises
+    ScheduleError (with a marked grid) on a deadlock."""
     n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
     rows = [
         [
-            (d, i, KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch, KIND_INDEX[o.kind], o.stage)
-            + dependencies(schedule, backward_kind, d, o)
+            [
+                (d, i, KIND_INDEX[h.kind] * n + h.stage * m + h.microbatch, _kind(o, h), h.stage)
+                + dependencies(schedule, backward_kind, d, h)
+                for h in o.parts
+            ]
             for i, o in enumerate(ops)
         ]
         for d, ops in enumerate(schedule.device_ops)
@@ -81,25 +94,43 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
         row, i = rows[d], pos[d]
         while i < len(row):
             op = row[i]
-            wait_on = op[5] if op[5] >= 0 and not done[op[5]] else op[7] if op[7] >= 0 and not done[op[7]] else -1
+            wait_on = _waits_on(op[0], done)
+            if wait_on < 0 and len(op) == 2:
+                wait_on = _waits_on(op[1], done)
             if wait_on >= 0:
                 waiting.setdefault(wait_on, []).append(d)
                 break
-            done[op[2]] = 1
-            order.append(op)
+            for half in op:
+                done[half[2]] = 1
+                order.append(half)
+                if half[2] in waiting:
+                    runnable.extend(waiting.pop(half[2]))
             i += 1
-            if op[2] in waiting:
-                runnable.extend(waiting.pop(op[2]))
         pos[d] = i
     _raise_if_stuck(schedule, pos, waiting)
     return array("q", itertools.chain.from_iterable(order))  # flat: a third of the tuples' memory
 
 
+def _waits_on(row: tuple[int, ...], done: bytearray) -> int:
+    """The key of a dependency of `row` (a `timing_order` row) not done yet, or -1."""
+    return row[5] if row[5] >= 0 and not done[row[5]] else row[7] if row[7] >= 0 and not done[row[7]] else -1
+
+
+def _kind(o: Op, half: Op) -> int:
+    if o.halves is None:
+        return KIND_INDEX[o.kind]
+    return _OPEN if half is o.halves[0] else _CLOSE
+
+
 def replay(
-    schedule: Schedule, order: Order, op_ms: Mapping[str, Sequence[float]] | None, comm_ms: Sequence[float] | None
+    schedule: Schedule,
+    order: Order,
+    op_ms: Mapping[str, Sequence[float]] | None,
+    comm_ms: Sequence[float] | None,
+    overlap_ms: float | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """`execute` without fused pairs, along `timing_order(schedule, ...)`: the same start and end times (the same
-    float operations) without searching for the next op that can run."""
+    """Start and end times of every op along `timing_order(schedule, ...)` (the longest path: each op starts
+    when its device is free and its dependencies, plus their transfers, are done): `execute`'s arguments."""
     S = schedule.num_stages
     dur = [op_ms[k] if op_ms else [0.0] * S for k in KINDS]
     comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
@@ -108,68 +139,25 @@ def replay(
     end = [0.0] * (4 * S * schedule.num_microbatches)
     free = [0.0] * schedule.num_devices
     fields = [iter(order)] * 9
+    opened = (0.0, 0, 0)  # an OVERLAP_F_B's forward half: (its earliest start, key, stage)
     for d, i, key, kind, s, first, first_comm, second, second_comm in zip(*fields):
         start = free[d]
         if first >= 0:
             start = max(start, end[first] + comm[first_comm] if first_comm >= 0 else end[first])
             if second >= 0:
                 start = max(start, end[second] + comm[second_comm] if second_comm >= 0 else end[second])
-        t = start + dur[kind][s]
+        if kind < _OPEN:
+            t = start + dur[kind][s]
+        elif kind == _OPEN:
+            opened = (start, key, s)
+            continue
+        else:  # the backward half closes the pair: both start together and end after the pair's time
+            start = max(start, opened[0])
+            t = start + overlapped_ms(dur[0][opened[2]], dur[1][s], overlap_ms)
+            end[opened[1]] = t
         end[key] = free[d] = t
         starts[d][i], ends[d][i] = start, t
     return starts, ends
-
-
-class _Executor:
-    def __init__(self, schedule: Schedule, backward_kind: bytes | bytearray, op_ms, comm_ms) -> None:  # type: ignore[no-untyped-def]
-        S, m = schedule.num_stages, schedule.num_microbatches
-        self.schedule, self.backward_kind, self.S, self.m, self.n = schedule, backward_kind, S, m, S * m
-        self.dur = {k: (op_ms[k] if op_ms else [0.0] * S) for k in "FBIW"}
-        self.comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
-        self.end: list[float | None] = [None] * (4 * self.n)  # by key = kind_index * n + stage * m + mb
-
-    def ready(self, d: int, o: Op, start: float) -> tuple[float, int]:
-        """(start time, -1) for op `o` on device `d` free at `start`, or (_, key it waits on)."""
-        first, first_comm, second, second_comm = dependencies(self.schedule, self.backward_kind, d, o)
-        for key, boundary in ((first, first_comm), (second, second_comm)):
-            if key < 0:
-                break
-            e = self.end[key]
-            if e is None:
-                return start, key
-            start = max(start, e + self.comm[boundary] if boundary >= 0 else e)
-        return start, -1
-
-    def run(self, fused: Mapping[tuple[int, int], float]) -> tuple[list[list[float]], list[list[float]]]:
-        device_ops, n, m, end, dur = self.schedule.device_ops, self.n, self.m, self.end, self.dur
-        starts = [[0.0] * len(ops) for ops in device_ops]
-        ends = [[0.0] * len(ops) for ops in device_ops]
-        pos, free = [0] * len(device_ops), [0.0] * len(device_ops)
-        waiting: dict[int, list[int]] = {}
-        runnable = list(range(len(device_ops) - 1, -1, -1))
-        while runnable:
-            d = runnable.pop()
-            ops, i, t = device_ops[d], pos[d], free[d]
-            while i < len(ops):
-                start, wait_on = self.ready(d, ops[i], t)
-                unit = fused.get((d, i)) if fused else None
-                if unit is not None and wait_on < 0:
-                    start, wait_on = self.ready(d, ops[i + 1], start)
-                if wait_on >= 0:
-                    waiting.setdefault(wait_on, []).append(d)
-                    break
-                count = 1 if unit is None else 2
-                t = start + (dur[ops[i].kind][ops[i].stage] if unit is None else unit)
-                for o in ops[i : i + count]:
-                    key = KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch
-                    end[key] = t
-                    starts[d][i], ends[d][i] = start, t
-                    i += 1
-                    if key in waiting:
-                        runnable.extend(waiting.pop(key))
-            pos[d], free[d] = i, t
-        _raise_if_stuck(self.schedule, pos, waiting)
-        return starts, ends
 
 
 def _raise_if_stuck(schedule: Schedule, pos: list[int], waiting: dict[int, list[int]]) -> None:

@@ -19,7 +19,7 @@ def held_per_stage(schedule: Schedule) -> tuple[Held, ...]:
     total, before = [0] * schedule.num_stages, [0] * schedule.num_stages
     peak_total, peak_before = [0] * schedule.num_stages, [0] * schedule.num_stages
     for ops in schedule.device_ops:
-        for o in ops:
+        for o in (part for op in ops for part in op.parts):  # an OVERLAP_F_B counts as F then B
             s = o.stage
             if o.kind == "F":
                 total[s] += 1

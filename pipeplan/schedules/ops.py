@@ -2,7 +2,11 @@
 torch.distributed.pipelining (`2F0`, `1I3`, `0W2`), and `Schedule`, one ordered op list per device.
 
 Kinds: F forward, B full backward (input + weight gradients), I input-gradient backward, W weight-gradient backward.
-(The zero-bubble papers call I "B".) A schedule's CSV form has one row per device, one op string per cell — the
+(The zero-bubble papers call I "B".) One composite kind, `OVERLAP_F_B` (torch.distributed.pipelining's name): a
+forward of one stage and a full backward of another on the same device, run overlapped as one op (DualPipe's
+F&B pair; `Op.overlap(f, b)`, text `(0F3;3B1)OVERLAP_F_B` as torch writes it). `Op.parts` is (F, B) for it and
+(the op,) otherwise: completeness, dependencies, memory and routing read the parts; the op's time is the one
+`engine.overlapped_ms`. A schedule's CSV form has one row per device, one op string per cell — the
 "compute_only" format torch's `PipelineScheduleMulti._load_csv` reads.
 
 Weight versions (asynchronous schedules, PipeDream-style). A synchronous schedule (`update_every == 0`) changes the
@@ -31,43 +35,86 @@ from pipeplan.errors import FormatError, ScheduleError
 
 KINDS = ("F", "B", "I", "W")
 KIND_INDEX = {kind: index for index, kind in enumerate(KINDS)}
+OVERLAP = "OVERLAP_F_B"  # torch's _ComputationType.OVERLAP_F_B: an F and a B run overlapped, one op
 SCHEMA_VERSION = 1
 _OP_RE = re.compile(r"^(\d+)([FBIW])(\d+)(?:v(\d+))?$")
+_OVERLAP_RE = re.compile(r"^\(([^;()]+);([^;()]+)\)" + OVERLAP + "$")
 _GRID_ROWS = 12  # rows format_grid shows either side of the first marked step
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
     """One compute op: `kind` on global stage `stage` for microbatch `microbatch` (positional: `Op("F", 2, 0)`);
-    `version`: the stage's weight version it computes with (asynchronous schedules only, else None)."""
+    `version`: the stage's weight version it computes with (asynchronous schedules only, else None). An
+    OVERLAP_F_B op (`Op.overlap`) carries its two halves in `halves` and its forward's stage and microbatch."""
 
     kind: str
     stage: int
     microbatch: int
     version: int | None = None
+    halves: tuple[Op, Op] | None = None  # OVERLAP_F_B only: (the forward, the full backward)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ScheduleError(f"op kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kind == OVERLAP:
+            _check_halves(self.halves)
+        elif self.kind not in KINDS or self.halves is not None:
+            raise ScheduleError(f"op kind {self.kind!r} is not one of {', '.join(KINDS)} or {OVERLAP}")
         if self.stage < 0 or self.microbatch < 0 or (self.version is not None and self.version < 0):
             raise ScheduleError(f"op {self.stage}{self.kind}{self.microbatch} has a negative index")
 
+    @staticmethod
+    def overlap(forward: Op, backward: Op) -> Op:
+        """The fused op running `forward` (an F) and `backward` (a full B of another stage) overlapped."""
+        return Op(OVERLAP, forward.stage, forward.microbatch, halves=(forward, backward))
+
+    @property
+    def parts(self) -> tuple[Op, ...]:
+        """The simple ops this op runs: its two halves for OVERLAP_F_B, else itself."""
+        return self.halves if self.halves is not None else (self,)
+
+    def shifted(self, microbatches: int) -> Op:
+        """This op on microbatch + `microbatches` (both halves of an OVERLAP_F_B): a later step's copy."""
+        if self.halves is not None:
+            return Op.overlap(*(half.shifted(microbatches) for half in self.halves))
+        return Op(self.kind, self.stage, self.microbatch + microbatches, self.version)
+
     def __str__(self) -> str:
+        if self.halves is not None:
+            return f"({self.halves[0]};{self.halves[1]}){OVERLAP}"
         text = f"{self.stage}{self.kind}{self.microbatch}"
         return text if self.version is None else f"{text}v{self.version}"
 
     @staticmethod
     def parse(text: str) -> Op:
-        """Parse `2F0` / `1I3` / `0W2`, or `0F5v2` with a weight version (surrounding whitespace ignored); cached:
-        a search simulates the same op strings many times."""
+        """Parse `2F0` / `1I3` / `0W2`, `0F5v2` with a weight version, or `(0F3;3B1)OVERLAP_F_B` (surrounding
+        whitespace ignored); cached: a search simulates the same op strings many times."""
         return _parse_op(text)
+
+
+def _check_halves(halves: tuple[Op, Op] | None) -> None:
+    if halves is None or len(halves) != 2:
+        raise ScheduleError(f"an {OVERLAP} op needs two halves, a forward and a full backward")
+    forward, backward = halves
+    if forward.kind != "F" or backward.kind != "B":
+        raise ScheduleError(f"an {OVERLAP} op pairs an F with a B, not {forward} with {backward}")
+    if forward.stage == backward.stage:
+        raise ScheduleError(f"an {OVERLAP} op pairs two different stages, not {forward} with {backward}")
+    if forward.version is not None or backward.version is not None:
+        raise ScheduleError(f"an {OVERLAP} op carries no weight versions (synchronous schedules only)")
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _parse_op(text: str) -> Op:
-    match = _OP_RE.match(text.strip())
+    text = text.strip()
+    pair = _OVERLAP_RE.match(text)
+    if pair is not None:
+        forward, backward = (_parse_op(half) for half in pair.groups())
+        return Op.overlap(forward, backward)
+    match = _OP_RE.match(text)
     if match is None:
-        raise FormatError(f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0")
+        raise FormatError(
+            f"bad op {text!r}: expected {{stage}}{{F|B|I|W}}{{microbatch}}, e.g. 2F0, or (0F3;3B1){OVERLAP}"
+        )
     stage, kind, microbatch, version = match.groups()
     return Op(kind, int(stage), int(microbatch), None if version is None else int(version))
 
@@ -187,7 +234,7 @@ def _from_device_ops(name: str, device_ops: tuple[tuple[Op, ...], ...]) -> Sched
     placement: dict[int, int] = {}
     max_mb = -1
     for device, ops in enumerate(device_ops):
-        for o in ops:
+        for o in (part for op in ops for part in op.parts):
             if placement.setdefault(o.stage, device) != device:
                 raise FormatError(f"schedule CSV puts stage {o.stage} on devices {placement[o.stage]} and {device}")
             max_mb = max(max_mb, o.microbatch)

@@ -17,8 +17,9 @@ KIND_STYLES = {
     "I": "black on bright_green",
     "W": "black on yellow",
     "B": "black on bright_magenta",
+    "X": "black on bright_red",
 }
-_LEGEND = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward"}
+_LEGEND = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward", "X": "F&B overlapped"}
 
 
 def gantt(timeline: Timeline, *, width: int = 100) -> Text:
@@ -34,7 +35,7 @@ def gantt(timeline: Timeline, *, width: int = 100) -> Text:
         for cell in range(first, last + 1):
             lo, hi = max(entry.start, cell / scale), min(entry.end, (cell + 1) / scale)
             if hi - lo > coverage[entry.device][cell][0]:
-                coverage[entry.device][cell] = (hi - lo, entry.op.kind)
+                coverage[entry.device][cell] = (hi - lo, "X" if entry.op.halves else entry.op.kind)
     text = Text()
     for device in range(timeline.num_devices):
         text.append(f"dev {device}".ljust(label_width), style="bold")
@@ -64,7 +65,9 @@ def timeline_to_chrome_trace(entries: Iterable[tuple[int, str, float, float]]) -
                 "tid": 0,
                 "ts": start_ms * 1000.0,
                 "dur": (end_ms - start_ms) * 1000.0,
-                "args": {"stage": o.stage, "microbatch": o.microbatch, "kind": o.kind},
+                "args": {"stage": o.stage, "microbatch": o.microbatch, "kind": o.kind}
+                if o.halves is None
+                else {"kind": o.kind, "ops": [str(h) for h in o.halves]},
             }
         )
     for device in sorted(devices):

@@ -68,6 +68,8 @@ def replicate(schedule: Schedule, replicas: Sequence[int]) -> ReplicatedSchedule
         )
     if schedule.num_stages != schedule.num_devices:
         raise ScheduleError(f"replicated stages need one stage per device; {schedule.name} has chunks > 1")
+    if any(o.halves is not None for ops in schedule.device_ops for o in ops):
+        raise ScheduleError(f"{schedule.name} overlaps F&B pairs of two stages in one op: it runs without replicas")
     if len(replicas) != schedule.num_stages or any(r < 1 for r in replicas):
         raise ScheduleError(f"replicas {list(replicas)} must give >= 1 replica to each of {schedule.num_stages} stages")
     if any(r > schedule.num_microbatches for r in replicas):

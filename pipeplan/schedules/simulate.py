@@ -43,15 +43,19 @@ def _broadcast(value: PerStage | None, length: int, *, option: str) -> tuple[flo
 class StageCosts:
     """Per-stage op times in ms (scalars broadcast to every stage). `backward_ms` (full B) defaults to I + W.
     `comm_ms[s]` is the transfer time across the boundary s -> s+1, the same for activations forward and
-    gradients backward, charged only when the two stages are on different devices."""
+    gradients backward, charged only when the two stages are on different devices. `overlap_ms`: the time of every
+    OVERLAP_F_B op (dualpipev's overlapped F&B pairs; None: F + B, see `engine.overlapped_ms`)."""
 
     forward_ms: PerStage = 1.0
     input_grad_ms: PerStage = 1.0
     weight_grad_ms: PerStage = 1.0
     backward_ms: PerStage | None = None
     comm_ms: PerStage = 0.0
+    overlap_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.overlap_ms is not None and not (math.isfinite(self.overlap_ms) and self.overlap_ms >= 0):
+            raise ConfigError(f"overlap_ms (--overlap-ms) must be finite and >= 0, got {self.overlap_ms}")
         for name in ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "comm_ms"):
             value = getattr(self, name)
             if value is not None:
@@ -67,7 +71,14 @@ class StageCosts:
         else:
             bwd = _broadcast(self.backward_ms, num_stages, option="backward_ms")
         comm = _broadcast(self.comm_ms, num_stages - 1, option="comm_ms")
-        return StageCosts(forward_ms=fwd, input_grad_ms=igrad, weight_grad_ms=wgrad, backward_ms=bwd, comm_ms=comm)
+        return StageCosts(
+            forward_ms=fwd,
+            input_grad_ms=igrad,
+            weight_grad_ms=wgrad,
+            backward_ms=bwd,
+            comm_ms=comm,
+            overlap_ms=self.overlap_ms,
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -168,15 +179,12 @@ def simulate(
     schedule: Schedule,
     costs: StageCosts | None = None,
     memory: MemoryCosts | None = None,
-    *,
-    fused: Mapping[tuple[int, int], float] | None = None,
 ) -> Timeline:
-    """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default). `fused[(device,
-    step)] = ms`: that op and the next run as one unit of `ms` (dualpipev's overlapped F&B pairs,
-    `dualpipev.fused_pairs`); by default every op runs on its own."""
+    """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default; an OVERLAP_F_B op
+    takes `engine.overlapped_ms` of `costs.overlap_ms`)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, fused=fused)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
     if not all(math.isfinite(end) for row in ends for end in row[-1:]):
         raise ConfigError("the simulated step time overflows a float: the op or transfer times are too large")
     return build_timeline(schedule, starts, ends, memory or MemoryCosts())
@@ -186,7 +194,7 @@ def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tu
     """`simulate(schedule, costs)`'s makespan and max_span without building the timeline (for ranking)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
     op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
     rows = [(s[0], e[-1]) for s, e in zip(starts, ends) if s]
     return max(e for _, e in rows), max(e - s for s, e in rows)
 
@@ -289,9 +297,14 @@ def peak_activation_per_device(schedule: Schedule, memory: MemoryCosts | None = 
 
 def device_activation_peak(ops: Sequence[Op], delta: Mapping, rise: Mapping) -> float:
     """The most live activation bytes while one device runs `ops` in order (`activation_deltas`, `activation_rises`
-    of the memory)."""
+    of the memory). An OVERLAP_F_B op rises by both halves' rises (they run at once) and changes by both deltas."""
     live = peak = 0.0
     for o in ops:
+        if o.halves is not None:  # both halves run at once: each may be at its top together; both changes stay
+            top = live + sum(rise[h.kind][h.stage] for h in o.halves)
+            live += sum(delta[h.kind][h.stage] for h in o.halves)
+            peak = max(peak, top, live)
+            continue
         top = live + rise[o.kind][o.stage]
         if top > peak:
             peak = top

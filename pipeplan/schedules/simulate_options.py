@@ -22,8 +22,8 @@ INPUT_GRAD_FREES_HELP = (
     "Bubble paper's setting. E.g. --input-grad-frees 0.4."
 )
 OVERLAP_HELP = (
-    "dualpipev: time each overlapped F&B pair as one unit of this many ms, as DualPipe's runtime runs it (default: "
-    "the two halves one after the other, as `pipeplan run` executes them). E.g. --overlap-ms 2.5."
+    "dualpipev: the time of each overlapped F&B op, its forward and backward run at once (default: F + B, no gain "
+    "counted from the overlap). E.g. --overlap-ms 2.5."
 )
 
 STEPS_HELP = (

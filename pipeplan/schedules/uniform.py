@@ -9,8 +9,7 @@ from typing import Any
 
 from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
-from pipeplan.schedules.dualpipev import fused_pairs
-from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.ops import OVERLAP, Schedule
 from pipeplan.schedules.placement import LOOPED
 from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
 from pipeplan.schedules.render import timeline_to_chrome_trace
@@ -22,11 +21,16 @@ from pipeplan.schedules.versions import check_versions
 def simulate_uniform(
     name: str, options: SimulateOptions, *, chunks: int | None, overlap_ms: float | None
 ) -> tuple[Schedule, Timeline]:
-    """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
+    """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory.
+    `overlap_ms`: every OVERLAP_F_B op's time (refused for a schedule without one)."""
     devices = options.stages
     v = schedule_info(name).resolve_chunks(chunks)
     costs = StageCosts(
-        forward_ms=options.f / v, input_grad_ms=options.b / v, weight_grad_ms=options.w / v, comm_ms=options.comm
+        forward_ms=options.f / v,
+        input_grad_ms=options.b / v,
+        weight_grad_ms=options.w / v,
+        comm_ms=options.comm,
+        overlap_ms=overlap_ms,
     )
     memory = unit_memory(v, input_grad_frees=options.input_grad_frees)
     schedule = generate(
@@ -39,8 +43,9 @@ def simulate_uniform(
         memory_limit=options.memory_limit,
         steps=options.steps if options.steps is not None else async_stream_steps(name, devices, options.microbatches),
     )
-    fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
-    return schedule, simulate(schedule, costs, memory, fused=fused)
+    if overlap_ms is not None and not any(o.kind == OVERLAP for ops in schedule.device_ops for o in ops):
+        raise ScheduleError(f"--overlap-ms applies to schedules with overlapped F&B ops (dualpipev), not {name}")
+    return schedule, simulate(schedule, costs, memory)
 
 
 def schedule_metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:

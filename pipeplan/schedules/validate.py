@@ -5,8 +5,8 @@ at most `weight_versions`). Failures raise ScheduleError with a step x device gr
 marked `[1F3]!`.
 
 `check_complete` is the one completeness rule (each (stage, microbatch) has one F and either one B or one I and
-one W): validate, the plan-file check and the runtime's routing call it. The dependencies are the timing
-engine's (`engine.py`), the same ones `simulate()` times.
+one W; an OVERLAP_F_B op counts as its two halves, `Op.parts`): validate, the plan-file check and the runtime's
+routing call it. The dependencies are the timing engine's (`engine.py`), the same ones `simulate()` times.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.engine import Order, execute, replay, timing_order
+from pipeplan.schedules.engine import Order, replay, timing_order
 from pipeplan.schedules.ops import KIND_INDEX, Op, Schedule, format_grid
 from pipeplan.schedules.versions import check_versions
 
@@ -34,15 +34,14 @@ def run_in_order(
     *,
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
-    fused: Mapping[tuple[int, int], float] | None = None,
+    overlap_ms: float | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Validate (`checked`: once per Schedule object), then time every device's list in order (`engine.replay`
-    along the checked order, or `engine.execute` with `fused` F&B pairs: durations `op_ms[kind][stage]`, all 0 when
-    None; `comm_ms[boundary]` across devices). Returns per-device start and end times, aligned with `device_ops`."""
-    backward_kind, order = checked(schedule)
-    if fused:
-        return execute(schedule, backward_kind, op_ms=op_ms, comm_ms=comm_ms, fused=fused)
-    return replay(schedule, order, op_ms, comm_ms)
+    along the checked order: durations `op_ms[kind][stage]`, all 0 when None; `comm_ms[boundary]` across devices;
+    an OVERLAP_F_B op `engine.overlapped_ms(F, B, overlap_ms)`). Returns per-device start and end times, aligned
+    with `device_ops`."""
+    _, order = checked(schedule)
+    return replay(schedule, order, op_ms, comm_ms, overlap_ms)
 
 
 _CHECKED: dict[int, tuple[weakref.ref, tuple[bytes, Order]]] = {}  # id(schedule) -> (the schedule, `checked`)
@@ -75,12 +74,13 @@ def check_schedule(schedule: Schedule) -> tuple[bytes, Order]:
 
 
 def check_complete(ops: Iterable[Op], num_stages: int, num_microbatches: int) -> bytearray:
-    """Raise ScheduleError (one line) unless `ops` (in any order) run every (stage, microbatch) F once and either
-    B once or I and W once each. Returns, per slot stage * num_microbatches + microbatch, the kind index (B or I)
-    that carries its input gradient — what `engine.execute` needs."""
+    """Raise ScheduleError (one line) unless `ops` (in any order; an OVERLAP_F_B as its two halves) run every
+    (stage, microbatch) F once and either B once or I and W once each. Returns, per slot
+    stage * num_microbatches + microbatch, the kind index (B or I) that carries its input gradient — what
+    `engine.execute` needs."""
     m, n = num_microbatches, num_stages * num_microbatches
     has = bytearray(n)  # bit mask over kinds, bit KIND_INDEX[kind]
-    for o in ops:
+    for o in (part for op in ops for part in op.parts):
         if o.stage >= num_stages or o.microbatch >= m:
             raise ScheduleError(f"op {o} is outside {num_stages} stage(s) x {m} microbatch(es)")
         slot, bit = o.stage * m + o.microbatch, 1 << KIND_INDEX[o.kind]
@@ -109,7 +109,7 @@ def _check_placement(schedule: Schedule) -> None:
     m, n = schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
     seen = bytearray(4 * n)
     for device, ops in enumerate(schedule.device_ops):
-        for step, o in enumerate(ops):
+        for step, o in ((step, part) for step, op in enumerate(ops) for part in op.parts):
             problem = None
             if o.stage >= schedule.num_stages:
                 problem = f"stage {o.stage} does not exist ({schedule.num_stages} stages)"

@@ -80,7 +80,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, 
 
 def backward_kinds(schedule: Schedule) -> frozenset[str]:
     """Which backward ops the schedule runs: {"B"}, {"I", "W"} or both (dualpipev mixes them)."""
-    return frozenset(op.kind for ops in schedule.device_ops for op in ops) - {"F"}
+    return frozenset(part.kind for ops in schedule.device_ops for op in ops for part in op.parts) - {"F"}
 
 
 def per_device_bound_ms(layout: Layout, profile: Profile, kinds: frozenset[str]) -> float:

@@ -162,7 +162,7 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
             continue
         without = _without_recompute(memory, stage, len(modes))
         delta, rises = activation_deltas(without, len(modes)), activation_rises(without, len(modes))
-        holders = [d for d, row in enumerate(ops) if any(o.stage == stage for o in row)]
+        holders = [d for d, row in enumerate(ops) if any(h.stage == stage for o in row for h in o.parts)]
         need = max(static[d] + device_activation_peak(ops[d], delta, rises) for d in holders)
         lines.append(
             f"stage {stage} recomputes ({mode}): without it needs {format_bytes(need)} of {format_bytes(limit)}"

@@ -34,10 +34,10 @@ def test_generator_valid_or_clear_error(name, p, m, v):
     assert schedule.num_devices == p and schedule.num_microbatches == m
     assert schedule.num_stages == p * v
     assert schedule.stage_device == stage_device(name, p, v)
-    split = sum(1 for ops in schedule.device_ops for o in ops if o.kind == "I")
-    full = sum(1 for ops in schedule.device_ops for o in ops if o.kind == "B")
+    split = sum(1 for ops in schedule.device_ops for o in ops for h in o.parts if h.kind == "I")
+    full = sum(1 for ops in schedule.device_ops for o in ops for h in o.parts if h.kind == "B")
     assert split + full == p * v * m
-    assert sum(map(len, schedule.device_ops)) == p * v * m * 2 + split
+    assert sum(len(o.parts) for ops in schedule.device_ops for o in ops) == p * v * m * 2 + split
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeplan.errors import FormatError, ScheduleError
+from pipeplan.errors import FormatError, PipeplanError, ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, Op, Schedule, generate, schedule_info
 
 
@@ -86,3 +86,25 @@ def test_torch_csv_loader_accepts_our_csv(schedule, tmp_path):
     assert loader.stage_index_to_group_rank == dict(enumerate(schedule.stage_device))
     assert [[str(a) for a in row] for row in loader.pipeline_order.values()] == schedule.op_strings()
     assert all(isinstance(a, _Action) for row in loader.pipeline_order.values() for a in row)
+
+
+def test_overlapped_op_text_round_trips_as_torch_writes_it():
+    from pipeplan.schedules.ops import OVERLAP
+
+    o = Op.overlap(Op("F", 0, 3), Op("B", 3, 1))
+    assert str(o) == "(0F3;3B1)OVERLAP_F_B" and o.kind == OVERLAP  # torch's _Action repr of a composite
+    assert Op.parse(str(o)) == o and Op.parse(" (0F3;3B1)OVERLAP_F_B ") == o
+    assert o.parts == (Op("F", 0, 3), Op("B", 3, 1)) and Op("W", 1, 2).parts == (Op("W", 1, 2),)
+    assert o.shifted(4) == Op.overlap(Op("F", 0, 7), Op("B", 3, 5)) and Op("I", 1, 2).shifted(3) == Op("I", 1, 5)
+    schedule = generate("dualpipev", num_devices=2, num_microbatches=5)
+    assert Schedule.from_csv(schedule.to_csv(), name="dualpipev") == schedule
+    assert Schedule.from_dict(schedule.to_dict()) == schedule
+    for bad in (
+        "(0F3;3I1)OVERLAP_F_B",
+        "(0B3;3F1)OVERLAP_F_B",
+        "(1F3;1B1)OVERLAP_F_B",
+        "(0F3)OVERLAP_F_B",
+        "(0F3;3B1)",
+    ):
+        with pytest.raises(PipeplanError):
+            Op.parse(bad)

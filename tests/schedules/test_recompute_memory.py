@@ -40,7 +40,7 @@ def _replayed_peaks(schedule, memory: MemoryCosts) -> list[float]:
     for ops in schedule.device_ops:
         live: dict[tuple[int, int], float] = {}
         peak = 0.0
-        for o in ops:
+        for o in (h for op in ops for h in op.parts):  # an overlapped F&B op: F then B (the same peak)
             key, s = (o.stage, o.microbatch), o.stage
             if o.kind == "F":
                 live[key] = kept[s]

@@ -20,11 +20,13 @@ from helpers.runtime import (
     assert_matches_reference,
     make_plan,
     reference_losses,
+    save_plan,
 )
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.schedules.ops import OVERLAP, Op
 from pipeplan.schedules.registry import schedule_names
 
 SYNCHRONOUS = schedule_names(asynchronous=False)  # asynchronous schedules: tests/runtime/test_async_run.py
@@ -35,6 +37,13 @@ ONE_STEP = RunConfig(steps=1, quiet=True, heartbeat_timeout_s=30.0)
 TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"
 INPUT_SKIP = str(Path(__file__).with_name("toy_models.py")) + ":input_skip_mlp"
 TRAIN_STEPS, LR = 20, 3e-3
+FUSED_GPT = {**TINY_GPT, "dropout": 0.1}  # dropout: each half's forward draws its own seeded randomness
+
+
+def as_halves(rank_ops):
+    """The op lists with every overlapped F&B op written as its forward then its backward (run one after the
+    other)."""
+    return tuple(tuple(str(h) for text in ops for h in Op.parse(text).parts) for ops in rank_ops)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +67,11 @@ def two_rank_runs(tmp_path_factory):
             f"resnet {schedule}",
             *make_plan(folder, f"res-{schedule}", "resnet", TINY_RESNET, schedule=schedule, pipeline_devices=2),
         )
+    # dualpipev's overlapped F&B ops, and the same op lists with each pair as its halves one after the other
+    path, plan = make_plan(folder, "fused", "gpt", FUSED_GPT, schedule="dualpipev", pipeline_devices=2)
+    add("dualpipev overlapped", path, plan)
+    halves = dataclasses.replace(plan, rank_ops=as_halves(plan.rank_ops))
+    add("dualpipev halves", save_plan(folder, "halves", halves), halves)
     path, plan = make_plan(folder, "input-skip", INPUT_SKIP, {}, schedule="zb-h1", pipeline_devices=2)
     add("model input read by the last stage", path, plan)
     path, plan = make_plan(folder, "toy", TOY, {}, schedule="zbv", pipeline_devices=2)
@@ -86,6 +100,21 @@ def test_skip_connections_across_stages(two_rank_runs, schedule):
     cases, results, _ = two_rank_runs
     index, plan = cases[f"resnet {schedule}"]
     assert_matches_reference(plan, _per_rank(results, index), f"resnet {schedule}")
+
+
+def test_overlapped_pairs_equal_their_halves_bit_for_bit(two_rank_runs):
+    cases, results, _ = two_rank_runs
+    fused_index, plan = cases["dualpipev overlapped"]
+    halves_index, halves = cases["dualpipev halves"]
+    assert any(OVERLAP in text for ops in plan.rank_ops for text in ops)
+    assert not any(OVERLAP in text for ops in halves.rank_ops for text in ops)
+    fused, apart = _per_rank(results, fused_index), _per_rank(results, halves_index)
+    for a, b in zip(fused, apart, strict=True):
+        assert a.losses == b.losses
+        assert a.grads.keys() == b.grads.keys() and a.grads
+        for name, grad in a.grads.items():
+            assert torch.equal(grad, b.grads[name]), name
+    # (vs the single-process reference: "gpt dualpipev" of test_every_schedule_matches_single_process, no dropout)
 
 
 def test_model_input_read_by_a_later_stage(two_rank_runs):

@@ -75,11 +75,14 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
     n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
     rows = [
         [
-            [
-                (d, i, KIND_INDEX[h.kind] * n + h.stage * m + h.microbatch, _kind(o, h), h.stage)
+            (d, i, KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch, KIND_INDEX[o.kind], o.stage)
+            + dependencies(schedule, backward_kind, d, o)
+            if o.halves is None
+            else tuple(
+                (d, i, KIND_INDEX[h.kind] * n + h.stage * m + h.microbatch, kind, h.stage)
                 + dependencies(schedule, backward_kind, d, h)
-                for h in o.parts
-            ]
+                for h, kind in zip(o.halves, (_OPEN, _CLOSE))
+            )
             for i, o in enumerate(ops)
         ]
         for d, ops in enumerate(schedule.device_ops)
@@ -94,9 +97,18 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
         row, i = rows[d], pos[d]
         while i < len(row):
             op = row[i]
-            wait_on = _waits_on(op[0], done)
-            if wait_on < 0 and len(op) == 2:
-                wait_on = _waits_on(op[1], done)
+            if len(op) != 2:  # one op (an OVERLAP_F_B is a pair of rows, below)
+                wait_on = op[5] if op[5] >= 0 and not done[op[5]] else op[7] if op[7] >= 0 and not done[op[7]] else -1
+                if wait_on >= 0:
+                    waiting.setdefault(wait_on, []).append(d)
+                    break
+                done[op[2]] = 1
+                order.append(op)
+                i += 1
+                if op[2] in waiting:
+                    runnable.extend(waiting.pop(op[2]))
+                continue
+            wait_on = next((k for half in op for k in (half[5], half[7]) if k >= 0 and not done[k]), -1)
             if wait_on >= 0:
                 waiting.setdefault(wait_on, []).append(d)
                 break
@@ -109,17 +121,6 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
         pos[d] = i
     _raise_if_stuck(schedule, pos, waiting)
     return array("q", itertools.chain.from_iterable(order))  # flat: a third of the tuples' memory
-
-
-def _waits_on(row: tuple[int, ...], done: bytearray) -> int:
-    """The key of a dependency of `row` (a `timing_order` row) not done yet, or -1."""
-    return row[5] if row[5] >= 0 and not done[row[5]] else row[7] if row[7] >= 0 and not done[row[7]] else -1
-
-
-def _kind(o: Op, half: Op) -> int:
-    if o.halves is None:
-        return KIND_INDEX[o.kind]
-    return _OPEN if half is o.halves[0] else _CLOSE
 
 
 def replay(

@@ -78,16 +78,27 @@ def check_complete(ops: Iterable[Op], num_stages: int, num_microbatches: int) ->
     (stage, microbatch) F once and either B once or I and W once each. Returns, per slot
     stage * num_microbatches + microbatch, the kind index (B or I) that carries its input gradient — what
     `engine.execute` needs."""
-    m, n = num_microbatches, num_stages * num_microbatches
-    has = bytearray(n)  # bit mask over kinds, bit KIND_INDEX[kind]
-    for o in (part for op in ops for part in op.parts):
-        if o.stage >= num_stages or o.microbatch >= m:
-            raise ScheduleError(f"op {o} is outside {num_stages} stage(s) x {m} microbatch(es)")
-        slot, bit = o.stage * m + o.microbatch, 1 << KIND_INDEX[o.kind]
-        if has[slot] & bit:
-            raise ScheduleError(f"stage {o.stage} microbatch {o.microbatch}: {o} runs twice ({COMPLETE_RULE})")
-        has[slot] |= bit
-    backward_kind = bytearray(n)
+    m = num_microbatches
+    has = bytearray(num_stages * m)  # bit mask over kinds, bit KIND_INDEX[kind]
+    for o in ops:
+        if o.halves is not None:  # an OVERLAP_F_B: its halves
+            _count(o.halves[0], has, num_stages, m)
+            o = o.halves[1]
+        _count(o, has, num_stages, m)
+    return _backward_kinds(has, m)
+
+
+def _count(o: Op, has: bytearray, num_stages: int, m: int) -> None:
+    if o.stage >= num_stages or o.microbatch >= m:
+        raise ScheduleError(f"op {o} is outside {num_stages} stage(s) x {m} microbatch(es)")
+    slot, bit = o.stage * m + o.microbatch, 1 << KIND_INDEX[o.kind]
+    if has[slot] & bit:
+        raise ScheduleError(f"stage {o.stage} microbatch {o.microbatch}: {o} runs twice ({COMPLETE_RULE})")
+    has[slot] |= bit
+
+
+def _backward_kinds(has: bytearray, m: int) -> bytearray:
+    backward_kind = bytearray(len(has))
     for slot, mask in enumerate(has):
         if mask in (_F | _B, _F | _I | _W):
             backward_kind[slot] = KIND_INDEX["B" if mask & _B else "I"]
@@ -105,11 +116,18 @@ def check_complete(ops: Iterable[Op], num_stages: int, num_microbatches: int) ->
     return backward_kind
 
 
+def _steps(ops: Sequence[Op]) -> Iterable[tuple[int, Op]]:
+    """(step, op) of a device's list, an OVERLAP_F_B as its two halves at its step."""
+    if not any(o.halves is not None for o in ops):
+        return enumerate(ops)
+    return ((step, part) for step, op in enumerate(ops) for part in op.parts)
+
+
 def _check_placement(schedule: Schedule) -> None:
     m, n = schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
     seen = bytearray(4 * n)
     for device, ops in enumerate(schedule.device_ops):
-        for step, o in ((step, part) for step, op in enumerate(ops) for part in op.parts):
+        for step, o in _steps(ops):
             problem = None
             if o.stage >= schedule.num_stages:
                 problem = f"stage {o.stage} does not exist ({schedule.num_stages} stages)"

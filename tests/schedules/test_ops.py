@@ -99,6 +99,18 @@ def test_overlapped_op_text_round_trips_as_torch_writes_it():
     schedule = generate("dualpipev", num_devices=2, num_microbatches=5)
     assert Schedule.from_csv(schedule.to_csv(), name="dualpipev") == schedule
     assert Schedule.from_dict(schedule.to_dict()) == schedule
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    theirs = torch_schedules._Action.from_str(str(o))  # torch's composite action, its halves as sub-actions
+    assert theirs.computation_type == torch_schedules.OVERLAP_F_B and [str(a) for a in theirs.sub_actions] == [
+        "0F3",
+        "3B1",
+    ]
+    rows = {d: [torch_schedules._Action.from_str(str(op)) for op in ops] for d, ops in enumerate(schedule.device_ops)}
+    lowered = torch_schedules._add_send_recv(rows, lambda s: schedule.stage_device[s], schedule.num_stages)
+    assert sum(str(a).endswith("OVERLAP_F_B") for a in lowered[0]) == sum(
+        x.halves is not None for x in schedule.device_ops[0]
+    )
     for bad in (
         "(0F3;3I1)OVERLAP_F_B",
         "(0B3;3F1)OVERLAP_F_B",

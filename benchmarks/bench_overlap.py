@@ -2,7 +2,8 @@
 
 The gpt `-a hidden=256 -a seq=128 -a layers=8` on 2 ranks (gloo, CPU), dualpipev (4 stages in a V), 8 microbatches
 of 2. Both plans run in one launch, alternating (ROUNDS runs of each, WARMUP first steps of each run dropped):
-the median step time of each and their ratio (overlapped / halves; < 1 is faster). The overlapped op runs its
+the median step time of each and their ratio (overlapped / halves; < 1 is faster), and whether every run's losses
+are equal bit for bit. The overlapped op runs its
 backward on a second thread while the forward runs (runtime/overlap.py), so it gains where a rank has spare cores
 for it: pass the threads per rank as the first argument (default 1). Writes results/overlap.json.
 """
@@ -59,12 +60,13 @@ def main() -> None:
     for index, name in enumerate(order):  # a step lasts as long as its slowest rank
         per_step = zip(*(per_rank[index].step_ms for per_rank in results))
         steps[name] += [max(times) for times in per_step][WARMUP:]
+    losses = {tuple(tuple(per_rank[index].losses) for per_rank in results) for index in range(len(order))}
     medians = {name: statistics.median(times) for name, times in steps.items()}
     ratio = medians["overlapped"] / medians["halves"]
     print(f"dualpipev, 2 ranks x {threads} thread(s), gpt {GPT}, {MICROBATCHES} microbatches of {MICROBATCH_SIZE}")
     for name, times in steps.items():
         print(f"  {name:>10}: median step {medians[name]:8.1f} ms over {len(times)} steps")
-    print(f"  overlapped / halves: {ratio:.3f}")
+    print(f"  overlapped / halves: {ratio:.3f}; losses of every run equal bit for bit: {len(losses) == 1}")
     write_json(
         ROOT / "benchmarks" / "results" / "overlap.json",
         {
@@ -73,6 +75,7 @@ def main() -> None:
             "median_step_ms": medians,
             "steps": {name: len(times) for name, times in steps.items()},
             "ratio_overlapped_over_halves": ratio,
+            "losses_equal": len(losses) == 1,
         },
     )
 

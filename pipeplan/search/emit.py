@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-import pipeplan
 from pipeplan.errors import FormatError
 from pipeplan.graph.trace import LayerGraph
 from pipeplan.plan.layout import rank_infos
@@ -22,6 +21,7 @@ from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
 from pipeplan.search.sharding import devices_cluster
+from pipeplan.version import VERSION
 
 
 def build_plan(
@@ -80,7 +80,7 @@ def build_plan(
         alternatives=alternatives(result, chosen, limit=num_alternatives),
         rationale=" ".join(part for part in (_sentence(tensor_parallel_reason), rationale(result, chosen)) if part),
         memory_choices=memory_choices(result, chosen),
-        pipeplan_version=pipeplan.__version__,
+        pipeplan_version=VERSION,
         torch_version=torch.__version__,
     )
 

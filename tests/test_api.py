@@ -41,7 +41,7 @@ def test_profile_plan_save_load_equal_the_cli(tmp_path):
     profile.save(tmp_path / "p.json")
     options = dict(devices=2, global_batch_size=4, memory_per_device="4GiB", pipeline_depth="2")
     chosen = pipeplan.plan("mlp", assignments=TINY, profile=profile, output=tmp_path / "api", **options)
-    assert chosen.runnable and len(chosen.stages) == 2
+    assert chosen.runnable and chosen.world_size == 2
     chosen.save(tmp_path / "saved.json")
     assert pipeplan.Plan.load(tmp_path / "saved.json") == chosen == pipeplan.Plan.load(tmp_path / "api" / "plan.json")
     argv = ["plan", "mlp", "-a", "layers=2", "-a", "hidden=8", "--profile", str(tmp_path / "p.json"), "-n", "2"]

@@ -1,7 +1,60 @@
-"""pipeplan: trace -> profile -> partition -> schedule -> simulate -> choose -> emit plan -> run."""
+"""pipeplan: trace -> profile -> partition -> schedule -> simulate -> choose -> emit plan -> run.
 
-__version__ = "0.1.0"
+The Python API (README, "Python API"): `pipeplan.profile`, `pipeplan.plan`, `pipeplan.simulate`, `pipeplan.run`,
+`Plan` (`save` / `load`), `Profile`, `ModelSpec` and `module_spec`. They load on first use (module `__getattr__`),
+so `import pipeplan` does not import torch. `pipeplan.plan` is also the `plan/` subpackage (the Plan artifact's
+room): that module object is made callable, so `pipeplan.plan(...)` is the API's plan() however it was imported."""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import PipeplanError
+from pipeplan.version import VERSION
 
-__all__ = ["PipeplanError", "__version__"]
+__version__ = VERSION
+
+if TYPE_CHECKING:
+    from pipeplan.api import ModelSpec, Plan, Profile, module_spec, profile, run, simulate
+
+_LAZY = ("ModelSpec", "Plan", "Profile", "module_spec", "profile", "run", "simulate")  # pipeplan.api's
+__all__ = [
+    "ModelSpec",
+    "PipeplanError",
+    "Plan",
+    "Profile",
+    "__version__",
+    "module_spec",
+    "plan",
+    "profile",
+    "run",
+    "simulate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pipeplan' has no attribute {name!r}")
+    from pipeplan import api
+
+    value = getattr(api, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _CallablePlanPackage(types.ModuleType):
+    """The `pipeplan.plan` subpackage, callable as the API's `plan()`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from pipeplan.api import plan
+
+        return plan(*args, **kwargs)
+
+
+importlib.import_module("pipeplan.plan").__class__ = _CallablePlanPackage  # plan/__init__.py: a docstring only

@@ -93,9 +93,9 @@ def _register() -> None:
 def _print_version(value: bool) -> None:
     """`pipeplan --version`: eager, so that it prints before click asks for a command."""
     if value:
-        from pipeplan import __version__
+        from pipeplan.version import VERSION
 
-        typer.echo(__version__)
+        typer.echo(VERSION)
         raise typer.Exit(0)
 
 

@@ -32,15 +32,23 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.jsonio import read_json
 
+if TYPE_CHECKING:
+    import torch
+
 HARDWARE_SCHEMA_VERSION = 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """float32, bfloat16, float16: a torch dtype's name, read without importing torch (plans from files do not)."""
+    return str(dtype).removeprefix("torch.")
+
+
 _PRESETS_PATH = Path(__file__).with_name("hardware.json")
 
 # JSON field -> (Hardware attribute, scale to SI units)
@@ -150,15 +158,15 @@ class Hardware:
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense matmul peak for `dtype`: bf16/fp16 tensor cores, else TF32 (float32 matmuls on tensor cores)."""
-        if dtype in (torch.bfloat16, torch.float16):
+        if _dtype_name(dtype) in ("bfloat16", "float16"):
             return self.peak_bf16_flops
         return self.peak_tf32_flops
 
     def measured_flops(self, dtype: torch.dtype) -> float | None:
         """The calibrated dense matmul FLOP/s for `dtype` (None when not calibrated)."""
-        if dtype == torch.bfloat16:
+        if _dtype_name(dtype) == "bfloat16":
             return self.measured_bf16_flops
-        if dtype == torch.float16:
+        if _dtype_name(dtype) == "float16":
             return self.measured_fp16_flops or self.measured_bf16_flops
         return self.measured_tf32_flops
 

@@ -29,66 +29,88 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch  # here, not at the top: the commands that plan without torch (simulate, --help) import this file
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
 class Precision:
+    """A precision mode; dtypes are held by name (torch's: float32, bfloat16, float16) and read as torch dtypes."""
+
     name: str
-    param_dtype: torch.dtype  # what the parameters (and their gradients, optimizer state) are stored in
-    autocast_dtype: torch.dtype | None  # torch.autocast's dtype around each forward, None: no autocast
+    param_dtype_name: str  # what the parameters (and their gradients, optimizer state) are stored in
+    autocast_dtype_name: str | None  # torch.autocast's dtype around each forward, None: no autocast
     grad_scaler: bool = False  # fp16: loss scaling with torch.amp.GradScaler
-    grad_dtype: torch.dtype | None = None  # gradients (None: the parameters' dtype)
+    grad_dtype_name: str | None = None  # gradients (None: the parameters' dtype)
     main_weights: bool = False  # the optimizer holds an fp32 main copy of 16-bit parameters (and fp32 moments)
     fp8_linears: bool = False  # linears' matmuls run in FP8 (Transformer Engine)
     runnable: bool = True  # `pipeplan run` executes it (else analytic only)
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        return _dtype(self.param_dtype_name)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return None if self.autocast_dtype_name is None else _dtype(self.autocast_dtype_name)
+
+    @property
+    def grad_dtype(self) -> torch.dtype | None:
+        return None if self.grad_dtype_name is None else _dtype(self.grad_dtype_name)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
-        return self.autocast_dtype or self.param_dtype
+        return _dtype(self.compute_dtype_name)
 
     @property
     def compute_dtype_name(self) -> str:
-        return str(self.compute_dtype).removeprefix("torch.")
+        return self.autocast_dtype_name or self.param_dtype_name
 
     @property
     def param_bytes(self) -> int:
-        return self.param_dtype.itemsize
+        return _ITEMSIZE[self.param_dtype_name]
 
     @property
     def grad_bytes(self) -> int:
-        return (self.grad_dtype or self.param_dtype).itemsize
+        return _ITEMSIZE[self.grad_dtype_name or self.param_dtype_name]
 
     def autocast(self, device_type: str):
         """The context each stage forward (and the loss) runs in."""
-        if self.autocast_dtype is None:
+        if self.autocast_dtype_name is None:
             return contextlib.nullcontext()
+        import torch
+
         return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
 
 PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", torch.float32, None),
-    "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16),
-    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, grad_scaler=True),
-    "bf16": Precision("bf16", torch.bfloat16, None),
-    "bf16-main": Precision(
-        "bf16-main", torch.bfloat16, None, grad_dtype=torch.float32, main_weights=True, runnable=False
-    ),
+    "fp32": Precision("fp32", "float32", None),
+    "bf16-mixed": Precision("bf16-mixed", "float32", "bfloat16"),
+    "fp16-mixed": Precision("fp16-mixed", "float32", "float16", grad_scaler=True),
+    "bf16": Precision("bf16", "bfloat16", None),
+    "bf16-main": Precision("bf16-main", "bfloat16", None, grad_dtype_name="float32", main_weights=True, runnable=False),
     "fp16-main": Precision(
-        "fp16-main", torch.float16, None, True, grad_dtype=torch.float32, main_weights=True, runnable=False
+        "fp16-main", "float16", None, True, grad_dtype_name="float32", main_weights=True, runnable=False
     ),
     "fp8": Precision(
-        "fp8", torch.bfloat16, None, grad_dtype=torch.float32, main_weights=True, fp8_linears=True, runnable=False
+        "fp8", "bfloat16", None, grad_dtype_name="float32", main_weights=True, fp8_linears=True, runnable=False
     ),
     "bf16-main-bf16grads": Precision(
-        "bf16-main-bf16grads", torch.bfloat16, None, grad_dtype=torch.bfloat16, main_weights=True, runnable=False
+        "bf16-main-bf16grads", "bfloat16", None, grad_dtype_name="bfloat16", main_weights=True, runnable=False
     ),
-    "fp8-bf16grads": Precision(
-        "fp8-bf16grads", torch.bfloat16, None, main_weights=True, fp8_linears=True, runnable=False
-    ),
+    "fp8-bf16grads": Precision("fp8-bf16grads", "bfloat16", None, main_weights=True, fp8_linears=True, runnable=False),
 }
 
 

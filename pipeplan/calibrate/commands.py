@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from pipeplan.calibrate.hardware_file import check_entry_target, entry_name, hardware_entry, write_hardware_file
-from pipeplan.calibrate.measure import calibrate as run_calibration
-from pipeplan.calibrate.measure import dtype_list, num_steps
-from pipeplan.calibrate.spec import CalibrateConfig, Calibration
 from pipeplan.console import out, print_json, progress_task
+
+if TYPE_CHECKING:
+    from pipeplan.calibrate.spec import Calibration
 
 
 def _table(name: str, entry: dict, cal: Calibration) -> Table:
@@ -55,6 +55,11 @@ def calibrate(
 
     Example: pipeplan calibrate --device cuda -o hw.json
     """
+    from pipeplan.calibrate.hardware_file import check_entry_target, entry_name, hardware_entry, write_hardware_file
+    from pipeplan.calibrate.measure import calibrate as run_calibration
+    from pipeplan.calibrate.measure import dtype_list, num_steps
+    from pipeplan.calibrate.spec import CalibrateConfig  # torch: imported when the command runs
+
     config = CalibrateConfig(device=device, dtypes=dtype_list(dtypes), quick=quick)
     check_entry_target(name, output)
     with progress_task(f"calibrate {device}", total=num_steps(config), quiet=as_json) as update:

@@ -3,17 +3,19 @@ JSON or plot, and how many devices a token budget needs (parse -> library call -
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
-from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job
 from pipeplan.capacity.options import CapacityOptions
-from pipeplan.capacity.pinned import PinnedReport
-from pipeplan.capacity.report import CapacityReport, CapacityRow
 from pipeplan.console import out, print_json, progress_task
 from pipeplan.options import command
-from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_bytes, format_count, format_gib, format_ms
+
+if TYPE_CHECKING:
+    from pipeplan.capacity.pinned import PinnedReport
+    from pipeplan.capacity.report import CapacityReport, CapacityRow
 
 
 @command(CapacityOptions)
@@ -27,6 +29,9 @@ def capacity(options: CapacityOptions) -> None:
     Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
     Example: pipeplan capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"
     """
+    from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job  # the sweep: imported when it runs
+    from pipeplan.capacity.pinned import PinnedReport
+
     job = prepare_capacity(options)
     with progress_task("planning", total=len(job.config.device_counts), quiet=options.json_output) as update:
         report = run_capacity_job(
@@ -122,6 +127,8 @@ def render_report(report: CapacityReport) -> None:
         table.add_row(*_with_ep(_row_cells(row), row, moe))
     wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))  # pipes: the whole table
     wide.print(table)
+    from pipeplan.schedules.registry import schedule_info
+
     stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
     out.print(
         "plan PxDP: schedule, P device groups per pipeline x DP pipelines, m microbatches of b samples; t x cp: "

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeplan.capacity.options import CAPACITY_PRECISION, CapacityOptions
 from pipeplan.capacity.pinned import PinnedReport, pinned_report
@@ -16,8 +17,7 @@ from pipeplan.console import warn
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for, resolve_hardware
-from pipeplan.models import parse_assignments
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.assignments import parse_assignments
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
@@ -27,6 +27,9 @@ from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
 from pipeplan.search.pinned import PinnedLayout, check_pinned_experts, parse_layout
 from pipeplan.search.tensor_search import tensor_parallel_sizes
 from pipeplan.units import parse_count, parse_int_list
+
+if TYPE_CHECKING:
+    from pipeplan.models.spec import ModelSpec
 
 
 def parse_device_counts(text: str) -> tuple[int, ...]:

@@ -9,16 +9,15 @@ measure per layer and what the runtime executes (runtime/recompute_run.py).
 
 from __future__ import annotations
 
-import torch
-
-aten = torch.ops.aten
-
 RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute` (what the runtime executes)
 
 
 def is_attention(target: object) -> bool:
     """Whether a call target (an FX node's, or a torch function) is scaled_dot_product_attention: the calls the
     runtime's selective recomputation re-runs (runtime/recompute_run.py)."""
+    import torch  # here: plan files are read (RECOMPUTE_MODES) by commands that do not import torch
+
+    aten = torch.ops.aten
     if target is torch.nn.functional.scaled_dot_product_attention or target is aten.scaled_dot_product_attention:
         return True
     return getattr(target, "overloadpacket", None) is aten.scaled_dot_product_attention

@@ -31,9 +31,8 @@ from pipeplan.graph.grouping import (
     layer_keys,
     normalize_graph,
 )
+from pipeplan.graph.tracers import check_tracer
 from pipeplan.models.spec import ModelSpec
-
-TRACERS = ("auto", "fx", "export")
 
 
 @dataclass(frozen=True)
@@ -176,12 +175,6 @@ def build_module(spec: ModelSpec, device: str) -> nn.Module:
             return spec.build()
     except (ValueError, TypeError) as exc:
         raise ModelError(f"building model {spec.name!r} failed: {exc}") from None
-
-
-def check_tracer(tracer: str) -> str:
-    if tracer not in TRACERS:
-        raise ConfigError(f"--tracer must be one of {', '.join(TRACERS)}, got {tracer!r}")
-    return tracer
 
 
 def trace_model(

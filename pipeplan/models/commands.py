@@ -5,19 +5,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 import typer
 from rich.table import Table
 
 from pipeplan.console import out, print_json
-from pipeplan.models.builtins import BUILTINS
-from pipeplan.models.registry import load_model
 from pipeplan.units import format_count
 
 
 @functools.cache
 def count_parameters(name: str) -> int:
     """Parameters of a built-in model with its default options, built on the meta device (no memory, instant)."""
+    import torch
+
+    from pipeplan.models.registry import load_model  # the models: imported when listed (they import torch)
+
     spec = load_model(name, {})
     with torch.device("meta"):
         module = spec.build()
@@ -25,7 +26,8 @@ def count_parameters(name: str) -> int:
 
 
 def model_rows() -> list[dict[str, Any]]:
-    load_model("mlp", {})  # registers the built-ins
+    from pipeplan.models.builtins import BUILTINS
+
     rows = []
     for name, builtin in BUILTINS.items():
         rows.append(

@@ -20,17 +20,6 @@ from pipeplan.models.builtins import BUILTINS
 from pipeplan.models.spec import ModelSpec, check_batch
 
 
-def parse_assignments(pairs: list[str] | None) -> dict[str, str]:
-    """`["layers=4", "hidden=256"]` -> `{"layers": "4", "hidden": "256"}`."""
-    options: dict[str, str] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ModelError(f"model option {pair!r} must look like key=value (e.g. -a layers=4)")
-        options[key.strip()] = value.strip()
-    return options
-
-
 def _convert(raw: Any, annotation: Any, key: str, valid: str) -> Any:
     if not isinstance(raw, str):
         return raw

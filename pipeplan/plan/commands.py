@@ -8,10 +8,7 @@ import typer
 
 from pipeplan.console import err, out, print_json
 from pipeplan.paths import check_output_file
-from pipeplan.plan.exports import EXPORT_FORMATS, export_plan
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.summary import render_summary, summary_dict
-from pipeplan.plan.timing import plan_timeline
+from pipeplan.plan.export_formats import EXPORT_FORMATS
 
 
 def show(
@@ -22,6 +19,10 @@ def show(
 
     Example: pipeplan show plan/plan.json
     """
+    from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)
+    from pipeplan.plan.summary import render_summary, summary_dict
+    from pipeplan.plan.timing import plan_timeline
+
     loaded = Plan.load(plan_file)
     if json_output:
         print_json(summary_dict(loaded, plan_dir=str(plan_file.parent)))
@@ -43,6 +44,9 @@ def export(
 
     Example: pipeplan export plan/plan.json --format megatron -o megatron.args
     """
+    from pipeplan.plan.exports import export_plan
+    from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)
+
     lines, notes = export_plan(Plan.load(plan_file), fmt, Path(check_output_file(output, "--output")))
     for note in notes:
         err.print(note, markup=False, highlight=False)

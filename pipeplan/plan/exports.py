@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
+from pipeplan.plan.export_formats import EXPORT_FORMATS
 from pipeplan.plan.export_megatron import megatron_export
 from pipeplan.plan.export_torchtitan import torchtitan_export
 from pipeplan.plan.plan import Plan
@@ -15,8 +16,6 @@ from pipeplan.plan.timing import plan_schedule
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import validate
-
-EXPORT_FORMATS = ("torch-csv", "megatron", "torchtitan")
 
 
 def torch_csv(plan: Plan) -> str:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pipeplan.console import out, print_json
 from pipeplan.options import command
-from pipeplan.profiling.profile_job import profile_from_options
 from pipeplan.profiling.profile_options import ProfileOptions
-from pipeplan.profiling.summary import fidelity_line, options_line, profile_table, routing_lines
 
 
 @command(ProfileOptions)
@@ -17,6 +15,9 @@ def profile(options: ProfileOptions) -> None:
     Example: pipeplan profile gpt -a layers=4 -a hidden=256 --batch-size 4 -o p.json
     Example: pipeplan profile gpt --precision bf16-mixed -o p-bf16.json
     """
+    from pipeplan.profiling.profile_job import profile_from_options  # torch: imported when the command runs
+    from pipeplan.profiling.summary import fidelity_line, options_line, profile_table, routing_lines
+
     result = profile_from_options(options)
     if options.as_json:
         print_json(result.to_dict())

@@ -6,13 +6,15 @@ token passes through top_k of its experts: the share is read off the layer's gro
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import ConfigError
-from pipeplan.graph.moe import moe_modules
-from pipeplan.graph.trace import Layer
 from pipeplan.profiling.profile import LayerProfile, Profile
+
+if TYPE_CHECKING:  # the figures of a profile file need no torch; the check below has a model
+    from torch import nn
+
+    from pipeplan.graph.trace import Layer
 
 
 def routed_share(layer: LayerProfile, tokens: int) -> float:
@@ -51,6 +53,8 @@ def check_experts_counted(model: nn.Module, layers: Sequence[Layer], profiles: S
     show up as a layer with grouped expert matmuls. On the meta device a layer that dispatches by the routing
     (an expert loop that skips experts no token reaches) runs no expert at all, so its profile would count
     attention and the router only; grouped matmuls (transformers' default, the built-in `moe`) are counted."""
+    from pipeplan.graph.moe import moe_modules
+
     for found in moe_modules(model):
         inside = [i for i, layer in enumerate(layers) if f"{found.path}.".startswith(f"{layer.module_path}.")]
         owner = inside[0] if inside else None

@@ -6,14 +6,17 @@ command)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, resolve_hardware
-from pipeplan.models.registry import load_model, parse_assignments
-from pipeplan.models.spec import ModelSpec
+from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import check_device_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_options import DEFAULT_REPEATS, DEFAULT_TIMER, DEFAULT_WARMUP, ProfileOptions
+
+if TYPE_CHECKING:
+    from pipeplan.models.spec import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,8 @@ class ProfileRequest:
 def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:
     """The Profile of `request` and the model it was made from; `check(spec)` runs on the built model before the
     (slow) profiling. The provenance records the options given (what rebuilds the model) and all of them."""
+    from pipeplan.models.registry import load_model  # torch: imported once a model is built
+
     spec = load_model(request.model, request.options, preset_overridable=request.preset_overridable)
     if check is not None:
         check(spec)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
-from pipeplan.graph.trace import check_tracer
-from pipeplan.hardware import resolve_hardware
-from pipeplan.models.registry import parse_assignments
+from pipeplan.graph.tracers import check_tracer
+from pipeplan.models.assignments import parse_assignments
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
 from pipeplan.precision import check_device_precision, default_precision
@@ -64,6 +63,8 @@ class ProfileOptions:
         if device == "meta" and not self.hardware:
             raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
         if self.hardware:  # an unknown name is an error even where it is then ignored
+            from pipeplan.hardware import resolve_hardware
+
             resolve_hardware(self.hardware, self.hardware_file)
         if device.startswith("cuda"):
             import torch

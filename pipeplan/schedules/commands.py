@@ -10,7 +10,7 @@ from pipeplan.console import out, print_json
 from pipeplan.options import command
 from pipeplan.schedules.render import gantt
 from pipeplan.schedules.simulate_options import SimulateOptions
-from pipeplan.schedules.uniform import compare_schedules, schedule_metrics, simulate_one
+from pipeplan.schedules.uniform import Ranking, simulate_schedules
 
 
 def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
@@ -42,13 +42,13 @@ def simulate(options: SimulateOptions) -> None:
 
     Example: pipeplan simulate --schedule zb-h1 --stages 4 --microbatches 8 --f 1 --b 1 --w 1
     """
-    if options.compare:
-        _render_ranking(*compare_schedules(options), options)
+    result = simulate_schedules(options)
+    if isinstance(result, Ranking):
+        _render_ranking(result, options)
         return
-    schedule, timeline = simulate_one(options)
-    metrics = schedule_metrics(schedule, timeline, options.microbatches)
+    schedule, timeline, metrics = result.schedule, result.timeline, result.metrics
     if options.json_output:
-        print_json({**metrics, "stage_device": list(schedule.stage_device), "device_ops": schedule.op_strings()})
+        print_json(result.to_dict())
         return
     title = f"{options.schedule}: {options.stages} devices, {schedule.num_microbatches} microbatches"
     out.print(_metrics_table([metrics], title=title))
@@ -68,10 +68,11 @@ def _steady_line(metrics: dict[str, Any], per_step: int) -> str:
     )
 
 
-def _render_ranking(results: list[dict], skipped: list[dict], options: SimulateOptions) -> None:
+def _render_ranking(ranking: Ranking, options: SimulateOptions) -> None:
     if options.json_output:
-        print_json({"results": results, "skipped": skipped})
+        print_json(ranking.to_dict())
         return
+    results, skipped = ranking.results, ranking.skipped
     title = f"{options.stages} devices, {options.microbatches} microbatches, ranked by makespan"
     out.print(_metrics_table(results, title=title))
     for row in skipped:

@@ -5,6 +5,7 @@ the weight versions each stage holds (it is left out of the ranking: a stream ha
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeplan.errors import ScheduleError
@@ -89,3 +90,39 @@ def compare_schedules(options: SimulateOptions) -> tuple[list[dict[str, Any]], l
     if not results:
         raise ScheduleError(f"no schedule could be simulated; {skipped[0]['schedule']}: {skipped[0]['reason']}")
     return results, skipped
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One schedule simulated (`pipeplan simulate --schedule NAME`): its op lists, timeline and metrics."""
+
+    schedule: Schedule
+    timeline: Timeline
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `--json` prints: the metrics, each stage's device and each device's op list."""
+        return {
+            **self.metrics,
+            "stage_device": list(self.schedule.stage_device),
+            "device_ops": self.schedule.op_strings(),
+        }
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Every schedule simulated (`--compare`): metrics fastest first, and the schedules left out with why."""
+
+    results: list[dict[str, Any]]
+    skipped: list[dict[str, str]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"results": self.results, "skipped": self.skipped}
+
+
+def simulate_schedules(options: SimulateOptions) -> Simulation | Ranking:
+    """`pipeplan simulate` (and `pipeplan.simulate`): a Ranking with --compare, else one Simulation."""
+    if options.compare:
+        return Ranking(*compare_schedules(options))
+    schedule, timeline = simulate_one(options)
+    return Simulation(schedule, timeline, schedule_metrics(schedule, timeline, options.microbatches))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pipeplan.console import out, print_json, progress_task
 from pipeplan.options import command
-from pipeplan.plan.summary import render_summary, summary_dict
-from pipeplan.search.plan_job import prepare_plan, run_plan_job
 from pipeplan.search.plan_options import PlanOptions
 
 
@@ -24,6 +22,9 @@ def plan(options: PlanOptions) -> None:
     Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
     Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
+    from pipeplan.plan.summary import render_summary, summary_dict
+    from pipeplan.search.plan_job import prepare_plan, run_plan_job  # the search: imported when it runs
+
     job = prepare_plan(options)
     with progress_task("searching plans", quiet=options.json_output) as update:
         chosen, timeline = run_plan_job(job, progress=lambda done, total: update(completed=done, total=total))

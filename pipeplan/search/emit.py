@@ -9,11 +9,11 @@ costs it was timed with.
 
 from __future__ import annotations
 
-import torch
+import importlib.metadata
+import sys
+from typing import TYPE_CHECKING
 
-import pipeplan
 from pipeplan.errors import FormatError
-from pipeplan.graph.trace import LayerGraph
 from pipeplan.plan.layout import rank_infos
 from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.precision import get_precision
@@ -22,6 +22,10 @@ from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
 from pipeplan.search.sharding import devices_cluster
+from pipeplan.version import VERSION
+
+if TYPE_CHECKING:  # a plan from a profile file alone is made without importing torch
+    from pipeplan.graph.trace import LayerGraph
 
 
 def build_plan(
@@ -80,9 +84,17 @@ def build_plan(
         alternatives=alternatives(result, chosen, limit=num_alternatives),
         rationale=" ".join(part for part in (_sentence(tensor_parallel_reason), rationale(result, chosen)) if part),
         memory_choices=memory_choices(result, chosen),
-        pipeplan_version=pipeplan.__version__,
-        torch_version=torch.__version__,
+        pipeplan_version=VERSION,
+        torch_version=torch_version(),
     )
+
+
+def torch_version() -> str:
+    """The torch a plan is made with: the imported one's version, else the installed one's (a plan from a profile
+    file is made without importing torch)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    return importlib.metadata.version("torch")
 
 
 def _sentence(reason: str) -> str:

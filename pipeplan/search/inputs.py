@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
-from pipeplan.graph.trace import LayerGraph
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
 from pipeplan.plan.plan import ModelRef
@@ -17,6 +17,9 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import parse_int_list, parse_size
+
+if TYPE_CHECKING:
+    from pipeplan.graph.trace import LayerGraph
 
 PROFILE_FORMATS = ("pipeplan", "pipedream")
 CPU_DEFAULT_DEVICES = 2
@@ -79,7 +82,7 @@ def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
 
 
 def check_plan_options(
-    *, schedule: str, precision: str | None, output: str | os.PathLike, granularity: int | None = None
+    *, schedule: str, precision: str | None, output: str | os.PathLike | None, granularity: int | None = None
 ) -> None:
     """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
     if granularity is not None and granularity < 1:
@@ -88,7 +91,8 @@ def check_plan_options(
         schedule_info(schedule, also_accepted=("auto",))
     if precision is not None:
         get_precision(precision)
-    check_output_dir(output, "--output")
+    if output is not None:  # None: the Python API's plan(), which writes no directory unless asked
+        check_output_dir(output, "--output")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError
 from pipeplan.hardware import resolve_hardware
-from pipeplan.models import parse_assignments
+from pipeplan.models.assignments import parse_assignments
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.scripts import write_plan_dir
 from pipeplan.plan.timing import timeline_rows
@@ -60,7 +60,7 @@ class PlanJob:
     cluster: Cluster
     config: SearchConfig
     schedules: tuple[str, ...] | None  # None: every schedule (--schedule auto)
-    output: Path
+    output: Path | None  # None: write no plan directory (the Python API's default)
     tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (search.tensor_search)
     layout: PinnedLayout | None = None  # --layout: plan exactly this (the search's choice is compared)
 
@@ -112,7 +112,7 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         cluster=cluster,
         config=config,
         schedules=schedules,
-        output=Path(options.output),
+        output=Path(options.output) if options.output is not None else None,
         tensor_parallel=tensor_sizes,
         layout=pinned,
     )
@@ -161,7 +161,7 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
 
 def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = None) -> tuple[Plan, Timeline]:
     """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and
-    timeline.json."""
+    timeline.json (when the job has a directory)."""
     tries = search_tensor_parallel(
         job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
     )
@@ -172,5 +172,6 @@ def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = 
     source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
     timeline = result.best.timeline  # what plan_timeline(chosen) re-simulates; `show` does that
-    write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
+    if job.output is not None:
+        write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
     return chosen, timeline

@@ -6,15 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.console import warn
-from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
-from pipeplan.graph.trace import check_tracer
+from pipeplan.graph.tracers import check_tracer
 from pipeplan.options import argument, option
-from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.schedules.registry import SCHEDULE_NAMES
-from pipeplan.search.inputs import check_plan_options
-from pipeplan.search.pinned import parse_layout
-from pipeplan.search.tensor_search import AUTO, parse_tensor_parallel
 
 DEFAULT_OUTPUT = "plan"
 MODEL_HELP = "Built-in model, path/to/file.py:factory or package.module:factory."
@@ -96,10 +91,17 @@ class PlanOptions:
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
     granularity: int | None = option(None, "--granularity", help="Layer grouping depth when tracing the model.")
     tracer: str = option("auto", "--tracer", help=TRACER_HELP)
-    output: str = option(DEFAULT_OUTPUT, "--output", "-o", help="Directory for plan.json and scripts.")
+    output: str | None = option(DEFAULT_OUTPUT, "--output", "-o", help="Directory for plan.json and scripts.")
     json_output: bool = option(False, "--json", help="Print only the summary as JSON.")
 
     def __post_init__(self) -> None:
+        # here, not at the top: `pipeplan --help` imports this file, and these import the search (numpy)
+        from pipeplan.costs.overlap import Overlap
+        from pipeplan.plan.asynchronous import searched_schedules
+        from pipeplan.search.inputs import check_plan_options
+        from pipeplan.search.pinned import parse_layout
+        from pipeplan.search.tensor_search import AUTO, parse_tensor_parallel
+
         check_plan_options(
             schedule=self.schedule, precision=self.precision, output=self.output, granularity=self.granularity
         )

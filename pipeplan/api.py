@@ -1,0 +1,151 @@
+"""The Python API: the whole chain (profile -> plan -> simulate -> run) as functions, for a notebook or a training
+script. Each takes the keyword arguments of its CLI command, named as the fields of the command's options dataclass
+(`--global-batch-size` -> `global_batch_size`, `-a layers=2` -> `assignments=["layers=2"]` or `{"layers": 2}`), with
+the same defaults and the same checks: the dataclass is the one declaration (`ProfileOptions`, `PlanOptions`,
+`SimulateOptions`, `RunOptions`), and the CLI commands call the same library functions. Errors are the same
+one-line `PipeplanError` subclasses.
+
+Differences from the CLI, where a function returns what a command prints: `plan` writes its directory (plan.json,
+launch.sh, ...) only when `output=` is given (`Plan.save` writes plan.json); `profile` and `plan` also take a
+`ModelSpec` or an `nn.Module` (with `example_batch=` and `loss_fn=`), registered in this process as `object:NAME`:
+such a plan is planned and simulated here, but `run` starts fresh rank processes that rebuild the model from its
+reference, so it needs a built-in name, `file.py:factory` or `pkg.mod:factory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeplan.errors import ConfigError, RunError
+
+if TYPE_CHECKING:
+    from pipeplan.models.module_spec import module_spec
+    from pipeplan.models.spec import ModelSpec
+    from pipeplan.plan.plan import Plan
+    from pipeplan.profiling.profile import Profile
+    from pipeplan.runtime.trainer import RunResult
+    from pipeplan.schedules.uniform import Ranking, Simulation
+
+__all__ = ["ModelSpec", "Plan", "Profile", "module_spec", "plan", "profile", "run", "simulate"]
+_CLASSES = {  # loaded on first use: ModelSpec and module_spec import torch, Plan and Profile numpy
+    "ModelSpec": "pipeplan.models.spec",
+    "Plan": "pipeplan.plan.plan",
+    "Profile": "pipeplan.profiling.profile",
+    "module_spec": "pipeplan.models.module_spec",
+}
+_RENDER_ONLY = ("as_json", "json_output")  # how a command prints, not what it computes
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CLASSES:
+        raise AttributeError(f"module 'pipeplan.api' has no attribute {name!r}")
+    return getattr(importlib.import_module(_CLASSES[name]), name)
+
+
+def _options(options_type: type, function: str, given: dict[str, Any], **fixed: Any):
+    """`options_type` built from the keyword arguments `given` (unknown names: one ConfigError line listing the
+    known ones) and `fixed` (what the API sets itself)."""
+    names = [f.name for f in dataclasses.fields(options_type) if f.init and f.name not in _RENDER_ONLY]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"pipeplan.{function}() got unknown option(s) {', '.join(unknown)}; options: {', '.join(names)}"
+        )
+    values = dict(given)
+    if isinstance(values.get("assignments"), dict):
+        values["assignments"] = [f"{key}={value}" for key, value in values["assignments"].items()]
+    return options_type(**values, **fixed)
+
+
+def _model_reference(model: Any, example_batch: Any, loss_fn: Any) -> str:
+    """A model reference load_model resolves: a string as given; a ModelSpec or an nn.Module (with its example
+    batch and loss) registered in this process as `object:NAME`."""
+    if isinstance(model, str):
+        if example_batch is not None or loss_fn is not None:
+            raise ConfigError("example_batch= and loss_fn= go with an nn.Module model, not a model name")
+        return model
+    from pipeplan.models.module_spec import module_spec, register_object
+    from pipeplan.models.spec import ModelSpec
+
+    if not isinstance(model, ModelSpec):
+        if example_batch is None or loss_fn is None:
+            raise ConfigError("an nn.Module model needs example_batch=((inputs, ...), target) and loss_fn=")
+        model = module_spec(model, example_batch, loss_fn)
+    return register_object(model)
+
+
+def profile(model: str | ModelSpec | Any, *, example_batch: Any = None, loss_fn: Any = None, **options: Any) -> Profile:
+    """Profile `model` layer by layer, as `pipeplan profile` does: a built-in name, file.py:factory,
+    pkg.mod:factory or hf:..., a ModelSpec, or an nn.Module with `example_batch=((inputs, ...), target)` and
+    `loss_fn=`. Options: `pipeplan profile`'s (batch_size=1, device="cpu", hardware=None, output=None, ...)."""
+    from pipeplan.profiling.profile_job import profile_from_options
+    from pipeplan.profiling.profile_options import ProfileOptions
+
+    reference = _model_reference(model, example_batch, loss_fn)
+    return profile_from_options(_options(ProfileOptions, "profile", options, model=reference, as_json=True))
+
+
+def plan(
+    model: str | ModelSpec | Any = None,
+    *,
+    profile: Profile | str | os.PathLike | None = None,
+    example_batch: Any = None,
+    loss_fn: Any = None,
+    output: str | os.PathLike | None = None,
+    **options: Any,
+) -> Plan:
+    """Search layouts and return the chosen Plan, as `pipeplan plan` does: MODEL profiled on the spot, or
+    `profile=` (a Profile or a profile file; give the model too for a runnable plan). Writes the plan directory
+    only when `output=` names one. Options: `pipeplan plan`'s (devices=None, global_batch_size=None, ...)."""
+    from pipeplan.search.plan_job import prepare_plan, run_plan_job
+    from pipeplan.search.plan_options import PlanOptions
+
+    reference = None if model is None else _model_reference(model, example_batch, loss_fn)
+    with tempfile.TemporaryDirectory(prefix="pipeplan-api-") as folder:
+        if profile is not None and not isinstance(profile, str | os.PathLike):
+            profile.save(Path(folder) / "profile.json")
+            profile = Path(folder) / "profile.json"
+        given = {**options, "profile": Path(profile) if profile is not None else None}
+        job = prepare_plan(_options(PlanOptions, "plan", given, model=reference, output=output, json_output=True))
+        chosen, _ = run_plan_job(job)
+    return chosen
+
+
+def simulate(**options: Any) -> Simulation | Ranking:
+    """Simulate a schedule with uniform per-device costs, as `pipeplan simulate` does: a Simulation (schedule,
+    timeline, metrics; `to_dict()` is what `--json` prints), or with compare=True a Ranking of every schedule.
+    Options: `pipeplan simulate`'s (schedule=, stages=, microbatches=, f=1.0, b=1.0, w=1.0, ...)."""
+    from pipeplan.schedules.simulate_options import SimulateOptions
+    from pipeplan.schedules.uniform import simulate_schedules
+
+    return simulate_schedules(_options(SimulateOptions, "simulate", options))
+
+
+def run(plan: Plan | str | os.PathLike, **options: Any) -> list[RunResult]:
+    """Run the plan's ranks on this machine, as `pipeplan run` does, and return each rank's RunResult (losses,
+    step times, ...) in rank order. `plan`: a Plan or a plan.json path. Options: `pipeplan run`'s (steps=10,
+    trace_path=None, checkpoint_dir=None, lr=None, threads=None, ...)."""
+    from pipeplan.models.module_spec import OBJECT_PREFIX
+    from pipeplan.plan.plan import Plan
+    from pipeplan.runtime.launch import launch_local
+    from pipeplan.runtime.run_options import RunOptions
+
+    loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if loaded.model.ref.startswith(OBJECT_PREFIX):
+        raise RunError(
+            f"the plan's model {loaded.model.ref!r} is an object of this process; the ranks `run` starts rebuild the "
+            "model from its reference: plan it as a built-in name, file.py:factory or pkg.mod:factory to run it"
+        )
+    with tempfile.TemporaryDirectory(prefix="pipeplan-api-") as folder:
+        path = Path(folder) / "plan.json"
+        if isinstance(plan, Plan):
+            plan.save(path)
+        else:
+            path = Path(plan)
+        run_options = _options(RunOptions, "run", options, plan=path)
+        return launch_local(run_options.plan, run_options, threads=run_options.threads)

@@ -45,7 +45,8 @@ class _Saved:
 @dataclass
 class StepRecord:
     loss_sum: torch.Tensor | None = None  # float64 sum of the scaled microbatch losses (no host sync per op)
-    op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s)
+    op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s) from `began`
+    began: float = 0.0  # time.perf_counter() when the step began
     saved_peak_bytes: int = 0  # with Executor.track_saved: the most `held_activation_bytes` after any op
 
 
@@ -115,7 +116,7 @@ class Executor:
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._weight_state: dict[tuple[int, int], tuple[object, SavedTensors]] = {}
         record = StepRecord()
-        start = time.perf_counter()
+        start = record.began = time.perf_counter()
         events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         origin = self._event() if self.cuda_events else None
         for index, o in enumerate(self.ops):

@@ -3,8 +3,8 @@
 Under zb-h2 on two ranks the rank holding stage 0 ends its step first (stage 1 still runs the last weight-gradient
 passes), so a post-validated run must start that rank's next forwards before stage 1's step ends; a synchronized run
 (the global check before every optimizer step) never may. Stage 1 holds seven layers and stage 0 one, so that
-stage 0's step ends well before stage 1's last weight-gradient passes do. Both runs are launched together and traced over the same
-steps; the trace's per-rank, per-step op times on one clock are what the comparison reads."""
+stage 0's step ends well before stage 1's last weight-gradient passes do. Both runs are launched together and
+traced over the same steps; the trace's per-rank, per-step op times on one clock are what the comparison reads."""
 
 from __future__ import annotations
 

@@ -7,8 +7,10 @@ time is the slowest rank's), without clipping and with a --clip-grad-norm so sma
 post-validated run then rolls every step back and steps again: its worst case). "copy" is the slowest rank's median
 time copying its parameters and AdamW state before the eager step, part of the post-validated step. Post-validation
 takes the global barrier off the path to the optimizer step; on CPU processes of one machine that barrier (an
-all-gather of two numbers per rank) is cheap and the ranks share cores, so the ratio mostly shows that the copy and
-the chain cost little, not the saving on a real cluster. Takes one to two minutes.
+all-gather of two numbers per rank) is cheap and the ranks share cores, so the ratio mostly shows that the copy costs
+little, not the saving on a real cluster. Each step here is settled before the next (Trainer.one_step): the overlap
+of consecutive steps that `run --post-validate` gets is not measured here (tests/runtime/test_period_run.py reads it
+off a trace). Takes one to two minutes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`pipeplan run` speed. Prints a table of medians and ratios and writes results/runtime.json.
 
 (a) 8 x (Linear(1024) + ReLU) (`mlp -a layers=8 -a hidden=1024`), batch 64 in 8 microbatches, 2 ranks with one
-    thread each (gloo): median step time of pipeplan's executor vs torch.distributed.pipelining's Schedule1F1B and
-    ScheduleZBVZeroBubble on the same split, in one process tree (target: pipeplan / torch <= 1.0).
+    thread each (gloo): median step time of pipeplan's executor vs torch.distributed.pipelining's schedule of the
+    same name (`TORCH_SCHEDULES`: every schedule both have) on the same split, in one process tree, the runners timed
+    in alternation (target: pipeplan / torch <= 1.0).
 (b) The demo gpt (examples/demo.sh: `gpt -a hidden=256 -a seq=128 -a layers=4`), profiled at batch 2 with one
     thread, planned by the planner itself for every schedule (the path of `pipeplan plan --devices 2
     --pipeline-depth 2 --no-replication --global-batch-size 16 --optimizer adamw-fp32 --schedule NAME`: 8
@@ -56,6 +57,13 @@ GPT = {"hidden": "256", "seq": "128", "layers": "4"}  # the demo's gpt (examples
 GPT_GLOBAL_BATCH, GPT_MICROBATCH_SIZE, GPT_PIPELINE_DEPTH = 16, 2, 2
 GPT_MEMORY = "4GiB"  # every schedule fits (gpipe, the hungriest, needs ~95 MiB); the depth is forced instead
 RATIO_TARGET, PREDICTION_TOLERANCE = 1.0, 0.15
+TORCH_SCHEDULES = {  # every schedule both runtimes have: pipeplan's name -> torch.distributed.pipelining's class
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 
 
 def _round_robin_ms(steps: dict[str, object], warmup: int = WARMUP, rounds: int = STEPS) -> dict[str, float]:
@@ -121,28 +129,26 @@ def _torch_stage_module(layers: nn.ModuleList, first: int, last: int) -> nn.Modu
 
 
 def _torch_step(schedule_name: str, rank: int):
-    """torch.distributed.pipelining on the same split (1f1b: 4+4 layers; zbv: 2-layer stages 0,3 | 1,2)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+    """torch.distributed.pipelining on the same split (gpipe, 1f1b: 4+4 layers; interleaved: 2-layer stages 0,2 |
+    1,3; zbv, dualpipev: 2-layer stages 0,3 | 1,2)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     spec = load_model("mlp", MLP)
     model = spec.build()
     device = torch.device("cpu")
-    if schedule_name == "1f1b":
-        stage_ids = [rank]
+    if schedule_name in ("gpipe", "1f1b"):
+        stage_ids, num_stages = [rank], 2
         bounds = {0: (0, 3), 1: (4, 7)}
-        num_stages = 2
     else:
-        stage_ids = [rank, 3 - rank]
+        stage_ids = [rank, rank + 2] if schedule_name == "interleaved" else [rank, 3 - rank]
         bounds = {s: (2 * s, 2 * s + 1) for s in range(4)}
         num_stages = 4
     stages = [PipelineStage(_torch_stage_module(model.layers, *bounds[s]), s, num_stages, device) for s in stage_ids]
     params = [p for stage in stages for p in stage.submod.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     loss_fn = spec.loss_fn
-    if schedule_name == "1f1b":
-        schedule = Schedule1F1B(stages[0], MLP_MICROBATCHES, loss_fn=loss_fn)
-    else:
-        schedule = ScheduleZBVZeroBubble(stages, MLP_MICROBATCHES, loss_fn=loss_fn)
+    kind = getattr(schedules, TORCH_SCHEDULES[schedule_name])
+    schedule = kind(stages[0] if num_stages == 2 else stages, MLP_MICROBATCHES, loss_fn=loss_fn)
     x, target = next(spec.batches(MLP_BATCH, 0))
     holds_first = 0 in stage_ids
     holds_last = (num_stages - 1) in stage_ids
@@ -181,7 +187,7 @@ def _bench_entry(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
 
 def _mlp_plans(folder: Path) -> dict[str, str]:
     mlp_plans = {}
-    for name in ("1f1b", "zbv"):
+    for name in TORCH_SCHEDULES:
         plan = manual_plan(
             "mlp",
             MLP,
@@ -246,7 +252,7 @@ def _table_a(console: Console, measured: dict) -> list[dict]:
     table = Table(title="(a) mlp 8x1024, batch 64, 8 microbatches, 2 ranks x 1 thread: median step ms")
     for column in ("schedule", "pipeplan", "torch.pipelining", "ratio", "target"):
         table.add_column(column)
-    for name in ("1f1b", "zbv"):
+    for name in TORCH_SCHEDULES:
         ours, theirs = measured["mlp"][f"pipeplan {name}"], measured["mlp"][f"torch {name}"]
         ratio = ours / theirs
         rows.append({"schedule": name, "pipeplan_ms": ours, "torch_ms": theirs, "ratio": ratio})

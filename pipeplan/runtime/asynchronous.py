@@ -33,7 +33,7 @@ from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed
 from pipeplan.runtime.post_validate import check_post_validate
 from pipeplan.runtime.routing import Message, Routing, build_routing, parse_rank_ops
-from pipeplan.runtime.trainer import OpTimes, RunResult, Trainer, microbatches_for
+from pipeplan.runtime.trainer import RunResult, TracedStep, Trainer, microbatches_for
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import generate, schedule_info
 
@@ -197,9 +197,9 @@ class AsynchronousSteps:
         """A segment ends drained: compare shared weights after every one."""
         return True
 
-    def run(self, first: int, end: int, batches: Iterator) -> OpTimes:
+    def run(self, first: int, end: int, batches: Iterator) -> list[TracedStep]:
         """Run steps [first, end) as one stream; append their losses and this rank's step times to the result.
-        Returns the op times of the segment's last step (for --trace)."""
+        Returns the segment's last step with its op times (for --trace)."""
         trainer, result = self.trainer, self.result
         plan = trainer.plan
         segment = dataclasses.replace(plan, rank_ops=stream_rank_ops(plan, end - first))
@@ -216,4 +216,10 @@ class AsynchronousSteps:
         result.losses += losses.tolist()
         result.step_ms += [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
         last = (end - first - 1) * plan.training.num_microbatches
-        return [(name, a, b) for name, a, b in record.op_times if Op.parse(name).microbatch >= last]
+        at = record.began
+        ops = [(name, at + a, at + b) for name, a, b in record.op_times if Op.parse(name).microbatch >= last]
+        return [(end - 1, ops, times[-1])]
+
+    def settle(self) -> list[TracedStep]:
+        """A segment ends drained and checked: nothing is pending."""
+        return []

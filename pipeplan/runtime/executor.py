@@ -49,7 +49,8 @@ class _Saved:
 @dataclass
 class StepRecord:
     loss_sum: torch.Tensor | None = None  # float64 sum of the scaled microbatch losses (no host sync per op)
-    op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s)
+    op_times: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start_s, end_s) from `began`
+    began: float = 0.0  # time.perf_counter() when the step began
     saved_peak_bytes: int = 0  # with Executor.track_saved: the most `held_activation_bytes` after any op
 
 
@@ -121,7 +122,7 @@ class Executor:
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._weight_state: dict[tuple[int, int], tuple[object, SavedTensors]] = {}
         record = StepRecord()
-        start = time.perf_counter()
+        start = record.began = time.perf_counter()
         events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         origin = self._event() if self.cuda_events else None
         for index, o in enumerate(self.ops):
@@ -266,7 +267,7 @@ class Executor:
         io = self.model.stage_io[o.stage]
         selective = SelectiveRecompute() if self.recompute[o.stage] == "selective" else contextlib.nullcontext()
         with self.seeded, torch.set_grad_enabled(grad), self.autocast(), tensors, selective:
-            torch.manual_seed(self._forward_seed(o))  # (held: an overlapped pair's other half may seed meanwhile)
+            self._seed_generators(self._forward_seed(o))  # (held: an overlapped pair's other half may seed meanwhile)
             results = self._call_stage(o, args)
             outputs = dict(zip(io.outputs, results, strict=True))
             loss = None
@@ -274,6 +275,14 @@ class Executor:
                 output = self.model.build_output({name: outputs[name] for name in self.model.model_outputs})
                 loss = self.model.spec.loss_fn(output, target) * self.loss_scale
         return outputs, loss
+
+    def _seed_generators(self, seed: int) -> None:
+        """What torch.manual_seed seeds for the generators a run can draw from (the CPU's, and CUDA's on a CUDA
+        run), without its lazy per-backend calls: each of those formats a stack trace while its backend is not
+        initialized (CUDA, MTIA, XPU on a CPU run), ~0.1 ms per forward."""
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed_all(seed)
 
     def _output_grad(self, o: Op, name: str) -> torch.Tensor:
         total = None

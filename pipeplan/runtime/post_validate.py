@@ -4,38 +4,47 @@ Parallelism, Qi et al., ICLR 2024, section 4 "bypassing optimizer synchronizatio
 A synchronized step waits for every rank's loss and gradient norm (step_checks.gather_rows) before any rank may
 step, because the step depends on them: gradient clipping needs the global norm, and a NaN/inf anywhere must stop
 (or, under fp16 loss scaling, skip) the step everywhere. Both rarely change anything in a healthy run, so here each
-rank steps eagerly on its own gradients as soon as they are reduced, as if neither triggered, and validates after:
+rank steps eagerly on its own gradients as soon as they are reduced, as if neither triggered, starts the next step
+at once and validates later:
 
-- before stepping it copies what the step writes (its parameters, or with ZeRO-1 its flat buffers, and its AdamW
-  state) into buffers kept across steps (StepUndo);
-- after stepping it passes its row of the global table along a chain of ranks (StateChain) and the last rank of the
-  chain sends the completed table back to every rank, so each rank learns the global state;
-- if the verdict (step_checks.judge, the synchronized step's own rule) is the plain step, the eager step stands;
-  otherwise the rank restores the copy (bit for bit) and carries out the verdict as the synchronized step would:
-  clip and step again, skip (fp16 overflow), or stop. Every rank gets the same table and so the same verdict.
+- before stepping it copies what the step writes (its parameters, or with ZeRO-1 its flat buffers, its AdamW state
+  and the fp16 loss scaler) into buffers kept across steps (StepUndo), and keeps a reference to the step's
+  gradients (the next step's backward fills fresh ones);
+- after stepping it starts an all-gather of its row of the global table on a process group of its own
+  (`async_op`: no rank waits for it on the step path) and goes straight on to the next step's forwards;
+- the next step runs its forwards and backwards on the eager weights; before its optimizer step (or wherever the
+  run needs settled weights: a checkpoint, the weight check, the end) the rank waits for the table. If the verdict
+  (step_checks.judge, the synchronized step's own rule) is the plain step, the eager step stands and the next one
+  goes on. Otherwise the rank restores the copy (bit for bit), puts the kept gradients back and carries out the
+  verdict as the synchronized step would (clip and step again, skip on fp16 overflow, or stop), then discards the
+  started step's gradients and runs that step again from its first forward on the corrected weights. Every rank
+  gets the same table and so the same verdict: all of them redo the same step, making the same point-to-point and
+  collective calls.
 
-The chain runs in the order ranks finish their backward passes in pipeplan's synchronous schedules: ranks holding
-later stages first, the rank holding stage 0 (which ends the step and starts the next) last. That rank completes the
-table as soon as its own step is done, and each other rank receives the table before its next forward could start.
+So a rank waits for the slowest rank only one step later, and only for its row: under a zero-bubble schedule whose
+first stage ends its step first, that stage starts the next step's warm-up while the others finish their
+cool-down, and the step time becomes the period between step ends rather than the makespan plus a barrier.
 The paper's in-place AdamW inversion is arithmetically but not bitwise exact in floating point; pipeplan keeps a
-copy instead (memory: one more copy of the rank's parameters and optimizer state). The paper also lets a stage skip
-its eager step when the partial state it received already shows a trigger; pipeplan always steps eagerly, so that
-ranks sharing a ZeRO-1 bucket always make the same collective calls (the all-gather inside the step).
+copy instead (memory: one more copy of the rank's parameters and optimizer state, and one step's gradients held
+through the next step's backward). The paper also lets a stage skip its eager step when the partial state it
+received already shows a trigger; pipeplan always steps eagerly, so that ranks sharing a ZeRO-1 bucket always make
+the same collective calls (the all-gather inside the step).
 Gradient reductions among the ranks that share a parameter (data parallelism, replicas, tied weights) still precede
 the step: they are part of computing the gradient, not a global check.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from pipeplan.errors import ConfigError
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.step_checks import GlobalState, apply_verdict, judge
+from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows, judge
 from pipeplan.schedules.registry import schedule_info
-
-CHAIN_TAG, TABLE_TAG = 1, 2
 
 
 def check_post_validate(plan: Plan, post_validate: bool) -> None:
@@ -45,42 +54,6 @@ def check_post_validate(plan: Plan, post_validate: bool) -> None:
             f"--post-validate validates a synchronous step, but schedule {plan.schedule!r} updates weights without a "
             "flush; drop --post-validate or plan a synchronous schedule"
         )
-
-
-def validation_order(plan: Plan) -> list[int]:
-    """Ranks in the order the global state passes through them: later stages first, ties by pipeline, replica."""
-    ranks = sorted(plan.ranks, key=lambda info: (-min(info.stages), info.pipeline, info.stage_replica, info.rank))
-    return [info.rank for info in ranks]
-
-
-class StateChain:
-    """Gather every rank's row into the table along `validation_order`, then send the table back to all ranks.
-    Collective to create (a process group of its own, so the transfers never mix with the pipeline's)."""
-
-    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
-        self.order = validation_order(plan)
-        self.group = dist.new_group(list(range(plan.world_size)))
-        self.rank, self.device = rank, device
-        position = self.order.index(rank)
-        self.before = self.order[position - 1] if position > 0 else None
-        self.after = self.order[position + 1] if position + 1 < len(self.order) else None
-        self.last = self.order[-1]
-
-    def exchange(self, row: torch.Tensor) -> torch.Tensor:
-        """The full table (rows in rank order); blocks until the chain has come round."""
-        table = torch.zeros(len(self.order), row.numel(), dtype=row.dtype, device=self.device)
-        if self.before is not None:
-            dist.recv(table, src=self.before, group=self.group, tag=CHAIN_TAG)
-        table[self.rank] = row
-        if self.after is not None:
-            sent = dist.isend(table.clone(), dst=self.after, group=self.group, tag=CHAIN_TAG)
-            dist.recv(table, src=self.last, group=self.group, tag=TABLE_TAG)
-            sent.wait()
-            return table
-        sends = [dist.isend(table, dst=r, group=self.group, tag=TABLE_TAG) for r in self.order if r != self.rank]
-        for work in sends:
-            work.wait()
-        return table
 
 
 class StepUndo:
@@ -137,27 +110,69 @@ class StepUndo:
                     state[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
+@dataclass
+class Pending:
+    """An eager step whose verdict is not known yet."""
+
+    step: int
+    table: torch.Tensor  # filled by the all-gather
+    work: dist.Work
+    grads: dict[torch.Tensor, torch.Tensor | None]  # the optimizer's parameters -> the gradients it stepped on
+    scaler: dict | None  # the loss scaler's fields before the step
+    ended: float  # time.perf_counter() when the eager step was done
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A step whose verdict is known: its global state, when it ended on this rank, whether it was redone."""
+
+    step: int
+    state: GlobalState
+    ended: float
+    rolled_back: bool
+
+
 class PostValidator:
-    """Step eagerly, then validate against the global state; counts the steps it had to roll back."""
+    """Step eagerly, learn the verdict one step later; counts the steps it rolled back and the started steps it
+    discarded and ran again."""
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device, optimizer, max_norm: float | None) -> None:
+    def __init__(self, plan: Plan, device: torch.device, optimizer, max_norm: float | None) -> None:
         check_post_validate(plan, True)
-        self.chain = StateChain(plan, rank, device)
+        self.group = dist.new_group(list(range(plan.world_size)))  # the tables never mix with other collectives
         self.undo = StepUndo(optimizer.optimizer, optimizer.written_by_step())
-        self.optimizer, self.max_norm = optimizer, max_norm
-        self.rollbacks = 0
+        self.params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+        self.optimizer, self.max_norm, self.device = optimizer, max_norm, device
+        self.rollbacks = 0  # eager steps undone (clipping, NaN/inf or overflow found after)
+        self.redone = 0  # already-started steps discarded and run again because of a rollback
+        self.pending: Pending | None = None
 
-    def update(self, step: int, row: torch.Tensor, scaler) -> GlobalState:
-        """Step now; once the table has come round, keep the step or roll it back and do what the verdict says."""
+    def step_eagerly(self, step: int, row: torch.Tensor, scaler) -> None:
+        """Take the step as if it were plain and start gathering the table; returns without waiting."""
+        assert self.pending is None, "settle() the previous step first"
         self.undo.take()
+        kept = dict(vars(scaler)) if scaler is not None else None
         self.optimizer.step()
-        state = GlobalState.from_table(self.chain.exchange(row))
-        verdict = judge(state, step=step, max_norm=self.max_norm, loss_scaling=scaler is not None)
+        if scaler is not None:
+            scaler.stepped()
+        table, work = gather_rows(row, group=self.group, async_op=True)
+        grads = {p: p.grad for p in self.params}
+        self.pending = Pending(step, table, work, grads, kept, time.perf_counter())
+
+    def settle(self, scaler) -> Settled:
+        """Wait for the pending step's table; keep its eager step, or roll it back and do what the verdict says
+        (raises RunError on a stop, with the weights as before that step)."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        pending.work.wait()
+        state = GlobalState.from_table(pending.table)
+        verdict = judge(state, step=pending.step, max_norm=self.max_norm, loss_scaling=scaler is not None)
         if verdict.plain_step:
-            if scaler is not None:
-                scaler.stepped()
-            return state
+            return Settled(pending.step, state, pending.ended, rolled_back=False)
         self.undo.restore()
+        if scaler is not None:
+            vars(scaler).update(pending.scaler)
+        for param, grad in pending.grads.items():
+            param.grad = grad
         self.rollbacks += 1
         apply_verdict(verdict, self.optimizer, scaler)
-        return state
+        return Settled(pending.step, state, time.perf_counter(), rolled_back=True)

@@ -3,9 +3,9 @@
 Every rank contributes one row, (the sum of its scaled microbatch losses, the squared L2 norm of the gradients it
 owns: `owned_grads()` in zero.py counts each element of each summed gradient on exactly one rank). The table of
 all rows gives the step's global state: the mean loss, the global gradient norm and whether either is not finite.
-`Trainer` gathers the table with one all-gather before stepping (the synchronized step); `--post-validate` passes
-it along the pipeline after stepping (post_validate.py). Either way the same table gives the same verdict bit for
-bit: rows are summed with math.fsum (exactly rounded, so independent of order).
+`Trainer` gathers the table with one all-gather before stepping (the synchronized step); `--post-validate` starts
+the same all-gather after an eager step and waits for it one step later (post_validate.py). Either way the same
+table gives the same verdict bit for bit: rows are summed with math.fsum (exactly rounded, so independent of order).
 
 The verdict follows the synchronized step's rules: a non-finite loss, or non-finite gradients without fp16 loss
 scaling, stops the run before the step; under loss scaling non-finite gradients skip the step on every rank and
@@ -37,12 +37,15 @@ def local_row(loss_sum: torch.Tensor | None, owned: list[torch.Tensor], device: 
     return row
 
 
-def gather_rows(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's row, in rank order (one all-gather over the world: the synchronized step's barrier)."""
-    flat = torch.empty(dist.get_world_size() * row.numel(), dtype=row.dtype, device=row.device)
+def gather_rows(row: torch.Tensor, *, group=None, async_op: bool = False):
+    """Every rank's row, in rank order (one all-gather over the world: the synchronized step's barrier). With
+    `async_op`: (the table, its Work), the table valid once the work is waited on (post_validate.py)."""
+    size = dist.get_world_size(group)
+    flat = torch.empty(size * row.numel(), dtype=row.dtype, device=row.device)
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    collective(flat, row)
-    return flat.view(-1, row.numel())
+    work = collective(flat, row, group=group, async_op=async_op)
+    table = flat.view(-1, row.numel())
+    return (table, work) if async_op else table
 
 
 def _total(values: list[float]) -> float:

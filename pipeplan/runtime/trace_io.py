@@ -1,5 +1,14 @@
-"""The measured timeline of a step as a Chrome trace, in the same format as the planner's predicted timeline.json
-(schedules.render.timeline_to_chrome_trace: one event per op, pid = device), so the two overlay in Perfetto."""
+"""The measured timeline of the last steps of a run as a Chrome trace, in the same format as the planner's
+predicted timeline.json (schedules.render.timeline_to_chrome_trace: one event per op, pid = device, its step in
+args), so the two overlay in Perfetto, plus the same times as plain numbers under "pipeplan_measured":
+
+    {"clock": ..., "ranks": [{"rank": 0, "steps": [{"step": 3, "end_ms": 41.2, "ops": [["F0.0", 0.0, 1.9], ...]},
+                                                    ...]}, ...]}
+
+Every rank's times are on its own time.perf_counter(), started at the same instant (train.py takes the origin right
+after a barrier) and shifted so that the earliest traced op starts at 0 ms; a step's `end_ms` is when its optimizer
+step ended on that rank (with --post-validate, a step rolled back ends when the verdict's step was taken; a step run
+again keeps the times of its last run)."""
 
 from __future__ import annotations
 
@@ -11,16 +20,45 @@ import torch.distributed as dist
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.schedules.render import timeline_to_chrome_trace
 
-
-def measured_rows(per_rank: list[list[tuple[str, float, float]]]) -> list[tuple[int, str, float, float]]:
-    """(device, op, start_ms, end_ms) rows from each rank's (op, start_s, end_s) times (relative to its step start)."""
-    return [(rank, op, start * 1000.0, end * 1000.0) for rank, times in enumerate(per_rank) for op, start, end in times]
+CLOCK = "ms on each rank's clock, taken together after a barrier at the start of the run; 0 = the first traced op"
 
 
-def write_trace(path: str | os.PathLike, rank: int, times: list[tuple[str, float, float]], *, world_size: int) -> None:
-    """Collective: gather every rank's op times; rank 0 writes one merged trace file."""
-    gathered: list[list[tuple[str, float, float]] | None] = [None] * world_size
-    dist.all_gather_object(gathered, times)
+def traced_steps(traced: list[tuple[int, list[tuple[str, float, float]], float]], origin: float) -> list[dict]:
+    """One rank's (step, [(op, start_s, end_s)], end_s) as {"step", "end_ms", "ops": [[op, start_ms, end_ms]]}, in
+    ms since `origin` (seconds on the same clock)."""
+
+    def ms(t: float) -> float:
+        return (t - origin) * 1000.0
+
+    return [{"step": s, "end_ms": ms(end), "ops": [[op, ms(a), ms(b)] for op, a, b in ops]} for s, ops, end in traced]
+
+
+def measured_trace(per_rank: list[list[dict]]) -> dict:
+    """The Chrome trace (with "pipeplan_measured") of every rank's `traced_steps`."""
+    zero = min((op[1] for steps in per_rank for step in steps for op in step["ops"]), default=0.0)
+    ranks = []
+    for rank, steps in enumerate(per_rank):
+        shifted = [
+            {
+                "step": step["step"],
+                "end_ms": step["end_ms"] - zero,
+                "ops": [[op, a - zero, b - zero] for op, a, b in step["ops"]],
+            }
+            for step in steps
+        ]
+        ranks.append({"rank": rank, "steps": shifted})
+    rows = [(r["rank"], op, a, b) for r in ranks for step in r["steps"] for op, a, b in step["ops"]]
+    trace = timeline_to_chrome_trace(rows)
+    numbers = [step["step"] for r in ranks for step in r["steps"] for _ in step["ops"]]
+    for event, step in zip(trace["traceEvents"], numbers, strict=False):  # the op events come first, in row order
+        event["args"]["step"] = step
+    trace["pipeplan_measured"] = {"clock": CLOCK, "ranks": ranks}
+    return trace
+
+
+def write_trace(path: str | os.PathLike, rank: int, traced: list, *, origin: float, world_size: int) -> None:
+    """Collective: gather every rank's traced steps; rank 0 writes one merged trace file."""
+    gathered: list[list[dict] | None] = [None] * world_size
+    dist.all_gather_object(gathered, traced_steps(traced, origin))
     if rank == 0:
-        rows = measured_rows([g or [] for g in gathered])
-        atomic_write_text(path, json.dumps(timeline_to_chrome_trace(rows)) + "\n")
+        atomic_write_text(path, json.dumps(measured_trace([g or [] for g in gathered])) + "\n")

@@ -1,11 +1,15 @@
 """The training loop each rank runs (inside an initialized process group), one for every schedule: build the rank's
 trainer (trainer.py), then run the steps as segments through the schedule's step strategy and, between segments,
 inject the test faults, log on rank 0, compare shared weights across ranks and write checkpoints; at the end write
-the measured trace and the summary.
+the measured trace (the last TRACE_STEPS steps on one clock per rank) and the summary.
 
 A step strategy says what a segment of steps is and does (`StepStrategy`): a synchronous schedule runs one step per
 segment and checks every step globally (trainer.SynchronousSteps); an asynchronous one runs a stream of steps
-without flushes, cut only at checkpoints (asynchronous.AsynchronousSteps)."""
+without flushes, cut only at checkpoints (asynchronous.AsynchronousSteps). Under --post-validate a step is settled
+during the next one, so nothing between steps waits for other ranks: steps are logged once settled, and the run
+settles the pending step only where it needs settled weights (the --check-every comparison, a checkpoint, the end).
+A step's time is the interval between consecutive step ends on the rank (the end of its optimizer step): with
+overlapping steps that is the period."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from pipeplan.console import out, warn
 from pipeplan.plan.plan import Plan
@@ -28,9 +33,11 @@ from pipeplan.runtime.optim import run_plan
 from pipeplan.runtime.precision_run import gather_peak_memory, memory_versus
 from pipeplan.runtime.step_checks import clip_coefficient
 from pipeplan.runtime.trace_io import write_trace
-from pipeplan.runtime.trainer import OpTimes, RunResult, SynchronousSteps, Trainer
+from pipeplan.runtime.trainer import RunResult, SynchronousSteps, TracedStep, Trainer
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_gib
+
+TRACE_STEPS = 8  # --trace keeps this many last steps
 
 
 class StepStrategy(Protocol):
@@ -44,9 +51,13 @@ class StepStrategy(Protocol):
         """Whether shared weights are compared across ranks after the segment ending at `end` (--check-every)."""
         ...
 
-    def run(self, first: int, end: int, batches: Iterator) -> OpTimes:
-        """Run the segment, drawing one global batch per step; append each step's global loss and step time (and
-        what else it records) to the result. Returns this rank's op times of the segment's last step."""
+    def run(self, first: int, end: int, batches: Iterator) -> list[TracedStep]:
+        """Run the segment, drawing one global batch per step; append each settled step's global loss and step time
+        (and what else it records) to the result. Returns the settled steps with this rank's op times."""
+        ...
+
+    def settle(self) -> list[TracedStep]:
+        """Settle and record whatever step is still pending (before checks, checkpoints and the end)."""
         ...
 
 
@@ -79,70 +90,86 @@ def _run_segments(trainer: Trainer, steps: StepStrategy, result: RunResult, batc
     """The run from step `start` on: its segments, the checks and checkpoints between them, the end of the run."""
     config, rank, device = trainer.config, trainer.rank, trainer.device
     fault = FaultSpec.from_env()
-    op_times: OpTimes = []
+    traced: list[TracedStep] = []
     checked = None  # the step after which shared weights were last compared
+    logged = start  # the first step not logged yet
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()  # the trace's one clock: every rank leaves the barrier at about the same time
+    origin = time.perf_counter()
     for first, end in steps.segments(start):
         for step in range(first, end):  # (a stream has no step boundary to stop at: faults fire at its start)
             _maybe_fail(fault, rank, step, watchdog, trainer)
-        op_times = steps.run(first, end, batches)
-        _log_steps(trainer, result, first, end, metrics)
-        if config.check_every and steps.check_due(end):
+        traced += steps.run(first, end, batches)
+        check = bool(config.check_every) and steps.check_due(end)
+        save = bool(config.checkpoint_dir) and _checkpoint_due(config, end - 1)
+        if check or save:  # both need the settled weights
+            traced += steps.settle()
+        logged = _log_steps(trainer, result, logged, metrics)
+        if check:
             trainer.sync.check_in_sync(checked := end - 1)
-        if config.checkpoint_dir and _checkpoint_due(config, end - 1):
+        if save:
             trainer.save(end)
+        del traced[:-TRACE_STEPS]
+    traced += steps.settle()
+    _log_steps(trainer, result, logged, metrics)
     if config.check_every and checked != config.steps - 1:
         trainer.sync.check_in_sync(config.steps - 1)
-    _finish(trainer, result, op_times)
+    _finish(trainer, result, traced[-TRACE_STEPS:], origin)
 
 
-def _finish(trainer: Trainer, result: RunResult, op_times: OpTimes) -> None:
+def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origin: float) -> None:
     """What the run leaves: optimizer state size, rollbacks and peak memory in the result, the measured trace of
-    the last step, the summary lines."""
+    the last steps, the summary lines."""
     plan, config, rank, device = trainer.plan, trainer.config, trainer.rank, trainer.device
     result.optimizer_state_numel = trainer.optimizer.state_numel()
-    result.rollbacks = trainer.post_validator.rollbacks if trainer.post_validator is not None else 0
+    if trainer.post_validator is not None:
+        result.rollbacks, result.redone = trainer.post_validator.rollbacks, trainer.post_validator.redone
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
-        write_trace(config.trace_path, rank, op_times, world_size=plan.world_size)
+        write_trace(config.trace_path, rank, traced, origin=origin, world_size=plan.world_size)
     if result.step_ms:  # --quiet drops only the per-step lines
         peaks = gather_peak_memory(device)
+        periods: list = [None] * plan.world_size  # every rank's median step time
+        dist.all_gather_object(periods, _median_step(result.step_ms))
         if rank == 0:
-            _log_summary(plan, result.step_ms, peaks)
+            _log_summary(plan, result.step_ms, periods, peaks)
             _log_checks(config, result)
 
 
-def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int, metrics: MetricsLog | None) -> None:
-    """Rank 0 writes every step of the segment just run to --log and prints every --log-every'th (every rank takes
-    part in reading peaks)."""
+def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: MetricsLog | None) -> int:
+    """Rank 0 writes every step recorded since step `logged` to --log and prints every --log-every'th (every rank
+    takes part in reading peaks, except under --post-validate: a collective between steps would wait for the
+    slowest rank). Returns the first step not logged yet."""
     config, plan = trainer.config, trainer.plan
-    base = len(result.losses) - end  # result.losses[base + step] is step's
-    for step in range(first, end) if metrics is not None else ():
-        norm = result.grad_norms[base + step] if len(result.grad_norms) == len(result.losses) else None
+    done = result.first_step + len(result.losses)
+    index = {step: step - result.first_step for step in range(logged, done)}  # result.losses[index[step]] is step's
+    for step, at in index.items() if metrics is not None else ():
+        norm = result.grad_norms[at] if len(result.grad_norms) == len(result.losses) else None
         metrics.write(
             step_record(
                 step=step,
-                loss=result.losses[base + step],
+                loss=result.losses[at],
                 lr=plan.training.lr * trainer.schedule.factor(step),
                 grad_norm=norm,
-                step_ms=result.step_ms[base + step],
+                step_ms=result.step_ms[at],
                 samples=plan.training.global_batch_size,
                 tokens=plan.model.tokens_per_sample,
                 predicted_ms=plan.predicted.step_ms,
             )
         )
     if config.quiet or not config.log_every:
-        return
-    due = [step for step in range(first, end) if (step + 1) % config.log_every == 0]
+        return done
+    due = [step for step in index if (step + 1) % config.log_every == 0]
     if not due:
-        return
-    peaks = gather_peak_memory(trainer.device)  # one small all_gather on CUDA
+        return done
+    peaks = None if config.post_validate else gather_peak_memory(trainer.device)  # one small all_gather on CUDA
     if trainer.rank == 0:
         for step in due:
             lr = plan.training.lr * trainer.schedule.factor(step)
-            _log_step(plan, step, result.losses[base + step], lr, result.step_ms[base + step], peaks)
+            _log_step(plan, step, result.losses[index[step]], lr, result.step_ms[index[step]], peaks)
+    return done
 
 
 def _checkpoint_due(config: RunConfig, step: int) -> bool:
@@ -182,6 +209,7 @@ def _log_checks(config: RunConfig, result: RunResult) -> None:
         out.print(f"clipped {clipped} of {steps} steps (--clip-grad-norm {config.clip_grad_norm:g})", highlight=False)
     if config.post_validate:
         rolled = f"post-validate: {result.rollbacks} of {steps} eager optimizer steps rolled back and redone"
+        rolled += f"; {result.redone} steps already started on their weights run again" if result.redone else ""
         out.print(rolled, highlight=False)
 
 
@@ -200,16 +228,24 @@ def _log_step(plan: Plan, step: int, loss: float, lr: float, step_ms: float, pea
     )
 
 
-def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = None) -> None:
-    timed = step_ms[1:] if len(step_ms) > 1 else step_ms  # the first step includes warm-up
-    median = statistics.median(timed)
+def _median_step(step_ms: list[float]) -> float:
+    """A rank's measured step: the median of its step times (intervals between step ends), the first step (warm-up)
+    left out when there are more."""
+    return statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
+
+
+def _log_summary(plan: Plan, step_ms: list[float], periods: list[float], peaks: list[int] | None = None) -> None:
+    median = max(periods)
+    slowest = periods.index(median)
+    timed = len(step_ms) - 1 if len(step_ms) > 1 else 1
     predicted = plan.predicted.step_ms
     versus = (
         f" vs predicted {predicted:.1f} ms; measured/predicted {median / predicted:.2f}"
         if predicted > 0
         else " (the plan has no prediction)"
     )
-    out.print(f"summary: median step {median:.1f} ms over {len(timed)} steps{versus}", highlight=False, soft_wrap=True)
+    what = f"median step {median:.1f} ms over {timed} steps (the interval between step ends, rank {slowest}'s, slowest)"
+    out.print(f"summary: {what}{versus}", highlight=False, soft_wrap=True)
     if peaks is None:
         out.print("peak memory: not measured on CPU (CUDA runs report each rank's)", highlight=False)
         return

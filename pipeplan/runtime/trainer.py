@@ -2,6 +2,7 @@
 and the optimizer; the synchronous step (run the planned op list, all-reduce shared gradients, check the step
 globally: loss, gradient norm, NaN/inf in step_checks.py, or after an eager step with --post-validate in
 post_validate.py, then step the optimizer at the step's learning rate: optim.py); checkpoint save and restore.
+A post-validated step is settled one step later (`run_step` settles the step before, `settle` the last one).
 The run loop is train.py; the asynchronous step is asynchronous.py."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch
 from pipeplan.runtime.grads import GradientSync
 from pipeplan.runtime.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
-from pipeplan.runtime.post_validate import PostValidator
+from pipeplan.runtime.post_validate import PostValidator, Settled
 from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
 from pipeplan.runtime.routing import build_routing
 from pipeplan.runtime.stages import build_pipeline_model
@@ -30,7 +31,8 @@ from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows
 from pipeplan.runtime.zero import make_step_optimizer
 from pipeplan.schedules.registry import schedule_info
 
-OpTimes = list[tuple[str, float, float]]  # (op, start, end) of one step's ops on this rank (trace_io.write_trace)
+OpTimes = list[tuple[str, float, float]]  # (op, start, end) of one step's ops on this rank, time.perf_counter() s
+TracedStep = tuple[int, OpTimes, float]  # (step, its op times, when its optimizer step ended): trace_io.write_trace
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RunResult:
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
     rollbacks: int = 0  # --post-validate: eager optimizer steps undone (clipping, NaN/inf or overflow found after)
+    redone: int = 0  # --post-validate: steps already started on undone weights, discarded and run again
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
 
 
@@ -102,22 +105,57 @@ class Trainer:
         self.wanted = {f.microbatch for o in self.executor.ops for f in o.parts if f.kind == "F"}
         self.fingerprint = self.model.traced.layer_graph.fingerprint
         self.post_validator = (
-            PostValidator(plan, rank, device, self.optimizer, config.clip_grad_norm) if config.post_validate else None
-        )  # --post-validate: step eagerly, check after (post_validate.py)
+            PostValidator(plan, device, self.optimizer, config.clip_grad_norm) if config.post_validate else None
+        )  # --post-validate: step eagerly, check one step later (post_validate.py)
         self.inject_nan_at: int | None = None  # PIPEPLAN_FAULT mode=nan: a NaN gradient at this step
-        self.last_state: GlobalState | None = None  # the last step's global loss and gradient norm
+        self.last_state: GlobalState | None = None  # the last settled step's global loss and gradient norm
+        self.settled: list[Settled] = []  # steps whose verdict is known, until `take_settled`
+        self._op_times: dict[int, OpTimes] = {}  # step -> the op times of its last run
 
-    def one_step(self, step: int, shard: MicroBatch) -> tuple[float, list[tuple[str, float, float]]]:
-        """Run one training step; returns (global mean loss, this rank's op times). A non-finite loss or gradient
-        anywhere stops every rank at this step with the weights as before it (fp16: every rank skips the step)."""
+    def one_step(self, step: int, shard: MicroBatch) -> tuple[float, OpTimes]:
+        """Run one training step and settle it before returning (no overlap with the next step); returns (global
+        mean loss, this rank's op times). A non-finite loss or gradient anywhere stops every rank at this step with
+        the weights as before it (fp16: every rank skips the step)."""
+        self.run_step(step, shard)
+        self.settle()
+        ((settled, op_times),) = self.take_settled()
+        return settled.state.loss, op_times
+
+    def run_step(self, step: int, shard: MicroBatch) -> None:
+        """Run step `step` up to its optimizer step: synchronized, checked globally and taken; post-validated, taken
+        eagerly once the step before is settled (its verdict may undo the weights this step's passes ran on: then
+        they run again). A stop raises RunError on every rank with the weights as before the stopped step."""
         record = self._gradients(step, shard)
+        validator = self.post_validator
+        if validator is not None and validator.pending is not None and self._settle().rolled_back:
+            validator.redone += 1
+            record = self._gradients(step, shard)
         self.schedule.apply(self.optimizer.optimizer, step)
         row = self._local_row(record)
-        if self.post_validator is not None:
-            self.last_state = self.post_validator.update(step, row, self.scaler)
+        if validator is not None:
+            validator.step_eagerly(step, row, self.scaler)
         else:
             self.last_state = self._synchronized_update(step, row)
-        return self.last_state.loss, record.op_times
+            self.settled.append(Settled(step, self.last_state, time.perf_counter(), rolled_back=False))
+
+    def settle(self) -> None:
+        """Learn the verdict of a post-validated step still pending and carry it out (nothing otherwise)."""
+        if self.post_validator is not None and self.post_validator.pending is not None:
+            self._settle()
+
+    def _settle(self) -> Settled:
+        pending = self.post_validator.pending
+        self.schedule.apply(self.optimizer.optimizer, pending.step)  # a rolled-back step steps again at its own lr
+        settled = self.post_validator.settle(self.scaler)
+        self.last_state = settled.state
+        self.settled.append(settled)
+        return settled
+
+    def take_settled(self) -> list[tuple[Settled, OpTimes]]:
+        """The steps settled since the last call, in order, each with its op times."""
+        taken = [(s, self._op_times.pop(s.step)) for s in self.settled]
+        self.settled = []
+        return taken
 
     def _gradients(self, step: int, shard: MicroBatch):
         """The step's forward and backward passes, then the gradient reductions among each parameter's holders."""
@@ -126,6 +164,7 @@ class Trainer:
             self.executor.loss_grad = self.scaler.scale
         pieces = microbatches_for(self.plan, self.rank, shard, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
+        self._op_times[step] = [(name, record.began + a, record.began + b) for name, a, b in record.op_times]
         if self.inject_nan_at == step:
             _poison_a_gradient(self.model.params)
         self.optimizer.reduce_gradients()
@@ -203,10 +242,13 @@ def _poison_a_gradient(params: dict[str, torch.nn.Parameter]) -> None:
 
 class SynchronousSteps:
     """The step strategy of schedules that flush (train.train): one step at a time, each a segment of its own; the
-    step ends with every rank's gradients checked globally and the optimizer step (Trainer.one_step)."""
+    step ends with every rank's gradients checked globally and the optimizer step (Trainer.run_step), or with
+    --post-validate with the eager optimizer step, checked during the next step (`settle` before anything that
+    needs the settled weights)."""
 
     def __init__(self, trainer: Trainer, result: RunResult, *, capture_grads: bool) -> None:
         self.trainer, self.result, self.capture_grads = trainer, result, capture_grads
+        self.last_end: float | None = None  # when the last recorded step ended on this rank
 
     @staticmethod
     def check(plan: Plan, config: RunConfig) -> None:
@@ -219,16 +261,31 @@ class SynchronousSteps:
         """--check-every counts steps."""
         return end % self.trainer.config.check_every == 0
 
-    def run(self, first: int, end: int, batches: Iterator) -> OpTimes:
-        """Run step `first` (the segment [first, first + 1)); record its loss, time and gradient norm, and the
-        gradients after the run's first step when asked. Returns this rank's op times."""
+    def run(self, first: int, end: int, batches: Iterator) -> list[TracedStep]:
+        """Run step `first` (the segment [first, first + 1)); record the steps settled by now (post-validated: the
+        step before) and the gradients after the run's first step when asked. Returns the settled steps' times."""
         (step,) = range(first, end)
-        batch = next(batches)
-        began = time.perf_counter()
-        loss, op_times = self.trainer.one_step(step, batch)
-        self.result.losses.append(loss)
-        self.result.step_ms.append((time.perf_counter() - began) * 1000.0)
-        self.result.grad_norms.append(self.trainer.last_state.grad_norm)
+        if self.last_end is None:
+            self.last_end = time.perf_counter()
+        self.trainer.run_step(step, next(batches))
         if self.capture_grads and step == self.result.first_step:
+            self.trainer.settle()  # (tests) the gradients as the settled step used them
             self.result.grads = self.trainer.grads()
-        return op_times
+        return self._record()
+
+    def settle(self) -> list[TracedStep]:
+        """Settle the step still pending (post-validated runs) and record it."""
+        self.trainer.settle()
+        return self._record()
+
+    def _record(self) -> list[TracedStep]:
+        """Each settled step's loss, gradient norm and time: the interval since the step before ended on this rank
+        (the first one's since the run began), so that steps overlapping under --post-validate count the period."""
+        traced = []
+        for settled, op_times in self.trainer.take_settled():
+            self.result.losses.append(settled.state.loss)
+            self.result.grad_norms.append(settled.state.grad_norm)
+            self.result.step_ms.append((settled.ended - self.last_end) * 1000.0)
+            self.last_end = settled.ended
+            traced.append((settled.step, op_times, settled.ended))
+        return traced

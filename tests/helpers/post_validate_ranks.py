@@ -36,6 +36,7 @@ class Outcome:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     states: dict[str, dict] = field(default_factory=dict)  # full per-parameter optimizer state
     rollbacks: int = 0
+    redone: int = 0  # post-validated: started steps discarded and run again after a rollback
     skipped_steps: int = 0  # loss scaler: steps skipped for overflow
     final_scale: float | None = None
 
@@ -50,21 +51,28 @@ def _run_case(case: Case, rank: int) -> Outcome:
     shard = (plan.ranks[rank].pipeline, plan.training.data_parallel)
     batches = trainer.model.spec.shard_batches(plan.training.global_batch_size, plan.training.seed, shard)
     outcome = Outcome()
-    for step in range(case.config.steps):
-        try:
-            loss, _ = trainer.one_step(step, next(batches))
-        except RunError as exc:  # every rank stops at the same step with the same message
-            outcome.error = str(exc)
-            break
-        outcome.losses.append(loss)
-        outcome.grad_norms.append(trainer.last_state.grad_norm)
+    try:  # a post-validated step is settled during the next one (Trainer.run_step), the last by settle()
+        for step in range(case.config.steps):
+            trainer.run_step(step, next(batches))
+            _record(outcome, trainer)
+        trainer.settle()
+        _record(outcome, trainer)
+    except RunError as exc:  # every rank stops at the same step with the same message
+        outcome.error = str(exc)
     states = trainer.optimizer.gathered_states(list(trainer.model.params))  # collective under zero=1
     outcome.states = {name: {k: _copy(v) for k, v in state.items()} for name, state in states.items()}
     outcome.params = {name: p.detach().clone() for name, p in trainer.model.params.items()}
-    outcome.rollbacks = trainer.post_validator.rollbacks if trainer.post_validator is not None else 0
+    if trainer.post_validator is not None:
+        outcome.rollbacks, outcome.redone = trainer.post_validator.rollbacks, trainer.post_validator.redone
     if trainer.scaler is not None:
         outcome.skipped_steps, outcome.final_scale = trainer.scaler.skipped_steps, trainer.scaler.scale
     return outcome
+
+
+def _record(outcome: Outcome, trainer: Trainer) -> None:
+    for settled, _ in trainer.take_settled():
+        outcome.losses.append(settled.state.loss)
+        outcome.grad_norms.append(settled.state.grad_norm)
 
 
 def _copy(value):

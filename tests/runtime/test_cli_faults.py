@@ -40,10 +40,18 @@ def test_cli_run_logs_steps_and_writes_an_overlayable_trace(tmp_path):
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("loss" in s and "samples/s" in s and "tokens/s" in s for s in steps)
     assert "summary: median step" in proc.stdout
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    written = json.loads(trace.read_text())
+    events = [e for e in written["traceEvents"] if e["ph"] == "X"]
     assert sorted({e["pid"] for e in events}) == [0, 1]
-    assert sorted(e["name"] for e in events) == sorted(op for ops in plan.rank_ops for op in ops)
-    assert all(e["dur"] >= 0 for e in events)
+    for step in range(3):  # every step's ops, on one clock
+        ops = sorted(e["name"] for e in events if e["args"]["step"] == step)
+        assert ops == sorted(op for ops in plan.rank_ops for op in ops)
+    assert all(e["dur"] >= 0 for e in events) and min(e["ts"] for e in events) == 0
+    for rank in written["pipeplan_measured"]["ranks"]:
+        ends = [step["end_ms"] for step in rank["steps"]]
+        starts = [min(op[1] for op in step["ops"]) for step in rank["steps"]]
+        assert [s["step"] for s in rank["steps"]] == [0, 1, 2] and ends == sorted(ends)
+        assert all(start < end for start, end in zip(starts, ends, strict=True))
 
 
 def test_dead_rank_under_torchrun_stops_everyone_and_keeps_the_checkpoint(tmp_path):

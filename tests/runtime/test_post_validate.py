@@ -4,7 +4,8 @@
   AdamW run that clips with it (losses and global norms of every step, every rank's clipped first-step gradients).
 - A post-validated run equals the synchronized run of the same options exactly (torch.equal): losses, global norms,
   parameters and full per-parameter AdamW state, when nothing triggers, when clipping triggers on some or all steps
-  (then exactly those steps were rolled back), with a NaN put into one rank's gradient at one step (fp32: both stop
+  (then exactly those steps were rolled back, and the step each one's verdict found already started was discarded
+  and run again), with a NaN put into one rank's gradient at one step (fp32: both stop
   at that step with the weights of the step before; fp16-style loss scaling: both skip that step and halve the scale),
   with ZeRO-1, tied weights across stages, data-parallel pipelines and replicated stages.
 The production path (launch_many, checkpoints, PIPEPLAN_FAULT mode=nan, the CLI flags) and direct `Trainer` runs
@@ -103,8 +104,11 @@ def test_post_validated_run_equals_the_synchronized_one(launched, layout, clip):
     for a, b in zip(sync, post, strict=True):
         assert len(a.losses) == len(b.losses) == STEPS
         assert a.losses == b.losses and a.grad_norms == b.grad_norms
-        assert a.rollbacks == 0
+        assert a.rollbacks == a.redone == 0
         assert b.rollbacks == _clipped_steps(a.grad_norms, clip)  # rolled back exactly where clipping was needed
+        # each rollback found the next step started on the eager weights and ran it again, but the last step's and
+        # the first's (capture_grads settles the first step before the second starts)
+        assert b.redone == _clipped_steps(a.grad_norms[1:-1], clip)
     files, post_files = checkpoint_files(sync_config.checkpoint_dir), checkpoint_files(post_config.checkpoint_dir)
     assert files.keys() == post_files.keys()
     for name, saved in files.items():
@@ -182,11 +186,12 @@ def test_nan_at_one_step_two_ranks(tmp_path):
         _assert_pair(outcomes, label)
     for stopped in outcomes["fp32 nan post"]:
         assert stopped.error.startswith("step 3: gradients are not finite; stopped before the optimizer step")
-        assert len(stopped.losses) == 2 and stopped.rollbacks == 1
+        assert len(stopped.losses) == 2 and stopped.rollbacks == 1 and stopped.redone == 0  # found during step 4
     for label in ("scaled nan", "zero1 scaled nan"):
         for skipped in outcomes[f"{label} post"]:
             assert skipped.error is None and skipped.skipped_steps == 1 and skipped.final_scale == 2.0**9
             assert skipped.rollbacks == _expected_rollbacks(skipped, CLIP_SOME) >= 2
+            assert skipped.redone >= 1  # the skipped step's successor ran on the eager weights, then again
 
 
 def test_four_ranks_no_trigger_clipping_and_nan(tmp_path):
@@ -208,7 +213,7 @@ def test_four_ranks_no_trigger_clipping_and_nan(tmp_path):
         _assert_pair(outcomes, label)
     for label in ("4 stages", "dp tied zero1"):
         assert all(o.rollbacks == 0 and o.error is None for o in outcomes[f"{label} post"])
-    assert all(o.rollbacks == STEPS for o in outcomes["replicas clip post"])
+    assert all(o.rollbacks == STEPS and o.redone == STEPS - 1 for o in outcomes["replicas clip post"])
     for label in ("4 stages scaled nan", "dp tied zero1 scaled nan"):
         for skipped in outcomes[f"{label} post"]:
             assert skipped.skipped_steps == 1 and skipped.rollbacks == _expected_rollbacks(skipped, CLIP_SOME)

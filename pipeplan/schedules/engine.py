@@ -30,13 +30,15 @@ def execute(
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
     fused: Mapping[tuple[int, int], float] | None = None,
+    ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-device start and end times, aligned with `device_ops`. `op_ms[kind][stage]` gives durations (all 0
+    """Per-device start and end times, aligned with `device_ops`; `ready[d]`: when device d may start its first op
+    (default 0: a step of several, `schedules.period`, starts each device at its own time). `op_ms[kind][stage]` gives durations (all 0
     when None); `comm_ms[boundary]` is charged when producer and consumer are on different devices (by
     `schedule.stage_device`). `fused[(device, step)] = ms` runs that op and the next one as one unit (DualPipe's
     overlapped F&B pair): it starts when both ops' inputs are ready and both end after `ms`. `backward_kind[slot]`
     (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input gradient."""
-    return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {})
+    return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {}, ready)
 
 
 def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: int, o: Op) -> Dependencies:
@@ -96,17 +98,22 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
 
 
 def replay(
-    schedule: Schedule, order: Order, op_ms: Mapping[str, Sequence[float]] | None, comm_ms: Sequence[float] | None
+    schedule: Schedule,
+    order: Order,
+    op_ms: Mapping[str, Sequence[float]] | None,
+    comm_ms: Sequence[float] | None,
+    ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """`execute` without fused pairs, along `timing_order(schedule, ...)`: the same start and end times (the same
-    float operations) without searching for the next op that can run."""
+    float operations) without searching for the next op that can run. The order holds for any `ready` (it depends
+    only on which ops are done)."""
     S = schedule.num_stages
     dur = [op_ms[k] if op_ms else [0.0] * S for k in KINDS]
     comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
     starts = [[0.0] * len(ops) for ops in schedule.device_ops]
     ends = [[0.0] * len(ops) for ops in schedule.device_ops]
     end = [0.0] * (4 * S * schedule.num_microbatches)
-    free = [0.0] * schedule.num_devices
+    free = list(ready) if ready is not None else [0.0] * schedule.num_devices
     fields = [iter(order)] * 9
     for d, i, key, kind, s, first, first_comm, second, second_comm in zip(*fields):
         start = free[d]
@@ -140,11 +147,13 @@ class _Executor:
             start = max(start, e + self.comm[boundary] if boundary >= 0 else e)
         return start, -1
 
-    def run(self, fused: Mapping[tuple[int, int], float]) -> tuple[list[list[float]], list[list[float]]]:
+    def run(
+        self, fused: Mapping[tuple[int, int], float], ready: Sequence[float] | None
+    ) -> tuple[list[list[float]], list[list[float]]]:
         device_ops, n, m, end, dur = self.schedule.device_ops, self.n, self.m, self.end, self.dur
         starts = [[0.0] * len(ops) for ops in device_ops]
         ends = [[0.0] * len(ops) for ops in device_ops]
-        pos, free = [0] * len(device_ops), [0.0] * len(device_ops)
+        pos, free = [0] * len(device_ops), list(ready) if ready is not None else [0.0] * len(device_ops)
         waiting: dict[int, list[int]] = {}
         runnable = list(range(len(device_ops) - 1, -1, -1))
         while runnable:

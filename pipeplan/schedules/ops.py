@@ -56,6 +56,10 @@ class Op:
         text = f"{self.stage}{self.kind}{self.microbatch}"
         return text if self.version is None else f"{text}v{self.version}"
 
+    def shifted(self, microbatches: int) -> Op:
+        """The same op `microbatches` later (a later step of the same op lists: `schedules.period`)."""
+        return Op(self.kind, self.stage, self.microbatch + microbatches, self.version)
+
     @staticmethod
     def parse(text: str) -> Op:
         """Parse `2F0` / `1I3` / `0W2`, or `0F5v2` with a weight version (surrounding whitespace ignored); cached:

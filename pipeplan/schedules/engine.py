@@ -33,11 +33,11 @@ def execute(
     ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per-device start and end times, aligned with `device_ops`; `ready[d]`: when device d may start its first op
-    (default 0: a step of several, `schedules.period`, starts each device at its own time). `op_ms[kind][stage]` gives durations (all 0
-    when None); `comm_ms[boundary]` is charged when producer and consumer are on different devices (by
+    (default 0: a step of several, `schedules.period`, starts each device at its own time). `op_ms[kind][stage]` gives
+    durations (all 0 when None); `comm_ms[boundary]` is charged when producer and consumer are on different devices (by
     `schedule.stage_device`). `fused[(device, step)] = ms` runs that op and the next one as one unit (DualPipe's
-    overlapped F&B pair): it starts when both ops' inputs are ready and both end after `ms`. `backward_kind[slot]`
-    (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input gradient."""
+    overlapped F&B pair): it starts when both ops' inputs are ready and both end after `ms`. `backward_kind[slot]` (slot
+    = stage * m + microbatch) is the kind index (B or I) carrying that slot's input gradient."""
     return _Executor(schedule, backward_kind, op_ms, comm_ms).run(fused or {}, ready)
 
 

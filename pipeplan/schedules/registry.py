@@ -209,13 +209,13 @@ def generate(
     steps: int | None = None,
     post_validate: bool = False,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed
-    orders). `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not
-    included; `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is
-    generated under it (default: 1F1B's peak), the other schedules are checked against it. `steps`: the length
-    of an asynchronous schedule's stream in steps of `num_microbatches` (default 1; `stream_steps` gives enough
-    for its steady state); synchronous schedules are one step. `post_validate`: the cost-driven ones rank their candidates by the period of
-steps post-validated (`schedules.period`), else by the makespan."""
+    """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed orders).
+    `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not included;
+    `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is generated under it
+    (default: 1F1B's peak), the other schedules are checked against it. `steps`: the length of an asynchronous
+    schedule's stream in steps of `num_microbatches` (default 1; `stream_steps` gives enough for its steady state);
+    synchronous schedules are one step. `post_validate`: the cost-driven ones rank their candidates by the period of
+    steps post-validated (`schedules.period`), else by the makespan."""
     info = schedule_info(name)
     if steps is not None and steps != 1 and not info.asynchronous:
         raise ScheduleError(f"{name} is synchronous: one step per op list (--steps applies to pipedream schedules)")

@@ -37,9 +37,10 @@ def run_in_order(
     fused: Mapping[tuple[int, int], float] | None = None,
     ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Validate (`checked`: once per Schedule object), then time every device's list in order (`engine.replay`
-    along the checked order, or `engine.execute` with `fused` F&B pairs: durations `op_ms[kind][stage]`, all 0 when
-    None; `comm_ms[boundary]` across devices; `ready[d]`: when device d may start, default 0). Returns per-device start and end times, aligned with `device_ops`."""
+    """Validate (`checked`: once per Schedule object), then time every device's list in order (`engine.replay` along the
+    checked order, or `engine.execute` with `fused` F&B pairs: durations `op_ms[kind][stage]`, all 0 when None;
+    `comm_ms[boundary]` across devices; `ready[d]`: when device d may start, default 0). Returns per-device start and
+    end times, aligned with `device_ops`."""
     backward_kind, order = checked(schedule)
     if fused:
         return execute(schedule, backward_kind, op_ms=op_ms, comm_ms=comm_ms, fused=fused, ready=ready)

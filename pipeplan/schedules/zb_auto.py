@@ -3,9 +3,9 @@ section 3: ZB-1p at 1F1B's memory, ZB-2p at twice it) for measured per-stage cos
 live activation bytes.
 
 Candidates, fastest wins: the shortest period (`schedules.period`: the makespan when every step waits for the
-last device, the steady interval between steps when they are post-validated — then about the longest device
-span, the paper's figure), then (synchronized) the shortest span, the least activation memory, the simplest (1f1b, zb-h1, zb-h2, the
-runs):
+last device, the steady interval between steps when they are post-validated, then about the longest device span:
+the paper's figure), then (synchronized) the shortest span, the least activation memory, the simplest (1f1b,
+zb-h1, zb-h2, the runs):
   - the paper's heuristic (`zb_heuristic.py`) run with each of its 8 option combinations;
   - the handcrafted zb-h1, zb-h2 and 1f1b whenever their activation peak fits the limit, so zb-auto is never
     slower than them at the same memory.
@@ -19,6 +19,7 @@ from __future__ import annotations
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.simulate import (
     MemoryCosts,
     StageCosts,
@@ -28,7 +29,6 @@ from pipeplan.schedules.simulate import (
     peak_activation_per_device,
     unit_memory,
 )
-from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.zb_h1 import zb_h1
 from pipeplan.schedules.zb_h2 import zb_h2
 from pipeplan.schedules.zb_heuristic import heuristic_runs
@@ -81,9 +81,9 @@ def _candidates(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: f
 
 def _fastest(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: float, post_validate: bool):
     """The candidate with the shortest period (`schedules.period.schedule_period`; synchronized: the makespan, then
-    the shortest span), then the least activation memory, then the simplest; each checked against the limit (recomputation can pass
-    it where a heuristic run had no W left to run first). Synchronized, a candidate whose makespan bound is over
-    the best period found is not generated."""
+    the shortest span), then the least activation memory, then the simplest; each checked against the limit
+    (recomputation can pass it where a heuristic run had no W left to run first). Synchronized, a candidate whose
+    makespan bound is over the best period found is not generated."""
     best, best_key = None, None
     for order, bound, made in sorted(_candidates(p, m, costs, memory, limit), key=lambda c: (c[1], c[0])):
         if not post_validate and best_key is not None and not faster((bound, -1.0), best_key):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.simulate import (
@@ -45,6 +46,13 @@ Times = tuple[list[list[float]], list[list[float]]]  # per device, starts and en
 StepTimer = Callable[[Sequence[float]], Times]  # one step's times from each device's ready time
 Reduced = Callable[[int, Sequence[Op], Sequence[float], Sequence[float]], float]
 _TOLERANCE = 1e-9
+
+
+class LayoutSteps(NamedTuple):
+    """A pipeline's one-step op lists and the timer that times them from each device's ready time."""
+
+    schedule: Schedule
+    timer: StepTimer
 
 
 @dataclass(frozen=True, kw_only=True)

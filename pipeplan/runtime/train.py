@@ -119,6 +119,7 @@ def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int, metric
     part in reading peaks)."""
     config, plan = trainer.config, trainer.plan
     base = len(result.losses) - end  # result.losses[base + step] is step's
+    predicted = predicted_ms(plan, bool(config.post_validate)) if metrics is not None else 0.0
     for step in range(first, end) if metrics is not None else ():
         norm = result.grad_norms[base + step] if len(result.grad_norms) == len(result.losses) else None
         metrics.write(
@@ -130,7 +131,7 @@ def _log_steps(trainer: Trainer, result: RunResult, first: int, end: int, metric
                 step_ms=result.step_ms[base + step],
                 samples=plan.training.global_batch_size,
                 tokens=plan.model.tokens_per_sample,
-                predicted_ms=plan.predicted.step_ms,
+                predicted_ms=predicted,
             )
         )
     if config.quiet or not config.log_every:
@@ -219,3 +220,13 @@ def _log_summary(plan: Plan, step_ms: list[float], peaks: list[int] | None = Non
         versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
         measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
         out.print(measured + versus, highlight=False)
+
+
+def predicted_ms(plan, post_validate: bool) -> float:  # type: ignore[no-untyped-def]
+    """The plan's predicted step for the setting run: its stored period, or, when --post-validate or
+    --no-post-validate differs from the plan's, the period of the other setting (`plan.timing.plan_step_ms`)."""
+    if post_validate == plan.training.post_validate or schedule_info(plan.schedule).asynchronous:
+        return plan.predicted.step_ms
+    from pipeplan.plan.timing import plan_step_ms, plan_timeline
+
+    return plan_step_ms(plan, plan_timeline(plan), post_validate=post_validate)

@@ -94,6 +94,7 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
         recompute=options.recompute,
         allow_async=options.allow_async,
         overlap=Overlap.parse(options.overlap),
+        post_validate=options.post_validate,
     )
     config.check_devices(cluster.num_devices)
     pinned = parse_layout(options.layout) if options.layout is not None else None

@@ -247,11 +247,20 @@ def evaluate(
 ) -> Evaluation | Rejection:
     """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size; `options`:
     precision, zero, recompute (`partition_config`)."""
+    post_validate = options.pop("post_validate", "off")  # the period's, not the partitioner's
     part = partition_layout(layout, profile, cluster, optimizer=optimizer, **options)
     if isinstance(part, Rejection):
         return part
+    batch = global_batch_size
     return evaluate_partition(
-        layout, part, profile, cluster, optimizer=optimizer, global_batch_size=global_batch_size, **options
+        layout,
+        part,
+        profile,
+        cluster,
+        optimizer=optimizer,
+        global_batch_size=batch,
+        post_validate=post_validate,
+        **options,
     )
 
 

@@ -11,7 +11,7 @@ from pipeplan.paths import check_output_file
 from pipeplan.plan.exports import EXPORT_FORMATS, export_plan
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.summary import render_summary, summary_dict
-from pipeplan.plan.timing import plan_timeline
+from pipeplan.plan.timing import plan_steps_timeline
 
 
 def show(
@@ -26,7 +26,7 @@ def show(
     if json_output:
         print_json(summary_dict(loaded, plan_dir=str(plan_file.parent)))
         return
-    render_summary(out, loaded, timeline=plan_timeline(loaded))
+    render_summary(out, loaded, timeline=plan_steps_timeline(loaded))
 
 
 def export(

@@ -15,8 +15,8 @@ from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, layout_steps, simulate_layout, transfer_costs
 from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.period import StepEnd, steady_state
-from pipeplan.schedules.registry import generate
+from pipeplan.schedules.period import Steady, StepEnd, steady_state
+from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 
@@ -138,9 +138,12 @@ def plan_period(plan: Plan, timeline: Timeline, *, post_validate: bool | None = 
     return predicted_step(*args, steps=steps, post_validate=eager)
 
 
-def plan_steps_timeline(plan: Plan, *, post_validate: bool | None = None) -> Timeline:
-    """Several steps of the plan's op lists until their period repeats (timeline.json): each rank's next step after
-    its own end (post-validated) or after every rank's (`schedules.period`)."""
+def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int = 2) -> Steady | None:
+    """Several steps of the plan's op lists until their period repeats (at least `min_steps`): each rank's next
+    step after its own end (post-validated) or after every rank's (`schedules.period`); None for an asynchronous
+    schedule, whose timeline is already its stream of steps (`plan_timeline`)."""
+    if schedule_info(plan.schedule).asynchronous:
+        return None
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
     overlap = Overlap.parse(plan.training.overlap)
@@ -149,7 +152,14 @@ def plan_steps_timeline(plan: Plan, *, post_validate: bool | None = None) -> Tim
     reductions = Reductions(pipe.device_stages, [s.allreduce_ms for s in plan.stages], overlap, m)
     updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
     end = StepEnd(update_ms=updates, reduced=reductions)
-    return steady_state(steps.schedule, steps.timer, end, post_validate=eager).timeline(plan_memory(plan))
+    return steady_state(steps.schedule, steps.timer, end, post_validate=eager, min_steps=min_steps)
+
+
+def plan_steps_timeline(plan: Plan, *, post_validate: bool | None = None) -> Timeline:
+    """What `show` draws and timeline.json holds: the steps of `plan_steps` (microbatches of step k numbered from
+    k x m, `schedules.period.repeated`), or an asynchronous plan's stream (`plan_timeline`)."""
+    steady = plan_steps(plan, post_validate=post_validate)
+    return plan_timeline(plan) if steady is None else steady.timeline(plan_memory(plan))
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -154,10 +154,11 @@ def steady_state(
     *,
     post_validate: bool,
     max_steps: int | None = None,
+    min_steps: int = 1,
     first: Times | None = None,
 ) -> Steady:
-    """Steps of `schedule` timed by `timer` until they repeat (module docstring); `first`: step 0's times when
-    already simulated (from all devices at 0)."""
+    """Steps of `schedule` timed by `timer` until they repeat (module docstring), at least `min_steps` (a timeline
+    that shows the gap between steps); `first`: step 0's times when already simulated (from all devices at 0)."""
     p = schedule.num_devices
     limit = max_steps or 2 * p + 6
     ready: list[tuple[float, ...]] = [(0.0,) * p]
@@ -172,7 +173,7 @@ def steady_state(
         scale = _TOLERANCE * max(1.0, max(ready[-1]))
         k = len(ready) - 1
         match = next((j for j in range(k - 1, -1, -1) if _same(shapes[j], shape, scale)), None)
-        if match is not None or k >= limit:
+        if (match is not None and k >= min_steps) or k >= limit:
             break
         shapes.append(shape)
     j = match if match is not None else k // 2

@@ -4,8 +4,9 @@ the memory post-validation costs (the undo copy `run --post-validate` keeps: `co
 from __future__ import annotations
 
 from pipeplan.costs.optimizer import undo_copy_bytes
-from pipeplan.plan.layout import layout_steps
-from pipeplan.search.gradient_sync import step_end
+from pipeplan.plan.asynchronous import predicted_step
+from pipeplan.plan.layout import layout_steps, transfer_costs
+from pipeplan.search.gradient_sync import per_device, step_end
 
 
 def period_end(layout, part, pipe, timeline, profile, cluster, simulated, options, reject):  # type: ignore[no-untyped-def]
@@ -30,3 +31,15 @@ def period_end(layout, part, pipe, timeline, profile, cluster, simulated, option
         return over
     options = {**options, "post_validate": "off"}
     return device_bytes, step_end(layout, part, pipe, timeline, profile, cluster, **options, steps=steps)
+
+
+def synchronized_period_ms(evaluation) -> float:  # type: ignore[no-untyped-def]
+    """The period of a `search.candidate.Evaluation`'s op lists had its steps been synchronized (what a
+    post-validated plan's rationale compares its period with: `search.rationale`)."""
+    layout, pipe = evaluation.layout, evaluation.pipeline
+    m, stages = layout.num_microbatches, pipe.device_stages
+    timed = transfer_costs(evaluation.costs, pipe, evaluation.overlap)
+    steps = layout_steps(pipe, layout.schedule, evaluation.partition.num_stages, m, timed)
+    updates = per_device(evaluation.stage_optimizer_ms, stages)
+    args = (layout.schedule, evaluation.timeline, m, stages, evaluation.stage_allreduce_ms, updates, evaluation.overlap)
+    return predicted_step(*args, steps=steps, post_validate=False)[0]

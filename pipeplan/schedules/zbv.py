@@ -91,7 +91,13 @@ def zbv(
     fastest of the fixed order and the paper's adaptive greedy (`zbv_greedy.py`) run under `memory_limit`
     (default: the fixed order's own peak, so never more memory than it): the shortest period
     (`schedules.period.schedule_period`: synchronized the makespan, then the span), then the least memory, then the
-    fixed order first (the simplest)."""
+    fixed order first (the simplest).
+
+    The paper's ZB-V figures (its Table 8: 3969.197 ms at p=16, m=48) are the longest device span (first F to last
+    W) — the period of post-validated steps, which `post_validate=True` ranks by and meets — with the table's
+    per-device F, B, W halved per chunk, the whole comm on every cross-device transfer (none at the V's turn) and
+    1F1B's memory. Ranked by the makespan (synchronized), another greedy run with a 0.16% longer span wins
+    (tests/schedules/test_period.py)."""
     p, m = num_devices, num_microbatches
     fixed = zbv_fixed(p, m)
     stage_costs = (costs or StageCosts()).per_stage(2 * p)

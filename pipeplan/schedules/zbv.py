@@ -93,10 +93,11 @@ def zbv(
     (`schedules.period.schedule_period`: synchronized the makespan, then the span), then the least memory, then the
     fixed order first (the simplest).
 
-    The paper's ZB-V figures (its Table 8: 3969.197 ms at p=16, m=48) are the longest device span (first F to last
-    W) — the period of post-validated steps, which `post_validate=True` ranks by and meets — with the table's
-    per-device F, B, W halved per chunk, the whole comm on every cross-device transfer (none at the V's turn) and
-    1F1B's memory. Ranked by the makespan (synchronized), another greedy run with a 0.16% longer span wins
+    The paper's ZB-V figures (its Table 8: 3969.197 ms at p=16, m=48, F 28.814, B 28.760, W 19.352, comm 1.610)
+    are the longest device span (first F to last W) — the period of post-validated steps, which `post_validate=True`
+    ranks by and meets exactly — with each chunk op at half the listed F, B, W (listed per chunk, a device's work
+    alone would be 2m(F+B+W) = 7384.9 ms), the whole comm on every cross-device transfer (none at the V's turn)
+    and 1F1B's memory. Ranked by the makespan (synchronized), another greedy run with a 0.16% longer span wins
     (tests/schedules/test_period.py)."""
     p, m = num_devices, num_microbatches
     fixed = zbv_fixed(p, m)

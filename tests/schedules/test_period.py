@@ -69,10 +69,12 @@ def test_zbv_meets_the_paper_table_8_figure_post_validated():
     # The Zero Bubble paper's ZB-V on its Table 8 case: p=16, m=48, F 28.814, B 28.760, W 19.352, comm 1.610 ms.
     # Its figure, 3969.197 ms, is the ZB repo's `v_schedule.PipelineGraph.get_v_schedule(only_run_time=True)`:
     # 2m(F+B+W) of per-chunk work plus the largest device's idle time after its first F, i.e. the longest device
-    # span (first F to last W) — the post-validated period, not the makespan — with the table's F, B, W split
-    # over a device's two chunks (each chunk op costs half), the whole comm on every cross-device transfer and
-    # none at the V's turn, under 1F1B's memory (2p chunk activations: the fixed order's own peak, zbv's default).
+    # span (first F to last W) — the post-validated period, not the makespan — with each chunk op at half the
+    # listed F, B, W (listed per chunk, a device's work alone is 2m(F+B+W) = 7384.9 ms, over the figure), the
+    # whole comm on every cross-device transfer and none at the V's turn, under 1F1B's memory (2p chunk
+    # activations: the fixed order's own peak, zbv's default; the repo's max_mem default is the same).
     p, m = 16, 48
+    assert 2 * m * (28.814 + 28.760 + 19.352) > 3969.197  # per chunk as listed: the work alone exceeds the figure
     costs = StageCosts(forward_ms=28.814 / 2, input_grad_ms=28.760 / 2, weight_grad_ms=19.352 / 2, comm_ms=1.610)
     eager = generate("zbv", num_devices=p, num_microbatches=m, costs=costs, post_validate=True)
     period = simulate_steps(eager, costs, post_validate=True).period_ms

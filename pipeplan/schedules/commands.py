@@ -10,7 +10,7 @@ from pipeplan.console import out, print_json
 from pipeplan.options import command
 from pipeplan.schedules.render import gantt
 from pipeplan.schedules.simulate_options import SimulateOptions
-from pipeplan.schedules.uniform import compare_schedules, schedule_metrics, simulate_one
+from pipeplan.schedules.uniform import compare_schedules, post_validated, schedule_metrics, simulate_one
 
 
 def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
@@ -47,6 +47,8 @@ def simulate(options: SimulateOptions) -> None:
         return
     schedule, timeline = simulate_one(options)
     metrics = schedule_metrics(schedule, timeline, options.microbatches)
+    if options.post_validate and not schedule.asynchronous:
+        metrics |= post_validated(schedule, options)
     if options.json_output:
         print_json({**metrics, "stage_device": list(schedule.stage_device), "device_ops": schedule.op_strings()})
         return
@@ -54,6 +56,12 @@ def simulate(options: SimulateOptions) -> None:
     out.print(_metrics_table([metrics], title=title))
     if schedule.asynchronous:
         out.print(_steady_line(metrics, options.microbatches), highlight=False)
+    if "period_ms" in metrics:
+        out.print(
+            f"post-validated steps: period {metrics['period_ms']:.1f} ms, bubble {metrics['period_bubble_rate']:.2%} "
+            f"(one step's makespan {metrics['makespan_ms']:.1f} ms)",
+            highlight=False,
+        )
     out.print(gantt(timeline, width=out.width))
     if options.trace is not None:
         out.print(f"wrote Chrome trace {options.trace}")

@@ -11,6 +11,7 @@ from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
 from pipeplan.schedules.dualpipev import fused_pairs
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.period import simulate_steps
 from pipeplan.schedules.placement import LOOPED
 from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
 from pipeplan.schedules.render import timeline_to_chrome_trace
@@ -25,9 +26,7 @@ def simulate_uniform(
     """Generate once with per-device-slice costs split evenly over the chunks each device holds; unit memory."""
     devices = options.stages
     v = schedule_info(name).resolve_chunks(chunks)
-    costs = StageCosts(
-        forward_ms=options.f / v, input_grad_ms=options.b / v, weight_grad_ms=options.w / v, comm_ms=options.comm
-    )
+    costs = uniform_costs(options, v)
     memory = unit_memory(v, input_grad_frees=options.input_grad_frees)
     schedule = generate(
         name,
@@ -38,9 +37,24 @@ def simulate_uniform(
         memory=memory,
         memory_limit=options.memory_limit,
         steps=options.steps if options.steps is not None else async_stream_steps(name, devices, options.microbatches),
+        post_validate=options.post_validate,
     )
     fused = None if overlap_ms is None else fused_pairs(schedule, overlap_ms)
     return schedule, simulate(schedule, costs, memory, fused=fused)
+
+
+def uniform_costs(options: SimulateOptions, chunks: int) -> StageCosts:
+    """Per stage: the per-device-slice costs split evenly over the `chunks` each device holds."""
+    v = chunks
+    return StageCosts(
+        forward_ms=options.f / v, input_grad_ms=options.b / v, weight_grad_ms=options.w / v, comm_ms=options.comm
+    )
+
+
+def post_validated(schedule: Schedule, options: SimulateOptions) -> dict[str, Any]:
+    """--post-validate: the period of steps each device starts at its own end (`schedules.period`), its bubble."""
+    steady = simulate_steps(schedule, uniform_costs(options, schedule.num_chunks), post_validate=True)
+    return {"period_ms": steady.period_ms, "period_bubble_rate": steady.bubble_rate(), "period_steps": steady.steps}
 
 
 def schedule_metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:

@@ -3,8 +3,14 @@ its next step at its own end (post-validated) or after a global synchronization;
 
 from __future__ import annotations
 
-import pytest
+import json
+import shlex
+from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
 from pipeplan.schedules import StageCosts, generate, simulate
 from pipeplan.schedules.period import StepEnd, repeated, simulate_steps
 
@@ -85,3 +91,22 @@ def test_zbv_meets_the_paper_table_8_figure_post_validated():
     # span (the 3975.6 ms the issue measured)
     synced = simulate(generate("zbv", num_devices=p, num_microbatches=m, costs=costs), costs)
     assert synced.makespan < 4029.303 and synced.max_span == pytest.approx(3975.626, abs=5e-4)
+
+
+def test_readme_figures_are_what_its_simulate_commands_print():
+    # README's "Period vs makespan" figures come from the `pipeplan simulate ... --post-validate` commands it shows
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Period vs makespan", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in section.splitlines() if line.startswith("pipeplan simulate")]
+    assert len(commands) == 2
+    text = " ".join(section.split())
+    printed = []
+    for line in commands:
+        result = CliRunner().invoke(app, [*shlex.split(line)[1:], "--json"])
+        assert result.exit_code == 0, result.output
+        printed.append(json.loads(result.output))
+    zb2p, zbv = printed
+    assert f"{zb2p['makespan_ms']:.1f} ms makespan" in text
+    assert f"period is {zb2p['period_ms']:.1f} ms, a {zb2p['period_bubble_rate']:.2%} bubble" in text
+    assert f"{zbv['makespan_ms']:.1f} ms makespan and a {zbv['period_ms']:.1f} ms period" in text
+    assert zbv["period_ms"] == pytest.approx(3969.197, abs=5e-4)  # the paper's ZB-V figure

@@ -17,7 +17,6 @@ from pipeplan.plan.summary import summary_dict
 from pipeplan.plan.timing import plan_memory, plan_steps, plan_steps_timeline, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.schedules.memory import inflight_per_stage
-from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
@@ -67,9 +66,12 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     # timeline.json: the steps show draws, the first of them the plan's step, the next one a period later
     steps = plan_steps_timeline(plan)
     trace = json.loads((out / "timeline.json").read_text())
-    events = sorted((e["pid"], e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
-    assert events == sorted((e.device, str(e.op), e.start * 1000.0) for e in steps.entries)
-    m = plan.training.num_microbatches
+    m = plan.training.num_microbatches  # each op named as in its step (as `run --trace` names it), its step in args
+    events = sorted((e["pid"], e["args"]["step"], e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
+    k = [e.op.microbatch // m for e in steps.entries]
+    assert events == sorted(
+        (e.device, k, str(e.op.shifted(-k * m)), e.start * 1000.0) for e, k in zip(steps.entries, k)
+    )
     assert [e for e in steps.entries if e.op.microbatch < m] == list(timeline.entries)
     second = min(e.start for e in steps.entries if e.op.microbatch >= m)
     assert second == pytest.approx(planned["step_ms"], rel=1e-9)  # synchronized: one step after the first
@@ -105,20 +107,15 @@ def test_post_validated_plan_says_so_and_its_steps_overlap(tmp_path):
     assert steps.period_ms == pytest.approx(period, rel=1e-12) and steps.steps >= 2
     trace = json.loads((out / "timeline.json").read_text())
     events = [
-        (e["pid"], e["name"], e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0)
+        (e["pid"], e["args"]["step"], e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0)
         for e in trace["traceEvents"]
         if e["ph"] == "X"
     ]
     assert len(events) == steps.steps * sum(len(ops) for ops in plan.rank_ops[:4])
-    m = plan.training.num_microbatches
     # the overlap: rank 0 starts its second step before the last rank has finished its first
-    rank0_next = min(start for pid, name, start, _ in events if pid == 0 and _microbatch(name) >= m)
-    last_first = max(end for pid, name, _, end in events if pid == 3 and _microbatch(name) < m)
+    rank0_next = min(start for pid, step, start, _ in events if pid == 0 and step == 1)
+    last_first = max(end for pid, step, _, end in events if pid == 3 and step == 0)
     assert rank0_next < last_first
-
-
-def _microbatch(name: str) -> int:
-    return Op.parse(name).microbatch
 
 
 def test_replicated_stages_are_simulated_as_the_lists_run_executes():

@@ -44,9 +44,7 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
-from pipeplan.search.gradient_sync import (
-    allreduce_step_ms,
-)
+from pipeplan.search.gradient_sync import allreduce_step_ms, post_validation_allowed
 from pipeplan.search.period_end import period_end
 from pipeplan.search.recompute_choice import settle_recompute
 from pipeplan.search.stage_memory import activation_budget, memory_costs, stage_bytes_per_param
@@ -283,7 +281,8 @@ def evaluate_partition(
     per_param = stage_bytes_per_param(
         part, layout.holders, optimizer, precision, zero, profile=profile, ep=layout.expert_parallel
     )
-    made = _schedule_layout(layout, part, profile, cluster, per_param, precision, post_validate != "off")
+    eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
+    made = _schedule_layout(layout, part, profile, cluster, per_param, precision, eager)
     if isinstance(made, Rejection):
         return made
     schedule, pipe = made

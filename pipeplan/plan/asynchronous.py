@@ -19,7 +19,8 @@ from dataclasses import replace
 from pipeplan.costs.overlap import Overlap, Reductions
 from pipeplan.errors import ConfigError
 from pipeplan.precision import get_precision
-from pipeplan.schedules.period import LayoutSteps, StepEnd, steady_state
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.period import LayoutSteps, StepEnd, post_validated_floor, steady_state
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, Timeline, stream_step_ms
 
@@ -81,8 +82,7 @@ def predicted_step(
     optimizer = list(device_optimizer_ms) or [0.0] * len(device_stages)
     if not schedule_info(name).asynchronous:
         assert steps is not None, "a synchronous step is timed again for its period"
-        reductions = Reductions(device_stages, stage_sync_ms, overlap, num_microbatches)
-        end = StepEnd(update_ms=optimizer, reduced=reductions)
+        end = StepEnd(update_ms=optimizer, reduced=Reductions(device_stages, stage_sync_ms, overlap, num_microbatches))
         first = ([list(row) for row in timeline.starts], [list(row) for row in timeline.ends])
         steady = steady_state(steps.schedule, steps.timer, end, post_validate=post_validate, first=first)
         return steady.period_ms, steady.bubble_rate()
@@ -92,6 +92,25 @@ def predicted_step(
     sync = [sum(stage_sync_ms[s] for s in stages) for stages in device_stages]
     update = max(sync, default=0.0) + max(optimizer, default=0.0)
     return step + updates_per_step(name, num_microbatches) * update, bubble
+
+
+def post_validated_floor_ms(
+    schedule: Schedule,
+    timeline: Timeline,
+    num_microbatches: int,
+    device_stages: Sequence[Sequence[int]],
+    stage_sync_ms: Sequence[float],
+    device_optimizer_ms: Sequence[float],
+    overlap: Overlap = Overlap(),
+) -> float:
+    """A lower bound on `predicted_step`'s post-validated period of a synchronous `timeline` (`schedule`: its op
+    lists), from that one step (`schedules.period.post_validated_floor`): the search skips simulating more steps
+    where it is no shorter than the synchronized period."""
+    end = StepEnd(
+        update_ms=device_optimizer_ms, reduced=Reductions(device_stages, stage_sync_ms, overlap, num_microbatches)
+    )
+    first = ([list(row) for row in timeline.starts], [list(row) for row in timeline.ends])
+    return post_validated_floor(schedule, first, end)
 
 
 def busy_per_step(timeline: Timeline, num_microbatches: int) -> tuple[float, ...]:

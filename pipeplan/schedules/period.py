@@ -201,6 +201,21 @@ def _next_ready(schedule: Schedule, step: Times, end: StepEnd, post_validate: bo
     return tuple(barrier + end.update(d) for d in range(schedule.num_devices))
 
 
+def post_validated_floor(schedule: Schedule, first: Times, end: StepEnd) -> float:
+    """A lower bound on the post-validated period from step 0 timed from all-zero ready times (`first`), without
+    another step: where only one device has an op starting at 0, every op's start is its longest path from that
+    device's first op (follow each op's binding predecessor back), so that device's own end after step 0 (its
+    exchange and update) recurs in every step, wherever the others start (the map from ready times to step ends is
+    monotone and shifts with them). 0 where two devices start at 0 (no bound)."""
+    starts, ends = first
+    firsts = [row[0] if row else float("inf") for row in starts]
+    source = min(range(len(firsts)), key=firsts.__getitem__, default=0)
+    if not firsts or firsts[source] > 0 or any(f <= 0 for d, f in enumerate(firsts) if d != source):
+        return 0.0
+    reduced = end.reduced_ms(source, schedule.device_ops[source], starts[source], ends[source])
+    return reduced + end.update(source)
+
+
 def _same(a: Sequence[float], b: Sequence[float], scale: float) -> bool:
     return all(abs(x - y) <= scale for x, y in zip(a, b))
 

@@ -21,7 +21,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
-from pipeplan.plan.asynchronous import predicted_step
+from pipeplan.plan.asynchronous import post_validated_floor_ms, predicted_step
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info
@@ -127,9 +127,10 @@ def step_end(
     eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
     step, bubble = predicted_step(*args, **rest, post_validate=post_validate == "on")
     if eager and post_validate == "auto":
-        eager_step, eager_bubble = predicted_step(*args, **rest, post_validate=True)
-        if eager_step < step * (1 - 1e-9):
-            return allreduce, updates, eager_step, eager_bubble, True
+        floor = post_validated_floor_ms(steps.schedule, timeline, *args[2:], rest["device_optimizer_ms"], overlap)
+        eager_period = predicted_step(*args, **rest, post_validate=True) if floor < step * (1 - 1e-9) else None
+        if eager_period is not None and eager_period[0] < step * (1 - 1e-9):
+            return allreduce, updates, *eager_period, True
         eager = False
     return allreduce, updates, step, bubble, eager
 

@@ -169,10 +169,12 @@ def _post_validation_words(result: SearchResult, chosen: Evaluation) -> str:
     """Why the plan post-validates (`--post-validate auto` turned it on, or `on` asked), with the period it gains."""
     synced = synchronized_period_ms(chosen)
     why = "as --post-validate on asks" if result.config.post_validate == "on" else "it shortens the period"
+    gain = 1.0 - chosen.step_ms / synced if synced > 0 else 0.0
+    shorter = f"{gain:.1%} shorter" if gain > 0 else "no shorter"
     return (
         f"Post-validation on ({why}; `run` follows it): period {chosen.step_ms:.1f} ms vs {synced:.1f} ms "
-        f"synchronized ({1.0 - chosen.step_ms / synced:.1%} shorter: each rank starts its next step at its own end, "
-        "its undo copy counted in the memory)."
+        f"synchronized ({shorter}: each rank starts its next step at its own end, its undo copy counted in the "
+        "memory)."
     )
 
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.schedules import StageCosts, generate, simulate
-from pipeplan.schedules.period import StepEnd, repeated, simulate_steps
+from pipeplan.schedules.period import StepEnd, post_validated_floor, repeated, simulate_steps
 
 _COSTS = StageCosts(forward_ms=(1.0, 1.5, 1.0, 2.0), input_grad_ms=1.2, weight_grad_ms=0.7, comm_ms=0.3)
 
@@ -110,3 +110,16 @@ def test_readme_figures_are_what_its_simulate_commands_print():
     assert f"period is {zb2p['period_ms']:.1f} ms, a {zb2p['period_bubble_rate']:.2%} bubble" in text
     assert f"{zbv['makespan_ms']:.1f} ms makespan and a {zbv['period_ms']:.1f} ms period" in text
     assert zbv["period_ms"] == pytest.approx(3969.197, abs=5e-4)  # the paper's ZB-V figure
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev"])
+def test_post_validated_floor_bounds_the_period_from_one_step(name):
+    # the search skips simulating post-validated steps where this floor is no shorter than the synchronized period
+    costs = StageCosts(forward_ms=1.0, input_grad_ms=1.2, weight_grad_ms=0.7, comm_ms=0.3)
+    schedule = generate(name, num_devices=4, num_microbatches=8, costs=costs)
+    end = StepEnd(sync_ms=(0.5, 2.0, 0.25, 1.0), update_ms=(0.3, 0.1, 0.2, 0.4))
+    first = simulate_steps(schedule, costs, end, post_validate=True, max_steps=1).step_times[0]
+    floor = post_validated_floor(schedule, first, end)
+    assert 0.0 < floor <= simulate_steps(schedule, costs, end, post_validate=True).period_ms + 1e-9
+    if name == "1f1b":  # the first stage's device ends last: post-validation cannot shorten the period
+        assert floor >= simulate_steps(schedule, costs, end, post_validate=False).period_ms - 1e-9

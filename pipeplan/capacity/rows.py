@@ -10,6 +10,8 @@ from pipeplan.capacity.memory import device_memory_split
 from pipeplan.capacity.report import CapacityRow, TimeSplit
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.plan.asynchronous import busy_per_step
+from pipeplan.plan.layout import layout_steps, transfer_costs
+from pipeplan.schedules.period import StepEnd, steady_state
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Evaluation, Rejection
@@ -72,21 +74,23 @@ def mfu(result: SearchResult, peak_flops: float, flops_per_token: float, num_dev
 
 
 def time_split(best: Evaluation) -> TimeSplit:
-    """compute = the busiest device's op time; bubble = the rest of the step with free transfers; comm = what the
-    transfers add to the simulated step, plus the all-reduce after the flush (asynchronous schedules: per step of
-    their steady state, and the all-reduces of their updates)."""
-    free = best.resimulate(replace(best.costs, comm_ms=0.0))
+    """compute = the busiest device's op time per step; bubble = the rest of the period with free transfers and no
+    gradient exchange or update (post-validated or synchronized as the step was timed); comm = what transfers,
+    exchanges and updates add to the predicted period (asynchronous schedules: per step of their steady state,
+    and the all-reduces of their updates)."""
+    free = replace(best.costs, comm_ms=0.0)
     if schedule_info(best.layout.schedule).asynchronous:
         m = best.layout.num_microbatches
-        no_comm, compute = stream_step_ms(free, m), max(busy_per_step(best.timeline, m))
+        no_comm, compute = stream_step_ms(best.resimulate(free), m), max(busy_per_step(best.timeline, m))
         return TimeSplit(compute_ms=compute, bubble_ms=max(no_comm - compute, 0.0), comm_ms=best.step_ms - no_comm)
-    no_comm = free.makespan
-    compute = max(best.timeline.device_busy)
-    return TimeSplit(
-        compute_ms=compute,
-        bubble_ms=max(no_comm - compute, 0.0),
-        comm_ms=max(best.timeline.makespan - no_comm, 0.0) + (best.step_ms - best.timeline.makespan),
+    timed = transfer_costs(free, best.pipeline, best.overlap)
+    steps = layout_steps(
+        best.pipeline, best.schedule.name, best.partition.num_stages, best.layout.num_microbatches, timed
     )
+    no_comm = steady_state(steps.schedule, steps.timer, StepEnd(), post_validate=best.post_validate).period_ms
+    compute = max(best.timeline.device_busy)
+    bubble = max(min(no_comm, best.step_ms) - compute, 0.0)
+    return TimeSplit(compute_ms=compute, bubble_ms=bubble, comm_ms=max(best.step_ms - compute - bubble, 0.0))
 
 
 def _binding(best: Evaluation, time: TimeSplit, rejected: list[Rejection], result: SearchResult) -> tuple[str, str]:

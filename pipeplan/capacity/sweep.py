@@ -7,9 +7,9 @@ optimizer state / activations (pipeplan.capacity.memory) and what binds:
 
 - `memory`: a layout the search rejected for memory would have been faster (its balanced-stage estimate is below
   the chosen step time);
-- otherwise the larger non-compute share of the chosen step: `bubble` (idle time of the busiest device when
-  transfers are free) or `communication` (the step's growth from point-to-point transfers, plus the gradient
-  all-reduce after the flush); `compute` when both are under 5% of the step.
+- otherwise the larger non-compute share of the chosen step (its period, `schedules.period`): `bubble` (idle time
+  of the busiest device when transfers, gradient exchanges and updates are free) or `communication` (what they
+  add to the period); `compute` when both are under 5% of the step.
 
 Layouts: t x p x d — for each tensor-parallel size t the outer loop of `planner.tensor_search` tries (auto: 1, 2,
 4, 8 dividing the devices per node, when the model is a transformer stack whose heads and hidden size t divides),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -159,3 +160,12 @@ def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel
     if data_parallel < 1:
         raise ConfigError(f"data_parallel must be >= 1, got {data_parallel}")
     return float(sharded_bytes_per_param(split, data_parallel if distributed else 1))
+
+
+def undo_copy_bytes(
+    param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], optimizer: str | float, precision: str
+) -> tuple[float, ...]:
+    """Per device, what `run --post-validate` keeps to undo an eager step (runtime/post_validate.py, StepUndo): its
+    stages' parameters and optimizer state once more (whole parameters: ZeRO-1's shards are not counted here)."""
+    weights, _, state = static_split(optimizer, precision)
+    return tuple(sum(param_counts[s] for s in stages) * (weights + state) for stages in device_stages)

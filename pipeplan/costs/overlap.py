@@ -102,12 +102,52 @@ class DeviceStep:
     optimizer_ms: float = 0.0
 
 
+def reduced_ms(ops_end_ms: float, stages: Sequence[tuple[float, float, float]], overlap: Overlap) -> float:
+    """When a device's gradient exchange is done: its stages' reductions run one after another, `stages` as (when
+    the stage's last microbatch's backward starts, when it ends, its exchange ms) in the order they become ready.
+    With `overlap.grad_reduce` a stage's reduction starts with its last microbatch's backward and ends no sooner
+    than it (buckets go out as their gradients are done: each chunk's overlaps the cool-down); without, they all
+    follow the device's last op (Megatron-Core's default, and pipeplan's runtime)."""
+    done = ops_end_ms
+    if not overlap.grad_reduce:
+        return done + sum(sync for _, _, sync in stages)
+    free = float("-inf")
+    for start, end, sync in sorted(stages):
+        free = max(free, start) + sync
+        free = max(free, end)
+        done = max(done, free)
+    return done
+
+
 def step_end_ms(devices: Sequence[DeviceStep], overlap: Overlap) -> float:
-    """When the last device has reduced its gradients and updated its parameters (module docstring)."""
+    """When the last device has reduced its gradients and updated its parameters (module docstring): each device
+    one stage whose last backward is `overlap_window_ms` long and ends with its last op."""
     ends = []
     for device in devices:
-        sync = device.sync_ms
-        if overlap.grad_reduce:
-            sync = max(sync - device.overlap_window_ms, 0.0)
-        ends.append(device.ops_end_ms + sync + device.optimizer_ms)
+        stage = (device.ops_end_ms - device.overlap_window_ms, device.ops_end_ms, device.sync_ms)
+        ends.append(reduced_ms(device.ops_end_ms, [stage], overlap) + device.optimizer_ms)
     return max(ends, default=0.0)
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """`schedules.period.StepEnd.reduced` for a pipeline: per device the stages it holds, per stage its exchange ms
+    (`reduced_ms`)."""
+
+    device_stages: Sequence[Sequence[int]]
+    stage_sync_ms: Sequence[float]
+    overlap: Overlap
+    num_microbatches: int
+
+    def __call__(self, device: int, ops, starts: Sequence[float], ends: Sequence[float]) -> float:  # type: ignore[no-untyped-def]
+        last = self.num_microbatches - 1
+        window: dict[int, list[float]] = {}
+        if self.overlap.grad_reduce:
+            for o, start, end in zip(ops, starts, ends):
+                for h in o.parts:  # (an overlapped F&B op's B half)
+                    if h.kind != "F" and h.microbatch % self.num_microbatches == last:
+                        span = window.setdefault(h.stage, [start, end])
+                        span[0], span[1] = min(span[0], start), max(span[1], end)
+        ops_end = ends[-1] if ends else 0.0
+        stages = [(*window.get(s, (ops_end, ops_end)), self.stage_sync_ms[s]) for s in self.device_stages[device]]
+        return reduced_ms(ops_end, stages, self.overlap)

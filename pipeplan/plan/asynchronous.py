@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipeplan.costs.overlap import DeviceStep, Overlap, step_end_ms
+from pipeplan.costs.overlap import Overlap, Reductions
 from pipeplan.errors import ConfigError
 from pipeplan.precision import get_precision
+from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.period import LayoutSteps, StepEnd, post_validated_floor, steady_state
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, Timeline, stream_step_ms
 
@@ -63,44 +65,52 @@ def predicted_step(
     name: str,
     timeline: Timeline,
     num_microbatches: int,
-    device_sync_ms: Sequence[float],
+    device_stages: Sequence[Sequence[int]],
+    stage_sync_ms: Sequence[float],
     device_optimizer_ms: Sequence[float] = (),
     overlap: Overlap = Overlap(),
+    *,
+    steps: LayoutSteps | None = None,
+    post_validate: bool = False,
 ) -> tuple[float, float]:
-    """(step ms, bubble rate) of a simulated step or stream. Synchronous: each device's last op, then its gradient
-    exchange (`device_sync_ms`, the stages it holds one after another) and optimizer update, the last device's end
-    (`costs.overlap.step_end_ms`), with the timeline's bubble; asynchronous: the steady state (module docstring),
-    each update paying the slowest device's exchange and update."""
-    optimizer = list(device_optimizer_ms) or [0.0] * len(device_sync_ms)
+    """(step ms, bubble rate) of a simulated step or stream. Synchronous: the period of steps of `timeline`'s op
+    lists (`schedules.period`, timed again by `steps`, the first step is `timeline`): each device's last op, its
+    stages' gradient exchanges (`stage_sync_ms`, `costs.overlap.Reductions`) and optimizer update, the next step
+    after the global check or, `post_validate`d, after the device's own end; the bubble is the period's idle share.
+    Asynchronous: the steady state (module docstring), each update paying the slowest device's exchange and
+    update."""
+    optimizer = list(device_optimizer_ms) or [0.0] * len(device_stages)
     if not schedule_info(name).asynchronous:
-        devices = [
-            DeviceStep(
-                ops_end_ms=max(ends, default=0.0),
-                sync_ms=sync,
-                overlap_window_ms=_last_backward_ms(ops, starts, ends, num_microbatches),
-                optimizer_ms=update,
-            )
-            for ops, starts, ends, sync, update in zip(
-                timeline.device_ops, timeline.starts, timeline.ends, device_sync_ms, optimizer, strict=True
-            )
-        ]
-        return step_end_ms(devices, overlap), timeline.bubble_rate
+        assert steps is not None, "a synchronous step is timed again for its period"
+        end = StepEnd(update_ms=optimizer, reduced=Reductions(device_stages, stage_sync_ms, overlap, num_microbatches))
+        first = ([list(row) for row in timeline.starts], [list(row) for row in timeline.ends])
+        steady = steady_state(steps.schedule, steps.timer, end, post_validate=post_validate, first=first)
+        return steady.period_ms, steady.bubble_rate()
     step = stream_step_ms(timeline, num_microbatches)
     busy = sum(busy_per_step(timeline, num_microbatches))
     bubble = max(0.0, 1.0 - busy / (timeline.num_devices * step)) if step > 0 else 0.0
-    update = max(device_sync_ms, default=0.0) + max(optimizer, default=0.0)
+    sync = [sum(stage_sync_ms[s] for s in stages) for stages in device_stages]
+    update = max(sync, default=0.0) + max(optimizer, default=0.0)
     return step + updates_per_step(name, num_microbatches) * update, bubble
 
 
-def _last_backward_ms(ops, starts, ends, num_microbatches: int) -> float:
-    """How long a device's backward of the last microbatch runs: the window a gradient reduction started at its
-    first layer's gradient can overlap (`costs.overlap`)."""
-    last = [
-        (s, e)
-        for o, s, e in zip(ops, starts, ends)
-        if any(h.kind != "F" and h.microbatch == num_microbatches - 1 for h in o.parts)  # (an F&B op's B half)
-    ]
-    return max(e for _, e in last) - min(s for s, _ in last) if last else 0.0
+def post_validated_floor_ms(
+    schedule: Schedule,
+    timeline: Timeline,
+    num_microbatches: int,
+    device_stages: Sequence[Sequence[int]],
+    stage_sync_ms: Sequence[float],
+    device_optimizer_ms: Sequence[float],
+    overlap: Overlap = Overlap(),
+) -> float:
+    """A lower bound on `predicted_step`'s post-validated period of a synchronous `timeline` (`schedule`: its op
+    lists), from that one step (`schedules.period.post_validated_floor`): the search skips simulating more steps
+    where it is no shorter than the synchronized period."""
+    end = StepEnd(
+        update_ms=device_optimizer_ms, reduced=Reductions(device_stages, stage_sync_ms, overlap, num_microbatches)
+    )
+    first = ([list(row) for row in timeline.starts], [list(row) for row in timeline.ends])
+    return post_validated_floor(schedule, first, end)
 
 
 def busy_per_step(timeline: Timeline, num_microbatches: int) -> tuple[float, ...]:

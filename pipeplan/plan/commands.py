@@ -21,13 +21,13 @@ def show(
     """
     from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)
     from pipeplan.plan.summary import render_summary, summary_dict
-    from pipeplan.plan.timing import plan_timeline
+    from pipeplan.plan.timing import plan_steps_timeline
 
     loaded = Plan.load(plan_file)
     if json_output:
         print_json(summary_dict(loaded, plan_dir=str(plan_file.parent)))
         return
-    render_summary(out, loaded, timeline=plan_timeline(loaded))
+    render_summary(out, loaded, timeline=plan_steps_timeline(loaded))
 
 
 def export(

@@ -11,9 +11,11 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs.overlap import Overlap, blocking_transfers
 from pipeplan.plan.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.period import LayoutSteps
 from pipeplan.schedules.registry import generate, schedule_info
-from pipeplan.schedules.replicate import replicate_paced, simulate_expanded
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
+from pipeplan.schedules.replicate import replicate_paced, simulate_expanded, time_expanded
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, op_durations, simulate
+from pipeplan.schedules.validate import run_in_order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +106,32 @@ def simulate_layout(
     predicts, `show` draws and `run` is compared with — for an asynchronous schedule the stream it steps through
     (`schedules.simulate.stream_step_ms`). `costs`: one op's time on one device per stage and the transfer per
     boundary; `memory.static_bytes` per pipeline device."""
+    schedule = layout_schedule(layout, name, num_stages, num_microbatches)
+    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+        return simulate(schedule, costs, memory)
+    return simulate_expanded(schedule, costs, memory)
+
+
+def layout_steps(
+    layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int, costs: StageCosts
+) -> LayoutSteps:
+    """One step of `layout`'s op lists timed from each device's ready time (`schedules.period`), by the engine
+    `simulate_layout` uses."""
+    schedule = layout_schedule(layout, name, num_stages, num_microbatches)
+    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+        cost = costs.per_stage(num_stages)
+        op_ms = op_durations(cost)
+        overlap = cost.overlap_ms
+        return LayoutSteps(
+            schedule,
+            lambda ready: run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=overlap, ready=ready),  # type: ignore[arg-type]
+        )
+    return LayoutSteps(schedule, lambda ready: time_expanded(schedule, costs, ready))
+
+
+def layout_schedule(layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """`layout`'s op lists as a Schedule (an asynchronous one's stream with its version rule); a stage on several
+    devices is placed on its first (`replicate.simulate_expanded` reads placements only to tell devices apart)."""
     device_ops = layout.op_lists()
     first_device = {}
     for device, stages in reversed(list(enumerate(layout.device_stages))):
@@ -122,11 +150,7 @@ def simulate_layout(
         device_ops=device_ops,
         **stream,
     )
-    if schedule == layout.schedule:
-        schedule = layout.schedule  # the same op lists: its checks are done
-    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
-        return simulate(schedule, costs, memory)
-    return simulate_expanded(schedule, costs, memory)
+    return layout.schedule if schedule == layout.schedule else schedule  # the same op lists: its checks are done
 
 
 def transfer_costs(costs: StageCosts, pipe: PipelineLayout, overlap: Overlap) -> StageCosts:

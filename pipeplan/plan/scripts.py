@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeplan.jsonio import atomic_write_text, write_json
 from pipeplan.plan.plan import Plan
+from pipeplan.schedules.ops import Op
 from pipeplan.schedules.render import timeline_to_chrome_trace
 
 PLAN_FILE = "plan.json"
@@ -133,5 +134,21 @@ def write_plan_dir(plan: Plan, timeline_rows: Iterable[tuple[int, str, float, fl
     for name, text in ((LAUNCH_FILE, launch_script(plan)), (SBATCH_FILE, sbatch_script(plan))):
         atomic_write_text(target / name, text)
         os.chmod(target / name, 0o755)
-    write_json(target / TIMELINE_FILE, timeline_to_chrome_trace(timeline_rows))
+    write_json(target / TIMELINE_FILE, steps_trace(timeline_rows, plan.training.num_microbatches))
     return target
+
+
+def steps_trace(rows: Iterable[tuple[int, str, float, float]], num_microbatches: int) -> dict:
+    """The Chrome trace of predicted steps (`plan.timing.plan_steps_timeline`: step k's microbatches numbered from
+    k x m) in `run --trace`'s form: each op named as in its step's op list, its step in args."""
+    trace = timeline_to_chrome_trace(rows)
+    for event in trace["traceEvents"]:
+        if event["ph"] != "X":
+            continue
+        args, op = event.setdefault("args", {}), Op.parse(event["name"])
+        step = op.parts[0].microbatch // num_microbatches  # (an overlapped F&B op: both halves in one step)
+        args["step"] = step
+        if "microbatch" in args:
+            args["microbatch"] -= step * num_microbatches
+        event["name"] = str(op.shifted(-step * num_microbatches))
+    return trace

@@ -153,14 +153,15 @@ def _chosen_label(plan: Plan) -> str:
     )
 
 
-def _headline(plan: Plan) -> Text:
+def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
     p = plan.predicted
     text = Text()
     text.append("Plan: ", style="bold")
     text.append(describe(plan) + "\n")
     text.append("Predicted: ", style="bold")
     zero = ", ZeRO-1 optimizer sharding" if plan.training.zero else ""
-    text.append(f"{p.step_ms:.2f} ms/step in {plan.training.precision}{zero}, {p.samples_per_s:.2f} samples/s")
+    text.append(f"{p.step_ms:.2f} ms/step{_period_words(plan, timeline)} in {plan.training.precision}{zero}")
+    text.append(f", {p.samples_per_s:.2f} samples/s")
     if p.tokens_per_s:
         text.append(f", {p.tokens_per_s:,.0f} tokens/s")
     peak = max(p.peak_memory_bytes, default=0)
@@ -180,10 +181,26 @@ def _headline(plan: Plan) -> Text:
 
 
 def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = None) -> None:
-    parts: list[Any] = [_headline(plan), _stage_table(plan), _alternatives_table(plan)]
+    """The summary; `timeline`: the predicted steps to draw (`plan.timing.plan_steps_timeline`)."""
+    parts: list[Any] = [_headline(plan, timeline), _stage_table(plan), _alternatives_table(plan)]
     if plan.rationale:
         parts.append(Text("Why: ", style="bold") + Text(plan.rationale))
     if timeline is not None:
-        parts.append(Text("Predicted step (pipeline 0, one row per rank):", style="bold"))
+        m = plan.training.num_microbatches
+        steps = 1 + max((e.op.microbatch for e in timeline.entries), default=0) // m
+        what = f"{steps} steps, step k's microbatches numbered from k x {m}" if steps > 1 else "one step"
+        parts.append(Text(f"Predicted steps (pipeline 0, one row per rank; {what}):", style="bold"))
         parts.append(gantt(timeline, width=console.width))
     console.print(Group(*parts))
+
+
+def _period_words(plan: Plan, timeline: Timeline | None) -> str:
+    """What the predicted step is (`schedules.period`): the period of post-validated or synchronized steps, beside
+    one step's makespan (its first op to its last, read from the drawn steps)."""
+    if staleness(plan.schedule, plan.world_size // plan.training.data_parallel):
+        return ""  # asynchronous: the steady state of its stream
+    how = "post-validated" if plan.training.post_validate else "synchronized"
+    m = plan.training.num_microbatches
+    first = [e.end for e in timeline.entries if e.op.microbatch < m] if timeline is not None else []
+    makespan = f"; one step's makespan {max(first):.2f} ms" if first else ""
+    return f" (the period of {how} steps{makespan})"

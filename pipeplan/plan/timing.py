@@ -8,13 +8,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipeplan.costs import device_static_bytes, stage_static_per_param, static_split
-from pipeplan.costs.overlap import Overlap
+from pipeplan.costs.optimizer import undo_copy_bytes
+from pipeplan.costs.overlap import Overlap, Reductions
 from pipeplan.errors import FormatError
 from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
-from pipeplan.plan.layout import PipelineLayout, simulate_layout, transfer_costs
+from pipeplan.plan.layout import PipelineLayout, layout_steps, simulate_layout, transfer_costs
 from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.registry import generate
+from pipeplan.schedules.period import Steady, StepEnd, steady_state
+from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 
@@ -58,6 +60,11 @@ def plan_memory(plan: Plan) -> MemoryCosts:
             for s in plan.stages
         ]
     static = device_static_bytes([s.param_count for s in plan.stages], device_stages, per_param)
+    if training.post_validate:  # the undo copy `run --post-validate` keeps
+        undo = undo_copy_bytes(
+            [s.param_count for s in plan.stages], device_stages, training.optimizer, training.precision
+        )
+        static = [b + u for b, u in zip(static, undo)]
     memory = MemoryCosts(
         activation_bytes=tuple(float(s.activation_bytes) for s in plan.stages),
         input_grad_freed_bytes=tuple(float(s.activation_freed_by_input_grad_bytes) for s in plan.stages),
@@ -111,14 +118,48 @@ def plan_timeline(plan: Plan, costs: StageCosts | None = None) -> Timeline:
     return simulate_layout(pipe, plan.schedule, num_stages, m, costs, plan_memory(plan))
 
 
-def plan_step_ms(plan: Plan, timeline: Timeline) -> float:
-    """The step the plan predicts, again from a timeline of its op lists (`plan_timeline`): each rank's end, its
-    stages' gradient exchange and optimizer updates (`plan.asynchronous.predicted_step`, as the search timed it)."""
-    device_stages = plan_pipeline(plan).device_stages
-    sync = [sum(plan.stages[s].allreduce_ms for s in stages) for stages in device_stages]
-    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in device_stages]
+def plan_step_ms(plan: Plan, timeline: Timeline, *, post_validate: bool | None = None) -> float:
+    """The step the plan predicts, again from a timeline of its op lists (`plan_timeline`): the period of its steps
+    (`plan.asynchronous.predicted_step`, as the search timed it: each rank's end, its stages' gradient exchange
+    and optimizer updates), post-validated as the plan says or as `post_validate` overrides (`run`'s flags)."""
+    return plan_period(plan, timeline, post_validate=post_validate)[0]
+
+
+def plan_period(plan: Plan, timeline: Timeline, *, post_validate: bool | None = None) -> tuple[float, float]:
+    """(period ms, its bubble rate) of `plan_step_ms`."""
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
     overlap = Overlap.parse(plan.training.overlap)
-    return predicted_step(plan.schedule, timeline, plan.training.num_microbatches, sync, updates, overlap)[0]
+    steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
+    eager = plan.training.post_validate if post_validate is None else post_validate
+    sync = [s.allreduce_ms for s in plan.stages]
+    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
+    args = (plan.schedule, timeline, m, pipe.device_stages, sync, updates, overlap)
+    return predicted_step(*args, steps=steps, post_validate=eager)
+
+
+def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int = 2) -> Steady | None:
+    """Several steps of the plan's op lists until their period repeats (at least `min_steps`): each rank's next
+    step after its own end (post-validated) or after every rank's (`schedules.period`); None for an asynchronous
+    schedule, whose timeline is already its stream of steps (`plan_timeline`)."""
+    if schedule_info(plan.schedule).asynchronous:
+        return None
+    pipe = plan_pipeline(plan)
+    num_stages, m = len(plan.stages), plan.training.num_microbatches
+    overlap = Overlap.parse(plan.training.overlap)
+    steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
+    eager = plan.training.post_validate if post_validate is None else post_validate
+    reductions = Reductions(pipe.device_stages, [s.allreduce_ms for s in plan.stages], overlap, m)
+    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
+    end = StepEnd(update_ms=updates, reduced=reductions)
+    return steady_state(steps.schedule, steps.timer, end, post_validate=eager, min_steps=min_steps)
+
+
+def plan_steps_timeline(plan: Plan, *, post_validate: bool | None = None) -> Timeline:
+    """What `show` draws and timeline.json holds: the steps of `plan_steps` (microbatches of step k numbered from
+    k x m, `schedules.period.repeated`), or an asynchronous plan's stream (`plan_timeline`)."""
+    steady = plan_steps(plan, post_validate=post_validate)
+    return plan_timeline(plan) if steady is None else steady.timeline(plan_memory(plan))
 
 
 def timeline_rows(plan: Plan, timeline: Timeline) -> list[tuple[int, str, float, float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ CLIP_HELP = (
 POST_VALIDATE_HELP = (
     "Step the optimizer without waiting for the global gradient checks (norm for --clip-grad-norm, NaN/inf); they "
     "follow along the pipeline and a step they invalidate is rolled back exactly and redone (Zero Bubble's "
-    "post-validation)."
+    "post-validation). Default: as the plan was predicted (plan.json's training.post_validate)."
 )
 INIT_FROM_HELP = (
     "Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); each rank "
@@ -85,7 +86,9 @@ class RunConfig:
     )
     quiet: bool = option(False, "--quiet", help="No per-step lines; the summary is still printed.")
     clip_grad_norm: float | None = option(None, "--clip-grad-norm", help=CLIP_HELP)  # None: no clipping
-    post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)  # post_validate.py
+    post_validate: bool | None = option(  # post_validate.py; None: the plan's setting (`for_plan`)
+        None, "--post-validate/--no-post-validate", help=POST_VALIDATE_HELP
+    )
     # not flags: tests and benchmarks set them
     log_every: int = 1
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
@@ -160,6 +163,12 @@ class RunConfig:
             if not Path(self.init_from).exists():
                 raise ConfigError(f"--init-from {str(self.init_from)!r} does not exist")
             object.__setattr__(self, "init_from", str(Path(self.init_from).resolve()))
+
+    def for_plan(self, plan_post_validate: bool) -> RunConfig:
+        """This config with --post-validate / --no-post-validate settled: the plan's setting unless given."""
+        if self.post_validate is not None:
+            return self
+        return dataclasses.replace(self, post_validate=plan_post_validate)
 
     def run_precision(self, plan_precision: str, device: str) -> str:
         """The plan's precision; --precision must name the same (the plan's costs and memory are for it)."""

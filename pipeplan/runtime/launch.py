@@ -53,6 +53,7 @@ def launch_many(
 ) -> list[list[RunResult]]:
     """Run several plans of one world size in one launch; result[rank][i] is plan i's result on that rank."""
     plans = [Plan.load(path) for path, _ in runs]
+    runs = [(path, config.for_plan(plan.training.post_validate)) for (path, config), plan in zip(runs, plans)]
     for plan in plans:
         check_plan_runs(plan)  # fail here, before starting any rank
     world_size = plans[0].world_size

@@ -134,7 +134,7 @@ def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origi
         periods: list = [None] * plan.world_size  # every rank's median step time
         dist.all_gather_object(periods, _median_step(result.step_ms))
         if rank == 0:
-            _log_summary(plan, result.step_ms, periods, peaks)
+            _log_summary(plan, predicted_ms(plan, bool(config.post_validate)), result.step_ms, periods, peaks)
             _log_checks(config, result)
 
 
@@ -143,6 +143,7 @@ def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: Metric
     takes part in reading peaks, except under --post-validate: a collective between steps would wait for the
     slowest rank). Returns the first step not logged yet."""
     config, plan = trainer.config, trainer.plan
+    predicted = predicted_ms(plan, bool(config.post_validate)) if metrics is not None else 0.0
     done = result.first_step + len(result.losses)
     index = {step: step - result.first_step for step in range(logged, done)}  # result.losses[index[step]] is step's
     for step, at in index.items() if metrics is not None else ():
@@ -156,7 +157,7 @@ def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: Metric
                 step_ms=result.step_ms[at],
                 samples=plan.training.global_batch_size,
                 tokens=plan.model.tokens_per_sample,
-                predicted_ms=plan.predicted.step_ms,
+                predicted_ms=predicted,
             )
         )
     if config.quiet or not config.log_every:
@@ -166,9 +167,10 @@ def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: Metric
         return done
     peaks = None if config.post_validate else gather_peak_memory(trainer.device)  # one small all_gather on CUDA
     if trainer.rank == 0:
+        predicted = predicted_ms(plan, bool(config.post_validate))
         for step in due:
             lr = plan.training.lr * trainer.schedule.factor(step)
-            _log_step(plan, step, result.losses[index[step]], lr, result.step_ms[index[step]], peaks)
+            _log_step(plan, predicted, step, result.losses[index[step]], lr, result.step_ms[index[step]], peaks)
     return done
 
 
@@ -213,10 +215,12 @@ def _log_checks(config: RunConfig, result: RunResult) -> None:
         out.print(rolled, highlight=False)
 
 
-def _log_step(plan: Plan, step: int, loss: float, lr: float, step_ms: float, peaks: list[int] | None = None) -> None:
+def _log_step(  # noqa: PLR0913
+    plan: Plan, predicted: float, step: int, loss: float, lr: float, step_ms: float, peaks: list[int] | None = None
+) -> None:
+    """One step's line (`predicted`: the plan's step for the setting run, `predicted_ms`)."""
     samples = plan.training.global_batch_size / (step_ms / 1000.0)
     tokens = f"  tokens/s {samples * plan.model.tokens_per_sample:,.0f}" if plan.model.tokens_per_sample else ""
-    predicted = plan.predicted.step_ms
     versus = f"  predicted {predicted:.1f} ms ({step_ms / predicted:.2f}x)" if predicted > 0 else ""
     memory = memory_versus(plan, peaks)
     versus += f"  mem GiB {memory}" if memory else ""
@@ -234,11 +238,12 @@ def _median_step(step_ms: list[float]) -> float:
     return statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
 
 
-def _log_summary(plan: Plan, step_ms: list[float], periods: list[float], peaks: list[int] | None = None) -> None:
+def _log_summary(
+    plan: Plan, predicted: float, step_ms: list[float], periods: list[float], peaks: list[int] | None = None
+) -> None:
     median = max(periods)
     slowest = periods.index(median)
     timed = len(step_ms) - 1 if len(step_ms) > 1 else 1
-    predicted = plan.predicted.step_ms
     versus = (
         f" vs predicted {predicted:.1f} ms; measured/predicted {median / predicted:.2f}"
         if predicted > 0
@@ -255,3 +260,13 @@ def _log_summary(plan: Plan, step_ms: list[float], periods: list[float], peaks: 
         versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
         measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
         out.print(measured + versus, highlight=False)
+
+
+def predicted_ms(plan, post_validate: bool) -> float:  # type: ignore[no-untyped-def]
+    """The plan's predicted step for the setting run: its stored period, or, when --post-validate or
+    --no-post-validate differs from the plan's, the period of the other setting (`plan.timing.plan_step_ms`)."""
+    if post_validate == plan.training.post_validate or schedule_info(plan.schedule).asynchronous:
+        return plan.predicted.step_ms
+    from pipeplan.plan.timing import plan_step_ms, plan_timeline
+
+    return plan_step_ms(plan, plan_timeline(plan), post_validate=post_validate)

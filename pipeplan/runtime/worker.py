@@ -76,6 +76,7 @@ def run_plans(
     _quiet_termination()
     try:
         plans = [Plan.load(path) for path, _ in runs]
+        runs = [(path, config.for_plan(plan.training.post_validate)) for (path, config), plan in zip(runs, plans)]
         for plan in plans:
             check_plan_runs(plan, trace=False)
             if world_size != plan.world_size:

@@ -54,6 +54,12 @@ def simulate(options: SimulateOptions) -> None:
     out.print(_metrics_table([metrics], title=title))
     if schedule.asynchronous:
         out.print(_steady_line(metrics, options.microbatches), highlight=False)
+    if "period_ms" in metrics:
+        out.print(
+            f"post-validated steps: period {metrics['period_ms']:.1f} ms, bubble {metrics['period_bubble_rate']:.2%} "
+            f"(one step's makespan {metrics['makespan_ms']:.1f} ms)",
+            highlight=False,
+        )
     out.print(gantt(timeline, width=out.width))
     if options.trace is not None:
         out.print(f"wrote Chrome trace {options.trace}")

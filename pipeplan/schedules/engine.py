@@ -40,12 +40,15 @@ def execute(
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
     overlap_ms: float | None = None,
+    ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-device start and end times, aligned with `device_ops`. `op_ms[kind][stage]` gives durations (all 0
-    when None); `comm_ms[boundary]` is charged when producer and consumer are on different devices (by
-    `schedule.stage_device`); an OVERLAP_F_B op takes `overlapped_ms(F, B, overlap_ms)`. `backward_kind[slot]`
-    (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input gradient."""
-    return replay(schedule, timing_order(schedule, backward_kind), op_ms, comm_ms, overlap_ms)
+    """Per-device start and end times, aligned with `device_ops`; `ready[d]`: when device d may start its first op
+    (default 0: a step of several, `schedules.period`, starts each device at its own time). `op_ms[kind][stage]`
+    gives durations (all 0 when None); `comm_ms[boundary]` is charged when producer and consumer are on different
+    devices (by `schedule.stage_device`); an OVERLAP_F_B op takes `overlapped_ms(F, B, overlap_ms)`.
+    `backward_kind[slot]` (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input
+    gradient."""
+    return replay(schedule, timing_order(schedule, backward_kind), op_ms, comm_ms, overlap_ms, ready)
 
 
 def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: int, o: Op) -> Dependencies:
@@ -129,16 +132,18 @@ def replay(
     op_ms: Mapping[str, Sequence[float]] | None,
     comm_ms: Sequence[float] | None,
     overlap_ms: float | None = None,
+    ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end times of every op along `timing_order(schedule, ...)` (the longest path: each op starts
-    when its device is free and its dependencies, plus their transfers, are done): `execute`'s arguments."""
+    when its device is free and its dependencies, plus their transfers, are done): `execute`'s arguments. The
+    order holds for any `ready` (it depends only on which ops are done)."""
     S = schedule.num_stages
     dur = [op_ms[k] if op_ms else [0.0] * S for k in KINDS]
     comm = comm_ms if comm_ms is not None else [0.0] * max(S - 1, 0)
     starts = [[0.0] * len(ops) for ops in schedule.device_ops]
     ends = [[0.0] * len(ops) for ops in schedule.device_ops]
     end = [0.0] * (4 * S * schedule.num_microbatches)
-    free = [0.0] * schedule.num_devices
+    free = list(ready) if ready is not None else [0.0] * schedule.num_devices
     fields = [iter(order)] * 9
     opened = (0.0, 0, 0)  # an OVERLAP_F_B's forward half: (its earliest start, key, stage)
     for d, i, key, kind, s, first, first_comm, second, second_comm in zip(*fields):

@@ -207,13 +207,15 @@ def generate(
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
     steps: int | None = None,
+    post_validate: bool = False,
 ) -> Schedule:
-    """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed
-    orders). `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not
-    included; `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is
-    generated under it (default: 1F1B's peak), the other schedules are checked against it. `steps`: the length
-    of an asynchronous schedule's stream in steps of `num_microbatches` (default 1; `stream_steps` gives enough
-    for its steady state); synchronous schedules are one step."""
+    """Op lists of schedule `name`. `costs` steer the cost-driven ones (zb-auto, zbv; the others are fixed orders).
+    `memory_limit` caps the live activation bytes per device, in the units of `memory` (static bytes not included;
+    `memory=None`: unit mode, one microbatch of a device's slice = 1, I frees half): zb-auto is generated under it
+    (default: 1F1B's peak), the other schedules are checked against it. `steps`: the length of an asynchronous
+    schedule's stream in steps of `num_microbatches` (default 1; `stream_steps` gives enough for its steady state);
+    synchronous schedules are one step. `post_validate`: the cost-driven ones rank their candidates by the period of
+    steps post-validated (`schedules.period`), else by the makespan."""
     info = schedule_info(name)
     if steps is not None and steps != 1 and not info.asynchronous:
         raise ScheduleError(f"{name} is synchronous: one step per op list (--steps applies to pipedream schedules)")
@@ -227,7 +229,8 @@ def generate(
     check_schedule_size(num_devices, num_microbatches * (steps or 1), v)
     p, m = num_devices, num_microbatches
     if info.cost_driven:
-        schedule = info.generator(p, m, costs=costs, memory=memory, memory_limit=memory_limit)
+        limits = dict(memory=memory, memory_limit=memory_limit, post_validate=post_validate)
+        schedule = info.generator(p, m, costs=costs, **limits)
     else:
         schedule = _fixed_order(name, p, m, v, steps or 1)
     if memory_limit is not None and not info.within_memory_limit:

@@ -36,7 +36,7 @@ from pipeplan.errors import ScheduleError
 from pipeplan.schedules.engine import execute
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.registry import generate
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, build_timeline
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, build_timeline, op_durations
 from pipeplan.schedules.validate import check_complete
 
 
@@ -154,10 +154,16 @@ def simulate_expanded(probe: Schedule, costs: StageCosts, memory: MemoryCosts) -
     """Time per-device op lists in which a stage may run on several devices (`probe.stage_device[s]`: any one of
     them, used only to tell that another stage's device is a different one). Dependencies and transfers as in
     `simulate`; `memory.static_bytes` per device."""
-    cost = costs.per_stage(probe.num_stages)
-    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = execute(probe, _backward_kinds(probe), op_ms=op_ms, comm_ms=cost.comm_ms)  # type: ignore[arg-type]
+    starts, ends = time_expanded(probe, costs)
     return build_timeline(probe, starts, ends, memory)
+
+
+def time_expanded(
+    probe: Schedule, costs: StageCosts, ready: Sequence[float] | None = None
+) -> tuple[list[list[float]], list[list[float]]]:
+    """`simulate_expanded`'s start and end times, each device starting at `ready[d]` (default 0)."""
+    cost = costs.per_stage(probe.num_stages)
+    return execute(probe, _backward_kinds(probe), op_ms=op_durations(cost), comm_ms=cost.comm_ms, ready=ready)
 
 
 def _backward_kinds(probe: Schedule) -> bytearray:

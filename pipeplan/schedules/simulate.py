@@ -183,18 +183,21 @@ def simulate(
     """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default; an OVERLAP_F_B op
     takes `engine.overlapped_ms` of `costs.overlap_ms`)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
-    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
     if not all(math.isfinite(end) for row in ends for end in row[-1:]):
         raise ConfigError("the simulated step time overflows a float: the op or transfer times are too large")
     return build_timeline(schedule, starts, ends, memory or MemoryCosts())
 
 
+def op_durations(cost: StageCosts) -> dict[str, Sequence[float]]:
+    """The engine's `op_ms` (per kind, per stage) of costs made `per_stage`."""
+    return {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}  # type: ignore[dict-item]
+
+
 def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tuple[float, float]:
     """`simulate(schedule, costs)`'s makespan and max_span without building the timeline (for ranking)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
-    op_ms = {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
-    starts, ends = run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
     rows = [(s[0], e[-1]) for s, e in zip(starts, ends) if s]
     return max(e for _, e in rows), max(e - s for s, e in rows)
 

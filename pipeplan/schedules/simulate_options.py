@@ -26,6 +26,11 @@ OVERLAP_HELP = (
     "counted from the overlap). E.g. --overlap-ms 2.5."
 )
 
+POST_VALIDATE_HELP = (
+    "Steps post-validated (`run --post-validate`): zb-auto and zbv rank their candidates by the period of steps that "
+    "each device starts at its own end, and the period is printed beside the makespan."
+)
+
 STEPS_HELP = (
     "pipedream schedules: steps of --microbatches in the simulated stream (default: enough to measure the steady "
     "state)."
@@ -46,6 +51,7 @@ class SimulateOptions:
     input_grad_frees: float = option(PAPER_INPUT_GRAD_FREES, "--input-grad-frees", help=INPUT_GRAD_FREES_HELP)
     overlap_ms: float | None = option(None, "--overlap-ms", help=OVERLAP_HELP)
     steps: int | None = option(None, "--steps", help=STEPS_HELP)
+    post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)
     compare: bool = option(False, "--compare", help="Simulate every schedule and rank by makespan.")
     json_output: bool = option(False, "--json", help="Print only JSON (metrics + op lists).")
     trace: str | None = option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto).")

@@ -11,6 +11,7 @@ from typing import Any
 from pipeplan.errors import ScheduleError
 from pipeplan.jsonio import write_json
 from pipeplan.schedules.ops import OVERLAP, Schedule
+from pipeplan.schedules.period import simulate_steps
 from pipeplan.schedules.placement import LOOPED
 from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
 from pipeplan.schedules.render import timeline_to_chrome_trace
@@ -26,13 +27,7 @@ def simulate_uniform(
     `overlap_ms`: every OVERLAP_F_B op's time (refused for a schedule without one)."""
     devices = options.stages
     v = schedule_info(name).resolve_chunks(chunks)
-    costs = StageCosts(
-        forward_ms=options.f / v,
-        input_grad_ms=options.b / v,
-        weight_grad_ms=options.w / v,
-        comm_ms=options.comm,
-        overlap_ms=overlap_ms,
-    )
+    costs = uniform_costs(options, v, overlap_ms)
     memory = unit_memory(v, input_grad_frees=options.input_grad_frees)
     schedule = generate(
         name,
@@ -43,10 +38,31 @@ def simulate_uniform(
         memory=memory,
         memory_limit=options.memory_limit,
         steps=options.steps if options.steps is not None else async_stream_steps(name, devices, options.microbatches),
+        post_validate=options.post_validate,
     )
     if overlap_ms is not None and not any(o.kind == OVERLAP for ops in schedule.device_ops for o in ops):
         raise ScheduleError(f"--overlap-ms applies to schedules with overlapped F&B ops (dualpipev), not {name}")
     return schedule, simulate(schedule, costs, memory)
+
+
+def uniform_costs(options: SimulateOptions, chunks: int, overlap_ms: float | None = None) -> StageCosts:
+    """Per stage: the per-device-slice costs split evenly over the `chunks` each device holds; `overlap_ms`: every
+    OVERLAP_F_B op's time."""
+    v = chunks
+    return StageCosts(
+        forward_ms=options.f / v,
+        input_grad_ms=options.b / v,
+        weight_grad_ms=options.w / v,
+        comm_ms=options.comm,
+        overlap_ms=overlap_ms,
+    )
+
+
+def post_validated(schedule: Schedule, options: SimulateOptions) -> dict[str, Any]:
+    """--post-validate: the period of steps each device starts at its own end (`schedules.period`), its bubble."""
+    costs = uniform_costs(options, schedule.num_chunks, options.overlap_ms)
+    steady = simulate_steps(schedule, costs, post_validate=True)
+    return {"period_ms": steady.period_ms, "period_bubble_rate": steady.bubble_rate(), "period_steps": steady.steps}
 
 
 def schedule_metrics(schedule: Schedule, timeline: Timeline, per_step: int | None = None) -> dict[str, Any]:
@@ -125,4 +141,7 @@ def simulate_schedules(options: SimulateOptions) -> Simulation | Ranking:
     if options.compare:
         return Ranking(*compare_schedules(options))
     schedule, timeline = simulate_one(options)
-    return Simulation(schedule, timeline, schedule_metrics(schedule, timeline, options.microbatches))
+    metrics = schedule_metrics(schedule, timeline, options.microbatches)
+    if options.post_validate and not schedule.asynchronous:
+        metrics |= post_validated(schedule, options)
+    return Simulation(schedule, timeline, metrics)

@@ -35,13 +35,14 @@ def run_in_order(
     op_ms: Mapping[str, Sequence[float]] | None = None,
     comm_ms: Sequence[float] | None = None,
     overlap_ms: float | None = None,
+    ready: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Validate (`checked`: once per Schedule object), then time every device's list in order (`engine.replay`
     along the checked order: durations `op_ms[kind][stage]`, all 0 when None; `comm_ms[boundary]` across devices;
-    an OVERLAP_F_B op `engine.overlapped_ms(F, B, overlap_ms)`). Returns per-device start and end times, aligned
-    with `device_ops`."""
+    an OVERLAP_F_B op `engine.overlapped_ms(F, B, overlap_ms)`; `ready[d]`: when device d may start, default 0).
+    Returns per-device start and end times, aligned with `device_ops`."""
     _, order = checked(schedule)
-    return replay(schedule, order, op_ms, comm_ms, overlap_ms)
+    return replay(schedule, order, op_ms, comm_ms, overlap_ms, ready)
 
 
 _CHECKED: dict[int, tuple[weakref.ref, tuple[bytes, Order]]] = {}  # id(schedule) -> (the schedule, `checked`)

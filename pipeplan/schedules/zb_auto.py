@@ -2,7 +2,10 @@
 section 3: ZB-1p at 1F1B's memory, ZB-2p at twice it) for measured per-stage costs, under a per-device limit on
 live activation bytes.
 
-Candidates, fastest wins (makespan, then the longest device span, the paper's figure):
+Candidates, fastest wins: the shortest period (`schedules.period`: the makespan when every step waits for the
+last device, the steady interval between steps when they are post-validated, then about the longest device span:
+the paper's figure), then (synchronized) the shortest span, the least activation memory, the simplest (1f1b,
+zb-h1, zb-h2, the runs):
   - the paper's heuristic (`zb_heuristic.py`) run with each of its 8 option combinations;
   - the handcrafted zb-h1, zb-h2 and 1f1b whenever their activation peak fits the limit, so zb-auto is never
     slower than them at the same memory.
@@ -16,13 +19,13 @@ from __future__ import annotations
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.simulate import (
     MemoryCosts,
     StageCosts,
     activation_deltas,
     activation_rises,
     fits_limit,
-    makespan_and_span,
     peak_activation_per_device,
     unit_memory,
 )
@@ -49,6 +52,9 @@ def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: flo
     return candidates
 
 
+_SIMPLICITY = {one_f_one_b: 0, zb_h1: 1, zb_h2: 2}  # then the heuristic's runs
+
+
 def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: bool) -> float:
     """A lower bound on the makespan: microbatch 0's forward and backward chain through every stage (with the
     transfers), then device 0's remaining m-1 backwards, m Ws (split) and `forwards_after` forwards."""
@@ -59,22 +65,37 @@ def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: boo
     return chain + rest
 
 
-def _best_heuristic_run(m: int, costs: StageCosts, memory: MemoryCosts, limit: float) -> tuple:
-    """(schedule, (makespan, max span)) of the fastest heuristic run within the limit, or (None, None). Without
-    recomputation every run is within it by construction; with it, an I's rise can pass the limit when no W is
-    left to run first, so each run is checked with `peak_activation_per_device`."""
-    p = len(costs.forward_ms)  # type: ignore[arg-type]
+def _candidates(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: float) -> list[tuple]:
+    """(simplicity order, makespan lower bound, Result or generator) of every candidate: 1f1b, zb-h1, zb-h2 where
+    they fit, then the heuristic's runs. A heuristic run's makespan is known exactly."""
     delta, rise = activation_deltas(memory, p), activation_rises(memory, p)
     recomputes = any(r > max(d, 0.0) for r, d in zip(rise["I"], delta["I"])) or any(rise["B"])
-    best_run, best_key = None, None
-    for result in heuristic_runs(m, costs, delta, limit, rise["I"] if recomputes else None):
-        key = (result.makespan, result.max_span)
-        if best_key is not None and key >= best_key:
+    found = []
+    for handcrafted, forwards_after in _handcrafted(p, m, delta, limit):
+        bound = _device0_bound(costs, m, forwards_after, fused=handcrafted is one_f_one_b)
+        found.append((_SIMPLICITY[handcrafted], bound, handcrafted))
+    runs = heuristic_runs(m, costs, delta, limit, rise["I"] if recomputes else None)
+    found += [(3 + index, run.makespan, run) for index, run in enumerate(runs)]
+    return found
+
+
+def _fastest(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: float, post_validate: bool):
+    """The candidate with the shortest period (`schedules.period.schedule_period`; synchronized: the makespan, then
+    the shortest span), then the least activation memory, then the simplest; each checked against the limit
+    (recomputation can pass it where a heuristic run had no W left to run first). Synchronized, a candidate whose
+    makespan bound is over the best period found is not generated."""
+    best, best_key = None, None
+    for order, bound, made in sorted(_candidates(p, m, costs, memory, limit), key=lambda c: (c[1], c[0])):
+        if not post_validate and best_key is not None and not faster((bound, -1.0), best_key):
+            continue  # cannot have a shorter makespan: skip generating and timing it
+        schedule = made(p, m) if callable(made) else made.schedule()
+        period = schedule_period(schedule, costs, post_validate=post_validate)
+        if best_key is not None and not faster((*period, -1.0), best_key):
             continue
-        if recomputes and not fits_limit(max(peak_activation_per_device(result.schedule(), memory)), limit):
-            continue
-        best_run, best_key = result, key
-    return (best_run.schedule() if best_run is not None else None), best_key
+        peak = max(peak_activation_per_device(schedule, memory))
+        if fits_limit(peak, limit) and faster((*period, peak, order), best_key):
+            best, best_key = schedule, (*period, peak, order)
+    return best
 
 
 def zb_auto(
@@ -84,9 +105,10 @@ def zb_auto(
     costs: StageCosts | None = None,
     memory: MemoryCosts | None = None,
     memory_limit: float | None = None,
+    post_validate: bool = False,
 ) -> Schedule:
     """Fastest candidate under `costs` (unit by default) whose live activations stay within `memory_limit`
-    bytes per device (default: 1F1B's peak)."""
+    bytes per device (default: 1F1B's peak): the shortest period of steps `post_validate`d or not."""
     p, m = num_devices, num_microbatches
     memory = memory or unit_memory(1)
     limit = default_limit(p, m, memory) if memory_limit is None else memory_limit
@@ -96,17 +118,7 @@ def zb_auto(
         raise ScheduleError(
             f"zb-auto: one microbatch's activations ({biggest:g}) exceed --memory-limit {limit:g}; raise the limit"
         )
-    stage_costs = (costs or StageCosts()).per_stage(p)
-    best, best_key = _best_heuristic_run(m, stage_costs, memory, limit)
-    for handcrafted, forwards_after in _handcrafted(p, m, delta, limit):
-        bound = _device0_bound(stage_costs, m, forwards_after, fused=handcrafted is one_f_one_b)
-        if best_key is not None and bound >= best_key[0]:
-            continue  # cannot have a shorter makespan: skip generating and timing it
-        schedule = handcrafted(p, m)
-        if fits_limit(max(peak_activation_per_device(schedule, memory)), limit):
-            key = makespan_and_span(schedule, stage_costs)
-            if best_key is None or key < best_key:
-                best, best_key = schedule, key
+    best = _fastest(p, m, (costs or StageCosts()).per_stage(p), memory, limit, post_validate)
     if best is None:
         raise ScheduleError(
             f"zb-auto: no schedule keeps the recomputed activations within --memory-limit {limit:g}; raise the limit"

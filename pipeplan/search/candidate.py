@@ -44,10 +44,8 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
-from pipeplan.search.gradient_sync import (
-    allreduce_step_ms,
-    step_end,
-)
+from pipeplan.search.gradient_sync import allreduce_step_ms, post_validation_allowed
+from pipeplan.search.period_end import period_end
 from pipeplan.search.recompute_choice import settle_recompute
 from pipeplan.search.stage_memory import activation_budget, memory_costs, stage_bytes_per_param
 from pipeplan.units import format_bytes
@@ -118,6 +116,7 @@ class Evaluation:
     device_memory_bytes: tuple[int, ...]  # the simulator's peak per pipeline device (static + activations)
     zero: int = 0  # ZeRO stage the memory and gradient exchange were counted with
     overlap: Overlap = NO_OVERLAP  # communication overlap the step was timed with
+    post_validate: bool = False  # step_ms is the period of post-validated steps (`run --post-validate`)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -246,11 +245,20 @@ def evaluate(
 ) -> Evaluation | Rejection:
     """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size; `options`:
     precision, zero, recompute (`partition_config`)."""
+    post_validate = options.pop("post_validate", "off")  # the period's, not the partitioner's
     part = partition_layout(layout, profile, cluster, optimizer=optimizer, **options)
     if isinstance(part, Rejection):
         return part
+    batch = global_batch_size
     return evaluate_partition(
-        layout, part, profile, cluster, optimizer=optimizer, global_batch_size=global_batch_size, **options
+        layout,
+        part,
+        profile,
+        cluster,
+        optimizer=optimizer,
+        global_batch_size=batch,
+        post_validate=post_validate,
+        **options,
     )
 
 
@@ -266,16 +274,15 @@ def evaluate_partition(
     zero: int = 0,
     recompute: str = "none",
     overlap: Overlap = NO_OVERLAP,
+    post_validate: str = "off",
 ) -> Evaluation | Rejection:
-    """Generate the schedule for `part`, settle its stages' recomputation modes on the exact peaks (recompute
-    `auto`), simulate one step of the layout's op lists (pipeline transfers blocking their sender unless
-    `overlap.p2p`), check the simulated peak bytes against `cluster.memory_per_device` (the search passes memory
-    less its reserve), and end the step with each device's gradient exchange (over its stages' replicas, pipelines
-    and context-parallel ranks) and optimizer update (`costs.overlap.step_end_ms`)."""
+    """Generate `part`'s schedule, settle its recompute modes (auto), simulate its op lists (transfers blocking unless
+    `overlap.p2p`), check the peaks against the memory and predict its period (`search.period_end`)."""
     per_param = stage_bytes_per_param(
         part, layout.holders, optimizer, precision, zero, profile=profile, ep=layout.expert_parallel
     )
-    made = _schedule_layout(layout, part, profile, cluster, per_param, precision)
+    eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
+    made = _schedule_layout(layout, part, profile, cluster, per_param, precision, eager)
     if isinstance(made, Rejection):
         return made
     schedule, pipe = made
@@ -291,12 +298,13 @@ def evaluate_partition(
     timed = transfer_costs(costs, pipe, overlap)
     timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, timed, memory)
     device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
-    over = _memory_rejection(layout, part, pipe, device_bytes, cluster.memory_per_device)
-    if over is not None:
-        return over
-    options = dict(optimizer=optimizer, precision=precision, zero=zero, overlap=overlap)
-    allreduce_ms, optimizer_ms, step_ms, bubble = step_end(layout, part, pipe, timeline, profile, cluster, **options)
-    timeline = replace(timeline, bubble_rate=bubble)  # asynchronous: the steady state's, not the stream's
+    options = dict(optimizer=optimizer, precision=precision, zero=zero, overlap=overlap, post_validate=post_validate)
+    reject = lambda b: _memory_rejection(layout, part, pipe, b, cluster.memory_per_device)  # noqa: E731
+    ended = period_end(layout, part, pipe, timeline, profile, cluster, (timed, counts, device_bytes), options, reject)
+    if isinstance(ended, Rejection):
+        return ended
+    device_bytes, (allreduce_ms, optimizer_ms, step_ms, bubble, post_validated) = ended
+    timeline = replace(timeline, bubble_rate=bubble)  # the period's (asynchronous: the steady state's)
     return Evaluation(
         layout=layout,
         partition=part,
@@ -308,6 +316,7 @@ def evaluate_partition(
         stage_allreduce_ms=allreduce_ms,
         stage_optimizer_ms=optimizer_ms,
         step_ms=step_ms,
+        post_validate=post_validated,
         samples_per_s=global_batch_size / step_ms * 1000.0,
         device_memory_bytes=device_bytes,
         zero=zero,
@@ -316,7 +325,7 @@ def evaluate_partition(
 
 
 def _schedule_layout(
-    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param, precision: str
+    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param, precision: str, eager: bool
 ) -> tuple[Schedule, PipelineLayout] | Rejection:
     """The schedule for `part` (zb-auto generated under the activation bytes left after static memory) and the
     op lists of one pipeline, or why there are none."""
@@ -332,6 +341,7 @@ def _schedule_layout(
             memory=memory_costs(part, profile, per_layer=engine_recompute(layout, precision)) if auto else None,
             memory_limit=activation_budget(part, cluster, per_param) if auto else None,
             steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
+            post_validate=eager,  # zb-auto, zbv: ranked by the period the run may have
         )
         pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:

@@ -10,6 +10,8 @@ from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.units import format_bytes
 
+POST_VALIDATE_CHOICES = ("auto", "on", "off")  # --post-validate
+
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
 PREDICTION_MARGIN = 0.02
@@ -54,6 +56,7 @@ class SearchConfig:
     expert_parallel: int = 1  # ep > 1: routed experts split over ep of the pipelines x cp ranks (search.sharding)
     overlap: Overlap = Overlap()  # communication overlap (costs.overlap; Megatron-Core's defaults: none)
     interleave: tuple[int, ...] = (2,)  # chunks per device the looped schedule (interleaved) is tried with
+    post_validate: str = "auto"  # on / off / auto: post-validate steps where that shortens the period
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -67,6 +70,9 @@ class SearchConfig:
             )
         if self.zero != "auto":
             check_zero_stage(self.zero)
+        if self.post_validate not in POST_VALIDATE_CHOICES:
+            choices = ", ".join(POST_VALIDATE_CHOICES)
+            raise ConfigError(f"--post-validate must be one of {choices}, got {self.post_validate!r}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
         optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both

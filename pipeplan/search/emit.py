@@ -59,6 +59,7 @@ def build_plan(
         context_parallel=result.config.context_parallel,
         expert_parallel=result.config.expert_parallel,
         overlap=result.config.overlap.label,
+        post_validate=chosen.post_validate,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel

@@ -21,9 +21,10 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
-from pipeplan.plan.asynchronous import predicted_step
+from pipeplan.plan.asynchronous import post_validated_floor_ms, predicted_step
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
+from pipeplan.schedules.registry import schedule_info
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,11 +97,24 @@ def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float
 
 
 def step_end(
-    layout, part: Partition, pipe, timeline, profile: Profile, cluster: Cluster, *, optimizer, precision, zero, overlap
+    layout,
+    part: Partition,
+    pipe,
+    timeline,
+    profile: Profile,
+    cluster: Cluster,
+    *,
+    optimizer,
+    precision,
+    zero,
+    overlap,
+    steps=None,
+    post_validate: str = "off",
 ) -> tuple:
-    """(per-stage exchange ms, per-stage optimizer ms, step ms, bubble rate) of a simulated `layout`
-    (`search.candidate.Layout`) with pipeline layout `pipe`: each device's last op, then its stages' exchanges and
-    updates (`plan.asynchronous.predicted_step`)."""
+    """(per-stage exchange ms, per-stage optimizer ms, step ms, bubble rate, post-validated) of a simulated `layout`
+    (`search.candidate.Layout`) with pipeline layout `pipe` (`steps`: `plan.layout.layout_steps`): the period of
+    its steps (`plan.asynchronous.predicted_step`). `post_validate` on / off / auto: auto post-validates where that
+    shortens the period (`post_validation_allowed`)."""
     group = SyncGroup(
         data_parallel=layout.data_parallel,
         context_parallel=layout.context_parallel,
@@ -108,12 +122,21 @@ def step_end(
     )
     allreduce = stage_allreduce_ms(profile, cluster, part, group, precision=precision, zero=zero)
     updates = stage_optimizer_ms(part, profile, optimizer=optimizer, precision=precision, zero=zero, group=group)
-    step, bubble = predicted_step(
-        layout.schedule,
-        timeline,
-        layout.num_microbatches,
-        per_device(allreduce, pipe.device_stages),
-        per_device(updates, pipe.device_stages),
-        overlap,
-    )
-    return allreduce, updates, step, bubble
+    args = (layout.schedule, timeline, layout.num_microbatches, pipe.device_stages, allreduce)
+    rest = dict(device_optimizer_ms=per_device(updates, pipe.device_stages), overlap=overlap, steps=steps)
+    eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
+    step, bubble = predicted_step(*args, **rest, post_validate=post_validate == "on")
+    if eager and post_validate == "auto":
+        floor = post_validated_floor_ms(steps.schedule, timeline, *args[2:], rest["device_optimizer_ms"], overlap)
+        eager_period = predicted_step(*args, **rest, post_validate=True) if floor < step * (1 - 1e-9) else None
+        if eager_period is not None and eager_period[0] < step * (1 - 1e-9):
+            return allreduce, updates, *eager_period, True
+        eager = False
+    return allreduce, updates, step, bubble, eager
+
+
+def post_validation_allowed(schedule: str, zero: int) -> bool:
+    """Whether `auto` may post-validate: a synchronous schedule (`runtime.post_validate` refuses the others) without
+    ZeRO-1 (the memory of the undo copy `run --post-validate` keeps is counted for whole parameters only:
+    `costs.optimizer.undo_copy_bytes`)."""
+    return not schedule_info(schedule).asynchronous and not zero

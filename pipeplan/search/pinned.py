@@ -221,7 +221,14 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
             part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
         batch = config.global_batch_size
         result = evaluate_partition(
-            layout, part, sharded, usable, global_batch_size=batch, overlap=config.overlap, **options
+            layout,
+            part,
+            sharded,
+            usable,
+            global_batch_size=batch,
+            overlap=config.overlap,
+            post_validate=config.post_validate,
+            **options,
         )
     except (InfeasibleError, ScheduleError) as exc:
         return layout, sharded, groups, Rejection(layout=layout, kind="schedule", reason=str(exc))

@@ -36,6 +36,11 @@ EXPERT_HELP = (
     "Ranks the routed experts of a mixture-of-experts model are split over (of the DP x cp ranks): N, or auto "
     "(analytic MoE profiles: try 1,2,4,... dividing the experts; otherwise 1). Plans with N > 1 are analytic."
 )
+POST_VALIDATE_HELP = (
+    "auto, on or off: predict steps whose optimizer step is post-validated (`run --post-validate`: each rank starts "
+    "its next step at its own end) — auto where that shortens the period (synchronous schedules, ZeRO 0, the undo "
+    "copy within memory)."
+)
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
     "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
@@ -85,6 +90,7 @@ class PlanOptions:
     context_parallel: str = option("1", "--context-parallel", help=CONTEXT_HELP)
     expert_parallel: str = option("auto", "--expert-parallel", help=EXPERT_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
+    post_validate: str = option("auto", "--post-validate", help=POST_VALIDATE_HELP)
     layout: str | None = option(None, "--layout", help=LAYOUT_HELP)
     schedule: str = option("auto", "--schedule", "-s", help=f"auto or one of: {', '.join(SCHEDULE_NAMES)}.")
     allow_async: bool = option(False, "--allow-async", help=ASYNC_HELP)

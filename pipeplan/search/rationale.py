@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeplan.costs import bytes_per_param, device_static_bytes
 from pipeplan.search.candidate import Evaluation, Layout
+from pipeplan.search.period_end import synchronized_period_ms
 from pipeplan.search.recompute_choice import recompute_reasons
 from pipeplan.units import format_bytes
 
@@ -135,6 +136,8 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
         f"{chosen.allreduce_ms:.2f} ms, peak memory {format_bytes(chosen.peak_memory_bytes)} of "
         f"{format_bytes(result.usable_memory_bytes)}, after a {format_bytes(reserve)} reserve)."
     ]
+    if chosen.post_validate:
+        parts.append(_post_validation_words(result, chosen))
     fastest = result.fastest
     if fastest is not chosen:
         gap = (chosen.step_ms / fastest.step_ms - 1.0) * 100.0
@@ -160,6 +163,19 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     if choices:
         parts.append(f"Memory: {'; '.join(choices)}.")
     return " ".join(parts)
+
+
+def _post_validation_words(result: SearchResult, chosen: Evaluation) -> str:
+    """Why the plan post-validates (`--post-validate auto` turned it on, or `on` asked), with the period it gains."""
+    synced = synchronized_period_ms(chosen)
+    why = "as --post-validate on asks" if result.config.post_validate == "on" else "it shortens the period"
+    gain = 1.0 - chosen.step_ms / synced if synced > 0 else 0.0
+    shorter = f"{gain:.1%} shorter" if gain > 0 else "no shorter"
+    return (
+        f"Post-validation on ({why}; `run` follows it): period {chosen.step_ms:.1f} ms vs {synced:.1f} ms "
+        f"synchronized ({shorter}: each rank starts its next step at its own end, its undo copy counted in the "
+        "memory)."
+    )
 
 
 def _sync_words(evaluation: Evaluation) -> str:

@@ -150,6 +150,7 @@ def _evaluate_with_retries(
             cluster,
             global_batch_size=config.global_batch_size,
             overlap=config.overlap,
+            post_validate=config.post_validate,
             **options,
         )
         if not isinstance(result, Rejection) or not result.retry_budget_bytes:

@@ -14,7 +14,7 @@ from pipeplan.cli import app
 from pipeplan.costs.overlap import Overlap
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
-from pipeplan.plan.timing import plan_memory, plan_timeline
+from pipeplan.plan.timing import plan_memory, plan_steps, plan_steps_timeline, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES
@@ -63,13 +63,59 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     plan = Plan.load(out / "plan.json")
     timeline = plan_timeline(plan)
     assert plan_step_ms(plan, timeline) == pytest.approx(planned["step_ms"], rel=1e-12)
+    # timeline.json: the steps show draws, the first of them the plan's step, the next one a period later
+    steps = plan_steps_timeline(plan)
     trace = json.loads((out / "timeline.json").read_text())
-    ends = [(e["ts"] + e["dur"]) / 1000.0 for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert max(ends) == pytest.approx(timeline.makespan, rel=1e-9)
-    events = sorted((e["pid"], e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
-    assert events == sorted((e.device, str(e.op), e.start * 1000.0) for e in timeline.entries)
+    m = plan.training.num_microbatches  # each op named as in its step (as `run --trace` names it), its step in args
+    events = sorted((e["pid"], e["args"]["step"], e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
+    k = [e.op.microbatch // m for e in steps.entries]
+    assert events == sorted(
+        (e.device, k, str(e.op.shifted(-k * m)), e.start * 1000.0) for e, k in zip(steps.entries, k)
+    )
+    assert [e for e in steps.entries if e.op.microbatch < m] == list(timeline.entries)
+    second = min(e.start for e in steps.entries if e.op.microbatch >= m)
+    assert second == pytest.approx(planned["step_ms"], rel=1e-9)  # synchronized: one step after the first
+    assert "(the period of synchronized steps; one step's makespan" in " ".join(
+        runner.invoke(app, ["show", str(out / "plan.json")]).output.split()
+    )
     train._log_summary(plan, [100.0, 100.0])  # what `run` prints after training
     assert f"vs predicted {planned['step_ms']:.1f} ms" in capsys.readouterr().out
+
+
+def test_post_validated_plan_says_so_and_its_steps_overlap(tmp_path):
+    # zb-auto on 4 stages: post-validation (auto) shortens the period; plan, show and timeline.json say so
+    profile, result = _search(("zb-auto",))
+    assert result.best.post_validate
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    out = tmp_path / "plan"
+    args = ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "4GiB", "-p", "4", "-B", "16"]
+    planned = runner.invoke(app, [*args, "-s", "zb-auto", "--no-replication", "-o", str(out), "--json"])
+    summary = json.loads(planned.output)
+    assert summary["training"]["post_validate"] is True
+    plan = Plan.load(out / "plan.json")
+    synced = plan_step_ms(plan, plan_timeline(plan), post_validate=False)
+    period = summary["predicted"]["step_ms"]
+    assert period < synced
+    assert (
+        f"Post-validation on (it shortens the period; `run` follows it): period {period:.1f} ms vs {synced:.1f} ms"
+        in summary["rationale"]
+    )
+    shown = runner.invoke(app, ["show", str(out / "plan.json")]).output
+    assert "the period of post-validated steps; one step's makespan" in " ".join(shown.split())
+    steps = plan_steps(plan)
+    assert steps.period_ms == pytest.approx(period, rel=1e-12) and steps.steps >= 2
+    trace = json.loads((out / "timeline.json").read_text())
+    events = [
+        (e["pid"], e["args"]["step"], e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0)
+        for e in trace["traceEvents"]
+        if e["ph"] == "X"
+    ]
+    assert len(events) == steps.steps * sum(len(ops) for ops in plan.rank_ops[:4])
+    # the overlap: rank 0 starts its second step before the last rank has finished its first
+    rank0_next = min(start for pid, step, start, _ in events if pid == 0 and step == 1)
+    last_first = max(end for pid, step, _, end in events if pid == 3 and step == 0)
+    assert rank0_next < last_first
 
 
 def test_replicated_stages_are_simulated_as_the_lists_run_executes():

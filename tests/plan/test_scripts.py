@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.scripts import launch_script, sbatch_script, write_plan_dir
-from pipeplan.plan.timing import plan_timeline, timeline_rows
+from pipeplan.plan.timing import plan_steps_timeline, plan_timeline, timeline_rows
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.search import search_plans
@@ -75,10 +76,16 @@ def test_launch_refuses_the_wrong_node_count(tmp_path):
 
 def test_plan_dir_files(tmp_path):
     plan = _plan(2, 2, "cpu")
-    write_plan_dir(plan, timeline_rows(plan, plan_timeline(plan)), tmp_path)
+    write_plan_dir(plan, timeline_rows(plan, plan_steps_timeline(plan)), tmp_path)
     assert Plan.load(tmp_path / "plan.json") == plan
     assert os.access(tmp_path / "launch.sh", os.X_OK) and os.access(tmp_path / "job.sbatch", os.X_OK)
     trace = json.loads((tmp_path / "timeline.json").read_text())
     ops = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(ops) == sum(len(plan.rank_ops[r.rank]) for r in plan.ranks if r.pipeline == 0)
+    steps = 1 + max(e["args"]["step"] for e in ops)
+    assert steps >= 2 and len(ops) == steps * sum(len(plan.rank_ops[r.rank]) for r in plan.ranks if r.pipeline == 0)
     assert {e["pid"] for e in ops} == {r.rank for r in plan.ranks if r.pipeline == 0}
+    for rank, step in itertools.product({e["pid"] for e in ops}, range(steps)):  # named as `run --trace` names them
+        named = [
+            e["name"] for e in sorted(ops, key=lambda e: e["ts"]) if e["pid"] == rank and e["args"]["step"] == step
+        ]
+        assert named == list(plan.rank_ops[rank])

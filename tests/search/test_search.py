@@ -42,6 +42,7 @@ def _fitting(layout, profile, cluster, config) -> list[Evaluation]:
                 zero=zero,
                 recompute=recompute,
                 global_batch_size=config.global_batch_size,
+                post_validate=config.post_validate,
             )
             if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
                 found.append(result)

@@ -78,7 +78,8 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     assert "(the period of synchronized steps; one step's makespan" in " ".join(
         runner.invoke(app, ["show", str(out / "plan.json")]).output.split()
     )
-    train._log_summary(plan, [100.0, 100.0])  # what `run` prints after training
+    predicted = train.predicted_ms(plan, plan.training.post_validate)  # what `run` prints after training
+    train._log_summary(plan, predicted, [100.0, 100.0], [100.0, 100.0])
     assert f"vs predicted {planned['step_ms']:.1f} ms" in capsys.readouterr().out
 
 

@@ -145,7 +145,8 @@ def test_search_show_and_run_predict_the_same_step(case, tmp_path, capsys):
     assert plan_step_ms(again, timeline) == pytest.approx(chosen.step_ms, rel=1e-12)
     assert again.predicted.step_ms == chosen.step_ms
     assert again.predicted.peak_memory_bytes[: timeline.num_devices] == chosen.device_memory_bytes
-    train._log_summary(again, [100.0, 100.0])  # what `run` prints after training
+    predicted = train.predicted_ms(again, again.training.post_validate)  # what `run` prints after training
+    train._log_summary(again, predicted, [100.0, 100.0], [100.0, 100.0])
     assert f"vs predicted {chosen.step_ms:.1f} ms" in capsys.readouterr().out
 
 

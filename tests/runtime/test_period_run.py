@@ -1,4 +1,5 @@
-"""`pipeplan run --post-validate` overlaps consecutive steps (2 gloo ranks, CPU), read from `--trace`.
+"""`pipeplan run --post-validate` overlaps consecutive steps (2 gloo ranks, CPU), read from `--trace`, and the
+several-step simulation (`schedules.period`) of the plan's op lists with the run's own op times gives its period.
 
 Under zb-h2 on two ranks the rank holding stage 0 ends its step first (stage 1 still runs the last weight-gradient
 passes), so a post-validated run must start that rank's next forwards before stage 1's step ends; a synchronized run
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 from helpers.runtime import make_plan
 
+from pipeplan.plan.timing import plan_costs, plan_schedule
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
+from pipeplan.schedules.ops import Op
+from pipeplan.schedules.period import StepEnd, simulate_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -32,6 +37,34 @@ def _overlaps(trace: dict) -> list[bool]:
     first_forward = {s["step"]: min(a for op, a, _ in s["ops"] if "F" in op) for s in ranks[0]["steps"]}
     steps = sorted(first_forward)
     return [first_forward[k + 1] < max(e[k] for e in ends) for k in steps[1:-1]]
+
+
+def _replayed_period(plan, trace: dict, *, post_validate: bool) -> tuple[float, float]:
+    """(simulated, measured) period of a traced run, its first step left out: the plan's op lists simulated over
+    several steps with the run's mean time per (kind, stage) and each rank's measured end of step after its last op
+    (post-validated: its own; synchronized: after the slowest rank's last op, the global check included) as the
+    update; measured: the mean interval between step ends, the slowest rank's."""
+    ranks, durations = trace["pipeplan_measured"]["ranks"], {}
+    for rank in ranks:
+        for step in rank["steps"][1:]:
+            for text, start, end in step["ops"]:
+                o = Op.parse(text)
+                durations.setdefault((o.kind, o.stage), []).append(end - start)
+    planned = plan_costs(plan)
+    mean = {k: [statistics.fmean(durations.get((k, s), [0.0])) for s in range(len(plan.stages))] for k in "FIWB"}
+    costs = dataclasses.replace(
+        planned, forward_ms=mean["F"], input_grad_ms=mean["I"], weight_grad_ms=mean["W"], backward_ms=mean["B"]
+    )
+    costs = dataclasses.replace(costs, comm_ms=(0.0,) * (len(plan.stages) - 1))  # a transfer's wait is in its op
+    last = [{s["step"]: max(b for _, _, b in s["ops"]) for s in rank["steps"]} for rank in ranks]
+    last_of_all = {k: max(own[k] for own in last) for k in last[0]}
+    updates = []
+    for rank, own in zip(ranks, last):
+        after = [s["end_ms"] - (own if post_validate else last_of_all)[s["step"]] for s in rank["steps"][1:]]
+        updates.append(statistics.fmean(after))
+    measured = max((r["steps"][-1]["end_ms"] - r["steps"][1]["end_ms"]) / (len(r["steps"]) - 2) for r in ranks)
+    simulated = simulate_steps(plan_schedule(plan), costs, StepEnd(update_ms=updates), post_validate=post_validate)
+    return simulated.period_ms, measured
 
 
 def test_post_validated_steps_overlap_and_synchronized_ones_do_not(tmp_path):

@@ -18,6 +18,7 @@ Both sides of each comparison run the same full step: pipeline ops, gradient syn
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import platform
 import statistics
@@ -182,6 +183,8 @@ def _bench_entry(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
             f"pipeplan {name} next-op receives": _pipeplan_step(path, rank, post_ahead=0),
         }
         out["mlp"].update(_round_robin_ms(runners, rounds=MLP_STEPS))
+        del runners
+        gc.collect()  # free them: trainers hold reference cycles, and live ones slowed later runners by up to 2x
     sinks: dict[str, list] = {name: [] for name in gpt_plans}
     out["gpt"] = _round_robin_ms({name: _pipeplan_step(path, rank, sinks[name]) for name, path in gpt_plans.items()})
     out["gpt_replayed"] = {}

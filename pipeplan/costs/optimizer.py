@@ -166,6 +166,7 @@ def undo_copy_bytes(
     param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], optimizer: str | float, precision: str
 ) -> tuple[float, ...]:
     """Per device, what `run --post-validate` keeps to undo an eager step (runtime/post_validate.py, StepUndo): its
-    stages' parameters and optimizer state once more (whole parameters: ZeRO-1's shards are not counted here)."""
-    weights, _, state = static_split(optimizer, precision)
-    return tuple(sum(param_counts[s] for s in stages) * (weights + state) for stages in device_stages)
+    stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
+    backward fills fresh ones (whole parameters: ZeRO-1's shards are not counted here)."""
+    weights, gradients, state = static_split(optimizer, precision)
+    return tuple(sum(param_counts[s] for s in stages) * (weights + gradients + state) for stages in device_stages)

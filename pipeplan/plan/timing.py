@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from pipeplan.costs import device_static_bytes, stage_static_per_param, static_split
 from pipeplan.costs.optimizer import undo_copy_bytes
-from pipeplan.costs.overlap import Overlap, Reductions
+from pipeplan.costs.overlap import Overlap, Reductions, eager_update_ms
 from pipeplan.errors import FormatError
 from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, layout_steps, simulate_layout, transfer_costs
@@ -133,9 +133,16 @@ def plan_period(plan: Plan, timeline: Timeline, *, post_validate: bool | None = 
     steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
     eager = plan.training.post_validate if post_validate is None else post_validate
     sync = [s.allreduce_ms for s in plan.stages]
-    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
+    updates = _device_updates(plan, pipe, eager)
     args = (plan.schedule, timeline, m, pipe.device_stages, sync, updates, overlap)
     return predicted_step(*args, steps=steps, post_validate=eager)
+
+
+def _device_updates(plan: Plan, pipe: PipelineLayout, eager: bool) -> list[float]:
+    """Per rank of pipeline 0, its stages' optimizer updates as the search timed them, with the undo copy of a
+    post-validated step (`costs.overlap.eager_update_ms`) when `eager`."""
+    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
+    return eager_update_ms(updates, plan.training.optimizer, plan.training.precision) if eager else updates
 
 
 def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int = 2) -> Steady | None:
@@ -150,8 +157,7 @@ def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int 
     steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
     eager = plan.training.post_validate if post_validate is None else post_validate
     reductions = Reductions(pipe.device_stages, [s.allreduce_ms for s in plan.stages], overlap, m)
-    updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
-    end = StepEnd(update_ms=updates, reduced=reductions)
+    end = StepEnd(update_ms=_device_updates(plan, pipe, eager), reduced=reductions)
     return steady_state(steps.schedule, steps.timer, end, post_validate=eager, min_steps=min_steps)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pipeplan.cluster import Cluster
 from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
-from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
+from pipeplan.costs.overlap import eager_update_ms, optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import post_validated_floor_ms, predicted_step
 from pipeplan.precision import get_precision
@@ -123,12 +123,21 @@ def step_end(
     allreduce = stage_allreduce_ms(profile, cluster, part, group, precision=precision, zero=zero)
     updates = stage_optimizer_ms(part, profile, optimizer=optimizer, precision=precision, zero=zero, group=group)
     args = (layout.schedule, timeline, layout.num_microbatches, pipe.device_stages, allreduce)
-    rest = dict(device_optimizer_ms=per_device(updates, pipe.device_stages), overlap=overlap, steps=steps)
+    device_updates = per_device(updates, pipe.device_stages)
+    eager_updates = eager_update_ms(device_updates, optimizer, precision)  # with the undo copy
+    rest = dict(overlap=overlap, steps=steps)
     eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
-    step, bubble = predicted_step(*args, **rest, post_validate=post_validate == "on")
+    on = post_validate == "on"
+    step, bubble = predicted_step(
+        *args, **rest, device_optimizer_ms=eager_updates if on else device_updates, post_validate=on
+    )
     if eager and post_validate == "auto":
-        floor = post_validated_floor_ms(steps.schedule, timeline, *args[2:], rest["device_optimizer_ms"], overlap)
-        eager_period = predicted_step(*args, **rest, post_validate=True) if floor < step * (1 - 1e-9) else None
+        floor = post_validated_floor_ms(steps.schedule, timeline, *args[2:], eager_updates, overlap)
+        eager_period = (
+            predicted_step(*args, **rest, device_optimizer_ms=eager_updates, post_validate=True)
+            if floor < step * (1 - 1e-9)
+            else None
+        )
         if eager_period is not None and eager_period[0] < step * (1 - 1e-9):
             return allreduce, updates, *eager_period, True
         eager = False

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.costs import adam_bytes_per_parameter, static_split
+from pipeplan.costs.optimizer import undo_copy_bytes
 from pipeplan.costs.overlap import (
     DeviceStep,
     Overlap,
     blocking_transfers,
+    eager_update_ms,
     optimizer_bytes_per_param,
     optimizer_step_ms,
     step_end_ms,
@@ -58,3 +60,16 @@ def test_optimizer_update_moves_its_state_twice():
     assert optimizer_bytes_per_param((4.0, 4.0, 8.0), weights_are_master=True) == 2 * 8 + 4 + 2 * 4
     assert optimizer_step_ms(1e9, 30.0, 3e12) == pytest.approx(10.0)
     assert optimizer_step_ms(1e9, 30.0, None) == 0.0
+
+
+def test_a_post_validated_update_adds_the_undo_copy_at_the_update_s_memory_rate():
+    # AdamW in fp32 (weights 4, gradients 4, moments 8 bytes per parameter): the update reads and writes the moments
+    # and the weights and reads the gradient (16 + 4 + 8 = 28 bytes); the undo copy reads and writes the weights and
+    # moments once (24 bytes), before the update, at the same rate
+    assert eager_update_ms([28.0, 0.0], "adamw", "fp32") == pytest.approx([52.0, 0.0])
+
+
+def test_the_undo_copy_holds_weights_optimizer_state_and_the_eager_step_s_gradients():
+    # run --post-validate keeps a copy of the weights (4) and AdamW moments (8) and the gradients the eager step
+    # used (4) while the next step's backward fills fresh ones: 16 bytes per parameter in fp32, per device
+    assert undo_copy_bytes([10, 20, 30], [[0, 2], [1]], "adamw", "fp32") == (640.0, 320.0)

@@ -15,13 +15,16 @@ from pipeplan.schedules.uniform import Ranking, simulate_schedules
 
 def _metrics_table(rows: list[dict[str, Any]], *, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for column in ("schedule", "stages", "makespan", "max span", "bubble rate", "ZB bubble", "peak act."):
+    period = any("period_ms" in row for row in rows)  # --post-validate
+    columns = ("schedule", "stages", "makespan", *(("period",) if period else ()), "max span", "bubble rate")
+    for column in (*columns, "ZB bubble", "peak act."):
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for row in rows:
         table.add_row(
             row["schedule"],
             str(row["num_stages"]),
             f"{row['makespan_ms']:.3f}",
+            *((f"{row['period_ms']:.3f}" if "period_ms" in row else "-",) if period else ()),
             f"{row['max_span_ms']:.3f}",
             f"{row['bubble_rate']:.1%}",
             f"{row['zb_bubble_ms']:.3f} ({row['zb_bubble_rate']:.1%})",
@@ -79,7 +82,8 @@ def _render_ranking(ranking: Ranking, options: SimulateOptions) -> None:
         print_json(ranking.to_dict())
         return
     results, skipped = ranking.results, ranking.skipped
-    title = f"{options.stages} devices, {options.microbatches} microbatches, ranked by makespan"
+    ranked_by = "the period of post-validated steps" if options.post_validate else "makespan"
+    title = f"{options.stages} devices, {options.microbatches} microbatches, ranked by {ranked_by}"
     out.print(_metrics_table(results, title=title))
     for row in skipped:
         out.print(f"[dim]skipped {row['schedule']}: {row['reason']}[/]", highlight=False)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import typer
-
-from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.options import option
 from pipeplan.paths import check_output_file
@@ -39,7 +36,9 @@ STEPS_HELP = (
 
 @dataclass(frozen=True, kw_only=True)
 class SimulateOptions:
-    schedule: str | None = option(None, "--schedule", "-s", help=f"One of: {', '.join(SCHEDULE_NAMES)}.")
+    schedule: str | None = option(
+        None, "--schedule", "-s", help=f"One of: {', '.join(SCHEDULE_NAMES)} (default: all of them, --compare)."
+    )
     stages: int = option(..., "--stages", "--pipeline-depth", "-p", help="Pipeline devices P.")
     microbatches: int = option(..., "--microbatches", "-m", help="Microbatches per step M.")
     chunks: int | None = option(None, "--chunks", "-v", help="Stages per device (interleaved; default per schedule).")
@@ -52,18 +51,22 @@ class SimulateOptions:
     overlap_ms: float | None = option(None, "--overlap-ms", help=OVERLAP_HELP)
     steps: int | None = option(None, "--steps", help=STEPS_HELP)
     post_validate: bool = option(False, "--post-validate", help=POST_VALIDATE_HELP)
-    compare: bool = option(False, "--compare", help="Simulate every schedule and rank by makespan.")
+    compare: bool = option(
+        False,
+        "--compare",
+        help="Simulate every schedule and rank them by makespan (by the period with --post-validate).",
+    )
     json_output: bool = option(False, "--json", help="Print only JSON (metrics + op lists).")
     trace: str | None = option(None, "--trace", help="Write a Chrome trace (chrome://tracing, Perfetto).")
 
     def __post_init__(self) -> None:
         if self.trace is not None:  # checked, and the path kept as it will be written (~ expanded)
             object.__setattr__(self, "trace", str(check_output_file(self.trace, "--trace")))
+        if self.schedule is None:  # no schedule named: every one, ranked
+            object.__setattr__(self, "compare", True)
         if self.compare and self.trace is not None:
-            warn("--trace is ignored with --compare (trace one --schedule at a time)")
+            raise ConfigError("--trace writes one schedule's timeline: pass --schedule NAME (not --compare)")
         if self.schedule is not None:
             schedule_info(self.schedule)  # an unknown name is refused here, in one line listing the known ones
-        if not self.compare and self.schedule is None:
-            raise typer.BadParameter("pass --schedule NAME (or --compare)", param_hint="--schedule")
         if self.f + self.b + self.w <= 0:
             raise ConfigError("--f, --b and --w are all 0: give at least one op a time > 0")

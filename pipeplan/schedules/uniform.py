@@ -99,10 +99,14 @@ def compare_schedules(options: SimulateOptions) -> tuple[list[dict[str, Any]], l
         chunks = options.chunks if schedule_info(name).placement == LOOPED else None
         overlap_ms = options.overlap_ms if name == "dualpipev" else None
         try:
-            results.append(schedule_metrics(*simulate_uniform(name, options, chunks=chunks, overlap_ms=overlap_ms)))
+            schedule, timeline = simulate_uniform(name, options, chunks=chunks, overlap_ms=overlap_ms)
         except ScheduleError as exc:
             skipped.append({"schedule": name, "reason": str(exc)})
-    results.sort(key=lambda row: (row["makespan_ms"], row["peak_activations"]))
+            continue
+        metrics = schedule_metrics(schedule, timeline)
+        results.append(metrics | post_validated(schedule, options) if options.post_validate else metrics)
+    ranked_by = "period_ms" if options.post_validate else "makespan_ms"
+    results.sort(key=lambda row: (row[ranked_by], row["peak_activations"]))
     if not results:
         raise ScheduleError(f"no schedule could be simulated; {skipped[0]['schedule']}: {skipped[0]['reason']}")
     return results, skipped

@@ -87,9 +87,20 @@ def test_unsupported_combination_exits_1():
     assert result.exit_code == 1 and "--microbatches" in result.output
 
 
-def test_missing_schedule_is_usage_error():
-    result = runner.invoke(app, ["simulate", "--stages", "2", "--microbatches", "2"])
-    assert result.exit_code == 2
+def test_no_schedule_ranks_every_one_and_a_trace_of_a_ranking_is_refused(tmp_path):
+    ranked = runner.invoke(app, ["simulate", "--stages", "4", "--microbatches", "8", "--json"])
+    compared = runner.invoke(app, ["simulate", "--compare", "--stages", "4", "--microbatches", "8", "--json"])
+    assert ranked.exit_code == 0 and json.loads(ranked.output) == json.loads(compared.output)
+    traced = runner.invoke(app, ["simulate", "-p", "4", "-m", "8", "--trace", str(tmp_path / "t.json")])
+    assert traced.exit_code == 1 and "pass --schedule NAME" in traced.output
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_compare_with_post_validate_ranks_by_the_period():
+    args = ["simulate", "--compare", "-p", "4", "-m", "8", "--w", "0.5", "--post-validate", "--json"]
+    rows = json.loads(runner.invoke(app, args).output)["results"]
+    periods = [row["period_ms"] for row in rows]
+    assert periods == sorted(periods) and any(row["period_ms"] < row["makespan_ms"] for row in rows)
 
 
 def test_help_ends_with_example():

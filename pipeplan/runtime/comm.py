@@ -12,10 +12,12 @@ op's receives, about a third of zbv's messages found their receive posted (2 glo
 traced per message); two ahead per peer, about nine in ten. It holds at most `post_ahead` more buffers per peer.
 `send` is an isend whose handle is kept (with its tensor) until it completes.
 
-With `direction_groups` (used for NCCL) each ordered pair of ranks talks over its own process group, i.e. its own
-communicator and stream: NCCL matches point-to-point operations in issue order per communicator, and a stream
-shared by both directions could wait in a cycle (A waits to receive from B before its send to B is issued, and B
-likewise); one direction per stream leaves only the schedule's own dependencies, which `validate` checks.
+With `direction_groups` (the default on every backend; required on NCCL) each ordered pair of ranks talks over its own
+process group, i.e. its own communicator and stream (on gloo, its own connection, so the two directions' transfers of a
+V-shaped or interleaved schedule do not queue behind each other): NCCL matches point-to-point operations in issue order
+per communicator, and a stream shared by both directions could wait in a cycle (A waits to receive from B before its
+send to B is issued, and B likewise); one direction per stream leaves only the schedule's own dependencies, which
+`validate` checks.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class RunConfig:
     # not flags: tests and benchmarks set them
     log_every: int = 1
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
-    direction_groups: bool = False  # a process group per transfer direction (always on NCCL and async; tests force it)
+    direction_groups: bool = True  # a process group per transfer direction (runtime/comm.py; always on NCCL and async)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

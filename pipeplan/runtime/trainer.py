@@ -78,9 +78,10 @@ class Trainer:
         apply_param_dtype(self.model, self.precision)
         apply_wire_dtypes(self.model, self.precision, device.type)
         routing = build_routing(plan, self.model.stage_io, self.model.model_inputs, self.model.differentiable)
-        # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py); an
-        # asynchronous stream gets them on gloo too: it sends both ways at once, and one pair for both directions
-        # measured 1.7x slower
+        # NCCL matches p2p in issue order per communicator: give each direction its own (see comm.py); on gloo
+        # too by default (`RunConfig.direction_groups`): transfers both ways at once no longer share one pair's
+        # connection (an asynchronous stream measured 1.7x slower on one pair; dualpipev 1.06-1.13x of
+        # torch.distributed.pipelining on one, 1.00-1.05x with a pair per direction: bench_runtime (a), 3 runs)
         asynchronous = schedule_info(plan.schedule).asynchronous
         wanted = dist.get_backend() == "nccl" or config.direction_groups or asynchronous
         groups = make_direction_groups(routing) if wanted else None

@@ -177,7 +177,8 @@ def test_four_ranks_replicas_data_parallel_and_ties(tmp_path):
     for index, (label, model, options, layout) in enumerate(layouts):
         path, plan = make_plan(tmp_path, f"case{index}", model, options, **layout)
         cases.append((label, path, plan))
-    # the dualpipev case sends over one process group per direction, the transport NCCL uses
+    # the dualpipev case sends over one process group per direction (the default, the transport NCCL needs); the
+    # others over one group for both directions, so both transports stay exact
     configs = [dataclasses.replace(ONE_STEP, direction_groups="dualpipev" in label) for label, _, _ in cases]
     results = launch_many([(path, c) for (_, path, _), c in zip(cases, configs)], capture_grads=True, threads=1)
     for index, (label, _, plan) in enumerate(cases):

@@ -11,11 +11,10 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs.overlap import Overlap, blocking_transfers
 from pipeplan.plan.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
-from pipeplan.schedules.period import LayoutSteps
+from pipeplan.schedules.period import LayoutSteps, step_timer
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced, simulate_expanded, time_expanded
-from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, op_durations, simulate
-from pipeplan.schedules.validate import run_in_order
+from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,13 +118,7 @@ def layout_steps(
     `simulate_layout` uses."""
     schedule = layout_schedule(layout, name, num_stages, num_microbatches)
     if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
-        cost = costs.per_stage(num_stages)
-        op_ms = op_durations(cost)
-        overlap = cost.overlap_ms
-        return LayoutSteps(
-            schedule,
-            lambda ready: run_in_order(schedule, op_ms=op_ms, comm_ms=cost.comm_ms, overlap_ms=overlap, ready=ready),  # type: ignore[arg-type]
-        )
+        return LayoutSteps(schedule, step_timer(schedule, costs))
     return LayoutSteps(schedule, lambda ready: time_expanded(schedule, costs, ready))
 
 

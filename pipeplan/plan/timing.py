@@ -127,22 +127,25 @@ def plan_step_ms(plan: Plan, timeline: Timeline, *, post_validate: bool | None =
 
 def plan_period(plan: Plan, timeline: Timeline, *, post_validate: bool | None = None) -> tuple[float, float]:
     """(period ms, its bubble rate) of `plan_step_ms`."""
-    pipe = plan_pipeline(plan)
-    num_stages, m = len(plan.stages), plan.training.num_microbatches
-    overlap = Overlap.parse(plan.training.overlap)
-    steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
-    eager = plan.training.post_validate if post_validate is None else post_validate
+    pipe, steps, overlap, eager, updates = _step_inputs(plan, post_validate)
     sync = [s.allreduce_ms for s in plan.stages]
-    updates = _device_updates(plan, pipe, eager)
-    args = (plan.schedule, timeline, m, pipe.device_stages, sync, updates, overlap)
+    args = (plan.schedule, timeline, plan.training.num_microbatches, pipe.device_stages, sync, updates, overlap)
     return predicted_step(*args, steps=steps, post_validate=eager)
 
 
-def _device_updates(plan: Plan, pipe: PipelineLayout, eager: bool) -> list[float]:
-    """Per rank of pipeline 0, its stages' optimizer updates as the search timed them, with the undo copy of a
-    post-validated step (`costs.overlap.eager_update_ms`) when `eager`."""
+def _step_inputs(plan: Plan, post_validate: bool | None):  # type: ignore[no-untyped-def]
+    """(pipeline 0's layout, its one-step timer, the overlap options, whether steps are post-validated, per rank
+    its stages' optimizer updates as the search timed them, with the undo copy when post-validated:
+    `costs.overlap.eager_update_ms`)."""
+    pipe = plan_pipeline(plan)
+    overlap = Overlap.parse(plan.training.overlap)
+    costs = transfer_costs(plan_costs(plan), pipe, overlap)
+    steps = layout_steps(pipe, plan.schedule, len(plan.stages), plan.training.num_microbatches, costs)
+    eager = plan.training.post_validate if post_validate is None else post_validate
     updates = [sum(plan.stages[s].optimizer_ms for s in stages) for stages in pipe.device_stages]
-    return eager_update_ms(updates, plan.training.optimizer, plan.training.precision) if eager else updates
+    if eager:
+        updates = eager_update_ms(updates, plan.training.optimizer, plan.training.precision)
+    return pipe, steps, overlap, eager, updates
 
 
 def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int = 2) -> Steady | None:
@@ -151,13 +154,10 @@ def plan_steps(plan: Plan, *, post_validate: bool | None = None, min_steps: int 
     schedule, whose timeline is already its stream of steps (`plan_timeline`)."""
     if schedule_info(plan.schedule).asynchronous:
         return None
-    pipe = plan_pipeline(plan)
-    num_stages, m = len(plan.stages), plan.training.num_microbatches
-    overlap = Overlap.parse(plan.training.overlap)
-    steps = layout_steps(pipe, plan.schedule, num_stages, m, transfer_costs(plan_costs(plan), pipe, overlap))
-    eager = plan.training.post_validate if post_validate is None else post_validate
+    pipe, steps, overlap, eager, updates = _step_inputs(plan, post_validate)
+    m = plan.training.num_microbatches
     reductions = Reductions(pipe.device_stages, [s.allreduce_ms for s in plan.stages], overlap, m)
-    end = StepEnd(update_ms=_device_updates(plan, pipe, eager), reduced=reductions)
+    end = StepEnd(update_ms=updates, reduced=reductions)
     return steady_state(steps.schedule, steps.timer, end, post_validate=eager, min_steps=min_steps)
 
 

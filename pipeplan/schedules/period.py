@@ -138,13 +138,20 @@ def simulate_steps(
     max_steps: int | None = None,
 ) -> Steady:
     """The steady state of `schedule` under `costs` (module docstring): the entry point for one schedule."""
-    cost = (costs or StageCosts()).per_stage(schedule.num_stages)
-    op_ms, comm = op_durations(cost), cost.comm_ms
+    timer = step_timer(schedule, costs or StageCosts())
+    return steady_state(schedule, timer, end, post_validate=post_validate, max_steps=max_steps)
+
+
+def step_timer(schedule: Schedule, costs: StageCosts) -> StepTimer:
+    """One step of `schedule` (one device per stage) timed from each device's ready time by the one engine walk
+    (`validate.run_in_order`: op times, transfers, overlapped F&B pairs)."""
+    cost = costs.per_stage(schedule.num_stages)
+    op_ms, comm, overlap = op_durations(cost), cost.comm_ms, cost.overlap_ms
 
     def timer(ready: Sequence[float]) -> Times:
-        return run_in_order(schedule, op_ms=op_ms, comm_ms=comm, overlap_ms=cost.overlap_ms, ready=ready)  # type: ignore[arg-type]
+        return run_in_order(schedule, op_ms=op_ms, comm_ms=comm, overlap_ms=overlap, ready=ready)  # type: ignore[arg-type]
 
-    return steady_state(schedule, timer, end, post_validate=post_validate, max_steps=max_steps)
+    return timer
 
 
 def steady_state(

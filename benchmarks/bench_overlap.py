@@ -3,9 +3,9 @@
 The gpt `-a hidden=256 -a seq=128 -a layers=8` on 2 ranks (gloo, CPU), dualpipev (4 stages in a V), 8 microbatches
 of 2. Both plans run in one launch, alternating (ROUNDS runs of each, WARMUP first steps of each run dropped):
 the median step time of each and their ratio (overlapped / halves; < 1 is faster), and whether every run's losses
-are equal bit for bit. The overlapped op runs its
-backward on a second thread while the forward runs (runtime/overlap.py), so it gains where a rank has spare cores
-for it: pass the threads per rank as the first argument (default 1). Writes results/overlap.json.
+are equal bit for bit. The overlapped op runs its backward on a second thread while the forward runs
+(`--overlap-pairs on`, runtime/overlap.py), so it gains where a rank has spare cores for it: pass the threads per
+rank as the first argument (default 1). Writes results/overlap.json.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def main() -> None:
             paths[name] = os.path.join(folder, f"{name}.json")
             p.save(paths[name])
         order = [name for _ in range(ROUNDS) for name in ("overlapped", "halves")]
-        results = launch_many([(paths[name], config) for name in order], threads=threads)
+        configs = {"overlapped": dataclasses.replace(config, overlap_pairs="on"), "halves": config}  # (no pairs left)
+        results = launch_many([(paths[name], configs[name]) for name in order], threads=threads)
     steps: dict[str, list[float]] = {"overlapped": [], "halves": []}
     for index, name in enumerate(order):  # a step lasts as long as its slowest rank
         per_step = zip(*(per_rank[index].step_ms for per_rank in results))

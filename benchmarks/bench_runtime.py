@@ -4,7 +4,9 @@
     thread each (gloo): median step time of pipeplan's executor vs torch.distributed.pipelining's schedule of the
     same name (`TORCH_SCHEDULES`: every schedule both have) on the same split, in one process tree, the runners timed
     in alternation (target: pipeplan / torch <= 1.0); "next-op receives" runs pipeplan with its mailbox posting only
-    the next op's receives (`post_ahead=0`, the runtime before receives were kept posted ahead per peer).
+    the next op's receives (`post_ahead=0`, the runtime before receives were kept posted ahead per peer). dualpipev
+    runs with `--overlap-pairs auto` (each rank's choice is printed) and once more with its F&B pairs overlapped
+    (`on`).
 (b) The demo gpt (examples/demo.sh: `gpt -a hidden=256 -a seq=128 -a layers=4`), profiled at batch 2 with one
     thread, planned by the planner itself for every schedule (the path of `pipeplan plan --devices 2
     --pipeline-depth 2 --no-replication --global-batch-size 16 --optimizer adamw-fp32 --schedule NAME`: 8
@@ -53,7 +55,7 @@ from pipeplan.search.inputs import make_cluster, profile_model_input  # noqa: E4
 from pipeplan.search.search import search_plans  # noqa: E402
 
 WARMUP, STEPS = 3, 12
-MLP_STEPS = 24  # (a)'s ratios are within a few % of 1 on shared cores: more rounds steady their medians
+MLP_STEPS = 40  # (a)'s ratios are within a few % of 1 on shared cores: more rounds steady their medians
 MLP = {"layers": 8, "hidden": 1024}
 MLP_BATCH, MLP_MICROBATCHES = 64, 8
 GPT = {"hidden": "256", "seq": "128", "layers": "4"}  # the demo's gpt (examples/demo.sh)
@@ -84,11 +86,15 @@ def _round_robin_ms(steps: dict[str, object], warmup: int = WARMUP, rounds: int 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None, post_ahead: int | None = None):
+def _pipeplan_step(
+    plan_path: str, rank: int, sink: list | None = None, post_ahead: int | None = None, overlap_pairs: str = "auto"
+):
     """One full training step of the plan; its op times go to `sink` when given. `post_ahead`: the mailbox's
-    receives posted ahead per peer (None: the runtime's default; 0: only the next op's, as before)."""
+    receives posted ahead per peer (None: the runtime's default; 0: only the next op's, as before). The step's
+    `trainer` is an attribute of the returned function."""
     plan = Plan.load(plan_path)
-    trainer = Trainer(plan, RunConfig(steps=1, quiet=True), rank=rank, device=torch.device("cpu"))
+    config = RunConfig(steps=1, quiet=True, overlap_pairs=overlap_pairs)
+    trainer = Trainer(plan, config, rank=rank, device=torch.device("cpu"))
     if post_ahead is not None:
         trainer.executor.mailbox.post_ahead = post_ahead
     batch = next(trainer.model.spec.batches(plan.training.global_batch_size, plan.training.seed))
@@ -98,6 +104,7 @@ def _pipeplan_step(plan_path: str, rank: int, sink: list | None = None, post_ahe
         if sink is not None:
             sink.append(op_times)
 
+    step.trainer = trainer  # type: ignore[attr-defined]
     return step
 
 
@@ -182,7 +189,13 @@ def _bench_entry(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
             f"torch {name}": _torch_step(name, rank),
             f"pipeplan {name} next-op receives": _pipeplan_step(path, rank, post_ahead=0),
         }
+        if name == "dualpipev":
+            runners[f"pipeplan {name} overlapped pairs"] = _pipeplan_step(path, rank, overlap_pairs="on")
         out["mlp"].update(_round_robin_ms(runners, rounds=MLP_STEPS))
+        pairs = runners[f"pipeplan {name}"].trainer.executor.pairs
+        if pairs is not None:  # how each rank ran its F&B pairs under auto
+            out[f"pairs {name}"] = [None] * dist.get_world_size()
+            dist.all_gather_object(out[f"pairs {name}"], pairs.describe())
         del runners
         gc.collect()  # free them: trainers hold reference cycles, and live ones slowed later runners by up to 2x
     sinks: dict[str, list] = {name: [] for name in gpt_plans}
@@ -279,11 +292,24 @@ def _table_a(console: Console, measured: dict) -> list[dict]:
                 "next_op_receives_ratio": before / theirs,
             }
         )
+        if f"pairs {name}" in measured:
+            overlapped = measured["mlp"][f"pipeplan {name} overlapped pairs"]
+            rows[-1] |= {
+                "auto_pairs": measured[f"pairs {name}"],  # per rank
+                "overlapped_pairs_ms": overlapped,
+                "overlapped_pairs_ratio": overlapped / theirs,
+            }
         within = "ok" if ratio <= RATIO_TARGET else "MISS"
         table.add_row(
             name, f"{ours:.1f}", f"{theirs:.1f}", f"{ratio:.2f}", within, f"{before:.1f}", f"{before / theirs:.2f}"
         )
     console.print(table)
+    for row in rows:
+        if "auto_pairs" in row:
+            ran = "; ".join(f"rank {rank} {way}" for rank, way in enumerate(row["auto_pairs"]))
+            overlapped = f"{row['overlapped_pairs_ms']:.1f} ms, ratio {row['overlapped_pairs_ratio']:.2f}"
+            console.print(f"{row['schedule']} --overlap-pairs auto ran: {ran}", highlight=False)
+            console.print(f"{row['schedule']} with --overlap-pairs on: {overlapped}", highlight=False)
     return rows
 
 

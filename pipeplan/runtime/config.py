@@ -13,6 +13,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.options import option
 from pipeplan.paths import check_output_dir, check_output_file
 from pipeplan.runtime.metrics import check_tensorboard
+from pipeplan.runtime.overlap import PAIR_MODES
 
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
@@ -28,6 +29,11 @@ POST_VALIDATE_HELP = (
     "Step the optimizer without waiting for the global gradient checks (norm for --clip-grad-norm, NaN/inf); they "
     "follow along the pipeline and a step they invalidate is rolled back exactly and redone (Zero Bubble's "
     "post-validation). Default: as the plan was predicted (plan.json's training.post_validate)."
+)
+OVERLAP_PAIRS_HELP = (
+    "How dualpipev's overlapped F&B ops run: on (the backward on a second thread while the forward runs), off (the "
+    "forward, then the backward) or auto (default: on CPU, each rank times both over its first steps and keeps the "
+    "faster; on CUDA, on)."
 )
 INIT_FROM_HELP = (
     "Initial weights: a whole-model state_dict (.pt, .safetensors or a directory of .safetensors shards); each rank "
@@ -89,6 +95,7 @@ class RunConfig:
     post_validate: bool | None = option(  # post_validate.py; None: the plan's setting (`for_plan`)
         None, "--post-validate/--no-post-validate", help=POST_VALIDATE_HELP
     )
+    overlap_pairs: str = option("auto", "--overlap-pairs", help=OVERLAP_PAIRS_HELP, metavar="auto|on|off")
     # not flags: tests and benchmarks set them
     log_every: int = 1
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
@@ -111,6 +118,8 @@ class RunConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             warn("--checkpoint-every is ignored without --checkpoint-dir")
+        if self.overlap_pairs not in PAIR_MODES:
+            raise ConfigError(f"--overlap-pairs must be auto, on or off, got {self.overlap_pairs!r}")
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):

@@ -4,11 +4,11 @@ F receives its stage's inputs (model inputs from the batch, activations from the
 producer is on this rank, else over the wire), runs the stage and sends each output straight to every consuming
 stage. B / I gather the output gradients from every consumer, backpropagate and send input gradients straight
 back to each producer; W later computes the weight gradients from what I kept. An OVERLAP_F_B op (dualpipev's F&B
-pair) gathers both halves' inputs, then runs the backward on a second thread while the forward runs and sends
-(`overlap.PairWorker`), as DualPipe overlaps them. B, I and W are the profiler's
-implementation (graph/split_backward.py), so what was measured is what runs; I releases every saved tensor W
-does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done. The loss
-(last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
+pair) gathers both halves' inputs, then runs the backward on a second thread while the forward runs and sends, as
+DualPipe overlaps them, or the two in order, as `run --overlap-pairs` says (`overlap.PairRunner`). B, I and W are
+the profiler's implementation (graph/split_backward.py), so what was measured is what runs; I releases every saved
+tensor W does not read (the profiles' kept-until-W rule). Saved state is dropped as soon as its last use is done.
+The loss (last stage) is loss_fn(out, target) / (num_microbatches x data_parallel), so the gradients summed over
 microbatches, replicas and pipelines are those of the mean loss over the global batch.
 """
 
@@ -26,7 +26,7 @@ from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_ke
 from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import Mailbox
-from pipeplan.runtime.overlap import PairWorker
+from pipeplan.runtime.overlap import PairRunner
 from pipeplan.runtime.recompute_run import SelectiveRecompute
 from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
 from pipeplan.runtime.stages import PipelineModel
@@ -63,6 +63,7 @@ class Executor:
         routing: Routing,
         device: torch.device,
         direction_groups: dict | None = None,
+        overlap_pairs: str = "auto",
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -78,7 +79,8 @@ class Executor:
             rank=rank, routing=routing, meta_of=self._meta_of, device=device, direction_groups=direction_groups
         )
         self.receives = [[m for part in o.parts for m in self._receives_of(part)] for o in self.ops]
-        self.pairs = PairWorker() if any(o.halves is not None for o in self.ops) else None
+        paired = any(o.halves is not None for o in self.ops)
+        self.pairs = PairRunner(overlap_pairs, device_type=device.type) if paired else None
         self.cuda_events = False  # CUDA --trace: time each op with a pair of CUDA events, read after the step
         self.track_saved = False  # record the peak of held_activation_bytes over the step's ops (a diagnostic)
         self.autocast = contextlib.nullcontext  # the precision's autocast around each stage forward and the loss
@@ -153,6 +155,8 @@ class Executor:
             if self.track_saved:
                 record.saved_peak_bytes = max(record.saved_peak_bytes, self.held_activation_bytes())
         self.mailbox.drain()
+        if self.pairs is not None:
+            self.pairs.step_done(time.perf_counter() - start)
         if origin is not None:
             torch.cuda.synchronize(self.device)
             record.op_times = [(n, origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3) for n, a, b in events]

@@ -125,17 +125,23 @@ def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origi
     result.optimizer_state_numel = trainer.optimizer.state_numel()
     if trainer.post_validator is not None:
         result.rollbacks, result.redone = trainer.post_validator.rollbacks, trainer.post_validator.redone
+    if trainer.executor.pairs is not None:
+        result.pairs = trainer.executor.pairs.describe()
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     if config.trace_path:
         write_trace(config.trace_path, rank, traced, origin=origin, world_size=plan.world_size)
     if result.step_ms:  # --quiet drops only the per-step lines
         peaks = gather_peak_memory(device)
-        periods: list = [None] * plan.world_size  # every rank's median step time
-        dist.all_gather_object(periods, _median_step(result.step_ms))
+        gathered: list = [None] * plan.world_size  # every rank's median step time and F&B pairs
+        dist.all_gather_object(gathered, (_median_step(result.step_ms), result.pairs))
+        periods = [period for period, _ in gathered]
         if rank == 0:
             _log_summary(plan, predicted_ms(plan, bool(config.post_validate)), result.step_ms, periods, peaks)
             _log_checks(config, result)
+            for rank_of, (_, pairs) in enumerate(gathered):
+                if pairs is not None:
+                    out.print(f"rank {rank_of}: F&B pairs ran {pairs}", highlight=False, soft_wrap=True)
 
 
 def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: MetricsLog | None) -> int:

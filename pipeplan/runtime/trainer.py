@@ -47,6 +47,7 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
     rollbacks: int = 0  # --post-validate: eager optimizer steps undone (clipping, NaN/inf or overflow found after)
     redone: int = 0  # --post-validate: steps already started on undone weights, discarded and run again
+    pairs: str | None = None  # how this rank ran its overlapped F&B pairs (overlap.PairRunner.describe), if any
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
 
 
@@ -86,7 +87,9 @@ class Trainer:
         wanted = dist.get_backend() == "nccl" or config.direction_groups or asynchronous
         groups = make_direction_groups(routing) if wanted else None
         self.direction_groups = groups
-        self.executor = Executor(plan, rank, self.model, routing, device, direction_groups=groups)
+        self.executor = Executor(
+            plan, rank, self.model, routing, device, direction_groups=groups, overlap_pairs=config.overlap_pairs
+        )
         self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
         self.executor.autocast = lambda: self.precision.autocast(device.type)
         self.scaler = LossScaler() if self.precision.grad_scaler else None

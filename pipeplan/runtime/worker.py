@@ -6,7 +6,7 @@
 OPTIONS are `pipeplan run`'s (pipeplan.runtime.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
 --checkpoint-every, --resume, --init-from, --optimizer, --lr, --lr-schedule, --warmup-steps, --decay-steps,
 --weight-decay, --momentum, --seed, --log, --tensorboard, --heartbeat-timeout, --device, --precision, --threads,
---check-every, --quiet, --clip-grad-norm, --post-validate.
+--check-every, --quiet, --clip-grad-norm, --post-validate, --overlap-pairs.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank

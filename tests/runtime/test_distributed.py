@@ -8,6 +8,7 @@ the rest; the tests below check different parts of those launches' results."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from helpers.runtime import (
 
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.overlap import MARGIN, PROBE_STEPS, WARMUP_STEPS
 from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.schedules.ops import OVERLAP, Op
 from pipeplan.schedules.registry import schedule_names
@@ -34,6 +36,7 @@ SYNCHRONOUS = schedule_names(asynchronous=False)  # asynchronous schedules: test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 
 ONE_STEP = RunConfig(steps=1, quiet=True, heartbeat_timeout_s=30.0)
+AUTO_STEPS = WARMUP_STEPS + PROBE_STEPS + 1  # the warm-up, the probe, one step the way chosen
 TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"
 INPUT_SKIP = str(Path(__file__).with_name("toy_models.py")) + ":input_skip_mlp"
 TRAIN_STEPS, LR = 20, 3e-3
@@ -69,7 +72,9 @@ def two_rank_runs(tmp_path_factory):
         )
     # dualpipev's overlapped F&B ops, and the same op lists with each pair as its halves one after the other
     path, plan = make_plan(folder, "fused", "gpt", FUSED_GPT, schedule="dualpipev", pipeline_devices=2)
-    add("dualpipev overlapped", path, plan)
+    add("dualpipev overlapped", path, plan, dataclasses.replace(ONE_STEP, overlap_pairs="on"))
+    add("dualpipev pairs in order", path, plan, dataclasses.replace(ONE_STEP, overlap_pairs="off"))
+    add("dualpipev auto", path, plan, dataclasses.replace(ONE_STEP, steps=AUTO_STEPS))
     halves = dataclasses.replace(plan, rank_ops=as_halves(plan.rank_ops))
     add("dualpipev halves", save_plan(folder, "halves", halves), halves)
     path, plan = make_plan(folder, "input-skip", INPUT_SKIP, {}, schedule="zb-h1", pipeline_devices=2)
@@ -102,19 +107,41 @@ def test_skip_connections_across_stages(two_rank_runs, schedule):
     assert_matches_reference(plan, _per_rank(results, index), f"resnet {schedule}")
 
 
-def test_overlapped_pairs_equal_their_halves_bit_for_bit(two_rank_runs):
+@pytest.mark.parametrize(
+    ("label", "way"), [("dualpipev overlapped", "overlapped"), ("dualpipev pairs in order", "in order")]
+)
+def test_overlapped_pairs_equal_their_halves_bit_for_bit(two_rank_runs, label, way):
     cases, results, _ = two_rank_runs
-    fused_index, plan = cases["dualpipev overlapped"]
+    fused_index, plan = cases[label]
     halves_index, halves = cases["dualpipev halves"]
     assert any(OVERLAP in text for ops in plan.rank_ops for text in ops)
     assert not any(OVERLAP in text for ops in halves.rank_ops for text in ops)
     fused, apart = _per_rank(results, fused_index), _per_rank(results, halves_index)
     for a, b in zip(fused, apart, strict=True):
+        assert a.pairs.startswith(way), a.pairs
+        assert b.pairs is None  # no fused op left
         assert a.losses == b.losses
         assert a.grads.keys() == b.grads.keys() and a.grads
         for name, grad in a.grads.items():
             assert torch.equal(grad, b.grads[name]), name
     # (vs the single-process reference: "gpt dualpipev" of test_every_schedule_matches_single_process, no dropout)
+
+
+def test_auto_pairs_keep_the_way_their_probe_timed_faster(two_rank_runs):
+    cases, results, _ = two_rank_runs
+    index, _ = cases["dualpipev auto"]
+    for result in _per_rank(results, index):
+        probe = r"\(auto: passes per step in order ([\d.]+) ms, overlapped ([\d.]+) ms\)"
+        found = re.fullmatch(r"(overlapped|in order) " + probe, result.pairs)
+        assert found, result.pairs
+        way, in_order, overlapped = found[1], float(found[2]), float(found[3])
+        if way == "overlapped":  # (the figures are rounded to 0.1 ms)
+            assert overlapped <= (1 - MARGIN) * in_order + 0.1, result.pairs
+        else:
+            assert overlapped >= (1 - MARGIN) * in_order - 0.1, result.pairs
+        assert len(result.losses) == AUTO_STEPS
+    first = _per_rank(results, cases["dualpipev overlapped"][0])
+    assert [r.losses[0] for r in _per_rank(results, index)] == [r.losses[0] for r in first]
 
 
 def test_model_input_read_by_a_later_stage(two_rank_runs):

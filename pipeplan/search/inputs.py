@@ -213,8 +213,11 @@ def attach_model(
 
 def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:
     """torch.export specializes shapes to the batch size, so an exported graph's nodes (and fingerprint) are those
-    of the batch size it runs at: trace it again at the chosen microbatch size, as the runtime will."""
+    of the batch size it runs at: trace it again at the chosen microbatch size, as the runtime will (unless the
+    graph was traced at it: `profile_model_input` and `attach_model` trace at the profile's batch size)."""
     if source.layer_graph is None or source.layer_graph.tracer != "export":
+        return source
+    if microbatch_size == source.profile.provenance.batch_size:
         return source
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model

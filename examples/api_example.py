@@ -32,5 +32,5 @@ def main(out: Path) -> None:
     print(f"losses: {[round(loss, 4) for loss in results[0].losses]}")
 
 
-if __name__ == "__main__":  # run() starts its ranks as fresh processes (spawn), which import this file
+if __name__ == "__main__":  # run() starts its ranks as new processes, which import this file
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "api-demo"))

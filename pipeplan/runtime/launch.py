@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+from multiprocessing.reduction import DupFd
 from pathlib import Path
 
 import torch
@@ -35,6 +36,18 @@ from pipeplan.runtime.worker import run_plans
 _LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
 _STOPPED_PEER = re.compile(r"^rank \d+ stopped responding")
 SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, stopped) is killed this much later
+# The ranks are forked from one server process that imported torch and the worker once (multiprocessing's
+# forkserver, one per launching process), not spawned fresh: a spawned rank spends ~2 s importing them, again at
+# every launch (the test suite launches ~100 times; an API user may launch repeatedly). The server's environment and
+# output streams are those of its start, so each launch hands the ranks its own (`_adopt_launcher`), as spawned ranks
+# would inherit them.
+START_METHOD = "forkserver"
+PRELOAD = ["torch", "pipeplan.runtime.worker"]
+_ELASTIC_ENV = re.compile(
+    r"^(RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|LOCAL_RANK|LOCAL_WORLD_SIZE|WORLD_SIZE|"
+    r"GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|"
+    r"TORCH_NCCL_ASYNC_ERROR_HANDLING|CUDA_VISIBLE_DEVICES)$"
+)
 
 
 def _free_port() -> int:
@@ -79,17 +92,19 @@ def launch_many(
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=START_METHOD,
         **_shutdown_option(),
     )
+    torch.multiprocessing.set_forkserver_preload(PRELOAD)  # (no effect once this process's server runs)
     with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors, _quiet_torch_logs():
-        # inherited by the spawned ranks (and multiprocessing's resource tracker: a failed rank's os._exit leaves
+        # handed to the ranks (and multiprocessing's resource tracker: a failed rank's os._exit leaves
         # semaphores it cleans up, and its warning about them would follow the error line)
         warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
         with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}):
             try:
                 jobs = [(str(path), config) for path, config in runs]
-                results = elastic_launch(launch, _entry)(jobs, capture_grads, threads)
+                environ, streams = dict(os.environ), _LauncherStreams()
+                results = elastic_launch(launch, _entry)(jobs, capture_grads, threads, environ, streams)
             except ChildFailedError as exc:
                 _print_rank_tracebacks(Path(errors))
                 raise RunError(_failure_line(exc, Path(errors), world_size)) from None
@@ -133,8 +148,32 @@ def _quiet_torch_logs():
             logger.setLevel(level)
 
 
-def _entry(jobs: list[tuple[str, RunConfig]], capture_grads: bool, threads: int | None) -> list[RunResult]:
+def _entry(
+    jobs: list[tuple[str, RunConfig]], capture_grads: bool, threads: int | None, environ: dict[str, str], streams
+) -> list[RunResult]:
+    _adopt_launcher(environ, streams)
     return run_plans(jobs, capture_grads=capture_grads, threads=threads)
+
+
+class _LauncherStreams:
+    """This process's stdout and stderr as they are when a rank's process starts: pickled into each rank (under its
+    forkserver Popen) as that rank's own duplicates of the two file descriptors (multiprocessing's `DupFd`)."""
+
+    def __reduce__(self):
+        return tuple, ((DupFd(1), DupFd(2)),)
+
+
+def _adopt_launcher(environ: dict[str, str], streams) -> None:
+    """The launching process's environment at launch, with what the elastic agent set for this rank on top, and its
+    stdout and stderr (multiprocessing `DupFd`s) as this rank's."""
+    own = {name: value for name, value in os.environ.items() if _ELASTIC_ENV.match(name)}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(own)
+    for target, stream in zip((1, 2), streams, strict=True):
+        fd = stream.detach()
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def _print_rank_tracebacks(errors: Path) -> None:

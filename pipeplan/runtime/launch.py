@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import re
 import socket
@@ -41,7 +42,7 @@ SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, 
 # every launch (the test suite launches ~100 times; an API user may launch repeatedly). The server's environment and
 # output streams are those of its start, so each launch hands the ranks its own (`_adopt_launcher`), as spawned ranks
 # would inherit them.
-START_METHOD = "forkserver"
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"  # (Windows)
 PRELOAD = ["torch", "pipeplan.runtime.worker"]
 _ELASTIC_ENV = re.compile(
     r"^(RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|LOCAL_RANK|LOCAL_WORLD_SIZE|WORLD_SIZE|"
@@ -160,7 +161,15 @@ class _LauncherStreams:
     forkserver Popen) as that rank's own duplicates of the two file descriptors (multiprocessing's `DupFd`)."""
 
     def __reduce__(self):
-        return tuple, ((DupFd(1), DupFd(2)),)
+        return tuple, (tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)),)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # closed (a daemon's): the rank keeps the server's
+        return False
+    return True
 
 
 def _adopt_launcher(environ: dict[str, str], streams) -> None:
@@ -171,6 +180,8 @@ def _adopt_launcher(environ: dict[str, str], streams) -> None:
     os.environ.update(environ)
     os.environ.update(own)
     for target, stream in zip((1, 2), streams, strict=True):
+        if stream is None:
+            continue
         fd = stream.detach()
         os.dup2(fd, target)
         os.close(fd)

@@ -4,13 +4,13 @@
 Overlapped: torch ops release the GIL, so the forward of one chunk and the backward of the other compute at once
 where the rank has cores to spare; the caller keeps every send and receive on its own thread (the mailbox is not
 shared). On busy cores the two threads only compete: with one thread per rank and every core busy, 2 gloo ranks ran
-bench_runtime's MLP 5-9% slower overlapped than in order, and a GPT at par. So `auto` (the default) measures: after
-two warm-up steps, every rank's steps alternate in order / overlapped (PROBE_STEPS, the same steps on every rank),
-and each keeps the way whose step passes took less time (`Executor.run_step` from its start to its last op's end:
-the pipeline as this rank sees it, waits included, so one rank's overlap slowing another's compute counts; the time
-in the pairs alone favoured overlapping on a rank whose second thread slowed its peer). Overlapped must win by
-MARGIN: at par it costs a thread and contention the probe may miss. On CUDA
-`auto` overlaps without probing: host clocks do not see the kernels' time.
+bench_runtime's MLP 5-8% slower overlapped than in order, and bench_overlap's GPT 1-3% faster. So `auto` (the
+default) measures: after two warm-up steps, every rank's steps alternate in order / overlapped (PROBE_STEPS, the same
+steps on every rank), and each keeps the way whose step passes took less time (`Executor.run_step` from its start to
+its last op's end: the pipeline as this rank sees it, waits included, so one rank's overlap slowing another's compute
+counts; the time in the pairs alone favoured overlapping on a rank whose second thread slowed its peer). Overlapped
+must win by MARGIN: at par it costs a thread and contention the probe may miss. On CUDA `auto` overlaps without
+probing: host clocks do not see the kernels' time.
 
 Exact either way: each half runs the same ops on the same tensors as it would alone; the two touch different
 stages' parameters and saved tensors; the RNG (seeded per stage forward) is held by one forward at a time

@@ -15,6 +15,9 @@
     between measured and replayed is executor overhead and waiting, the gap between replayed and predicted is the
     profile's per-op cost error. A schedule the planner cannot plan is skipped with its reason.
 Both sides of each comparison run the same full step: pipeline ops, gradient sync, AdamW step, loss all-reduce.
+
+`--repeat-a N` runs only (a), N times in separate launches, and writes results/runtime_repeats.json: each run's
+ratios and, per schedule, their median and range (runs vary by a few % on shared cores).
 """
 
 from __future__ import annotations
@@ -356,8 +359,41 @@ def _table_b(console: Console, measured: dict, gpt_plans: dict[str, str], skippe
     return rows
 
 
+def _repeat_a(console: Console, repeats: int) -> None:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
+        mlp_plans = _mlp_plans(Path(folder))
+        for _ in range(repeats):
+            rows = _table_a(console, _launch(mlp_plans, {}))
+            runs.append({"load_average_after": list(os.getloadavg()), "vs_torch_pipelining": rows})
+    ratios = {
+        name: [row["ratio"] for run in runs for row in run["vs_torch_pipelining"] if row["schedule"] == name]
+        for name in TORCH_SCHEDULES
+    }
+    summary = {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in ratios.items()}
+    for name, figures in summary.items():
+        console.print(
+            f"{name}: pipeplan / torch median {figures['median']:.2f} over {repeats} runs "
+            f"({figures['min']:.2f}-{figures['max']:.2f})",
+            highlight=False,
+        )
+    write_json(
+        ROOT / "benchmarks" / "results" / "runtime_repeats.json",
+        {
+            "schema_version": 1,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+            "timed_steps_vs_torch": MLP_STEPS,
+            "ratio_by_schedule": summary,
+            "runs": runs,
+        },
+    )
+
+
 def main() -> int:
     console = Console(width=140)
+    if len(sys.argv) == 3 and sys.argv[1] == "--repeat-a":
+        _repeat_a(console, int(sys.argv[2]))
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
         mlp_plans = _mlp_plans(Path(folder))
         gpt_plans, skipped = _gpt_plans(Path(folder))

@@ -24,10 +24,11 @@ def show(
     from pipeplan.plan.timing import plan_steps_timeline
 
     loaded = Plan.load(plan_file)
+    timeline = plan_steps_timeline(loaded)
     if json_output:
-        print_json(summary_dict(loaded, plan_dir=str(plan_file.parent)))
+        print_json(summary_dict(loaded, plan_dir=str(plan_file.parent), timeline=timeline))
         return
-    render_summary(out, loaded, timeline=plan_steps_timeline(loaded))
+    render_summary(out, loaded, timeline=timeline)
 
 
 def export(

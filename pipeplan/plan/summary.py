@@ -21,7 +21,9 @@ def stage_ranks(plan: Plan, stage: int) -> list[int]:
     return [info.rank for info in plan.ranks if info.pipeline == 0 and stage in info.stages]
 
 
-def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
+def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline | None = None) -> dict[str, Any]:
+    """`plan --json` / `show --json`; `timeline`: the predicted steps (`plan.timing.plan_steps_timeline`), for one
+    step's makespan beside the predicted step (the period)."""
     limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
     stages = [
         {
@@ -56,6 +58,7 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None) -> dict[str, Any]:
         "world_size": plan.world_size,
         "stages": stages,
         "predicted": data["predicted"],
+        "makespan_ms": one_step_makespan(plan, timeline),
         "alternatives": list(plan.alternatives),
         "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
@@ -200,7 +203,16 @@ def _period_words(plan: Plan, timeline: Timeline | None) -> str:
     if staleness(plan.schedule, plan.world_size // plan.training.data_parallel):
         return ""  # asynchronous: the steady state of its stream
     how = "post-validated" if plan.training.post_validate else "synchronized"
+    makespan = one_step_makespan(plan, timeline)
+    words = "" if makespan is None else f"; one step's makespan {makespan:.2f} ms"
+    return f" (the period of {how} steps{words})"
+
+
+def one_step_makespan(plan: Plan, timeline: Timeline | None) -> float | None:
+    """One step's makespan (its first op to its last) read from the drawn steps; None without them or for an
+    asynchronous plan (a stream has no step boundary)."""
+    if timeline is None or staleness(plan.schedule, plan.world_size // plan.training.data_parallel):
+        return None
     m = plan.training.num_microbatches
-    first = [e.end for e in timeline.entries if e.op.microbatch < m] if timeline is not None else []
-    makespan = f"; one step's makespan {max(first):.2f} ms" if first else ""
-    return f" (the period of {how} steps{makespan})"
+    first = [e.end for e in timeline.entries if e.op.microbatch < m]
+    return max(first) if first else None

@@ -29,7 +29,7 @@ def plan(options: PlanOptions) -> None:
     with progress_task("searching plans", quiet=options.json_output) as update:
         chosen, timeline = run_plan_job(job, progress=lambda done, total: update(completed=done, total=total))
     if options.json_output:
-        print_json(summary_dict(chosen, plan_dir=str(job.output)))
+        print_json(summary_dict(chosen, plan_dir=str(job.output), timeline=timeline))
         return
     render_summary(out, chosen, timeline=timeline)
     out.print(f"wrote {job.output}/plan.json, launch.sh, job.sbatch, timeline.json")

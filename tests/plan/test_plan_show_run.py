@@ -58,8 +58,9 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     result = runner.invoke(app, [*args, "-B", "16", "-s", "1f1b", "--no-replication", "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
     planned = json.loads(result.output)["predicted"]
-    shown = runner.invoke(app, ["show", str(out / "plan.json"), "--json"])
-    assert json.loads(shown.output)["predicted"] == planned
+    shown = json.loads(runner.invoke(app, ["show", str(out / "plan.json"), "--json"]).output)
+    assert shown["predicted"] == planned
+    assert shown["makespan_ms"] == json.loads(result.output)["makespan_ms"] > 0
     plan = Plan.load(out / "plan.json")
     timeline = plan_timeline(plan)
     assert plan_step_ms(plan, timeline) == pytest.approx(planned["step_ms"], rel=1e-12)
@@ -75,9 +76,10 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     assert [e for e in steps.entries if e.op.microbatch < m] == list(timeline.entries)
     second = min(e.start for e in steps.entries if e.op.microbatch >= m)
     assert second == pytest.approx(planned["step_ms"], rel=1e-9)  # synchronized: one step after the first
-    assert "(the period of synchronized steps; one step's makespan" in " ".join(
+    assert f"(the period of synchronized steps; one step's makespan {shown['makespan_ms']:.2f} ms)" in " ".join(
         runner.invoke(app, ["show", str(out / "plan.json")]).output.split()
     )
+    assert shown["makespan_ms"] == pytest.approx(max(e.end for e in timeline.entries), rel=1e-12)
     predicted = train.predicted_ms(plan, plan.training.post_validate)  # what `run` prints after training
     train._log_summary(plan, predicted, [100.0, 100.0], [100.0, 100.0])
     assert f"vs predicted {planned['step_ms']:.1f} ms" in capsys.readouterr().out
@@ -98,6 +100,7 @@ def test_post_validated_plan_says_so_and_its_steps_overlap(tmp_path):
     synced = plan_step_ms(plan, plan_timeline(plan), post_validate=False)
     period = summary["predicted"]["step_ms"]
     assert period < synced
+    assert period < summary["makespan_ms"]  # post-validated: the next step starts within this one's span
     assert (
         f"Post-validation on (it shortens the period; `run` follows it): period {period:.1f} ms vs {synced:.1f} ms"
         in summary["rationale"]

@@ -70,6 +70,14 @@ def run_plans(
     """Run several plans of the same world size one after another in one process group (tests and benchmarks
     amortize start-up this way); the heartbeat and timeouts of the first config apply to all. `threads`: torch's
     CPU threads (default on CPU: default_cpu_threads())."""
+    try:
+        return _run_plans(runs, capture_grads=capture_grads, threads=threads)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: leave without a traceback,
+        # also when it arrives while a failure is reported (a rank blocked in C++ sees it late, after its peer left)
+        os._exit(INTERRUPTED_EXIT)
+
+
+def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, threads: int | None) -> list[RunResult]:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watchdog = None
@@ -101,8 +109,6 @@ def run_plans(
         dist.barrier()
         dist.destroy_process_group()
         return results
-    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: leave without a traceback
-        os._exit(INTERRUPTED_EXIT)
     except PipeplanError as exc:
         _fail(rank, str(exc), watchdog, traceback.format_exc())
     except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank

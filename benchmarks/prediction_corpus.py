@@ -1,0 +1,217 @@
+"""Every predicted figure of a corpus of `plan`, `show`, `capacity` and `simulate` commands (those of the tests and
+the docs, meta-device production shapes included), written as one JSON file: run it before and after a refactor
+and diff the two files — a refactor that changes no behaviour changes no figure.
+
+Recorded per command: its exit code and output (`--json` where the command has it, else its text), and for each
+plan directory written: plan.json (versions left out), timeline.json, `show --json` and `show`'s text, and the
+step `run` would print as predicted with --post-validate and with --no-post-validate.
+
+Measured profiles are timed on this machine, so they are made once into INPUTS (kept between runs: delete the folder
+to measure again); every plan reads them, so the figures depend only on the code.
+
+Run: .venv/bin/python benchmarks/prediction_corpus.py OUT.json [--only NAME,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["COLUMNS"] = "200"  # rich's width: the same tables every run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from pipeplan.cli import app  # noqa: E402
+
+INPUTS = Path(os.environ.get("PIPEPLAN_CORPUS_INPUTS", "/tmp/pipeplan-corpus-inputs"))
+PROFILES = {  # measured once (CPU timings), then read by every run
+    "gpt.json": "profile gpt -b 2",
+    "gpt-small.json": "profile gpt -a layers=4 -a hidden=256",
+    "gpt-bf16.json": "profile gpt --precision bf16-mixed",
+    "mlp.json": "profile mlp -a layers=6 -a hidden=64 -b 2",
+}
+ANALYTIC = {  # analytic profiles (deterministic), also kept with the inputs
+    "gpt2.json": "profile gpt2-124m --device meta --hardware h100",
+    "llama.json": "profile llama-7b --device meta --hardware h100 --precision bf16-main",
+}
+PD = "tests/data/pipedream-profiles"
+
+# name -> command (after `pipeplan`); {in} is INPUTS. Plans write to a directory named after the command.
+PLANS = {
+    "readme-plan": "plan gpt --profile {in}/gpt.json -n 2 -B 8",
+    "plan-depth2": "plan gpt --profile {in}/gpt.json --devices 2 --pipeline-depth 2 --no-replication -B 8",
+    "plan-n4": "plan --profile {in}/gpt.json -n 4 -B 16",
+    "plan-async": "plan gpt --profile {in}/gpt.json --devices 4 -B 32 --allow-async",
+    "plan-2bw": "plan gpt --profile {in}/gpt.json --devices 2 -B 4 --schedule pipedream-2bw --allow-async",
+    "plan-pipedream": "plan --profile {in}/gpt.json -n 4 -B 8 -s pipedream --allow-async",
+    "plan-z1": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 4 --pipeline-depth 2 --zero 1",
+    "plan-mem": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 2 --memory-per-device 64MiB",
+    "plan-norc": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 2 --recompute none",
+    "plan-pv-on": "plan --profile {in}/gpt.json -n 4 -B 16 -s zb-h2 --post-validate on",
+    "plan-pv-off": "plan --profile {in}/gpt.json -n 4 -B 16 -s zbv --post-validate off",
+    "plan-zbauto": "plan --profile {in}/gpt.json -n 4 -B 16 -s zb-auto --memory-per-device 1GiB",
+    "plan-dualpipev": "plan --profile {in}/gpt.json -n 4 -B 16 -s dualpipev",
+    "plan-interleaved": "plan --profile {in}/gpt.json -n 4 -B 16 -s interleaved -p 2",
+    "plan-sgd": "plan --profile {in}/gpt.json -n 2 -B 8 --optimizer sgd",
+    "plan-reserve": "plan --profile {in}/gpt.json -n 4 -B 8 --memory-per-device 4GiB --memory-reserve 1GiB",
+    "plan-mlp-repl": "plan --profile {in}/mlp.json -n 4 -B 16 --memory-per-device 100MiB",
+    "plan-mlp-b": "plan --profile {in}/mlp.json -n 4 -B 16 -b 2,4 --overlap p2p",
+    "plan-bf16": "plan gpt --profile {in}/gpt-bf16.json --devices 2 -B 8",
+    "plan-vgg": f"plan --profile {PD}/vgg16.txt --profile-format pipedream --devices 8 -B 64 --memory-per-device 8GiB",
+    "plan-gnmt": f"plan --profile {PD}/gnmt.txt --profile-format pipedream --devices 4 -B 32 --memory-per-device 8GiB",
+    "plan-gpt2-file": "plan --profile {in}/gpt2.json --hardware h100 --devices 16 --devices-per-node 8 -B 64",
+    "plan-gpt2-meta": "plan gpt2-124m --device meta --hardware h100 --devices 16 -B 64",
+    "plan-llama-tp2": "plan llama-7b --device meta --hardware h100 --devices 16 -B 64 --tensor-parallel 2",
+    "plan-llama-file": "plan --profile {in}/llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB",
+    "plan-h100": "plan gpt --device meta --hardware h100 --devices 2 -B 8 --tensor-parallel 1",
+    "plan-moe-ep": "plan moe --device meta --hardware h100 --devices 4 -B 8 -s 1f1b --expert-parallel 2",
+    "plan-moe-z1": "plan moe --device meta --hardware h100 --devices 4 -B 8 --zero 1",
+    "plan-llama-overlap": (
+        "plan llama -a layers=2 --device meta --hardware h100 --devices 4 -B 8 --overlap all --post-validate on"
+    ),
+    "plan-layout": (
+        'plan llama -a layers=4 --device meta --hardware h100 --devices 8 -B 16 --layout "tp=2,pp=2,vp=2,dp=2"'
+    ),
+    "plan-layout-file": (
+        'plan --profile {in}/gpt2.json --hardware h100 --devices 8 -B 32 --layout "tp=2,pp=4,dp=1,mbs=1,recompute=full"'
+    ),
+    "plan-cp": "plan --profile {in}/llama.json --hardware h100 --devices 16 -B 32 --context-parallel 2 -t 4",
+    "plan-infeasible": "plan --profile {in}/gpt.json -n 2 -B 8 --memory-per-device 1MiB",
+}
+CAPACITY = {
+    "cap-readme": "capacity llama-7b --hardware h100 -n 8,64",
+    "cap-target": "capacity llama-7b --hardware h100 --devices 8,64 --target-tokens 1T --days 30",
+    "cap-async": "capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async",
+    "cap-70b": "capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none",
+    "cap-70b-layout": 'capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"',
+    "cap-7b-layout": 'capacity llama-7b --hardware h100 -B 64 --seq 8192 --overlap all --layout "tp=2,cp=2,pp=2,vp=2,dp=2"',
+    "cap-moe": "capacity moe -a experts=8 -a layers=3 --hardware h100 --devices 8 -B 64 -t 1 --schedule 1f1b",
+    "cap-gpt2": "capacity gpt2-124m --hardware h100 --devices 8,64",
+    "cap-gpt2-schedules": "capacity gpt2-124m --hardware h100 --devices 8 -B 64 --schedule all --replication",
+    "cap-cp": "capacity llama-7b --hardware h100 --devices 16 -B 32 --seq 16384 --context-parallel auto -t 8",
+    "cap-fp8": "capacity llama-13b --hardware h100 --devices 64 --precision fp8 --overlap all",
+    "cap-mixed": "capacity gpt2-1.5b --hardware a100-80gb --devices 16 --precision bf16-mixed -b 1,2",
+    "cap-deepseek": (
+        "capacity deepseek-v3 --hardware h800 --precision fp8 -t 1 -B 15360 "
+        '--layout "pp=16,dp=128,ep=64,zero=1,recompute=full"'
+    ),
+    "cap-mixtral": "capacity mixtral-8x7b --hardware h100 --devices 64 -B 256",
+}
+SIMULATE = {
+    "sim-zb-auto": "simulate -s zb-auto -p 32 -m 96 --f 10.419 --b 10.207 --w 7.715 --comm 0.408 --memory-limit 64 "
+    "--post-validate",
+    "sim-zbv": "simulate -s zbv -p 16 -m 48 --f 28.814 --b 28.760 --w 19.352 --comm 1.610 --post-validate",
+    "sim-compare": "simulate -p 4 -m 8 --w 0.5 --post-validate",
+    "sim-2bw": "simulate --schedule pipedream-2bw --stages 4 --microbatches 8",
+    "sim-dualpipev": "simulate -s dualpipev -p 4 -m 8 --overlap-ms 2.5",
+}
+
+
+def translate(argv: list[str]) -> list[str]:
+    """Old command lines in the current CLI's words (identity until a flag is renamed or merged)."""
+    return argv
+
+
+def _invoke(argv: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(app, translate(argv))
+    return result.exit_code, result.output
+
+
+def make_inputs() -> None:
+    INPUTS.mkdir(parents=True, exist_ok=True)
+    for name, command in {**PROFILES, **ANALYTIC}.items():
+        if not (INPUTS / name).exists():
+            code, output = _invoke([*shlex.split(command), "-o", str(INPUTS / name)])
+            assert code == 0, f"{command}: {output}"
+
+
+def _clean(data, workspace: str):
+    """`data` without what differs between runs for reasons other than the code's figures."""
+    if isinstance(data, dict):
+        drop = ("pipeplan_version", "torch_version", "plan_dir")
+        return {k: _clean(v, workspace) for k, v in data.items() if k not in drop}
+    if isinstance(data, list):
+        return [_clean(v, workspace) for v in data]
+    if isinstance(data, str):
+        return data.replace(workspace, "WS").replace(str(INPUTS), "IN")
+    return data
+
+
+def _output(code: int, output: str, workspace: str, as_json: bool):
+    if as_json and code == 0:
+        return _clean(json.loads(output), workspace)
+    return _clean(output, workspace)
+
+
+def _predicted_run_ms(plan_path: Path) -> dict[str, float]:
+    """What `run` prints as the predicted step with --post-validate and --no-post-validate."""
+    from pipeplan.plan.plan import Plan
+
+    try:
+        from pipeplan.runtime.train import predicted_ms
+    except ImportError:  # runtime/ split into subpackages
+        from pipeplan.runtime.train.train import predicted_ms  # type: ignore[no-redef]
+    plan = Plan.load(plan_path)
+    return {str(flag): predicted_ms(plan, flag) for flag in (True, False)}
+
+
+def record_plan(name: str, command: str, workspace: Path) -> dict:
+    out = workspace / name
+    argv = [*shlex.split(command.format(**{"in": INPUTS})), "-o", str(out)]
+    code, output = _invoke([*argv, "--json"])
+    found = {"command": command, "exit": code, "json": _output(code, output, str(workspace), True)}
+    if code != 0:
+        return found
+    found["plan"] = _clean(json.loads((out / "plan.json").read_text()), str(workspace))
+    found["timeline"] = json.loads((out / "timeline.json").read_text())
+    code, output = _invoke(["show", str(out / "plan.json"), "--json"])
+    found["show_json"] = _output(code, output, str(workspace), True)
+    code, output = _invoke(["show", str(out / "plan.json")])
+    found["show_text"] = _output(code, output, str(workspace), False)
+    found["run_predicted_ms"] = _predicted_run_ms(out / "plan.json")
+    return found
+
+
+def record_json(command: str, workspace: Path) -> dict:
+    code, output = _invoke([*shlex.split(command), "--json"])
+    return {"command": command, "exit": code, "json": _output(code, output, str(workspace), True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output")
+    parser.add_argument("--only", default="", help="comma-separated names")
+    args = parser.parse_args()
+    only = {n for n in args.only.split(",") if n}
+    output = Path(args.output).resolve()
+    torch.set_num_threads(1)
+    make_inputs()
+    results: dict[str, dict] = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipeplan-corpus-") as folder:
+        workspace = Path(folder)
+        (workspace / "tests").symlink_to(ROOT / "tests")
+        os.chdir(workspace)
+        for group, record in ((PLANS, record_plan), (CAPACITY, None), (SIMULATE, None)):
+            for name, command in group.items():
+                if only and name not in only:
+                    continue
+                began = time.perf_counter()
+                results[name] = record(name, command, workspace) if record else record_json(command, workspace)
+                print(f"{name}: exit {results[name]['exit']} in {time.perf_counter() - began:.1f} s", flush=True)
+    output.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    print(f"{len(results)} commands in {time.perf_counter() - start:.0f} s -> {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,7 @@ from rich.table import Table  # noqa: E402
 from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
 from pipeplan.capacity.options import CAPACITY_PRECISION  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch  # noqa: E402
+from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
@@ -65,7 +66,7 @@ def _parts() -> dict[str, float]:
     batch = default_global_batch(profile.provenance.tokens_per_sample or 1, (1,))
     search = SearchConfig(
         global_batch_size=batch,
-        precision=CAPACITY_PRECISION,
+        numerics=numerics("adamw", CAPACITY_PRECISION),
         replication=False,
         memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
     )

@@ -25,6 +25,7 @@ from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
 from pipeplan.capacity.options import CAPACITY_PRECISION  # noqa: E402
 from pipeplan.capacity.report import CapacityReport, CapacityRow  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep  # noqa: E402
+from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
@@ -50,7 +51,7 @@ def bench_model(model: str) -> dict:
     )
     search = SearchConfig(
         global_batch_size=GLOBAL_BATCH,
-        precision=CAPACITY_PRECISION,
+        numerics=numerics("adamw", CAPACITY_PRECISION),
         replication=False,
         memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
     )

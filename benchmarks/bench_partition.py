@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from timing import median_seconds
 
+from pipeplan.costs import numerics
 from pipeplan.partition import (
     Cluster,
     PartitionConfig,
@@ -65,42 +66,42 @@ def speed_cases():
         "1000 layers, 1024 dev (128x8), 1f1b",
         big,
         Cluster(num_devices=1024, devices_per_node=8, memory_per_device=mem),
-        PartitionConfig(num_microbatches=64, precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=64, numerics=numerics("adamw", "bf16-mixed")),
         10.0,
     )
     yield (
         "200 layers, 64 dev (1x64), 1f1b",
         mid,
         Cluster(num_devices=64, devices_per_node=64, memory_per_device=mem),
-        PartitionConfig(num_microbatches=64, precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=64, numerics=numerics("adamw", "bf16-mixed")),
         1.0,
     )
     yield (
         "200 layers, 64 dev (8x8), 1f1b",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
-        PartitionConfig(num_microbatches=64, precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=64, numerics=numerics("adamw", "bf16-mixed")),
         1.0,
     )
     yield (
         "200 layers, 64 dev (8x8), straight",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
-        PartitionConfig(num_microbatches=64, mode="straight", precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=64, mode="straight", numerics=numerics("adamw", "bf16-mixed")),
         1.0,
     )
     yield (
         "200 layers, 64 dev (8x8), zbv",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
-        PartitionConfig(num_microbatches=128, schedule="zbv", precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=128, schedule="zbv", numerics=numerics("adamw", "bf16-mixed")),
         None,
     )
     yield (
         "200 layers, 64 dev (8x8), interleaved v=2",
         mid,
         Cluster(num_devices=64, devices_per_node=8, memory_per_device=mem),
-        PartitionConfig(num_microbatches=64, schedule="interleaved", precision="bf16-mixed"),
+        PartitionConfig(num_microbatches=64, schedule="interleaved", numerics=numerics("adamw", "bf16-mixed")),
         None,
     )
     for name in REFERENCE_NAMES:
@@ -111,7 +112,7 @@ def speed_cases():
                 f"{name} ({profile.num_layers} layers), 16 dev, {model}",
                 profile,
                 cluster,
-                PartitionConfig(num_microbatches=16, cost_model=model, precision="bf16-mixed"),
+                PartitionConfig(num_microbatches=16, cost_model=model, numerics=numerics("adamw", "bf16-mixed")),
                 1.0,
             )  # noqa: E501
 
@@ -167,8 +168,8 @@ def run_baselines(skip_measured: bool) -> list[dict]:
     for name, profile in cases:
         devices = min(8, profile.num_layers)
         cluster = Cluster(num_devices=devices, devices_per_node=8, memory_per_device=10**15, intra_node_bandwidth=1e9)
-        config = PartitionConfig(num_microbatches=16, precision="bf16-mixed")
-        straight = PartitionConfig(num_microbatches=16, mode="straight", precision="bf16-mixed")
+        config = PartitionConfig(num_microbatches=16, numerics=numerics("adamw", "bf16-mixed"))
+        straight = PartitionConfig(num_microbatches=16, mode="straight", numerics=numerics("adamw", "bf16-mixed"))
         dp = partition(profile, cluster, config).objective_ms
         dps = partition(profile, cluster, straight).objective_ms
         uni = uniform_partition(profile, cluster, straight).objective_ms
@@ -203,7 +204,9 @@ def run_pipedream(devices: list[int]) -> list[dict]:
             ref, states = reference.pipedream_objective(PROFILES / f"{name}.txt", n)
             cluster = Cluster(num_devices=n, devices_per_node=n, memory_per_device=10**15, intra_node_bandwidth=1e9)
             ours = partition(
-                profile, cluster, PartitionConfig(num_microbatches=4, cost_model="pipedream", precision="bf16-mixed")
+                profile,
+                cluster,
+                PartitionConfig(num_microbatches=4, cost_model="pipedream", numerics=numerics("adamw", "bf16-mixed")),
             )
             diff = ours.objective_ms / (ref * 1000) - 1
             print(f"{name:12} {n:4d} {states:7d} {ref:16.6f} {ours.objective_ms / 1000:12.6f} {diff:10.2e}")

@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-from pipeplan.costs import LayerArrays  # noqa: E402
+from pipeplan.costs import LayerArrays, numerics  # noqa: E402
 from pipeplan.hardware import cluster_for  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
@@ -38,8 +38,9 @@ from pipeplan.partition.api import build_partition, one_level  # noqa: E402
 from pipeplan.profiling.analytic import profile_analytic  # noqa: E402
 from pipeplan.profiling.profile import Profile  # noqa: E402
 from pipeplan.schedules.registry import SCHEDULE_NAMES  # noqa: E402
-from pipeplan.search.candidate import Layout, evaluate_partition, partition_config, pipeline_cluster  # noqa: E402
+from pipeplan.search.candidate import Layout, partition_config, pipeline_cluster  # noqa: E402
 from pipeplan.search.config import SearchConfig  # noqa: E402
+from pipeplan.search.evaluate import evaluate_partition  # noqa: E402
 from pipeplan.search.search import search_plans  # noqa: E402
 
 REPEATS = 3
@@ -69,7 +70,7 @@ def speed(workdir: Path) -> dict:
     path = workdir / "gpt48.json"
     profile.save(path)
     cluster = cluster_for(HARDWARE, 64, 8)
-    config = SearchConfig(global_batch_size=256, precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=256, numerics=numerics("adamw", "bf16-mixed"))
     search_s, result = median_seconds(lambda: search_plans(profile, cluster, config), REPEATS)
     command = [
         sys.executable,
@@ -121,17 +122,18 @@ def _uniform_1f1b(profile: Profile, devices: int, global_batch: int, microbatch:
         mode="straight",
     )
     bounds = [round(profile.num_layers * s / devices) for s in range(devices + 1)]
+    config = SearchConfig(
+        global_batch_size=global_batch, numerics=numerics("adamw-bf16", "bf16-mixed"), post_validate="off"
+    )
     part = fixed_cut_partition(
         profile,
         pipeline_cluster(cluster, devices),
-        partition_config(layout, "adamw-bf16", precision="bf16-mixed"),
+        partition_config(layout, config),
         bounds,
     )
     if part is None or max(part.device_memory_bytes) > cluster.memory_per_device:
         return None
-    result = evaluate_partition(
-        layout, part, profile, cluster, optimizer="adamw-bf16", global_batch_size=global_batch, precision="bf16-mixed"
-    )
+    result = evaluate_partition(layout, part, profile, cluster, config, memory_limit=cluster.memory_per_device)
     return getattr(result, "samples_per_s", None)
 
 
@@ -158,7 +160,9 @@ def quality() -> list[dict]:
             global_batch = microbatch * MICROBATCHES_PER_DEVICE * devices
             cluster = cluster_for(QUALITY_HARDWARE, devices, 8)
             config = SearchConfig(
-                global_batch_size=global_batch, microbatch_sizes=(microbatch,), precision="bf16-mixed"
+                global_batch_size=global_batch,
+                microbatch_sizes=(microbatch,),
+                numerics=numerics("adamw", "bf16-mixed"),
             )
             best = search_plans(profile, cluster, config).best
             per_schedule = {}

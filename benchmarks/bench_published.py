@@ -35,6 +35,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.costs.overlap import Overlap  # noqa: E402
 from pipeplan.hardware import cluster_for, load_hardware  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
@@ -134,7 +135,9 @@ def korthikanti(rows) -> list[dict]:
         start = time.perf_counter()
         profile = _profile("gpt", {**options, "tie_embeddings": True}, hardware, "fp16-main", flash=False)
         reserve = default_memory_reserve(hardware.memory_bytes)  # as `plan` and `capacity` keep it
-        config = SearchConfig(global_batch_size=batch, precision="fp16-main", zero=0, memory_reserve_bytes=reserve)
+        config = SearchConfig(
+            global_batch_size=batch, numerics=numerics("adamw", "fp16-main"), zero=0, memory_reserve_bytes=reserve
+        )
         published = []
         for mode, measured in (("full", full_s), ("selective", selective_s)):
             row = _pinned(
@@ -165,7 +168,7 @@ def held_out() -> list[dict]:
             profile = _profile(model, options, hardware, precision, flash=True)
             config = SearchConfig(
                 global_batch_size=batch,
-                precision=precision,
+                numerics=numerics("adamw", precision),
                 overlap=Overlap.parse("all"),
                 memory_reserve_bytes=default_memory_reserve(hardware.memory_bytes),
             )

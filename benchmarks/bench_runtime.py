@@ -42,6 +42,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.errors import PipeplanError  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
@@ -239,8 +240,8 @@ def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
     config = SearchConfig(
         global_batch_size=GPT_GLOBAL_BATCH,
         microbatch_sizes=(GPT_MICROBATCH_SIZE,),
-        optimizer="adamw-fp32",  # what the runtime trains with
-        precision=source.profile.provenance.precision,
+        # what the runtime trains with
+        numerics=numerics("adamw-fp32", source.profile.provenance.precision),
         replication=False,  # a replicated one-stage plan would be data parallelism, not the schedule
         pipeline_depths=(GPT_PIPELINE_DEPTH,),
     )

@@ -54,8 +54,12 @@ PLANS = {
     "plan-async": "plan gpt --profile {in}/gpt.json --devices 4 -B 32 --allow-async",
     "plan-2bw": "plan gpt --profile {in}/gpt.json --devices 2 -B 4 --schedule pipedream-2bw --allow-async",
     "plan-pipedream": "plan --profile {in}/gpt.json -n 4 -B 8 -s pipedream --allow-async",
-    "plan-z1": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 4 --pipeline-depth 2 --zero 1",
-    "plan-mem": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 2 --memory-per-device 64MiB",
+    "plan-z1": (
+        "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 4 --pipeline-depth 2 --zero 1"
+    ),
+    "plan-mem": (
+        "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 2 --memory-per-device 64MiB"
+    ),
     "plan-norc": "plan gpt -a layers=4 -a hidden=256 --profile {in}/gpt-small.json --devices 2 --recompute none",
     "plan-pv-on": "plan --profile {in}/gpt.json -n 4 -B 16 -s zb-h2 --post-validate on",
     "plan-pv-off": "plan --profile {in}/gpt.json -n 4 -B 16 -s zbv --post-validate off",
@@ -94,7 +98,9 @@ CAPACITY = {
     "cap-async": "capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async",
     "cap-70b": "capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none",
     "cap-70b-layout": 'capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"',
-    "cap-7b-layout": 'capacity llama-7b --hardware h100 -B 64 --seq 8192 --overlap all --layout "tp=2,cp=2,pp=2,vp=2,dp=2"',
+    "cap-7b-layout": (
+        'capacity llama-7b --hardware h100 -B 64 --seq 8192 --overlap all --layout "tp=2,cp=2,pp=2,vp=2,dp=2"'
+    ),
     "cap-moe": "capacity moe -a experts=8 -a layers=3 --hardware h100 --devices 8 -B 64 -t 1 --schedule 1f1b",
     "cap-gpt2": "capacity gpt2-124m --hardware h100 --devices 8,64",
     "cap-gpt2-schedules": "capacity gpt2-124m --hardware h100 --devices 8 -B 64 --schedule all --replication",

@@ -1,16 +1,19 @@
-"""Cluster: the devices a plan runs on, with a two-level topology (inside a node / across nodes), and `Link`: the
-one place that turns bytes into seconds on a link (point-to-point transfers and ring collectives).
+"""Cluster: the devices a plan runs on, with a two-level topology (inside a node / across nodes) and each device's
+physical memory; `Link`: the one place that turns bytes into seconds on a link (point-to-point transfers and ring
+collectives); `MemoryBudget`: a device's memory as plans fill it (physical, the reserve kept free, the usable rest);
+`DeviceGroups`: devices grouped t x cp at a time, the devices the pipeline search places stages on.
 
 Every formula here is vectorized over numpy arrays (bytes, group sizes) and returns a float for scalar inputs: the
 partitioner calls it on whole DP columns, the planner on one boundary, with the same arithmetic."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pipeplan.errors import ConfigError
+from pipeplan.units import format_bytes
 
 MAX_DEVICES = 16_384  # a plan holds one op list per rank: planning 16k devices takes seconds, 100k minutes
 
@@ -70,7 +73,7 @@ class Link:
 class Cluster:
     num_devices: int
     devices_per_node: int
-    memory_per_device: int  # bytes
+    memory_per_device: int | None  # bytes; None: not known (a hand-made plan's devices: no limit)
     intra_node_bandwidth: float = 5e9  # bytes/s between devices of one node
     inter_node_bandwidth: float = 1.25e9  # bytes/s between nodes
     intra_node_latency_s: float = 20e-6
@@ -89,7 +92,7 @@ class Cluster:
             raise ConfigError(
                 f"--devices ({self.num_devices}) must be a multiple of --devices-per-node ({self.devices_per_node})"
             )
-        if self.memory_per_device <= 0:
+        if self.memory_per_device is not None and self.memory_per_device <= 0:
             raise ConfigError(f"--memory-per-device must be positive, got {self.memory_per_device}")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             if getattr(self, name) <= 0:
@@ -133,3 +136,62 @@ class Cluster:
     def allreduce_s(self, num_bytes, group_size, *, same_node: bool):
         """Ring all-reduce time of `num_bytes` over `group_size` devices (`Link.allreduce_s` of the chosen link)."""
         return self.link(same_node=same_node).allreduce_s(num_bytes, group_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBudget:
+    """One device's memory as a plan fills it: `physical` bytes, less `reserve` kept free for what the model does not
+    count (CUDA context, communication buffers, fragmentation), leaves `usable`: what every simulated peak is checked
+    against."""
+
+    physical: int
+    reserve: int = 0
+
+    def __post_init__(self) -> None:
+        if self.reserve < 0:
+            raise ConfigError(f"--memory-reserve must be >= 0, got {self.reserve}")
+        if self.usable <= 0:
+            raise ConfigError(
+                f"--memory-reserve ({format_bytes(self.reserve)}) leaves no memory of {format_bytes(self.physical)} "
+                "per device; lower it"
+            )
+
+    @property
+    def usable(self) -> int:
+        return self.physical - self.reserve
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroups:
+    """Devices grouped `tensor_parallel` x `context_parallel` at a time: consecutive ranks, tensor parallelism
+    innermost, then context parallelism (Megatron's order). The pipeline search places stages on groups; a plan's rank
+    stands for one group."""
+
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.tensor_parallel, self.context_parallel) < 1:
+            raise ConfigError(f"group sizes must be >= 1, got t={self.tensor_parallel} cp={self.context_parallel}")
+
+    @property
+    def size(self) -> int:
+        """Devices per group."""
+        return self.tensor_parallel * self.context_parallel
+
+    def of(self, cluster: Cluster) -> Cluster:
+        """The groups of `cluster`'s devices as the pipeline search's devices: N / size groups, devices_per_node / size
+        per node (1 when a group spans nodes: every link between groups is then inter-node), one device's memory and
+        links."""
+        if self.size == 1:
+            return cluster
+        assert cluster.num_devices % self.size == 0, "checked by search.stack.check_split"
+        per_node = max(1, cluster.devices_per_node // self.size)
+        return replace(cluster, num_devices=cluster.num_devices // self.size, devices_per_node=per_node)
+
+    def phrase(self, num_groups: int) -> str:
+        """How messages name `num_groups` groups: `64 device(s) with tensor parallelism t=8`."""
+        t, cp = self.tensor_parallel, self.context_parallel
+        split = f" with tensor parallelism t={t}" if t > 1 else ""
+        split += f"{' and' if t > 1 else ' with'} context parallelism cp={cp}" if cp > 1 else ""
+        return f"{num_groups * self.size} device(s){split}"

@@ -14,15 +14,15 @@ from pipeplan.capacity.pinned import PinnedReport, pinned_report
 from pipeplan.capacity.report import CapacityReport
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch
 from pipeplan.console import warn
+from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
-from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
-from pipeplan.search.config import SearchConfig, parse_zero
+from pipeplan.search.config import SearchConfig, parse_zero, searched_schedules
 from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
 from pipeplan.search.pinned import PinnedLayout, check_pinned_experts, parse_layout
 from pipeplan.search.tensor_search import tensor_parallel_sizes
@@ -111,8 +111,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     search = SearchConfig(
         global_batch_size=options.global_batch_size or math.lcm(*sizes),
         microbatch_sizes=sizes,
-        precision=options.precision,
-        optimizer=options.optimizer,
+        numerics=numerics(options.optimizer, options.precision),
         replication=options.replication,
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, hardware.memory_bytes),
         zero=parse_zero(options.zero),

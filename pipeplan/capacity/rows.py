@@ -9,9 +9,8 @@ from dataclasses import replace
 from pipeplan.capacity.memory import device_memory_split
 from pipeplan.capacity.report import CapacityRow, TimeSplit
 from pipeplan.errors import InfeasibleError, ScheduleError
-from pipeplan.plan.asynchronous import busy_per_step
-from pipeplan.plan.layout import layout_steps, transfer_costs
-from pipeplan.schedules.period import StepEnd, steady_state
+from pipeplan.predict.predict import compute_period_ms
+from pipeplan.predict.step import busy_per_step
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Evaluation, Rejection
@@ -83,11 +82,7 @@ def time_split(best: Evaluation) -> TimeSplit:
         m = best.layout.num_microbatches
         no_comm, compute = stream_step_ms(best.resimulate(free), m), max(busy_per_step(best.timeline, m))
         return TimeSplit(compute_ms=compute, bubble_ms=max(no_comm - compute, 0.0), comm_ms=best.step_ms - no_comm)
-    timed = transfer_costs(free, best.pipeline, best.overlap)
-    steps = layout_steps(
-        best.pipeline, best.schedule.name, best.partition.num_stages, best.layout.num_microbatches, timed
-    )
-    no_comm = steady_state(steps.schedule, steps.timer, StepEnd(), post_validate=best.post_validate).period_ms
+    no_comm = compute_period_ms(best.inputs, post_validate=best.post_validate)
     compute = max(best.timeline.device_busy)
     bubble = max(min(no_comm, best.step_ms) - compute, 0.0)
     return TimeSplit(compute_ms=compute, bubble_ms=bubble, comm_ms=max(best.step_ms - compute - bubble, 0.0))
@@ -97,7 +92,7 @@ def _binding(best: Evaluation, time: TimeSplit, rejected: list[Rejection], resul
     for rejection in sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.layout.label):
         layout = rejection.layout
         try:
-            estimate = balanced_estimate_ms(layout, result.profiles[layout.microbatch_size], result.cluster)
+            estimate = balanced_estimate_ms(layout, result.profiles[layout.microbatch_size], result.group_cluster)
         except ScheduleError:
             continue
         if estimate < best.step_ms:

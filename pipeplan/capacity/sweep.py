@@ -46,11 +46,10 @@ from pipeplan.capacity.rows import ceil_or_none, mfu, result_row, time_split  # 
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.hardware import Hardware, cluster_for
-from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.experts import active_param_count, is_moe
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info, schedule_names
-from pipeplan.search.config import SearchConfig
+from pipeplan.search.config import SearchConfig, searched_schedules
 from pipeplan.search.search import SearchResult, search_plans
 from pipeplan.search.sharding import split_inputs
 from pipeplan.search.stack import CONTEXT_PARALLEL_SIZES, TENSOR_PARALLEL_SIZES
@@ -112,7 +111,7 @@ class CapacityConfig:
             object.__setattr__(self, "max_devices", 16 * self.device_counts[-1])
         if self.max_devices < self.device_counts[-1]:
             raise ConfigError(f"max_devices ({self.max_devices}) must be >= the largest --devices count")
-        self.search.usable_memory_bytes(self.hardware.memory_bytes)  # a reserve that leaves nothing: one line
+        self.search.budget(self.hardware.memory_bytes)  # a reserve that leaves nothing: one line
 
     @property
     def tokens_per_s_needed(self) -> float | None:
@@ -165,7 +164,7 @@ def capacity_sweep(
         hardware=config.hardware.name,
         memory_per_device=config.hardware.memory_bytes,
         memory_reserve_bytes=config.search.memory_reserve_bytes,
-        usable_memory_bytes=config.search.usable_memory_bytes(config.hardware.memory_bytes),
+        usable_memory_bytes=config.search.budget(config.hardware.memory_bytes).usable,
         global_batch_size=config.search.global_batch_size,
         tokens_per_sample=profile.provenance.tokens_per_sample or 1,
         param_count=sum(layer.param_count for layer in profile.layers),

@@ -2,12 +2,12 @@
 optimizer and precision, sharded or not. One formula, `sharded_bytes_per_param`: weights + gradients + optimizer
 state / d, with d the devices that share the optimizer state (1 without ZeRO); two ways to name the parts:
 
-- pipeplan's modes, `static_split(optimizer, precision)`: each part in the precision's parameter dtype
-  (`pipeplan.precision`). `adamw` holds 2 state tensors per parameter (Adam's moments), `sgd` 1 (momentum),
-  `sgd-nomomentum` none, so `adamw` = 4 + 4 + 8 = 16 B/param under fp32, bf16-mixed and fp16-mixed (the fp32
-  parameters are the master weights; autocast's low-precision copies live with the activations) and 2 + 2 + 4 = 8
-  under bf16. A number as optimizer is the whole figure per parameter. `adamw-fp32` / `adamw-bf16` are strict
-  aliases of adamw under fp32 / bf16-mixed.
+- pipeplan's modes, `static_split(numerics)` (`Numerics`: the precision and the optimizer, resolved once by
+  `numerics`): each part in the precision's parameter dtype (`pipeplan.precision`). `adamw` holds 2 state tensors
+  per parameter (Adam's moments), `sgd` 1 (momentum), `sgd-nomomentum` none, so `adamw` = 4 + 4 + 8 = 16 B/param
+  under fp32, bf16-mixed and fp16-mixed (the fp32 parameters are the master weights; autocast's low-precision copies
+  live with the activations) and 2 + 2 + 4 = 8 under bf16. A number as optimizer is the whole figure per parameter.
+  `adamw-fp32` / `adamw-bf16` are strict aliases of adamw under fp32 / bf16-mixed.
 - Megatron-LM's distributed-optimizer table, `megatron_adam_split(param_dtype, grad_dtype)` (Megatron Core
   developer guide, "Distributed Optimizer", https://docs.nvidia.com/megatron-core/developer-guide/latest/
   api-guide/dist_optimizer.html), bytes per parameter unsharded -> sharded over d:
@@ -27,11 +27,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from pipeplan.errors import ConfigError
-from pipeplan.precision import PRECISIONS, get_precision
+from pipeplan.precision import Precision, get_precision
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
 OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
@@ -47,9 +48,36 @@ def sharded_bytes_per_param(split: tuple[float, float, float], shards):
     return weights + gradients + optimizer / np.asarray(shards, dtype=np.float64)
 
 
-def resolve_optimizer(optimizer: str | float, precision: str) -> tuple[str | float, str]:
-    """(optimizer, precision) with an alias unfolded and both checked. The precision is the command's (no default
-    here); an alias that names another precision than the one given is refused."""
+@dataclass(frozen=True)
+class Numerics:
+    """What a training step holds and computes in, resolved once by the command (`numerics`) and passed down: the
+    precision mode and the optimizer — by name, or as a whole figure of static bytes per parameter
+    (`optimizer_bytes`: no state to shard, no update to time). Every bytes-per-parameter figure below reads it."""
+
+    precision: Precision
+    optimizer: str = "adamw"  # adamw, sgd or sgd-nomomentum; "" when `optimizer_bytes` gives the bytes instead
+    optimizer_bytes: float | None = None
+
+    @property
+    def named(self) -> bool:
+        """Whether the optimizer is named (its state can be sharded by ZeRO-1 and its update timed)."""
+        return self.optimizer_bytes is None
+
+    @property
+    def optimizer_label(self) -> str:
+        """The optimizer as plan.json records it: its name, or its bytes per parameter."""
+        return self.optimizer if self.named else str(self.optimizer_bytes)
+
+    @property
+    def optimizer_states(self) -> int:
+        """State tensors per parameter of a named optimizer."""
+        return OPTIMIZER_STATES[self.optimizer]
+
+
+def numerics(optimizer: str | float, precision: str) -> Numerics:
+    """`optimizer` (a name, an alias, or bytes per parameter) and `precision` (a mode's name) checked and resolved:
+    an alias unfolded; one that names another precision than the one given is refused. The precision is the
+    command's (no default here)."""
     if isinstance(optimizer, str) and optimizer in OPTIMIZER_ALIASES:
         name, implied = OPTIMIZER_ALIASES[optimizer]
         if precision != implied:
@@ -57,57 +85,58 @@ def resolve_optimizer(optimizer: str | float, precision: str) -> tuple[str | flo
                 f"--optimizer {optimizer} means adamw under --precision {implied}, not {precision}; use --optimizer "
                 "adamw (its bytes follow --precision)"
             )
-        return name, implied
-    get_precision(precision)
+        return Numerics(get_precision(implied), name)
+    mode = get_precision(precision)
     if isinstance(optimizer, bool) or not isinstance(optimizer, str | int | float):
         raise ConfigError("--optimizer must be a name or a number of bytes per parameter")
     if isinstance(optimizer, str) and optimizer not in OPTIMIZER_STATES:
         raise ConfigError(
             f"unknown --optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZER_NAMES)} or bytes per parameter"
         )
-    if not isinstance(optimizer, str) and (not math.isfinite(optimizer) or optimizer < 0):
+    if isinstance(optimizer, str):
+        return Numerics(mode, optimizer)
+    if not math.isfinite(optimizer) or optimizer < 0:
         raise ConfigError(f"optimizer bytes per parameter must be a finite number >= 0, got {optimizer}")
-    return optimizer, precision
+    return Numerics(mode, "", optimizer)
 
 
 FP8_WEIGHT_COPY_BYTES = 2  # Transformer Engine's FP8 weight and its transpose (Hopper), kept through a step
 
 
-@functools.lru_cache(maxsize=64, typed=True)  # typed: True is refused where 1 is taken
-def static_split(optimizer: str | float, precision: str) -> tuple[float, float, float]:
+@functools.lru_cache(maxsize=64)
+def static_split(numerics: Numerics) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
     number as optimizer is the whole figure (counted as optimizer state). Main-weight modes (`bf16-main`,
     `fp16-main`, `fp8`: Megatron's layout) hold fp32 gradients and, in the optimizer, an fp32 main copy and fp32
     moments: 2 + 4 + (4 + 4 x states); `fp8` adds its FP8 weight copies to the weights. Cached: the partitioner
     asks for it per candidate stage."""
-    optimizer, precision = resolve_optimizer(optimizer, precision)
-    if not isinstance(optimizer, str):
-        return 0.0, 0.0, float(optimizer)
-    mode = PRECISIONS[precision]
+    if not numerics.named:
+        return 0.0, 0.0, float(numerics.optimizer_bytes)
+    mode, states = numerics.precision, numerics.optimizer_states
     weights = float(mode.param_bytes + (FP8_WEIGHT_COPY_BYTES if mode.fp8_linears else 0))
     if mode.main_weights:
-        return weights, float(mode.grad_bytes), 4.0 + 4.0 * OPTIMIZER_STATES[optimizer]
-    return weights, float(mode.grad_bytes), mode.param_bytes * float(OPTIMIZER_STATES[optimizer])
+        return weights, float(mode.grad_bytes), 4.0 + 4.0 * states
+    return weights, float(mode.grad_bytes), mode.param_bytes * float(states)
 
 
-def bytes_per_param(optimizer: str | float, precision: str, *, zero: int = 0, group_size=1):
+def bytes_per_param(numerics: Numerics, *, zero: int = 0, group_size=1):
     """Weights + gradients + optimizer state per parameter on one device: what `static_bytes` multiplies. With
     `zero` 1 the optimizer state is split over the `group_size` devices holding the same parameters
     (`zero_bytes_per_param`; elementwise over group_size, a float for a scalar). A number as optimizer is refused
     with ZeRO: its bytes have no optimizer-state part to shard."""
-    if zero and not isinstance(optimizer, str):
+    if zero and not numerics.named:
         raise ConfigError("--zero 1 needs --optimizer by name (adamw, sgd): a number of bytes has no state to shard")
-    value = zero_bytes_per_param(static_split(optimizer, precision), group_size, zero)
+    value = zero_bytes_per_param(static_split(numerics), group_size, zero)
     return float(value) if np.ndim(value) == 0 else value
 
 
-def expert_bytes_per_param(optimizer: str | float, precision: str, *, zero: int, group_size, expert_parallel: int):
+def expert_bytes_per_param(numerics: Numerics, *, zero: int, group_size, expert_parallel: int):
     """`bytes_per_param` of a routed-expert parameter: expert parallelism `expert_parallel` splits the experts over
     ranks carved from the `group_size` devices holding a stage's dense parameters (Megatron-Core), so each expert
     is held by group_size / expert_parallel of them, over which ZeRO-1 shards its optimizer state."""
     if not zero or expert_parallel == 1:
-        return bytes_per_param(optimizer, precision, zero=zero, group_size=group_size)
-    return bytes_per_param(optimizer, precision, zero=zero, group_size=expert_holders(group_size, expert_parallel))
+        return bytes_per_param(numerics, zero=zero, group_size=group_size)
+    return bytes_per_param(numerics, zero=zero, group_size=expert_holders(group_size, expert_parallel))
 
 
 def expert_holders(group_size, expert_parallel: int):
@@ -163,10 +192,10 @@ def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel
 
 
 def undo_copy_bytes(
-    param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], optimizer: str | float, precision: str
+    param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], numerics: Numerics
 ) -> tuple[float, ...]:
     """Per device, what `run --post-validate` keeps to undo an eager step (runtime/post_validate.py, StepUndo): its
     stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
     backward fills fresh ones (whole parameters: ZeRO-1's shards are not counted here)."""
-    weights, gradients, state = static_split(optimizer, precision)
+    weights, gradients, state = static_split(numerics)
     return tuple(sum(param_counts[s] for s in stages) * (weights + gradients + state) for stages in device_stages)

@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipeplan.costs.optimizer import static_split
-from pipeplan.precision import get_precision
+from pipeplan.costs.optimizer import Numerics, static_split
 from pipeplan.schedules.simulate import StageCosts
 
 OVERLAP_OPTIONS = ("tensor", "p2p", "grad_reduce", "param_gather")
@@ -86,14 +85,14 @@ def optimizer_bytes_per_param(split: tuple[float, float, float], weights_are_mas
     return 2.0 * state + gradients + (2.0 if weights_are_master else 1.0) * weights
 
 
-def eager_update_ms(update_ms: Sequence[float], optimizer: str | float, precision: str) -> list[float]:
+def eager_update_ms(update_ms: Sequence[float], numerics: Numerics) -> list[float]:
     """Per device, a post-validated step's update (`run --post-validate`: runtime/post_validate.StepUndo): the undo
     copy of its weights and optimizer state (read and written once, 2 x (weights + state) bytes per parameter)
     before the update itself (`optimizer_bytes_per_param` bytes), both memory-bound at the same rate: the update's
     time `update_ms` scaled by their bytes (0 stays 0: a profile that does not know the memory rate)."""
-    split = static_split(optimizer, precision)
+    split = static_split(numerics)
     weights, _, state = split
-    moved = optimizer_bytes_per_param(split, not get_precision(precision).main_weights)
+    moved = optimizer_bytes_per_param(split, not numerics.precision.main_weights)
     scale = 1.0 + 2.0 * (weights + state) / moved if moved > 0 else 1.0
     return [ms * scale for ms in update_ms]
 

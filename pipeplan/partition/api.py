@@ -33,7 +33,7 @@ def partition(profile: Profile, cluster: Cluster, config: PartitionConfig, *, ex
     binary search over the memory, so callers that will try again with other options may skip it)."""
     arrays = LayerArrays.from_profile(profile)
     _check_sizes(arrays, cluster, config)
-    raw = _solve(arrays, cluster, config, float(cluster.memory_per_device))
+    raw = _solve(arrays, cluster, config, config.memory_limit(cluster))
     if raw is None:
         if not explain:
             raise InfeasibleError(_no_fit(cluster, config))
@@ -118,7 +118,7 @@ def build_partition(
         cost_model=config.cost_model,
         num_microbatches=config.num_microbatches,
         optimizer_bytes_per_param=config.optimizer_bytes_per_param,
-        memory_per_device=cluster.memory_per_device,
+        memory_limit_bytes=int(config.memory_limit(cluster)),
         objective_ms=float(objective),
         device_load_ms=tuple(load),
         device_memory_bytes=tuple(mem),
@@ -171,8 +171,8 @@ def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: Partiti
     per_param = config.optimizer_bytes_per_param
     layer = static_bytes(np.diff(arrays.param_count), per_param) + np.diff(arrays.activation)
     lo = float(max(layer.max(), 0.0))
-    if _solve(arrays, cluster, config, float(cluster.memory_per_device)) is None:
-        lo = max(lo, float(cluster.memory_per_device))
+    if _solve(arrays, cluster, config, config.memory_limit(cluster)) is None:
+        lo = max(lo, config.memory_limit(cluster))
     total = float(static_bytes(arrays.param_count[-1], per_param) + arrays.activation[-1] * 1.0)
     ceiling = 4 * max(total * config.num_microbatches, lo, 1.0)
     hi = max(2 * lo, 1024.0)
@@ -204,6 +204,6 @@ def _infeasible(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) 
 
 def _no_fit(cluster: Cluster, config: PartitionConfig) -> str:
     return (
-        f"no partition fits in {format_bytes(cluster.memory_per_device)} per device with {cluster.num_devices} "
+        f"no partition fits in {format_bytes(config.memory_limit(cluster))} per device with {cluster.num_devices} "
         f"devices and {config.num_microbatches} microbatches ({config.schedule})"
     )

@@ -1,15 +1,15 @@
 """PartitionConfig: what the partitioner optimizes for (microbatches, schedule, replication, optimizer, cost model).
 
 Optimizer memory is counted per parameter (weights + gradients + optimizer state, activations excluded) by
-`pipeplan.costs.optimizer.bytes_per_param(optimizer, precision)`, where the byte table is; `precision` is the
-caller's (the command decides it; there is no default here).
+`pipeplan.costs.optimizer.bytes_per_param(numerics)`, where the byte table is; `numerics` (precision and optimizer)
+is the caller's (the command decides it; there is no default here).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeplan.costs.optimizer import bytes_per_param, check_zero_stage
+from pipeplan.costs.optimizer import Numerics, bytes_per_param, check_zero_stage
 from pipeplan.costs.recompute import RECOMPUTE_CHOICES, modes_for
 from pipeplan.errors import ConfigError
 from pipeplan.schedules.registry import schedule_info
@@ -34,15 +34,16 @@ class PartitionConfig:
     memory screen with the least added time (none first on ties), so cuts and modes are chosen together.
     zero / data_parallel: ZeRO stage and the number of data-parallel pipelines; with zero 1 a stage's optimizer
     state is split over its replicas in every pipeline (replicas x data_parallel devices) in the memory screen.
+    memory_limit_bytes: what the memory screen lets a device hold (the search's usable memory, or a tighter retry
+    budget); None: the cluster's memory per device.
     """
 
     num_microbatches: int
-    precision: str  # pipeplan.precision mode the optimizer bytes are counted in
+    numerics: Numerics  # the precision and optimizer the static bytes are counted for
     schedule: str = "1f1b"
     chunks: int | None = None
     mode: str | None = None
     num_stages: int | None = None
-    optimizer: str | float = "adamw"
     cost_model: str = "pipeplan"
     memory_limit_microbatches: int | None = None
     max_layer_groups: int = 128
@@ -51,6 +52,7 @@ class PartitionConfig:
     data_parallel: int = 1
     expert_parallel: int = 1  # routed experts split over ep of the data_parallel holders (costs.memory)
     layer_recompute: bool = False  # full recomputation layer by layer, as the engines run analytic plans
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
@@ -88,17 +90,23 @@ class PartitionConfig:
             raise ConfigError(f"data_parallel must be >= 1, got {self.data_parallel}")
         check_zero_stage(self.zero)
         self.static_bytes_per_param(1)  # validates the optimizer for ZeRO
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ConfigError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
 
     @property
     def optimizer_bytes_per_param(self) -> float:
-        return bytes_per_param(self.optimizer, self.precision)
+        return bytes_per_param(self.numerics)
 
     def static_bytes_per_param(self, group_size):
         """Weights + gradients + optimizer state per parameter on one device of a group of `group_size` devices
         holding the same parameters (`costs.optimizer.bytes_per_param`; the group matters only with zero 1)."""
         if not self.zero:
             return self.optimizer_bytes_per_param
-        return bytes_per_param(self.optimizer, self.precision, zero=self.zero, group_size=group_size)
+        return bytes_per_param(self.numerics, zero=self.zero, group_size=group_size)
+
+    def memory_limit(self, cluster) -> float:  # type: ignore[no-untyped-def]
+        """The memory screen's limit per device on `cluster` (`memory_limit_bytes`, else its memory)."""
+        return float(cluster.memory_per_device if self.memory_limit_bytes is None else self.memory_limit_bytes)
 
     @property
     def recompute_modes(self) -> tuple[str, ...]:

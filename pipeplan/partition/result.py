@@ -63,7 +63,7 @@ class Partition:
     cost_model: str
     num_microbatches: int
     optimizer_bytes_per_param: float
-    memory_per_device: int  # the limit it was planned for
+    memory_limit_bytes: int  # the memory screen's limit per device it was planned for
     objective_ms: float
     device_load_ms: tuple[float, ...]
     device_memory_bytes: tuple[int, ...]

@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs.optimizer import bytes_per_param
+from pipeplan.costs.optimizer import bytes_per_param, numerics
 from pipeplan.errors import ConfigError
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.graph.trace import LayerGraph, trace_model
 from pipeplan.models import load_model
 from pipeplan.models.registry import canonical_ref, recorded_options
-from pipeplan.plan.layout import pipeline_layout, rank_infos
-from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig
-from pipeplan.precision import get_precision
+from pipeplan.plan.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig
+from pipeplan.plan.ranks import rank_infos
+from pipeplan.predict.layout import pipeline_layout
 from pipeplan.schedules.registry import generate
 
 
@@ -49,6 +49,13 @@ def _stages(
         )
         for index, (first, last) in enumerate(cuts)
     )
+
+
+def _replicas(replicas: Sequence[int] | None, num_stages: int) -> tuple[int, ...]:
+    found = tuple(replicas or (1,) * num_stages)
+    if len(found) != num_stages:
+        raise ConfigError(f"replicas gives {len(found)} values for {num_stages} stages")
+    return found
 
 
 def _recompute_modes(recompute: Sequence[str] | None, num_stages: int) -> tuple[str, ...]:
@@ -100,14 +107,13 @@ def manual_plan(
     graph = trace_model(spec, batch_size=microbatch_size, device="meta", tracer=tracer).layer_graph
     generated = generate(schedule, num_devices=pipeline_devices, num_microbatches=num_microbatches, chunks=chunks)
     num_stages = generated.num_stages
-    replicas = tuple(replicas or (1,) * num_stages)
-    if len(replicas) != num_stages:
-        raise ConfigError(f"replicas gives {len(replicas)} values for {num_stages} stages")
+    replicas = _replicas(replicas, num_stages)
     cuts = list(cuts or even_cuts(graph.num_layers, num_stages))
     layout = pipeline_layout(generated, replicas)
     world = layout.num_devices * data_parallel
-    cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=1 << 40)
+    cluster = Cluster(num_devices=world, devices_per_node=world, memory_per_device=None)  # None: no memory limit
     global_batch = microbatch_size * num_microbatches * data_parallel
+    held = numerics("adamw", precision)  # the optimizer `run` steps by default
     return Plan(
         model=_model_ref(model, options, spec, graph),
         cluster=cluster,
@@ -119,8 +125,8 @@ def manual_plan(
             lr=lr,
             seed=seed,
             precision=precision,
-            optimizer_bytes_per_param=bytes_per_param("adamw", precision),
-            dtype=get_precision(precision).compute_dtype_name,
+            optimizer_bytes_per_param=bytes_per_param(held),
+            dtype=held.precision.compute_dtype_name,
             zero=zero,
         ),
         schedule=schedule,
@@ -128,7 +134,7 @@ def manual_plan(
         stages=_stages(graph, cuts, replicas, _recompute_modes(recompute, num_stages)),
         ranks=rank_infos(layout, data_parallel, cluster),
         rank_ops=tuple(layout.device_ops[rank % layout.num_devices] for rank in range(world)),
-        predicted=Prediction(
+        predicted=Predicted(
             step_ms=predicted_step_ms,
             samples_per_s=global_batch / (predicted_step_ms / 1000.0) if predicted_step_ms > 0 else 0.0,
         ),

@@ -16,8 +16,8 @@ start with `require_runnable()`, which raises one clear RunError (`not_runnable_
 context or expert parallelism (`training.expert_parallel`: a MoE model's routed experts over ep ranks), one
 predicted with gradient or parameter collectives overlapped (`training.overlap`), and one with tensor parallelism
 (`training.tensor_parallel` t > 1, planned analytically by `search.sharding`): there each rank of `ranks` stands for
-a tensor-parallel group of t consecutive devices (group r holds devices r·t .. r·t + t - 1, on node r·t //
-devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
+a group of t x cp consecutive devices (`TrainingConfig.groups`: group r holds devices r·t·cp .. r·t·cp + t·cp - 1, on
+node r·t·cp // devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeplan.cluster import Cluster
-from pipeplan.costs import ZERO_STAGES
+from pipeplan.cluster import Cluster, DeviceGroups
+from pipeplan.costs import ZERO_STAGES, Numerics, bytes_per_param, numerics
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.jsonio import build_dataclass, read_json, write_json
@@ -89,8 +90,6 @@ class TrainingConfig:
                 f"training.zero must be 0 or 1 (ZeRO-1 shards optimizer state; stages 2 and 3 are not supported), "
                 f"got {self.zero}"
             )
-        from pipeplan.costs.overlap import Overlap
-
         try:
             Overlap.parse(self.overlap)
         except PipeplanError as exc:
@@ -106,12 +105,29 @@ class TrainingConfig:
                 f"num_microbatches x data_parallel ({expected})"
             )
 
+    @property
+    def numerics(self) -> Numerics:
+        """The precision and optimizer the plan was counted for (an optimizer recorded as bytes per parameter: that
+        figure)."""
+        try:
+            return numerics(float(self.optimizer), self.precision)
+        except ValueError:
+            return numerics(self.optimizer, self.precision)
+
+    @property
+    def overlap_options(self) -> Overlap:
+        """The communication overlap the step was predicted with (`overlap`, parsed)."""
+        return Overlap.parse(self.overlap)
+
+    @property
+    def groups(self) -> DeviceGroups:
+        """The t x cp devices each rank of the plan stands for."""
+        return DeviceGroups(tensor_parallel=self.tensor_parallel, context_parallel=self.context_parallel)
+
     def unplanned_optimizer_bytes(self, name: str) -> float:
         """Bytes per parameter (weights + gradients + state, unsharded) that optimizer `name` needs under this plan's
         precision beyond what the plan counted (0 when it fits its accounting)."""
-        from pipeplan.costs.optimizer import bytes_per_param
-
-        return max(0.0, bytes_per_param(name, self.precision) - self.optimizer_bytes_per_param)
+        return max(0.0, bytes_per_param(numerics(name, self.precision)) - self.optimizer_bytes_per_param)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +175,7 @@ class RankInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Prediction:
+class Predicted:
     step_ms: float
     samples_per_s: float
     tokens_per_s: float | None = None
@@ -179,7 +195,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     ranks: tuple[RankInfo, ...]
     rank_ops: tuple[tuple[str, ...], ...]
-    predicted: Prediction
+    predicted: Predicted
     alternatives: tuple[dict[str, Any], ...] = ()
     rationale: str = ""
     memory_choices: tuple[str, ...] = ()  # each memory option used (recomputation per stage, ZeRO-1) and why
@@ -211,8 +227,6 @@ class Plan:
         model to trace, so no FX node names per stage), tensor-, context- or expert-parallel (the runtime has no
         such layers), or predicted with gradient or parameter collectives hidden behind compute (the runtime reduces
         gradients after the flush)."""
-        from pipeplan.costs.overlap import Overlap
-
         t, cp = self.training.tensor_parallel, self.training.context_parallel
         if t > 1:
             return (
@@ -284,7 +298,7 @@ def _check_plan(plan: Plan) -> None:
         raise FormatError("plan ranks must be numbered 0..N-1 in order")
     if len(plan.rank_ops) != len(plan.ranks):
         raise FormatError(f"plan has {len(plan.ranks)} ranks but {len(plan.rank_ops)} rank_ops lists")
-    group = plan.training.tensor_parallel
+    group = plan.training.groups.size  # devices per rank
     if len(plan.ranks) * group > plan.cluster.num_devices:
         raise FormatError(
             f"plan uses {len(plan.ranks) * group} devices but its cluster has {plan.cluster.num_devices} devices"
@@ -301,7 +315,7 @@ def _check_plan(plan: Plan) -> None:
     for info in plan.ranks:
         if info.node != info.rank * group // plan.cluster.devices_per_node:
             raise FormatError(
-                f"plan rank {info.rank} is on node {info.node}; expected rank x tensor_parallel // devices_per_node"
+                f"plan rank {info.rank} is on node {info.node}; expected rank x t x cp // devices_per_node"
             )
     _check_replicas(plan)
     _check_asynchronous(plan)

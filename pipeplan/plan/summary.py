@@ -8,9 +8,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pipeplan.plan.asynchronous import staleness
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.scripts import describe
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.render import gantt
 from pipeplan.schedules.simulate import Timeline
 from pipeplan.units import format_bytes
@@ -24,7 +24,7 @@ def stage_ranks(plan: Plan, stage: int) -> list[int]:
 def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline | None = None) -> dict[str, Any]:
     """`plan --json` / `show --json`; `timeline`: the predicted steps (`plan.timing.plan_steps_timeline`), for one
     step's makespan beside the predicted step (the period)."""
-    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
+    limit = memory_limit(plan)
     stages = [
         {
             "index": s.index,
@@ -62,10 +62,15 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline 
         "alternatives": list(plan.alternatives),
         "per_schedule": per_schedule(plan),
         "rationale": plan.rationale,
-        "staleness": staleness(plan.schedule, plan.world_size // plan.training.data_parallel) or None,
+        "staleness": _staleness(plan) or None,
         "zero": plan.training.zero,
         "memory_choices": list(plan.memory_choices),
     }
+
+
+def memory_limit(plan: Plan) -> int | None:
+    """What the plan's peaks were checked against (hand-made plans: the device memory when known, else None)."""
+    return plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
 
 
 def per_schedule(plan: Plan) -> list[dict[str, Any]]:
@@ -93,8 +98,9 @@ def per_schedule(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _stage_table(plan: Plan) -> Table:
-    limit = plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
-    title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); memory limit {format_bytes(limit)}"
+    limit = memory_limit(plan)
+    words = f"memory limit {format_bytes(limit)}" if limit else "no memory limit"
+    title = f"Stages of pipeline 0 (all {plan.training.data_parallel} are alike); {words}"
     table = Table(title=title, title_justify="left")
     columns = ("stage", "layers", "replicas", "ranks", "F ms", "I ms", "W ms", "comm ms", "recompute", "memory")
     for column in columns:
@@ -111,7 +117,7 @@ def _stage_table(plan: Plan) -> Table:
             f"{s.weight_grad_ms:.3f}",
             f"{s.comm_ms:.3f}",
             s.recompute if s.recompute == "none" else f"{s.recompute} +{s.recompute_ms:.3f} ms",
-            f"{format_bytes(s.memory_bytes)} ({s.memory_bytes / limit:.0%})",
+            f"{format_bytes(s.memory_bytes)} ({s.memory_bytes / limit:.0%})" if limit else format_bytes(s.memory_bytes),
         )
     return table
 
@@ -168,11 +174,15 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
     if p.tokens_per_s:
         text.append(f", {p.tokens_per_s:,.0f} tokens/s")
     peak = max(p.peak_memory_bytes, default=0)
-    text.append(
-        f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
-        f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
-    )
-    stale = staleness(plan.schedule, plan.world_size // plan.training.data_parallel)
+    text.append(f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)}")
+    if plan.cluster.memory_per_device is None:
+        text.append(" (no memory limit: a hand-made plan)")
+    else:
+        text.append(
+            f" of {format_bytes(p.memory_limit_bytes)} ({format_bytes(plan.cluster.memory_per_device)} less a "
+            f"{format_bytes(p.memory_reserve_bytes)} reserve)"
+        )
+    stale = _staleness(plan)
     if stale:  # asynchronous: what the speed costs in optimization semantics
         text.append("\nStaleness: ", style="bold yellow")
         text.append(f"{stale} (asynchronous: no flush, each stage steps on its own)")
@@ -197,10 +207,15 @@ def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = 
     console.print(Group(*parts))
 
 
+def _staleness(plan: Plan) -> str:
+    """The staleness line of an asynchronous plan ("" for a synchronous one)."""
+    return schedule_info(plan.schedule).describe_staleness(plan.world_size // plan.training.data_parallel)
+
+
 def _period_words(plan: Plan, timeline: Timeline | None) -> str:
     """What the predicted step is (`schedules.period`): the period of post-validated or synchronized steps, beside
     one step's makespan (its first op to its last, read from the drawn steps)."""
-    if staleness(plan.schedule, plan.world_size // plan.training.data_parallel):
+    if _staleness(plan):
         return ""  # asynchronous: the steady state of its stream
     how = "post-validated" if plan.training.post_validate else "synchronized"
     makespan = one_step_makespan(plan, timeline)
@@ -211,7 +226,7 @@ def _period_words(plan: Plan, timeline: Timeline | None) -> str:
 def one_step_makespan(plan: Plan, timeline: Timeline | None) -> float | None:
     """One step's makespan (its first op to its last) read from the drawn steps; None without them or for an
     asynchronous plan (a stream has no step boundary)."""
-    if timeline is None or staleness(plan.schedule, plan.world_size // plan.training.data_parallel):
+    if timeline is None or _staleness(plan):
         return None
     m = plan.training.num_microbatches
     first = [e.end for e in timeline.entries if e.op.microbatch < m]

@@ -270,9 +270,10 @@ def _log_summary(
 
 def predicted_ms(plan, post_validate: bool) -> float:  # type: ignore[no-untyped-def]
     """The plan's predicted step for the setting run: its stored period, or, when --post-validate or
-    --no-post-validate differs from the plan's, the period of the other setting (`plan.timing.plan_step_ms`)."""
+    --no-post-validate differs from the plan's, the period of the other setting (`plan.timing.plan_step_ms`: the
+    search's `predict.predict` again)."""
     if post_validate == plan.training.post_validate or schedule_info(plan.schedule).asynchronous:
         return plan.predicted.step_ms
-    from pipeplan.plan.timing import plan_step_ms, plan_timeline
+    from pipeplan.plan.timing import plan_step_ms
 
-    return plan_step_ms(plan, plan_timeline(plan), post_validate=post_validate)
+    return plan_step_ms(plan, post_validate=post_validate)

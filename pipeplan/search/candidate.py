@@ -1,57 +1,29 @@
 """One search candidate: a layout (microbatch size, data-parallel pipelines, devices per pipeline, microbatches,
-schedule, replication mode) evaluated into a predicted step — or a rejection saying why it cannot run.
-
-Evaluation: partition the (batch-scaled) profile onto one pipeline's devices (pipeplan.partition, which screens
-memory with a per-stage bound), generate the schedule with the partition's per-stage costs (zb-auto under the
-activation bytes left after static memory), simulate one step of the op lists `run` executes — replicated stages
-as their expanded per-replica lists (pipeplan.schedules.replicate), every op at its full single-device time — and
-add the gradient all-reduce that follows the pipeline flush: every stage's replicas across all pipelines reduce
-that stage's gradients (ring all-reduce, `partition.costs.allreduce_ms`); a device reduces its stages (chunks) in
-turn and the devices reduce in parallel, so the step pays the busiest device.
-
-Memory: the simulator's per-device peak in bytes (`Timeline.peak_memory_bytes`: static bytes of the stages the
-device holds — weights, gradients, optimizer state, `partition.costs.static_bytes`, the state split over a stage's
-replicas in every pipeline under ZeRO-1 — plus the most live activation bytes, F adding what a stage keeps, I
-freeing what the profile says it frees, W the rest, B all, recomputation re-creating its bytes while I or B runs)
-is the one figure checked against the device memory (less the search's reserve) and reported.
-
-Options per candidate (`zero`, `recompute`; search/variants.py tries them): ZeRO-1 shards the optimizer state and
-replaces each stage's gradient all-reduce by a reduce-scatter + all-gather (`costs.comm.gradient_sync_ms`);
-`recompute="auto"` lets the partitioner give each stage its cheapest fitting recomputation mode, which
-`planner.recompute_choice` then settles on the simulator's exact peaks.
-"""
+schedule, replication mode, t x cp x ep), its partition (`partition_layout`: the partitioner, which screens memory
+with a per-stage bound) and, once evaluated (`search.evaluate`), its prediction — or a rejection saying why it cannot
+run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import (
-    LayerArrays,
-    compute_ms,
-    device_static_bytes,
-    transfer_ms,
-)
+from pipeplan.costs import LayerArrays, compute_ms
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.result import Partition
-from pipeplan.plan.asynchronous import with_weight_versions
-from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout, transfer_costs
-from pipeplan.precision import get_precision
+from pipeplan.predict.gradient_sync import allreduce_step_ms
+from pipeplan.predict.layout import PipelineLayout
+from pipeplan.predict.predict import Prediction, StepInputs, simulate_step
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
+from pipeplan.schedules.registry import default_chunks, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
-from pipeplan.search.gradient_sync import allreduce_step_ms, post_validation_allowed
-from pipeplan.search.period_end import period_end
-from pipeplan.search.recompute_choice import settle_recompute
-from pipeplan.search.stage_memory import activation_budget, memory_costs, stage_bytes_per_param
-from pipeplan.units import format_bytes
+from pipeplan.search.config import SearchConfig
 
 STRAIGHT = "straight"
-NO_OVERLAP = Overlap()
 REPLICATED = "replicated"
 
 
@@ -100,23 +72,63 @@ class Layout:
 
 @dataclass(frozen=True, kw_only=True)
 class Evaluation:
-    """A candidate that fits: its partition, schedule, per-pipeline-device layout and predicted step."""
+    """A candidate that fits: its partition, schedule, what its step is predicted from (`inputs`: layout, costs,
+    memory, exchanges) and the prediction (`predict.predict`)."""
 
     layout: Layout
     partition: Partition
     schedule: Schedule
-    pipeline: PipelineLayout
-    costs: StageCosts  # per stage: one op's time on one device; comm_ms per boundary (before `transfer_costs`)
-    memory: MemoryCosts  # per stage activation bytes, per pipeline device static bytes, as simulated
-    timeline: Timeline
-    stage_allreduce_ms: tuple[float, ...]  # per stage, after the pipeline flush (ZeRO-1: its exchange)
-    stage_optimizer_ms: tuple[float, ...]  # per stage, its optimizer update on one of its devices
-    step_ms: float
+    inputs: StepInputs
+    prediction: Prediction
     samples_per_s: float
-    device_memory_bytes: tuple[int, ...]  # the simulator's peak per pipeline device (static + activations)
     zero: int = 0  # ZeRO stage the memory and gradient exchange were counted with
-    overlap: Overlap = NO_OVERLAP  # communication overlap the step was timed with
-    post_validate: bool = False  # step_ms is the period of post-validated steps (`run --post-validate`)
+
+    @property
+    def pipeline(self) -> PipelineLayout:
+        return self.inputs.pipeline
+
+    @property
+    def costs(self) -> StageCosts:
+        """Per stage: one op's time on one device; comm_ms per boundary (before `transfer_costs`)."""
+        return self.inputs.costs
+
+    @property
+    def memory(self) -> MemoryCosts:
+        """Per stage activation bytes, per pipeline device static bytes, as simulated."""
+        return self.inputs.memory
+
+    @property
+    def timeline(self) -> Timeline:
+        """The first step (an asynchronous schedule's stream), its bubble rate the period's."""
+        return self.prediction.timeline
+
+    @property
+    def stage_allreduce_ms(self) -> tuple[float, ...]:
+        """Per stage, after the pipeline flush (ZeRO-1: its exchange)."""
+        return self.inputs.stage_sync_ms
+
+    @property
+    def stage_optimizer_ms(self) -> tuple[float, ...]:
+        """Per stage, its optimizer update on one of its devices."""
+        return self.inputs.stage_optimizer_ms
+
+    @property
+    def step_ms(self) -> float:
+        return self.prediction.step_ms
+
+    @property
+    def device_memory_bytes(self) -> tuple[int, ...]:
+        """The simulated peak per pipeline device (static + activations, + the undo copy when post-validated)."""
+        return self.prediction.device_memory_bytes
+
+    @property
+    def overlap(self) -> Overlap:
+        return self.inputs.overlap
+
+    @property
+    def post_validate(self) -> bool:
+        """Whether step_ms is the period of post-validated steps (`run --post-validate`)."""
+        return self.prediction.post_validate
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -129,9 +141,7 @@ class Evaluation:
     def resimulate(self, costs: StageCosts) -> Timeline:
         """This candidate's op lists simulated again under other `costs` (e.g. free transfers), transfers blocking
         or not as its overlap says."""
-        timed = transfer_costs(costs, self.pipeline, self.overlap)
-        num_stages, m = self.partition.num_stages, self.layout.num_microbatches
-        return simulate_layout(self.pipeline, self.schedule.name, num_stages, m, timed, self.memory)
+        return simulate_step(replace(self.inputs, costs=costs))
 
     @property
     def label_with_replicas(self) -> str:
@@ -175,53 +185,67 @@ def recompute_label(part: Partition) -> str:
     return ",".join(s.recompute for s in part.stages)
 
 
-def engine_recompute(layout: Layout, precision: str) -> bool:
+def engine_recompute(layout: Layout, config: SearchConfig) -> bool:
     """Whether full recomputation runs layer by layer (`costs.recompute`): in the engines that run what pipeplan's
     runtime cannot (tensor or context parallel layouts, Megatron's mixed precision and FP8)."""
-    analytic = bool(precision) and not get_precision(precision).runnable
-    return analytic or layout.tensor_parallel * layout.context_parallel > 1
+    return not config.numerics.precision.runnable or layout.tensor_parallel * layout.context_parallel > 1
 
 
 def partition_config(
-    layout: Layout, optimizer: str | float, precision: str, *, zero: int = 0, recompute: str = "none"
+    layout: Layout, config: SearchConfig, *, zero: int = 0, recompute: str = "none", memory_limit: int | None = None
 ) -> PartitionConfig:
-    """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose."""
+    """Straight layouts use every pipeline device (P x chunks stages); replicated ones let the DP choose; the memory
+    screen holds a device to `memory_limit` (None: the cluster's memory)."""
     return PartitionConfig(
-        layer_recompute=engine_recompute(layout, precision),
+        layer_recompute=engine_recompute(layout, config),
         num_microbatches=layout.num_microbatches,
         schedule=layout.schedule,
         mode=layout.mode,
         chunks=layout.num_chunks,
         num_stages=None if layout.mode == REPLICATED else layout.pipeline_devices * layout.num_chunks,
-        optimizer=optimizer,
-        precision=precision,
+        numerics=config.numerics,
         zero=zero,
         data_parallel=layout.holders,
         expert_parallel=layout.expert_parallel,
         recompute=recompute,
+        memory_limit_bytes=memory_limit,
     )
 
 
 def min_memory_bytes(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, **options
+    layout: Layout,
+    profile: Profile,
+    cluster: Cluster,
+    config: SearchConfig,
+    *,
+    zero: int = 0,
+    recompute: str = "none",
+    limit: int | None = None,
 ) -> int | None:
-    """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all);
-    `options`: precision, zero, recompute as `partition_config` takes them."""
+    """Smallest memory per device for which the partitioner finds a partition of `layout` (None: none at all),
+    searched up from `limit` when none fits within it (None: the cluster's memory)."""
     arrays = LayerArrays.from_profile(profile)
-    return min_memory_per_device(
-        arrays, pipeline_cluster(cluster, layout.pipeline_devices), partition_config(layout, optimizer, **options)
-    )
+    pipe = pipeline_cluster(cluster, layout.pipeline_devices)
+    part_config = partition_config(layout, config, zero=zero, recompute=recompute, memory_limit=limit)
+    return min_memory_per_device(arrays, pipe, part_config)
 
 
 def partition_layout(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, explain: bool = True, **options
+    layout: Layout,
+    profile: Profile,
+    cluster: Cluster,
+    config: SearchConfig,
+    *,
+    memory_limit: int,
+    zero: int = 0,
+    recompute: str = "none",
+    explain: bool = True,
 ) -> Partition | Rejection:
-    """Stage cuts and replicas for `layout` from the partitioner (memory screened against
-    `cluster.memory_per_device`), or why there are none (with the memory that would fit when `explain`);
-    `options` as `partition_config` takes them."""
+    """Stage cuts and replicas for `layout` from the partitioner (memory screened against `memory_limit` per
+    device), or why there are none (with the memory that would fit when `explain`)."""
     try:
-        config = partition_config(layout, optimizer, **options)
-        part = partition(profile, pipeline_cluster(cluster, layout.pipeline_devices), config, explain=explain)
+        part_config = partition_config(layout, config, zero=zero, recompute=recompute, memory_limit=memory_limit)
+        part = partition(profile, pipeline_cluster(cluster, layout.pipeline_devices), part_config, explain=explain)
     except InfeasibleError as exc:
         return Rejection(layout=layout, kind="memory", reason=str(exc))
     except ScheduleError as exc:
@@ -237,160 +261,4 @@ def stage_work_ms(part: Partition) -> tuple[float, ...]:
     return tuple(
         compute_ms(s.forward_ms, s.input_grad_ms, s.weight_grad_ms, s.backward_ms, split_backward=split) / s.replicas
         for s in part.stages
-    )
-
-
-def evaluate(
-    layout: Layout, profile: Profile, cluster: Cluster, *, optimizer: str | float, global_batch_size: int, **options
-) -> Evaluation | Rejection:
-    """Partition, schedule and simulate `layout`; `profile` is already scaled to its microbatch size; `options`:
-    precision, zero, recompute (`partition_config`)."""
-    post_validate = options.pop("post_validate", "off")  # the period's, not the partitioner's
-    part = partition_layout(layout, profile, cluster, optimizer=optimizer, **options)
-    if isinstance(part, Rejection):
-        return part
-    batch = global_batch_size
-    return evaluate_partition(
-        layout,
-        part,
-        profile,
-        cluster,
-        optimizer=optimizer,
-        global_batch_size=batch,
-        post_validate=post_validate,
-        **options,
-    )
-
-
-def evaluate_partition(
-    layout: Layout,
-    part: Partition,
-    profile: Profile,
-    cluster: Cluster,
-    *,
-    optimizer: str | float,
-    global_batch_size: int,
-    precision: str,
-    zero: int = 0,
-    recompute: str = "none",
-    overlap: Overlap = NO_OVERLAP,
-    post_validate: str = "off",
-) -> Evaluation | Rejection:
-    """Generate `part`'s schedule, settle its recompute modes (auto), simulate its op lists (transfers blocking unless
-    `overlap.p2p`), check the peaks against the memory and predict its period (`search.period_end`)."""
-    per_param = stage_bytes_per_param(
-        part, layout.holders, optimizer, precision, zero, profile=profile, ep=layout.expert_parallel
-    )
-    eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
-    made = _schedule_layout(layout, part, profile, cluster, per_param, precision, eager)
-    if isinstance(made, Rejection):
-        return made
-    schedule, pipe = made
-    static = device_static_bytes([s.param_count for s in part.stages], pipe.device_stages, per_param)
-    if recompute != "none":
-        config = partition_config(layout, optimizer, precision, zero=zero, recompute=recompute)
-        part = settle_recompute(part, profile, pipe, static, cluster.memory_per_device, config)
-    costs = _stage_costs(part, profile, cluster, pipe=pipe)
-    per_layer = engine_recompute(layout, precision)
-    memory = replace(memory_costs(part, profile, per_layer=per_layer), static_bytes=static)
-    counts = [s.param_count for s in part.stages]  # asynchronous: stashed weight copies
-    memory = with_weight_versions(memory, layout.schedule, counts, precision)
-    timed = transfer_costs(costs, pipe, overlap)
-    timeline = simulate_layout(pipe, schedule.name, part.num_stages, layout.num_microbatches, timed, memory)
-    device_bytes = tuple(int(round(b)) for b in timeline.peak_memory_bytes)
-    options = dict(optimizer=optimizer, precision=precision, zero=zero, overlap=overlap, post_validate=post_validate)
-    reject = lambda b: _memory_rejection(layout, part, pipe, b, cluster.memory_per_device)  # noqa: E731
-    ended = period_end(layout, part, pipe, timeline, profile, cluster, (timed, counts, device_bytes), options, reject)
-    if isinstance(ended, Rejection):
-        return ended
-    device_bytes, (allreduce_ms, optimizer_ms, step_ms, bubble, post_validated) = ended
-    timeline = replace(timeline, bubble_rate=bubble)  # the period's (asynchronous: the steady state's)
-    return Evaluation(
-        layout=layout,
-        partition=part,
-        schedule=schedule,
-        pipeline=pipe,
-        costs=costs,
-        memory=memory,
-        timeline=timeline,
-        stage_allreduce_ms=allreduce_ms,
-        stage_optimizer_ms=optimizer_ms,
-        step_ms=step_ms,
-        post_validate=post_validated,
-        samples_per_s=global_batch_size / step_ms * 1000.0,
-        device_memory_bytes=device_bytes,
-        zero=zero,
-        overlap=overlap,
-    )
-
-
-def _schedule_layout(
-    layout: Layout, part: Partition, profile: Profile, cluster: Cluster, per_param, precision: str, eager: bool
-) -> tuple[Schedule, PipelineLayout] | Rejection:
-    """The schedule for `part` (zb-auto generated under the activation bytes left after static memory) and the
-    op lists of one pipeline, or why there are none."""
-    auto = schedule_info(layout.schedule).within_memory_limit  # zb-auto: generated under the byte budget
-    devices = part.num_stages // part.chunks
-    try:
-        schedule = generate(
-            layout.schedule,
-            num_devices=devices,
-            num_microbatches=layout.num_microbatches,
-            chunks=part.chunks,
-            costs=_stage_costs(part, profile, cluster, pipe=None),
-            memory=memory_costs(part, profile, per_layer=engine_recompute(layout, precision)) if auto else None,
-            memory_limit=activation_budget(part, cluster, per_param) if auto else None,
-            steps=async_stream_steps(layout.schedule, devices, layout.num_microbatches),
-            post_validate=eager,  # zb-auto, zbv: ranked by the period the run may have
-        )
-        pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
-    except ScheduleError as exc:
-        return Rejection(layout=layout, kind="schedule", reason=str(exc))
-    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
-    if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
-        # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
-        reason = f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline"
-        return Rejection(layout=layout, kind="topology", reason=reason)
-    return schedule, pipe
-
-
-def _memory_rejection(
-    layout: Layout, part: Partition, pipe: PipelineLayout, device_bytes: tuple[int, ...], limit: int
-) -> Rejection | None:
-    """None when every device's simulated peak fits; else the rejection, with a partitioner budget that screens
-    out this partition (its worst device's screened bytes scaled by limit / simulated peak)."""
-    worst = max(range(len(device_bytes)), key=lambda d: device_bytes[d])
-    if device_bytes[worst] <= limit:
-        return None
-    stage = pipe.device_stages[worst][0]
-    screened = sum(part.stages[s].memory_bytes for s in pipe.device_stages[worst])
-    budget = min(limit, screened) * limit / device_bytes[worst]
-    return Rejection(
-        layout=layout,
-        kind="memory",
-        needed_memory_bytes=None,
-        retry_budget_bytes=int(budget),
-        reason=(
-            f"out of memory on pipeline device {worst} (stage {stage}) by {format_bytes(device_bytes[worst] - limit)}"
-            " (simulated peak: static + live activations)"
-        ),
-    )
-
-
-def _stage_costs(part: Partition, profile: Profile, cluster: Cluster, pipe: PipelineLayout | None) -> StageCosts:
-    """Per-stage op times on one device (a replica runs each of its ops in full) and the transfer across each
-    boundary: the cut's bytes over the link between the two stages' devices (inter-node if any pair crosses a
-    node; intra-node before the layout is known)."""
-    comm = []
-    for stage in part.stages[:-1]:
-        link = cluster.intra_link
-        if pipe is not None:
-            link = cluster.link_between(pipe.stage_devices(stage.index) + pipe.stage_devices(stage.index + 1))
-        comm.append(transfer_ms(profile.cut_bytes[stage.last_layer], link))
-    return StageCosts(
-        forward_ms=tuple(s.forward_ms for s in part.stages),
-        input_grad_ms=tuple(s.input_grad_ms for s in part.stages),
-        weight_grad_ms=tuple(s.weight_grad_ms for s in part.stages),
-        backward_ms=tuple(s.backward_ms for s in part.stages),
-        comm_ms=tuple(comm),
     )

@@ -1,21 +1,43 @@
-"""`SearchConfig`: the training-side inputs of the search (batch, microbatch sizes, optimizer and precision,
-memory options, schedules' policy), checked once; the memory reserve's default and the prediction margin."""
+"""`SearchConfig`: the training-side inputs of the search (batch, microbatch sizes, numerics: the precision and
+optimizer, memory options, schedules' policy), checked once; the memory reserve's default and the prediction
+margin."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeplan.costs import RECOMPUTE_CHOICES, bytes_per_param, check_zero_stage, resolve_optimizer, static_split
+from pipeplan.cluster import DeviceGroups, MemoryBudget
+from pipeplan.costs import RECOMPUTE_CHOICES, Numerics, bytes_per_param, check_zero_stage, static_split
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
-from pipeplan.units import format_bytes
+from pipeplan.schedules.registry import schedule_info
 
-POST_VALIDATE_CHOICES = ("auto", "on", "off")  # --post-validate
+POST_VALIDATE_CHOICES = ("auto", "on", "off")  # --post-validate (search.post_validation: the policy)
 
 # Predicted steps this close to the fastest are ties: measured steps of `pipeplan run` differ from the prediction
 # by a few percent (benchmarks/bench_runtime.py), so a smaller gap cannot rank two layouts.
 PREDICTION_MARGIN = 0.02
 GIB = 1 << 30
+
+
+def searched_schedules(
+    names: Sequence[str], *, allow_async: bool, zero: int | str = 0, named: bool = True
+) -> tuple[str, ...]:
+    """The schedules to search among `names`: the asynchronous ones (stale weights: they change what training
+    computes) only with `allow_async` and ZeRO off (`auto` evaluates them with ZeRO 0). When the user `named` them
+    (not `auto`), an asynchronous one without --allow-async, or with --zero 1, is refused."""
+    sharded = zero not in (0, "0", "auto")
+    found = [name for name in names if schedule_info(name).asynchronous]
+    if found and named and not allow_async:
+        raise ConfigError(
+            f"--schedule {found[0]} is asynchronous (stale weights, no flush: it changes what training computes); "
+            "pass --allow-async to plan with it"
+        )
+    if found and named and sharded:
+        raise ConfigError(f"--schedule {found[0]} runs with --zero 0 (ZeRO-1 cannot keep stashed weight versions)")
+    keep = allow_async and not sharded
+    return tuple(name for name in names if keep or not schedule_info(name).asynchronous)
 
 
 def parse_zero(text: str) -> int | str:
@@ -43,8 +65,7 @@ class SearchConfig:
 
     global_batch_size: int
     microbatch_sizes: tuple[int, ...] = (1,)
-    precision: str  # pipeplan.precision mode, decided by the command (the profile's; no default here)
-    optimizer: str = "adamw"  # adamw, sgd, sgd-nomomentum (or the aliases adamw-fp32 / adamw-bf16)
+    numerics: Numerics  # precision and optimizer, resolved by the command (the profile's precision; no default here)
     replication: bool = True  # also try PipeDream replicated stages (schedules whose ScheduleInfo is replicable)
     pipeline_depths: tuple[int, ...] | None = None  # devices per pipeline (P) to try; None: every divisor of N
     memory_reserve_bytes: int = 0  # device memory kept free for what the model does not count
@@ -75,9 +96,6 @@ class SearchConfig:
             raise ConfigError(f"--post-validate must be one of {choices}, got {self.post_validate!r}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
-        optimizer, precision = resolve_optimizer(self.optimizer, self.precision)  # validates both
-        object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "precision", precision)
         if self.memory_reserve_bytes < 0:
             raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
         if not self.interleave or min(self.interleave) < 1:
@@ -85,35 +103,34 @@ class SearchConfig:
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
             raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
         if self.zero == 1:
-            bytes_per_param(self.optimizer, self.precision, zero=1)  # a number of bytes cannot be sharded
+            bytes_per_param(self.numerics, zero=1)  # a number of bytes cannot be sharded
+
+    @property
+    def groups(self) -> DeviceGroups:
+        """The t x cp groups the pipelines are searched on."""
+        return DeviceGroups(tensor_parallel=self.tensor_parallel, context_parallel=self.context_parallel)
 
     @property
     def per_param(self) -> float:
         """Bytes per parameter of weights + gradients + optimizer state under the precision."""
-        return bytes_per_param(self.optimizer, self.precision)
+        return bytes_per_param(self.numerics)
 
     def least_per_param(self, data_parallel: int) -> float:
         """The fewest bytes per parameter a device of a layout with `data_parallel` pipelines can hold: with ZeRO-1
         allowed, the optimizer state split over at least the pipelines."""
-        if self.zero == 0 or data_parallel == 1 or not isinstance(self.optimizer, str):
+        if self.zero == 0 or data_parallel == 1 or not self.numerics.named:
             return self.per_param
-        return bytes_per_param(self.optimizer, self.precision, zero=1, group_size=data_parallel)
+        return bytes_per_param(self.numerics, zero=1, group_size=data_parallel)
 
     @property
     def split(self) -> tuple[float, float, float]:
         """Bytes per parameter of (weights, gradients, optimizer state) under the precision."""
-        return static_split(self.optimizer, self.precision)
+        return static_split(self.numerics)
 
-    def usable_memory_bytes(self, memory_per_device: int) -> int:
-        """Device memory less the reserve: what every memory check of the search, the plan's limit and capacity's
-        rows compare peaks with (the one place it is computed)."""
-        usable = memory_per_device - self.memory_reserve_bytes
-        if usable <= 0:
-            raise ConfigError(
-                f"--memory-reserve ({format_bytes(self.memory_reserve_bytes)}) leaves no memory of "
-                f"{format_bytes(memory_per_device)} per device; lower it"
-            )
-        return usable
+    def budget(self, memory_per_device: int) -> MemoryBudget:
+        """A device's memory as the search fills it: physical, less the reserve: what every memory check of the
+        search, the plan's limit and capacity's rows compare peaks with (the one place it is computed)."""
+        return MemoryBudget(physical=memory_per_device, reserve=self.memory_reserve_bytes)
 
     def check_devices(self, num_devices: int) -> None:
         """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""

@@ -14,14 +14,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from pipeplan.errors import FormatError
-from pipeplan.plan.layout import rank_infos
-from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
-from pipeplan.precision import get_precision
+from pipeplan.plan.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig, run_device_for
+from pipeplan.plan.ranks import rank_infos
 from pipeplan.profiling.profile import Profile
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
-from pipeplan.search.sharding import devices_cluster
 from pipeplan.version import VERSION
 
 if TYPE_CHECKING:  # a plan from a profile file alone is made without importing torch
@@ -40,7 +38,7 @@ def build_plan(
     """The Plan for `evaluation` (default: the best candidate of `result`); `tensor_parallel_reason` (why this
     tensor-parallel size, `planner.tensor_search`) opens the rationale."""
     chosen = evaluation or result.best
-    layout = chosen.layout
+    layout, numerics = chosen.layout, result.config.numerics
     profile = result.profiles[layout.microbatch_size]
     if layer_graph is not None:
         _check_graph_matches(profile, layer_graph)
@@ -49,10 +47,10 @@ def build_plan(
         microbatch_size=layout.microbatch_size,
         num_microbatches=layout.num_microbatches,
         data_parallel=layout.data_parallel,
-        optimizer=str(result.config.optimizer),  # what the memory was counted for (adamw, sgd, sgd-nomomentum)
+        optimizer=numerics.optimizer_label,  # what the memory was counted for (adamw, sgd, sgd-nomomentum)
         optimizer_bytes_per_param=result.config.per_param,
-        dtype=get_precision(result.config.precision).compute_dtype_name,
-        precision=result.config.precision,
+        dtype=numerics.precision.compute_dtype_name,
+        precision=numerics.precision.name,
         device=run_device_for(profile.provenance.device),
         zero=chosen.zero,
         tensor_parallel=result.config.tensor_parallel,
@@ -66,14 +64,14 @@ def build_plan(
     tokens = model.tokens_per_sample
     return Plan(
         model=model,
-        cluster=devices_cluster(result.cluster, result.config.tensor_parallel, result.config.context_parallel),
+        cluster=result.cluster,
         training=training,
         schedule=layout.schedule,
         chunks=chosen.schedule.num_chunks,
         stages=_stage_plans(chosen, profile, layer_graph),
-        ranks=rank_infos(pipe, layout.data_parallel, result.cluster),
+        ranks=rank_infos(pipe, layout.data_parallel, result.cluster, result.config.groups),
         rank_ops=tuple(pipe.device_ops[rank % pipe.num_devices] for rank in range(world)),
-        predicted=Prediction(
+        predicted=Predicted(
             step_ms=chosen.step_ms,
             samples_per_s=chosen.samples_per_s,
             tokens_per_s=chosen.samples_per_s * tokens if tokens else None,

@@ -22,13 +22,13 @@ import functools
 from pipeplan.cluster import Cluster
 from pipeplan.costs import allreduce_ms, busiest_device_ms, stages_per_device, transfer_ms
 from pipeplan.partition.result import Partition
+from pipeplan.predict.gradient_sync import SyncGroup, allreduce_step_ms, stage_allreduce_ms
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts, simulate
 from pipeplan.search.candidate import REPLICATED, Layout, stage_work_ms
 from pipeplan.search.config import SearchConfig
-from pipeplan.search.gradient_sync import SyncGroup, allreduce_step_ms, stage_allreduce_ms
 
 
 @functools.lru_cache(maxsize=512)
@@ -145,5 +145,5 @@ def partition_lower_bound_ms(
         context_parallel=layout.context_parallel,
         expert_parallel=layout.expert_parallel,
     )
-    per_stage = stage_allreduce_ms(profile, cluster, part, group, precision=config.precision)
+    per_stage = stage_allreduce_ms(profile, cluster, part, group, numerics=config.numerics)
     return layout.num_microbatches * busiest + allreduce_step_ms(part, per_stage)

@@ -23,18 +23,11 @@ from pipeplan.partition.baselines import even_blocks_partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.placement import V_SHAPED
 from pipeplan.schedules.registry import schedule_info
-from pipeplan.search.candidate import (
-    Evaluation,
-    Layout,
-    Rejection,
-    evaluate_partition,
-    partition_config,
-    partition_layout,
-)
+from pipeplan.search.candidate import Evaluation, Layout, Rejection, partition_config, partition_layout
 from pipeplan.search.config import SearchConfig
+from pipeplan.search.evaluate import evaluate_partition
 from pipeplan.search.recompute_choice import with_modes
 from pipeplan.search.scaling import scale_profile
-from pipeplan.search.search import usable_cluster
 from pipeplan.search.sharding import split_inputs
 from pipeplan.search.stack import expert_parallel_problem
 
@@ -155,13 +148,13 @@ def check_pinned_experts(pinned: PinnedLayout, profile: Profile, cluster: Cluste
 @dataclass(frozen=True, kw_only=True)
 class PinnedResult:
     """A pinned layout evaluated: `evaluation` (None when it does not run or fit: `rejection` says why), the profile
-    of one rank it ran on and the cluster of t x cp groups (physical memory)."""
+    of one rank it ran on and the cluster (its devices; the layout's t x cp groups are the search's)."""
 
     layout: Layout
     evaluation: Evaluation | None
     rejection: Rejection | None
     profile: Profile
-    groups: Cluster
+    cluster: Cluster
 
     def as_search_result(self, config: SearchConfig):
         """The evaluation as a one-candidate SearchResult (what capacity rows and plans are built from)."""
@@ -177,20 +170,20 @@ class PinnedResult:
         rejected = () if self.rejection is None else (self.rejection,)
         profiles = {self.layout.microbatch_size: self.profile}
         return SearchResult(
-            ranked=(self.evaluation,), rejected=rejected, profiles=profiles, cluster=self.groups, config=split
+            ranked=(self.evaluation,), rejected=rejected, profiles=profiles, cluster=self.cluster, config=split
         )
 
 
 def evaluate_pinned(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: PinnedLayout) -> PinnedResult:
     """`pinned` on `cluster` (its devices) under `config` (batch, precision, optimizer, reserve, overlap)."""
-    layout, sharded, groups, found = _evaluate(profile, cluster, config, pinned)
+    layout, sharded, found = _evaluate(profile, cluster, config, pinned)
     fits = isinstance(found, Evaluation)
     return PinnedResult(
         layout=layout,
         evaluation=found if fits else None,
         rejection=None if fits else found,
         profile=sharded,
-        groups=groups,
+        cluster=cluster,
     )
 
 
@@ -201,35 +194,33 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     sharded, groups = split_inputs(
         scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor, ep=pinned.ep
     )
-    usable = usable_cluster(groups, config)
-    options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
+    usable = config.budget(cluster.memory_per_device).usable
     stages = pinned.pp * pinned.vp
     try:
         if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (and modes, where recompute is not none)
             recompute = "auto" if pinned.recompute != ("none",) else "none"
-            part = partition_layout(layout, sharded, usable, explain=False, recompute=recompute, **options)
+            part = partition_layout(
+                layout,
+                sharded,
+                groups,
+                config,
+                memory_limit=usable,
+                zero=pinned.zero,
+                recompute=recompute,
+                explain=False,
+            )
             if isinstance(part, Rejection):
-                return layout, sharded, groups, part
+                return layout, sharded, part
         else:
             if stages > sharded.num_layers - 2:
                 raise ConfigError(
                     f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks"
                 )
-            part_config = partition_config(layout, **options)
+            part_config = partition_config(layout, config, zero=pinned.zero, memory_limit=usable)
             part = even_blocks_partition(sharded, groups, part_config, stages)
             modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
             part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
-        batch = config.global_batch_size
-        result = evaluate_partition(
-            layout,
-            part,
-            sharded,
-            usable,
-            global_batch_size=batch,
-            overlap=config.overlap,
-            post_validate=config.post_validate,
-            **options,
-        )
+        result = evaluate_partition(layout, part, sharded, groups, config, memory_limit=usable, zero=pinned.zero)
     except (InfeasibleError, ScheduleError) as exc:
-        return layout, sharded, groups, Rejection(layout=layout, kind="schedule", reason=str(exc))
-    return layout, sharded, groups, result
+        return layout, sharded, Rejection(layout=layout, kind="schedule", reason=str(exc))
+    return layout, sharded, result

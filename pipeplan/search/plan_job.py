@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.cluster import Cluster
+from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError
 from pipeplan.hardware import resolve_hardware
@@ -85,8 +86,7 @@ def prepare_plan(options: PlanOptions) -> PlanJob:
     config = SearchConfig(  # checked before the (slow) profiling
         global_batch_size=batch if batch is not None else DEFAULT_BATCH_PER_DEVICE * cluster.num_devices,
         microbatch_sizes=sizes,
-        optimizer=options.optimizer,
-        precision=precision,
+        numerics=numerics(options.optimizer, precision),
         replication=not options.no_replication,
         pipeline_depths=pipeline_depth_candidates(options.pipeline_depth),
         memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, cluster.memory_per_device),

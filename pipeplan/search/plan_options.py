@@ -103,7 +103,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         # here, not at the top: `pipeplan --help` imports this file, and these import the search (numpy)
         from pipeplan.costs.overlap import Overlap
-        from pipeplan.plan.asynchronous import searched_schedules
+        from pipeplan.search.config import searched_schedules
         from pipeplan.search.inputs import check_plan_options
         from pipeplan.search.pinned import parse_layout
         from pipeplan.search.tensor_search import AUTO, parse_tensor_parallel

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeplan.costs import bytes_per_param, device_static_bytes
 from pipeplan.search.candidate import Evaluation, Layout
-from pipeplan.search.period_end import synchronized_period_ms
+from pipeplan.search.post_validation import synchronized_period_ms
 from pipeplan.search.recompute_choice import recompute_reasons
 from pipeplan.units import format_bytes
 
@@ -113,7 +113,7 @@ def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
 
 def _peak_without_zero(result: SearchResult, chosen: Evaluation) -> float:
     """The chosen plan's peak device memory with every optimizer state whole (same activations)."""
-    per_param = bytes_per_param(result.config.optimizer, result.config.precision)
+    per_param = bytes_per_param(result.config.numerics)
     counts = [s.param_count for s in chosen.partition.stages]
     whole = device_static_bytes(counts, chosen.pipeline.device_stages, per_param)
     static = chosen.memory.static_bytes
@@ -167,7 +167,7 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
 
 def _post_validation_words(result: SearchResult, chosen: Evaluation) -> str:
     """Why the plan post-validates (`--post-validate auto` turned it on, or `on` asked), with the period it gains."""
-    synced = synchronized_period_ms(chosen)
+    synced = synchronized_period_ms(chosen.inputs, chosen.timeline)
     why = "as --post-validate on asks" if result.config.post_validate == "on" else "it shortens the period"
     gain = 1.0 - chosen.step_ms / synced if synced > 0 else 0.0
     shorter = f"{gain:.1%} shorter" if gain > 0 else "no shorter"

@@ -22,41 +22,18 @@ from pipeplan.costs import (
     backward_op_ms,
     device_totals,
     mode_offered,
-    stage_freed_bytes,
     stage_grad_ms,
-    stage_kept_bytes,
     stage_memory_bytes,
-    stage_recompute_bytes,
     stage_recompute_ms,
     stages_per_device,
 )
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.result import Partition
+from pipeplan.predict.memory import with_recompute_bytes
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activation_rises, device_activation_peak
 from pipeplan.units import format_bytes
-
-
-def with_recompute_bytes(
-    memory: MemoryCosts,
-    arrays: LayerArrays,
-    ranges: Sequence[tuple[int, int]],
-    modes: Sequence[str],
-    *,
-    per_layer: bool = False,
-) -> MemoryCosts:
-    """`memory` with each stage's kept, re-created and I-freed bytes under its mode (`costs.recompute`; `per_layer`:
-    full recomputation layer by layer)."""
-    pairs = list(zip(ranges, modes, strict=True))
-    return replace(
-        memory,
-        kept_bytes=tuple(float(stage_kept_bytes(arrays, m, a, b, per_layer=per_layer)) for (a, b), m in pairs),
-        recompute_bytes=tuple(
-            float(stage_recompute_bytes(arrays, m, a, b, per_layer=per_layer)) for (a, b), m in pairs
-        ),
-        input_grad_freed_bytes=tuple(float(stage_freed_bytes(arrays, m, a, b)) for (a, b), m in pairs),
-    )
 
 
 class _Peaks:

@@ -35,12 +35,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pipeplan.cluster import Cluster
+from pipeplan.cluster import Cluster, MemoryBudget
 from pipeplan.costs import (
     spread_static_bytes,
 )
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
-from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.placement import LOOPED
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
@@ -52,10 +51,10 @@ from pipeplan.search.candidate import (
     Rejection,
     min_memory_bytes,
 )
-from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig
+from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, searched_schedules
 from pipeplan.search.estimate import balanced_estimate_ms
 from pipeplan.search.scaling import scale_profile
-from pipeplan.search.sharding import devices_phrase, split_cluster, split_inputs
+from pipeplan.search.sharding import split_inputs
 from pipeplan.search.variants import evaluate_layout, zero_choices
 from pipeplan.units import format_bytes
 
@@ -65,8 +64,8 @@ PER_SCHEDULE_TRIES = 4  # pruned candidates evaluated per schedule that has none
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
     """`ranked`: candidates that fit, fastest first; `rejected`: the rest, each with its reason; `best`: the
-    chosen one (the simplest within PREDICTION_MARGIN of the fastest). With config.tensor_parallel t > 1: one
-    rank's `profiles`, and `cluster` of t x cp-device groups (search.sharding: `devices_cluster` undoes it)."""
+    chosen one (the simplest within PREDICTION_MARGIN of the fastest); `cluster`: the devices. With
+    config.tensor_parallel t > 1: one rank's `profiles`, searched on the cluster's t x cp groups (`group_cluster`)."""
 
     ranked: tuple[Evaluation, ...]
     rejected: tuple[Rejection, ...]
@@ -83,9 +82,18 @@ class SearchResult:
         return prefer_simple(self.ranked, self.usable_memory_bytes)
 
     @property
+    def budget(self) -> MemoryBudget:
+        """A device's memory: physical, the reserve, and the usable rest the candidates' peaks were checked against."""
+        return self.config.budget(self.cluster.memory_per_device)
+
+    @property
     def usable_memory_bytes(self) -> int:
-        """What the candidates' peaks were checked against: `cluster`'s memory less the reserve."""
-        return self.config.usable_memory_bytes(self.cluster.memory_per_device)
+        return self.budget.usable
+
+    @property
+    def group_cluster(self) -> Cluster:
+        """The devices the pipelines were searched on: the cluster's t x cp groups (`SearchConfig.groups`)."""
+        return self.config.groups.of(self.cluster)
 
 
 def simplicity_key(evaluation: Evaluation, memory_per_device: int) -> tuple:
@@ -193,17 +201,16 @@ def search_plans(
         b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor, ep=config.expert_parallel)[0]
         for b, scaled in profiles.items()
     }
-    cluster = split_cluster(cluster, t, cp)
-    usable = usable_cluster(cluster, config)
+    groups, usable = config.groups.of(cluster), config.budget(cluster.memory_per_device).usable
     pending: list[tuple[float, Layout]] = []
     rejected: list[Rejection] = []
-    for item in enumerate_layouts(profile.num_layers, cluster, config, names):
+    for item in enumerate_layouts(profile.num_layers, groups, config, names):
         if isinstance(item, Rejection):
             rejected.append(item)
             continue
         scaled = profiles[item.microbatch_size]
         try:
-            estimate = balanced_estimate_ms(item, scaled, cluster, grad_overlap=config.overlap.grad_reduce)
+            estimate = balanced_estimate_ms(item, scaled, groups, grad_overlap=config.overlap.grad_reduce)
         except ScheduleError as exc:  # the schedule cannot run this shape at all: say that before memory
             rejected.append(Rejection(layout=item, kind="schedule", reason=str(exc)))
             continue
@@ -216,29 +223,20 @@ def search_plans(
     evaluated: list[Evaluation] = []
     best_ms = float("inf")
     for done, (estimate, layout) in enumerate(pending, start=1):
-        found, why = evaluate_layout(layout, estimate, best_ms, profiles[layout.microbatch_size], usable, config)
+        found, why = evaluate_layout(layout, estimate, best_ms, profiles[layout.microbatch_size], groups, config)
         evaluated += found
         rejected += [why] if why is not None else []
         best_ms = min([best_ms, *(e.step_ms for e in found)])
         if progress is not None:
             progress(done, len(pending))
-    _evaluate_each_schedule(pending, evaluated, rejected, profiles, usable, config)
+    _evaluate_each_schedule(pending, evaluated, rejected, profiles, groups, config)
     if not evaluated:
-        smallest = smallest_fitting_memory(rejected, profiles, usable, config)
-        split = (config.tensor_parallel, config.context_parallel)
-        message = infeasible_message(rejected, cluster, smallest, config.memory_reserve_bytes, split)
-        raise InfeasibleError(message)
+        smallest = smallest_fitting_memory(rejected, profiles, groups, config)
+        raise InfeasibleError(infeasible_message(rejected, groups, smallest, config))
     evaluated.sort(key=lambda e: (e.step_ms, e.peak_memory_bytes, e.layout.label))
     return SearchResult(
         ranked=tuple(evaluated), rejected=tuple(rejected), profiles=profiles, cluster=cluster, config=config
     )
-
-
-def usable_cluster(cluster: Cluster, config: SearchConfig) -> Cluster:
-    """The cluster as everything below the search sees it: its `memory_per_device` is the limit a plan may fill
-    (the device's memory less the reserve). The search converts once, here; `SearchResult.cluster` stays the
-    physical one and `SearchResult.usable_memory_bytes` gives the limit."""
-    return replace(cluster, memory_per_device=config.usable_memory_bytes(cluster.memory_per_device))
 
 
 def _evaluate_each_schedule(
@@ -268,12 +266,10 @@ def _evaluate_each_schedule(
             break
 
 
-def _static_memory_rejection(
-    layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
-) -> Rejection | None:
+def _static_memory_rejection(layout: Layout, profile: Profile, usable: int, config: SearchConfig) -> Rejection | None:
     params = sum(layer.param_count for layer in profile.layers)
     static = spread_static_bytes(params, config.least_per_param(layout.holders), layout.pipeline_devices)
-    if static <= cluster.memory_per_device:
+    if static <= usable:
         return None
     return Rejection(
         layout=layout,
@@ -281,7 +277,7 @@ def _static_memory_rejection(
         needed_memory_bytes=int(static),
         reason=(
             f"out of memory: weights, gradients and optimizer state alone need {format_bytes(static)} per device "
-            f"over {layout.pipeline_devices} device(s), limit {format_bytes(cluster.memory_per_device)}"
+            f"over {layout.pipeline_devices} device(s), limit {format_bytes(usable)}"
         ),
     )
 
@@ -289,19 +285,22 @@ def _static_memory_rejection(
 def smallest_fitting_memory(
     rejected: list[Rejection], profiles: dict[int, Profile], cluster: Cluster, config: SearchConfig
 ) -> int | None:
-    """The least memory per device at which some rejected-for-memory candidate fits (the partitioner's binary
-    search, with the memory options that save the most: recomputation and ZeRO-1 where the search may use them);
-    candidates whose static lower bound already exceeds the best found are skipped."""
+    """The least memory per device at which some rejected-for-memory candidate fits on `cluster` (the search's
+    devices; the partitioner's binary search from the usable memory, with the memory options that save the most:
+    recomputation and ZeRO-1 where the search may use them); candidates whose static lower bound already exceeds the
+    best found are skipped."""
+    usable = config.budget(cluster.memory_per_device).usable
     memory = sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.needed_memory_bytes or 0)
     best: int | None = None
     for rejection in memory:
         if best is not None and (rejection.needed_memory_bytes or 0) >= best:
             break
         layout = rejection.layout
-        options = dict(optimizer=config.optimizer, precision=config.precision, recompute=config.recompute)
-        profile = profiles[layout.microbatch_size]
+        zero, profile = max(zero_choices(layout, config)), profiles[layout.microbatch_size]
         try:
-            need = min_memory_bytes(layout, profile, cluster, zero=max(zero_choices(layout, config)), **options)
+            need = min_memory_bytes(
+                layout, profile, cluster, config, zero=zero, recompute=config.recompute, limit=usable
+            )
         except (ConfigError, ScheduleError):  # rejected for memory first, but its shape is unsupported too
             continue
         if need is not None and (best is None or need < best):
@@ -310,14 +309,12 @@ def smallest_fitting_memory(
 
 
 def infeasible_message(
-    rejected: list[Rejection],
-    cluster: Cluster,
-    smallest_memory: int | None,
-    reserve: int = 0,
-    split: tuple[int, int] = (1, 1),
+    rejected: list[Rejection], cluster: Cluster, smallest_memory: int | None, config: SearchConfig
 ) -> str:
-    """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart)."""
-    devices = devices_phrase(cluster.num_devices, *split)  # `cluster` as searched: groups of t x cp devices
+    """One line: the binding constraint and what would fit (`smallest_memory`: usable bytes, the reserve apart) on
+    `cluster` as searched (groups of t x cp devices)."""
+    devices = config.groups.phrase(cluster.num_devices)
+    reserve = config.memory_reserve_bytes
     memory_bound = any(r.kind == "memory" for r in rejected)
     others = sorted({r.reason for r in rejected if r.kind in ("schedule", "topology")})
     if memory_bound and (smallest_memory is not None or not others):

@@ -26,15 +26,15 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   The embedding reduce-scatters forward and all-gathers backward; the head all-gathers its input and its
   vocab-parallel cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
 
-`split_cluster` turns the cluster into groups of t·cp consecutive ranks (tensor parallelism innermost, then
-context parallelism, as Megatron orders ranks); groups larger than a node span whole nodes.
+The pipeline search then runs on groups of t·cp consecutive ranks (`cluster.DeviceGroups`: tensor parallelism
+innermost, then context parallelism, as Megatron orders ranks); groups larger than a node span whole nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pipeplan.cluster import Cluster, Link
+from pipeplan.cluster import Cluster, DeviceGroups, Link
 from pipeplan.costs import all_gather_ms, all_to_all_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
 from pipeplan.costs.transformer import tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
@@ -239,26 +239,6 @@ def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap
     )
 
 
-def split_cluster(cluster: Cluster, t: int, cp: int) -> Cluster:
-    """The cluster as the pipeline search sees it: N / (t·cp) groups of t·cp consecutive ranks, devices_per_node /
-    (t·cp) of them per node (1 when a group spans nodes: every link between groups is then inter-node), one
-    device's memory and links."""
-    size = t * cp
-    if size == 1:
-        return cluster
-    assert cluster.num_devices % size == 0, "checked by split_problem"
-    per_node = max(1, cluster.devices_per_node // size)
-    return replace(cluster, num_devices=cluster.num_devices // size, devices_per_node=per_node)
-
-
-def devices_cluster(cluster: Cluster, t: int, cp: int = 1) -> Cluster:
-    """The inverse of `split_cluster`: the devices themselves (`devices_per_node`: a node's, when known)."""
-    size = t * cp
-    if size == 1:
-        return cluster
-    return replace(cluster, num_devices=cluster.num_devices * size, devices_per_node=cluster.devices_per_node * size)
-
-
 def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_overlap: bool = False, ep: int = 1):
     """What the pipeline search runs on: one rank's profile and the cluster of t·cp groups; unchanged for t = cp =
     ep = 1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
@@ -268,14 +248,8 @@ def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_
     if t * cp * ep == 1:
         return profile, cluster
     links = group_links(cluster, t, cp, ep)
-    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap, ep=ep), split_cluster(cluster, t, cp)
+    groups = DeviceGroups(tensor_parallel=t, context_parallel=cp)
+    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap, ep=ep), groups.of(cluster)
 
 
-def devices_phrase(num_groups: int, t: int, cp: int = 1) -> str:
-    """How messages name `num_groups` groups of t x cp devices: `64 device(s) with tensor parallelism t=8`."""
-    split = f" with tensor parallelism t={t}" if t > 1 else ""
-    split += f"{' and' if t > 1 else ' with'} context parallelism cp={cp}" if cp > 1 else ""
-    return f"{num_groups * t * cp} device(s){split}"
-
-
-__all__ = ["stack_problem", "split_inputs", "split_profile", "split_cluster", "devices_cluster", "group_links"]
+__all__ = ["stack_problem", "split_inputs", "split_profile", "group_links"]

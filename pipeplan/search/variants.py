@@ -25,15 +25,9 @@ from pipeplan.cluster import Cluster
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import schedule_info
-from pipeplan.search.candidate import (
-    REPLICATED,
-    Evaluation,
-    Layout,
-    Rejection,
-    evaluate_partition,
-    partition_layout,
-)
+from pipeplan.search.candidate import REPLICATED, Evaluation, Layout, Rejection, partition_layout
 from pipeplan.search.estimate import partition_lower_bound_ms
+from pipeplan.search.evaluate import evaluate_partition
 from pipeplan.units import format_percent
 
 if TYPE_CHECKING:
@@ -51,14 +45,15 @@ def zero_choices(layout: Layout, config: SearchConfig) -> tuple[int, ...]:
     if schedule_info(layout.schedule).asynchronous:
         return (0,)  # stashed weight versions need per-parameter tensors, not ZeRO-1's flat buffers
     shared = layout.holders > 1 or layout.mode == REPLICATED
-    return (0, 1) if shared and isinstance(config.optimizer, str) else (0,)
+    return (0, 1) if shared and config.numerics.named else (0,)
 
 
 def evaluate_layout(
     layout: Layout, estimate: float, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> tuple[list[Evaluation], Rejection | None]:
-    """The fitting evaluations of `layout` (per ZeRO setting, the one without recomputation and, when faster, one
-    with it), or none and why."""
+    """The fitting evaluations of `layout` on `cluster` (the search's devices: t x cp groups) within the usable
+    memory (`SearchConfig.budget`), per ZeRO setting the one without recomputation and, when faster, one with it;
+    or none and why."""
     if estimate >= best_ms:
         slower = format_percent(estimate / best_ms - 1.0)
         reason = f"estimated {slower} slower than the best plan even with balanced stages"
@@ -104,7 +99,8 @@ def _same_without_zero(plain: Evaluation, layout: Layout, profile: Profile, clus
     the partitioner gives it the same stages."""
     if plain.recomputing or schedule_info(layout.schedule).within_memory_limit:
         return False
-    part = partition_layout(layout, profile, cluster, explain=False, **_options(config, zero=1, recompute="none"))
+    usable = config.budget(cluster.memory_per_device).usable
+    part = partition_layout(layout, profile, cluster, config, memory_limit=usable, zero=1, explain=False)
     return not isinstance(part, Rejection) and (part.stage_ranges, part.replicas) == (
         plain.partition.stage_ranges,
         plain.partition.replicas,
@@ -123,19 +119,24 @@ def _without_recompute_time(part: Partition) -> Partition:
     return replace(part, stages=stages)
 
 
-def _options(config: SearchConfig, *, zero: int, recompute: str) -> dict:
-    return dict(optimizer=config.optimizer, precision=config.precision, zero=zero, recompute=recompute)
-
-
 def _evaluate_with_retries(
-    layout: Layout, best_ms: float, profile: Profile, cluster: Cluster, config: SearchConfig, **choice
+    layout: Layout,
+    best_ms: float,
+    profile: Profile,
+    cluster: Cluster,
+    config: SearchConfig,
+    *,
+    zero: int,
+    recompute: str,
 ) -> Evaluation | Rejection:
     """Partition (skip the schedule and simulation when the partition's lower bound is already slower than the best
     plan), evaluate, and re-partition with a tighter screen while the simulated peak is over memory."""
-    options = _options(config, **choice)
-    budget = cluster
+    usable = config.budget(cluster.memory_per_device).usable
+    screen = usable  # the partitioner's budget: the usable memory, then tighter after a peak over it
     for _ in range(MEMORY_RETRIES + 1):
-        part = partition_layout(layout, profile, budget, explain=False, **options)
+        part = partition_layout(
+            layout, profile, cluster, config, memory_limit=screen, zero=zero, recompute=recompute, explain=False
+        )
         if isinstance(part, Rejection):
             return part
         bound = partition_lower_bound_ms(layout, _without_recompute_time(part), profile, cluster, config)
@@ -144,17 +145,10 @@ def _evaluate_with_retries(
             reason = f"at least {slower} slower than the best plan (busiest device's compute bound)"
             return Rejection(layout=layout, kind="bound", reason=reason)
         result = evaluate_partition(
-            layout,
-            part,
-            profile,
-            cluster,
-            global_batch_size=config.global_batch_size,
-            overlap=config.overlap,
-            post_validate=config.post_validate,
-            **options,
+            layout, part, profile, cluster, config, memory_limit=usable, zero=zero, recompute=recompute
         )
         if not isinstance(result, Rejection) or not result.retry_budget_bytes:
             return result
         # the partitioner's screen let through a partition whose simulated peak does not fit: screen tighter
-        budget = replace(budget, memory_per_device=min(budget.memory_per_device - 1, result.retry_budget_bytes))
+        screen = min(screen - 1, result.retry_budget_bytes)
     return result

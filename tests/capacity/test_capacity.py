@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,14 +22,15 @@ from pipeplan.capacity.sweep import (
     model_flops_per_token,
     time_split,
 )
-from pipeplan.costs import bytes_per_param, static_split
+from pipeplan.costs import bytes_per_param, numerics, static_split
 from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.ops import Op
-from pipeplan.search.candidate import Evaluation, Rejection, evaluate, min_memory_bytes
+from pipeplan.search.candidate import Evaluation, Rejection, min_memory_bytes
 from pipeplan.search.config import SearchConfig
+from pipeplan.search.evaluate import evaluate
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import enumerate_layouts, search_plans
 
@@ -85,14 +87,9 @@ def all_evaluations(profile: Profile, cfg: CapacityConfig, num_devices: int) -> 
     for layout in enumerate_layouts(profile.num_layers, cluster, cfg.search, cfg.schedules):
         if isinstance(layout, Rejection):
             continue
-        result = evaluate(
-            layout,
-            scale_profile(profile, layout.microbatch_size),
-            cluster,
-            optimizer=cfg.search.optimizer,
-            global_batch_size=cfg.search.global_batch_size,
-            precision=cfg.search.precision,
-        )
+        scaled = scale_profile(profile, layout.microbatch_size)
+        search = replace(cfg.search, post_validate="off")
+        result = evaluate(layout, scaled, cluster, search, memory_limit=cluster.memory_per_device)
         if isinstance(result, Evaluation):
             found.append(result)
     return found
@@ -132,7 +129,8 @@ def test_activation_column_is_the_replayed_peak_of_the_per_layer_formula(flash_a
         layout = evaluation.layout
         b = layout.microbatch_size
         per_layer = 34 * SEQ * b * HIDDEN + (0 if flash_attention else 5 * HEADS * SEQ**2 * b)
-        split = device_memory_split(evaluation, scale_profile(profile, b), static_split("adamw", "bf16-mixed"))
+        held = static_split(numerics("adamw", "bf16-mixed"))
+        split = device_memory_split(evaluation, scale_profile(profile, b), held)
         stages = evaluation.partition.stages
         live, peak = {}, 0
         for text in evaluation.pipeline.device_ops[split.device]:
@@ -160,7 +158,9 @@ def test_time_split_adds_up_to_the_step_and_bubble_rate_comes_from_the_simulator
         assert min(split.compute_ms, split.bubble_ms, split.comm_ms) >= 0.0
     heavy = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=50_000_000)
     plain = SearchConfig(
-        global_batch_size=12, zero=0, precision="bf16-mixed"
+        global_batch_size=12,
+        zero=0,
+        numerics=numerics("adamw", "bf16-mixed"),
     )  # ZeRO-1 would let plain data parallelism fit
     replicated = search_plans(heavy, make_cluster(3, memory=60 * 2**20), plain, ["1f1b"])
     assert max(replicated.best.partition.replicas) > 1
@@ -229,8 +229,8 @@ def test_memory_floor_is_a_lower_bound_on_the_partitioners_need(schedule):
     layouts = [x for x in enumerate_layouts(10, cluster, cfg.search, (schedule,)) if not isinstance(x, Rejection)]
     assert layouts
     for layout in layouts:
-        floor = memory_floor_bytes(layout, profile, bytes_per_param("adamw", "bf16-mixed"))
-        need = min_memory_bytes(layout, profile, cluster, optimizer="adamw-bf16", precision="bf16-mixed")
+        floor = memory_floor_bytes(layout, profile, bytes_per_param(numerics("adamw", "bf16-mixed")))
+        need = min_memory_bytes(layout, profile, cluster, cfg.search)
         assert need is not None and floor <= need * (1 + 1e-3)
         if schedule in ("gpipe", "1f1b"):  # fused B: the floor and the screen count the same microbatches
             assert floor >= 0.98 * need  # exact for one stage per device, up to the bisections' tolerance

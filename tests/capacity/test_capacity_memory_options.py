@@ -8,6 +8,7 @@ import pytest
 from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.capacity.memory import device_memory_split, memory_floor_bytes
+from pipeplan.costs import numerics
 from pipeplan.search.candidate import Rejection, min_memory_bytes
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.search import enumerate_layouts, search_plans
@@ -17,22 +18,23 @@ from pipeplan.search.variants import zero_choices
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
 def test_floor_is_a_lower_bound_with_recomputation_and_zero(schedule):
     profile = synthetic_profile(8, activation_bytes=40_000_000, params=1_000_000)
-    config = SearchConfig(global_batch_size=16, precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed"))
     cluster = make_cluster(8, memory=2**34)
     layouts = [x for x in enumerate_layouts(8, cluster, config, (schedule,)) if not isinstance(x, Rejection)]
     assert layouts
     for layout in layouts:
         zero = max(zero_choices(layout, config))
         floor = memory_floor_bytes(layout, profile, config.least_per_param(layout.data_parallel), recompute=True)
-        options = dict(optimizer=config.optimizer, precision=config.precision)
-        need = min_memory_bytes(layout, profile, cluster, zero=zero, recompute="auto", **options)
-        plain = min_memory_bytes(layout, profile, cluster, **options)
+        need = min_memory_bytes(layout, profile, cluster, config, zero=zero, recompute="auto")
+        plain = min_memory_bytes(layout, profile, cluster, config)
         assert need is not None and plain is not None and floor <= need * (1 + 1e-3) and need <= plain * (1 + 1e-3)
 
 
 def test_memory_split_counts_sharded_optimizer_state():
     profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,), precision="bf16-mixed")  # plain data parallelism
+    config = SearchConfig(
+        global_batch_size=16, pipeline_depths=(1,), numerics=numerics("adamw", "bf16-mixed")
+    )  # plain data parallelism
     result = search_plans(profile, make_cluster(4, memory=48 * 2**20), config)
     best = result.best
     assert best.zero == 1 and best.layout.data_parallel == 4

@@ -17,6 +17,7 @@ from pipeplan.costs import (
     device_static_bytes,
     device_totals,
     exposed_transfer_ms,
+    numerics,
     pipedream_stage_ms,
     pipedream_sync_ms,
     pipedream_transfer_ms,
@@ -148,7 +149,10 @@ def test_stage_grad_ms_moves_the_first_stages_input_gradient_to_w():
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_stage_cost_model_agrees_with_the_scalar_formulas(schedule):
     """Every DP cell (first, replicas) equals the stage time assembled from the scalar formulas."""
-    arrays, config = _arrays(), PartitionConfig(num_microbatches=4, schedule=schedule, precision="bf16-mixed")
+    arrays, config = (
+        _arrays(),
+        PartitionConfig(num_microbatches=4, schedule=schedule, numerics=numerics("adamw", "bf16-mixed")),
+    )
     model = StageCostModel(arrays=arrays, config=config, link=LINK, num_microbatches=4)
     other = Link(bandwidth=1e9, latency_s=3e-5)
     replicas = np.arange(1, 4)
@@ -178,7 +182,7 @@ def test_stage_cost_model_agrees_with_the_scalar_formulas(schedule):
 
 def test_pipedream_stage_cost_model_by_hand():
     arrays = _arrays()
-    config = PartitionConfig(num_microbatches=2, cost_model="pipedream", precision="bf16-mixed")
+    config = PartitionConfig(num_microbatches=2, cost_model="pipedream", numerics=numerics("adamw", "bf16-mixed"))
     link = Link(bandwidth=1e9, latency_s=0.0)
     model = StageCostModel(arrays=arrays, config=config, link=link, num_microbatches=2)
     table = model.times(2, np.array([1, 2]), in_link=link, out_link=link)
@@ -190,16 +194,16 @@ def test_pipedream_stage_cost_model_by_hand():
 
 
 def test_optimizer_bytes_table():
-    assert static_split("adamw", "bf16-mixed") == (4.0, 4.0, 8.0)  # fp32 master weights, grads, 2 moments
-    assert bytes_per_param("adamw", "fp32") == 16.0
-    assert bytes_per_param("adamw", "bf16") == 8.0
-    assert bytes_per_param("sgd", "bf16") == 6.0
-    assert bytes_per_param("sgd-nomomentum", "fp16-mixed") == 8.0
-    assert static_split(6.5, "bf16-mixed") == (0.0, 0.0, 6.5)
+    assert static_split(numerics("adamw", "bf16-mixed")) == (4.0, 4.0, 8.0)  # fp32 master weights, grads, 2 moments
+    assert bytes_per_param(numerics("adamw", "fp32")) == 16.0
+    assert bytes_per_param(numerics("adamw", "bf16")) == 8.0
+    assert bytes_per_param(numerics("sgd", "bf16")) == 6.0
+    assert bytes_per_param(numerics("sgd-nomomentum", "fp16-mixed")) == 8.0
+    assert static_split(numerics(6.5, "bf16-mixed")) == (0.0, 0.0, 6.5)
     assert sharded_bytes_per_param((4.0, 4.0, 8.0), 4) == 4 + 4 + 8 / 4  # the optimizer state split 4 ways
     assert sharded_bytes_per_param((2.0, 2.0, 4.0), [1, 2]).tolist() == [8.0, 6.0]
     with pytest.raises(ConfigError, match="--optimizer"):
-        bytes_per_param("lion", "bf16-mixed")
+        bytes_per_param(numerics("lion", "bf16-mixed"))
 
 
 def test_static_memory_by_hand():
@@ -213,7 +217,7 @@ def test_static_memory_by_hand():
 def test_replica_share_and_stage_memory_by_hand():
     assert replica_share(5, 2) == 3.0 and replica_share(4, 2) == 2.0
     assert replica_share(np.array([7, 1]), np.array([3, 3])).tolist() == [3.0, 1.0]
-    arrays, config = _arrays(), PartitionConfig(num_microbatches=4, optimizer=2.0, precision="bf16-mixed")
+    arrays, config = _arrays(), PartitionConfig(num_microbatches=4, numerics=numerics(2.0, "bf16-mixed"))
     # stage [1..2] on 2 replicas, (in flight 5, before I 3) -> per replica (3, 2):
     # static 2 B x (300 + 400) + 3 x (saved 5000 - freed 1200) + 2 x 1200
     assert stage_memory_bytes(arrays, config, 1, 2, 2, (5, 3)) == 1400 + 3 * 3800 + 2 * 1200

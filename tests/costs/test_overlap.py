@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.costs import adam_bytes_per_parameter, static_split
+from pipeplan.costs import adam_bytes_per_parameter, numerics, static_split
 from pipeplan.costs.optimizer import undo_copy_bytes
 from pipeplan.costs.overlap import (
     DeviceStep,
@@ -47,12 +47,12 @@ def test_the_step_ends_with_each_device_s_exchange_and_update():
 def test_megatron_mixed_precision_is_megatron_s_table():
     """Megatron Core's distributed-optimizer table (16-bit parameters, fp32 gradients: 18 -> 6 + 12/d)."""
     for precision in ("bf16-main", "fp16-main"):
-        split = static_split("adamw", precision)
+        split = static_split(numerics("adamw", precision))
         assert split == (2.0, 4.0, 12.0) and sum(split) == adam_bytes_per_parameter(
             param_dtype="bf16", grad_dtype="fp32", data_parallel=1, distributed=False
         )
-    assert static_split("adamw", "fp8") == (4.0, 4.0, 12.0)  # + the FP8 weight and its transpose
-    assert static_split("adamw", "bf16-mixed") == (4.0, 4.0, 8.0)  # autocast: fp32 parameters are the master
+    assert static_split(numerics("adamw", "fp8")) == (4.0, 4.0, 12.0)  # + the FP8 weight and its transpose
+    assert static_split(numerics("adamw", "bf16-mixed")) == (4.0, 4.0, 8.0)  # autocast: fp32 parameters are the master
 
 
 def test_optimizer_update_moves_its_state_twice():
@@ -66,10 +66,10 @@ def test_a_post_validated_update_adds_the_undo_copy_at_the_update_s_memory_rate(
     # AdamW in fp32 (weights 4, gradients 4, moments 8 bytes per parameter): the update reads and writes the moments
     # and the weights and reads the gradient (16 + 4 + 8 = 28 bytes); the undo copy reads and writes the weights and
     # moments once (24 bytes), before the update, at the same rate
-    assert eager_update_ms([28.0, 0.0], "adamw", "fp32") == pytest.approx([52.0, 0.0])
+    assert eager_update_ms([28.0, 0.0], numerics("adamw", "fp32")) == pytest.approx([52.0, 0.0])
 
 
 def test_the_undo_copy_holds_weights_optimizer_state_and_the_eager_step_s_gradients():
     # run --post-validate keeps a copy of the weights (4) and AdamW moments (8) and the gradients the eager step
     # used (4) while the next step's backward fills fresh ones: 16 bytes per parameter in fp32, per device
-    assert undo_copy_bytes([10, 20, 30], [[0, 2], [1]], "adamw", "fp32") == (640.0, 320.0)
+    assert undo_copy_bytes([10, 20, 30], [[0, 2], [1]], numerics("adamw", "fp32")) == (640.0, 320.0)

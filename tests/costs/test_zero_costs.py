@@ -10,6 +10,7 @@ from pipeplan.cluster import Cluster, Link
 from pipeplan.costs import (
     adam_bytes_per_parameter,
     check_zero_stage,
+    numerics,
     optimizer_state_bytes,
     static_split,
     zero1_exchange_ms,
@@ -47,8 +48,8 @@ def test_pipeplan_precisions_follow_the_table():
     d = np.array([1, 2, 4, 16])
     fp32_row = 8 + 8 / d
     for precision in ("fp32", "bf16-mixed"):
-        np.testing.assert_allclose(zero_bytes_per_param(static_split("adamw", precision), d, 1), fp32_row)
-    np.testing.assert_allclose(zero_bytes_per_param(static_split("adamw", "bf16"), d, 1), 4 + 4 / d)
+        np.testing.assert_allclose(zero_bytes_per_param(static_split(numerics("adamw", precision)), d, 1), fp32_row)
+    np.testing.assert_allclose(zero_bytes_per_param(static_split(numerics("adamw", "bf16")), d, 1), 4 + 4 / d)
 
 
 def test_optimizer_state_bytes_shrink_by_the_group_size():

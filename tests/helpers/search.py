@@ -98,16 +98,18 @@ def stack_profile(
 
 
 def capacity_config(**fields):
-    """A CapacityConfig from flat keywords: SearchConfig's fields go to its `search` (precision bf16-mixed and the
-    hardware's default memory reserve unless given), the rest to the CapacityConfig."""
+    """A CapacityConfig from flat keywords: SearchConfig's fields go to its `search` (precision bf16-mixed, optimizer
+    adamw and the hardware's default memory reserve unless given), the rest to the CapacityConfig."""
     import dataclasses
 
     from pipeplan.capacity.sweep import CapacityConfig
+    from pipeplan.costs import numerics
     from pipeplan.search.config import SearchConfig, default_memory_reserve
 
     names = {f.name for f in dataclasses.fields(SearchConfig)} - {"tensor_parallel"}  # capacity's own (auto or t)
     search = {k: fields.pop(k) for k in list(fields) if k in names}
-    search.setdefault("precision", "bf16-mixed")
+    held = (fields.pop("optimizer", "adamw"), fields.pop("precision", "bf16-mixed"))
+    search.setdefault("numerics", numerics(*held))
     search.setdefault("replication", False)  # capacity tries replicated stages only when asked
     search.setdefault("memory_reserve_bytes", default_memory_reserve(fields["hardware"].memory_bytes))
     return CapacityConfig(search=SearchConfig(**search), **fields)

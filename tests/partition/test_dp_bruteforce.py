@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeplan.costs import numerics
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition import Cluster, PartitionConfig, partition
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
@@ -200,8 +201,7 @@ def test_dp_equals_brute_force_one_node(
         mode=mode,
         cost_model=cost_model,
         num_stages=num_stages,
-        optimizer="adamw-fp32",
-        precision="fp32",
+        numerics=numerics("adamw-fp32", "fp32"),
     )
     result = check(profile, cluster, config, brute_force(profile, cluster, config))
     if result is not None and cost_model == "pipedream":
@@ -214,7 +214,7 @@ def test_straight_pipeline_across_nodes_equals_brute_force(profile, memory, micr
     cluster = Cluster(
         num_devices=4, devices_per_node=2, memory_per_device=memory, intra_node_bandwidth=1e8, inter_node_bandwidth=1e6
     )
-    config = PartitionConfig(num_microbatches=microbatches, mode="straight", optimizer="sgd", precision="bf16-mixed")
+    config = PartitionConfig(num_microbatches=microbatches, mode="straight", numerics=numerics("sgd", "bf16-mixed"))
     check(profile, cluster, config, brute_force(profile, cluster, config))
 
 
@@ -227,7 +227,7 @@ def test_straight_pipeline_across_nodes_equals_brute_force(profile, memory, micr
 )
 def test_chunked_dp_equals_brute_force(profile, num_devices, schedule, microbatches):
     cluster = Cluster(num_devices=num_devices, devices_per_node=4, memory_per_device=10**12, intra_node_bandwidth=1e7)
-    config = PartitionConfig(num_microbatches=microbatches, schedule=schedule, precision="bf16-mixed")
+    config = PartitionConfig(num_microbatches=microbatches, schedule=schedule, numerics=numerics("adamw", "bf16-mixed"))
     expected = brute_force_chunked(profile, cluster, config)
     if math.isinf(expected):
         with pytest.raises((InfeasibleError, ScheduleError)):
@@ -291,5 +291,5 @@ def test_two_level_dp_equals_brute_force(profile, num_nodes, microbatches):
         intra_node_bandwidth=1e8,
         inter_node_bandwidth=2e6,
     )
-    config = PartitionConfig(num_microbatches=microbatches, optimizer="sgd", precision="bf16-mixed")
+    config = PartitionConfig(num_microbatches=microbatches, numerics=numerics("sgd", "bf16-mixed"))
     check(profile, cluster, config, two_level_brute_force(profile, cluster, config))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.costs import numerics
 from pipeplan.errors import FormatError
 from pipeplan.partition import Cluster, PartitionConfig, partition
 from pipeplan.profiling.pipedream import read_pipedream_graph
@@ -32,7 +33,9 @@ def pipedream_cluster(num_devices: int) -> Cluster:
 
 def pipedream_partition(name: str, num_devices: int, *, mode: str = "replicated"):
     profile = read_pipedream_graph(PROFILES / f"{name}.txt")
-    config = PartitionConfig(num_microbatches=4, cost_model="pipedream", mode=mode, precision="bf16-mixed")
+    config = PartitionConfig(
+        num_microbatches=4, cost_model="pipedream", mode=mode, numerics=numerics("adamw", "bf16-mixed")
+    )
     return profile, partition(profile, pipedream_cluster(num_devices), config)
 
 

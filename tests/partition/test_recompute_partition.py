@@ -12,6 +12,7 @@ import pytest
 
 from pipeplan.costs import (
     LayerArrays,
+    numerics,
     stage_kept_bytes,
     stage_memory_bytes,
     stage_recompute_bytes,
@@ -86,7 +87,11 @@ def test_screen_bounds_the_exact_peak(schedule, mode):
     profile = recompute_profile(8)
     arrays = LayerArrays.from_profile(profile)
     config = PartitionConfig(
-        num_microbatches=8, schedule=schedule, mode="straight", recompute="auto", precision="bf16-mixed"
+        num_microbatches=8,
+        schedule=schedule,
+        mode="straight",
+        recompute="auto",
+        numerics=numerics("adamw", "bf16-mixed"),
     )
     ranges = [(0, 1), (2, 3), (4, 5), (6, 7)]
     sched = generate(schedule, num_devices=4, num_microbatches=8)
@@ -135,7 +140,11 @@ def test_cuts_and_modes_chosen_together_match_brute_force(limit_mb):
         intra_node_latency_s=0.0,
     )
     config = PartitionConfig(
-        num_microbatches=6, mode="straight", num_stages=3, recompute="auto", precision="bf16-mixed"
+        num_microbatches=6,
+        mode="straight",
+        num_stages=3,
+        recompute="auto",
+        numerics=numerics("adamw", "bf16-mixed"),
     )
     result = partition(profile, cluster, config)
     assert result.objective_ms == pytest.approx(_brute_force(profile, config, 3, limit_mb * MB))
@@ -158,7 +167,11 @@ def test_the_cheapest_mode_that_fits_is_chosen():
     is needed below."""
     profile = recompute_profile(2)
     config = PartitionConfig(
-        num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto", precision="bf16-mixed"
+        num_microbatches=4,
+        schedule="gpipe",
+        mode="straight",
+        recompute="auto",
+        numerics=numerics("adamw", "bf16-mixed"),
     )
     picked = {}
     for limit in (400, 250, 200, 90):
@@ -170,7 +183,11 @@ def test_the_cheapest_mode_that_fits_is_chosen():
 def test_selective_only_where_the_stage_has_attention_internals():
     profile = recompute_profile(2, attention=False)
     config = PartitionConfig(
-        num_microbatches=4, schedule="gpipe", mode="straight", recompute="auto", precision="bf16-mixed"
+        num_microbatches=4,
+        schedule="gpipe",
+        mode="straight",
+        recompute="auto",
+        numerics=numerics("adamw", "bf16-mixed"),
     )
     cluster = Cluster(num_devices=1, devices_per_node=1, memory_per_device=250 * MB)
     assert partition(profile, cluster, config).stages[0].recompute == "full"
@@ -180,14 +197,16 @@ def test_zero_shards_optimizer_state_over_the_group():
     profile = recompute_profile(4, params=1_000_000)
     arrays = LayerArrays.from_profile(profile)
     held = (0, 0)
-    plain = PartitionConfig(num_microbatches=4, optimizer="adamw", precision="fp32")
+    plain = PartitionConfig(num_microbatches=4, numerics=numerics("adamw", "fp32"))
     sharded = dataclasses.replace(plain, zero=1, data_parallel=4)
     assert stage_memory_bytes(arrays, plain, 0, 1, 1, held) == 2_000_000 * 16
     assert stage_memory_bytes(arrays, sharded, 0, 1, 1, held) == 2_000_000 * (8 + 8 / 4)
     assert stage_memory_bytes(arrays, sharded, 0, 1, 2, held) == 2_000_000 * (8 + 8 / 8)  # 2 replicas x 4 pipelines
     with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
-        PartitionConfig(num_microbatches=4, optimizer=12.0, zero=1, precision="bf16-mixed")
+        PartitionConfig(num_microbatches=4, zero=1, numerics=numerics(12.0, "bf16-mixed"))
     with pytest.raises(ConfigError, match="recompute must be one of none, auto"):
-        PartitionConfig(num_microbatches=4, recompute="full", precision="bf16-mixed")
+        PartitionConfig(num_microbatches=4, recompute="full", numerics=numerics("adamw", "bf16-mixed"))
     with pytest.raises(ConfigError, match="pipedream"):
-        PartitionConfig(num_microbatches=4, cost_model="pipedream", recompute="auto", precision="bf16-mixed")
+        PartitionConfig(
+            num_microbatches=4, cost_model="pipedream", recompute="auto", numerics=numerics("adamw", "bf16-mixed")
+        )

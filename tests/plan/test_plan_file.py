@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from helpers.search import make_cluster, synthetic_profile
 
+from pipeplan.costs import numerics
 from pipeplan.errors import FormatError, RunError
 from pipeplan.graph.trace import Layer, LayerGraph, TensorInfo
 from pipeplan.plan.plan import ModelRef, Plan
@@ -31,7 +32,7 @@ def _graph(profile) -> LayerGraph:
 
 def _plan(schedules=("1f1b",), devices=4, batch=16, memory=2**30, graph=True, zero="auto", **profile_kwargs) -> Plan:
     profile = synthetic_profile(**profile_kwargs)
-    config = SearchConfig(global_batch_size=batch, zero=zero, precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=batch, zero=zero, numerics=numerics("adamw", "bf16-mixed"))
     result = search_plans(profile, make_cluster(devices, memory=memory), config, schedules)
     model = ModelRef(ref="synthetic", fingerprint="f", tokens_per_sample=16)
     return build_plan(result, model=model, layer_graph=_graph(profile) if graph else None)
@@ -106,7 +107,10 @@ def test_plan_without_model_is_not_runnable():
 )
 def test_engine_only_plans_are_refused_by_run(plan, training, needle):
     """What the runtime does not do (ring attention, collectives hidden behind the backward) is never run as if."""
-    engine = replace(plan, training=replace(plan.training, **training))
+    size = training.get("context_parallel", 1)  # a rank stands for cp devices: the cluster has cp x as many
+    devices = replace(plan.cluster, num_devices=size * plan.cluster.num_devices)
+    devices = replace(devices, devices_per_node=size * plan.cluster.devices_per_node)
+    engine = replace(plan, cluster=devices, training=replace(plan.training, **training))
     assert not engine.runnable and needle in engine.not_runnable_reason()
     with pytest.raises(RunError, match=re.escape(needle)):
         engine.require_runnable()

@@ -11,6 +11,7 @@ from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
@@ -28,7 +29,9 @@ CUT = 50_000_000  # 50 MB per cut: 5 ms per transfer on the helpers' 10 GB/s lin
 
 def _search(schedules, **profile_kwargs):
     profile = synthetic_profile(num_layers=8, cut_bytes=CUT, **profile_kwargs)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(4,), replication=False, precision="bf16-mixed")
+    config = SearchConfig(
+        global_batch_size=16, pipeline_depths=(4,), replication=False, numerics=numerics("adamw", "bf16-mixed")
+    )
     return profile, search_plans(profile, make_cluster(4, memory=2**32), config, schedules)
 
 
@@ -41,7 +44,7 @@ def test_search_prediction_is_what_the_plan_resimulates(schedule):
     assert [s.comm_ms for s in plan.stages[:-1]] == list(chosen.costs.comm_ms)  # per boundary, as simulated
     timeline = plan_timeline(plan)
     assert timeline.entries == chosen.timeline.entries
-    assert plan_step_ms(plan, timeline) == pytest.approx(chosen.step_ms, rel=1e-12)
+    assert plan_step_ms(plan) == pytest.approx(chosen.step_ms, rel=1e-12)
     assert plan.predicted.step_ms == chosen.step_ms
     # per-rank peak bytes: the simulator's, for the plan's own op lists and byte costs
     pipeline0 = plan.predicted.peak_memory_bytes[: timeline.num_devices]
@@ -63,7 +66,7 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     assert shown["makespan_ms"] == json.loads(result.output)["makespan_ms"] > 0
     plan = Plan.load(out / "plan.json")
     timeline = plan_timeline(plan)
-    assert plan_step_ms(plan, timeline) == pytest.approx(planned["step_ms"], rel=1e-12)
+    assert plan_step_ms(plan) == pytest.approx(planned["step_ms"], rel=1e-12)
     # timeline.json: the steps show draws, the first of them the plan's step, the next one a period later
     steps = plan_steps_timeline(plan)
     trace = json.loads((out / "timeline.json").read_text())
@@ -97,7 +100,7 @@ def test_post_validated_plan_says_so_and_its_steps_overlap(tmp_path):
     summary = json.loads(planned.output)
     assert summary["training"]["post_validate"] is True
     plan = Plan.load(out / "plan.json")
-    synced = plan_step_ms(plan, plan_timeline(plan), post_validate=False)
+    synced = plan_step_ms(plan, post_validate=False)
     period = summary["predicted"]["step_ms"]
     assert period < synced
     assert period < summary["makespan_ms"]  # post-validated: the next step starts within this one's span
@@ -127,7 +130,9 @@ def test_replicated_stages_are_simulated_as_the_lists_run_executes():
     `simulate` of those lists (stage s on its replicas), not the stage at 1/replicas of its time."""
     profile = synthetic_profile(num_layers=4, heavy_last=6.0, activation_bytes=1_000_000, cut_bytes=CUT)
     # with ZeRO-1 plain data parallelism fits; transfers beside compute: an op takes its stage's time
-    config = SearchConfig(global_batch_size=12, zero=0, precision="bf16-mixed", overlap=Overlap(p2p=True))
+    config = SearchConfig(
+        global_batch_size=12, zero=0, numerics=numerics("adamw", "bf16-mixed"), overlap=Overlap(p2p=True)
+    )
     result = search_plans(profile, make_cluster(3, memory=60 * 2**20), config, ("1f1b",))
     chosen = result.best
     assert max(chosen.partition.replicas) > 1
@@ -149,7 +154,9 @@ def test_every_schedule_reports_its_best_candidate_or_why_none_fits():
     simulated, so the summary lists every schedule with figures or a real reason (not "pruned")."""
     profile = synthetic_profile(num_layers=8, cut_bytes=CUT)
     config = SearchConfig(
-        global_batch_size=16, allow_async=True, precision="bf16-mixed"
+        global_batch_size=16,
+        allow_async=True,
+        numerics=numerics("adamw", "bf16-mixed"),
     )  # every schedule, the asynchronous ones too
     result = search_plans(profile, make_cluster(4, memory=2**32), config)
     assert any(r.kind in ("estimate", "bound") for r in result.rejected)  # pruning did happen
@@ -173,7 +180,9 @@ def test_what_input_grad_frees_lets_a_zero_bubble_plan_fit():
     base = synthetic_profile(num_layers=4, params=100_000, activation_bytes=act)  # I frees half
     layers = (*base.layers[:3], dataclasses.replace(base.layers[3], param_count=2_000_000, param_bytes=8_000_000))
     profile = dataclasses.replace(base, layers=layers)
-    config = SearchConfig(global_batch_size=8, pipeline_depths=(4,), replication=False, precision="bf16-mixed")
+    config = SearchConfig(
+        global_batch_size=8, pipeline_depths=(4,), replication=False, numerics=numerics("adamw", "bf16-mixed")
+    )
     roomy = search_plans(profile, make_cluster(4, memory=2**32), config, ("zb-h1",)).best
     static = roomy.memory.static_bytes
     assert [b - s for b, s in zip(roomy.device_memory_bytes, static)] == [4 * act, 3.5 * act, 3 * act, 2.5 * act]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.search import make_cluster, synthetic_profile
 
+from pipeplan.costs import numerics
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.scripts import launch_script, sbatch_script, write_plan_dir
 from pipeplan.plan.timing import plan_steps_timeline, plan_timeline, timeline_rows
@@ -25,7 +26,10 @@ GOLDEN = Path(__file__).parent / "golden"
 def _plan(devices: int, per_node: int, hardware: str) -> Plan:
     cluster = replace(make_cluster(devices, memory=100 * 2**20, devices_per_node=per_node), hardware=hardware)
     result = search_plans(
-        synthetic_profile(), cluster, SearchConfig(global_batch_size=32, precision="bf16-mixed"), ["1f1b"]
+        synthetic_profile(),
+        cluster,
+        SearchConfig(global_batch_size=32, numerics=numerics("adamw", "bf16-mixed")),
+        ["1f1b"],
     )
     return build_plan(result, model=ModelRef(ref="examples/my_model.py:build", options={"layers": "8"}))
 

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.cluster import Cluster
-from pipeplan.costs import bytes_per_param, resolve_optimizer, static_split
+from pipeplan.costs import Numerics, bytes_per_param, numerics, static_split
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
+from pipeplan.precision import PRECISIONS
 from pipeplan.profiling.measure import profile_model
 
 SMALL_GPT = dict(layers=2, hidden=64, heads=2, seq=32, vocab=128)
@@ -22,18 +23,19 @@ runner = CliRunner()
 
 
 def test_bytes_per_parameter_follow_the_precision():
-    assert static_split("adamw", "fp32") == (4.0, 4.0, 8.0)
-    assert static_split("adamw", "bf16-mixed") == (4.0, 4.0, 8.0)  # fp32 parameters are the master copy
-    assert static_split("adamw", "bf16") == (2.0, 2.0, 4.0)  # AdamW's moments take the parameters' dtype
-    assert static_split("sgd", "fp16-mixed") == (4.0, 4.0, 4.0)
-    assert bytes_per_param("sgd-nomomentum", "bf16") == 4.0
-    assert bytes_per_param(6.5, "bf16") == 6.5
-    assert resolve_optimizer("adamw-fp32", "fp32") == ("adamw", "fp32")
-    assert resolve_optimizer("adamw-bf16", "bf16-mixed") == ("adamw", "bf16-mixed")
+    assert static_split(numerics("adamw", "fp32")) == (4.0, 4.0, 8.0)
+    assert static_split(numerics("adamw", "bf16-mixed")) == (4.0, 4.0, 8.0)  # fp32 parameters are the master copy
+    assert static_split(numerics("adamw", "bf16")) == (2.0, 2.0, 4.0)  # AdamW's moments take the parameters' dtype
+    assert static_split(numerics("sgd", "fp16-mixed")) == (4.0, 4.0, 4.0)
+    assert bytes_per_param(numerics("sgd-nomomentum", "bf16")) == 4.0
+    assert bytes_per_param(numerics(6.5, "bf16")) == 6.5
+    assert numerics("adamw-fp32", "fp32") == numerics("adamw", "fp32")  # an alias, resolved once
+    assert numerics("adamw-bf16", "bf16-mixed") == Numerics(PRECISIONS["bf16-mixed"], "adamw")
+    assert numerics(6.5, "bf16").optimizer_label == "6.5" and not numerics(6.5, "bf16").named
     with pytest.raises(ConfigError, match="--optimizer adamw-fp32 means adamw under --precision fp32"):
-        resolve_optimizer("adamw-fp32", "bf16")
+        numerics("adamw-fp32", "bf16")
     with pytest.raises(ConfigError, match="--precision 'fp4' is not supported"):
-        resolve_optimizer("adamw", "fp4")
+        numerics("adamw", "fp4")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,9 @@ def test_plan_memory_changes_as_the_byte_table_says(measured):
     cluster = Cluster(num_devices=2, devices_per_node=2, memory_per_device=1 << 34)
     peaks = {}
     for precision in ("fp32", "bf16"):
-        config = SearchConfig(global_batch_size=16, microbatch_sizes=(4,), precision=precision, pipeline_depths=(2,))
+        config = SearchConfig(
+            global_batch_size=16, microbatch_sizes=(4,), numerics=numerics("adamw", precision), pipeline_depths=(2,)
+        )
         config = dataclasses.replace(config, replication=False)
         best = search_plans(profile, cluster, config, ["1f1b"]).fastest
         cuts = [(s.first_layer, s.last_layer) for s in best.partition.stages]

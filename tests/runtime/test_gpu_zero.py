@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.runtime import build_reference_model, make_plan
 
-from pipeplan.costs import optimizer_state_bytes, static_split
+from pipeplan.costs import numerics, optimizer_state_bytes, static_split
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local
 
@@ -31,7 +31,7 @@ def test_zero1_peak_memory_drops_by_the_sharded_optimizer_state(tmp_path):
     for full, sharded in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(sharded.losses, full.losses, rtol=1e-4, atol=1e-5)
     count = sum(p.numel() for p in build_reference_model(plans[0])[1].parameters())
-    state = static_split("adamw", "bf16-mixed")[2]  # AdamW's two fp32 moments: 8 bytes per parameter
+    state = static_split(numerics("adamw", "bf16-mixed"))[2]  # AdamW's two fp32 moments: 8 bytes per parameter
     predicted = float(optimizer_state_bytes(count, state, 2, 0) - optimizer_state_bytes(count, state, 2, 1))
     # zero=0's all-reduce also concatenates the gradients into one more buffer (4 bytes per parameter) that
     # zero=1's reduce-scatter from the flat gradient buffer does not need: the drop may reach that much more

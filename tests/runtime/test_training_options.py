@@ -15,6 +15,7 @@ from runtime.training_models import TEXT, TINY_TEXT, own_optimizer_lm
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs import numerics
 from pipeplan.costs.optimizer import OPTIMIZER_STATES
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import load_model
@@ -187,7 +188,10 @@ def test_a_plan_records_the_optimizer_its_memory_was_counted_for(optimizer):
 
     profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
     config = SearchConfig(
-        global_batch_size=16, pipeline_depths=(1,), zero=1, precision="bf16-mixed", optimizer=optimizer
+        global_batch_size=16,
+        pipeline_depths=(1,),
+        zero=1,
+        numerics=numerics(optimizer, "bf16-mixed"),
     )
     result = search_plans(profile, make_cluster(4, memory=1 << 30), config)
     plan = build_plan(result, model=ModelRef(ref="synthetic"))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
@@ -152,7 +153,7 @@ def test_an_unknown_name_raises_one_error_listing_the_valid_ones():
         lambda: generate("chimera", num_devices=2, num_microbatches=2),
         lambda: stage_device("chimera", 2),
         lambda: default_chunks("chimera"),
-        lambda: PartitionConfig(num_microbatches=4, schedule="chimera", precision="bf16-mixed"),
+        lambda: PartitionConfig(num_microbatches=4, schedule="chimera", numerics=numerics("adamw", "bf16-mixed")),
     ):
         assert _unknown_message(call) == message
     with_auto = _unknown_message(lambda: schedule_info("chimera", also_accepted=("auto",)))

@@ -11,15 +11,17 @@ from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, FormatError, RunError, ScheduleError
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
 from pipeplan.plan.timing import plan_timeline
 from pipeplan.schedules.simulate import stream_step_ms
-from pipeplan.search.candidate import Layout, evaluate
+from pipeplan.search.candidate import Layout
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
+from pipeplan.search.evaluate import evaluate
 from pipeplan.search.search import search_plans
 
 runner = CliRunner()
@@ -29,9 +31,8 @@ TINY_MLP = {"layers": "4", "hidden": "16"}
 def _evaluate(schedule: str, p: int = 4, m: int = 8):
     layout = Layout(schedule=schedule, microbatch_size=1, data_parallel=1, pipeline_devices=p, num_microbatches=m)
     profile = synthetic_profile(num_layers=8, cut_bytes=0)
-    return evaluate(
-        layout, profile, make_cluster(p, memory=2**34), optimizer=16.0, global_batch_size=m, precision="bf16-mixed"
-    )
+    config = SearchConfig(global_batch_size=m, numerics=numerics(16.0, "bf16-mixed"), post_validate="off")
+    return evaluate(layout, profile, make_cluster(p, memory=2**34), config, memory_limit=2**34)
 
 
 def test_prediction_is_the_steady_state_and_memory_counts_stashed_copies():
@@ -53,19 +54,24 @@ def test_prediction_is_the_steady_state_and_memory_counts_stashed_copies():
 
 def test_search_considers_async_schedules_only_when_allowed():
     profile, cluster = synthetic_profile(num_layers=8), make_cluster(4, memory=2**34)
-    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"))
+    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")))
     assert not {e.layout.schedule for e in plain.ranked} & {"pipedream", "pipedream-2bw"}
     allowed = search_plans(
-        profile, cluster, SearchConfig(global_batch_size=16, allow_async=True, precision="bf16-mixed")
+        profile, cluster, SearchConfig(global_batch_size=16, allow_async=True, numerics=numerics("adamw", "bf16-mixed"))
     )
     assert {"pipedream", "pipedream-2bw"} <= {e.layout.schedule for e in allowed.ranked}
     with pytest.raises(ConfigError, match="pass --allow-async"):
-        search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"), ["pipedream"])
+        search_plans(
+            profile,
+            cluster,
+            SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")),
+            ["pipedream"],
+        )
     with pytest.raises(ConfigError, match="--zero 0"):
         search_plans(
             profile,
             cluster,
-            SearchConfig(global_batch_size=16, zero=1, allow_async=True, precision="bf16-mixed"),
+            SearchConfig(global_batch_size=16, zero=1, allow_async=True, numerics=numerics("adamw", "bf16-mixed")),
             ["pipedream"],
         )
 
@@ -75,7 +81,7 @@ def test_plan_file_states_staleness_and_reproduces_the_prediction(tmp_path):
     result = search_plans(
         profile,
         cluster,
-        SearchConfig(global_batch_size=16, allow_async=True, precision="bf16-mixed"),
+        SearchConfig(global_batch_size=16, allow_async=True, numerics=numerics("adamw", "bf16-mixed")),
         ["pipedream-2bw"],
     )
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
@@ -84,7 +90,7 @@ def test_plan_file_states_staleness_and_reproduces_the_prediction(tmp_path):
     assert loaded == plan and loaded.num_op_microbatches > plan.training.num_microbatches  # the simulated stream
     timeline = plan_timeline(loaded)
     assert timeline.entries == result.best.timeline.entries
-    assert plan_step_ms(loaded, timeline) == pytest.approx(plan.predicted.step_ms, rel=1e-12)
+    assert plan_step_ms(loaded) == pytest.approx(plan.predicted.step_ms, rel=1e-12)
     assert max(timeline.peak_memory_bytes) == max(plan.predicted.peak_memory_bytes)
     stale = summary_dict(loaded)["staleness"]
     assert stale == "pipedream-2bw: weights 1 step stale; 2 weight versions per stage"

@@ -10,10 +10,12 @@ from helpers.search import make_cluster, synthetic_profile
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
-from pipeplan.search.candidate import Evaluation, Layout, evaluate
+from pipeplan.search.candidate import Evaluation, Layout
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.estimate import min_largest_stage, partition_lower_bound_ms, probe_microbatches
+from pipeplan.search.evaluate import evaluate
 
 
 def _best_split(work: list[float], stages: int) -> float:
@@ -44,8 +46,9 @@ def test_partition_bound_is_below_the_simulated_step(schedule):
     profile = synthetic_profile(heavy_last=3.0, cut_bytes=10_000_000)
     cluster = make_cluster(4)
     layout = Layout(schedule=schedule, microbatch_size=1, data_parallel=2, pipeline_devices=2, num_microbatches=8)
-    result = evaluate(layout, profile, cluster, optimizer="adamw-bf16", global_batch_size=16, precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=16, numerics=numerics("adamw-bf16", "bf16-mixed"), post_validate="off")
+    result = evaluate(layout, profile, cluster, config, memory_limit=cluster.memory_per_device)
     assert isinstance(result, Evaluation)
     for overlap in (Overlap(), Overlap(grad_reduce=True)):  # an overlapped reduction may hide: the bound drops it
-        config = SearchConfig(global_batch_size=16, precision="bf16-mixed", overlap=overlap)
+        config = SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed"), overlap=overlap)
         assert partition_lower_bound_ms(layout, result.partition, profile, cluster, config) <= result.step_ms + 1e-9

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.cluster import Cluster, Link
-from pipeplan.costs import bytes_per_param, expert_bytes_per_param
+from pipeplan.costs import bytes_per_param, expert_bytes_per_param, numerics
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
@@ -65,11 +65,11 @@ def test_split_over_ep_holds_experts_over_ep_and_keeps_the_work(moe_profile):
 
 
 def test_expert_bytes_per_param_shard_over_holders_divided_by_ep():
-    dense = bytes_per_param("adamw", "bf16-main", zero=1, group_size=128)
-    expert = expert_bytes_per_param("adamw", "bf16-main", zero=1, group_size=128, expert_parallel=64)
+    dense = bytes_per_param(numerics("adamw", "bf16-main"), zero=1, group_size=128)
+    expert = expert_bytes_per_param(numerics("adamw", "bf16-main"), zero=1, group_size=128, expert_parallel=64)
     assert dense == pytest.approx(2 + 4 + 12 / 128)
     assert expert == pytest.approx(2 + 4 + 12 / 2)  # 128 holders / ep 64: two hold each expert
-    assert expert_bytes_per_param("adamw", "bf16-main", zero=0, group_size=128, expert_parallel=64) == 18
+    assert expert_bytes_per_param(numerics("adamw", "bf16-main"), zero=0, group_size=128, expert_parallel=64) == 18
 
 
 def test_expert_parallelism_is_refused_where_it_cannot_split(moe_profile):
@@ -90,7 +90,9 @@ def test_capacity_memory_columns_sum_to_the_searched_static_bytes_under_ep(moe_p
     from pipeplan.search.search import search_plans
 
     cluster = Cluster(num_devices=4, devices_per_node=8, memory_per_device=80 << 30, intra_node_bandwidth=450e9)
-    config = SearchConfig(global_batch_size=8, precision="bf16-main", zero=1, expert_parallel=2, replication=False)
+    config = SearchConfig(
+        global_batch_size=8, numerics=numerics("adamw", "bf16-main"), zero=1, expert_parallel=2, replication=False
+    )
     result = search_plans(moe_profile, cluster, config, ("1f1b",))
     best = next(e for e in result.ranked if e.layout.data_parallel == 4)  # 1 stage x 4 pipelines
     profile = result.profiles[best.layout.microbatch_size]
@@ -113,7 +115,7 @@ def test_an_ep_whose_compute_floor_is_over_the_fastest_is_not_searched_and_the_c
     from pipeplan.search.config import SearchConfig
 
     cluster = Cluster(num_devices=4, devices_per_node=8, memory_per_device=80 << 30, intra_node_bandwidth=450e9)
-    config = SearchConfig(global_batch_size=8, precision="bf16-main", replication=False)
+    config = SearchConfig(global_batch_size=8, numerics=numerics("adamw", "bf16-main"), replication=False)
     sizes = tensor_parallel_sizes("1", moe_profile, cluster, 1, "auto")
     assert [item.expert_parallel for item in sizes] == [1, 2, 4]
     pruned = search_tensor_parallel(moe_profile, cluster, config, sizes, ("1f1b",))

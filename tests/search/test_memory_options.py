@@ -13,7 +13,7 @@ from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.costs import allreduce_ms
+from pipeplan.costs import allreduce_ms, numerics
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.timing import plan_costs, plan_memory, plan_timeline
@@ -44,14 +44,20 @@ RECOMPUTE_PROFILE = dict(num_layers=8, activation_bytes=40_000_000, params=100_0
 def _recompute_search(memory_mib: int, **config):
     profile = attention_profile(**RECOMPUTE_PROFILE)
     config = SearchConfig(
-        global_batch_size=16, pipeline_depths=(4,), replication=False, precision="bf16-mixed", **config
+        global_batch_size=16,
+        pipeline_depths=(4,),
+        replication=False,
+        numerics=numerics("adamw", "bf16-mixed"),
+        **config,
     )
     return search_plans(profile, make_cluster(4, memory=memory_mib * MIB), config, ["1f1b"])
 
 
 def _zero_search(memory_mib: int, zero="auto"):
     profile = synthetic_profile(4, params=1_000_000, activation_bytes=1_000_000)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(1,), zero=zero, precision="bf16-mixed")
+    config = SearchConfig(
+        global_batch_size=16, pipeline_depths=(1,), zero=zero, numerics=numerics("adamw", "bf16-mixed")
+    )
     return search_plans(profile, make_cluster(4, memory=memory_mib * MIB), config)
 
 
@@ -142,7 +148,7 @@ def test_search_show_and_run_predict_the_same_step(case, tmp_path, capsys):
     timeline = plan_timeline(again)
     assert timeline.entries == chosen.timeline.entries
     assert timeline.peak_memory_bytes == chosen.timeline.peak_memory_bytes
-    assert plan_step_ms(again, timeline) == pytest.approx(chosen.step_ms, rel=1e-12)
+    assert plan_step_ms(again) == pytest.approx(chosen.step_ms, rel=1e-12)
     assert again.predicted.step_ms == chosen.step_ms
     assert again.predicted.peak_memory_bytes[: timeline.num_devices] == chosen.device_memory_bytes
     predicted = train.predicted_ms(again, again.training.post_validate)  # what `run` prints after training
@@ -178,8 +184,8 @@ def test_zero_option_values():
     with pytest.raises(ConfigError, match="--zero 2 is not supported"):
         parse_zero("2")
     with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
-        SearchConfig(global_batch_size=4, optimizer=12.0, zero=1, precision="bf16-mixed")
-    assert SearchConfig(global_batch_size=4, precision="bf16-mixed").zero == "auto"
+        SearchConfig(global_batch_size=4, zero=1, numerics=numerics(12.0, "bf16-mixed"))
+    assert SearchConfig(global_batch_size=4, numerics=numerics("adamw", "bf16-mixed")).zero == "auto"
 
 
 def test_more_memory_never_gives_a_slower_plan():

@@ -10,6 +10,7 @@ from helpers.cli import one_error_line
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import cluster_for, load_hardware
 from pipeplan.models import load_model
@@ -49,7 +50,7 @@ def test_bad_layouts_are_one_line(text, match):
 def test_a_pinned_layout_is_predicted_as_given(profile):
     layout = parse_layout("tp=2,pp=2,vp=2,dp=2,mbs=2,recompute=full/none/none/none")
     assert layout.devices == 8 and layout.schedule_name == "interleaved"
-    config = SearchConfig(global_batch_size=32, precision="bf16-main", memory_reserve_bytes=0)
+    config = SearchConfig(global_batch_size=32, numerics=numerics("adamw", "bf16-main"), memory_reserve_bytes=0)
     found = evaluate_pinned(profile, cluster_for(load_hardware("h100"), 8, 8), config, layout)
     evaluation = found.evaluation
     assert evaluation is not None
@@ -58,13 +59,13 @@ def test_a_pinned_layout_is_predicted_as_given(profile):
     assert [s.recompute for s in part.stages] == ["full", "none", "none", "none"]
     # Megatron's split: 8 blocks in runs of 2, the embedding with the first stage, the head with the last
     assert [(s.first_layer, s.last_layer) for s in part.stages] == [(0, 2), (3, 4), (5, 6), (7, 9)]
-    assert evaluation.layout.tensor_parallel == 2 and found.groups.num_devices == 4
+    assert evaluation.layout.tensor_parallel == 2 and found.cluster.num_devices == 8
     with pytest.raises(ConfigError, match="tp x cp x pp x dp = 8 devices, but --devices is 4"):
         evaluate_pinned(profile, cluster_for(load_hardware("h100"), 4, 8), config, layout)
 
 
 def test_context_parallelism_splits_the_sequence_and_its_activations(profile):
-    config = SearchConfig(global_batch_size=8, precision="bf16-main", memory_reserve_bytes=0)
+    config = SearchConfig(global_batch_size=8, numerics=numerics("adamw", "bf16-main"), memory_reserve_bytes=0)
     cluster = cluster_for(load_hardware("h100"), 4, 8)
     whole = evaluate_pinned(profile, cluster, config, parse_layout("tp=2,cp=1,pp=1,dp=2"))
     split = evaluate_pinned(profile, cluster, config, parse_layout("tp=2,cp=2,pp=1,dp=1"))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import ScheduleError
-from pipeplan.plan.layout import pipeline_layout
+from pipeplan.predict.layout import pipeline_layout
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import generate
 from pipeplan.schedules.replicate import check_deadlock_free, replicate, replicate_paced, simulate_expanded

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 from helpers.search import make_cluster, synthetic_profile
 
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, InfeasibleError
-from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.schedules.registry import SCHEDULE_NAMES
-from pipeplan.search.candidate import Evaluation, Rejection, evaluate
-from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve
+from pipeplan.search.candidate import Evaluation, Rejection
+from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve, searched_schedules
+from pipeplan.search.evaluate import evaluate
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import enumerate_layouts, prefer_simple, search_plans
 from pipeplan.search.variants import zero_choices
@@ -33,17 +34,9 @@ def _fitting(layout, profile, cluster, config) -> list[Evaluation]:
     found = []
     for zero in zero_choices(layout, config):
         for recompute in ("none", "auto") if config.recompute == "auto" else ("none",):
-            result = evaluate(
-                layout,
-                scale_profile(profile, layout.microbatch_size),
-                cluster,
-                optimizer=config.optimizer,
-                precision=config.precision,
-                zero=zero,
-                recompute=recompute,
-                global_batch_size=config.global_batch_size,
-                post_validate=config.post_validate,
-            )
+            scaled = scale_profile(profile, layout.microbatch_size)
+            limit = cluster.memory_per_device
+            result = evaluate(layout, scaled, cluster, config, memory_limit=limit, zero=zero, recompute=recompute)
             if isinstance(result, Evaluation) and result.peak_memory_bytes <= cluster.memory_per_device:
                 found.append(result)
                 break
@@ -60,7 +53,10 @@ def test_search_picks_the_fastest_feasible_candidate(cut_bytes, memory, fused, a
     profile = synthetic_profile(cut_bytes=cut_bytes, heavy_last=2.0, fused_backward=fused)
     cluster = make_cluster(4, memory=memory)
     config = SearchConfig(
-        global_batch_size=16, microbatch_sizes=(1, 2), allow_async=allow_async, precision="bf16-mixed"
+        global_batch_size=16,
+        microbatch_sizes=(1, 2),
+        allow_async=allow_async,
+        numerics=numerics("adamw", "bf16-mixed"),
     )
     result = search_plans(profile, cluster, config)
     brute = _brute_force(profile, cluster, config)
@@ -75,7 +71,7 @@ def test_pruned_candidates_are_really_slower():
     """Each layout pruned by the balanced estimate or the busiest-device bound, evaluated in full, is no faster than
     the search's fastest plan (the pruning is safe), and its reason says by how much it was expected to lose."""
     profile, cluster = synthetic_profile(cut_bytes=20_000_000), make_cluster(4)
-    config = SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4), precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=32, microbatch_sizes=(1, 2, 4), numerics=numerics("adamw", "bf16-mixed"))
     result = search_plans(profile, cluster, config)
     pruned = [r for r in result.rejected if r.kind in ("bound", "estimate")]
     assert pruned, "expected the estimate or the bound to prune something"
@@ -90,7 +86,10 @@ def test_pruned_candidates_are_really_slower():
 def test_forced_schedule_is_used():
     profile = synthetic_profile()
     result = search_plans(
-        profile, make_cluster(4), SearchConfig(global_batch_size=16, precision="bf16-mixed"), schedules=["zbv"]
+        profile,
+        make_cluster(4),
+        SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")),
+        schedules=["zbv"],
     )
     assert {e.layout.schedule for e in result.ranked} == {"zbv"}
     assert result.best.schedule.num_chunks == 2
@@ -98,12 +97,14 @@ def test_forced_schedule_is_used():
 
 @pytest.mark.parametrize("depths", [(2,), (1, 4)])
 def test_forced_pipeline_depth_is_the_only_one_tried(depths):
-    config = SearchConfig(global_batch_size=16, pipeline_depths=depths, precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=16, pipeline_depths=depths, numerics=numerics("adamw", "bf16-mixed"))
     result = search_plans(synthetic_profile(), make_cluster(4, memory=2**32), config)
     considered = [e.layout for e in result.ranked] + [r.layout for r in result.rejected]
     assert {layout.pipeline_devices for layout in considered} == set(depths)
     free = search_plans(
-        synthetic_profile(), make_cluster(4, memory=2**32), SearchConfig(global_batch_size=16, precision="bf16-mixed")
+        synthetic_profile(),
+        make_cluster(4, memory=2**32),
+        SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")),
     )
     assert result.fastest.step_ms >= free.fastest.step_ms  # a restriction of the full search
 
@@ -115,20 +116,20 @@ def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
     to fewer stages: the estimate used for pruning must still not drop it."""
     profile = synthetic_profile(cut_bytes=5_000_000, fused_backward=fused)
     cluster = make_cluster(4, memory=2**32)
-    config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,), precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=16, pipeline_depths=(depth,), numerics=numerics("adamw", "bf16-mixed"))
     result = search_plans(profile, cluster, config)
     assert result.fastest.step_ms == pytest.approx(min(e.step_ms for e in _brute_force(profile, cluster, config)))
 
 
 def test_forced_pipeline_depth_must_divide_the_devices():
-    config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3), precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3), numerics=numerics("adamw", "bf16-mixed"))
     with pytest.raises(ConfigError, match=r"^--pipeline-depth 3 must divide --devices \(4\)$"):
         search_plans(synthetic_profile(), make_cluster(4), config)
 
 
 def test_unsupported_shapes_are_recorded():
     # interleaved needs m to be a multiple of p: with b=2, 6 microbatches on 4 devices are refused
-    config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2), precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=12, microbatch_sizes=(1, 2), numerics=numerics("adamw", "bf16-mixed"))
     result = search_plans(synthetic_profile(), make_cluster(4), config, schedules=["interleaved"])
     reasons = [r for r in result.rejected if r.layout.num_microbatches % r.layout.pipeline_devices]
     assert reasons and all(r.kind == "schedule" and "interleaved" in r.reason for r in reasons)
@@ -139,7 +140,7 @@ def test_no_supported_shape_is_one_line_error():
         search_plans(
             synthetic_profile(),
             make_cluster(4),
-            SearchConfig(global_batch_size=2, precision="bf16-mixed"),
+            SearchConfig(global_batch_size=2, numerics=numerics("adamw", "bf16-mixed")),
             ["interleaved"],
         )
     assert "\n" not in str(info.value)
@@ -151,7 +152,7 @@ def test_replication_wins_for_an_unbalanced_model():
     profile = synthetic_profile(4, heavy_last=6.0, params=1_000_000, activation_bytes=1_000_000, cut_bytes=1000)
     cluster = make_cluster(3, memory=60 * 2**20)
     result = search_plans(
-        profile, cluster, SearchConfig(global_batch_size=12, zero=0, precision="bf16-mixed"), ["1f1b"]
+        profile, cluster, SearchConfig(global_batch_size=12, zero=0, numerics=numerics("adamw", "bf16-mixed")), ["1f1b"]
     )  # ZeRO-1: plain DP
     assert result.best.layout.mode == "replicated"
     assert result.best.partition.replicas == (1, 2)
@@ -159,7 +160,9 @@ def test_replication_wins_for_an_unbalanced_model():
         op for op in result.best.schedule.op_strings()[1] if int(op[2:]) % 2 == 0
     )
     straight = _brute_force(
-        profile, cluster, SearchConfig(global_batch_size=12, replication=False, zero=0, precision="bf16-mixed")
+        profile,
+        cluster,
+        SearchConfig(global_batch_size=12, replication=False, zero=0, numerics=numerics("adamw", "bf16-mixed")),
     )
     assert result.fastest.step_ms < min(e.step_ms for e in straight if e.layout.schedule == "1f1b")
 
@@ -167,7 +170,7 @@ def test_replication_wins_for_an_unbalanced_model():
 def test_infeasible_error_names_the_smallest_memory_that_fits():
     profile = synthetic_profile()
     cluster = make_cluster(2, memory=40 * 2**20)
-    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,), precision="bf16-mixed")
+    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,), numerics=numerics("adamw", "bf16-mixed"))
     with pytest.raises(InfeasibleError) as info:
         search_plans(profile, cluster, config)
     message = str(info.value)
@@ -185,20 +188,24 @@ def test_infeasible_error_names_the_smallest_memory_that_fits():
     [
         ({"global_batch_size": 10, "microbatch_sizes": (4,)}, "divisible by --microbatch-size"),
         ({"global_batch_size": 0}, "--global-batch-size"),
-        ({"global_batch_size": 8, "optimizer": "lion"}, "--optimizer"),
         ({"global_batch_size": 8, "pipeline_depths": (0, 2)}, "--pipeline-depth"),
         ({"global_batch_size": 8, "pipeline_depths": ()}, "--pipeline-depth"),
     ],
 )
 def test_search_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        SearchConfig(**{"precision": "bf16-mixed", **kwargs})
+        SearchConfig(**{"numerics": numerics("adamw", "bf16-mixed"), **kwargs})
+    with pytest.raises(ConfigError, match="--optimizer"):
+        numerics("lion", "bf16-mixed")  # resolved once, before any config holds it
 
 
 def test_unknown_schedule_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="zb-h1"):
         search_plans(
-            synthetic_profile(), make_cluster(2), SearchConfig(global_batch_size=4, precision="bf16-mixed"), ["nope"]
+            synthetic_profile(),
+            make_cluster(2),
+            SearchConfig(global_batch_size=4, numerics=numerics("adamw", "bf16-mixed")),
+            ["nope"],
         )
 
 
@@ -228,11 +235,13 @@ def test_simpler_layout_preferred_only_within_the_prediction_margin():
 def test_memory_reserve_is_kept_free_and_reported():
     profile = synthetic_profile()
     cluster = make_cluster(4, memory=2**30)
-    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, precision="bf16-mixed"))
+    plain = search_plans(profile, cluster, SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")))
     need = plain.best.peak_memory_bytes
     reserve = cluster.memory_per_device - need + 1  # leaves one byte too few for that candidate
     result = search_plans(
-        profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=reserve, precision="bf16-mixed")
+        profile,
+        cluster,
+        SearchConfig(global_batch_size=16, memory_reserve_bytes=reserve, numerics=numerics("adamw", "bf16-mixed")),
     )
     assert all(e.peak_memory_bytes <= cluster.memory_per_device - reserve for e in result.ranked)
     assert need > cluster.memory_per_device - reserve and result.ranked  # others still fit
@@ -241,5 +250,7 @@ def test_memory_reserve_is_kept_free_and_reported():
     assert default_memory_reserve(100 * 2**20) == 25 * 2**20  # at most a quarter
     with pytest.raises(ConfigError, match="--memory-reserve"):
         search_plans(
-            profile, cluster, SearchConfig(global_batch_size=16, memory_reserve_bytes=2**30, precision="bf16-mixed")
+            profile,
+            cluster,
+            SearchConfig(global_batch_size=16, memory_reserve_bytes=2**30, numerics=numerics("adamw", "bf16-mixed")),
         )

@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 from helpers.search import stack_profile
 
-from pipeplan.cluster import Cluster, Link
+from pipeplan.cluster import Cluster, DeviceGroups, Link
 from pipeplan.costs.transformer import activation_bytes_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.profile import Profile
-from pipeplan.search.sharding import Links, devices_cluster, split_cluster, split_inputs, split_profile
+from pipeplan.search.sharding import Links, split_inputs, split_profile
 from pipeplan.search.stack import check_split, stack_problem, tensor_parallel_problem, transformer_layers
 
 GPT3 = dict(seq=2048, batch=1, hidden=12288, heads=96)  # Korthikanti et al. Table 3
@@ -156,12 +156,12 @@ def test_sequence_must_split_under_sequence_parallelism():
     assert tensor_parallel_problem(profile, 2, devices_per_node=8, num_devices=8) is None
 
 
-def test_groups_as_devices_and_back():
+def test_groups_as_devices():
     cluster = Cluster(num_devices=64, devices_per_node=8, memory_per_device=2**30)
-    groups = split_cluster(cluster, 4, 1)
+    groups = DeviceGroups(tensor_parallel=4).of(cluster)
     assert (groups.num_devices, groups.devices_per_node, groups.memory_per_device) == (16, 2, 2**30)
     assert groups.intra_link == cluster.intra_link and groups.inter_link == cluster.inter_link
-    assert devices_cluster(groups, 4) == cluster
+    assert DeviceGroups(tensor_parallel=2, context_parallel=2).of(cluster) == groups
     # group r holds devices 4r..4r+3: the node of its first device
     assert [groups.node_of(r) for r in range(16)] == [cluster.node_of(4 * r) for r in range(16)]
     profile, same = split_inputs(stack_profile(), cluster, 1)

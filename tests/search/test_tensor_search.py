@@ -10,13 +10,15 @@ from types import SimpleNamespace
 import pytest
 from helpers.search import make_cluster, stack_profile
 
+from pipeplan.cluster import DeviceGroups
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, InfeasibleError, RunError
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.scaling import scale_profile
 from pipeplan.search.search import search_plans
-from pipeplan.search.sharding import Links, devices_cluster, group_links, split_cluster, split_profile
+from pipeplan.search.sharding import Links, group_links, split_profile
 from pipeplan.search.tensor_search import (
     TensorParallelTry,
     chosen_try,
@@ -36,7 +38,7 @@ def _config(**fields) -> SearchConfig:
     """Tensor parallelism alone: no recomputation, no ZeRO (capacity's tests combine them)."""
     return SearchConfig(
         **{
-            "precision": "bf16-mixed",
+            "numerics": numerics("adamw", "bf16-mixed"),
             "global_batch_size": 4,
             "replication": False,
             "recompute": "none",
@@ -50,10 +52,10 @@ def test_search_with_t_runs_on_one_rank_and_the_groups():
     profile, cluster = stack_profile(), make_cluster(8, memory=2**30)
     result = search_plans(profile, cluster, _config(tensor_parallel=2), ["1f1b"])
     assert all(e.layout.tensor_parallel == 2 and e.layout.label.endswith(" t=2") for e in result.ranked)
-    assert result.cluster == split_cluster(cluster, 2, 1) and devices_cluster(result.cluster, 2) == cluster
+    assert result.cluster == cluster and result.group_cluster == DeviceGroups(tensor_parallel=2).of(cluster)
     same = search_plans(
         split_profile(profile, 2, 1, Links(tensor=cluster.intra_link, context=cluster.intra_link)),
-        split_cluster(cluster, 2, 1),
+        DeviceGroups(tensor_parallel=2).of(cluster),
         _config(),
         ["1f1b"],
     )
@@ -83,7 +85,7 @@ def test_a_given_t_may_fill_whole_nodes_and_then_talks_over_the_network():
     """Asked for, tensor parallelism spans whole nodes; auto keeps it inside one."""
     profile, cluster = stack_profile(), make_cluster(4, devices_per_node=2)
     result = search_plans(profile, cluster, _config(tensor_parallel=4))
-    assert result.cluster.num_devices == 1
+    assert result.group_cluster.num_devices == 1 and result.cluster == cluster
     assert group_links(cluster, 4, 1).tensor == cluster.inter_link != cluster.intra_link
     assert 4 not in [item.tensor_parallel for item in tensor_parallel_sizes("auto", profile, cluster)]
 

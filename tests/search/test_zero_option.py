@@ -10,6 +10,7 @@ from helpers.search import synthetic_profile
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.plan.plan import Plan
 from pipeplan.search.config import SearchConfig
@@ -46,7 +47,7 @@ def test_other_zero_stages_are_one_line_errors(plan_args, tmp_path, stage):
     assert len(lines) == 1 and f"--zero {stage} is not supported" in lines[0] and "ZeRO-1" in lines[0]
     assert not (tmp_path / "plan.json").exists()
     with pytest.raises(ConfigError, match="use --zero 0 or 1"):
-        SearchConfig(global_batch_size=4, zero=int(stage), precision="bf16-mixed")
+        SearchConfig(global_batch_size=4, zero=int(stage), numerics=numerics("adamw", "bf16-mixed"))
 
 
 def test_plan_file_zero_field(plan_args, tmp_path):

@@ -14,17 +14,20 @@ holders (Megatron-Core), and ZeRO-1 shards their update over it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.cluster import Cluster
-from pipeplan.costs import busiest_device_ms, expert_holders, gradient_sync_ms, stages_per_device, static_split
-from pipeplan.costs.overlap import eager_update_ms, optimizer_bytes_per_param, optimizer_step_ms
+from pipeplan.costs import (
+    Numerics,
+    busiest_device_ms,
+    expert_holders,
+    gradient_sync_ms,
+    stages_per_device,
+    static_split,
+)
+from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
 from pipeplan.partition.result import Partition
-from pipeplan.plan.asynchronous import post_validated_floor_ms, predicted_step
-from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.registry import schedule_info
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,11 +48,11 @@ def stage_expert_count(profile: Profile, first_layer: int, last_layer: int) -> i
 
 
 def stage_allreduce_ms(
-    profile: Profile, cluster: Cluster, part: Partition, group: SyncGroup, *, precision: str, zero: int = 0
+    profile: Profile, cluster: Cluster, part: Partition, group: SyncGroup, *, numerics: Numerics, zero: int = 0
 ) -> tuple[float, ...]:
     """Per stage, the ring all-reduce of its gradients over its holders (pipeline k's device d is global rank k x P
     + d; see the module docstring), or ZeRO-1's reduce-scatter + all-gather (`costs.gradient_sync_ms`)."""
-    mode = get_precision(precision)
+    mode = numerics.precision
     times = []
     for stage in part.stages:
         devices = [k * part.num_devices + d for k in range(group.data_parallel) for d in stage.devices]
@@ -67,15 +70,15 @@ def stage_allreduce_ms(
 
 
 def stage_optimizer_ms(
-    part: Partition, profile: Profile, *, optimizer: str | float, precision: str, zero: int, group: SyncGroup
+    part: Partition, profile: Profile, *, numerics: Numerics, zero: int, group: SyncGroup
 ) -> tuple[float, ...]:
     """Per stage, one of its devices' optimizer update: its parameters (its 1/holders share under ZeRO-1) times the
     bytes an update moves per parameter, at the profile's memory rate (0 when the profile does not know it: a
     measured profile)."""
     rates = profile.provenance.kernel_rates
-    if rates is None or not isinstance(optimizer, str):
+    if rates is None or not numerics.named:
         return tuple(0.0 for _ in part.stages)
-    moved = optimizer_bytes_per_param(static_split(optimizer, precision), not get_precision(precision).main_weights)
+    moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
     times = []
     for stage in part.stages:
         shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1
@@ -86,66 +89,6 @@ def stage_optimizer_ms(
     return tuple(times)
 
 
-def per_device(per_stage: Sequence[float], device_stages: Sequence[Sequence[int]]) -> tuple[float, ...]:
-    """Per device of a pipeline, the sum over the stages (chunks) it holds."""
-    return tuple(sum(per_stage[s] for s in stages) for stages in device_stages)
-
-
 def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:
     """After the flush each device reduces its stages (chunks) one after another; devices run in parallel."""
     return busiest_device_ms(per_stage_ms, stages_per_device([s.devices for s in part.stages]))
-
-
-def step_end(
-    layout,
-    part: Partition,
-    pipe,
-    timeline,
-    profile: Profile,
-    cluster: Cluster,
-    *,
-    optimizer,
-    precision,
-    zero,
-    overlap,
-    steps=None,
-    post_validate: str = "off",
-) -> tuple:
-    """(per-stage exchange ms, per-stage optimizer ms, step ms, bubble rate, post-validated) of a simulated `layout`
-    (`search.candidate.Layout`) with pipeline layout `pipe` (`steps`: `plan.layout.layout_steps`): the period of
-    its steps (`plan.asynchronous.predicted_step`). `post_validate` on / off / auto: auto post-validates where that
-    shortens the period (`post_validation_allowed`)."""
-    group = SyncGroup(
-        data_parallel=layout.data_parallel,
-        context_parallel=layout.context_parallel,
-        expert_parallel=layout.expert_parallel,
-    )
-    allreduce = stage_allreduce_ms(profile, cluster, part, group, precision=precision, zero=zero)
-    updates = stage_optimizer_ms(part, profile, optimizer=optimizer, precision=precision, zero=zero, group=group)
-    args = (layout.schedule, timeline, layout.num_microbatches, pipe.device_stages, allreduce)
-    device_updates = per_device(updates, pipe.device_stages)
-    eager_updates = eager_update_ms(device_updates, optimizer, precision)  # with the undo copy
-    rest = dict(overlap=overlap, steps=steps)
-    eager = post_validate == "on" or (post_validate == "auto" and post_validation_allowed(layout.schedule, zero))
-    on = post_validate == "on"
-    step, bubble = predicted_step(
-        *args, **rest, device_optimizer_ms=eager_updates if on else device_updates, post_validate=on
-    )
-    if eager and post_validate == "auto":
-        floor = post_validated_floor_ms(steps.schedule, timeline, *args[2:], eager_updates, overlap)
-        eager_period = (
-            predicted_step(*args, **rest, device_optimizer_ms=eager_updates, post_validate=True)
-            if floor < step * (1 - 1e-9)
-            else None
-        )
-        if eager_period is not None and eager_period[0] < step * (1 - 1e-9):
-            return allreduce, updates, *eager_period, True
-        eager = False
-    return allreduce, updates, step, bubble, eager
-
-
-def post_validation_allowed(schedule: str, zero: int) -> bool:
-    """Whether `auto` may post-validate: a synchronous schedule (`runtime.post_validate` refuses the others) without
-    ZeRO-1 (the memory of the undo copy `run --post-validate` keeps is counted for whole parameters only:
-    `costs.optimizer.undo_copy_bytes`)."""
-    return not schedule_info(schedule).asynchronous and not zero

@@ -1,15 +1,13 @@
-"""Where stages and ops land: one pipeline's devices (from a schedule, expanded for replicated stages) tiled
-`data_parallel` times over the global ranks. Rank `r` belongs to pipeline `r // P` at pipeline device `r % P`
-(P devices per pipeline), so a pipeline's devices are consecutive and stay inside a node whenever P divides the
-devices per node; its node is `r // devices_per_node`."""
+"""Where one pipeline's stages and ops land: its devices (from a schedule, expanded for replicated stages), the op
+lists each runs, and their timing — one step (`simulate_layout`), or steps from each device's ready time
+(`layout_steps`), transfers blocking their senders unless overlapped (`transfer_costs`). A plan tiles this layout
+`data_parallel` times over its ranks (`plan.plan.rank_infos`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeplan.cluster import Cluster
 from pipeplan.costs.overlap import Overlap, blocking_transfers
-from pipeplan.plan.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.period import LayoutSteps, step_timer
 from pipeplan.schedules.registry import generate, schedule_info
@@ -82,20 +80,6 @@ def pipeline_layout(
 def _consecutive(replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(replicas[:s]) for s in range(len(replicas))]
     return tuple(tuple(range(start, start + r)) for start, r in zip(starts, replicas))
-
-
-def rank_infos(layout: PipelineLayout, data_parallel: int, cluster: Cluster) -> tuple[RankInfo, ...]:
-    per_pipeline = layout.num_devices
-    return tuple(
-        RankInfo(
-            rank=rank,
-            node=cluster.node_of(rank),
-            pipeline=rank // per_pipeline,
-            stages=layout.device_stages[rank % per_pipeline],
-            stage_replica=layout.device_replica[rank % per_pipeline],
-        )
-        for rank in range(per_pipeline * data_parallel)
-    )
 
 
 def simulate_layout(

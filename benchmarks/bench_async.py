@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from pipeplan.artifact.manual import manual_plan  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.launch import launch_many  # noqa: E402
 from pipeplan.schedules.registry import schedule_info  # noqa: E402

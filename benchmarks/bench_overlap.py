@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pipeplan.artifact.manual import manual_plan  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.launch import launch_many  # noqa: E402
 from pipeplan.schedules.ops import Op  # noqa: E402

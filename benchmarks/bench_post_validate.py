@@ -32,9 +32,9 @@ import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from pipeplan.artifact.manual import manual_plan  # noqa: E402
+from pipeplan.artifact.plan import Plan  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
-from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.trainer import Trainer  # noqa: E402
 

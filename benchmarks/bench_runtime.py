@@ -42,13 +42,13 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pipeplan.artifact.manual import manual_plan  # noqa: E402
+from pipeplan.artifact.plan import Plan  # noqa: E402
+from pipeplan.artifact.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.errors import PipeplanError  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
-from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.plan.plan import Plan  # noqa: E402
-from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.profiling.profile_job import ProfileRequest  # noqa: E402
 from pipeplan.runtime.config import RunConfig  # noqa: E402
 from pipeplan.runtime.trainer import Trainer  # noqa: E402

@@ -161,7 +161,7 @@ def _output(code: int, output: str, workspace: str, as_json: bool):
 
 def _predicted_run_ms(plan_path: Path) -> dict[str, float]:
     """What `run` prints as the predicted step with --post-validate and --no-post-validate."""
-    from pipeplan.plan.plan import Plan
+    from pipeplan.artifact.plan import Plan
 
     try:
         from pipeplan.runtime.train import predicted_ms

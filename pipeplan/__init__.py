@@ -2,13 +2,11 @@
 
 The Python API (README, "Python API"): `pipeplan.profile`, `pipeplan.plan`, `pipeplan.simulate`, `pipeplan.run`,
 `Plan` (`save` / `load`), `Profile`, `ModelSpec` and `module_spec`. They load on first use (module `__getattr__`),
-so `import pipeplan` does not import torch. `pipeplan.plan` is also the `plan/` subpackage (the Plan artifact's
-room): that module object is made callable, so `pipeplan.plan(...)` is the API's plan() however it was imported."""
+so `import pipeplan` does not import torch. (The Plan artifact's room is `pipeplan.artifact`: `pipeplan.plan` is only
+ever the API's function.)"""
 
 from __future__ import annotations
 
-import importlib
-import types
 from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import PipeplanError
@@ -17,9 +15,9 @@ from pipeplan.version import VERSION
 __version__ = VERSION
 
 if TYPE_CHECKING:
-    from pipeplan.api import ModelSpec, Plan, Profile, module_spec, profile, run, simulate
+    from pipeplan.api import ModelSpec, Plan, Profile, module_spec, plan, profile, run, simulate
 
-_LAZY = ("ModelSpec", "Plan", "Profile", "module_spec", "profile", "run", "simulate")  # pipeplan.api's
+_LAZY = ("ModelSpec", "Plan", "Profile", "module_spec", "plan", "profile", "run", "simulate")  # pipeplan.api's
 __all__ = [
     "ModelSpec",
     "PipeplanError",
@@ -46,15 +44,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _CallablePlanPackage(types.ModuleType):
-    """The `pipeplan.plan` subpackage, callable as the API's `plan()`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from pipeplan.api import plan
-
-        return plan(*args, **kwargs)
-
-
-importlib.import_module("pipeplan.plan").__class__ = _CallablePlanPackage  # plan/__init__.py: a docstring only

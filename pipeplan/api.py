@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from pipeplan.errors import ConfigError, RunError
 
 if TYPE_CHECKING:
+    from pipeplan.artifact.plan import Plan
     from pipeplan.models.module_spec import module_spec
     from pipeplan.models.spec import ModelSpec
-    from pipeplan.plan.plan import Plan
     from pipeplan.profiling.profile import Profile
     from pipeplan.runtime.trainer import RunResult
     from pipeplan.schedules.uniform import Ranking, Simulation
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelSpec", "Plan", "Profile", "module_spec", "plan", "profile", "run", "simulate"]
 _CLASSES = {  # loaded on first use: ModelSpec and module_spec import torch, Plan and Profile numpy
     "ModelSpec": "pipeplan.models.spec",
-    "Plan": "pipeplan.plan.plan",
+    "Plan": "pipeplan.artifact.plan",
     "Profile": "pipeplan.profiling.profile",
     "module_spec": "pipeplan.models.module_spec",
 }
@@ -130,8 +130,8 @@ def run(plan: Plan | str | os.PathLike, **options: Any) -> list[RunResult]:
     """Run the plan's ranks on this machine, as `pipeplan run` does, and return each rank's RunResult (losses,
     step times, ...) in rank order. `plan`: a Plan or a plan.json path. Options: `pipeplan run`'s (steps=10,
     trace_path=None, checkpoint_dir=None, lr=None, threads=None, ...)."""
+    from pipeplan.artifact.plan import Plan
     from pipeplan.models.module_spec import OBJECT_PREFIX
-    from pipeplan.plan.plan import Plan
     from pipeplan.runtime.launch import launch_local
     from pipeplan.runtime.run_options import RunOptions
 

@@ -120,9 +120,18 @@ def get_precision(name: str) -> Precision:
     return PRECISIONS[name]
 
 
+ANALYTIC_PRECISION = "bf16-main"  # analytic profiles, plans and capacity (see `default_precision`)
+
+
 def default_precision(device: str) -> str:
-    """bf16-mixed on a GPU (cuda, or meta: analytic for a GPU preset), fp32 on the CPU."""
-    return "fp32" if device == "cpu" else "bf16-mixed"
+    """fp32 on the CPU, bf16-mixed measured on a GPU (what `pipeplan run` trains in there), and bf16-main analytic
+    (`meta`: a GPU preset's run at scale, as the engines that run one hold it — Megatron-Core and NeMo keep bf16
+    weights with fp32 gradients and fp32 main weights — the same default for `plan --device meta`, `profile --device
+    meta` and `capacity`, so that they predict the same layout alike; a plan for pipeplan's own runtime names a
+    runnable mode, e.g. --precision bf16-mixed)."""
+    if device == "cpu":
+        return "fp32"
+    return ANALYTIC_PRECISION if device == "meta" else "bf16-mixed"
 
 
 def profile_precision(provenance) -> str:

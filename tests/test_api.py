@@ -32,7 +32,7 @@ def test_import_names_the_api_without_importing_torch():
     assert out[1] == "True False"
     for name in pipeplan.__all__:
         assert getattr(pipeplan, name) is not None, name
-    assert pipeplan.Plan.__module__ == "pipeplan.plan.plan" and pipeplan.plan.plan.Plan is pipeplan.Plan
+    assert pipeplan.Plan.__module__ == "pipeplan.artifact.plan" and pipeplan.artifact.plan.Plan is pipeplan.Plan
 
 
 def test_profile_plan_save_load_equal_the_cli(tmp_path):

@@ -6,8 +6,8 @@ base modules); ARCHITECTURE.md draws the same map:
     base (errors, units, console, options, jsonio, paths, precision, cluster, hardware, version)
     models < graph < profiling < calibrate
     schedules (pure op lists: base only)
-    costs < partition < predict < plan < search < capacity
-    runtime (executes a Plan: plan, graph, schedules, models; nothing of the search)
+    costs < partition < predict < artifact < search < capacity
+    runtime (executes a Plan: artifact, graph, schedules, models; nothing of the search)
     api, cli (everything): the Python API and the command line over it; the package's `__init__` names the API's
     functions lazily (`pipeplan.profile` loads pipeplan.api on first use)
 
@@ -45,10 +45,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "costs": {"profiling", "graph", "schedules"},
     "partition": {"costs", "profiling", "graph", "schedules"},
     "predict": {"partition", "costs", "profiling", "graph", "schedules"},
-    "plan": {"predict", "costs", "profiling", "graph", "schedules", "models"},
-    "search": {"plan", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
-    "capacity": {"search", "plan", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
-    "runtime": {"plan", "graph", "schedules", "models"},
+    "artifact": {"predict", "costs", "profiling", "graph", "schedules", "models"},
+    "search": {"artifact", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
+    "capacity": {"search", "artifact", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
+    "runtime": {"artifact", "graph", "schedules", "models"},
 }
 MAY_IMPORT["api"] = set(MAY_IMPORT)
 MAY_IMPORT["cli"] = set(MAY_IMPORT) | {"api"}

@@ -1,7 +1,7 @@
 """Where one pipeline's stages and ops land: its devices (from a schedule, expanded for replicated stages), the op
 lists each runs, and their timing — one step (`simulate_layout`), or steps from each device's ready time
 (`layout_steps`), transfers blocking their senders unless overlapped (`transfer_costs`). A plan tiles this layout
-`data_parallel` times over its ranks (`plan.plan.rank_infos`)."""
+`data_parallel` times over its ranks (`artifact.ranks.rank_infos`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`predict(inputs) -> Prediction`: one pipeline's step — its op lists timed, its period, bubble, each device's
 peak bytes and its gradient exchanges — from `StepInputs`, the one call both the search's candidates
-(`search.candidate`) and a plan's re-simulation (`plan.timing`: `show`, timeline.json, `run`'s predicted lines)
+(`search.candidate`) and a plan's re-simulation (`artifact.timing`: `show`, timeline.json, `run`'s predicted lines)
 make.
 
 `StepInputs.memory` holds static bytes without `run --post-validate`'s undo copy: a post-validated prediction adds

@@ -5,7 +5,7 @@ Entry points:
   (`launch.launch_local`, or `launch.launch_many` for several plans of one world size in one launch);
 - `python -m pipeplan.runtime.worker DIR/plan.json ...` is one rank, what launch.sh runs under torchrun;
 - `trainer.Trainer` / `train.train` run inside an initialized process group (tests, benchmarks);
-- `plan.manual.manual_plan` makes a runnable plan for a hand-chosen split and schedule (no search).
+- `artifact.manual.manual_plan` makes a runnable plan for a hand-chosen split and schedule (no search).
 
 Modules: stages (meta trace, fingerprint and model-file checks, materialize own stages), materialize (each rank's
 tensors taken by name from a whole-model CPU build; meta path for too-large models), init_weights (--init-from

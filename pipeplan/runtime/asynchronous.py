@@ -26,8 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError, RunError
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.async_weights import VersionStore
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
 from pipeplan.jsonio import atomic_write_text
-from pipeplan.plan.plan import Plan
 
 LATEST = "latest"
 PLAN_FILE = "plan.json"

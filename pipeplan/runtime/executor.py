@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_key
 from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import Mailbox
 from pipeplan.runtime.overlap import PairRunner
 from pipeplan.runtime.recompute_run import SelectiveRecompute

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.graph.trace import build_module
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.init_weights import alias_groups, load_initial_weights
 from pipeplan.runtime.materialize import build_whole, named_tensors

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
-from pipeplan.plan.plan import Plan
 
 
 def parameter_holders(plan: Plan, stage_params: list[tuple[str, ...]]) -> dict[str, tuple[int, ...]]:

@@ -21,8 +21,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import check_async_run
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.optim import check_training

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import OPTIMIZERS, RunConfig
 
 SGD_MOMENTUM = 0.9

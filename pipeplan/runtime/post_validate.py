@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows, judge
 from pipeplan.schedules.registry import schedule_info
 

@@ -5,9 +5,9 @@ initializer). Each problem is one line."""
 
 from __future__ import annotations
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.console import warn
 from pipeplan.graph.trace import build_module
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.init_weights import check_initial_weights
 from pipeplan.runtime.materialize import refuse_or_announce_meta_path, whole_build_fits

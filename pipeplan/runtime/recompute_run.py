@@ -21,10 +21,10 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
 from pipeplan.graph.recompute_modes import is_attention
 from pipeplan.graph.trace import TracedModel
-from pipeplan.plan.plan import Plan
 
 
 def check_recompute(plan: Plan, traced: TracedModel) -> None:

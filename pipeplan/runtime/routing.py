@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError, ScheduleError
-from pipeplan.plan.plan import Plan
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.validate import check_complete
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.graph.export_trace import retarget_device
 from pipeplan.graph.stage import (
@@ -29,7 +30,6 @@ from pipeplan.graph.trace import TracedModel, trace_model, traced_constants
 from pipeplan.models import load_model
 from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import TensorMeta
 from pipeplan.runtime.init_weights import load_initial_weights
 from pipeplan.runtime.materialize import (
@@ -90,7 +90,7 @@ def check_plan_runs(plan: Plan, *, trace: bool = True) -> None:
     """Everything about a plan that can be checked before a rank starts: runnable (stage FX nodes), a recorded
     graph fingerprint that the model still traces to, every node in exactly one stage, the model file unchanged,
     and its op lists executable (the same re-simulation `show` does: completeness, order, deadlock)."""
-    from pipeplan.plan.timing import plan_timeline
+    from pipeplan.artifact.timing import plan_timeline
 
     plan.require_runnable()
     if not plan.model.fingerprint:

@@ -24,8 +24,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.console import out, warn
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.asynchronous import AsynchronousSteps
 from pipeplan.runtime.config import FaultSpec, RunConfig
 from pipeplan.runtime.metrics import MetricsLog, step_record
@@ -270,10 +270,10 @@ def _log_summary(
 
 def predicted_ms(plan, post_validate: bool) -> float:  # type: ignore[no-untyped-def]
     """The plan's predicted step for the setting run: its stored period, or, when --post-validate or
-    --no-post-validate differs from the plan's, the period of the other setting (`plan.timing.plan_step_ms`: the
+    --no-post-validate differs from the plan's, the period of the other setting (`artifact.timing.plan_step_ms`: the
     search's `predict.predict` again)."""
     if post_validate == plan.training.post_validate or schedule_info(plan.schedule).asynchronous:
         return plan.predicted.step_ms
-    from pipeplan.plan.timing import plan_step_ms
+    from pipeplan.artifact.timing import plan_step_ms
 
     return plan_step_ms(plan, post_validate=post_validate)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
-from pipeplan.plan.plan import Plan
 from pipeplan.precision import get_precision
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.comm import make_direction_groups

@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.options import parse_options
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_options import RunOptions
 from pipeplan.runtime.stages import check_plan_runs

@@ -22,7 +22,7 @@ def plan(options: PlanOptions) -> None:
     Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
     Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
-    from pipeplan.plan.summary import render_summary, summary_dict
+    from pipeplan.artifact.summary import render_summary, summary_dict
     from pipeplan.search.plan_job import prepare_plan, run_plan_job  # the search: imported when it runs
 
     job = prepare_plan(options)

@@ -3,7 +3,7 @@ and op lists, prediction, alternatives and rationale.
 
 Stage node names come from the traced LayerGraph; a plan made from a profile alone has none and is marked not
 runnable (`Plan.runnable`). Rank `r` runs the op list of pipeline device `r % P`; microbatches are numbered per
-pipeline, so every pipeline runs the same lists. `pipeplan.plan.timing` turns a Plan back into the schedule and
+pipeline, so every pipeline runs the same lists. `pipeplan.artifact.timing` turns a Plan back into the schedule and
 costs it was timed with.
 """
 
@@ -13,9 +13,9 @@ import importlib.metadata
 import sys
 from typing import TYPE_CHECKING
 
+from pipeplan.artifact.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig, run_device_for
+from pipeplan.artifact.ranks import rank_infos
 from pipeplan.errors import FormatError
-from pipeplan.plan.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig, run_device_for
-from pipeplan.plan.ranks import rank_infos
 from pipeplan.profiling.profile import Profile
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale

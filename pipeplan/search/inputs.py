@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pipeplan.artifact.plan import ModelRef
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
-from pipeplan.plan.plan import ModelRef
 from pipeplan.precision import get_precision, profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request

@@ -7,15 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.scripts import write_plan_dir
+from pipeplan.artifact.timing import plan_steps_timeline, timeline_rows
 from pipeplan.cluster import Cluster
 from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models.assignments import parse_assignments
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.scripts import write_plan_dir
-from pipeplan.plan.timing import plan_steps_timeline, timeline_rows
 from pipeplan.precision import default_precision
 from pipeplan.profiling.profile_job import ProfileRequest
 from pipeplan.schedules.simulate import Timeline

@@ -3,7 +3,7 @@ predicted throughput that fits memory — `search_plans(profile, cluster, config
 
 Enumeration: for each microbatch size b and each data-parallel degree d dividing the device count N (each
 pipeline gets P = N / d devices, m = B / (d b) microbatches; `SearchConfig.pipeline_depths` keeps only the given
-P), every schedule (the asynchronous pipedream ones only with `allow_async`: plan/asynchronous.py), straight
+P), every schedule (the asynchronous pipedream ones only with `allow_async`: `config.searched_schedules`), straight
 (one stage per device, or per chunk) and — for fixed-order schedules with one stage per device (gpipe, 1f1b, zb-h1,
 zb-h2) — PipeDream-style replicated stages (the partitioner picks the number of stages <= P and their replicas).
 

@@ -14,7 +14,7 @@ import torch
 from torch.func import functional_call
 
 from helpers.runtime import build_reference_model
-from pipeplan.plan.plan import Plan
+from pipeplan.artifact.plan import Plan
 from pipeplan.runtime.stages import build_pipeline_model
 from pipeplan.schedules.registry import generate
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.search import synthetic_profile
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.hardware import hardware_presets
-from pipeplan.plan.manual import manual_plan
 
 TINY_GPT = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
 

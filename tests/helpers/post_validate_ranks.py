@@ -12,8 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.precision_run import LossScaler
 from pipeplan.runtime.trainer import Trainer

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from pipeplan.artifact.manual import manual_plan
+from pipeplan.artifact.plan import Plan
 from pipeplan.models.spec import ModelSpec
-from pipeplan.plan.manual import manual_plan
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.init_weights import load_initial_weights
 from pipeplan.runtime.materialize import build_whole, named_tensors

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pipeplan.artifact.timing import plan_step_ms  # noqa: F401  (re-exported for the tests)
 from pipeplan.cluster import Cluster
-from pipeplan.plan.timing import plan_step_ms  # noqa: F401  (re-exported for the tests)
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 
 

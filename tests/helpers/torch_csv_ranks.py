@@ -16,7 +16,7 @@ def _run_case(plan_path: str, csv_path: str, rank: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from pipeplan.plan.plan import Plan
+    from pipeplan.artifact.plan import Plan
     from pipeplan.runtime.stages import build_pipeline_model
 
     plan = Plan.load(plan_path)

@@ -12,9 +12,9 @@ from helpers.hf_zoo import cli_args, tiny_options
 from helpers.runtime import assert_matches_reference
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
 from pipeplan.models.hf_types import DENSE
-from pipeplan.plan.plan import Plan
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 

@@ -16,7 +16,7 @@ import torch
 from helpers.async_reference import async_reference
 from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, build_reference_model, make_plan
 
-from pipeplan.plan.manual import manual_plan
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.asynchronous import settled_by, stream_rank_ops
 from pipeplan.runtime.config import RunConfig

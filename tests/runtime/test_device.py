@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from pipeplan.artifact.manual import manual_plan
+from pipeplan.artifact.plan import Plan, run_device_for
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError, RunError
-from pipeplan.plan.manual import manual_plan
-from pipeplan.plan.plan import Plan, run_device_for
 from pipeplan.runtime import launch, worker
 from pipeplan.runtime.config import RunConfig
 

@@ -16,7 +16,7 @@ import statistics
 import pytest
 from helpers.runtime import make_plan
 
-from pipeplan.plan.timing import plan_costs, plan_schedule
+from pipeplan.artifact.timing import plan_costs, plan_schedule
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many
 from pipeplan.schedules.ops import Op

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers.runtime import TINY_GPT_TIED, build_reference_model, gathered_grads, make_plan
 
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.errors import ConfigError
-from pipeplan.plan.manual import manual_plan
 from pipeplan.precision import get_precision
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_local, launch_many

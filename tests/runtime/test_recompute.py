@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers.runtime import TINY_GPT, TINY_RESNET, assert_matches_reference, make_plan
 
+from pipeplan.artifact.manual import manual_plan
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError, FormatError, RunError
 from pipeplan.models import load_model
-from pipeplan.plan.manual import manual_plan
-from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.costs import LayerArrays, stage_freed_bytes, stage_kept_bytes, stage_recompute_bytes
 from pipeplan.graph.saved_tensors import storage_bytes, storage_key
 from pipeplan.models import load_model
-from pipeplan.plan.manual import manual_plan
 from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.routing import build_routing

@@ -10,9 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
 from pipeplan.models import load_model
-from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.launch import launch_many

@@ -44,8 +44,8 @@ def test_resume_refuses_a_checkpoint_of_another_partition(tmp_path):
 def test_two_launch_scripts_at_once_outside_the_venv(tmp_path):
     """launch.sh runs torch's launcher under the interpreter that planned (no torchrun on PATH needed) and picks its
     own free port, so two runs on one machine do not collide."""
-    from pipeplan.plan.scripts import write_plan_dir
-    from pipeplan.plan.timing import plan_timeline, timeline_rows
+    from pipeplan.artifact.scripts import write_plan_dir
+    from pipeplan.artifact.timing import plan_timeline, timeline_rows
 
     _, plan = make_plan(tmp_path, "p", "mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2)
     dirs = [tmp_path / "a", tmp_path / "b"]

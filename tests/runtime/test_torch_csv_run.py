@@ -10,7 +10,7 @@ import torch
 from helpers.runtime import TINY_GPT, make_plan, reference_step
 from helpers.torch_csv_ranks import run_csv_cases
 
-from pipeplan.plan.exports import torch_csv
+from pipeplan.artifact.exports import torch_csv
 
 
 @pytest.mark.slow

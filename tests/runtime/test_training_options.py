@@ -180,8 +180,8 @@ def test_a_plan_records_the_optimizer_its_memory_was_counted_for(optimizer):
     """(sgd-nomomentum was recorded as sgd, whose momentum `show` then counted under ZeRO-1; an alias unfolds)"""
     from helpers.search import make_cluster, synthetic_profile
 
-    from pipeplan.plan.plan import ModelRef
-    from pipeplan.plan.timing import plan_memory
+    from pipeplan.artifact.plan import ModelRef
+    from pipeplan.artifact.timing import plan_memory
     from pipeplan.search.config import SearchConfig
     from pipeplan.search.emit import build_plan
     from pipeplan.search.search import search_plans

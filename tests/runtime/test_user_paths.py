@@ -17,8 +17,8 @@ import torch
 from helpers.cli import one_error_line
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
-from pipeplan.plan.plan import Plan
 from pipeplan.search import plan_job
 
 runner = CliRunner()
@@ -117,7 +117,7 @@ def test_output_that_is_a_file_fails_before_profiling(monkeypatch, tmp_path):
 
 
 def test_run_init_from_a_missing_file_is_one_line(tmp_path):
-    from pipeplan.plan.manual import manual_plan
+    from pipeplan.artifact.manual import manual_plan
 
     plan = manual_plan("mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
     plan.save(tmp_path / "plan.json")
@@ -181,8 +181,8 @@ def test_sbatch_finds_its_plan_when_submitted_from_elsewhere(tmp_path):
     plan_dir, elsewhere, stubs = tmp_path / "plan", tmp_path / "elsewhere", tmp_path / "bin"
     for folder in (plan_dir, elsewhere, stubs):
         folder.mkdir()
-    from pipeplan.plan.manual import manual_plan
-    from pipeplan.plan.scripts import sbatch_script
+    from pipeplan.artifact.manual import manual_plan
+    from pipeplan.artifact.scripts import sbatch_script
 
     plan = manual_plan("mlp", {"layers": 2, "hidden": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=2)
     plan.save(plan_dir / "plan.json")

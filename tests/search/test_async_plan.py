@@ -10,13 +10,13 @@ import pytest
 from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.manual import manual_plan
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.summary import summary_dict
+from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, FormatError, RunError, ScheduleError
-from pipeplan.plan.manual import manual_plan
-from pipeplan.plan.plan import ModelRef, Plan
-from pipeplan.plan.summary import summary_dict
-from pipeplan.plan.timing import plan_timeline
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Layout
 from pipeplan.search.config import SearchConfig

@@ -8,9 +8,9 @@ import pytest
 from helpers.search import synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.timing import plan_timeline
 
 runner = CliRunner()
 

@@ -12,11 +12,11 @@ import pytest
 from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.timing import plan_costs, plan_memory, plan_timeline
 from pipeplan.cli import app
 from pipeplan.costs import allreduce_ms, numerics
 from pipeplan.errors import ConfigError, InfeasibleError
-from pipeplan.plan.plan import ModelRef, Plan
-from pipeplan.plan.timing import plan_costs, plan_memory, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.emit import build_plan

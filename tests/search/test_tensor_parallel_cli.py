@@ -11,8 +11,8 @@ from helpers.cli import one_error_line
 from helpers.search import stack_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
-from pipeplan.plan.plan import Plan
 from pipeplan.search.config import PREDICTION_MARGIN
 
 runner = CliRunner()

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from helpers.search import make_cluster, stack_profile
 
+from pipeplan.artifact.plan import ModelRef, Plan
 from pipeplan.cluster import DeviceGroups
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, InfeasibleError, RunError
-from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.scaling import scale_profile

@@ -9,10 +9,10 @@ import pytest
 from helpers.search import synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, FormatError
-from pipeplan.plan.plan import Plan
 from pipeplan.search.config import SearchConfig
 
 runner = CliRunner()

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.stage_layers import BlockLayout, block_layout, cannot_express, describe_members
 from pipeplan.costs.overlap import Overlap
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.stage_layers import BlockLayout, block_layout, cannot_express, describe_members
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "Megatron"

@@ -14,8 +14,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.errors import ConfigError
-from pipeplan.plan.plan import Plan
 
 _BLOCK = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?:\..+)?$")
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipeplan.artifact.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig
+from pipeplan.artifact.ranks import rank_infos
 from pipeplan.cluster import Cluster
 from pipeplan.costs.optimizer import bytes_per_param, numerics
 from pipeplan.errors import ConfigError
@@ -15,8 +17,6 @@ from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.graph.trace import LayerGraph, trace_model
 from pipeplan.models import load_model
 from pipeplan.models.registry import canonical_ref, recorded_options
-from pipeplan.plan.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig
-from pipeplan.plan.ranks import rank_infos
 from pipeplan.predict.layout import pipeline_layout
 from pipeplan.schedules.registry import generate
 

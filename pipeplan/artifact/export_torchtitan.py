@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.stage_layers import block_layout, cannot_express, describe_members
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.stage_layers import block_layout, cannot_express, describe_members
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "torchtitan"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pipeplan.artifact.plan import Plan, StagePlan
 from pipeplan.errors import FormatError
-from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.predict.layout import PipelineLayout
 from pipeplan.predict.memory import StaticRule, with_weight_versions
 from pipeplan.predict.predict import Prediction, StepInputs, held_memory, predict, simulate_step, steady_steps

@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from pipeplan.artifact.export_megatron import megatron_export
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError
-from pipeplan.plan.export_megatron import megatron_export
-from pipeplan.plan.manual import manual_plan
 
 runner = CliRunner()
 

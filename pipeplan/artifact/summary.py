@@ -8,8 +8,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.scripts import describe
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.scripts import describe
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.render import gantt
 from pipeplan.schedules.simulate import Timeline

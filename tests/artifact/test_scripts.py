@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from helpers.search import make_cluster, synthetic_profile
 
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.scripts import launch_script, sbatch_script, write_plan_dir
+from pipeplan.artifact.timing import plan_steps_timeline, plan_timeline, timeline_rows
 from pipeplan.costs import numerics
-from pipeplan.plan.plan import ModelRef, Plan
-from pipeplan.plan.scripts import launch_script, sbatch_script, write_plan_dir
-from pipeplan.plan.timing import plan_steps_timeline, plan_timeline, timeline_rows
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.search import search_plans

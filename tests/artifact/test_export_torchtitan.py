@@ -13,9 +13,9 @@ import pytest
 import tomllib
 from typer.testing import CliRunner
 
+from pipeplan.artifact.export_torchtitan import torchtitan_export
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.cli import app
-from pipeplan.plan.export_torchtitan import torchtitan_export
-from pipeplan.plan.manual import manual_plan
 
 runner = CliRunner()
 

@@ -10,12 +10,12 @@ import pytest
 from helpers.search import make_cluster, plan_step_ms, synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.summary import summary_dict
+from pipeplan.artifact.timing import plan_memory, plan_steps, plan_steps_timeline, plan_timeline
 from pipeplan.cli import app
 from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
-from pipeplan.plan.plan import ModelRef, Plan
-from pipeplan.plan.summary import summary_dict
-from pipeplan.plan.timing import plan_memory, plan_steps, plan_steps_timeline, plan_timeline
 from pipeplan.runtime import train
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.jsonio import atomic_write_text, write_json
-from pipeplan.plan.plan import Plan
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.render import timeline_to_chrome_trace
 

@@ -11,9 +11,9 @@ import pytest
 from helpers.cli import one_error_line
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_step_ms, plan_timeline
 from pipeplan.cli import app
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.timing import plan_step_ms, plan_timeline
 
 runner = CliRunner()
 PLAN = ["plan", "moe", "--device", "meta", "--hardware", "h100", "--devices", "4", "-B", "8", "--zero", "1"]

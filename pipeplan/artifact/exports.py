@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeplan.artifact.export_formats import EXPORT_FORMATS
+from pipeplan.artifact.export_megatron import megatron_export
+from pipeplan.artifact.export_torchtitan import torchtitan_export
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_schedule
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
-from pipeplan.plan.export_formats import EXPORT_FORMATS
-from pipeplan.plan.export_megatron import megatron_export
-from pipeplan.plan.export_torchtitan import torchtitan_export
-from pipeplan.plan.plan import Plan
-from pipeplan.plan.timing import plan_schedule
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import validate

@@ -6,8 +6,8 @@ devices r·t·cp .. r·t·cp + t·cp - 1, and its node is that of its first devi
 
 from __future__ import annotations
 
+from pipeplan.artifact.plan import RankInfo
 from pipeplan.cluster import Cluster, DeviceGroups
-from pipeplan.plan.plan import RankInfo
 from pipeplan.predict.layout import PipelineLayout
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 
+from pipeplan.artifact.export_formats import EXPORT_FORMATS
 from pipeplan.console import err, out, print_json
 from pipeplan.paths import check_output_file
-from pipeplan.plan.export_formats import EXPORT_FORMATS
 
 
 def show(
@@ -19,9 +19,9 @@ def show(
 
     Example: pipeplan show plan/plan.json
     """
-    from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)
-    from pipeplan.plan.summary import render_summary, summary_dict
-    from pipeplan.plan.timing import plan_steps_timeline
+    from pipeplan.artifact.plan import Plan  # the artifact room: imported when the command runs (not for --help)
+    from pipeplan.artifact.summary import render_summary, summary_dict
+    from pipeplan.artifact.timing import plan_steps_timeline
 
     loaded = Plan.load(plan_file)
     timeline = plan_steps_timeline(loaded)
@@ -45,8 +45,8 @@ def export(
 
     Example: pipeplan export plan/plan.json --format megatron -o megatron.args
     """
-    from pipeplan.plan.exports import export_plan
-    from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)
+    from pipeplan.artifact.exports import export_plan
+    from pipeplan.artifact.plan import Plan  # the artifact room: imported when the command runs (not for --help)
 
     lines, notes = export_plan(Plan.load(plan_file), fmt, Path(check_output_file(output, "--output")))
     for note in notes:

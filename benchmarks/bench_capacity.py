@@ -24,11 +24,11 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
-from pipeplan.capacity.options import CAPACITY_PRECISION  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch  # noqa: E402
 from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
+from pipeplan.precision import ANALYTIC_PRECISION as CAPACITY_PRECISION  # noqa: E402
 from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 
 REPEATS = 3

@@ -22,12 +22,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from pipeplan.capacity.inputs import capacity_profile  # noqa: E402
-from pipeplan.capacity.options import CAPACITY_PRECISION  # noqa: E402
 from pipeplan.capacity.report import CapacityReport, CapacityRow  # noqa: E402
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep  # noqa: E402
 from pipeplan.costs import numerics  # noqa: E402
 from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
+from pipeplan.precision import ANALYTIC_PRECISION as CAPACITY_PRECISION  # noqa: E402
 from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 from pipeplan.units import format_gib  # noqa: E402
 

@@ -27,7 +27,7 @@ DEVICES = 2048
 LAYOUT = "tp=1,cp=1,pp=16,dp=128,ep=64,mbs=1,zero=1,recompute=full"
 COMMAND = [
     *(sys.executable, "-m", "pipeplan", "capacity", "deepseek-v3", "--hardware", "h800", "--precision", "fp8"),
-    *("-t", "1", "--context-parallel", "1", "-B", "15360", "--layout", LAYOUT, "--json"),
+    *("--parallel", "tp=1,cp=1", "-B", "15360", "--layout", LAYOUT, "--json"),
 ]
 
 

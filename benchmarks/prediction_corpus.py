@@ -123,9 +123,73 @@ SIMULATE = {
 }
 
 
+SYNCHRONOUS = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-auto,zbv,dualpipev"  # every synchronous schedule
+
+
 def translate(argv: list[str]) -> list[str]:
-    """Old command lines in the current CLI's words (identity until a flag is renamed or merged)."""
-    return argv
+    """The corpus's command lines (the CLI of before issue 33) in the current CLI's words, meaning the same: the
+    parallelism degrees into --parallel, memory options into --memory, the optimizer into --precision, a hardware file
+    into --hardware, --allow-async into --schedule; `plan --device meta` without --precision keeps bf16-mixed (analytic
+    plans now default to bf16-main, as capacity does)."""
+    if not argv or argv[0] not in ("plan", "capacity"):
+        return argv
+    rest, words = list(argv[1:]), {}
+    parallel, memory, kept = [], [], [argv[0]]
+    keys = {"--tensor-parallel": "tp", "-t": "tp", "--context-parallel": "cp", "--expert-parallel": "ep"}
+    keys |= {"--pipeline-depth": "pp", "-p": "pp", "--interleave": "vp"}
+    while rest:
+        flag = rest.pop(0)
+        if flag in keys:
+            parallel.append(f"{keys[flag]}={rest.pop(0).replace(',', '/')}")
+        elif flag in ("--no-replication", "--replication"):
+            parallel.append("replicate=" + ("off" if flag == "--no-replication" else "on"))
+        elif flag in ("--memory-per-device", "--memory-reserve", "--zero", "--recompute"):
+            value = rest.pop(0)
+            memory.append(value if flag == "--memory-per-device" else f"{flag[2:].split('-')[-1]}={value}")
+        elif flag in (
+            "--optimizer",
+            "--hardware-file",
+            "--hardware",
+            "--precision",
+            "--schedule",
+            "-s",
+            "--devices-per-node",
+        ):
+            words[flag] = rest.pop(0)
+        elif flag == "--allow-async":
+            words[flag] = "yes"
+        elif flag == "--profile-format":
+            rest.pop(0)
+        else:
+            kept.append(flag)
+    if parallel:
+        kept += ["--parallel", ",".join(parallel)]
+    if memory:
+        kept += ["--memory", ",".join(memory)]
+    precision = words.get("--precision")
+    if precision is None and argv[0] == "plan" and "meta" in argv:
+        precision = "bf16-mixed"  # the default of before
+    if precision is None and argv[0] == "capacity":
+        precision = "bf16-main"
+    if precision or "--optimizer" in words:
+        kept += ["--precision", ",".join(w for w in (precision, words.get("--optimizer")) if w)]
+    if "--hardware" in words:
+        file = words.get("--hardware-file")
+        kept += ["--hardware", f"{file}:{words['--hardware']}" if file else words["--hardware"]]
+    schedule = words.get("--schedule", words.get("-s", "auto"))
+    if argv[0] == "capacity" and schedule == "all":
+        schedule = SYNCHRONOUS  # capacity's old `all`: every schedule, the asynchronous ones only when allowed
+    if "--allow-async" in words and schedule in ("auto", SYNCHRONOUS):
+        schedule += ",async"
+    kept += ["--schedule", schedule]
+    if "--devices-per-node" in words:
+        if argv[0] == "capacity":
+            kept += ["--devices-per-node", words["--devices-per-node"]]
+        else:
+            at = kept.index("--devices") + 1
+            per_node = int(words["--devices-per-node"])
+            kept[at] = f"{int(kept[at]) // per_node}x{per_node}"
+    return kept
 
 
 def _invoke(argv: list[str]) -> tuple[int, str]:

@@ -17,7 +17,7 @@ def main(out: Path) -> None:
     print(f"{len(profile.layers)} layers profiled")
 
     # plan: `pipeplan plan`'s options as keywords (--devices -> devices, -B -> global_batch_size)
-    plan = pipeplan.plan("mlp", assignments=model, profile=profile, devices=2, global_batch_size=8, pipeline_depth="2")
+    plan = pipeplan.plan("mlp", assignments=model, profile=profile, devices=2, global_batch_size=8, parallel="pp=2")
     print(f"{plan.schedule}: {len(plan.stages)} stages, predicted {plan.predicted.step_ms:.2f} ms per step")
 
     plan.save(out / "plan.json")

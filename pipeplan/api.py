@@ -5,8 +5,10 @@ the same defaults and the same checks: the dataclass is the one declaration (`Pr
 `SimulateOptions`, `RunOptions`), and the CLI commands call the same library functions. Errors are the same
 one-line `PipeplanError` subclasses.
 
-Differences from the CLI, where a function returns what a command prints: `plan` writes its directory (plan.json,
-launch.sh, ...) only when `output=` is given (`Plan.save` writes plan.json); `profile` and `plan` also take a
+Each resolves its options as its command does and calls the same library function (`plan`: `search.plan_job.
+prepare_plan` -> `search.planner.plan`). Differences from the CLI, where a function returns what a command prints:
+`plan` writes its directory (plan.json, launch.sh, ...) only when `output=` is given (`Plan.save` writes plan.json)
+and takes a Profile object as it is (no file); `profile` and `plan` also take a
 `ModelSpec` or an `nn.Module` (with `example_batch=` and `loss_fn=`), registered in this process as `object:NAME`:
 such a plan is planned and simulated here, but `run` starts fresh rank processes that rebuild the model from its
 reference, so it needs a built-in name, `file.py:factory` or `pkg.mod:factory`.
@@ -102,17 +104,18 @@ def plan(
     """Search layouts and return the chosen Plan, as `pipeplan plan` does: MODEL profiled on the spot, or
     `profile=` (a Profile or a profile file; give the model too for a runnable plan). Writes the plan directory
     only when `output=` names one. Options: `pipeplan plan`'s (devices=None, global_batch_size=None, ...)."""
-    from pipeplan.search.plan_job import prepare_plan, run_plan_job
+    from pipeplan.search.plan_job import prepare_plan, write_plan
     from pipeplan.search.plan_options import PlanOptions
+    from pipeplan.search.planner import plan as plan_layouts
 
     reference = None if model is None else _model_reference(model, example_batch, loss_fn)
-    with tempfile.TemporaryDirectory(prefix="pipeplan-api-") as folder:
-        if profile is not None and not isinstance(profile, str | os.PathLike):
-            profile.save(Path(folder) / "profile.json")
-            profile = Path(folder) / "profile.json"
-        given = {**options, "profile": Path(profile) if profile is not None else None}
-        job = prepare_plan(_options(PlanOptions, "plan", given, model=reference, output=output, json_output=True))
-        chosen, _ = run_plan_job(job)
+    in_memory = None if profile is None or isinstance(profile, str | os.PathLike) else profile
+    given = {**options, "profile": Path(profile) if in_memory is None and profile is not None else None}
+    request = _options(PlanOptions, "plan", given, model=reference, output=output, json_output=True)
+    job = prepare_plan(request, profile=in_memory)
+    chosen = plan_layouts(job.source, job.cluster, job.config)
+    if job.output is not None:
+        write_plan(chosen, job.output)
     return chosen
 
 

@@ -87,13 +87,13 @@ class Cluster:
                 f"{self.num_devices:,}"
             )
         if self.devices_per_node < 1:
-            raise ConfigError(f"--devices-per-node must be >= 1, got {self.devices_per_node}")
+            raise ConfigError(f"devices per node must be >= 1, got {self.devices_per_node}")
         if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
             raise ConfigError(
-                f"--devices ({self.num_devices}) must be a multiple of --devices-per-node ({self.devices_per_node})"
+                f"--devices ({self.num_devices}) must be a multiple of the devices per node ({self.devices_per_node})"
             )
         if self.memory_per_device is not None and self.memory_per_device <= 0:
-            raise ConfigError(f"--memory-per-device must be positive, got {self.memory_per_device}")
+            raise ConfigError(f"--memory must be positive, got {self.memory_per_device}")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
@@ -149,10 +149,10 @@ class MemoryBudget:
 
     def __post_init__(self) -> None:
         if self.reserve < 0:
-            raise ConfigError(f"--memory-reserve must be >= 0, got {self.reserve}")
+            raise ConfigError(f"--memory reserve= must be >= 0, got {self.reserve}")
         if self.usable <= 0:
             raise ConfigError(
-                f"--memory-reserve ({format_bytes(self.reserve)}) leaves no memory of {format_bytes(self.physical)} "
+                f"--memory reserve={format_bytes(self.reserve)} leaves no memory of {format_bytes(self.physical)} "
                 "per device; lower it"
             )
 

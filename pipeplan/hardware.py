@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeplan.cluster import Cluster
-from pipeplan.errors import ConfigError, FormatError
+from pipeplan.errors import ConfigError, FormatError, PipeplanError
 from pipeplan.jsonio import read_json
 
 if TYPE_CHECKING:
@@ -296,11 +296,32 @@ def load_hardware(name: str | Hardware, *, hardware_file: str | os.PathLike | No
 
 
 def resolve_hardware(name: str | None, hardware_file: str | os.PathLike | None = None) -> Hardware | None:
-    """`--hardware NAME` and `--hardware-file FILE` as every command reads them, once: the preset (or the file's
-    entry) by name; None when neither is given. A file without a name is refused in one line."""
+    """`--hardware` as every command reads it, once: a preset by name, or `FILE.json[:NAME]` (an entry of a file of
+    `pipeplan calibrate`: its only one when NAME is left out), or NAME with `--hardware-file FILE`; None when neither
+    is given. A file with several entries and no name is refused in one line listing them."""
     if name is None and hardware_file is None:
         return None
-    return load_hardware(name or "", hardware_file=hardware_file)  # no name: one line listing the file's names
+    if hardware_file is None and name is not None:
+        path, sep, entry = name.rpartition(":")
+        if _names_file(name):
+            hardware_file, name = name, _only_entry(name)
+        elif sep and _names_file(path):
+            hardware_file, name = path, entry
+    return load_hardware(name or "", hardware_file=hardware_file)
+
+
+def _names_file(text: str) -> bool:
+    return text.lower().endswith(".json") or os.path.isfile(text)  # no name: one line listing the file's names
+
+
+def _only_entry(path: str) -> str:
+    """The name of the one entry a hardware file adds ("" when it has none or several: the caller lists them)."""
+    try:
+        data = read_json(path, kind="hardware", schema_version=HARDWARE_SCHEMA_VERSION)
+    except PipeplanError:
+        return ""  # load_hardware_file says what is wrong with it, in one line
+    entries = data.get("hardware") if isinstance(data, dict) else None
+    return next(iter(entries)) if isinstance(entries, dict) and len(entries) == 1 else ""
 
 
 def cluster_for(hardware: str | Hardware, num_devices: int, devices_per_node: int = 8) -> Cluster:

@@ -39,13 +39,13 @@ def test_profile_plan_save_load_equal_the_cli(tmp_path):
     profile = pipeplan.profile("mlp", assignments=TINY, batch_size=2, repeats=1, warmup=1)
     assert len(profile.layers) >= 2 and profile.provenance.batch_size == 2
     profile.save(tmp_path / "p.json")
-    options = dict(devices=2, global_batch_size=4, memory_per_device="4GiB", pipeline_depth="2")
+    options = dict(devices=2, global_batch_size=4, memory="4GiB", parallel="pp=2")
     chosen = pipeplan.plan("mlp", assignments=TINY, profile=profile, output=tmp_path / "api", **options)
     assert chosen.runnable and chosen.world_size == 2
     chosen.save(tmp_path / "saved.json")
     assert pipeplan.Plan.load(tmp_path / "saved.json") == chosen == pipeplan.Plan.load(tmp_path / "api" / "plan.json")
     argv = ["plan", "mlp", "-a", "layers=2", "-a", "hidden=8", "--profile", str(tmp_path / "p.json"), "-n", "2"]
-    argv += ["-B", "4", "--memory-per-device", "4GiB", "-p", "2", "-o", str(tmp_path / "cli"), "--json"]
+    argv += ["-B", "4", "--memory", "4GiB", "--parallel", "pp=2", "-o", str(tmp_path / "cli"), "--json"]
     assert CliRunner().invoke(app, argv).exit_code == 0
     cli_plan = pipeplan.Plan.load(tmp_path / "cli" / "plan.json")
     assert cli_plan.stages == chosen.stages and cli_plan.rank_ops == chosen.rank_ops
@@ -75,7 +75,7 @@ def test_module_objects_plan_here_and_are_refused_by_run(tmp_path):
         loss_fn=torch.nn.functional.mse_loss,
         devices=2,
         global_batch_size=4,
-        memory_per_device="4GiB",
+        memory="4GiB",
     )
     assert chosen.model.ref == "object:Sequential"
     with pytest.raises(RunError, match="object of this process"):

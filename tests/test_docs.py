@@ -57,7 +57,7 @@ class DocCommand:
         return {path.rstrip("/") for path in found}
 
     def reads(self, path: str) -> bool:
-        return any(word == path or word.startswith(path + "/") for word in self.argv[1:])  # not the command name
+        return any(word == path or word.startswith((path + "/", path + ":")) for word in self.argv[1:])  # FILE:NAME
 
     def __str__(self) -> str:
         return f"{self.document}:{self.line}: {self.text}"

@@ -70,7 +70,7 @@ def test_the_check_sees_a_disagreement():
     }
     assert [line.split()[0] for line in disagreements(before)] == ["-b", "-p"]
     meanings = short_flag_meanings()
-    assert meanings["-b"].keys() == {"profile", "plan", "capacity"} and meanings["-p"].keys() == {"simulate", "plan"}
+    assert meanings["-b"].keys() == {"profile", "plan", "capacity"} and meanings["-p"].keys() == {"simulate"}
 
 
 def _help_examples() -> list[tuple[str, list[str]]]:

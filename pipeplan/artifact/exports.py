@@ -28,7 +28,7 @@ def torch_csv(plan: Plan) -> str:
     if any(stage.replicas > 1 for stage in plan.stages):
         raise ConfigError(
             "torch.distributed.pipelining runs each stage on one rank, but this plan replicates stages; "
-            "re-plan with --no-replication to export it"
+            "re-plan with --parallel replicate=off to export it"
         )
     schedule: Schedule = plan_schedule(plan)
     validate(schedule)  # an op list that cannot run (deadlock, B before F) is not exported

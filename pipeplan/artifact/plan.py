@@ -232,18 +232,18 @@ class Plan:
             return (
                 f"this plan uses tensor parallelism (t={t}), which `run` does not execute: the runtime has no "
                 "tensor-parallel layers (column/row-parallel Linear, head-parallel attention, vocab-parallel "
-                "embedding and loss) or their collectives; re-plan with --tensor-parallel 1 to run it"
+                "embedding and loss) or their collectives; re-plan with --parallel tp=1 to run it"
             )
         if cp > 1:
             return (
                 f"this plan uses context parallelism (cp={cp}), which `run` does not execute (no ring attention); "
-                "re-plan with --context-parallel 1 to run it"
+                "re-plan with --parallel cp=1 to run it"
             )
         if self.training.expert_parallel > 1:
             return (
                 f"this plan uses expert parallelism (ep={self.training.expert_parallel}), which `run` does not "
                 "execute (no all-to-all dispatch of tokens to experts on other ranks); re-plan with "
-                "--expert-parallel 1 to run it"
+                "--parallel ep=1 to run it"
             )
         overlap = Overlap.parse(self.training.overlap)
         if overlap.grad_reduce or overlap.param_gather:
@@ -330,9 +330,9 @@ def _check_asynchronous(plan: Plan) -> None:
     if any(stage.replicas > 1 for stage in plan.stages):
         problem = "replicated stages (their replicas would have to agree on every update mid-stream)"
     elif plan.training.zero:
-        problem = "ZeRO-1 (its flat parameter buffers cannot keep stashed weight versions); use --zero 0"
+        problem = "ZeRO-1 (its flat parameter buffers cannot keep stashed weight versions); use --memory zero=0"
     elif any(stage.recompute != "none" for stage in plan.stages):
-        problem = "recomputation (a stream keeps every activation); use --recompute none"
+        problem = "recomputation (a stream keeps every activation); use --memory recompute=none"
     elif plan.training.precision == "fp16-mixed":
         problem = "fp16-mixed (loss scaling skips whole steps; a stream has none); use bf16-mixed or fp32"
     if problem:

@@ -51,7 +51,7 @@ def calibrate(
     two CPU processes) link bandwidth and latency; write them as a --hardware-file entry that analytic profiles,
     plan and capacity use in place of datasheet peaks.
 
-    Then: pipeplan profile gpt --device meta --hardware-file hw.json --hardware NAME (NAME as printed).
+    Then: pipeplan plan gpt --device meta --hardware hw.json:NAME (NAME as printed; profile and capacity too).
 
     Example: pipeplan calibrate --device cuda -o hw.json
     """
@@ -78,6 +78,6 @@ def _render(key: str, entry: dict, cal: Calibration, output: Path | None) -> Non
     for note in entry["sources"].removeprefix("pipeplan calibrate: ").split("; "):
         out.print(f"  {note}", highlight=False)
     if output is not None:
-        out.print(f"wrote {output} (use: --hardware-file {output} --hardware {key})", highlight=False)
+        out.print(f"wrote {output} (use: --hardware {output}:{key})", highlight=False)
     else:
         out.print("nothing written: add -o FILE to save this as a hardware file", highlight=False)

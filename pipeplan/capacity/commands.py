@@ -25,8 +25,9 @@ def capacity(options: CapacityOptions) -> None:
     --days, how many devices reach the target.
 
     Example: pipeplan capacity llama-7b --hardware h100 --devices 8,64,512 --target-tokens 1T --days 30
-    Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
-    Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
+    Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --schedule auto,async
+    Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --memory zero=1,recompute=none
+    Example: pipeplan capacity llama-13b --hardware h100 --devices 64 --precision fp8 --parallel tp=8,vp=2/4
     Example: pipeplan capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"
     """
     from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job  # the sweep: imported when it runs

@@ -9,24 +9,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeplan.capacity.options import CAPACITY_PRECISION, CapacityOptions
+from pipeplan.capacity.options import CapacityOptions
 from pipeplan.capacity.pinned import PinnedReport, pinned_report
 from pipeplan.capacity.report import CapacityReport
 from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep, default_global_batch
 from pipeplan.console import warn
 from pipeplan.costs import numerics
-from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
+from pipeplan.precision import ANALYTIC_PRECISION, default_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
-from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info, schedule_names
-from pipeplan.search.config import SearchConfig, parse_zero, searched_schedules
-from pipeplan.search.inputs import memory_reserve_bytes, microbatch_candidates
+from pipeplan.schedules.registry import schedule_info, schedule_names
+from pipeplan.search.config import searched_schedules
+from pipeplan.search.flags import parse_memory, parse_parallel, parse_precision, parse_schedules, search_config
+from pipeplan.search.inputs import microbatch_candidates
 from pipeplan.search.pinned import PinnedLayout, check_pinned_experts, parse_layout
 from pipeplan.search.tensor_search import tensor_parallel_sizes
 from pipeplan.units import parse_count, parse_int_list
+
+CAPACITY_INTERLEAVE = (2, 3, 4)  # `--parallel vp=auto`: the interleaved schedule with 2, 3 and 4 chunks per device
 
 if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
@@ -35,15 +38,6 @@ if TYPE_CHECKING:
 def parse_device_counts(text: str) -> tuple[int, ...]:
     """`"8,64,512"` -> (8, 64, 512)."""
     return parse_int_list(text, option="--devices", example="8,64,512")
-
-
-def parse_schedules(text: str) -> tuple[str, ...]:
-    """`auto` (the registry's capacity_default schedules: all but zb-auto), `all`, or names like 1f1b,zbv."""
-    if text == "auto":
-        return schedule_names(capacity_default=True)
-    if text == "all":
-        return SCHEDULE_NAMES
-    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def capacity_profile(
@@ -55,7 +49,7 @@ def capacity_profile(
     batch_size: int,
     quiet: bool,
     batch_given: bool = True,
-    precision: str = CAPACITY_PRECISION,
+    precision: str = ANALYTIC_PRECISION,
 ) -> Profile:
     """The analytic profile (meta device, flash attention, `precision`) through the one model -> profile path;
     `seq` replaces the model's (a preset's too). Without `batch_given` the default global batch counts tokens, so
@@ -104,41 +98,15 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     counts = parse_device_counts(options.devices) if options.devices is not None else (pinned.devices,)
     if pinned is not None and counts != (pinned.devices,):
         raise ConfigError(f"--layout uses {pinned.devices} devices; drop --devices or give --devices {pinned.devices}")
-    hardware = resolve_hardware(options.hardware, options.hardware_file)
-    size_text = options.microbatch_size if pinned is None else str(pinned.mbs)
-    sizes = microbatch_candidates(size_text, options.global_batch_size or 1)
-    target = parse_count(options.target_tokens, option="--target-tokens") if options.target_tokens is not None else None
-    search = SearchConfig(
-        global_batch_size=options.global_batch_size or math.lcm(*sizes),
-        microbatch_sizes=sizes,
-        numerics=numerics(options.optimizer, options.precision),
-        replication=options.replication,
-        memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, hardware.memory_bytes),
-        zero=parse_zero(options.zero),
-        recompute=options.recompute,
-        allow_async=options.allow_async,
-        overlap=Overlap.parse(options.overlap),
-        interleave=parse_int_list(options.interleave, option="--interleave", example="2,3,4"),
-    )
-    config = CapacityConfig(
-        hardware=hardware,
-        device_counts=counts,
-        search=search,
-        devices_per_node=options.devices_per_node,
-        schedules=searched_schedules(  # an asynchronous one named without --allow-async: refused
-            parse_schedules(options.schedule),
-            allow_async=options.allow_async,
-            named=options.schedule not in ("auto", "all"),
-        ),
-        per_schedule=options.plot is not None,
-        target_tokens=target,
-        days=options.days,
-        tensor_parallel=options.tensor_parallel,
-        context_parallel=options.context_parallel,
-        expert_parallel=options.expert_parallel,
-    )
-    if options.replication and not any(schedule_info(name).replicable for name in config.schedules):
-        warn(f"--replication ignored: none of {', '.join(config.schedules)} can replicate stages")
+    hardware = resolve_hardware(options.hardware)
+    assert hardware is not None  # CapacityOptions requires --hardware
+    memory = parse_memory(options.memory)
+    if memory.per_device is not None:  # --memory SIZE: the preset's device with that much memory
+        hardware = replace(hardware, memory_bytes=memory.per_device)
+    sizes = microbatch_candidates(options.microbatch_size if pinned is None else str(pinned.mbs), 1)
+    mode, optimizer = parse_precision(options.precision)
+    precision = mode or default_precision("meta")  # capacity is analytic
+    config = _capacity_config(options, hardware, counts, numerics(optimizer, precision), sizes)
     batch_given = options.global_batch_size is not None
     profile = capacity_profile(
         options.model,
@@ -148,18 +116,55 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         batch_size=min(sizes),
         quiet=options.json_output,
         batch_given=batch_given,
-        precision=options.precision,
+        precision=precision,
     )
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)
-        config = replace(config, search=replace(search, global_batch_size=batch))
+        config = replace(config, search=replace(config.search, global_batch_size=batch))
     _check_sizes(config, profile, pinned)
     plot = Path(options.plot) if options.plot is not None else None
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
 
 
+def _capacity_config(  # type: ignore[no-untyped-def]
+    options: CapacityOptions, hardware: Hardware, counts: tuple[int, ...], held, sizes: tuple[int, ...]
+) -> CapacityConfig:
+    """The sweep's CapacityConfig from the options (precision and microbatch sizes decided; the batch until the
+    profile says its tokens per sample: their least common multiple)."""
+    names, named = parse_schedules(options.schedule, schedule_names(capacity_default=True))
+    names = searched_schedules(names, allow_async=True, zero=parse_memory(options.memory).zero, named=named)
+    parallel = parse_parallel(options.parallel)
+    search = search_config(
+        options,
+        numerics=held,
+        global_batch_size=options.global_batch_size or math.lcm(*sizes),
+        microbatch_sizes=sizes,
+        memory_bytes=hardware.memory_bytes,
+        schedules=names,
+        interleave=CAPACITY_INTERLEAVE,
+        replication=False,  # `replicate=auto`: not in capacity sweeps (slow at scale)
+    )
+    target = parse_count(options.target_tokens, option="--target-tokens") if options.target_tokens is not None else None
+    config = CapacityConfig(
+        hardware=hardware,
+        device_counts=counts,
+        search=search,
+        devices_per_node=options.devices_per_node,
+        schedules=names,
+        per_schedule=options.plot is not None,
+        target_tokens=target,
+        days=options.days,
+        tensor_parallel=parallel.tensor,
+        context_parallel=parallel.context,
+        expert_parallel=parallel.expert,
+    )
+    if search.replication and not any(schedule_info(name).replicable for name in config.schedules):
+        warn(f"--parallel replicate=on ignored: none of {', '.join(config.schedules)} can replicate stages")
+    return config
+
+
 def _check_sizes(config: CapacityConfig, profile: Profile, pinned: PinnedLayout | None) -> None:
-    """A given --tensor-parallel, --context-parallel or --expert-parallel (or --layout ep=) the model or a count
+    """A given --parallel tp=, cp= or ep= (or --layout ep=) the model or a count
     cannot take: refused before the sweep."""
     if pinned is not None:
         check_pinned_experts(pinned, profile, cluster_for(config.hardware, pinned.devices, config.devices_per_node))

@@ -77,5 +77,5 @@ def compare(pinned: CapacityRow, free: CapacityRow) -> str:
         return f"the planner's choice ({describe(free)}) is {gap:.1%} faster than the pinned layout"
     return (
         f"the pinned layout is {-gap:.1%} faster than the planner's choice ({describe(free)}): widen the search "
-        "(--interleave, --context-parallel, --microbatch-size) to reach it"
+        "(--parallel vp=, cp=, --microbatch-size) to reach it"
     )

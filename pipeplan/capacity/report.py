@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeplan.capacity.memory import MemorySplit
+from pipeplan.cluster import MemoryBudget
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -92,11 +93,9 @@ class TargetAnswer:
 class CapacityReport:
     model: str
     hardware: str
-    memory_per_device: int
+    budget: MemoryBudget  # a device's memory: physical, the reserve kept free, the usable rest plans fit in
     global_batch_size: int
     tokens_per_sample: int
-    memory_reserve_bytes: int = 0  # of memory_per_device, kept free (plans fit in the rest)
-    usable_memory_bytes: int  # what plans fit in (the search's `usable_memory_bytes`)
     param_count: int
     flops_per_token: float
     active_param_count: int | None = None  # mixture-of-experts models: parameters one token uses (None: dense)
@@ -104,6 +103,18 @@ class CapacityReport:
     per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
     per_tensor_parallel: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)  # `8`, `8x2` (t x cp)
     answer: TargetAnswer | None = None
+
+    @property
+    def memory_per_device(self) -> int:
+        return self.budget.physical
+
+    @property
+    def memory_reserve_bytes(self) -> int:
+        return self.budget.reserve
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        return self.budget.usable
 
     def to_dict(self) -> dict:
         return {

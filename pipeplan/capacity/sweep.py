@@ -87,9 +87,9 @@ class CapacityConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel", parse_tensor_parallel(self.tensor_parallel))
-        cp = parse_tensor_parallel(self.context_parallel, option="--context-parallel")
+        cp = parse_tensor_parallel(self.context_parallel, option="--parallel cp")
         object.__setattr__(self, "context_parallel", cp)
-        ep = parse_tensor_parallel(self.expert_parallel, option="--expert-parallel")
+        ep = parse_tensor_parallel(self.expert_parallel, option="--parallel ep")
         object.__setattr__(self, "expert_parallel", ep)
         if not self.device_counts or any(n < 1 for n in self.device_counts):
             raise ConfigError(f"--devices needs counts >= 1, got {list(self.device_counts)}")
@@ -162,9 +162,7 @@ def capacity_sweep(
     return CapacityReport(
         model=model or profile.provenance.model,
         hardware=config.hardware.name,
-        memory_per_device=config.hardware.memory_bytes,
-        memory_reserve_bytes=config.search.memory_reserve_bytes,
-        usable_memory_bytes=config.search.budget(config.hardware.memory_bytes).usable,
+        budget=config.search.budget(config.hardware.memory_bytes),
         global_batch_size=config.search.global_batch_size,
         tokens_per_sample=profile.provenance.tokens_per_sample or 1,
         param_count=sum(layer.param_count for layer in profile.layers),

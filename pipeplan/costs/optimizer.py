@@ -125,7 +125,9 @@ def bytes_per_param(numerics: Numerics, *, zero: int = 0, group_size=1):
     (`zero_bytes_per_param`; elementwise over group_size, a float for a scalar). A number as optimizer is refused
     with ZeRO: its bytes have no optimizer-state part to shard."""
     if zero and not numerics.named:
-        raise ConfigError("--zero 1 needs --optimizer by name (adamw, sgd): a number of bytes has no state to shard")
+        raise ConfigError(
+            "ZeRO-1 (zero=1) needs a named optimizer (adamw, sgd): a number of bytes has no state to shard"
+        )
     value = zero_bytes_per_param(static_split(numerics), group_size, zero)
     return float(value) if np.ndim(value) == 0 else value
 
@@ -146,11 +148,11 @@ def expert_holders(group_size, expert_parallel: int):
     return np.maximum(np.asarray(group_size, dtype=np.float64) / expert_parallel, 1.0)
 
 
-def check_zero_stage(zero: int, *, option: str = "--zero") -> int:
+def check_zero_stage(zero: int, *, option: str = "--memory zero") -> int:
     """`zero` if pipeplan supports that ZeRO stage, else one ConfigError naming the option."""
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ConfigError(
-            f"{option} {zero} is not supported: pipeplan shards optimizer state only (ZeRO-1); use {option} 0 or 1"
+            f"{option}={zero} is not supported: pipeplan shards optimizer state only (ZeRO-1); use {option}=0 or 1"
         )
     return zero
 

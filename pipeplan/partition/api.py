@@ -197,7 +197,7 @@ def _infeasible(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) 
             f"{config.schedule}; change --devices or num_stages"
         )
     return InfeasibleError(
-        f"{_no_fit(cluster, config)}; raise --memory-per-device to at least {format_bytes(need)}, add devices, or "
+        f"{_no_fit(cluster, config)}; raise --memory to at least {format_bytes(need)}, add devices, or "
         "use fewer microbatches"
     )
 

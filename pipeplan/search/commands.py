@@ -1,4 +1,4 @@
-"""`pipeplan plan`: parse -> search -> write the plan -> render."""
+"""`pipeplan plan`: parse -> resolve -> plan (the library call) -> write the plan directory -> render."""
 
 from __future__ import annotations
 
@@ -18,16 +18,19 @@ def plan(options: PlanOptions) -> None:
 
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
-    Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
-    Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
-    Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
+    Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory reserve=6GiB
+    Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 8x8 -B 256 --parallel tp=auto,pp=4/8
+    Example: pipeplan plan gpt --devices 4 -B 32 --schedule all -o demo-async
     """
     from pipeplan.artifact.summary import render_summary, summary_dict
-    from pipeplan.search.plan_job import prepare_plan, run_plan_job  # the search: imported when it runs
+    from pipeplan.search.plan_job import prepare_plan, write_plan  # the search: imported when it runs
+    from pipeplan.search.planner import plan as plan_layouts
 
     job = prepare_plan(options)
     with progress_task("searching plans", quiet=options.json_output) as update:
-        chosen, timeline = run_plan_job(job, progress=lambda done, total: update(completed=done, total=total))
+        progress = lambda done, total: update(completed=done, total=total)  # noqa: E731
+        chosen = plan_layouts(job.source, job.cluster, job.config, progress=progress)
+    timeline = write_plan(chosen, job.output)
     if options.json_output:
         print_json(summary_dict(chosen, plan_dir=str(job.output), timeline=timeline))
         return

@@ -26,28 +26,30 @@ def searched_schedules(
 ) -> tuple[str, ...]:
     """The schedules to search among `names`: the asynchronous ones (stale weights: they change what training
     computes) only with `allow_async` and ZeRO off (`auto` evaluates them with ZeRO 0). When the user `named` them
-    (not `auto`), an asynchronous one without --allow-async, or with --zero 1, is refused."""
+    (not `auto`), an asynchronous one without `allow_async`, or with ZeRO-1, is refused."""
     sharded = zero not in (0, "0", "auto")
     found = [name for name in names if schedule_info(name).asynchronous]
     if found and named and not allow_async:
         raise ConfigError(
-            f"--schedule {found[0]} is asynchronous (stale weights, no flush: it changes what training computes); "
-            "pass --allow-async to plan with it"
+            f"schedule {found[0]} is asynchronous (stale weights, no flush: it changes what training computes); "
+            "allow it (SearchConfig.allow_async; on the command line, naming it in --schedule does)"
         )
     if found and named and sharded:
-        raise ConfigError(f"--schedule {found[0]} runs with --zero 0 (ZeRO-1 cannot keep stashed weight versions)")
+        raise ConfigError(
+            f"--schedule {found[0]} runs with --memory zero=0 (ZeRO-1 cannot keep stashed weight versions)"
+        )
     keep = allow_async and not sharded
     return tuple(name for name in names if keep or not schedule_info(name).asynchronous)
 
 
 def parse_zero(text: str) -> int | str:
-    """`--zero`'s value: auto, or a ZeRO stage pipeplan supports (one ConfigError line otherwise)."""
+    """`--memory zero=`'s value: auto, or a ZeRO stage pipeplan supports (one ConfigError line otherwise)."""
     if text == "auto":
         return text
     try:
         stage = int(text)
     except ValueError:
-        raise ConfigError(f"--zero must be auto, 0 or 1, got {text!r}") from None
+        raise ConfigError(f"--memory zero={text} must be auto, 0 or 1") from None
     return check_zero_stage(stage)
 
 
@@ -95,13 +97,15 @@ class SearchConfig:
             choices = ", ".join(POST_VALIDATE_CHOICES)
             raise ConfigError(f"--post-validate must be one of {choices}, got {self.post_validate!r}")
         if self.recompute not in RECOMPUTE_CHOICES:
-            raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
+            raise ConfigError(
+                f"--memory recompute= must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}"
+            )
         if self.memory_reserve_bytes < 0:
-            raise ConfigError(f"--memory-reserve must be >= 0, got {self.memory_reserve_bytes}")
+            raise ConfigError(f"--memory reserve= must be >= 0, got {self.memory_reserve_bytes}")
         if not self.interleave or min(self.interleave) < 1:
-            raise ConfigError(f"--interleave values must be >= 1, got {list(self.interleave)}")
+            raise ConfigError(f"--parallel vp values must be >= 1, got {list(self.interleave)}")
         if self.pipeline_depths is not None and (not self.pipeline_depths or min(self.pipeline_depths) < 1):
-            raise ConfigError(f"--pipeline-depth values must be >= 1, got {list(self.pipeline_depths)}")
+            raise ConfigError(f"--parallel pp values must be >= 1, got {list(self.pipeline_depths)}")
         if self.zero == 1:
             bytes_per_param(self.numerics, zero=1)  # a number of bytes cannot be sharded
 
@@ -136,4 +140,4 @@ class SearchConfig:
         """Every forced pipeline depth must divide the device count (the pipelines tile the devices)."""
         bad = [p for p in self.pipeline_depths or () if num_devices % p]
         if bad:
-            raise ConfigError(f"--pipeline-depth {bad[0]} must divide --devices ({num_devices})")
+            raise ConfigError(f"--parallel pp={bad[0]} must divide --devices ({num_devices})")

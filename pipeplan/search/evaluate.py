@@ -1,23 +1,23 @@
-"""A search candidate evaluated into a predicted step (`predict.predict`) — or a rejection saying why it cannot run.
+"""A search candidate evaluated into a predicted step — or a rejection saying why it cannot run.
 
 Evaluation: partition the (batch-scaled) profile onto one pipeline's devices (pipeplan.partition, which screens
 memory with a per-stage bound), generate the schedule with the partition's per-stage costs (zb-auto under the
-activation bytes left after static memory), simulate one step of the op lists `run` executes — replicated stages
-as their expanded per-replica lists (pipeplan.schedules.replicate), every op at its full single-device time — and
-add the gradient all-reduce that follows the pipeline flush: every stage's replicas across all pipelines reduce
-that stage's gradients (ring all-reduce, `partition.costs.allreduce_ms`); a device reduces its stages (chunks) in
-turn and the devices reduce in parallel, so the step pays the busiest device.
+activation bytes left after static memory), settle recomputation on the exact peaks, then build what the step is
+predicted from (`predict.StepInputs`: the op lists `run` executes — replicated stages as their expanded per-replica
+lists, every op at its full single-device time — per stage its gradient exchange over its holders and optimizer
+update, per device its static bytes) and predict it (`predict.predict`, through the post-validation policy
+`search.post_validation.settled_prediction`): the period of its steps, each device's peak bytes.
 
-Memory: the simulator's per-device peak in bytes (`Timeline.peak_memory_bytes`: static bytes of the stages the
-device holds — weights, gradients, optimizer state, `partition.costs.static_bytes`, the state split over a stage's
-replicas in every pipeline under ZeRO-1 — plus the most live activation bytes, F adding what a stage keeps, I
-freeing what the profile says it frees, W the rest, B all, recomputation re-creating its bytes while I or B runs)
-is the one figure checked against the device memory (less the search's reserve) and reported.
+Memory: the simulator's per-device peak in bytes (static bytes of the stages the device holds — weights, gradients,
+optimizer state, the state split over a stage's holders under ZeRO-1: `predict.memory.StaticRule` — plus the most
+live activation bytes, F adding what a stage keeps, I freeing what the profile says it frees, W the rest, B all,
+recomputation re-creating its bytes while I or B runs; the undo copy when post-validated) is the one figure checked
+against the usable memory (the device's less the search's reserve) and reported.
 
 Options per candidate (`zero`, `recompute`; search/variants.py tries them): ZeRO-1 shards the optimizer state and
 replaces each stage's gradient all-reduce by a reduce-scatter + all-gather (`costs.comm.gradient_sync_ms`);
 `recompute="auto"` lets the partitioner give each stage its cheapest fitting recomputation mode, which
-`planner.recompute_choice` then settles on the simulator's exact peaks.
+`search.recompute_choice` then settles on the simulator's exact peaks.
 """
 
 from __future__ import annotations

@@ -12,16 +12,14 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
-from pipeplan.precision import get_precision, profile_precision
+from pipeplan.precision import profile_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
-from pipeplan.schedules.registry import schedule_info
-from pipeplan.units import parse_int_list, parse_size
+from pipeplan.units import parse_int_list
 
 if TYPE_CHECKING:
     from pipeplan.graph.trace import LayerGraph
 
-PROFILE_FORMATS = ("pipeplan", "pipedream")
 CPU_DEFAULT_DEVICES = 2
 
 
@@ -41,20 +39,32 @@ def default_memory_per_device(devices_per_node: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices_per_node
 
 
-def make_cluster(
-    *, devices: int | None, devices_per_node: int | None, memory_per_device: str | None, hardware: Hardware | None
-) -> Cluster:
-    """Cluster from the CLI options: a --hardware preset sets links and memory; explicit options override."""
-    num_devices = default_devices() if devices is None else devices
-    per_node = devices_per_node if devices_per_node is not None else min(num_devices, 8)
+def parse_devices(text: str | None) -> tuple[int | None, int | None]:
+    """`--devices`: (devices, devices per node) from `16` or `2x8` (nodes x devices per node); None: the defaults."""
+    if text is None:
+        return None, None
+    nodes, sep, per_node = str(text).strip().lower().partition("x")
+    try:
+        counts = (int(nodes), int(per_node)) if sep else (int(nodes), None)
+    except ValueError:
+        raise ConfigError(f"--devices must be a count or NODESxPER_NODE like 2x8, got {text!r}") from None
+    if min(c for c in counts if c is not None) < 1:
+        raise ConfigError(f"--devices must be >= 1, got {text!r}")
+    return (counts[0] * counts[1], counts[1]) if counts[1] is not None else counts
+
+
+def make_cluster(*, devices: str | None, memory: int | None, hardware: Hardware | None) -> Cluster:
+    """Cluster from the CLI options: `--devices` (N or NxP; default: local GPUs, min(N, 8) per node), a --hardware
+    preset's links and memory, `--memory`'s size over both (default without --hardware: this machine's RAM)."""
+    count, per_node = parse_devices(devices)
+    num_devices = default_devices() if count is None else count
+    per_node = per_node if per_node is not None else min(num_devices, 8)
     if hardware is not None:
-        cluster = cluster_for(hardware, num_devices, per_node)
-    else:
-        cluster = Cluster(num_devices=num_devices, devices_per_node=per_node, memory_per_device=1)
-        memory_per_device = memory_per_device or str(default_memory_per_device(per_node))
-    if memory_per_device is not None:
-        cluster = replace(cluster, memory_per_device=parse_size(memory_per_device, option="--memory-per-device"))
-    return cluster
+        if memory is not None:
+            hardware = replace(hardware, memory_bytes=memory)
+        return cluster_for(hardware, num_devices, per_node)
+    physical = memory if memory is not None else default_memory_per_device(per_node)
+    return Cluster(num_devices=num_devices, devices_per_node=per_node, memory_per_device=physical)
 
 
 def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
@@ -65,32 +75,10 @@ def microbatch_candidates(text: str | None, default: int) -> tuple[int, ...]:
     return parse_int_list(text, option="--microbatch-size", example="1,2,4")
 
 
-def memory_reserve_bytes(text: str | None, memory_per_device: int) -> int:
-    """--memory-reserve as bytes (`0` keeps nothing back); the documented default when not given."""
-    from pipeplan.search.config import default_memory_reserve
-
-    if text is None:
-        return default_memory_reserve(memory_per_device)
-    return parse_size(text, option="--memory-reserve") if text.strip() not in ("0", "0B") else 0
-
-
-def pipeline_depth_candidates(text: str | None) -> tuple[int, ...] | None:
-    """`"2"` or `"2,4"`: the devices per pipeline to try; None (the default) tries every divisor of --devices."""
-    if text is None:
-        return None
-    return parse_int_list(text, option="--pipeline-depth", example="2,4")
-
-
-def check_plan_options(
-    *, schedule: str, precision: str | None, output: str | os.PathLike | None, granularity: int | None = None
-) -> None:
+def check_plan_options(*, output: str | os.PathLike | None, granularity: int | None = None) -> None:
     """Options `pipeplan plan` can check before it profiles anything (profiling may take minutes)."""
     if granularity is not None and granularity < 1:
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
-    if schedule != "auto":
-        schedule_info(schedule, also_accepted=("auto",))
-    if precision is not None:
-        get_precision(precision)
     if output is not None:  # None: the Python API's plan(), which writes no directory unless asked
         check_output_dir(output, "--output")
 
@@ -104,18 +92,30 @@ class PlanInput:
     layer_graph: LayerGraph | None
 
 
-def load_profile_input(path: str, profile_format: str) -> PlanInput:
-    if profile_format not in PROFILE_FORMATS:
-        raise ConfigError(f"--profile-format must be one of {', '.join(PROFILE_FORMATS)}, got {profile_format!r}")
-    if profile_format == "pipedream":
-        from pipeplan.profiling.pipedream import read_pipedream_graph
+def load_profile_input(path: str) -> PlanInput:
+    """A profile file: pipeplan's JSON, or a PipeDream graph.txt (told apart by its first character)."""
+    if _first_character(path) == "{":
+        return profile_input(Profile.load(path), where=str(path))
+    from pipeplan.profiling.pipedream import read_pipedream_graph
 
-        profile = read_pipedream_graph(path)
-    else:
-        profile = Profile.load(path)
+    return profile_input(read_pipedream_graph(path), where=str(path))
+
+
+def _first_character(path: str) -> str:
+    """The file's first non-blank character ("{" when unreadable: `Profile.load` then says why in one line)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read(4096).lstrip()[:1]
+    except OSError:
+        return "{"
+
+
+def profile_input(profile: Profile, *, where: str = "(a Profile object)") -> PlanInput:
+    """A profile to plan from without a model graph (the plan is not runnable); `where` names it when the profile
+    names no model."""
     prov = profile.provenance
     model = ModelRef(
-        ref=prov.model or str(path),
+        ref=prov.model or where,
         options=dict(prov.model_options),
         fingerprint=prov.graph_fingerprint,
         tokens_per_sample=prov.tokens_per_sample,

@@ -1,9 +1,9 @@
-"""What `pipeplan plan` does between parsing and printing: resolve its options into a search (cluster, search
-config, the profile to plan from, with every default filled in), search, and write the plan directory."""
+"""What `pipeplan plan` (and the Python API's `plan()`) do before and after the library call: resolve the options into
+the objects `search.planner.plan` takes (the profile to plan from, the cluster, a `PlanConfig` with every default
+filled in: `prepare_plan`), and write the plan directory (`write_plan`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,141 +12,114 @@ from pipeplan.artifact.scripts import write_plan_dir
 from pipeplan.artifact.timing import plan_steps_timeline, timeline_rows
 from pipeplan.cluster import Cluster
 from pipeplan.costs import numerics
-from pipeplan.costs.overlap import Overlap
-from pipeplan.errors import InfeasibleError
+from pipeplan.errors import ConfigError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import default_precision
+from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest
+from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.schedules.simulate import Timeline
-from pipeplan.search.config import SearchConfig, parse_zero
-from pipeplan.search.emit import build_plan
+from pipeplan.search.config import searched_schedules
+from pipeplan.search.flags import parse_memory, parse_parallel, parse_precision, parse_schedules, search_config
 from pipeplan.search.inputs import (
     PlanInput,
     attach_model,
     check_profile_precision,
-    graph_at_microbatch,
     load_profile_input,
     make_cluster,
-    memory_reserve_bytes,
     microbatch_candidates,
-    pipeline_depth_candidates,
+    profile_input,
     profile_model_input,
 )
-from pipeplan.search.pinned import (
-    PinnedLayout,
-    check_pinned_experts,
-    evaluate_pinned,
-    parse_layout,
-    pinned_layout,
-)
+from pipeplan.search.pinned import check_pinned_experts, parse_layout, pinned_layout
 from pipeplan.search.plan_options import PlanOptions
-from pipeplan.search.search import SearchResult
-from pipeplan.search.tensor_search import (
-    TensorParallelTry,
-    chosen_try,
-    search_tensor_parallel,
-    tensor_parallel_reason,
-    tensor_parallel_sizes,
-)
+from pipeplan.search.planner import PlanConfig
 
 DEFAULT_BATCH_PER_DEVICE = 4  # --global-batch-size defaults to 4 samples per device
+SYNCHRONOUS = tuple(name for name in SCHEDULE_NAMES if not schedule_info(name).asynchronous)  # `-s auto`
+PLAN_INTERLEAVE = (2,)  # `--parallel vp=auto`: the interleaved schedule with 2 chunks per device
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanJob:
-    """A resolved `pipeplan plan`: what to search and where to write the result."""
+    """A resolved `pipeplan plan`: what to plan (`search.planner.plan`'s arguments) and where to write it."""
 
     source: PlanInput
     cluster: Cluster
-    config: SearchConfig
-    schedules: tuple[str, ...] | None  # None: every schedule (--schedule auto)
+    config: PlanConfig
     output: Path | None  # None: write no plan directory (the Python API's default)
-    tensor_parallel: tuple[TensorParallelTry, ...]  # the sizes to search (search.tensor_search)
-    layout: PinnedLayout | None = None  # --layout: plan exactly this (the search's choice is compared)
 
 
-def prepare_plan(options: PlanOptions) -> PlanJob:
-    """Fill in the defaults, check the search config, then load or profile the model (the slow part, last)."""
-    hardware = resolve_hardware(options.hardware, options.hardware_file)  # a calibrate entry: links, memory, rates
-    cluster = make_cluster(
-        devices=options.devices,
-        devices_per_node=options.devices_per_node,
-        memory_per_device=options.memory_per_device,
-        hardware=hardware,
-    )
-    source = _profile_file(options)
+def prepare_plan(options: PlanOptions, *, profile: Profile | None = None) -> PlanJob:
+    """Fill in the defaults, check the config, then load or profile the model (the slow part, last). `profile`: an
+    in-memory profile in place of `--profile FILE` (the Python API's)."""
+    if options.model is None and options.profile is None and profile is None:
+        raise ConfigError("give MODEL (e.g. gpt), --profile FILE, or both (the model's graph, the file's costs)")
+    hardware = resolve_hardware(options.hardware)  # a calibrate entry: links, memory, rates
+    memory = parse_memory(options.memory)
+    cluster = make_cluster(devices=options.devices, memory=memory.per_device, hardware=hardware)
+    source = _profile_source(options, profile)
+    mode, optimizer = parse_precision(options.precision)
     if source is not None:
-        precision = check_profile_precision(source.profile, options.precision)
+        precision = check_profile_precision(source.profile, mode)
     else:
-        precision = options.precision or default_precision(options.device)
-    default_size = source.profile.provenance.batch_size if source is not None else 1
-    sizes = microbatch_candidates(options.microbatch_size, default_size)
-    batch = options.global_batch_size
-    config = SearchConfig(  # checked before the (slow) profiling
-        global_batch_size=batch if batch is not None else DEFAULT_BATCH_PER_DEVICE * cluster.num_devices,
-        microbatch_sizes=sizes,
-        numerics=numerics(options.optimizer, precision),
-        replication=not options.no_replication,
-        pipeline_depths=pipeline_depth_candidates(options.pipeline_depth),
-        memory_reserve_bytes=memory_reserve_bytes(options.memory_reserve, cluster.memory_per_device),
-        zero=parse_zero(options.zero),
-        recompute=options.recompute,
-        allow_async=options.allow_async,
-        overlap=Overlap.parse(options.overlap),
-        post_validate=options.post_validate,
-    )
-    config.check_devices(cluster.num_devices)
-    pinned = parse_layout(options.layout) if options.layout is not None else None
-    if pinned is not None:  # checked before the (slow) profiling
-        pinned_layout(pinned, config, cluster)
+        precision = mode or default_precision(options.device)
+    sizes = microbatch_candidates(options.microbatch_size, source.profile.provenance.batch_size if source else 1)
+    config = _plan_config(options, cluster, numerics(optimizer, precision), sizes)  # checked before profiling
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
-    if pinned is not None:
-        check_pinned_experts(pinned, source.profile, cluster)
-    schedules = None if options.schedule == "auto" else (options.schedule,)
-    tensor_sizes = tensor_parallel_sizes(
-        options.tensor_parallel, source.profile, cluster, options.context_parallel, options.expert_parallel
+    if config.layout is not None:
+        check_pinned_experts(config.layout, source.profile, cluster)
+    output = Path(options.output) if options.output is not None else None
+    return PlanJob(source=source, cluster=cluster, config=config, output=output)
+
+
+def _plan_config(options: PlanOptions, cluster: Cluster, held, sizes: tuple[int, ...]) -> PlanConfig:  # type: ignore[no-untyped-def]
+    """The plan's PlanConfig from its options (the precision and microbatch sizes decided), checked against the
+    cluster (pipeline depths, a pinned layout)."""
+    names, named = parse_schedules(options.schedule, SYNCHRONOUS)
+    names = searched_schedules(names, allow_async=True, zero=parse_memory(options.memory).zero, named=named)
+    batch = options.global_batch_size
+    search = search_config(
+        options,
+        numerics=held,
+        global_batch_size=batch if batch is not None else DEFAULT_BATCH_PER_DEVICE * cluster.num_devices,
+        microbatch_sizes=sizes,
+        memory_bytes=cluster.memory_per_device,  # type: ignore[arg-type]
+        schedules=names,
+        interleave=PLAN_INTERLEAVE,
+        replication=True,
+        post_validate=options.post_validate,
     )
-    return PlanJob(
-        source=source,
-        cluster=cluster,
-        config=config,
-        schedules=schedules,
-        output=Path(options.output) if options.output is not None else None,
-        tensor_parallel=tensor_sizes,
+    search.check_devices(cluster.num_devices)
+    pinned = parse_layout(options.layout) if options.layout is not None else None
+    if pinned is not None:
+        pinned_layout(pinned, search, cluster)
+    parallel = parse_parallel(options.parallel)
+    return PlanConfig(
+        search=search,
+        schedules=names,
+        tensor_parallel=parallel.tensor,
+        context_parallel=parallel.context,
+        expert_parallel=parallel.expert,
         layout=pinned,
     )
 
 
-def _pinned_result(job: PlanJob, free: SearchResult) -> tuple[SearchResult, str]:
-    """The pinned layout as a one-candidate result, and a sentence comparing it with the search's choice."""
-    found = evaluate_pinned(job.source.profile, job.cluster, job.config, job.layout)
-    if found.evaluation is None:
-        raise InfeasibleError(f"--layout {job.layout.label}: {found.rejection.reason}")
-    pinned = found.evaluation
-    gap = pinned.step_ms / free.best.step_ms - 1.0
-    faster = "faster" if gap < 0 else "slower"
-    why = (
-        f"Layout pinned by --layout ({job.layout.label}): {abs(gap):.1%} {faster} than the search's choice "
-        f"{free.best.label_with_replicas} ({free.best.step_ms:,.2f} ms/step)."
-    )
-    return found.as_search_result(job.config), why
-
-
-def _profile_file(options: PlanOptions) -> PlanInput | None:
-    """--profile's costs (with MODEL's traced graph when MODEL is given too), or None without --profile."""
-    if options.profile is None:
+def _profile_source(options: PlanOptions, profile: Profile | None) -> PlanInput | None:
+    """--profile's costs, or `profile`'s (with MODEL's traced graph when MODEL is given too); None without either."""
+    if profile is None and options.profile is None:
         return None
-    source = load_profile_input(str(options.profile), options.profile_format)
+    source = profile_input(profile) if profile is not None else load_profile_input(str(options.profile))
     if options.model is None:
         return source
     model_options = parse_assignments(options.assignments)
     return attach_model(source, options.model, model_options, options.granularity, options.tracer)
 
 
-def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:
-    assert options.model is not None  # PlanOptions requires MODEL or --profile
+def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:  # type: ignore[no-untyped-def]
+    assert options.model is not None  # prepare_plan requires MODEL or a profile
     return ProfileRequest(
         model=options.model,
         options=parse_assignments(options.assignments),
@@ -160,19 +133,10 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
     )
 
 
-def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = None) -> tuple[Plan, Timeline]:
-    """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and
-    timeline.json (when the job has a directory); return the plan and its predicted steps' timeline."""
-    tries = search_tensor_parallel(
-        job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
-    )
-    result = chosen_try(tries).result
-    why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
-    if job.layout is not None:  # the pinned layout is the plan; the search's choice is what it is compared with
-        result, why = _pinned_result(job, result)
-    source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
-    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
-    timeline = plan_steps_timeline(chosen)  # several steps of the op lists (`show` draws the same)
-    if job.output is not None:
-        write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
-    return chosen, timeline
+def write_plan(chosen: Plan, output: Path | None) -> Timeline:
+    """The plan's predicted steps (several, until their period repeats: what `show` draws), and DIR/plan.json,
+    launch.sh, job.sbatch and timeline.json when `output` names a directory."""
+    timeline = plan_steps_timeline(chosen)
+    if output is not None:
+        write_plan_dir(chosen, timeline_rows(chosen, timeline), output)
+    return timeline

@@ -130,7 +130,7 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
     for b in sorted(set(config.microbatch_sizes)):
         for d in (d for d in range(1, n + 1) if n % d == 0):
             if depths is not None and n // d not in depths:
-                continue  # --pipeline-depth forces other depths
+                continue  # --parallel pp= forces other depths
             if config.global_batch_size % (d * b):
                 continue  # this many pipelines cannot split the batch evenly at this microbatch size
             p = n // d
@@ -320,10 +320,10 @@ def infeasible_message(
     if memory_bound and (smallest_memory is not None or not others):
         hint = f"; the smallest that fits is {format_bytes(smallest_memory)} per device" if smallest_memory else ""
         if smallest_memory and reserve:
-            hint += f" plus the {format_bytes(reserve)} --memory-reserve"
+            hint += f" plus the {format_bytes(reserve)} reserve"
         return (
             f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {devices}: memory is the "
-            f"binding constraint{hint} (raise --memory-per-device or --devices)"
+            f"binding constraint{hint} (raise --memory or --devices)"
         )
     first = others[0] if others else "no candidate layouts"
     return f"no plan is possible on {devices}: {first}; change --devices or --global-batch-size"

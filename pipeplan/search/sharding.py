@@ -216,9 +216,7 @@ def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap
     `links` included; t = cp = ep = 1 returns it unchanged. Raises ConfigError when the profile is not a
     transformer stack."""
     if t < 1 or cp < 1 or ep < 1:
-        raise ConfigError(
-            f"--tensor-parallel, --context-parallel and --expert-parallel must be >= 1, got {t}, {cp}, {ep}"
-        )
+        raise ConfigError(f"--parallel tp, cp and ep must be >= 1, got {t}, {cp}, {ep}")
     if t == 1 and cp == 1 and ep == 1:
         return profile
     comms = layer_comms(profile, t, cp, links, tp_overlap, ep)

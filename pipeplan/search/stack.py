@@ -54,8 +54,7 @@ def transformer_layers(profile: Profile) -> TransformerLayers:
     problem = stack_problem(profile)
     if problem is not None:
         raise ConfigError(
-            f"tensor and context parallelism model a transformer stack: {problem}; use --tensor-parallel 1 "
-            "--context-parallel 1"
+            f"tensor and context parallelism model a transformer stack: {problem}; use --parallel tp=1,cp=1"
         )
     return TransformerLayers(num_layers=profile.num_layers, hidden_bytes=profile.layers[0].output_bytes)
 
@@ -159,12 +158,12 @@ def check_split(profile: Profile, t: int, cp: int, *, devices_per_node: int, num
         profile, t, devices_per_node=devices_per_node, num_devices=num_devices, spanning=True
     )
     if problem is not None:
-        raise ConfigError(f"--tensor-parallel {t}: {problem}")
+        raise ConfigError(f"--parallel tp={t}: {problem}")
     problem = context_parallel_problem(profile, t, cp, devices_per_node=devices_per_node, num_devices=num_devices)
     if problem is not None:
-        raise ConfigError(f"--context-parallel {cp}: {problem}")
+        raise ConfigError(f"--parallel cp={cp}: {problem}")
     problem = expert_parallel_problem(profile, t, cp, ep, num_devices=num_devices)
     if problem is not None:
-        raise ConfigError(f"--expert-parallel {ep}: {problem}")
+        raise ConfigError(f"--parallel ep={ep}: {problem}")
     if t * cp > 1:
         transformer_layers(profile)

@@ -61,8 +61,8 @@ class TensorParallelTry:
         return label + (f" ep={self.expert_parallel}" if self.expert_parallel > 1 else "")
 
 
-def parse_tensor_parallel(text: str | int | None, *, option: str = "--tensor-parallel") -> str | int:
-    """`auto` or a size >= 1 (--tensor-parallel, --context-parallel)."""
+def parse_tensor_parallel(text: str | int | None, *, option: str = "--parallel tp") -> str | int:
+    """`auto` or a size >= 1 (`--parallel` tp, cp, ep)."""
     if text is None or str(text).strip().lower() == AUTO:
         return AUTO
     try:
@@ -79,13 +79,13 @@ def tensor_parallel_sizes(
 ) -> tuple[TensorParallelTry, ...]:
     """The (t, cp) to search (tries without a result yet), and those `auto` leaves out with their reasons."""
     request = parse_tensor_parallel(request)
-    context = parse_tensor_parallel(context, option="--context-parallel")
-    expert = parse_tensor_parallel(expert, option="--expert-parallel")
+    context = parse_tensor_parallel(context, option="--parallel cp")
+    expert = parse_tensor_parallel(expert, option="--parallel ep")
     analytic = profile.provenance.source == "analytic"
-    for value, option in ((request, "--tensor-parallel"), (context, "--context-parallel")):
+    for value, option in ((request, "--parallel tp"), (context, "--parallel cp")):
         if value != AUTO and value > 1 and not analytic:
             raise ConfigError(
-                f"{option} {value} plans analytically: give an analytic profile (--device meta --hardware NAME); "
+                f"{option}={value} plans analytically: give an analytic profile (--device meta --hardware NAME); "
                 f"this one is {profile.provenance.source}"
             )
     ts = _sizes(request, TENSOR_PARALLEL_SIZES if analytic else (1,))
@@ -121,7 +121,7 @@ def _expert_sizes(
         n = cluster.num_devices
         problem = expert_parallel_problem(profile, t if given else 1, cp if given else 1, int(expert), num_devices=n)
         if problem is not None:
-            raise ConfigError(f"--expert-parallel {expert}: {problem}")
+            raise ConfigError(f"--parallel ep={expert}: {problem}")
         return () if expert_parallel_problem(profile, t, cp, int(expert), num_devices=n) else (int(expert),)
     if not is_moe(profile) or profile.provenance.source != "analytic":
         return (1,)

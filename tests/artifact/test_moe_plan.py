@@ -1,4 +1,4 @@
-"""Expert-parallel plans: `plan --expert-parallel` and `--layout ep=` store ep (and each stage's routed-expert
+"""Expert-parallel plans: `plan --parallel ep=` and `--layout ep=` store ep (and each stage's routed-expert
 parameters) in plan.json, `show` / timeline.json re-simulate the plan's step and per-rank peaks with the same ep
 (ZeRO-1 shards routed experts' state over 1/ep of the holders), `run` refuses such plans in one line, plans written
 before ep load as ep=1, and layouts ep cannot split are refused in one line."""
@@ -16,12 +16,12 @@ from pipeplan.artifact.timing import plan_step_ms, plan_timeline
 from pipeplan.cli import app
 
 runner = CliRunner()
-PLAN = ["plan", "moe", "--device", "meta", "--hardware", "h100", "--devices", "4", "-B", "8", "--zero", "1"]
+PLAN = ["plan", "moe", "--device", "meta", "--hardware", "h100", "--devices", "4", "-B", "8", "--memory", "zero=1"]
 
 
 def _plan(tmp_path, name: str, *extra: str) -> Plan:
     out = tmp_path / name
-    result = runner.invoke(app, [*PLAN, "-s", "1f1b", "--no-replication", "-o", str(out), "--json", *extra])
+    result = runner.invoke(app, [*PLAN, "-s", "1f1b", "-o", str(out), "--json", *extra])
     assert result.exit_code == 0, result.output
     return Plan.load(out / "plan.json")
 
@@ -39,7 +39,7 @@ def _reproduced(plan: Plan, plan_dir) -> None:
 
 
 def test_an_expert_parallel_plan_is_stored_reproduced_shown_and_refused_by_run(tmp_path):
-    plan = _plan(tmp_path, "ep", "-p", "2", "--expert-parallel", "2")
+    plan = _plan(tmp_path, "ep", "--parallel", "pp=2,ep=2,replicate=off")
     assert plan.training.expert_parallel == 2 and plan.training.data_parallel == 2 and plan.training.zero == 1
     assert all(0 < s.expert_param_count < s.param_count for s in plan.stages)  # both stages hold MoE blocks
     _reproduced(plan, tmp_path / "ep")
@@ -48,7 +48,7 @@ def test_an_expert_parallel_plan_is_stored_reproduced_shown_and_refused_by_run(t
     assert shown.exit_code == 0 and "Not runnable: uses expert parallelism (ep=2)" in text
     assert "expert parallel ep=2" in text
     ran = runner.invoke(app, ["run", str(tmp_path / "ep" / "plan.json"), "--steps", "1"])
-    assert "expert parallelism (ep=2)" in one_error_line(ran) and "--expert-parallel 1" in one_error_line(ran)
+    assert "expert parallelism (ep=2)" in one_error_line(ran) and "--parallel ep=1" in one_error_line(ran)
 
 
 def test_a_pinned_ep_layout_is_the_plan_and_reproduced(tmp_path):
@@ -59,7 +59,7 @@ def test_a_pinned_ep_layout_is_the_plan_and_reproduced(tmp_path):
 
 
 def test_plans_written_before_expert_parallelism_load_as_ep_1(tmp_path):
-    plan = _plan(tmp_path, "dense", "-p", "2", "--expert-parallel", "1")
+    plan = _plan(tmp_path, "dense", "--parallel", "pp=2,ep=1,replicate=off")
     data = json.loads((tmp_path / "dense" / "plan.json").read_text())
     del data["training"]["expert_parallel"]
     for stage in data["stages"]:
@@ -75,7 +75,7 @@ def test_plans_written_before_expert_parallelism_load_as_ep_1(tmp_path):
     [
         (["--layout", "pp=2,dp=2,ep=4"], "--layout ep=4 must divide dp x cp = 2"),
         (["--layout", "pp=1,dp=4,ep=4", "-a", "experts=2"], "--layout ep=4: ep=4 must divide the model's 2 routed"),
-        (["--expert-parallel", "3"], "--expert-parallel 3: ep=3 must divide the model's 4 routed experts"),
+        (["--parallel", "ep=3,replicate=off"], "--parallel ep=3: ep=3 must divide the model's 4 routed experts"),
     ],
 )
 def test_expert_parallel_sizes_that_cannot_split_are_one_line(args, needle, tmp_path):

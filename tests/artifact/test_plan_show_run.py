@@ -57,8 +57,10 @@ def test_plan_show_timeline_json_and_run_agree(tmp_path, capsys):
     path = tmp_path / "profile.json"
     profile.save(path)
     out = tmp_path / "plan"
-    args = ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "4GiB", "-p", "4"]
-    result = runner.invoke(app, [*args, "-B", "16", "-s", "1f1b", "--no-replication", "-o", str(out), "--json"])
+    args = ["plan", "--profile", str(path), "--devices", "4", "--memory", "4GiB"]
+    result = runner.invoke(
+        app, [*args, "-B", "16", "-s", "1f1b", "--parallel", "pp=4,replicate=off", "-o", str(out), "--json"]
+    )
     assert result.exit_code == 0, result.output
     planned = json.loads(result.output)["predicted"]
     shown = json.loads(runner.invoke(app, ["show", str(out / "plan.json"), "--json"]).output)
@@ -95,8 +97,8 @@ def test_post_validated_plan_says_so_and_its_steps_overlap(tmp_path):
     path = tmp_path / "profile.json"
     profile.save(path)
     out = tmp_path / "plan"
-    args = ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "4GiB", "-p", "4", "-B", "16"]
-    planned = runner.invoke(app, [*args, "-s", "zb-auto", "--no-replication", "-o", str(out), "--json"])
+    args = ["plan", "--profile", str(path), "--devices", "4", "--memory", "4GiB", "-B", "16"]
+    planned = runner.invoke(app, [*args, "-s", "zb-auto", "--parallel", "pp=4,replicate=off", "-o", str(out), "--json"])
     summary = json.loads(planned.output)
     assert summary["training"]["post_validate"] is True
     plan = Plan.load(out / "plan.json")

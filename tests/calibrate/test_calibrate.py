@@ -71,15 +71,16 @@ def test_profile_meta_with_the_calibrated_file(cpu_file, tmp_path):
 
 @pytest.mark.slow
 def test_plan_with_the_calibrated_file_uses_its_memory_and_links(cpu_file, tmp_path):
-    args = ("plan", *GPT, "--device", "meta", "--hardware", "mycpu", "--hardware-file", cpu_file, "--devices", "2")
+    args = ("plan", *GPT, "--device", "meta", "--hardware", f"{cpu_file}:mycpu", "--devices", "2")
     result = _run(*args, "-o", tmp_path / "plan", "--json")
     assert result.exit_code == 0, result.output
     cluster = json.loads((tmp_path / "plan" / "plan.json").read_text())["cluster"]
     spec = load_hardware("mycpu", hardware_file=cpu_file)
     assert cluster["hardware"] == "mycpu" and cluster["memory_per_device"] == spec.memory_bytes
     assert cluster["intra_node_bandwidth"] == pytest.approx(spec.nvlink_bandwidth)
-    missing = _run("plan", *GPT, "--device", "meta", "--hardware-file", cpu_file, "-o", tmp_path / "p2")
-    assert missing.exit_code == 1 and "--hardware NAME is needed; choose one of:" in missing.output
+    alone = _run("plan", *GPT, "--device", "meta", "--hardware", cpu_file, "--devices", "2", "-o", tmp_path / "p2")
+    assert alone.exit_code == 0, alone.output  # the file's one entry
+    assert json.loads((tmp_path / "p2" / "plan.json").read_text())["cluster"] == cluster
 
 
 @pytest.mark.slow

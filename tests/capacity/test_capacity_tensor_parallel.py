@@ -84,7 +84,7 @@ def test_the_row_takes_the_size_that_fits_and_says_why():
 def test_a_forced_size_is_the_only_one_searched():
     report = capacity_sweep(stack_profile(block=BLOCK), _config(tensor_parallel=1))
     assert not report.rows[0].fits and set(report.per_tensor_parallel) == {"1"}
-    with pytest.raises(ConfigError, match="--tensor-parallel"):
+    with pytest.raises(ConfigError, match="--parallel tp"):
         _config(tensor_parallel="x")
 
 
@@ -102,13 +102,13 @@ def test_cli_columns_json_and_one_line_errors(tmp_path):
     for header in ("plan PxDP", "recompute", "ZeRO", "MFU"):
         assert header in result.output
     assert "8 devices: t=" in result.output and "t=8: must divide the model's 12 attention heads" in result.output
-    result = runner.invoke(app, ["capacity", *SMALL, "--tensor-parallel", "2", "--json"])
+    result = runner.invoke(app, ["capacity", *SMALL, "--parallel", "tp=2", "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert [row["tensor_parallel"] for row in rows] == [2, 2]
     assert all(row["zero"] == 0 and set(row["recompute"]) == {"none"} for row in rows)
-    result = runner.invoke(app, ["capacity", *SMALL, "--tensor-parallel", "8", "--json"])  # checked before the sweep
-    assert "--tensor-parallel 8" in one_error_line(result)
+    result = runner.invoke(app, ["capacity", *SMALL, "--parallel", "tp=8", "--json"])  # checked before the sweep
+    assert "--parallel tp=8" in one_error_line(result)
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_recompute_and_zero_options_reach_the_search():
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--zero", "2"], "--zero"), (["--recompute", "full"], "--recompute")],
+    [(["--memory", "zero=2"], "--memory zero"), (["--memory", "recompute=full"], "--memory recompute")],
     ids=["zero", "recompute"],
 )
 def test_memory_option_errors_are_one_line(args, needle):

@@ -84,7 +84,7 @@ def test_each_ring_half_moves_d_minus_one_over_d_of_the_buffer():
 def test_only_zero_stages_0_and_1():
     assert check_zero_stage(1) == 1
     for bad in (2, 3, -1, True):
-        with pytest.raises(ConfigError, match="--zero .* not supported.*ZeRO-1"):
+        with pytest.raises(ConfigError, match="--memory zero=.* not supported.*ZeRO-1"):
             check_zero_stage(bad)
     with pytest.raises(ConfigError):
         zero_bytes_per_param((4, 4, 8), 2, 3)

@@ -111,16 +111,13 @@ def option_cases(f: Files) -> list[Case]:
         (profile, "--hardware", ["nosuch"]),
         (profile, "--granularity", ["0", "-1", "abc"]),
         (profile, "-o", f.bad_outputs),
-        (plan, "--devices", BAD_COUNT[:-1] + ["100000", "8,,"]),
-        (plan, "--devices-per-node", ["0", "-1", "abc"]),
-        (plan, "--memory-per-device", ["0", "-1", "1e400", "abc", "10XB", "nan"]),
+        (plan, "--devices", BAD_COUNT[:-1] + ["100000", "8,,", "2x0", "0x8", "2xabc", "3x2x1"]),
+        (plan, "--memory", ["0", "-1", "1e400", "abc", "10XB", "nan", "reserve=-1", "zero=2", "recompute=x", "k=v"]),
         (plan, "--global-batch-size", BAD_COUNT),
         (plan, "-b", ["0", "-1", "1,,", "abc"]),
-        (plan, "--pipeline-depth", ["0", "3", "abc", "-2"]),
-        (plan, "--optimizer", ["nosuch"]),
-        (plan, "--precision", ["nosuch", "fp16-mixed"]),
-        (plan, "--schedule", ["nosuch", "zbx"]),
-        (plan, "--profile-format", ["onnx"]),
+        (plan, "--parallel", ["pp=0", "pp=3", "pp=abc", "pp=-2", "tp=2/4", "tp=0", "x=1", "replicate=maybe", "pp="]),
+        (plan, "--precision", ["nosuch", "fp16-mixed", "bf16,nosuch", "sgd,adamw", "fp32,bf16"]),
+        (plan, "--schedule", ["nosuch", "zbx", "auto,nosuch"]),
         (plan, "--profile", [str(f.binary), str(f.empty), str(f.a_dir), str(f.root / "missing.json")]),
         (plan, "-o", [str(f.a_file), str(f.a_file / "sub"), str(f.root / ("z" * 300)), ""]),
         (run, "--steps", ["0", "-1", "abc"]),
@@ -142,7 +139,7 @@ def option_cases(f: Files) -> list[Case]:
     ]
     cases = [Case((*base, option, value)) for base, option, values in table for value in values]
     cases += [
-        Case((*capacity[:2], "--hardware-file", str(path), "--hardware", chip, *capacity[4:]))
+        Case((*capacity[:2], "--hardware", f"{path}:{chip}", *capacity[4:]))
         for path, chip in ((f.nan_hardware, "nanchip"), (f.inf_hardware, "infchip"), (f.binary, "h100"))
     ]
     cases += [
@@ -151,15 +148,15 @@ def option_cases(f: Files) -> list[Case]:
         Case(("simulate", "--compare", "-p", "0", "-m", "0")),
         Case(("simulate", "--compare", "-p", "4", "-m", "100000000")),
         Case(("simulate", "-s", "1f1b", "-p", "4", "-m", "1000000000")),
-        Case(("plan", "--profile", str(f.profile), "--devices", "100000", "--pipeline-depth", "2")),
-        Case(("plan", "--profile", str(f.profile), "--memory-per-device", "1e400")),
+        Case(("plan", "--profile", str(f.profile), "--devices", "100000", "--parallel", "pp=2")),
+        Case(("plan", "--profile", str(f.profile), "--memory", "1e400")),
         Case(("export", str(f.plan), "--format", "nosuch", "-o", str(f.root / "s.csv"))),
         Case(("export", str(f.plan), "-o", str(f.a_dir))),
         Case(("profile", "nosuch_model")),
         Case(("profile", str(f.a_file) + ":build")),
         Case(("profile", str(f.root / "exits.py") + ":build")),
         Case(("profile", str(f.root / "raises.py") + ":build")),
-        Case(("plan", "--profile", str(f.binary), "--profile-format", "pipedream", "--devices", "2")),
+        Case(("plan", "--profile", str(f.binary), "--devices", "2")),
         Case(("capacity", "gpt2-124m", "--hardware", "h100", "--devices", "8", "-B", "0")),
     ]
     return cases

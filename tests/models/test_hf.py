@@ -98,7 +98,7 @@ def test_bert_classification_profiles_and_plans_from_the_cli(tmp_path):
     provenance = json.loads(profile.read_text())["provenance"]
     assert provenance["tracer"] == "export" and provenance["model"] == "hf:bert"
     args = ["plan", "hf:bert", *TINY_BERT, "--profile", str(profile), "--devices", "2", "-o", str(tmp_path / "p")]
-    result = runner.invoke(app, [*args, "--pipeline-depth", "2", "--global-batch-size", "8"])
+    result = runner.invoke(app, [*args, "--parallel", "pp=2", "--global-batch-size", "8"])
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["model"]["tracer"] == "export" and all(stage["node_names"] for stage in plan["stages"])
@@ -117,7 +117,22 @@ def test_exported_plan_names_the_nodes_of_its_microbatch_size(tmp_path):
     assert result.exit_code == 0, result.output
     out = tmp_path / "p"
     result = runner.invoke(
-        app, ["plan", "hf:gpt2", *args, "--profile", str(profile), "-n", "2", "-p", "2", "-b", "2", "-o", str(out)]
+        app,
+        [
+            "plan",
+            "hf:gpt2",
+            *args,
+            "--profile",
+            str(profile),
+            "-n",
+            "2",
+            "--parallel",
+            "pp=2",
+            "-b",
+            "2",
+            "-o",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())

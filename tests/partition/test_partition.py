@@ -148,7 +148,7 @@ def test_tight_memory_changes_the_split_and_error_gives_the_memory_that_fits():
     assert all(s.memory_bytes <= 45_000_000 for s in tight.stages)
     assert tight.objective_ms >= loose.objective_ms
     too_small = dataclasses.replace(cluster, memory_per_device=15_000_000)
-    with pytest.raises(InfeasibleError, match="--memory-per-device") as info:
+    with pytest.raises(InfeasibleError, match="raise --memory") as info:
         partition(profile, too_small, config)
     assert "\n" not in str(info.value)
     need = min_memory_per_device(LayerArrays.from_profile(profile), too_small, config)
@@ -306,5 +306,5 @@ def test_exact_minimum_memory_for_replicated_one_node_search():
     need = min_memory_per_device(LayerArrays.from_profile(profile), cluster, config)
     fitted = partition(profile, dataclasses.replace(cluster, memory_per_device=need), config)
     assert max(s.memory_bytes for s in fitted.stages) <= need
-    with pytest.raises(InfeasibleError, match=re.escape("--memory-per-device")):
+    with pytest.raises(InfeasibleError, match=re.escape("raise --memory")):
         partition(profile, dataclasses.replace(cluster, memory_per_device=need - 1), config)

@@ -202,7 +202,7 @@ def test_zero_shards_optimizer_state_over_the_group():
     assert stage_memory_bytes(arrays, plain, 0, 1, 1, held) == 2_000_000 * 16
     assert stage_memory_bytes(arrays, sharded, 0, 1, 1, held) == 2_000_000 * (8 + 8 / 4)
     assert stage_memory_bytes(arrays, sharded, 0, 1, 2, held) == 2_000_000 * (8 + 8 / 8)  # 2 replicas x 4 pipelines
-    with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
+    with pytest.raises(ConfigError, match="needs a named optimizer"):
         PartitionConfig(num_microbatches=4, zero=1, numerics=numerics(12.0, "bf16-mixed"))
     with pytest.raises(ConfigError, match="recompute must be one of none, auto"):
         PartitionConfig(num_microbatches=4, recompute="full", numerics=numerics("adamw", "bf16-mixed"))

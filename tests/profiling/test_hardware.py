@@ -251,5 +251,5 @@ def test_cluster_for_uses_hbm_nvlink_and_network():
     one_gb = 1e9
     assert cluster.transfer_s(one_gb, same_node=True) < cluster.transfer_s(one_gb, same_node=False)
     assert cluster_for(h100, 4, devices_per_node=4).num_nodes == 1
-    with pytest.raises(ConfigError, match="multiple of --devices-per-node"):
+    with pytest.raises(ConfigError, match="multiple of the devices per node"):
         cluster_for("a100-80gb", 12)

@@ -117,6 +117,6 @@ def test_profile_plan_and_run_honour_the_precision(tmp_path):
     line = one_error_line(runner.invoke(app, ["profile", "gpt", "--precision", "fp16-mixed"]))
     assert "fp16-mixed needs CUDA" in line
     line = one_error_line(runner.invoke(app, ["plan", "gpt", "--precision", "fp7", "-o", str(tmp_path / "x")]))
-    assert "--precision 'fp7' is not supported" in line
-    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--optimizer", "adamw-fp32", "--precision", "bf16"]))
+    assert "--precision 'fp7': 'fp7' is not a precision mode" in line
+    line = one_error_line(runner.invoke(app, ["plan", "gpt", "--precision", "bf16,adamw-fp32"]))
     assert "--optimizer adamw-fp32 means adamw under --precision fp32" in line

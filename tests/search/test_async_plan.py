@@ -1,4 +1,4 @@
-"""Planning the asynchronous schedules: considered only with --allow-async (named without it: one line), predicted
+"""Planning the asynchronous schedules: considered only when named or with `-s all` / `-s auto,async`, predicted
 from the stream's steady state (no flush) with stashed weight copies in memory, staleness in the summary, plan
 files that `show` reproduces and `run` checks, and refusals for what they cannot run with."""
 
@@ -60,14 +60,14 @@ def test_search_considers_async_schedules_only_when_allowed():
         profile, cluster, SearchConfig(global_batch_size=16, allow_async=True, numerics=numerics("adamw", "bf16-mixed"))
     )
     assert {"pipedream", "pipedream-2bw"} <= {e.layout.schedule for e in allowed.ranked}
-    with pytest.raises(ConfigError, match="pass --allow-async"):
+    with pytest.raises(ConfigError, match="allow it"):
         search_plans(
             profile,
             cluster,
             SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-mixed")),
             ["pipedream"],
         )
-    with pytest.raises(ConfigError, match="--zero 0"):
+    with pytest.raises(ConfigError, match="--memory zero=0"):
         search_plans(
             profile,
             cluster,
@@ -102,15 +102,15 @@ def test_plan_file_states_staleness_and_reproduces_the_prediction(tmp_path):
     assert shown.exit_code == 0 and "Staleness: pipedream-2bw: weights 1 step stale" in " ".join(shown.output.split())
 
 
-def test_cli_refuses_async_without_the_flag_and_exports_none(tmp_path):
+def test_cli_plans_a_named_async_schedule_refuses_it_with_zero1_and_exports_none(tmp_path):
     path = tmp_path / "profile.json"
     synthetic_profile().save(path)
-    base = ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "1GiB", "-o", str(tmp_path / "p")]
-    refused = runner.invoke(app, [*base, "--schedule", "pipedream"])
-    assert (
-        refused.exit_code == 1 and "--allow-async" in refused.output and len(refused.output.strip().splitlines()) == 1
-    )
-    done = runner.invoke(app, [*base, "--schedule", "pipedream", "--allow-async", "--json"])
+    base = ["plan", "--profile", str(path), "--devices", "4", "-o", str(tmp_path / "p")]
+    refused = runner.invoke(app, [*base, "--memory", "1GiB,zero=1", "--schedule", "pipedream"])
+    assert refused.exit_code == 1 and "--memory zero=0" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+    base += ["--memory", "1GiB"]
+    done = runner.invoke(app, [*base, "--schedule", "pipedream", "--json"])
     assert done.exit_code == 0, done.output
     summary = json.loads(done.output)
     assert summary["schedule"] == "pipedream" and "4 weight versions on the first stage" in summary["staleness"]
@@ -120,12 +120,12 @@ def test_cli_refuses_async_without_the_flag_and_exports_none(tmp_path):
 
 def test_capacity_shows_async_schedules_when_allowed():
     args = ["capacity", "gpt2-124m", "--hardware", "h100", "--devices", "8", "-B", "64", "--json"]
-    shown = runner.invoke(app, [*args, "--allow-async", "--schedule", "pipedream-2bw"])
+    shown = runner.invoke(app, [*args, "--schedule", "pipedream-2bw"])
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.output)["rows"][0]["schedule"] == "pipedream-2bw"
-    refused = runner.invoke(app, [*args, "--schedule", "pipedream-2bw"])
-    assert refused.exit_code == 1 and "--allow-async" in refused.output
-    auto = runner.invoke(app, args)  # auto leaves them out without the flag
+    refused = runner.invoke(app, [*args, "--schedule", "pipedream-2bw", "--memory", "zero=1"])
+    assert refused.exit_code == 1 and "--memory zero=0" in refused.output
+    auto = runner.invoke(app, args)  # auto: the synchronous schedules
     assert json.loads(auto.output)["rows"][0]["schedule"] not in ("pipedream", "pipedream-2bw")
 
 

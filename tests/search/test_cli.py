@@ -25,7 +25,7 @@ def profile_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plan_dir(profile_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "plan"
-    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory-per-device", "100MiB", "-o", str(out)]
+    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory", "100MiB", "-o", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "Alternatives" in result.output and "Why:" in result.output
@@ -84,15 +84,15 @@ def test_export_rejects_unknown_format(plan_dir, tmp_path):
     ("args", "match"),
     [
         (["--devices", "0"], "--devices must be >= 1"),
-        (["--devices", "12", "--devices-per-node", "8"], "multiple of --devices-per-node"),
-        (["--memory-per-device", "-4GiB"], "--memory-per-device"),
+        (["--devices", "12"], "multiple of the devices per node (8)"),
+        (["--memory", "-4GiB"], "--memory"),
         (["--devices", "4", "-B", "6", "-b", "4"], "divisible by --microbatch-size"),
         (["--devices", "4", "-B", "2", "-s", "interleaved"], "no plan is possible"),
-        (["--devices", "2", "--memory-per-device", "10MiB"], "smallest that fits is"),
+        (["--devices", "2", "--memory", "10MiB"], "smallest that fits is"),
         (["--schedule", "2f2b"], "choose from"),
-        (["--profile-format", "onnx"], "--profile-format"),
-        (["--devices", "4", "--pipeline-depth", "3"], "--pipeline-depth 3 must divide --devices (4)"),
-        (["--devices", "4", "--pipeline-depth", "2,x"], "--pipeline-depth"),
+        (["--parallel", "pp=2,pp=4"], "each once"),
+        (["--devices", "4", "--parallel", "pp=3"], "--parallel pp=3 must divide --devices (4)"),
+        (["--devices", "4", "--parallel", "pp=2/x"], "--parallel pp"),
     ],
 )
 def test_errors_are_one_line_exit_1(profile_file, tmp_path, args, match):
@@ -110,7 +110,7 @@ def test_profile_must_match_the_model(profile_file, tmp_path):
 
 
 def test_plan_a_model_end_to_end(tmp_path):
-    args = ["plan", "mlp", "-a", "layers=4", "-a", "hidden=32", "--devices", "2", "--memory-per-device", "1GiB"]
+    args = ["plan", "mlp", "-a", "layers=4", "-a", "hidden=32", "--devices", "2", "--memory", "1GiB"]
     result = runner.invoke(app, [*args, "-B", "4", "-o", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     plan = Plan.load(tmp_path / "plan.json")
@@ -146,10 +146,10 @@ def test_memory_reserve_default_override_and_summary(plan_dir, profile_file, tmp
     assert plan.predicted.memory_limit_bytes == 75 * 2**20
     assert max(plan.predicted.peak_memory_bytes) <= plan.predicted.memory_limit_bytes
     out = tmp_path / "plan"
-    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory-per-device", "100MiB"]
-    result = runner.invoke(app, [*args, "--memory-reserve", "10MiB", "-o", str(out)])
+    args = ["plan", "--profile", str(profile_file), "--devices", "4", "--memory", "100MiB"]
+    result = runner.invoke(app, [*args[:-1], "100MiB,reserve=10MiB", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert "less a 10.00 MiB reserve" in " ".join(result.output.split())
     assert Plan.load(out / "plan.json").predicted.memory_reserve_bytes == 10 * 2**20
-    bad = runner.invoke(app, [*args, "--memory-reserve", "200MiB", "-o", str(out)])
-    assert bad.exit_code == 1 and "--memory-reserve" in bad.output
+    bad = runner.invoke(app, [*args[:-1], "100MiB,reserve=200MiB", "-o", str(out)])
+    assert bad.exit_code == 1 and "--memory reserve=" in bad.output

@@ -74,7 +74,7 @@ def test_expert_bytes_per_param_shard_over_holders_divided_by_ep():
 
 def test_expert_parallelism_is_refused_where_it_cannot_split(moe_profile):
     cluster = Cluster(num_devices=8, devices_per_node=8, memory_per_device=80 << 30)
-    with pytest.raises(ConfigError, match="--expert-parallel 3: ep=3 must divide the model's 8 routed experts"):
+    with pytest.raises(ConfigError, match="--parallel ep=3: ep=3 must divide the model's 8 routed experts"):
         split_inputs(moe_profile, cluster, 1, 1, ep=3)
     dense = profile_analytic(load_model("llama", {"layers": "2"}), batch_size=1, hardware="h100", precision="bf16")
     with pytest.raises(ConfigError, match="no routed experts"):

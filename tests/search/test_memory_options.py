@@ -159,8 +159,20 @@ def test_search_show_and_run_predict_the_same_step(case, tmp_path, capsys):
 def test_plan_and_show_cli_agree_and_json_has_the_choices(tmp_path):
     path = tmp_path / "profile.json"
     attention_profile(**RECOMPUTE_PROFILE).save(path)
-    args = ["plan", "--profile", str(path), "--devices", "4", "-p", "4", "-B", "16", "--no-replication", "-s", "1f1b"]
-    tight = [*args, "--memory-per-device", "150MiB", "--memory-reserve", "0", "-o", str(tmp_path / "plan")]
+    args = [
+        "plan",
+        "--profile",
+        str(path),
+        "--devices",
+        "4",
+        "--parallel",
+        "pp=4,replicate=off",
+        "-B",
+        "16",
+        "-s",
+        "1f1b",
+    ]
+    tight = [*args, "--memory", "150MiB,reserve=0", "-o", str(tmp_path / "plan")]
     result = runner.invoke(app, [*tight, "--json"])
     assert result.exit_code == 0, result.output
     planned = json.loads(result.output)
@@ -171,19 +183,22 @@ def test_plan_and_show_cli_agree_and_json_has_the_choices(tmp_path):
     assert any(s["recompute"] != "none" and s["recompute_ms"] > 0 for s in planned["stages"])
     text = runner.invoke(app, ["show", str(tmp_path / "plan" / "plan.json")]).output
     assert "recompute" in text and "without it needs" in text
-    refused = runner.invoke(app, [*tight, "--recompute", "none"])
+    refused = runner.invoke(app, [*tight, "--memory", "150MiB,reserve=0,recompute=none"])
     assert refused.exit_code == 1 and "memory is the binding constraint" in refused.output
-    for bad, message in (("--recompute", "--recompute must be one of none, auto"), ("--zero", "--zero must be")):
-        wrong = runner.invoke(app, [*tight, bad, "sometimes"])
+    for bad, message in (
+        ("recompute", "--memory recompute='sometimes' must be one of none, auto"),
+        ("zero", "--memory zero=sometimes must be"),
+    ):
+        wrong = runner.invoke(app, [*tight, "--memory", f"{bad}=sometimes"])
         lines = [line for line in wrong.output.splitlines() if line.startswith("error:")]
         assert wrong.exit_code == 1 and len(lines) == 1 and message in lines[0], wrong.output
 
 
 def test_zero_option_values():
     assert parse_zero("auto") == "auto" and parse_zero("0") == 0 and parse_zero("1") == 1
-    with pytest.raises(ConfigError, match="--zero 2 is not supported"):
+    with pytest.raises(ConfigError, match="--memory zero=2 is not supported"):
         parse_zero("2")
-    with pytest.raises(ConfigError, match="--zero 1 needs --optimizer by name"):
+    with pytest.raises(ConfigError, match="needs a named optimizer"):
         SearchConfig(global_batch_size=4, zero=1, numerics=numerics(12.0, "bf16-mixed"))
     assert SearchConfig(global_batch_size=4, numerics=numerics("adamw", "bf16-mixed")).zero == "auto"
 

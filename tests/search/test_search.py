@@ -123,7 +123,7 @@ def test_forced_pipeline_depth_search_matches_brute_force(depth, fused):
 
 def test_forced_pipeline_depth_must_divide_the_devices():
     config = SearchConfig(global_batch_size=12, pipeline_depths=(2, 3), numerics=numerics("adamw", "bf16-mixed"))
-    with pytest.raises(ConfigError, match=r"^--pipeline-depth 3 must divide --devices \(4\)$"):
+    with pytest.raises(ConfigError, match=r"^--parallel pp=3 must divide --devices \(4\)$"):
         search_plans(synthetic_profile(), make_cluster(4), config)
 
 
@@ -174,7 +174,7 @@ def test_infeasible_error_names_the_smallest_memory_that_fits():
     with pytest.raises(InfeasibleError) as info:
         search_plans(profile, cluster, config)
     message = str(info.value)
-    assert "\n" not in message and "--memory-per-device" in message
+    assert "\n" not in message and "--memory" in message
     size = re.search(r"smallest that fits is ([0-9.]+ [KMG]iB)", message).group(1).replace(" ", "")
     needed = parse_size(size)
     fits = search_plans(profile, make_cluster(2, memory=int(needed * 1.01)), config)
@@ -188,8 +188,8 @@ def test_infeasible_error_names_the_smallest_memory_that_fits():
     [
         ({"global_batch_size": 10, "microbatch_sizes": (4,)}, "divisible by --microbatch-size"),
         ({"global_batch_size": 0}, "--global-batch-size"),
-        ({"global_batch_size": 8, "pipeline_depths": (0, 2)}, "--pipeline-depth"),
-        ({"global_batch_size": 8, "pipeline_depths": ()}, "--pipeline-depth"),
+        ({"global_batch_size": 8, "pipeline_depths": (0, 2)}, "--parallel pp"),
+        ({"global_batch_size": 8, "pipeline_depths": ()}, "--parallel pp"),
     ],
 )
 def test_search_config_errors(kwargs, match):
@@ -248,7 +248,7 @@ def test_memory_reserve_is_kept_free_and_reported():
     assert default_memory_reserve(80 * 10**9) == 4 * 10**9  # 5% of an 80 GB H100
     assert default_memory_reserve(8 * 2**30) == 2**30  # at least 1 GiB
     assert default_memory_reserve(100 * 2**20) == 25 * 2**20  # at most a quarter
-    with pytest.raises(ConfigError, match="--memory-reserve"):
+    with pytest.raises(ConfigError, match="--memory reserve="):
         search_plans(
             profile,
             cluster,

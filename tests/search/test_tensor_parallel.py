@@ -127,7 +127,7 @@ def test_one_is_the_profile_itself_and_rounding_never_undercounts():
 def test_profiles_that_are_not_a_transformer_stack_are_refused(change, words):
     profile = change(stack_profile())
     assert words in stack_problem(profile)
-    with pytest.raises(ConfigError, match="--tensor-parallel 1"):
+    with pytest.raises(ConfigError, match="--parallel tp=1,cp=1"):
         split_profile(profile, 2, 1, Links(tensor=LINK, context=LINK))
 
 
@@ -145,7 +145,7 @@ def test_sizes_the_cluster_or_model_cannot_take_are_refused(t, options, devices,
     profile = stack_profile(options=options)
     per_node = 8
     assert words in tensor_parallel_problem(profile, t, devices_per_node=per_node, num_devices=devices)
-    with pytest.raises(ConfigError, match=f"--tensor-parallel {t}"):
+    with pytest.raises(ConfigError, match=f"--parallel tp={t}"):
         check_split(profile, t, 1, devices_per_node=per_node, num_devices=devices)
 
 

@@ -1,4 +1,4 @@
-"""`pipeplan plan --tensor-parallel` through typer's CliRunner: auto says why it chose t, a forced size is recorded
+"""`pipeplan plan --parallel tp=` through typer's CliRunner: auto says why it chose t, a forced size is recorded
 in plan.json and shown, `run` refuses tensor-parallel plans with one line, and sizes that cannot be planned are
 refused with one line before anything slow."""
 
@@ -16,7 +16,7 @@ from pipeplan.cli import app
 from pipeplan.search.config import PREDICTION_MARGIN
 
 runner = CliRunner()
-PLAN = ["plan", "--devices", "4", "--memory-per-device", "1GiB", "-B", "8"]
+PLAN = ["plan", "--devices", "4", "--memory", "1GiB", "-B", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_auto_tries_every_size_and_the_rationale_says_why(stack_file, tmp_path):
         return json.loads(result.stdout)
 
     summary = plan()
-    forced = {size: plan("--tensor-parallel", str(size)) for size in (1, 2, 4)}
+    forced = {size: plan("--parallel", f"tp={size}") for size in (1, 2, 4)}
     assert all(forced[size]["training"]["tensor_parallel"] == size for size in forced)
     t = summary["training"]["tensor_parallel"]
     fastest = min(f["predicted"]["step_ms"] for f in forced.values())
@@ -53,7 +53,7 @@ def test_auto_tries_every_size_and_the_rationale_says_why(stack_file, tmp_path):
 
 def test_a_forced_size_is_planned_shown_and_refused_by_run(stack_file, tmp_path):
     out = tmp_path / "p"
-    result = runner.invoke(app, [*PLAN, "--profile", str(stack_file), "-o", str(out), "--tensor-parallel", "2"])
+    result = runner.invoke(app, [*PLAN, "--profile", str(stack_file), "-o", str(out), "--parallel", "tp=2"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # rich wraps at the runner's 80 columns
     assert "tensor parallel t=2" in text and "Not runnable: uses tensor parallelism (t=2)" in text
@@ -68,9 +68,9 @@ def test_a_forced_size_is_planned_shown_and_refused_by_run(stack_file, tmp_path)
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["gpt", "--tensor-parallel", "2"], "--device meta"),
-        (["gpt", "--tensor-parallel", "x"], "--tensor-parallel"),
-        (["gpt", "--device", "meta", "--hardware", "h100", "--tensor-parallel", "3"], "--tensor-parallel 3"),
+        (["gpt", "--parallel", "tp=2"], "--device meta"),
+        (["gpt", "--parallel", "tp=x"], "--parallel tp"),
+        (["gpt", "--device", "meta", "--hardware", "h100", "--parallel", "tp=3"], "--parallel tp=3"),
     ],
     ids=["measured", "not-a-number", "not-a-divisor"],
 )

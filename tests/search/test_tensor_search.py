@@ -72,12 +72,12 @@ def test_a_tensor_parallel_plan_records_t_and_run_refuses_it():
     assert [info.node for info in plan.ranks] == [2 * info.rank // 4 for info in plan.ranks]
     assert Plan.from_dict(plan.to_dict()) == plan
     assert not plan.runnable
-    with pytest.raises(RunError, match=r"tensor parallelism \(t=2\).*--tensor-parallel 1"):
+    with pytest.raises(RunError, match=r"tensor parallelism \(t=2\).*--parallel tp=1"):
         plan.require_runnable()
 
 
 def test_t_that_the_cluster_cannot_take_is_refused_by_the_search():
-    with pytest.raises(ConfigError, match="--tensor-parallel 4: t=4 must divide the 3 devices per node"):
+    with pytest.raises(ConfigError, match="--parallel tp=4: t=4 must divide the 3 devices per node"):
         search_plans(stack_profile(), make_cluster(12, devices_per_node=3), _config(tensor_parallel=4))
 
 
@@ -118,9 +118,9 @@ def test_auto_sizes_divide_the_node_and_the_model_and_measured_profiles_plan_one
     measured = stack_profile()
     measured = replace(measured, provenance=replace(measured.provenance, source="measured"))
     assert [i.tensor_parallel for i in tensor_parallel_sizes("auto", measured, cluster)] == [1]
-    with pytest.raises(ConfigError, match="--tensor-parallel 2 plans analytically"):
+    with pytest.raises(ConfigError, match="--parallel tp=2 plans analytically"):
         tensor_parallel_sizes(2, measured, cluster)
-    with pytest.raises(ConfigError, match="--tensor-parallel 3"):
+    with pytest.raises(ConfigError, match="--parallel tp=3"):
         tensor_parallel_sizes(3, stack_profile(), cluster)
     assert [i.tensor_parallel for i in tensor_parallel_sizes(4, stack_profile(), cluster)] == [4]
 
@@ -132,7 +132,7 @@ def test_parse_tensor_parallel(text, expected):
 
 @pytest.mark.parametrize("text", ["0", "-2", "two", "1.5"])
 def test_parse_tensor_parallel_refuses(text):
-    with pytest.raises(ConfigError, match="--tensor-parallel"):
+    with pytest.raises(ConfigError, match="--parallel tp"):
         parse_tensor_parallel(text)
 
 

@@ -1,5 +1,5 @@
-"""`pipeplan plan --zero`: the setting lands in plan.json's training config (what `run` executes), `show` names it,
-other ZeRO stages are refused with one line, and plan files check the field like every other."""
+"""`pipeplan plan --memory zero=`: the setting lands in plan.json's training config (what `run` executes), `show`
+names it, other ZeRO stages are refused with one line, and plan files check the field like every other."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ runner = CliRunner()
 def plan_args(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     synthetic_profile().save(path)
-    return ["plan", "--profile", str(path), "--devices", "4", "--memory-per-device", "100MiB"]
+    return ["plan", "--profile", str(path), "--devices", "4"]
 
 
 def test_plan_records_zero_and_show_names_it(plan_args, tmp_path):
-    result = runner.invoke(app, [*plan_args, "--zero", "1", "-o", str(tmp_path / "z1")])
+    result = runner.invoke(app, [*plan_args, "--memory", "100MiB,zero=1", "-o", str(tmp_path / "z1")])
     assert result.exit_code == 0, result.output
     plan = Plan.load(tmp_path / "z1" / "plan.json")
     assert plan.training.zero == 1
@@ -41,17 +41,17 @@ def test_plan_records_zero_and_show_names_it(plan_args, tmp_path):
 
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_other_zero_stages_are_one_line_errors(plan_args, tmp_path, stage):
-    result = runner.invoke(app, [*plan_args, "--zero", stage, "-o", str(tmp_path)])
+    result = runner.invoke(app, [*plan_args, "--memory", f"100MiB,zero={stage}", "-o", str(tmp_path)])
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and f"--zero {stage} is not supported" in lines[0] and "ZeRO-1" in lines[0]
+    assert len(lines) == 1 and f"--memory zero={stage} is not supported" in lines[0] and "ZeRO-1" in lines[0]
     assert not (tmp_path / "plan.json").exists()
-    with pytest.raises(ConfigError, match="use --zero 0 or 1"):
+    with pytest.raises(ConfigError, match="use --memory zero=0 or 1"):
         SearchConfig(global_batch_size=4, zero=int(stage), numerics=numerics("adamw", "bf16-mixed"))
 
 
 def test_plan_file_zero_field(plan_args, tmp_path):
-    assert runner.invoke(app, [*plan_args, "--zero", "1", "-o", str(tmp_path)]).exit_code == 0
+    assert runner.invoke(app, [*plan_args, "--memory", "100MiB,zero=1", "-o", str(tmp_path)]).exit_code == 0
     data = json.loads((tmp_path / "plan.json").read_text())
     del data["training"]["zero"]  # plans written before the field: no sharding
     assert Plan.from_dict(data).training.zero == 0

@@ -1,0 +1,81 @@
+"""The planner as a library call: `plan(profile, cluster, config) -> Plan` — the search over tensor/context/expert
+parallel sizes (`search.tensor_search`) and layouts, the chosen (or `--layout`-pinned) candidate built into a Plan.
+Commands and the Python API turn their options into these objects (`search.plan_job.prepare_plan`) and call it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeplan.artifact.plan import Plan
+from pipeplan.cluster import Cluster
+from pipeplan.errors import InfeasibleError
+from pipeplan.profiling.profile import Profile
+from pipeplan.search.config import SearchConfig
+from pipeplan.search.emit import build_plan
+from pipeplan.search.inputs import PlanInput, graph_at_microbatch, profile_input
+from pipeplan.search.pinned import PinnedLayout, evaluate_pinned
+from pipeplan.search.search import SearchResult
+from pipeplan.search.tensor_search import (
+    chosen_try,
+    search_tensor_parallel,
+    tensor_parallel_reason,
+    tensor_parallel_sizes,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """What to plan: the search's training-side inputs (`search`), the schedules it may use (None: every synchronous
+    one), the tensor / context / expert parallel sizes to try (auto or one each: `search.tensor_search`), and a layout
+    to plan exactly (None: the search's choice)."""
+
+    search: SearchConfig
+    schedules: tuple[str, ...] | None = None
+    tensor_parallel: str | int = "auto"
+    context_parallel: str | int = 1
+    expert_parallel: str | int = "auto"
+    layout: PinnedLayout | None = None
+
+
+def plan(
+    source: Profile | PlanInput,
+    cluster: Cluster,
+    config: PlanConfig,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
+    """The plan for `source` (a profile; with its model's graph, a runnable plan) on `cluster`: the search's choice
+    over every tensor-parallel size tried, or the pinned layout beside it."""
+    source = source if isinstance(source, PlanInput) else profile_input(source)
+    profile = source.profile
+    sizes = tensor_parallel_sizes(
+        config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel
+    )
+    tries = search_tensor_parallel(profile, cluster, config.search, sizes, config.schedules, progress=progress)
+    result = chosen_try(tries).result
+    assert result is not None, "search_tensor_parallel raises when no size gives a plan"
+    why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
+    if config.layout is not None:  # the pinned layout is the plan; the search's choice is what it is compared with
+        result, why = _pinned_result(profile, cluster, config, result)
+    source = graph_at_microbatch(source, result.best.layout.microbatch_size)
+    return build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
+
+
+def _pinned_result(
+    profile: Profile, cluster: Cluster, config: PlanConfig, free: SearchResult
+) -> tuple[SearchResult, str]:
+    """The pinned layout as a one-candidate result, and a sentence comparing it with the search's choice."""
+    assert config.layout is not None
+    found = evaluate_pinned(profile, cluster, config.search, config.layout)
+    if found.evaluation is None:
+        assert found.rejection is not None
+        raise InfeasibleError(f"--layout {config.layout.label}: {found.rejection.reason}")
+    pinned = found.evaluation
+    gap = pinned.step_ms / free.best.step_ms - 1.0
+    faster = "faster" if gap < 0 else "slower"
+    why = (
+        f"Layout pinned by --layout ({config.layout.label}): {abs(gap):.1%} {faster} than the search's choice "
+        f"{free.best.label_with_replicas} ({free.best.step_ms:,.2f} ms/step)."
+    )
+    return found.as_search_result(config.search), why

@@ -15,8 +15,8 @@ from pipeplan.precision import check_device_precision, default_precision
 
 MODEL_HELP = "Built-in model name (`pipeplan models`), file.py:factory or pkg.mod:factory."
 PRECISION_HELP = (
-    "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16 (default: bf16-mixed on cuda/meta, fp32 on cpu), "
-    "e.g. --precision bf16-mixed."
+    "fp32, bf16-mixed, fp16-mixed (CUDA), bf16, or with --device meta bf16-main, fp16-main, fp8 (default: fp32 on "
+    "cpu, bf16-mixed on cuda, bf16-main on meta), e.g. --precision bf16-mixed."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"

@@ -93,6 +93,7 @@ def _plan_config(options: PlanOptions, cluster: Cluster, held, sizes: tuple[int,
         post_validate=options.post_validate,
     )
     search.check_devices(cluster.num_devices)
+    search.budget(cluster.memory_per_device)  # type: ignore[arg-type]  # a reserve that leaves nothing: one line
     pinned = parse_layout(options.layout) if options.layout is not None else None
     if pinned is not None:
         pinned_layout(pinned, search, cluster)

@@ -9,7 +9,8 @@ step `run` would print as predicted with --post-validate and with --no-post-vali
 Measured profiles are timed on this machine, so they are made once into INPUTS (kept between runs: delete the folder
 to measure again); every plan reads them, so the figures depend only on the code.
 
-Run: .venv/bin/python benchmarks/prediction_corpus.py OUT.json [--only NAME,...]
+Run: .venv/bin/python benchmarks/prediction_corpus.py OUT.json [--only NAME,...] [--against BEFORE.json]
+(--against: print every path whose value differs from BEFORE.json's, and how many.)
 """
 
 from __future__ import annotations
@@ -261,6 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
     parser.add_argument("--only", default="", help="comma-separated names")
+    parser.add_argument("--against", default=None, help="a corpus file of before, to diff with")
     args = parser.parse_args()
     only = {n for n in args.only.split(",") if n}
     output = Path(args.output).resolve()
@@ -281,6 +283,20 @@ def main() -> None:
                 print(f"{name}: exit {results[name]['exit']} in {time.perf_counter() - began:.1f} s", flush=True)
     output.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(f"{len(results)} commands in {time.perf_counter() - start:.0f} s -> {output}")
+    if args.against is not None:
+        before = json.loads(Path(args.against).read_text())
+        found = [path for name in results for path in _differences(before.get(name), results[name], name)]
+        print("\n".join(found) + f"\n{len(found)} value(s) differ from {args.against}")
+
+
+def _differences(before, after, path: str) -> list[str]:
+    """The paths (name/key/index...) where `after` differs from `before`."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        keys = sorted(set(before) | set(after))
+        return [p for k in keys for p in _differences(before.get(k), after.get(k), f"{path}/{k}")]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [p for i, (x, y) in enumerate(zip(before, after)) for p in _differences(x, y, f"{path}[{i}]")]
+    return [] if before == after else [path]
 
 
 if __name__ == "__main__":

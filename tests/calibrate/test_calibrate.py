@@ -31,7 +31,7 @@ def cpu_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "hw.json"
     result = _run("calibrate", "--device", "cpu", "--quick", "--name", "MyCPU", "-o", path)
     assert result.exit_code == 0, result.output
-    assert "wrote" in result.output and "--hardware mycpu" in result.output
+    assert "wrote" in result.output and f"--hardware {path}:mycpu" in "".join(result.output.split("\n"))
     return path
 
 

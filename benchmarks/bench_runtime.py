@@ -9,7 +9,7 @@
     (`on`).
 (b) The demo gpt (examples/demo.sh: `gpt -a hidden=256 -a seq=128 -a layers=4`), profiled at batch 2 with one
     thread, planned by the planner itself for every schedule (the path of `pipeplan plan --devices 2
-    --pipeline-depth 2 --no-replication --global-batch-size 16 --optimizer adamw-fp32 --schedule NAME`: 8
+    --parallel pp=2,replicate=off --global-batch-size 16 --precision fp32,adamw --schedule NAME`: 8
     microbatches of 2), run on 2 ranks x 1 thread: measured median step time vs the plan's `predicted.step_ms`
     (target: within 15%). "replayed" re-simulates the plan's own op lists with this run's mean op times: the gap
     between measured and replayed is executor overhead and waiting, the gap between replayed and predicted is the

@@ -18,8 +18,8 @@ echo "== 1. profile ${MODEL[*]} at microbatch size 2 (one thread, as each of the
 
 echo
 echo "== 2. plan it as one pipeline over 2 CPU processes (no replicated stages), global batch 16, fp32 AdamW =="
-"$PIPEPLAN" plan "${MODEL[@]}" --profile "$OUT/gpt-profile.json" --devices 2 --pipeline-depth 2 --no-replication \
-  --global-batch-size 16 --optimizer adamw-fp32 -o "$OUT"
+"$PIPEPLAN" plan "${MODEL[@]}" --profile "$OUT/gpt-profile.json" --devices 2 --parallel pp=2,replicate=off \
+  --global-batch-size 16 --precision fp32,adamw -o "$OUT"
 
 echo
 echo "== 3. show the saved plan again =="

@@ -1,4 +1,4 @@
-"""End to end: `pipeplan plan` from a measured profile of a small gpt, with --memory-per-device too tight for any
+"""End to end: `pipeplan plan` from a measured profile of a small gpt, with --memory too tight for any
 2-stage plan without recomputation, picks stages that recompute; `run` executes it on 2 gloo ranks, and its
 losses and gradients equal those of the same plan with every stage's recomputation turned off."""
 
@@ -28,8 +28,8 @@ def _plan(tmp_path, profile_path, memory: int, *extra: str):
     out = tmp_path / f"plan-{memory}-{'-'.join(extra) or 'auto'}"
     assignments = [part for key, value in OPTIONS.items() for part in ("-a", f"{key}={value}")]
     args = ["plan", "gpt", *assignments, "--profile", str(profile_path)]
-    args += ["--devices", "2", "-p", "2", "--no-replication", "-s", "1f1b", "-B", "8", "-b", "2"]
-    args += ["--memory-per-device", str(memory), "--memory-reserve", "0", "-o", str(out), *extra]
+    args += ["--devices", "2", "--parallel", "pp=2,replicate=off", "-s", "1f1b", "-B", "8", "-b", "2"]
+    args += ["--memory", ",".join([str(memory), "reserve=0", *extra]), "-o", str(out)]
     return out, runner.invoke(app, args)
 
 
@@ -41,7 +41,7 @@ def _tight_memory(tmp_path, profile_path) -> int:
     memory = max(Plan.load(out / "plan.json").predicted.peak_memory_bytes)
     for _ in range(12):
         memory = int(memory * 0.93)
-        _, plain = _plan(tmp_path, profile_path, memory, "--recompute", "none")
+        _, plain = _plan(tmp_path, profile_path, memory, "recompute=none")
         if plain.exit_code == 1:
             assert "memory" in plain.output
             return memory

@@ -96,7 +96,7 @@ def test_wrong_sample_batch_structure_is_one_line(model_file):
     ("option", "message"),
     [
         (["--schedule", "zbx"], "unknown --schedule 'zbx'"),
-        (["--precision", "fp7"], "--precision 'fp7' is not supported"),
+        (["--precision", "fp7"], "--precision 'fp7': 'fp7' is not a precision mode"),
         (["--granularity", "0"], "--granularity must be >= 1"),
     ],
 )
@@ -132,7 +132,20 @@ def _free_port() -> int:
 
 
 def _plan_model(model_file: Path, out: Path) -> Plan:
-    args = ["plan", f"{model_file.name}:build", "--devices", "2", "-p", "2", "-B", "4", "-s", "1f1b", "-o", str(out)]
+    args = [
+        "plan",
+        f"{model_file.name}:build",
+        "--devices",
+        "2",
+        "--parallel",
+        "pp=2",
+        "-B",
+        "4",
+        "-s",
+        "1f1b",
+        "-o",
+        str(out),
+    ]
     cwd = os.getcwd()
     os.chdir(model_file.parent)  # a relative reference, as a user types it
     try:

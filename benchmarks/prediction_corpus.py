@@ -11,11 +11,15 @@ to measure again); every plan reads them, so the figures depend only on the code
 
 Run: .venv/bin/python benchmarks/prediction_corpus.py OUT.json [--only NAME,...] [--against BEFORE.json]
 (--against: print every path whose value differs from BEFORE.json's, and how many.)
+
+The commands are written in the CLI of before issue 33 (per-degree flags, --memory-per-device, --optimizer...); on a
+checkout of that CLI (no pipeplan/artifact/ room) they run as written, else `translate` says them in today's words.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -33,6 +37,8 @@ import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from pipeplan.cli import app  # noqa: E402
+
+LEGACY_CLI = importlib.util.find_spec("pipeplan.artifact") is None  # the CLI of before issue 33: run as written
 
 INPUTS = Path(os.environ.get("PIPEPLAN_CORPUS_INPUTS", "/tmp/pipeplan-corpus-inputs"))
 PROFILES = {  # measured once (CPU timings), then read by every run
@@ -92,6 +98,8 @@ PLANS = {
     ),
     "plan-cp": "plan --profile {in}/llama.json --hardware h100 --devices 16 -B 32 --context-parallel 2 -t 4",
     "plan-infeasible": "plan --profile {in}/gpt.json -n 2 -B 8 --memory-per-device 1MiB",
+    "plan-attn-math": "plan gpt --device meta --hardware h100 --devices 2 -B 8 --attention math",
+    "plan-llama-math": "plan llama -a layers=2 --device meta --hardware h100 --devices 4 -B 8 --attention math",
 }
 CAPACITY = {
     "cap-readme": "capacity llama-7b --hardware h100 -n 8,64",
@@ -113,6 +121,8 @@ CAPACITY = {
         '--layout "pp=16,dp=128,ep=64,zero=1,recompute=full"'
     ),
     "cap-mixtral": "capacity mixtral-8x7b --hardware h100 --devices 64 -B 256",
+    "cap-attn-math": "capacity llama-7b --hardware h100 -n 8 --attention math",
+    "cap-preset": "capacity llama-3-8b --hardware h100 -n 8,64",
 }
 SIMULATE = {
     "sim-zb-auto": "simulate -s zb-auto -p 32 -m 96 --f 10.419 --b 10.207 --w 7.715 --comm 0.408 --memory-limit 64 "
@@ -132,7 +142,7 @@ def translate(argv: list[str]) -> list[str]:
     parallelism degrees into --parallel, memory options into --memory, the optimizer into --precision, a hardware file
     into --hardware, --allow-async into --schedule; `plan --device meta` without --precision keeps bf16-mixed (analytic
     plans now default to bf16-main, as capacity does)."""
-    if not argv or argv[0] not in ("plan", "capacity"):
+    if LEGACY_CLI or not argv or argv[0] not in ("plan", "capacity"):
         return argv
     rest, words = list(argv[1:]), {}
     parallel, memory, kept = [], [], [argv[0]]
@@ -226,12 +236,14 @@ def _output(code: int, output: str, workspace: str, as_json: bool):
 
 def _predicted_run_ms(plan_path: Path) -> dict[str, float]:
     """What `run` prints as the predicted step with --post-validate and --no-post-validate."""
-    from pipeplan.artifact.plan import Plan
-
+    if LEGACY_CLI:
+        from pipeplan.plan.plan import Plan
+    else:
+        from pipeplan.artifact.plan import Plan
     try:
-        from pipeplan.runtime.train import predicted_ms
-    except ImportError:  # runtime/ split into subpackages
-        from pipeplan.runtime.train.train import predicted_ms  # type: ignore[no-redef]
+        from pipeplan.runtime.train.loop import predicted_ms
+    except ImportError:  # before runtime/ was split into subpackages
+        from pipeplan.runtime.train import predicted_ms  # type: ignore[no-redef]
     plan = Plan.load(plan_path)
     return {str(flag): predicted_ms(plan, flag) for flag in (True, False)}
 

@@ -93,11 +93,12 @@ def torchtitan_dims(plan: Plan, version: str) -> TorchtitanDims:
     t, cp, ep = training.tensor_parallel, training.context_parallel, training.expert_parallel
     pp = len(plan.stages) // plan.chunks
     notes = list(dp.notes)
+    expert_shard = _expert_shard(dp.size, cp, ep, version) if ep > 1 else 1  # refuses what it cannot place
     if training.zero and dp.size > 1:
-        shard = dp.size
+        shard = dp.size  # a multiple of expert_shard: ep divides dp x cp as it divides expert_shard x cp
         notes.append(_ZERO_NOTE.format(n=dp.size))
     elif ep > 1:
-        shard = _expert_shard(dp.size, cp, ep, version)
+        shard = expert_shard
         if shard > 1:
             notes.append(
                 f"expert parallelism: torchtitan takes the ep={ep} ranks from data_parallel_shard_degree x cp, so "

@@ -142,8 +142,12 @@ def test_layouts_torchtitan_cannot_place_are_refused():
     with pytest.raises(ConfigError, match="splits 4 microbatches over 3 replicas"):
         torchtitan_export(odd, "/x.csv")
     moe = manual_plan("moe", MOE, schedule="1f1b", pipeline_devices=2, num_microbatches=4, data_parallel=2)
-    with pytest.raises(ConfigError, match="ep % cp == 0"):
-        torchtitan_export(_with(moe, context_parallel=2, expert_parallel=3), "/x.csv", "0.2")
+    for zero in (0, 1):  # ZeRO-1's FSDP over every data-parallel rank does not lift the rule
+        plan = _with(moe, context_parallel=2, expert_parallel=3, zero=zero)
+        with pytest.raises(ConfigError, match="ep % cp == 0"):
+            torchtitan_export(plan, "/x.csv", "0.2")
+        with pytest.raises(ConfigError, match=r"ep=3 expert ranks from the data-parallel x cp ranks \(2 x 2\)"):
+            torchtitan_export(plan, "/x.csv", "0.3")
 
 
 def test_what_torchtitan_cannot_express_is_noted():

@@ -77,7 +77,7 @@ class TorchtitanExport:
     needs_csv: bool  # the config points at the plan's torch CSV schedule
 
     def render(self) -> str:
-        lines = list(_USE[self.version])
+        lines = [line.replace("MODULE", self.module or "YOUR_MODULE") for line in _USE[self.version]]
         lines += [f"# {line}" for line in self.comments]
         lines += [f"# cannot express: {note}" for note in self.notes]
         if self.version == "0.2":

@@ -113,7 +113,15 @@ def test_stage_names_are_the_target_models():
     assert exported.module is None and exported.config["parallelism"]["module_fqns_per_model_part"] == [
         list(names) for names in own
     ]
-    assert "/abs/model.py:build's own" in exported.render()
+    assert "/abs/model.py:build's own" in exported.render() and "--module YOUR_MODULE" in exported.render()
+    assert (
+        "-m torchtitan.train --module llama3 --config CONFIG"
+        in torchtitan_export(plan_llama(), "/x.csv", "0.3").render()
+    )
+
+
+def plan_llama():
+    return manual_plan("llama", LLAMA, schedule="1f1b", pipeline_devices=2, num_microbatches=4)
 
 
 def test_models_torchtitan_cannot_name_are_refused():

@@ -339,9 +339,9 @@ def headline(name: str, figures: dict) -> str:
         return "; ".join(parts)
     if name == "split-backward" and figures.get("results"):
         rows = figures["results"]
-        ratios = ", ".join(f"{r['width']}: {r['iw_over_b']:.2f}" for r in rows)
-        host = ", ".join(f"{r['I_host_cached_over_uncached']:.2f}" for r in rows)
-        return f"(I+W)/B {ratios}; I host time cached/plain {host}"
+        ratios = ", ".join(f"{r['width']}: {r['iw_over_b']:.2f} (host {_host_share(r):.2f})" for r in rows)
+        cached = ", ".join(f"{r['I_host_cached_over_uncached']:.2f}" for r in rows)
+        return f"(I+W)/B {ratios}; I host time cached/plain {cached}"
     if kind == "tests" and figures:
         counts = figures.get("pytest_line") or _counts(figures)
         failed = figures.get("failed_tests") or []
@@ -350,6 +350,11 @@ def headline(name: str, figures: dict) -> str:
             text += f"; again in one process: {len(figures['rerun']['failed_tests'])} of them failed"
         return text
     return ""
+
+
+def _host_share(row: dict) -> float:
+    """Host time issuing I and W over their device time (about 1 or more: the GPU waits for the host)."""
+    return (row["I_host_ms_cached"] + row["W_host_ms_cached"]) / (row["I_ms_cached"] + row["W_ms_cached"])
 
 
 def _counts(figures: dict) -> str:

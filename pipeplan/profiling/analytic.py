@@ -4,7 +4,9 @@ The model is built and traced on the meta device; each layer runs as its own Sta
 training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 - forward FLOPs, bytes and roofline time per aten op (`OpRecorder`), with dropout and attention swapped for their
-  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path);
+  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path) and, under
+  bf16-/fp16-mixed, CUDA's autocast applied to fp32 parameters (`cuda_autocast`: matmuls in the low dtype, norms,
+  softmax and the loss in fp32, the residual stream fp32, each forward's weight copies saved for backward);
 - tensors saved for backward (`saved_tensors.SavedTensors`), storages de-duplicated, parameters and buffers
   excluded, split into what the input-gradient (I) pass frees and what the weight-gradient (W) pass still reads,
   by the rule the measured profiler and the runtime follow;
@@ -19,10 +21,10 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does: its saved tensors (cross-entropy's
 log-softmax), FLOPs and times are the last layer's (`loss_stage`; under a mixed precision in fp32, as autocast
-runs losses). Times are the sum of per-op
-rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)` (`opcount.Roofline.seconds`; the rates are
-peak × efficiency, or what `pipeplan calibrate` measured; the launch floor is 0 unless calibrated) with no overlap
-between ops.
+runs losses). The other precisions run the model in their compute dtype (bf16 parameters and activations). Times
+are the sum of per-op rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)`
+(`opcount.Roofline.seconds`; the rates are peak × efficiency, or what `pipeplan calibrate` measured; the launch
+floor is 0 unless calibrated) with no overlap between ops.
 """
 
 from __future__ import annotations
@@ -33,12 +35,11 @@ import torch
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.loss_stage import last_layer_stage, model_loss
-from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
+from pipeplan.profiling.cuda_autocast import gpu_forward
 from pipeplan.profiling.experts import check_experts_counted
-from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
 from pipeplan.profiling.opcount import Roofline
@@ -156,8 +157,9 @@ def profile_analytic(
 ) -> Profile:
     """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
 
-    `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; mixed modes count gradients
-    (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
+    `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; the mixed modes run fp32
+    parameters under CUDA's autocast (`cuda_autocast`), so parameters, gradients (all-reduce bytes), saved tensors
+    and the values crossing cuts have the dtypes a CUDA run gives them.
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
@@ -178,18 +180,14 @@ def profile_analytic(
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
     traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
-    mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
-    traced.graph_module.to(config.torch_dtype)
-    model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
+    traced.graph_module.to(mode.param_dtype)  # fp32 under autocast (its master weights), else the compute dtype
+    model_inputs, target = _model_batch(spec, batch_size, mode.param_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
     upcast = mode.autocast_dtype is not None  # autocast runs the loss in fp32 (profiling.loss_stage)
     make_loss = lambda stage: model_loss(traced, stage, spec.loss_fn, target, upcast=upcast)  # noqa: E731
-    layers = _profile_layers(traced, config, env, make_loss, progress=progress)
+    layers = _profile_layers(traced, config, env, make_loss, autocast_dtype=mode.autocast_dtype, progress=progress)
     check_experts_counted(traced.module, traced.layer_graph.layers, layers)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
-    if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
-        layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
-        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
     return Profile(
         layers=tuple(layers),
         cut_bytes=cuts,
@@ -200,26 +198,12 @@ def profile_analytic(
     )
 
 
-def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
-    """fp32 parameter bytes; the low-precision weight copies autocast keeps for backward join the saved activations
-    (kept until W: the matmul's node is re-entered for the weight gradient, as the measured profiler finds)."""
-    extra = [0] * len(layers)
-    for node, sizes in copies.items():
-        extra[traced.node_layer[node]] += sum(sizes.values())
-    return [
-        replace(
-            la,
-            param_bytes=la.param_count * param_bytes,
-            activation_bytes=la.activation_bytes + more,
-            selective_activation_bytes=la.selective_activation_bytes + more,  # the weight copies stay saved
-        )
-        for la, more in zip(layers, extra, strict=True)
-    ]
-
-
-def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make_loss, *, progress: bool):
+def _profile_layers(
+    traced, config: AnalyticConfig, env: dict[str, object], make_loss, *, autocast_dtype, progress: bool
+):
     """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`. The
-    last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage)."""
+    last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage); `autocast_dtype`: CUDA's autocast
+    around each forward (None: none)."""
     from pipeplan.console import progress as progress_bar
     from pipeplan.graph.stage import build_stage_module
 
@@ -240,13 +224,14 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     flash_attention=config.flash_attention,
                     input_needs_grad=needs,
                     loss=loss,
+                    autocast_dtype=autocast_dtype,
                 )
                 recompute = analytic_recompute(
                     stage,
                     [env[name] for name in stage.inputs],
                     roofline=config.roofline,
                     input_needs_grad=needs,
-                    context=lambda: GpuSemantics(flash_attention=config.flash_attention),
+                    context=lambda: gpu_forward(flash_attention=config.flash_attention, autocast_dtype=autocast_dtype),
                 )
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

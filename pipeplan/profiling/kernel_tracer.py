@@ -7,7 +7,7 @@ activations are split while the forward runs on the meta device:
   contracts k / t features and the output is reduced (whole again);
 - any other op's output is split when one of its inputs is (attention's inputs come from column-parallel linears,
   so attention splits its heads: `b`, the batch of samples x heads);
-- views of a parameter stay parameters (a linear's `weight.t()`).
+- views of a parameter stay parameters (a linear's `weight.t()`), and so do copies of one (autocast's bf16 weight).
 
 Token positions (what context parallelism splits, `cp`) are a linear's rows (`m`: samples x positions) and
 attention's query positions; the microbatch grows a linear's rows and attention's batch (`tokens`). Every matmul
@@ -94,7 +94,7 @@ class KernelTracer:
             kernel, split = self._grouped(args)
         elif func in ATTENTION_OPS:
             kernel, split = self._attention(args), self._is_split(args[0])
-        elif _is_view(func) and any(self._is_param(t) for t in inputs):
+        elif (_is_view(func) or func is aten._to_copy.default) and any(self._is_param(t) for t in inputs):
             self._mark(outputs, split=False, param=True)
             return None
         else:  # indices (integer tensors) are not features: they split nothing

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeplan.graph.saved_tensors import SavedTensors, saved_split
 from pipeplan.graph.split_backward import analyze, backward_full, backward_input
-from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.cuda_autocast import gpu_forward
 from pipeplan.profiling.kernels import Kernel
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
 from pipeplan.profiling.profile import LayerWork
@@ -94,18 +94,20 @@ def count_layer(
     flash_attention: bool = True,
     input_needs_grad: Sequence[bool] | None = None,
     loss: Callable[[tuple], torch.Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> LayerCounts:
     """Run `module(*inputs)` forward and backward on meta tensors and count it (see the module docstring).
 
     `loss(outputs)` makes the backward start from that scalar (the last pipeline stage); otherwise from every
-    floating-point output, with gradients shaped like them.
+    floating-point output, with gradients shaped like them. `autocast_dtype`: the forward (and loss) under CUDA's
+    autocast to it (`cuda_autocast`; None: none).
     """
     needs = list(input_needs_grad) if input_needs_grad is not None else [True] * len(inputs)
     leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
     params = _unique_parameters(module)
     saved = SavedTensors()
     tracing = OpRecorder(roofline, trace_kernels=True, params=params)
-    with GpuSemantics(flash_attention=flash_attention), tracing as forward, saved:
+    with gpu_forward(flash_attention=flash_attention, autocast_dtype=autocast_dtype), tracing as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]

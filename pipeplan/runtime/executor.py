@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_key
-from pipeplan.graph.split_backward import backward_full, backward_input, backward_weight
+from pipeplan.graph.split_backward import SplitCache, backward_full, backward_input, backward_weight
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.comm import Mailbox
 from pipeplan.runtime.overlap import PairRunner
@@ -87,6 +87,7 @@ class Executor:
         self.loss_grad = 1.0  # the loss's seed gradient: fp16 loss scaling's scale
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
         self.recompute = {s: plan.stages[s].recompute for s in model.modules}  # none | selective | full
+        self.split_caches = {s: SplitCache() for s in model.modules}  # each stage's I/W graph analysis, by shape
         self.seeded = threading.Lock()  # the global RNG's seed-and-draw of one stage forward at a time
 
     def _meta_of(self, message: Message):
@@ -327,7 +328,8 @@ class Executor:
         if o.kind == "B":
             input_grads = backward_full(roots, grads, saved.inputs, params)
         else:
-            input_grads, state = backward_input(roots, grads, saved.inputs, params, saved=saved.tensors)
+            cache = self.split_caches[o.stage]
+            input_grads, state = backward_input(roots, grads, saved.inputs, params, saved=saved.tensors, cache=cache)
             self._weight_state[(o.stage, o.microbatch)] = (state, saved.tensors)
         del saved.outputs, saved.loss
         return input_grads

@@ -238,20 +238,29 @@ def test_float32_profile_doubles_bytes():
     assert full.layers[1].flops == half.layers[1].flops
 
 
-def test_bf16_mixed_profile_counts_fp32_parameters_and_the_dtypes_autocast_sends():
-    """Under autocast the parameters and gradients stay fp32 and the residual stream crossing each cut is fp32
-    (embedding output + bf16 block outputs promote to fp32), while the block computes in bf16."""
+def test_bf16_mixed_profile_counts_what_cuda_autocast_keeps():
+    """Under CUDA's autocast the parameters and gradients stay fp32, the residual stream (embedding output + bf16
+    block outputs) is fp32, so each LayerNorm saves its input in fp32 (layer_norm is on autocast's fp32 list) while
+    the matmuls run and save in bf16 (their inputs cast), and each forward's bf16 weight copies are saved for the
+    backward (biases are cast too, but addmm's backward does not keep them)."""
     spec = _gpt(dropout=0.0, layers=1)
     mixed, pure = _profile(spec), _profile(spec, precision="bf16")
     assert (mixed.provenance.precision, mixed.provenance.dtype) == ("bf16-mixed", "bfloat16")
     assert mixed.layers[1].param_bytes == 4 * mixed.layers[1].param_count == 2 * pure.layers[1].param_bytes
     assert mixed.cut_bytes == tuple(2 * b for b in pure.cut_bytes)
-    assert mixed.layers[1].forward_ms == pytest.approx(pure.layers[1].forward_ms)
-    # autocast's bf16 copies of the block's matmul weights and biases (not the norms') are saved for backward
     block = mixed.layers[1]
-    linear = sum(p.numel() for n, p in spec.build().named_parameters() if n.startswith("blocks.0.") and "ln" not in n)
-    assert block.activation_bytes - pure.layers[1].activation_bytes == 2 * linear
+    weights = sum(p.numel() for n, p in spec.build().named_parameters() if n.startswith("blocks.0.") and "weight" in n)
+    norms = 2 * HIDDEN  # ln1.weight, ln2.weight
+    layer_norm_inputs = 2 * BATCH * SEQ * HIDDEN  # ln1's and ln2's inputs: 2 more bytes per element each
+    assert block.activation_bytes - pure.layers[1].activation_bytes == 2 * layer_norm_inputs + 2 * (weights - norms)
     assert block.activation_freed_by_input_grad_bytes == pure.layers[1].activation_freed_by_input_grad_bytes
+    # the same FLOPs; more time: autocast's casts (weights each forward, fp32 <-> bf16 activations) are memory traffic
+    assert block.flops == pure.layers[1].flops and block.forward_ms > pure.layers[1].forward_ms
+    # the head: its LayerNorm's input in fp32, its weight's bf16 copy, and the loss in fp32 (under bf16 in bf16):
+    # log-softmax's b*s*V values and nll_loss's scalar total weight at 4 bytes instead of 2
+    head, tokens = mixed.layers[-1], BATCH * SEQ
+    more = 2 * tokens * HIDDEN + 2 * HIDDEN * VOCAB + 2 * tokens * VOCAB + 2
+    assert head.activation_bytes - pure.layers[-1].activation_bytes == more
 
 
 def test_llama_profile_with_grouped_query_attention():

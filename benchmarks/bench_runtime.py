@@ -49,8 +49,8 @@ from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.profiling.profile_job import ProfileRequest  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.trainer import Trainer  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
+from pipeplan.runtime.train.trainer import Trainer  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
 from pipeplan.search.config import SearchConfig  # noqa: E402
 from pipeplan.search.emit import build_plan  # noqa: E402
@@ -259,7 +259,7 @@ def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
 def _launch(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,

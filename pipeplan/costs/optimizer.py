@@ -18,7 +18,7 @@ state / d, with d the devices that share the optimizer state (1 without ZeRO); t
   provide. pipeplan's fp32 and bf16-mixed are the last row; bf16 (no master copy, moments in bf16) is 4 + 4/d.
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a
-stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/zero.py);
+stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/step/zero.py);
 stages 2 and 3 are refused.
 """
 
@@ -165,8 +165,8 @@ def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel
 def undo_copy_bytes(
     param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], optimizer: str | float, precision: str
 ) -> tuple[float, ...]:
-    """Per device, what `run --post-validate` keeps to undo an eager step (runtime/post_validate.py, StepUndo): its
-    stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
+    """Per device, what `run --post-validate` keeps to undo an eager step (runtime/train/post_validate.py, StepUndo):
+    its stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
     backward fills fresh ones (whole parameters: ZeRO-1's shards are not counted here)."""
     weights, gradients, state = static_split(optimizer, precision)
     return tuple(sum(param_counts[s] for s in stages) * (weights + gradients + state) for stages in device_stages)

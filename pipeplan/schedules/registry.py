@@ -9,12 +9,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from pipeplan.errors import ScheduleError, UnknownScheduleError
-from pipeplan.schedules.dualpipev import dualpipev
-from pipeplan.schedules.gpipe import gpipe
-from pipeplan.schedules.interleaved import interleaved
-from pipeplan.schedules.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.dualpipev import dualpipev
+from pipeplan.schedules.generators.gpipe import gpipe
+from pipeplan.schedules.generators.interleaved import interleaved
+from pipeplan.schedules.generators.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.pipedream import pipedream, pipedream_2bw
+from pipeplan.schedules.generators.zb_auto import zb_auto
+from pipeplan.schedules.generators.zb_h1 import zb_h1
+from pipeplan.schedules.generators.zb_h2 import zb_h2
+from pipeplan.schedules.generators.zbv import zbv, zbv_fixed
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.pipedream import pipedream, pipedream_2bw
 from pipeplan.schedules.placement import (
     LOOPED,
     ONE_PER_DEVICE,
@@ -32,10 +36,6 @@ from pipeplan.schedules.simulate import (
     stream_steps,
     unit_memory,
 )
-from pipeplan.schedules.zb_auto import zb_auto
-from pipeplan.schedules.zb_h1 import zb_h1
-from pipeplan.schedules.zb_h2 import zb_h2
-from pipeplan.schedules.zbv import zbv, zbv_fixed
 
 
 @dataclass(frozen=True, kw_only=True)

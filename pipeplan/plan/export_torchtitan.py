@@ -21,18 +21,6 @@ from pipeplan.plan.stage_layers import block_layout, cannot_express, describe_me
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "torchtitan"
-TORCH_SCHEDULES = {  # pipeplan schedule -> the torch schedule with the same stage placement
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved": "Interleaved1F1B",
-    "zb-h1": "1F1B",
-    "zb-h2": "1F1B",
-    "zb-auto": "1F1B",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-    "pipedream": "1F1B",
-    "pipedream-2bw": "1F1B",
-}
 _PRECISIONS = {  # pipeplan precision -> ([training] values, note)
     "fp32": ({"dtype": "float32", "mixed_precision_param": "float32"}, ""),
     "bf16-mixed": ({"dtype": "float32", "mixed_precision_param": "bfloat16"}, ""),
@@ -83,11 +71,11 @@ def torchtitan_export(plan: Plan, csv_path: str) -> TorchtitanExport:
     if not needs_csv:
         notes.append(
             f"torch's CSV runtime runs each stage on one rank with a flush every step; {plan.schedule} with these "
-            f"stages runs as torch's {TORCH_SCHEDULES[plan.schedule]} over one rank per stage"
+            f"stages runs as torch's {info.torch_name} over one rank per stage"
         )
     parallelism: dict[str, Any] = {
         "pipeline_parallel_degree": len(plan.stages) // plan.chunks,
-        "pipeline_parallel_schedule": TORCH_SCHEDULES[plan.schedule],
+        "pipeline_parallel_schedule": info.torch_name,  # the torch schedule with the plan's stage placement
         "pipeline_parallel_microbatch_size": training.microbatch_size,
         "module_fqns_per_model_part": [list(stage.layer_names) for stage in plan.stages],
         "tensor_parallel_degree": training.tensor_parallel,

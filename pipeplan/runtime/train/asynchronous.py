@@ -67,16 +67,16 @@ class AsyncExecutor(Executor):
         self.mailbox.settled_by = settled_by(routing, parse_rank_ops(plan), rank)
         self.autocast = trainer.executor.autocast
         self.per_step, self.first_step = plan.training.num_microbatches, first_step
-        rule = generate(plan.schedule, num_devices=1, num_microbatches=self.per_step)
-        self.loss_grad = self.per_step / rule.update_every  # each update's gradient: its microbatches' mean loss
+        update_every = schedule_info(plan.schedule).update_every(self.per_step)
+        self.loss_grad = self.per_step / update_every  # each update's gradient: its microbatches' mean loss
 
         def step_of(group: int) -> int:  # the 0-based step an update group belongs to
-            return first_step + group * rule.update_every // self.per_step
+            return first_step + group * update_every // self.per_step
 
         self.weights = VersionStore(
             model,
             self.ops,
-            update_every=rule.update_every,
+            update_every=update_every,
             optimizer=trainer.optimizer,
             capture=capture,
             describe_group=lambda stage, group: f"step {step_of(group) + 1}",

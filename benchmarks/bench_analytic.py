@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the closed-form references (a test oracle): helpers/transformer_reference.py
 
 REPEATS = 3
 TIME_TARGET_S = 30.0
@@ -30,11 +31,12 @@ CASES: dict[str, tuple[str, dict]] = {
 def run_case(case: str) -> dict:
     """Profile one case in this process; returns timings, peak RSS and formula agreement."""
     start = time.perf_counter()
-    from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
     from pipeplan.models import load_model
     from pipeplan.profiling.analytic import profile_analytic
 
     import_s = time.perf_counter() - start
+    from helpers.transformer_reference import activation_bytes_per_layer, forward_flops_per_layer
+
     ref, options = CASES[case]
     spec = load_model(ref, {k: str(v) for k, v in options.items()})
     start = time.perf_counter()

@@ -33,8 +33,8 @@ from rich.table import Table  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.launch import launch_many  # noqa: E402
+from pipeplan.runtime.launch.local import launch_many  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
 from pipeplan.schedules.registry import schedule_info  # noqa: E402
 
 MODEL = str(ROOT / "benchmarks" / "byte_gpt.py") + ":byte_gpt"

@@ -4,8 +4,8 @@ The gpt `-a hidden=256 -a seq=128 -a layers=8` on 2 ranks (gloo, CPU), dualpipev
 of 2. Both plans run in one launch, alternating (ROUNDS runs of each, WARMUP first steps of each run dropped):
 the median step time of each and their ratio (overlapped / halves; < 1 is faster), and whether every run's losses
 are equal bit for bit. The overlapped op runs its backward on a second thread while the forward runs
-(`--overlap-pairs on`, runtime/overlap.py), so it gains where a rank has spare cores for it: pass the threads per
-rank as the first argument (default 1). Writes results/overlap.json.
+(`--overlap-pairs on`, runtime/step/pair_runner.py), so it gains where a rank has spare cores for it: pass the
+threads per rank as the first argument (default 1). Writes results/overlap.json.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.launch import launch_many  # noqa: E402
+from pipeplan.runtime.launch.local import launch_many  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
 from pipeplan.schedules.ops import Op  # noqa: E402
 
 GPT = {"hidden": 256, "seq": 128, "layers": 8}

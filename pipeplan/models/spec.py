@@ -71,7 +71,7 @@ class ModelSpec:
 
     - `build()` constructs the module on the current default device. `torch.manual_seed(seed)` then `build()` on
       the CPU defines the model's initial state: every rank of `pipeplan run` holds exactly those tensors
-      (parameters and buffers) for its stages, whatever build() does to make them (see runtime/materialize.py).
+      (parameters and buffers) for its stages, whatever build() does to make them (see runtime/weights/materialize.py).
       `with torch.device("meta"): spec.build()` must also work (tracing and planning allocate nothing).
     - `sample_batch(batch_size, generator)` returns `((inputs, ...), target)`: a tuple of input tensors for
       `forward` and the target tensor for `loss_fn(output, target)`. Deterministic for a given generator state.

@@ -165,15 +165,8 @@ def _member_line(stage, layout: BlockLayout, pp: int) -> str:
 
 
 def _schedule_notes(plan: Plan) -> list[str]:
-    info = schedule_info(plan.schedule)
-    if plan.schedule in ("1f1b", "interleaved"):
-        return []
-    if info.asynchronous:
-        return [f"schedule {plan.schedule} updates weights without a flush; Megatron flushes every step (1F1B)"]
-    if plan.schedule == "gpipe":
-        return ["schedule gpipe runs as Megatron's 1F1B (same gradients, less activation memory)"]
-    runs_as = "interleaved 1F1B over the same stages (looped, not V-shaped)" if plan.chunks > 1 else "1F1B"
-    return [f"schedule {plan.schedule} (split backward / zero bubble) is not in Megatron-Core; it runs as {runs_as}"]
+    note = schedule_info(plan.schedule).megatron_note(plan.chunks)  # "" for Megatron-Core's own schedules
+    return [note] if note else []
 
 
 def _expert_flags(plan: Plan, flags: list[str], transformer: dict, notes: list[str]) -> None:

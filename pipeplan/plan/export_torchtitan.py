@@ -24,18 +24,6 @@ from pipeplan.plan.torchtitan_names import torchtitan_model
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "torchtitan"
-TORCH_SCHEDULES = {  # pipeplan schedule -> the torch schedule with the same stage placement
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved": "Interleaved1F1B",
-    "zb-h1": "1F1B",
-    "zb-h2": "1F1B",
-    "zb-auto": "1F1B",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-    "pipedream": "1F1B",
-    "pipedream-2bw": "1F1B",
-}
 _PRECISIONS = {  # pipeplan precision -> ([training] values, note)
     "fp32": ({"dtype": "float32", "mixed_precision_param": "float32"}, ""),
     "bf16-mixed": ({"dtype": "float32", "mixed_precision_param": "bfloat16"}, ""),
@@ -169,16 +157,17 @@ def _pipeline(plan: Plan, fqns, csv_path: str, notes: list[str]) -> dict[str, An
     pp = len(plan.stages) // plan.chunks
     if len(plan.stages) == 1:
         return {"pipeline_parallel_degree": 1}
+    info = schedule_info(plan.schedule)
     values: dict[str, Any] = {
         "pipeline_parallel_degree": pp,
-        "pipeline_parallel_schedule": TORCH_SCHEDULES[plan.schedule],
+        "pipeline_parallel_schedule": info.torch_name,
         "pipeline_parallel_microbatch_size": plan.training.microbatch_size,
         "module_fqns_per_model_part": [list(names) for names in fqns],
     }
-    if schedule_info(plan.schedule).asynchronous or any(stage.replicas > 1 for stage in plan.stages):
+    if info.asynchronous or any(stage.replicas > 1 for stage in plan.stages):
         notes.append(
             f"torch's CSV runtime runs each stage on one rank with a flush every step; {plan.schedule} with these "
-            f"stages runs as torch's {TORCH_SCHEDULES[plan.schedule]} over one rank per stage"
+            f"stages runs as torch's {info.torch_name} over one rank per stage"
         )
     else:
         values["pipeline_parallel_schedule_csv"] = csv_path

@@ -162,7 +162,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
 
 def selective_where_runnable(profile: Profile, traced) -> Profile:
     """`profile` with selective recomputation data only on layers that call scaled_dot_product_attention: the
-    runtime recomputes only those calls (runtime/recompute_run.py), so elsewhere selective keeps what none keeps
+    runtime recomputes only those calls (runtime/step/recompute_run.py), so elsewhere selective keeps what none keeps
     and the planner never offers it (a hand-written attention's internals stay saved)."""
     from pipeplan.graph.recompute_modes import is_attention
 

@@ -16,7 +16,7 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
 - Memory: every kept-bytes field (none, selective, full, I's share) divides by t·cp, rounded up (Korthikanti Table
   2 with sequence parallelism is 1/t of the unsplit bytes; context parallelism splits every position); parameters
   by t (context-parallel ranks hold the same weights); a stage boundary sends each rank's shard: cut bytes / t·cp.
-- Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.transformer.
+- Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.tensor_parallel.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
   backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
   (only what exceeds them is exposed). With `tp_overlap` (Megatron's tp_comm_overlap, off by default as in
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster, Link
 from pipeplan.costs import all_gather_ms, all_to_all_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
-from pipeplan.costs.transformer import tensor_parallel_comm_per_layer
+from pipeplan.costs.tensor_parallel import tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.profiling.experts import expert_count, routed_share
 from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernels

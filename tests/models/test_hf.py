@@ -145,7 +145,7 @@ def test_local_directory_gives_config_and_initial_weights(tmp_path):
 
 def test_ranks_start_from_the_directory_weights(tmp_path):
     from pipeplan.plan.manual import manual_plan
-    from pipeplan.runtime.stages import build_pipeline_model
+    from pipeplan.runtime.step.stages import build_pipeline_model
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     saved = transformers.AutoModelForCausalLM.from_config(config)
@@ -161,7 +161,7 @@ def test_ranks_start_from_the_directory_weights(tmp_path):
 def test_a_model_directory_is_recorded_absolute_with_its_config_hash(tmp_path, monkeypatch):
     from pipeplan.errors import RunError
     from pipeplan.plan.manual import manual_plan
-    from pipeplan.runtime.stages import check_model_file
+    from pipeplan.runtime.step.stages import check_model_file
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model", safe_serialization=True)

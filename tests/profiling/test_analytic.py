@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
-
-from pipeplan.costs.transformer import (
+from helpers.transformer_reference import (
     activation_bytes_per_layer,
     forward_flops_per_layer,
     lm_head_flops,
 )
+from torch.utils.flop_counter import FlopCounterMode
+
 from pipeplan.errors import ConfigError
 from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.hardware import load_hardware

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.transformer_reference import llama_activation_bytes_per_layer
 
-from pipeplan.costs.transformer import llama_activation_bytes_per_layer
 from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.models.llama import Block
 from pipeplan.profiling.gpu_ops import GpuSemantics

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.transformer_reference import activation_bytes_per_layer, attention_core_flops
 from torch import nn
 
-from pipeplan.costs.transformer import activation_bytes_per_layer, attention_core_flops
 from pipeplan.errors import FormatError
 from pipeplan.models import load_model
 from pipeplan.profiling import recompute

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 from helpers.search import stack_profile
+from helpers.transformer_reference import activation_bytes_per_layer
 
 from pipeplan.cluster import Cluster, Link
-from pipeplan.costs.transformer import activation_bytes_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic

@@ -12,8 +12,8 @@ from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.options import option
 from pipeplan.paths import check_output_dir, check_output_file
-from pipeplan.runtime.metrics import check_tensorboard
-from pipeplan.runtime.overlap import PAIR_MODES
+from pipeplan.runtime.step.pair_runner import PAIR_MODES
+from pipeplan.runtime.train.metrics import check_tensorboard
 
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
@@ -99,7 +99,7 @@ class RunConfig:
     # not flags: tests and benchmarks set them
     log_every: int = 1
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
-    direction_groups: bool = True  # a process group per transfer direction (runtime/comm.py; always on NCCL and async)
+    direction_groups: bool = True  # a process group per transfer direction (step/comm.py; always on NCCL and async)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -1,6 +1,7 @@
 """`pipeplan run`'s options: the command and the per-rank worker that launch.sh and job.sbatch start under torchrun
-(`python -m pipeplan.runtime.worker PLAN [options]`) both parse them from these fields. Every flag a rank needs is a
-field of RunConfig (declared once, in config.py); RunOptions adds only what a process needs: the plan and threads."""
+(`python -m pipeplan.runtime.launch.worker PLAN [options]`) both parse them from these fields. Every flag a rank
+needs is a field of RunConfig (declared once, in train/config.py); RunOptions adds only what a process needs: the
+plan and threads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
-from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.train.config import RunConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,9 @@
 """One rank of `pipeplan run`: what the planner's launch.sh runs under torchrun on every node.
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m pipeplan.runtime.worker DIR/plan.json [OPTIONS]
+        -m pipeplan.runtime.launch.worker DIR/plan.json [OPTIONS]
 
-OPTIONS are `pipeplan run`'s (pipeplan.runtime.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
+OPTIONS are `pipeplan run`'s (pipeplan.runtime.launch.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
 --checkpoint-every, --resume, --init-from, --optimizer, --lr, --lr-schedule, --warmup-steps, --decay-steps,
 --weight-decay, --momentum, --seed, --log, --tensorboard, --heartbeat-timeout, --device, --precision, --threads,
 --check-every, --quiet, --clip-grad-norm, --post-validate, --overlap-pairs.
@@ -30,12 +30,12 @@ import torch.distributed as dist
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.options import parse_options
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.run_options import RunOptions
-from pipeplan.runtime.stages import check_plan_runs
-from pipeplan.runtime.train import train
-from pipeplan.runtime.trainer import RunResult
-from pipeplan.runtime.watchdog import Watchdog, record_error
+from pipeplan.runtime.launch.run_options import RunOptions
+from pipeplan.runtime.launch.watchdog import Watchdog, record_error
+from pipeplan.runtime.step.stages import check_plan_runs
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.loop import train
+from pipeplan.runtime.train.trainer import RunResult
 
 
 def _device(name: str) -> tuple[str, torch.device]:
@@ -144,7 +144,9 @@ def _fail(rank: int, message: str, watchdog: Watchdog | None, trace: str) -> Non
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, RunConfig, int | None]:
     """The plan path, run config and threads from `pipeplan run`'s options (declared once: RunConfig's fields)."""
-    options = parse_options(RunOptions, argv, prog="python -m pipeplan.runtime.worker", help=__doc__.splitlines()[0])
+    options = parse_options(
+        RunOptions, argv, prog="python -m pipeplan.runtime.launch.worker", help=__doc__.splitlines()[0]
+    )
     return str(options.plan), options, options.threads  # RunOptions is the RunConfig the ranks run with
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from pipeplan.schedules.generators.zbv_greedy import greedy_candidates
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
@@ -20,7 +21,6 @@ from pipeplan.schedules.simulate import (
     peak_activation_per_device,
     unit_memory,
 )
-from pipeplan.schedules.zbv_greedy import greedy_candidates
 
 
 def _device_ops(p: int, device: int, n: int) -> list[Op]:

@@ -23,15 +23,15 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.asynchronous import check_async_run
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.optim import check_training
-from pipeplan.runtime.post_validate import check_post_validate
-from pipeplan.runtime.prelaunch import check_before_launch
-from pipeplan.runtime.stages import check_plan_runs, load_spec
-from pipeplan.runtime.trainer import RunResult
-from pipeplan.runtime.watchdog import ERROR_DIR_ENV
-from pipeplan.runtime.worker import run_plans
+from pipeplan.runtime.launch.prelaunch import check_before_launch
+from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV
+from pipeplan.runtime.launch.worker import run_plans
+from pipeplan.runtime.step.stages import check_plan_runs, load_spec
+from pipeplan.runtime.train.asynchronous import check_async_run
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.optim import check_training
+from pipeplan.runtime.train.post_validate import check_post_validate
+from pipeplan.runtime.train.trainer import RunResult
 
 # phrases of errors that only say a peer went away (the rank reporting them is not the cause)
 _LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
@@ -43,7 +43,7 @@ SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, 
 # output streams are those of its start, so each launch hands the ranks its own (`_adopt_launcher`), as spawned ranks
 # would inherit them.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"  # (Windows)
-PRELOAD = ["torch", "pipeplan.runtime.worker"]
+PRELOAD = ["torch", "pipeplan.runtime.launch.worker"]
 _ELASTIC_ENV = re.compile(
     r"^(RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|LOCAL_RANK|LOCAL_WORLD_SIZE|WORLD_SIZE|"
     r"GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|"

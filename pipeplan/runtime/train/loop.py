@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from pipeplan.console import out, warn
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.asynchronous import AsynchronousSteps
-from pipeplan.runtime.config import FaultSpec, RunConfig
-from pipeplan.runtime.metrics import MetricsLog, step_record
-from pipeplan.runtime.optim import run_plan
-from pipeplan.runtime.precision_run import gather_peak_memory, memory_versus
-from pipeplan.runtime.step_checks import clip_coefficient
-from pipeplan.runtime.trace_io import write_trace
-from pipeplan.runtime.trainer import RunResult, SynchronousSteps, TracedStep, Trainer
+from pipeplan.runtime.step.precision_run import gather_peak_memory, memory_versus
+from pipeplan.runtime.train.asynchronous import AsynchronousSteps
+from pipeplan.runtime.train.config import FaultSpec, RunConfig
+from pipeplan.runtime.train.metrics import MetricsLog, step_record
+from pipeplan.runtime.train.optim import run_plan
+from pipeplan.runtime.train.step_checks import clip_coefficient
+from pipeplan.runtime.train.trace_io import write_trace
+from pipeplan.runtime.train.trainer import RunResult, SynchronousSteps, TracedStep, Trainer
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_gib
 

@@ -30,9 +30,11 @@ from pipeplan.models import load_model
 from pipeplan.models.registry import file_of, file_sha256
 from pipeplan.models.spec import ModelSpec
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.comm import TensorMeta
-from pipeplan.runtime.init_weights import load_initial_weights
-from pipeplan.runtime.materialize import (
+from pipeplan.runtime.step.comm import TensorMeta
+from pipeplan.runtime.step.messages import StageIO
+from pipeplan.runtime.step.recompute_run import check_recompute
+from pipeplan.runtime.weights.init_weights import load_initial_weights
+from pipeplan.runtime.weights.materialize import (
     build_whole,
     materialize,
     materialize_from_whole,
@@ -40,8 +42,6 @@ from pipeplan.runtime.materialize import (
     refuse_or_announce_meta_path,
     whole_build_fits,
 )
-from pipeplan.runtime.recompute_run import check_recompute
-from pipeplan.runtime.routing import StageIO
 
 
 @dataclass(kw_only=True)
@@ -167,7 +167,7 @@ def _canonical_names(module: nn.Module) -> dict[int, str]:
 
 def build_pipeline_model(plan: Plan, rank: int, device: torch.device, *, init_from: str | None = None) -> PipelineModel:
     """The whole split on the meta device plus this rank's stages materialized on `device`: exactly the whole-model
-    build's tensors (see runtime/materialize.py), then the `init_from` file's values where given."""
+    build's tensors (see runtime/weights/materialize.py), then the `init_from` file's values where given."""
     spec = load_spec(plan)
     traced = trace_for_plan(plan, spec)
     outputs = stage_outputs(traced, [stage.node_names for stage in plan.stages])

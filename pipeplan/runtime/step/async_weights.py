@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 
 from pipeplan.errors import RunError
-from pipeplan.runtime.stages import PipelineModel
-from pipeplan.runtime.zero import FullOptimizer
+from pipeplan.runtime.step.stages import PipelineModel
+from pipeplan.runtime.step.zero import FullOptimizer
 from pipeplan.schedules.ops import Op
 
 Key = tuple[int, int]  # (stage, version) or (stage, update group)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pipeplan.console import warn
 from pipeplan.graph.trace import build_module
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.init_weights import check_initial_weights
-from pipeplan.runtime.materialize import refuse_or_announce_meta_path, whole_build_fits
-from pipeplan.runtime.stages import load_spec
+from pipeplan.runtime.step.stages import load_spec
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights.init_weights import check_initial_weights
+from pipeplan.runtime.weights.materialize import refuse_or_announce_meta_path, whole_build_fits
 
 
 def check_before_launch(plan: Plan, config: RunConfig) -> None:

@@ -17,7 +17,10 @@ The memory model is `simulate.activation_deltas`: F adds the stage's activation 
 from __future__ import annotations
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.zb_h1 import zb_h1
+from pipeplan.schedules.generators.zb_h2 import zb_h2
+from pipeplan.schedules.generators.zb_heuristic import heuristic_runs
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.simulate import (
@@ -29,9 +32,6 @@ from pipeplan.schedules.simulate import (
     peak_activation_per_device,
     unit_memory,
 )
-from pipeplan.schedules.zb_h1 import zb_h1
-from pipeplan.schedules.zb_h2 import zb_h2
-from pipeplan.schedules.zb_heuristic import heuristic_runs
 
 
 def default_limit(num_devices: int, num_microbatches: int, memory: MemoryCosts) -> float:

@@ -1,4 +1,5 @@
-"""Closed-form transformer costs used as references for analytic profiles, capacity estimates and the search.
+"""Closed-form transformer references the tests check measured and analytic profiles, capacity estimates and the
+search against (test oracles, not used by pipeplan itself).
 
 Symbols: s sequence length, b microbatch size, h hidden size, a attention heads, t tensor-parallel size, d
 data-parallel size; activations in 16-bit (2 bytes per element) with 1-byte dropout masks, as the paper assumes.
@@ -25,14 +26,11 @@ data-parallel size; activations in 16-bit (2 bytes per element) with 1-byte drop
   Using Megatron-LM", 2021): 24·b·s·h² (the four h×h-scaled matmuls: qkv 6, projection 2, MLP 8 + 8) plus
   4·b·s²·h (scores and scores × values), counting 2 FLOPs per multiply-add and full (non-causal) attention, as
   torch.utils.flop_counter does. The 4·b·s²·h part is what selective recomputation runs again.
-- Tensor-parallel communication per layer: `tensor_parallel_comm_per_layer` (Korthikanti et al. §4.2.2).
-- Optimizer-state bytes per parameter, with and without Megatron's distributed optimizer, are a cost:
-  `pipeplan.costs.optimizer.adam_bytes_per_parameter`, on the one bytes-per-parameter formula.
+- Tensor-parallel communication per layer is a cost the search uses: `pipeplan.costs.tensor_parallel`.
+- Megatron-LM's optimizer bytes per parameter, with and without its distributed optimizer: `megatron_bytes.py`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 
@@ -116,45 +114,3 @@ def lm_head_flops(*, seq: int, batch: int, hidden: int, vocab: int) -> int:
     """Forward FLOPs of the logits matmul: 2·b·s·h·V."""
     _check_positive(seq=seq, batch=batch, hidden=hidden, vocab=vocab)
     return 2 * batch * seq * hidden * vocab
-
-
-@dataclass(frozen=True)
-class Collective:
-    """`count` collectives of one kind, each over a `message_bytes` tensor (its whole, unsharded size)."""
-
-    kind: str  # all-reduce | all-gather | reduce-scatter
-    count: int
-    message_bytes: int
-
-
-@dataclass(frozen=True)
-class TensorParallelComm:
-    """The tensor-parallel collectives of one transformer layer, forward and backward."""
-
-    forward: tuple[Collective, ...]
-    backward: tuple[Collective, ...]
-    regather: tuple[Collective, ...] = ()  # backward: sequence-parallel inputs gathered again for the wgrads
-
-
-def tensor_parallel_comm_per_layer(
-    *, seq: int, batch: int, hidden: int, tensor_parallel: int, sequence_parallel: bool, bytes_per_element: int = 2
-) -> TensorParallelComm:
-    """Megatron tensor parallelism's collectives in one transformer layer (Korthikanti et al. §4.2.2; Shoeybi et
-    al., "Megatron-LM", 2019, §3): without sequence parallelism 2 all-reduces in the forward (after the attention
-    projection and after the MLP) and 2 in the backward (the conjugate operators before the QKV and first MLP
-    Linear); with it each all-reduce becomes a reduce-scatter and each identity before a block an all-gather: 2
-    all-gathers + 2 reduce-scatters forward, the same backward. Every message is the whole s·b·h activation;
-    a ring all-reduce is a reduce-scatter followed by an all-gather, so both cost the same bandwidth. With sequence
-    parallelism Megatron also all-gathers each column-parallel Linear's sequence-sharded input again in the
-    backward for its weight gradient (Korthikanti §4.2.2: "an extra all-gather ... overlapped with gradient
-    computation"): 2 per layer, `regather`. No collectives for t = 1."""
-    _check_positive(seq=seq, batch=batch, hidden=hidden, tensor_parallel=tensor_parallel)
-    _check_positive(bytes_per_element=bytes_per_element)
-    if tensor_parallel == 1:
-        return TensorParallelComm(forward=(), backward=())
-    message = seq * batch * hidden * bytes_per_element
-    if sequence_parallel:
-        one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
-        return TensorParallelComm(forward=one_pass, backward=one_pass, regather=(Collective("all-gather", 2, message),))
-    one_pass = (Collective("all-reduce", 2, message),)
-    return TensorParallelComm(forward=one_pass, backward=one_pass)

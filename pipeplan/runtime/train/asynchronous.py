@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.async_weights import VersionStore
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.executor import Executor, MicroBatch, forward_seed
-from pipeplan.runtime.post_validate import check_post_validate
-from pipeplan.runtime.routing import Message, Routing, build_routing, parse_rank_ops
-from pipeplan.runtime.trainer import RunResult, TracedStep, Trainer, microbatches_for
+from pipeplan.runtime.step.async_weights import VersionStore
+from pipeplan.runtime.step.executor import Executor, MicroBatch, forward_seed
+from pipeplan.runtime.step.messages import Message, Routing, build_routing, parse_rank_ops
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.post_validate import check_post_validate
+from pipeplan.runtime.train.trainer import RunResult, TracedStep, Trainer, microbatches_for
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.registry import generate, schedule_info
 
@@ -67,16 +67,16 @@ class AsyncExecutor(Executor):
         self.mailbox.settled_by = settled_by(routing, parse_rank_ops(plan), rank)
         self.autocast = trainer.executor.autocast
         self.per_step, self.first_step = plan.training.num_microbatches, first_step
-        rule = generate(plan.schedule, num_devices=1, num_microbatches=self.per_step)
-        self.loss_grad = self.per_step / rule.update_every  # each update's gradient: its microbatches' mean loss
+        update_every = schedule_info(plan.schedule).update_every(self.per_step)
+        self.loss_grad = self.per_step / update_every  # each update's gradient: its microbatches' mean loss
 
         def step_of(group: int) -> int:  # the 0-based step an update group belongs to
-            return first_step + group * rule.update_every // self.per_step
+            return first_step + group * update_every // self.per_step
 
         self.weights = VersionStore(
             model,
             self.ops,
-            update_every=rule.update_every,
+            update_every=update_every,
             optimizer=trainer.optimizer,
             capture=capture,
             describe_group=lambda stage, group: f"step {step_of(group) + 1}",
@@ -167,7 +167,7 @@ def segments(start: int, config: RunConfig) -> list[tuple[int, int]]:
 
 
 def check_async_run(plan: Plan, config: RunConfig) -> None:
-    """What an asynchronous plan cannot run with (--post-validate: runtime/post_validate.py says it)."""
+    """What an asynchronous plan cannot run with (--post-validate: runtime/train/post_validate.py says it)."""
     if schedule_info(plan.schedule).asynchronous and config.clip_grad_norm is not None:
         raise ConfigError(
             f"--clip-grad-norm clips the global gradient of a synchronized step, but {plan.schedule} steps each stage "

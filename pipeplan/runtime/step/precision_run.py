@@ -1,8 +1,8 @@
 """What `pipeplan run` does per precision mode (pipeplan.precision): low-precision parameters for `bf16`, the cut
-values' wire dtypes under the mode (runtime/comm.py allocates receive buffers with them), and fp16 loss scaling.
+values' wire dtypes under the mode (runtime/step/comm.py allocates receive buffers with them), and fp16 loss scaling.
 
 fp16 loss scaling is one global scale: every rank seeds its loss gradient with the same `scale`, the step's
-gradient check is the global state every rank learns (runtime/step_checks.py: a non-finite gradient norm on any
+gradient check is the global state every rank learns (runtime/train/step_checks.py: a non-finite gradient norm on any
 rank is non-finite on all, synchronized or post-validated), so every rank skips an overflowing step together and
 halves the scale; after `growth_interval` clean steps it doubles, as torch.amp.GradScaler does. (GradScaler's own
 inf check is per process and would let ranks disagree, so the runtime keeps this small equivalent instead.)

@@ -35,7 +35,7 @@ from torch import nn
 from pipeplan.errors import ConfigError
 from pipeplan.models.spec import ModelSpec
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.config import OPTIMIZERS, RunConfig
+from pipeplan.runtime.train.config import OPTIMIZERS, RunConfig
 
 SGD_MOMENTUM = 0.9
 FACTORY = "the model factory's"  # the optimizer name of a run whose factory supplies the optimizer
@@ -95,7 +95,7 @@ def run_optimizer(plan: Plan, spec: ModelSpec, *, optimizer: str | None, momentu
 def optimizer_factory(
     name: str, spec: ModelSpec, params: dict[str, nn.Parameter], *, lr: float, weight_decay: float, momentum: float
 ) -> MakeOptimizer:
-    """How a rank builds its optimizer over the tensors it steps (runtime/zero.py hands them over)."""
+    """How a rank builds its optimizer over the tensors it steps (runtime/step/zero.py hands them over)."""
     if name == FACTORY:
         names = {id(p): n for n, p in params.items()}
         return lambda tensors: spec.optimizer([(names[id(t)], t) for t in tensors], lr, weight_decay)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeplan.errors import RunError
-from pipeplan.runtime.grads import GradientSync
+from pipeplan.runtime.step.grads import GradientSync
 
 MakeOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 State = dict[str, Any]

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from pipeplan.errors import ConfigError
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows, judge
+from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge
 from pipeplan.schedules.registry import schedule_info
 
 

@@ -21,7 +21,7 @@ Makespan of the stream with uniform costs: (steps x m + p - 1)(F + B); in steady
 from __future__ import annotations
 
 from pipeplan.errors import ScheduleError
-from pipeplan.schedules.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.one_f_one_b import one_f_one_b
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.errors import RunError
-from pipeplan.runtime.routing import Message, Routing
+from pipeplan.runtime.step.messages import Message, Routing
 
 
 @dataclass(frozen=True, kw_only=True)

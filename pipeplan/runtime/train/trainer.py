@@ -17,18 +17,18 @@ import torch.distributed as dist
 from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.precision import get_precision
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.comm import make_direction_groups
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.executor import Executor, MicroBatch
-from pipeplan.runtime.grads import GradientSync
-from pipeplan.runtime.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
-from pipeplan.runtime.post_validate import PostValidator, Settled
-from pipeplan.runtime.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
-from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import build_pipeline_model
-from pipeplan.runtime.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
-from pipeplan.runtime.zero import make_step_optimizer
+from pipeplan.runtime.step.comm import make_direction_groups
+from pipeplan.runtime.step.executor import Executor, MicroBatch
+from pipeplan.runtime.step.grads import GradientSync
+from pipeplan.runtime.step.messages import build_routing
+from pipeplan.runtime.step.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.step.zero import make_step_optimizer
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
+from pipeplan.runtime.train.post_validate import PostValidator, Settled
+from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
+from pipeplan.runtime.weights import checkpoint
 from pipeplan.schedules.registry import schedule_info
 
 OpTimes = list[tuple[str, float, float]]  # (op, start, end) of one step's ops on this rank, time.perf_counter() s

@@ -25,11 +25,11 @@ import torch
 from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_key
 from pipeplan.graph.split_backward import SplitCache, backward_full, backward_input, backward_weight
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.comm import Mailbox
-from pipeplan.runtime.overlap import PairRunner
-from pipeplan.runtime.recompute_run import SelectiveRecompute
-from pipeplan.runtime.routing import Message, Routing, parse_rank_ops
-from pipeplan.runtime.stages import PipelineModel
+from pipeplan.runtime.step.comm import Mailbox
+from pipeplan.runtime.step.messages import Message, Routing, parse_rank_ops
+from pipeplan.runtime.step.pair_runner import PairRunner
+from pipeplan.runtime.step.recompute_run import SelectiveRecompute
+from pipeplan.runtime.step.stages import PipelineModel
 from pipeplan.schedules.ops import Op
 
 MicroBatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]  # (model inputs, target)
@@ -343,7 +343,7 @@ class Executor:
             if self._owner(producer, o.microbatch) == self.rank:
                 self._local_grads[(producer, name, o.microbatch, o.stage)] = grad
 
-    # ---- what asynchronous schedules change (runtime/asynchronous.py): the weights an op uses, its seed, and a
+    # ---- what asynchronous schedules change (runtime/train/asynchronous.py): the weights an op uses, its seed, and a
     # hook after each microbatch's last backward (B, or W) on this rank
     def _call_stage(self, o: Op, args: list[torch.Tensor]):
         return self.model.modules[o.stage](*args)

@@ -2,8 +2,8 @@
 DualPipe from the DeepSeek-V3 technical report, 2024): device d holds stages d and 2p-1-d (a V, like ZB-V).
 Forward of one chunk overlaps the backward of the other in the steady state: such a pair is one op,
 `Op.overlap(F, B)` (torch's OVERLAP_F_B), timed once by the engine (`engine.overlapped_ms`) and run overlapped by
-`pipeplan run` (runtime/overlap.py). Part of the backwards split into I + W with W deferred (FIFO) to fill bubbles.
-Needs m >= 2p.
+`pipeplan run` (runtime/step/pair_runner.py). Part of the backwards split into I + W with W deferred (FIFO) to
+fill bubbles. Needs m >= 2p.
 
 Phase structure per device d (p devices, m microbatches), following DualPipeV's eight steps:
   1. 2(p-1-d) chunk-0 forwards                   5. p-1-d x (B1, F1&B0)

@@ -2,8 +2,9 @@
 
 1. Split backward: on a gpt block (hidden 512, seq 256, batch 8, CPU), median I+W time over median fused B time;
    target <= 1.15 (W must not redo I's work).
-2. Fidelity: sum of per-layer times over whole-model times, median over several profiler runs, for gpt / mlp /
-   resnet; targets: forward within 15%, I+W within 25% of the whole backward.
+2. Fidelity: sum of per-layer times over whole-model times (`profiling.consistency.sums_over_whole`: F over the
+   whole forward, I+W over the whole model's split backward, B over its fused backward), median over several
+   profiler runs, for gpt / mlp / resnet; targets: forward within 15%, I+W within 25%.
 Prints a table and writes results/profiler.json. Defaults: 1 torch thread and process CPU time (`--timer cpu`),
 which other jobs on a shared machine do not disturb; `--timer wall --threads N` measures wall-clock time.
 """
@@ -29,8 +30,8 @@ from pipeplan.graph.split_backward import backward_full, backward_input, backwar
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
 from pipeplan.models.gpt import Block  # noqa: E402
+from pipeplan.profiling.consistency import sums_over_whole  # noqa: E402
 from pipeplan.profiling.measure import profile_model  # noqa: E402
-from pipeplan.profiling.summary import fidelity  # noqa: E402
 
 SPLIT_TARGET = 1.15
 FORWARD_TOLERANCE = 0.15
@@ -76,14 +77,14 @@ def fidelity_case(ref: str, options: dict, batch_size: int, runs: int, timer: st
     spec = load_model(ref, options)
     forward, split, fused = [], [], []
     for _ in range(runs):
-        ratios = fidelity(
+        ratios = sums_over_whole(
             profile_model(
                 spec, batch_size=batch_size, warmup=2, repeats=5, progress=False, timer=timer, precision="fp32"
             )
         )
-        forward.append(ratios["forward_sum_over_whole"])
-        split.append(ratios["split_backward_sum_over_whole"])
-        fused.append(ratios["fused_backward_sum_over_whole"])
+        forward.append(ratios["F"])
+        split.append(ratios["I+W"])
+        fused.append(ratios["B"])
     result = {
         "model": ref,
         "options": options,

@@ -11,13 +11,25 @@ which other jobs on a shared machine do not disturb; `--timer wall --threads N` 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
+    parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu", help="profiler clock on CPU")
+    parser.add_argument("--runs", type=int, default=3, help="profiler runs per model (median kept)")
+    parser.add_argument("--repeats", type=int, default=15, help="split-backward timing repeats")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -98,13 +110,7 @@ def fidelity_case(ref: str, options: dict, batch_size: int, runs: int, timer: st
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
-    parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu", help="profiler clock on CPU")
-    parser.add_argument("--runs", type=int, default=3, help="profiler runs per model (median kept)")
-    parser.add_argument("--repeats", type=int, default=15, help="split-backward timing repeats")
-    args = parser.parse_args()
+def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
@@ -147,4 +153,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

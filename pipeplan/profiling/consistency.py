@@ -99,28 +99,28 @@ def check(profile: Profile) -> list[Finding]:
         for label, ratio in sums_over_whole(profile).items()
         if ratio is not None and not low <= ratio <= high
     ]
-    averages = _averages(profile.layers)
+    typical = _typical(profile.layers)
     for layer in profile.layers:
-        findings += _spread_findings(layer.name, layer.spread, _spread_bounds(layer, averages))
+        findings += _spread_findings(layer.name, layer.spread, _spread_bounds(layer, typical))
     if profile.measurement is not None and profile.measurement.whole_spread is not None:
         findings += _spread_findings(WHOLE, profile.measurement.whole_spread, dict.fromkeys(PASS_LABELS, SPREAD_BOUND))
-    findings += _peer_findings(profile.layers, averages)
+    findings += _peer_findings(profile.layers, typical)
     return sorted(findings, key=lambda finding: -finding.excess)
 
 
-def _averages(layers: tuple[LayerProfile, ...]) -> dict[str, float]:
+def _typical(layers: tuple[LayerProfile, ...]) -> dict[str, float]:
     """A typical layer's time of each pass: the median layer's (one layer off by 100x does not move it)."""
     return {label: statistics.median(getattr(x, f"{name}_ms") for x in layers) for label, name in PASSES}
 
 
-def _spread_bounds(layer: LayerProfile, averages: dict[str, float]) -> dict[str, float]:
+def _spread_bounds(layer: LayerProfile, typical: dict[str, float]) -> dict[str, float]:
     """Per pass, the spread `layer` is held to: SPREAD_BOUND, scaled up for a pass shorter than a typical layer's
     (none for a pass that takes no time)."""
     bounds = {}
     for label, name in PASSES:
         median = getattr(layer, f"{name}_ms")
         if median > 0:
-            bounds[label] = SPREAD_BOUND * max(1.0, averages[label] / median)
+            bounds[label] = SPREAD_BOUND * max(1.0, typical[label] / median)
     return bounds
 
 
@@ -134,7 +134,7 @@ def _spread_findings(name: str, spread: PassSpread | None, bounds: dict[str, flo
     ]
 
 
-def _peer_findings(layers: tuple[LayerProfile, ...], averages: dict[str, float]) -> list[Finding]:
+def _peer_findings(layers: tuple[LayerProfile, ...], typical: dict[str, float]) -> list[Finding]:
     groups: dict[tuple, list[LayerProfile]] = {}
     for layer in layers:
         key = (layer.param_count, layer.flops, layer.activation_bytes, layer.output_bytes)
@@ -147,7 +147,7 @@ def _peer_findings(layers: tuple[LayerProfile, ...], averages: dict[str, float])
         for label, name in PASSES:
             times = sorted(getattr(x, f"{name}_ms") for x in group)
             middle = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
-            if middle <= 0 or middle < MINOR_SHARE * averages[label]:
+            if middle <= 0 or middle < MINOR_SHARE * typical[label]:
                 continue
             for layer in group:
                 ratio = getattr(layer, f"{name}_ms") / middle
@@ -164,7 +164,10 @@ def findings_text(findings: list[Finding]) -> str:
 def remedy(profile: Profile) -> str:
     if profile.provenance.device.startswith("cuda"):
         return "is another process using the GPU? profile again on an idle one"
-    return "on a busy CPU profile again with --threads 1 (steadier) or on an idle machine"
+    return (
+        "on a busy CPU profile again with --threads 1 --timer cpu (process CPU time: waiting for a core is not "
+        "counted) or on an idle machine"
+    )
 
 
 def consistency_line(profile: Profile) -> str:
@@ -190,13 +193,13 @@ def consistency_line(profile: Profile) -> str:
 
 def _widest_spread(profile: Profile) -> tuple[float, float, str] | None:
     """The layer pass whose spread comes closest to (or goes furthest past) its bound: (spread, bound, which)."""
-    averages = _averages(profile.layers)
+    typical = _typical(profile.layers)
     spreads = [
         (getattr(layer.spread, field) / bound, getattr(layer.spread, field), bound, f"{layer.name} {label}")
         for layer in profile.layers
         if layer.spread is not None
         for label, field in PASSES
-        if (bound := _spread_bounds(layer, averages).get(label)) is not None
+        if (bound := _spread_bounds(layer, typical).get(label)) is not None
     ]
     widest = max(spreads, default=None)
     return None if widest is None else widest[1:]

@@ -3,7 +3,8 @@ spreads, the whole-model references (forward, fused backward, split backward), h
 which units to time again when the checks (`profiling.consistency`) find a part out of bounds. No torch.
 
 Units are named by their layer, WHOLE_UNIT (the whole model's forward + loss and backward) and SPLIT_UNIT (every
-layer but the first as one stage: its I and W with the first layer's are the whole model's split backward).
+layer but the first as one stage: its I and W with the first layer's are the whole model's split backward); pools
+without the references (e.g. samples gathered another way, per layer) give a profile without them.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class TimedProfile:
             )
             for layer in self.base.layers
         )
-        whole = pools.medians(WHOLE_UNIT)
+        whole = pools.medians(WHOLE_UNIT) if WHOLE_UNIT in pools.samples else {}
         return replace(
             self.base,
             layers=layers,
-            whole_forward_ms=whole["forward"],
-            whole_backward_ms=whole["backward"],
+            whole_forward_ms=whole.get("forward"),
+            whole_backward_ms=whole.get("backward"),
             whole_split_backward_ms=_split_backward_ms(layers[0], pools),
             measurement=Measurement(
                 rounds=self.repeats,
@@ -63,19 +64,15 @@ class TimedProfile:
             ),
         )
 
-    def suspects(self, pools: Pools) -> set[str]:
-        """The units to time again for what `check` finds out of bounds: a layer for its spread or peers; a
-        reference for its spread; for a sum, every layer and the pass's reference (either side may be off)."""
-        profile = self.profile(pools)
-        every = {layer.name for layer in profile.layers}
-        names: set[str] = set()
-        for finding in check(profile):
+    def suspects(self, pools: Pools) -> list[str]:
+        """The units to time again for what `check` finds out of bounds, worst first: a layer for its spread or
+        against its peers; a reference for its spread, or for its pass's sum (a layer off throughout shows in its
+        spread or against its peers; a sum out of bounds with every layer steady points at the reference)."""
+        names = []
+        for finding in check(self.profile(pools)):
             reference = SPLIT_UNIT if finding.pass_label in ("I", "W", "I+W") else WHOLE_UNIT
-            if finding.layer is None:
-                names |= every | {reference}
-            else:
-                names.add(reference if finding.layer == WHOLE else finding.layer)
-        return {name for name in names if name in pools.samples}
+            names.append(reference if finding.layer in (None, WHOLE) else finding.layer)
+        return [name for name in dict.fromkeys(names) if name in pools.samples]
 
 
 def _split_backward_ms(first, pools: Pools) -> float | None:
@@ -85,13 +82,15 @@ def _split_backward_ms(first, pools: Pools) -> float | None:
     return first.input_grad_ms + first.weight_grad_ms + sum(rest[key] for key in SPLIT_PASSES)
 
 
-def _whole_spread(pools: Pools) -> PassSpread:
-    whole = pools.spreads(WHOLE_UNIT)
+def _whole_spread(pools: Pools) -> PassSpread | None:
+    """The references' spreads: the whole model's F and B, the split reference's I and W (None: no reference)."""
+    references = [unit for unit in (WHOLE_UNIT, SPLIT_UNIT) if unit in pools.samples]
+    if not references:
+        return None
+    whole = pools.spreads(WHOLE_UNIT) if WHOLE_UNIT in pools.samples else {}
     split = pools.spreads(SPLIT_UNIT) if SPLIT_UNIT in pools.samples else {}
-    counts = [pools.count(WHOLE_UNIT)] + ([pools.count(SPLIT_UNIT)] if split else [])
     return PassSpread(
-        samples=min(counts),
-        forward=whole["forward"],
-        backward=whole["backward"],
+        samples=min(pools.count(unit) for unit in references),
+        **{key: whole[key] for key in ("forward", "backward") if key in whole},
         **{key: split[key] for key in SPLIT_PASSES if key in split},
     )

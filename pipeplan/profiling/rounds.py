@@ -12,9 +12,11 @@ time is the median of its samples over the rounds.
   10% of the median (closer than that a sample cannot matter against the 20% spread bound) is dropped and timed
   again, in extra rounds over the units that had one.
 - Re-measurement: `measure` asks `assess` (the caller's consistency checks, `profiling.consistency`) which units
-  are out of bounds, and times those again (`repeats` fresh rounds, replacing their samples: a layer slowed through
-  all its first samples keeps none of them) up to `MAX_REMEASUREMENTS` times, stopping early when a re-measurement
-  found no fewer problems than the one before (a persistently busy machine: more rounds would only take longer).
+  are out of bounds, worst first, and times them again (`repeats` fresh rounds, replacing their samples: a layer
+  slowed through all its first samples keeps none of them) up to `MAX_REMEASUREMENTS` times: first only the
+  `PROBE` worst, then every unit still out of bounds, as long as the last re-measurement left fewer out of bounds
+  than before it (on a machine busy throughout, the probe fixes nothing and measuring stops after a few units'
+  rounds instead of timing the whole model again).
 
 Clocks: `HostClock` reads wall-clock or process CPU time at once; `EventClock` records CUDA events on the stream
 and reads them after one synchronize per round (`settle`), so timing adds no synchronization inside a round. Both
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +36,7 @@ MAD_SCALE = 1.4826  # MAD x 1.4826 estimates the standard deviation of normal sa
 OUTLIER_MADS = 3.0  # Leys et al.'s "moderately conservative" threshold
 OUTLIER_FLOOR = 0.10  # ... and at least this far from the median, relative to it
 MAX_REMEASUREMENTS = 2  # automatic re-measurements of out-of-bounds units after the first measurement
+PROBE = 3  # units the first re-measurement takes (the worst): if none comes back within bounds, it stops there
 
 
 class Clock(Protocol):
@@ -203,30 +206,31 @@ def measure(
     *,
     warmup: int,
     repeats: int,
-    assess: Callable[[Pools], Iterable[str]],
+    assess: Callable[[Pools], Sequence[str]],
     on_sample: Callable[[], None] | None = None,
 ) -> Pools:
     """Time `units` in `warmup` untimed and `repeats` timed rounds, re-time outliers, and re-measure the units
-    `assess(pools)` names (their checks out of bounds) up to MAX_REMEASUREMENTS times; the pools to keep."""
+    `assess(pools)` names (their checks out of bounds, worst first): first the PROBE worst, then all still out of
+    bounds, while each re-measurement leaves fewer out of bounds; the pools to keep."""
     run_rounds(units, clock, {unit.name: warmup for unit in units}, on_sample=on_sample)
     pools = run_rounds(units, clock, {unit.name: repeats for unit in units}, on_sample=on_sample)
-    previous: int | None = None
+    before: list[str] | None = None  # out of bounds before the last re-measurement
     while True:
         _replace_outliers(units, clock, pools, on_sample)
-        suspects = sorted(set(assess(pools)))
-        if not suspects or pools.attempts > MAX_REMEASUREMENTS or (previous is not None and len(suspects) >= previous):
+        suspects = list(dict.fromkeys(assess(pools)))
+        if not suspects or pools.attempts > MAX_REMEASUREMENTS:
             return pools
-        previous = len(suspects)
+        if before is not None and len(suspects) >= len(before):
+            return pools  # the last re-measurement fixed nothing: a machine busy throughout
+        before = suspects
+        chosen = suspects[:PROBE] if pools.attempts == 1 else suspects
         pools.attempts += 1
-        pools.remeasured.extend(name for name in suspects if name not in pools.remeasured)
-        pools.samples.update(run_rounds(units, clock, dict.fromkeys(suspects, repeats), on_sample=on_sample).samples)
+        pools.remeasured.extend(name for name in chosen if name not in pools.remeasured)
+        pools.samples.update(run_rounds(units, clock, dict.fromkeys(chosen, repeats), on_sample=on_sample).samples)
 
 
 def _replace_outliers(units: Sequence[Unit], clock: Clock, pools: Pools, on_sample) -> None:
-    """Drop outliers and time their units again, as often as samples were dropped (twice at most: a sample
-    taken again may be off too, and then the median copes)."""
-    for _ in range(2):
-        dropped = pools.drop_outliers()
-        if not dropped:
-            return
+    """Drop outliers and time their units again, once (a sample taken again may be off too; the median copes)."""
+    dropped = pools.drop_outliers()
+    if dropped:
         _merge(pools, run_rounds(units, clock, dropped, on_sample=on_sample))

@@ -17,7 +17,9 @@ from pipeplan.profiling.consistency import (
     out_of_bounds_message,
     sums_over_whole,
 )
+from pipeplan.profiling.measured_times import SPLIT_UNIT, WHOLE_UNIT, TimedProfile
 from pipeplan.profiling.profile import LayerProfile, Measurement, PassSpread, Profile, Provenance
+from pipeplan.profiling.rounds import Pools
 
 EVEN = PassSpread(samples=5, forward=0.05, input_grad=0.05, weight_grad=0.05, backward=0.05)
 
@@ -146,3 +148,27 @@ def test_plan_on_a_profile_out_of_bounds_warns_again(tmp_path):
     _gpt_like().save(path)
     quiet = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "q")])
     assert quiet.exit_code == 0 and "out of bounds" not in quiet.stderr
+
+
+def test_samples_become_medians_spreads_and_the_split_reference():
+    """Pools (unit -> pass -> samples) to a Profile: what the profiler does, and what samples gathered another way
+    (per layer, no whole-model references) give."""
+    base = _gpt_like(whole_forward_ms=None, whole_backward_ms=None, whole_split_backward_ms=None, measurement=None)
+    pools = Pools()
+    for layer in base.layers:
+        for ms in (1.0, 2.0, 3.0, 4.0, 5.0):
+            pools.add(layer.name, {"forward": ms, "input_grad": 2 * ms, "weight_grad": ms, "backward": 3 * ms})
+    timed = TimedProfile(base=base, warmup=1, repeats=5, clock="wall")
+    alone = timed.profile(pools)
+    assert alone.whole_forward_ms is None and alone.measurement.whole_spread is None
+    first = alone.layers[0]
+    assert (first.forward_ms, first.input_grad_ms, first.backward_ms) == (3.0, 6.0, 9.0)
+    assert first.spread == PassSpread(samples=5, forward=2 / 3, input_grad=2 / 3, weight_grad=2 / 3, backward=2 / 3)
+    for _ in range(5):
+        pools.add(WHOLE_UNIT, {"forward": 18.0, "backward": 54.0})
+        pools.add(SPLIT_UNIT, {"input_grad": 30.0, "weight_grad": 15.0})
+    full = timed.profile(pools)
+    assert (full.whole_forward_ms, full.whole_backward_ms) == (18.0, 54.0)
+    assert full.whole_split_backward_ms == 6.0 + 3.0 + 30.0 + 15.0  # the first layer's I + W, then the rest's
+    assert full.measurement.whole_spread == PassSpread(samples=5)
+    assert full.measurement.rounds == 5 and full.measurement.attempts == 1

@@ -86,7 +86,7 @@ def test_out_of_bounds_units_are_re_measured_up_to_the_bound():
         return ["b"] + ["a"] * (len(asked) == 1)
 
     pools = measure(units, FakeClock(), warmup=1, repeats=3, assess=assess)
-    assert pools.attempts == 1 + rounds.MAX_REMEASUREMENTS and pools.remeasured == ["a", "b"]
+    assert pools.attempts == 1 + rounds.MAX_REMEASUREMENTS and pools.remeasured == ["b", "a"]  # worst first
     assert asked == [3, 3, 3]  # each re-measurement: `repeats` fresh samples of what was named, replacing them
     assert log.count("a") == 1 + 3 + 3 and log.count("b") == 1 + 3 + 3 + 3
 
@@ -103,10 +103,28 @@ def test_a_re_measurement_replaces_the_samples_of_a_unit_slowed_throughout():
     assert pools.samples["slowed"]["forward"] == [1.0] * 5
 
 
-def test_re_measuring_stops_when_it_finds_no_fewer_problems():
-    units = [ScriptedUnit("a", [1.0], []), ScriptedUnit("b", [1.0], [])]
-    pools = measure(units, FakeClock(), warmup=0, repeats=3, assess=lambda pools: ["a", "b"])
-    assert pools.attempts == 2  # a busy machine: a third measurement would only take longer
+def test_re_measuring_probes_the_worst_units_and_stops_when_that_fixes_nothing():
+    log: list[str] = []
+    names = ["u0", "u1", "u2", "u3", "u4"]
+    units = [ScriptedUnit(name, [1.0], log) for name in names]
+    pools = measure(units, FakeClock(), warmup=0, repeats=3, assess=lambda pools: list(reversed(names)))
+    assert pools.attempts == 2 and pools.remeasured == ["u4", "u3", "u2"]  # the worst PROBE, then no more
+    assert [log.count(name) for name in names] == [3, 3, 6, 6, 6]
+
+
+def test_after_a_probe_that_helped_every_unit_still_out_of_bounds_is_re_measured():
+    log: list[str] = []
+    names = ["u0", "u1", "u2", "u3", "u4"]
+    units = [ScriptedUnit(name, [1.0], log) for name in names]
+    calls = []
+
+    def assess(pools: Pools):  # the probe's units come back within bounds; the two others wait their turn
+        calls.append(1)
+        return names if len(calls) == 1 else names[3:] if len(calls) == 2 else []
+
+    pools = measure(units, FakeClock(), warmup=0, repeats=3, assess=assess)
+    assert pools.attempts == 3 and pools.remeasured == ["u0", "u1", "u2", "u3", "u4"]
+    assert [log.count(name) for name in names] == [6, 6, 6, 6, 6]
 
 
 class StandInEvent:

@@ -11,12 +11,12 @@
   a small layer's spread moves a stage no more than that, and a 0.2 ms embedding's timings scatter more than a
   block's);
 - peers: layers doing the same work (the same parameters, FLOPs, saved and output bytes: a model's repeated
-  blocks, three or more) take their median's time within SUM_BOUNDS, per pass; a pass taking under MINOR_SHARE of
-  a typical layer's is not held to it.
-Profiles timed in fewer than MIN_CHECKED_ROUNDS rounds
-(a quick look, e.g. `--repeats 1`) are not checked: one sample has no spread; the summary says so. Profiles
-written before schema 4 are checked on what they hold (sums of F and B, peers). Only measured profiles are
-checked.
+  blocks, three or more) take their median's time within SUM_BOUNDS, per pass (the lower median of an even count:
+  a disturbance only slows, so with half the blocks slowed the faster half is the reference); a pass taking under
+  MINOR_SHARE of a typical layer's is not held to it.
+Profiles timed in fewer than MIN_CHECKED_ROUNDS rounds (a quick look, e.g. `--repeats 1`) are not checked: one
+sample has no spread; the summary says so. Profiles written before schema 4 are checked on what they hold (sums of
+F and B, peers). Only measured profiles are checked.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def check(profile: Profile) -> list[Finding]:
 
 
 def _typical(layers: tuple[LayerProfile, ...]) -> dict[str, float]:
-    """A typical layer's time of each pass: the median layer's (one layer off by 100x does not move it)."""
-    return {label: statistics.median(getattr(x, f"{name}_ms") for x in layers) for label, name in PASSES}
+    """A typical layer's time of each pass: the (lower) median layer's (one layer off by 100x does not move it)."""
+    return {label: statistics.median_low(getattr(x, f"{name}_ms") for x in layers) for label, name in PASSES}
 
 
 def _spread_bounds(layer: LayerProfile, typical: dict[str, float]) -> dict[str, float]:
@@ -145,8 +145,7 @@ def _peer_findings(layers: tuple[LayerProfile, ...], typical: dict[str, float]) 
         if len(group) < MIN_PEERS:
             continue
         for label, name in PASSES:
-            times = sorted(getattr(x, f"{name}_ms") for x in group)
-            middle = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
+            middle = statistics.median_low(getattr(x, f"{name}_ms") for x in group)
             if middle <= 0 or middle < MINOR_SHARE * typical[label]:
                 continue
             for layer in group:

@@ -172,3 +172,9 @@ def test_samples_become_medians_spreads_and_the_split_reference():
     assert full.whole_split_backward_ms == 6.0 + 3.0 + 30.0 + 15.0  # the first layer's I + W, then the rest's
     assert full.measurement.whole_spread == PassSpread(samples=5)
     assert full.measurement.rounds == 5 and full.measurement.attempts == 1
+
+
+def test_with_half_the_blocks_slowed_the_faster_half_is_the_reference():
+    profile = _gpt_like(blocks=(1.0, 1.0, 160.0, 160.0))
+    named = {(f.layer, f.pass_label) for f in check(profile) if f.check == "peers"}
+    assert {("blocks.2", "F"), ("blocks.3", "F")} <= named and ("blocks.0", "F") not in named

@@ -21,6 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_published.json"
 PUBLISHED_TOKENS_PER_S_PER_GPU = 1e12 / (180e3 * 3600)
 DEVICES = 2048

@@ -18,6 +18,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("threads", type=int, nargs="?", default=1, help="torch CPU threads per rank (default 1)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -37,8 +47,7 @@ def as_halves(rank_ops: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], .
     return tuple(tuple(str(h) for text in ops for h in Op.parse(text).parts) for ops in rank_ops)
 
 
-def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+def main(threads: int) -> None:
     plan = manual_plan(
         "gpt",
         GPT,
@@ -82,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS.threads)

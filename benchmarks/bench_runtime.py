@@ -33,6 +33,16 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--repeat-a", type=int, metavar="N", help="run only (a), N times in separate launches")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -384,10 +394,10 @@ def _repeat_a(console: Console, repeats: int) -> None:
     )
 
 
-def main() -> int:
+def main(repeat_a: int | None) -> int:
     console = Console(width=140)
-    if len(sys.argv) == 3 and sys.argv[1] == "--repeat-a":
-        _repeat_a(console, int(sys.argv[2]))
+    if repeat_a is not None:
+        _repeat_a(console, repeat_a)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
         mlp_plans = _mlp_plans(Path(folder))
@@ -420,4 +430,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS.repeat_a))

@@ -13,6 +13,11 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the exact MILP (tests/helpers/milp.py)

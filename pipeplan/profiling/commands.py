@@ -16,14 +16,14 @@ def profile(options: ProfileOptions) -> None:
     Example: pipeplan profile gpt --precision bf16-mixed -o p-bf16.json
     """
     from pipeplan.profiling.profile_job import profile_from_options  # torch: imported when the command runs
-    from pipeplan.profiling.summary import fidelity_line, options_line, profile_table, routing_lines
+    from pipeplan.profiling.summary import consistency_lines, options_line, profile_table, routing_lines
 
     result = profile_from_options(options)
     if options.as_json:
         print_json(result.to_dict())
         return
     out.print(profile_table(result))
-    for line in [options_line(result), *routing_lines(result), fidelity_line(result)]:
+    for line in [options_line(result), *routing_lines(result), *consistency_lines(result)]:
         if line:
             out.print(line, highlight=False)
     if options.output is not None:

@@ -32,8 +32,10 @@ class ProfileOptions:
     hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate).")
     granularity: int | None = option(None, "--granularity", help="Module depth of a layer (default: repeated blocks).")
     tracer: str = option("auto", "--tracer", help=TRACER_HELP)
-    warmup: int = option(DEFAULT_WARMUP, "--warmup", help="Untimed runs per layer before measuring.")
-    repeats: int = option(DEFAULT_REPEATS, "--repeats", help="Timed runs per layer; the median is kept.")
+    warmup: int = option(DEFAULT_WARMUP, "--warmup", help="Untimed rounds (every layer once each) before measuring.")
+    repeats: int = option(
+        DEFAULT_REPEATS, "--repeats", help="Timed rounds; the median is kept, checked from 3 up (e.g. --repeats 9)."
+    )
     threads: int | None = option(None, "--threads", help="CPU threads torch may use (default: torch's choice).")
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)

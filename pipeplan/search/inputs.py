@@ -13,6 +13,7 @@ from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
 from pipeplan.plan.plan import ModelRef
 from pipeplan.precision import get_precision, profile_precision
+from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import schedule_info
@@ -113,6 +114,7 @@ def load_profile_input(path: str, profile_format: str) -> PlanInput:
         profile = read_pipedream_graph(path)
     else:
         profile = Profile.load(path)
+        warn_if_out_of_bounds(profile, f"profile file {str(path)!r}")
     prov = profile.provenance
     model = ModelRef(
         ref=prov.model or str(path),

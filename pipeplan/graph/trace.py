@@ -23,6 +23,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from pipeplan.errors import ConfigError, ModelError, TraceError
+from pipeplan.graph.constants import rematerialize_constants
 from pipeplan.graph.grouping import (
     assign_unowned,
     check_in_place,
@@ -250,7 +251,8 @@ def traced_constants(module: nn.Module, spec: ModelSpec, *, granularity: int | N
     from pipeplan.graph.export_trace import export_program
 
     device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
-    return export_program(module, spec, _sample_inputs(spec, 1, str(device)))[0]
+    with spec.tracing():
+        return export_program(module, spec, _sample_inputs(spec, 1, str(device)))[0]
 
 
 def trace_module(
@@ -263,11 +265,17 @@ def trace_module(
     tracer: str = "auto",
 ) -> TracedModel:
     """Like trace_model, for an already-built module (its parameters are referenced, never copied)."""
-    gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
+    with spec.tracing():  # the model's own trace context (ModelSpec.trace_context)
+        gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
     normalize_graph(gm)
     nodes = list(gm.graph.nodes)
     keys = assign_unowned(nodes, layer_keys(gm, module, granularity))
     grouped, node_layer = group(nodes, keys)
+    if rematerialize_constants(gm, node_layer):  # constant values made again where read, not sent across cuts
+        nodes = list(gm.graph.nodes)
+        names = [name for name, _ in grouped]
+        keys = [names[node_layer[n.name]] if n.op not in ("placeholder", "output") else "" for n in nodes]
+        grouped, node_layer = group(nodes, keys)
     layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1

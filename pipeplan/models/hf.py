@@ -18,12 +18,21 @@ fields is one ModelError line naming the -a options. Three options belong to the
 - `data`: `fixed` (default: every training step sees the same synthetic batch, so the loss visibly falls) or
   `random` (a fresh random batch each step: random tokens have nothing to learn beyond their frequencies).
 `use_cache` is turned off (a training step needs no key/value cache). The model returns its ModelOutput and the
-loss reads `.logits` from it. transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
+loss reads `.logits` from it.
+
+Attention runs as transformers runs it in an eager training step: the config's attention implementation (sdpa where
+the type supports it), and a plain causal (or, for encoders, full) mask without padding left to the kernel
+(`is_causal`, no mask tensor: FlashAttention on a GPU). transformers builds that mask when it is being exported,
+since an exported graph may later meet other query lengths; pipeplan exports again for every shape it runs, so its
+traces take the eager step's choice (`eager_masks`, the spec's trace context). A mask that is more than causal (a
+sliding window shorter than the sequence) is still built and passed to the kernel. transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +186,28 @@ def _sampler(config, task: str, adapter: dict[str, Any]):
     return tokens, seq
 
 
+# transformers' names its mask builders consult, and what an eager step of pipeplan's batches answers: not exporting,
+# and no packed sequences (the adapter passes input ids only: every row's positions are 0..s-1)
+_EAGER_ANSWERS = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+
+
+@contextlib.contextmanager
+def eager_masks() -> Iterator[None]:
+    """Trace with transformers' eager-step masks (module docstring): its mask builders skip a plain causal mask
+    unless it is being exported or the positions may pack several sequences (which it cannot tell from fake
+    tensors); this context gives them an eager step's answers while a trace runs (a name a transformers version
+    lacks is left alone: its mask is then traced as built)."""
+    masking = transformers_module().masking_utils
+    saved = {name: getattr(masking, name) for name in _EAGER_ANSWERS if hasattr(masking, name)}
+    try:
+        for name in saved:
+            setattr(masking, name, _EAGER_ANSWERS[name])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking, name, value)
+
+
 def _check_type(target: str, config, directory: Path | None) -> None:
     reason = refusal(config)
     if reason is not None:
@@ -222,4 +253,5 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         loss_fn=loss_fn,
         options={**_shapes(config, task), **applied, "task": task, **shown, "data": data},
         tokens_per_sample=seq,
+        trace_context=eager_masks,
     )

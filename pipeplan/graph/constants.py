@@ -39,9 +39,8 @@ def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         if node.op == "get_attr":
             if str(node.target) not in parameters:
                 constant.add(node)
-        elif node.op == "call_function" and _op_is_constant_safe(node):
-            if all(arg in constant for arg in node.all_input_nodes):
-                constant.add(node)
+        elif node.op == "call_function" and _op_is_constant_safe(node) and constant.issuperset(node.all_input_nodes):
+            constant.add(node)
     return constant
 
 

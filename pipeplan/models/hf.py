@@ -25,7 +25,8 @@ the type supports it), and a plain causal (or, for encoders, full) mask without 
 (`is_causal`, no mask tensor: FlashAttention on a GPU). transformers builds that mask when it is being exported,
 since an exported graph may later meet other query lengths; pipeplan exports again for every shape it runs, so its
 traces take the eager step's choice (`eager_masks`, the spec's trace context). A mask that is more than causal (a
-sliding window shorter than the sequence) is still built and passed to the kernel. transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
+sliding window shorter than the sequence) is still built and passed to the kernel.
+transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
 """
 
 from __future__ import annotations

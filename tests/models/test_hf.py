@@ -109,8 +109,14 @@ def test_bert_classification_profiles_and_plans_from_the_cli(tmp_path):
 
 # a sliding window shorter than the sequence: transformers builds the mask (expanded to the batch) in each block
 TINY_WINDOW = dict(
-    num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-    vocab_size=64, seq_len=8, sliding_window=4,
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=64,
+    seq_len=8,
+    sliding_window=4,
 )
 
 

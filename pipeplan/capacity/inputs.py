@@ -56,6 +56,7 @@ def capacity_profile(
     quiet: bool,
     batch_given: bool = True,
     precision: str = CAPACITY_PRECISION,
+    attention: str = "auto",
 ) -> Profile:
     """The analytic profile (meta device, flash attention, `precision`) through the one model -> profile path;
     `seq` replaces the model's (a preset's too). Without `batch_given` the default global batch counts tokens, so
@@ -75,6 +76,7 @@ def capacity_profile(
         hardware=hardware,
         progress=not quiet,
         preset_overridable=("seq",) if seq is not None else (),
+        attention=attention,
     )
 
     def check(spec: ModelSpec) -> None:
@@ -150,6 +152,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         quiet=options.json_output,
         batch_given=batch_given,
         precision=options.precision,
+        attention=options.attention,
     )
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)

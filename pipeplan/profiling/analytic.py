@@ -4,7 +4,9 @@ The model is built and traced on the meta device; each layer runs as its own Sta
 training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 - forward FLOPs, bytes and roofline time per aten op (`OpRecorder`), with dropout and attention swapped for their
-  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path);
+  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; each scaled_dot_product_attention call as the kernel a
+  GPU runs it with, FlashAttention-2 or memory-efficient attention, or the Megatron math path under `--attention
+  math`; attention a model writes by hand runs as written);
 - tensors saved for backward (`saved_tensors.SavedTensors`), storages de-duplicated, parameters and buffers
   excluded, split into what the input-gradient (I) pass frees and what the weight-gradient (W) pass still reads,
   by the rule the measured profiler and the runtime follow;
@@ -27,22 +29,25 @@ between ops.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.loss_stage import last_layer_stage, model_loss
-from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
+from pipeplan.graph.run_dtypes import cut_bytes_under, export_dtype, fake_run
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.experts import check_experts_counted
-from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.fusions import fuse_norms
+from pipeplan.profiling.gpu_ops import GpuSemantics, attention_summary
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
 from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.profile import LayerProfile, LayerWork, Profile, Provenance
+from pipeplan.profiling.profile_options import ATTENTION_MODES
 from pipeplan.profiling.recompute import analytic_recompute
 from pipeplan.profiling.retime import retime_layer
 
@@ -65,7 +70,7 @@ class AnalyticConfig:
     hardware: Hardware
     granularity: int | None = None
     dtype: str = "bfloat16"
-    flash_attention: bool = True
+    attention: str = "auto"  # ATTENTION_MODES: what each SDPA call runs as (profiling.gpu_ops)
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
     fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
@@ -77,6 +82,8 @@ class AnalyticConfig:
         if canonical not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
         object.__setattr__(self, "dtype", canonical)
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
         for name in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
@@ -146,7 +153,7 @@ def profile_analytic(
     hardware: str | Hardware,
     precision: str,
     granularity: int | None = None,
-    flash_attention: bool = True,
+    attention: str = "auto",
     matmul_efficiency: float | None = None,
     memory_efficiency: float | None = None,
     progress: bool = False,
@@ -159,6 +166,11 @@ def profile_analytic(
     `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; mixed modes count gradients
     (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
 
+    `attention` (ATTENTION_MODES): `auto` runs each scaled_dot_product_attention call as the kernel a GPU would
+    (FlashAttention, or memory-efficient attention with a mask), `flash` the same but refuses a model whose
+    attention is written by hand (it would run the math path), `math` the math path for every call; the provenance
+    records what ran (`attention`).
+
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
@@ -170,21 +182,28 @@ def profile_analytic(
         hardware=load_hardware(hardware),
         granularity=granularity,
         dtype=mode.compute_dtype_name,
-        flash_attention=flash_attention,
+        attention=attention,
         matmul_efficiency=matmul_efficiency,
         memory_efficiency=memory_efficiency,
         fp8_linears=mode.fp8_linears,
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
-    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
+    traced = trace_model(
+        spec,
+        batch_size=batch_size,
+        granularity=granularity,
+        device="meta",
+        tracer=tracer,
+        dtype=export_dtype(precision),
+    )
     mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
     upcast = mode.autocast_dtype is not None  # autocast runs the loss in fp32 (profiling.loss_stage)
     make_loss = lambda stage: model_loss(traced, stage, spec.loss_fn, target, upcast=upcast)  # noqa: E731
-    layers = _profile_layers(traced, config, env, make_loss, progress=progress)
+    layers, attention_used = _profile_layers(traced, config, env, make_loss, progress=progress)
     check_experts_counted(traced.module, traced.layer_graph.layers, layers)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
     if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
@@ -194,7 +213,10 @@ def profile_analytic(
         layers=tuple(layers),
         cut_bytes=cuts,
         provenance=replace(
-            _provenance(spec, config, traced.layer_graph, model_ref, model_options), precision=precision
+            _provenance(spec, config, traced.layer_graph, model_ref, model_options),
+            precision=precision,
+            attention=attention_used,
+            notes=_notes(config, attention_used),
         ),
         input_bytes=tensor_bytes(model_inputs),
     )
@@ -225,11 +247,14 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
 
     graph = traced.layer_graph
     layers: list[LayerProfile] = []
+    kernels: Counter[str] = Counter()
+    by_hand: list[str] = []  # layers whose attention is written by hand (an s x s core that no SDPA call made)
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
         for index, layer in enumerate(graph.layers):
             last = index == graph.num_layers - 1
             stage = last_layer_stage(traced, layer.nodes) if last else build_stage_module(traced, layer.nodes)
+            fuse_norms(stage)  # a hand-written RMSNorm as the fused kernel (profiling.fusions)
             loss = make_loss(stage) if last else None
             needs = [name not in graph.input_names for name in stage.inputs]
             try:
@@ -237,7 +262,7 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     stage,
                     [env[name] for name in stage.inputs],
                     roofline=config.roofline,
-                    flash_attention=config.flash_attention,
+                    attention=config.attention,
                     input_needs_grad=needs,
                     loss=loss,
                 )
@@ -246,7 +271,7 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     [env[name] for name in stage.inputs],
                     roofline=config.roofline,
                     input_needs_grad=needs,
-                    context=lambda: GpuSemantics(flash_attention=config.flash_attention),
+                    context=lambda: GpuSemantics(attention=config.attention),
                 )
             except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -255,13 +280,21 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     "profile with --device cpu or cuda instead"
                 ) from None
             env.update(zip(stage.outputs, counts.outputs))
+            kernels.update(counts.attention_kernels)
+            if recompute.attention_bytes and not counts.attention_kernels.get("math"):
+                by_hand.append(layer.name)
             work = counts.work(recompute.selective_rest_seconds)
             kept = recompute.byte_fields(counts.saved_bytes)
             layers.append(
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
             )
             bar.advance(task)
-    return layers
+    if by_hand and config.attention == "flash":
+        raise ConfigError(
+            f"--attention flash: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which runs as "
+            "written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
+        )
+    return layers, attention_summary(kernels, bool(by_hand))
 
 
 def _cut_bytes(cut, env: dict[str, object]) -> int:
@@ -273,19 +306,23 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
     return total
 
 
-def _provenance(
-    spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
-) -> Provenance:
+def _notes(config: AnalyticConfig, attention: str) -> str:
     roofline = config.roofline
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
     calibrated = config.matmul_efficiency is None and config.hardware.measured_flops(config.torch_dtype) is not None
     basis = f"calibrated {peak}" if calibrated else f"{peak} tensor-core peak x efficiency"
     launch = f", {roofline.launch_s * 1e6:.1f} us kernel launch floor" if roofline.launch_s else ""
-    notes = (
+    return (
         f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
-        f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "
+        f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {attention} (--attention {config.attention}); "
         "last layer includes loss_fn"
     )
+
+
+def _provenance(
+    spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
+) -> Provenance:
+    roofline = config.roofline
     return Provenance(
         source="analytic",
         device="meta",
@@ -300,7 +337,6 @@ def _provenance(
         tracer=graph.tracer,
         eager_modules=graph.eager_modules,
         tokens_per_sample=spec.tokens_per_sample,
-        notes=notes,
         loss_in_last_layer=True,
         kernel_rates=roofline.kernel_rates,
     )

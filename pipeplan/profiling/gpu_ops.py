@@ -5,13 +5,20 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `F.dropout` multiplies by a bernoulli noise tensor in the input's dtype and saves it (2 bytes per element in
   bf16); CUDA runs the fused `native_dropout` kernel and saves a 1-byte bool mask (the accounting behind
   Megatron's 34·s·b·h). `GpuSemantics` routes dropout to `aten.native_dropout`, which saves the bool mask.
-- `F.scaled_dot_product_attention` takes the math path. With `flash_attention=True` it is replaced by
-  FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, which has meta kernels and FLOP formulas): saves
-  q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it, so `out.transpose(1, 2)` is free)
-  and the float32 logsumexp, no s² tensors. With `flash_attention=False` it is the Megatron-style math path: the
-  scores matmul, softmax (saves its output, 2·a·s²·b bytes), dropout (1-byte mask, a·s²·b) and the matmul with
-  v (saves the dropped probabilities, 2·a·s²·b) -- the 5·a·s²·b term of Korthikanti et al. (2022).
-  Grouped-query attention (`enable_gqa`) runs natively in FlashAttention: only the key/value heads are saved.
+- `F.scaled_dot_product_attention` (and `aten.scaled_dot_product_attention`, what an exported graph calls) takes
+  the math path. `GpuSemantics(attention=...)` runs each call as the kernel PyTorch dispatches it to on a GPU:
+  * `auto` / `flash`: without a mask, FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, which has meta
+    kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it,
+    so `out.transpose(1, 2)` is free) and the float32 logsumexp, no s² tensors; grouped-query attention
+    (`enable_gqa`) runs natively: only the key/value heads are saved. With a mask (FlashAttention takes none), the
+    memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`): no s² tensor of its own either, but
+    the whole score matrix is computed (the mask is not exploited) and the mask, turned into an additive bias in
+    q's dtype when it is boolean (as SDPA does before dispatching), is saved with q, k, v and the output;
+  * `math`: the Megatron-style math path: the scores matmul, softmax (saves its output, 2·a·s²·b bytes), dropout
+    (1-byte mask, a·s²·b) and the matmul with v (saves the dropped probabilities, 2·a·s²·b) -- the 5·a·s²·b term
+    of Korthikanti et al. (2022).
+  Inputs that are not 4-D run the math path whatever the mode. `kernels_used` counts the calls by kernel.
+  Attention a model writes by hand (softmax(QKᵀ)V) is not an SDPA call: it runs as written, the math path.
 - `F.rms_norm` decomposes into elementwise ops that save their intermediates; CUDA engines run a fused kernel
   (Apex, Transformer Engine) that saves the input and the fp32 reciprocal RMS: `_FusedRMSNorm` does that.
 - `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
@@ -21,15 +28,17 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from pipeplan.console import warn
+from pipeplan.profiling.profile_options import ATTENTION_MODES
 
 aten = torch.ops.aten
+KERNEL_NAMES = ("flash", "memory-efficient", "math")  # GpuSemantics.kernels_used keys
 
 
 def gpu_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -90,6 +99,50 @@ class _FlashAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
+class _EfficientAttention(torch.autograd.Function):
+    """The memory-efficient SDPA kernel with an additive bias (the aten ops have meta kernels): saves q, k, v, the
+    bias, the output and the float32 logsumexp; computes every score (the bias is not exploited)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, dropout_p, scale):
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.expand(*q.shape[:-1], k.shape[-2]), True, dropout_p, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, bias, out, lse, seed, offset)
+        ctx.args = (dropout_p, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
+        dropout_p, scale = ctx.args
+        expanded = bias.expand(*q.shape[:-1], k.shape[-2])
+        grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out,
+            q,
+            k,
+            v,
+            expanded,
+            out,
+            lse,
+            seed,
+            offset,
+            dropout_p,
+            [True, True, True, False],
+            False,
+            scale=scale,
+        )
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA turns it into an additive bias (0 where kept, -inf elsewhere) in q's dtype; a float
+    mask as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """RMSNorm as the fused kernels of production engines run it (Apex / Transformer Engine): saves the input and
     the fp32 reciprocal root mean square only."""
@@ -116,6 +169,13 @@ class _FusedRMSNorm(torch.autograd.Function):
         sum_dims = tuple(range(grad.dim() - weight.dim()))
         grad_w = (grad.to(rstd.dtype) * normed).sum(sum_dims).to(weight.dtype)
         return grad_x, grad_w, None, None
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, offset: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm as one fused kernel (`_FusedRMSNorm`) scaled by weight + offset (Gemma's 1 + weight), in `dtype`: what
+    a hand-written RMSNorm is counted as (profiling.fusions)."""
+    out = _FusedRMSNorm.apply(x, weight + offset if offset else weight, 1, 1e-6)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def math_attention(
@@ -149,7 +209,7 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-_MULTIPLY = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+_MULTIPLY = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, aten.mul.Tensor)
 
 
 class _FusedSwiGLU(torch.autograd.Function):
@@ -169,13 +229,21 @@ class _FusedSwiGLU(torch.autograd.Function):
         return grad * up * (sig + silu * (1 - sig)), grad * silu
 
 
-class GpuSemantics(TorchFunctionMode):
-    """Torch-function mode that swaps dropout and attention for their CUDA equivalents (see module docstring)."""
+_SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+_RMS_NORM = (F.rms_norm, aten.rms_norm.default)
+_SILU = (F.silu, aten.silu.default)
 
-    def __init__(self, *, flash_attention: bool) -> None:
+
+class GpuSemantics(TorchFunctionMode):
+    """Torch-function mode that swaps dropout, attention, RMSNorm and SwiGLU for their CUDA equivalents (module
+    docstring), seeing both the torch functions an fx graph calls and the ATen ops an exported graph calls.
+    `attention`: one of ATTENTION_MODES; `kernels_used` counts the SDPA calls by the kernel they ran as."""
+
+    def __init__(self, *, attention: str = "auto") -> None:
         super().__init__()
-        self.flash_attention = flash_attention
-        self._warned = False
+        assert attention in ATTENTION_MODES, attention
+        self.attention = attention
+        self.kernels_used: Counter[str] = Counter()
         self._silu: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(silu output) -> (output, gate)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -184,13 +252,13 @@ class GpuSemantics(TorchFunctionMode):
             bound = {**dict(p=0.5, training=True), **dict(zip(("input", "p", "training"), args, strict=False))}
             bound.update({k: v for k, v in kwargs.items() if k != "inplace"})
             return gpu_dropout(bound["input"], bound["p"], bound["training"])
-        if func is torch.dropout:
+        if func is torch.dropout or func is aten.dropout.default:
             return gpu_dropout(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
+        if func in _SDPA:
             return self._attention(_sdpa_arguments(args, kwargs))
-        if func is F.rms_norm:
+        if func in _RMS_NORM:
             return self._rms_norm(args, kwargs)
-        if func is F.silu and not kwargs.get("inplace", False) and len(args) == 1:
+        if func in _SILU and not kwargs.get("inplace", False) and len(args) == 1:
             out = func(*args, **kwargs)
             self._silu[id(out)] = (out, args[0])
             return out
@@ -216,16 +284,34 @@ class GpuSemantics(TorchFunctionMode):
         return _FusedRMSNorm.apply(x, bound["weight"], len(tuple(bound["normalized_shape"])), eps)
 
     def _attention(self, bound: dict[str, Any]) -> torch.Tensor:
-        q, k, v = bound["query"], bound["key"], bound["value"]
-        use_flash = self.flash_attention and bound["attn_mask"] is None and q.dim() == 4
-        if bound["enable_gqa"] and not use_flash:
+        q, k, v, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
+        grouped = bound["enable_gqa"] and k.shape[-3] != q.shape[-3]
+        kernel = _sdpa_kernel(self.attention, four_d=q.dim() == 4, masked=mask is not None, grouped=grouped)
+        self.kernels_used[kernel] += 1
+        dropout, scale = bound["dropout_p"], bound["scale"]
+        if kernel == "flash":
+            return _FlashAttention.apply(q, k, v, dropout, bound["is_causal"], scale)
+        if bound["enable_gqa"]:
             k, v = _expand_heads(k, q.shape[-3]), _expand_heads(v, q.shape[-3])
-        if self.flash_attention and not use_flash and not self._warned:
-            self._warned = True
-            warn(
-                "flash_attention ignored for an attention call with an explicit mask or non-4D inputs "
-                "(profiled as the math path)"
-            )
-        if use_flash:
-            return _FlashAttention.apply(q, k, v, bound["dropout_p"], bound["is_causal"], bound["scale"])
-        return math_attention(q, k, v, bound["attn_mask"], bound["dropout_p"], bound["is_causal"], bound["scale"])
+        if kernel == "memory-efficient":
+            return _EfficientAttention.apply(q, k, v, _additive_bias(mask, q.dtype), dropout, scale)
+        return math_attention(q, k, v, mask, dropout, bound["is_causal"], scale)
+
+
+def _sdpa_kernel(mode: str, *, four_d: bool, masked: bool, grouped: bool) -> str:
+    """The kernel an SDPA call runs as under `mode` (one of KERNEL_NAMES): FlashAttention takes no mask; the
+    memory-efficient kernel takes one but no grouped key/value heads (PyTorch then takes the math path)."""
+    if mode == "math" or not four_d:
+        return "math"
+    if not masked:
+        return "flash"
+    return "math" if grouped else "memory-efficient"
+
+
+def attention_summary(kernels_used: Counter[str], by_hand: bool) -> str:
+    """What a profile's attention ran as, for its provenance: the kernels of its SDPA calls (KERNEL_NAMES order),
+    and `math (by hand)` when the model also writes softmax(QKᵀ)V itself; `none` without attention."""
+    parts = [name for name in KERNEL_NAMES if kernels_used.get(name)]
+    if by_hand:
+        parts.append("math (by hand)")
+    return ", ".join(parts) or "none"

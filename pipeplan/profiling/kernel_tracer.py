@@ -28,8 +28,17 @@ from pipeplan.profiling.kernels import Kernel
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}  # first operand
-ATTENTION_OPS = frozenset((aten._scaled_dot_product_flash_attention.default,))
-KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, aten._scaled_dot_product_flash_attention_backward.default))
+# fused attention kernels: (op, the position of its is_causal argument)
+ATTENTION_CAUSAL_ARG = {
+    aten._scaled_dot_product_flash_attention.default: 4,
+    aten._scaled_dot_product_efficient_attention.default: 6,
+}
+ATTENTION_OPS = frozenset(ATTENTION_CAUSAL_ARG)
+ATTENTION_BACKWARD_OPS = (
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+)
+KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, *ATTENTION_BACKWARD_OPS))
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")  # (tokens, in) x (experts, in, out)
 GROUPED_MM_BACKWARD = ("transformers::grouped_mm_fallback_backward",)  # timed from the forward's Kernel
 
@@ -93,7 +102,7 @@ class KernelTracer:
         elif is_grouped_mm(func):
             kernel, split = self._grouped(args)
         elif func in ATTENTION_OPS:
-            kernel, split = self._attention(args), self._is_split(args[0])
+            kernel, split = self._attention(args, ATTENTION_CAUSAL_ARG[func]), self._is_split(args[0])
         elif _is_view(func) and any(self._is_param(t) for t in inputs):
             self._mark(outputs, split=False, param=True)
             return None
@@ -158,9 +167,9 @@ class KernelTracer:
         )
         return kernel, not row
 
-    def _attention(self, args: tuple) -> Kernel:
+    def _attention(self, args: tuple, causal_arg: int) -> Kernel:
         q, k = args[0], args[1]
-        causal = bool(args[4]) if len(args) > 4 else False
+        causal = bool(args[causal_arg]) if len(args) > causal_arg else False
         batch, heads, seq_q, head_dim = q.shape
         return Kernel(
             kind="attention",

@@ -32,6 +32,7 @@ class LayerCounts:
     param_count: int
     param_bytes: int
     expert_param_count: int = 0  # of param_count: stacked expert weights (`KernelTracer.expert_params`)
+    attention_kernels: dict[str, int] = field(default_factory=dict)  # SDPA calls by the kernel they ran as
     outputs: tuple = field(default=(), repr=False)
 
     @property
@@ -91,7 +92,7 @@ def count_layer(
     inputs: Sequence,
     *,
     roofline: Roofline,
-    flash_attention: bool = True,
+    attention: str = "auto",
     input_needs_grad: Sequence[bool] | None = None,
     loss: Callable[[tuple], torch.Tensor] | None = None,
 ) -> LayerCounts:
@@ -105,7 +106,8 @@ def count_layer(
     params = _unique_parameters(module)
     saved = SavedTensors()
     tracing = OpRecorder(roofline, trace_kernels=True, params=params)
-    with GpuSemantics(flash_attention=flash_attention), tracing as forward, saved:
+    semantics = GpuSemantics(attention=attention)
+    with semantics, tracing as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
@@ -128,6 +130,7 @@ def count_layer(
         param_count=param_count,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         expert_param_count=sum(p.numel() for p in tracing.tracer.expert_params.values()),
+        attention_kernels=dict(semantics.kernels_used),
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
     )
 

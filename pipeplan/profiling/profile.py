@@ -172,6 +172,7 @@ class Provenance:
     tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None
     notes: str = ""
+    attention: str = ""  # analytic: what attention ran as (flash, memory-efficient, math; gpu_ops.attention_summary)
     loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
     eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)

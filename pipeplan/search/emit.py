@@ -60,6 +60,7 @@ def build_plan(
         expert_parallel=result.config.expert_parallel,
         overlap=result.config.overlap.label,
         post_validate=chosen.post_validate,
+        attention=profile.provenance.attention,
     )
     pipe = chosen.pipeline
     world = pipe.num_devices * layout.data_parallel

@@ -8,8 +8,8 @@ step traces the same way. An export is specialized to the batch size and to the 
 model exported in float32 records `x.to(input_dtype)` as a cast to float32, which a bfloat16 run would then keep);
 every step that traces for a precision passes that precision's `export_dtype` (graph.run_dtypes). Layer grouping
 (`grouping`) and cuts are the same for both; constant values are made again in each layer that reads them
-(`constants`). The model's output may be any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput): `TracedModel.build_output` rebuilds it
-from its leaves for the loss.
+(`constants`). The model's output may be any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput):
+`TracedModel.build_output` rebuilds it from its leaves for the loss.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 Megatron-Core context parallelism (ring attention over cp ranks with load-balanced causal chunks: each rank holds
 2 of 2·cp sequence chunks; docs "context_parallel", Transformer Engine `AttnFuncWithCPAndKVP2P`).
 
-- Which layers: the profile must be a transformer stack at block granularity — its first layer an embedding (a
-  lookup: parameters, no FLOPs), then a uniform run of blocks (same parameters and FLOPs, the hidden state in and
-  out), then the LM head. Anything else is refused with one line (`transformer_layers`).
+- Which layers: the profile must be a transformer stack at block granularity, its layers' roles found by structure
+  (`search.stack.transformer_layers`): embedding lookups and helpers, a uniform run of blocks (same parameters and
+  FLOPs, the hidden state in and out), a final norm, the LM head — whether the model is a built-in, a Hugging
+  Face type or a user's factory. Anything else is refused with one line naming the layer.
 - Compute: a layer's times come from its work (`profiling.retime.reshaped_layer`: every matmul at the rank's
   shape — column-parallel linears n / t, row-parallel ones k / t, attention heads / t; context parallelism: token
   rows / cp, attention queries / cp against all keys, causal work balanced — tile and wave quantization included;
@@ -23,8 +24,9 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   Megatron-Core) each collective hides behind its layer's linears, pipelined in t chunks: exposed max(comm - matmul
   time, comm / t). Context parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV
   backward over the context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
-  The embedding reduce-scatters forward and all-gathers backward; the head all-gathers its input and its
-  vocab-parallel cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
+  The (vocabulary-parallel) embedding reduce-scatters forward and all-gathers backward; helpers and a final norm
+  have none (sequence parallel: each rank's s / t rows); the head all-gathers its input and its vocab-parallel
+  cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
 
 `split_cluster` turns the cluster into groups of t·cp consecutive ranks (tensor parallelism innermost, then
 context parallelism, as Megatron orders ranks); groups larger than a node span whole nodes.
@@ -135,15 +137,17 @@ def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: boo
     rates = profile.provenance.kernel_rates
     tokens = profile.provenance.batch_size * (profile.provenance.tokens_per_sample or 1) / cp
     split = hidden / cp
-    embedding = LayerComm(
+    comms = [LayerComm()] * profile.num_layers  # helpers and a final norm: none (sequence parallel, s / t rows)
+    comms[stack.embedding] = LayerComm(
         forward_ms=reduce_scatter_ms(split, t, links.tensor), backward_ms=all_gather_ms(split, t, links.tensor)
     )
     losses = CROSS_ENTROPY_ALLREDUCES * allreduce_ms(4 * tokens, t, links.tensor)
-    head = LayerComm(
+    comms[stack.head] = LayerComm(
         forward_ms=all_gather_ms(split, t, links.tensor) + losses, backward_ms=reduce_scatter_ms(split, t, links.tensor)
     )
-    blocks = [block_comm(profile.layers[i], hidden, t, cp, links, rates, tp_overlap) for i in stack.blocks]
-    return expert_comms(profile, t, cp, ep, links, [embedding, *blocks, head])
+    for i in stack.blocks:
+        comms[i] = block_comm(profile.layers[i], hidden, t, cp, links, rates, tp_overlap)
+    return expert_comms(profile, t, cp, ep, links, comms)
 
 
 def expert_comms(profile: Profile, t: int, cp: int, ep: int, links: Links, comms: list[LayerComm]) -> list[LayerComm]:

@@ -49,6 +49,7 @@ from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.profile import LayerProfile, LayerWork, Profile, Provenance
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 from pipeplan.profiling.recompute import analytic_recompute
+from pipeplan.profiling.repeats import layer_key
 from pipeplan.profiling.retime import retime_layer
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -248,37 +249,25 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
     graph = traced.layer_graph
     layers: list[LayerProfile] = []
     kernels: Counter[str] = Counter()
+    counted: dict[tuple, tuple] = {}  # a repeated layer's counts (profiling.repeats)
+    probed: dict[tuple, float | None] = {}  # each norm region's probe (profiling.fusions)
     by_hand: list[str] = []  # layers whose attention is written by hand (an s x s core that no SDPA call made)
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
         for index, layer in enumerate(graph.layers):
             last = index == graph.num_layers - 1
             stage = last_layer_stage(traced, layer.nodes) if last else build_stage_module(traced, layer.nodes)
-            fuse_norms(stage)  # a hand-written RMSNorm as the fused kernel (profiling.fusions)
+            fuse_norms(stage, probed)  # a hand-written RMSNorm as the fused kernel (profiling.fusions)
             loss = make_loss(stage) if last else None
             needs = [name not in graph.input_names for name in stage.inputs]
-            try:
-                counts = count_layer(
-                    stage,
-                    [env[name] for name in stage.inputs],
-                    roofline=config.roofline,
-                    attention=config.attention,
-                    input_needs_grad=needs,
-                    loss=loss,
-                )
-                recompute = analytic_recompute(
-                    stage,
-                    [env[name] for name in stage.inputs],
-                    roofline=config.roofline,
-                    input_needs_grad=needs,
-                    context=lambda: GpuSemantics(attention=config.attention),
-                )
-            except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                raise ConfigError(
-                    f"analytic profiling runs layer {layer.name!r} on the meta device and it failed ({reason}); "
-                    "profile with --device cpu or cuda instead"
-                ) from None
+            inputs = [env[name] for name in stage.inputs]
+            key = None if last else layer_key(stage, layer.module_path, inputs, needs)
+            if key is not None and key in counted:
+                counts, recompute = counted[key]
+            else:
+                counts, recompute = _count(layer.name, stage, inputs, needs, loss, config)
+                if key is not None:
+                    counted[key] = (counts, recompute)
             env.update(zip(stage.outputs, counts.outputs))
             kernels.update(counts.attention_kernels)
             if recompute.attention_bytes and not counts.attention_kernels.get("math"):
@@ -295,6 +284,28 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
             "written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
         )
     return layers, attention_summary(kernels, bool(by_hand))
+
+
+def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: AnalyticConfig):
+    """(LayerCounts, AnalyticRecompute) of one layer run on the meta device."""
+    try:
+        counts = count_layer(
+            stage, inputs, roofline=config.roofline, attention=config.attention, input_needs_grad=needs, loss=loss
+        )
+        recompute = analytic_recompute(
+            stage,
+            inputs,
+            roofline=config.roofline,
+            input_needs_grad=needs,
+            context=lambda: GpuSemantics(attention=config.attention),
+        )
+    except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise ConfigError(
+            f"analytic profiling runs layer {name!r} on the meta device and it failed ({reason}); "
+            "profile with --device cpu or cuda instead"
+        ) from None
+    return counts, recompute
 
 
 def _cut_bytes(cut, env: dict[str, object]) -> int:

@@ -85,13 +85,36 @@ def _probe(nodes: list[fx.Node], x: fx.Node, weight: fx.Node, y: fx.Node) -> flo
     return None
 
 
-def fuse_norms(gm: fx.GraphModule) -> int:
+def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node, y: fx.Node) -> tuple:
+    """The region's ops with their arguments, nodes numbered within it: equal signatures probe alike."""
+    numbers = {x: "x", weight: "weight", **{node: index for index, node in enumerate(nodes)}}
+
+    def arg(value):
+        if isinstance(value, fx.Node):
+            return ("node", numbers[value])
+        if isinstance(value, list | tuple):
+            return tuple(arg(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, arg(v)) for k, v in value.items())
+        return repr(value)
+
+    width = weight.meta["val"].shape[0]
+    return width, str(y.meta["val"].dtype), tuple((str(n.target), arg(n.args), arg(n.kwargs)) for n in nodes)
+
+
+def fuse_norms(gm: fx.GraphModule, probed: dict | None = None) -> int:
     """Replace each hand-written RMSNorm region of `gm` by one fused_rms_norm call (module docstring); returns how
-    many it replaced."""
+    many it replaced. `probed` keeps each region signature's probe across calls (a model's norms probe once)."""
+    probed = {} if probed is None else probed
     replaced = 0
     for path, nodes in _regions(gm).items():
         found = _boundary(gm, path, nodes)
-        offset = _probe(nodes, *found) if found is not None else None
+        if found is None:
+            continue
+        signature = _signature(nodes, *found)
+        if signature not in probed:
+            probed[signature] = _probe(nodes, *found)
+        offset = probed[signature]
         if offset is None:
             continue
         x, weight, y = found

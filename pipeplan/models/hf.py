@@ -55,6 +55,7 @@ from pipeplan.models.hf_types import MOE, SUPPORTED, refusal
 from pipeplan.models.spec import ModelSpec
 
 TASKS = ("causal-lm", "classification", "image-classification")
+IGNORED = -100  # a label cross-entropy skips
 DATA = ("fixed", "random")
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 MOE_TYPES = MOE  # mixture-of-experts types the adapter is tested with (models/hf_types.py)
@@ -112,9 +113,12 @@ def _logits(output: Any) -> torch.Tensor:
 
 
 def causal_lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts token t+1 of the target (the input ids)."""
-    logits = _logits(output)[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    """Next-token cross-entropy: position t predicts token t+1 of the target (the input ids); the last position
+    predicts nothing. The labels are shifted, not the logits (as transformers' loss does): slicing the logits would
+    copy all b x (s-1) x vocab of them."""
+    logits = _logits(output)
+    labels = F.pad(target[:, 1:], (0, 1), value=IGNORED)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED)
 
 
 def with_router_aux_loss(loss_fn, coef: float):

@@ -77,6 +77,8 @@ def _default_config(target: str):
 def _convert(config, key: str, raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
+    if raw.lower() in ("null", "none"):  # a field that may be unset (Mistral's sliding_window=null)
+        return None
     default = getattr(config, key)
     if isinstance(default, list | dict):  # e.g. GPT-Neo's attention_types=[[["global","local"],1]]: JSON
         try:

@@ -41,7 +41,7 @@ from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
 from pipeplan.profiling.experts import check_experts_counted
-from pipeplan.profiling.fusions import fuse_norms
+from pipeplan.profiling.fusions import fuse_regions
 from pipeplan.profiling.gpu_ops import GpuSemantics, attention_summary
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
@@ -257,7 +257,7 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
         for index, layer in enumerate(graph.layers):
             last = index == graph.num_layers - 1
             stage = last_layer_stage(traced, layer.nodes) if last else build_stage_module(traced, layer.nodes)
-            fuse_norms(stage, probed)  # a hand-written RMSNorm as the fused kernel (profiling.fusions)
+            fuse_regions(stage, probed)  # hand-written RMSNorm and GELU as the kernels (profiling.fusions)
             loss = make_loss(stage) if last else None
             needs = [name not in graph.input_names for name in stage.inputs]
             inputs = [env[name] for name in stage.inputs]

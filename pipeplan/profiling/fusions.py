@@ -1,29 +1,47 @@
-"""RMSNorm written by hand, recognized by structure and counted as the fused kernel production engines run.
+"""Norms and activations written out op by op, recognized by structure and counted as the kernels the built-in
+models call (what production engines run).
 
-Hugging Face models (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, GemmaRMSNorm, ...) and many user models write
-RMSNorm out: cast to float32, `pow(2).mean(-1)`, `rsqrt`, multiply, cast back, scale by the weight (Gemma by
-1 + weight). Run op by op, autograd saves a float32 copy of the input and the normalized values besides the
-input; the fused kernels of Megatron-Core / Transformer Engine / Apex save the input and one float32 statistic
-per row (`gpu_ops._FusedRMSNorm`, what `F.rms_norm` is counted as). The analytic profile counts what a GPU run of
-the model on such an engine keeps, so a hand-written RMSNorm is counted as that kernel too.
+Hugging Face models and many user models write RMSNorm out (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm,
+GemmaRMSNorm: cast to float32, `pow(2).mean(-1)`, `rsqrt`, multiply, cast back, scale by the weight, Gemma by
+1 + weight) and some write their activation out (GPT-2's NewGELUActivation: the tanh formula). Run op by op,
+autograd saves a float32 copy of the input and every intermediate; the fused RMSNorm kernels of Megatron-Core /
+Transformer Engine / Apex save the input and one float32 statistic per row (`gpu_ops._FusedRMSNorm`, what
+`F.rms_norm` is counted as), and the GELU and SiLU kernels (`F.gelu`, `F.silu`) save their input. The analytic
+profile counts what a GPU run on such an engine does, so these regions are counted as those kernels.
 
-A *norm region* of a layer's graph is the set of call_function nodes whose innermost module (`nn_module_stack`)
-is one module instance, that reads one tensor from outside and exactly one parameter of that module, a vector as long
-as the last dimension of the one value it produces for nodes outside it. It is RMSNorm when the region,
-run on a small random CPU input (its ops are shape-agnostic reductions and elementwise ops; a region that cannot
-run so is left alone), gives weight · x / rms(x) or (1 + weight) · x / rms(x). Each such region becomes one call
-of `gpu_ops.fused_rms_norm` (the profiled graph only; the model's graph and what the runtime runs are unchanged).
+A *region* of a layer's graph is the set of call_function nodes whose innermost module (`nn_module_stack`) is
+one module instance; it qualifies when it reads one tensor from outside (and, for a norm, exactly one parameter
+of that module: a vector as long as the last dimension of its result) and produces one value read outside it,
+of its input's last dimension. What it computes is then checked on a small random CPU input (regions whose ops
+cannot run on it are left alone): a norm must give weight · x / rms(x) or (1 + weight) · x / rms(x); an
+activation must give GELU (tanh or erf form) or SiLU to float32 rounding. Each recognized region becomes one
+call of the kernel (`gpu_ops.fused_rms_norm`, `F.gelu`, `F.silu`) in the profiled graph only: the model's graph
+and what the runtime runs are unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from pipeplan.profiling.gpu_ops import fused_rms_norm
 
 PROBE_ROWS = 6  # rows of the CPU probe
-TOLERANCE = 3e-2  # relative: the region may round through bf16
+NORM_TOLERANCE = 3e-2  # relative: a norm may round through bf16 (its candidates differ by far more)
+ACTIVATION_TOLERANCE = 1e-4  # GELU's tanh and erf forms differ by up to 5e-4 (and quick_gelu by 2e-2)
+ACTIVATIONS = {  # name -> (the function the built-ins call, keyword arguments)
+    "gelu_tanh": (F.gelu, {"approximate": "tanh"}),
+    "gelu": (F.gelu, {}),
+    "silu": (F.silu, {}),
+}
+
+
+def _meta(node: fx.Node):
+    """(shape, dtype) of a node's value as the trace recorded it (export: `val`, fx: `tensor_meta`), or None."""
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return (tuple(shape), dtype) if shape is not None and dtype is not None else None
 
 
 def _module_path(node: fx.Node) -> str | None:
@@ -44,48 +62,64 @@ def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
 
 
 def _boundary(gm: fx.GraphModule, path: str, nodes: list[fx.Node]):
-    """(input node, weight get_attr node, output node) of a candidate norm region, or None."""
+    """(input node, weight get_attr node or None, output node) of a candidate region, or None."""
     members = set(nodes)
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     outside = {arg for node in nodes for arg in node.all_input_nodes if arg not in members}
     weights = [n for n in outside if n.op == "get_attr" and str(n.target).startswith(path + ".")]
-    inputs = [n for n in outside if n not in weights]
+    inputs = [n for n in outside if n not in weights and n.op != "get_attr"]
     results = [n for n in nodes if any(user not in members for user in n.users)]
-    if len(weights) != 1 or len(inputs) != 1 or len(results) != 1 or str(weights[0].target) not in params:
+    if len(weights) > 1 or len(inputs) != 1 or len(results) != 1 or len(outside) != len(inputs) + len(weights):
         return None
-    x, weight, y = inputs[0], weights[0], results[0]
-    width, out = (getattr(n.meta.get("val"), "shape", None) for n in (weight, y))  # a stage input has no meta
-    if width is None or out is None or len(width) != 1 or not out or out[-1] != width[0]:
+    weight = weights[0] if weights else None
+    if weight is not None and str(weight.target) not in {name for name, _ in gm.named_parameters()}:
         return None
-    return x, weight, y
+    out = _meta(results[0])  # (a stage input has no meta: the input's shape is not read)
+    width = _meta(weight) if weight is not None else None
+    if out is None or not out[0] or (weight is not None and (width is None or width[0] != out[0][-1:])):
+        return None
+    return inputs[0], weight, results[0]
 
 
-def _probe(nodes: list[fx.Node], x: fx.Node, weight: fx.Node, y: fx.Node) -> float | None:
-    """The region's weight offset (0: weight · x / rms, 1: (1 + weight) · x / rms) found on a CPU probe, or None
-    when it is not RMSNorm (or cannot run on the probe)."""
+def _run(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node, *values) -> torch.Tensor | None:
+    """The region run on CPU values (None when it cannot run so)."""
     graph = fx.Graph()
-    env = {x: graph.placeholder("x"), weight: graph.placeholder("weight")}
+    env = {x: graph.placeholder("x")}
+    if weight is not None:
+        env[weight] = graph.placeholder("weight")
     for node in nodes:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     graph.output(env[y])
-    width = weight.meta["val"].shape[0]
-    generator = torch.Generator().manual_seed(0)
-    probe_x = torch.randn(PROBE_ROWS, width, generator=generator) * 3
-    probe_w = torch.rand(width, generator=generator) + 0.5
     try:
         with torch.no_grad():
-            out = fx.GraphModule(torch.nn.Module(), graph)(probe_x.to(y.meta["val"].dtype), probe_w).float()
-    except Exception:  # shape-specialized or data-dependent ops: not a norm this check can vouch for
+            return fx.GraphModule(torch.nn.Module(), graph)(*values).float()
+    except Exception:  # shape-specialized or data-dependent ops: not a region this check can vouch for
         return None
+
+
+def _probe(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node):
+    """What the region computes: ("norm", offset), ("activation", name), or None."""
+    shape, dtype = _meta(y)
+    width = shape[-1]
+    generator = torch.Generator().manual_seed(0)
+    probe_x = torch.randn(PROBE_ROWS, width, generator=generator) * 3
+    if weight is None:
+        out = _run(nodes, x, None, y, probe_x)
+        for name, (function, kwargs) in ACTIVATIONS.items():
+            if out is not None and torch.allclose(out, function(probe_x, **kwargs), rtol=0, atol=ACTIVATION_TOLERANCE):
+                return "activation", name
+        return None
+    probe_w = torch.rand(width, generator=generator) + 0.5
+    out = _run(nodes, x, weight, y, probe_x.to(dtype), probe_w)
     normed = probe_x * torch.rsqrt(probe_x.pow(2).mean(-1, keepdim=True) + 1e-6)
     for offset in (0.0, 1.0):
         expected = normed * (probe_w + offset)
-        if out.shape == expected.shape and torch.allclose(out, expected, rtol=TOLERANCE, atol=TOLERANCE):
-            return offset
+        tolerance = NORM_TOLERANCE
+        if out is not None and out.shape == expected.shape and torch.allclose(out, expected, tolerance, tolerance):
+            return "norm", offset
     return None
 
 
-def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node, y: fx.Node) -> tuple:
+def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node) -> tuple:
     """The region's ops with their arguments, nodes numbered within it: equal signatures probe alike."""
     numbers = {x: "x", weight: "weight", **{node: index for index, node in enumerate(nodes)}}
 
@@ -98,13 +132,20 @@ def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node, y: fx.Node) ->
             return tuple((k, arg(v)) for k, v in value.items())
         return repr(value)
 
-    width = weight.meta["val"].shape[0]
-    return width, str(y.meta["val"].dtype), tuple((str(n.target), arg(n.args), arg(n.kwargs)) for n in nodes)
+    shape, dtype = _meta(y)
+    return weight is not None, shape[-1], str(dtype), tuple((str(n.target), arg(n.args), arg(n.kwargs)) for n in nodes)
 
 
-def fuse_norms(gm: fx.GraphModule, probed: dict | None = None) -> int:
-    """Replace each hand-written RMSNorm region of `gm` by one fused_rms_norm call (module docstring); returns how
-    many it replaced. `probed` keeps each region signature's probe across calls (a model's norms probe once)."""
+def _kernel(kind: tuple, dtype: torch.dtype) -> tuple:
+    """(function, keyword arguments) a recognized region becomes (positional: the input, and a norm's weight)."""
+    if kind[0] == "norm":
+        return fused_rms_norm, {"offset": kind[1], "dtype": dtype}
+    return ACTIVATIONS[kind[1]]
+
+
+def fuse_regions(gm: fx.GraphModule, probed: dict | None = None) -> int:
+    """Replace each recognized norm or activation region of `gm` by one kernel call (module docstring); returns
+    how many it replaced. `probed` keeps each region signature's probe across calls (a model's norms probe once)."""
     probed = {} if probed is None else probed
     replaced = 0
     for path, nodes in _regions(gm).items():
@@ -114,13 +155,13 @@ def fuse_norms(gm: fx.GraphModule, probed: dict | None = None) -> int:
         signature = _signature(nodes, *found)
         if signature not in probed:
             probed[signature] = _probe(nodes, *found)
-        offset = probed[signature]
-        if offset is None:
+        kind = probed[signature]
+        if kind is None:
             continue
         x, weight, y = found
-        dtype = y.meta["val"].dtype
+        function, kwargs = _kernel(kind, _meta(y)[1])
         with gm.graph.inserting_before(y):
-            fused = gm.graph.call_function(fused_rms_norm, (x, weight), {"offset": offset, "dtype": dtype})
+            fused = gm.graph.call_function(function, (x, weight) if weight is not None else (x,), dict(kwargs))
         fused.meta = {**y.meta}
         y.replace_all_uses_with(fused)
         for node in reversed(nodes):

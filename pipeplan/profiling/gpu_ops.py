@@ -22,7 +22,8 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `F.rms_norm` decomposes into elementwise ops that save their intermediates; CUDA engines run a fused kernel
   (Apex, Transformer Engine) that saves the input and the fp32 reciprocal RMS: `_FusedRMSNorm` does that.
 - `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
-  and recompute silu in the backward: `_FusedSwiGLU`.
+  and recompute silu in the backward: `_FusedGLU`; GeGLU (`gelu(gate) * up`, Gemma's MLP) likewise (Transformer
+  Engine's geglu, Megatron's bias_geglu).
 """
 
 from __future__ import annotations
@@ -212,26 +213,33 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
 _MULTIPLY = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, aten.mul.Tensor)
 
 
-class _FusedSwiGLU(torch.autograd.Function):
-    """silu(gate) * up as fused SwiGLU kernels run it (Megatron's bias_swiglu, Transformer Engine): saves gate and
-    up and recomputes silu in the backward (no saved silu output)."""
+class _FusedGLU(torch.autograd.Function):
+    """act(gate) * up as fused SwiGLU / GeGLU kernels run it (Megatron's bias_swiglu and bias_geglu, Transformer
+    Engine): saves gate and up and recomputes the activation in the backward (no saved activation output)."""
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor):
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, activation):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        ctx.activation = activation
+        return activation(gate) * up
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        return grad * up * (sig + silu * (1 - sig)), grad * silu
+        if ctx.activation is F.silu:
+            sig = torch.sigmoid(gate)
+            silu = gate * sig
+            return grad * up * (sig + silu * (1 - sig)), grad * silu, None
+        with torch.enable_grad():  # GELU: its own backward kernel on the recomputed activation
+            leaf = gate.detach().requires_grad_()
+            act = ctx.activation(leaf)
+            (slope,) = torch.autograd.grad(act, leaf, grad * up)
+        return slope, grad * act.detach(), None
 
 
 _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 _RMS_NORM = (F.rms_norm, aten.rms_norm.default)
-_SILU = (F.silu, aten.silu.default)
+_GLU_ACTIVATIONS = (F.silu, aten.silu.default, F.gelu, aten.gelu.default)  # act(gate) * up: a fused GLU kernel
 
 
 class GpuSemantics(TorchFunctionMode):
@@ -244,7 +252,7 @@ class GpuSemantics(TorchFunctionMode):
         assert attention in ATTENTION_MODES, attention
         self.attention = attention
         self.kernels_used: Counter[str] = Counter()
-        self._silu: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(silu output) -> (output, gate)
+        self._gates: dict[int, tuple] = {}  # id(activation output) -> (output, gate, the activation)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -258,9 +266,9 @@ class GpuSemantics(TorchFunctionMode):
             return self._attention(_sdpa_arguments(args, kwargs))
         if func in _RMS_NORM:
             return self._rms_norm(args, kwargs)
-        if func in _SILU and not kwargs.get("inplace", False) and len(args) == 1:
+        if func in _GLU_ACTIVATIONS and not kwargs.get("inplace", False) and len(args) <= 2:
             out = func(*args, **kwargs)
-            self._silu[id(out)] = (out, args[0])
+            self._gates[id(out)] = (out, args[0], _activation(func, args, kwargs))
             return out
         if func in _MULTIPLY and len(args) == 2 and not kwargs:
             fused = self._swiglu(*args)
@@ -269,11 +277,11 @@ class GpuSemantics(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _swiglu(self, a, b) -> torch.Tensor | None:
-        """silu(gate) * up (either order) as one fused kernel (`_FusedSwiGLU`)."""
+        """act(gate) * up (either order) as one fused kernel (`_FusedGLU`)."""
         for first, other in ((a, b), (b, a)):
-            found = self._silu.get(id(first)) if isinstance(first, torch.Tensor) else None
+            found = self._gates.get(id(first)) if isinstance(first, torch.Tensor) else None
             if found is not None and found[0] is first and isinstance(other, torch.Tensor):
-                return _FusedSwiGLU.apply(found[1], other)
+                return _FusedGLU.apply(found[1], other, found[2])
         return None
 
     def _rms_norm(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -296,6 +304,14 @@ class GpuSemantics(TorchFunctionMode):
         if kernel == "memory-efficient":
             return _EfficientAttention.apply(q, k, v, _additive_bias(mask, q.dtype), dropout, scale)
         return math_attention(q, k, v, mask, dropout, bound["is_causal"], scale)
+
+
+def _activation(func, args: tuple, kwargs: dict):
+    """The GLU activation `func(gate, ...)` computes, as a one-argument function (GELU keeps its approximation)."""
+    if func in (F.gelu, aten.gelu.default):
+        approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+        return lambda gate: F.gelu(gate, approximate=approximate)
+    return F.silu
 
 
 def _sdpa_kernel(mode: str, *, four_d: bool, masked: bool, grouped: bool) -> str:

@@ -11,6 +11,7 @@ from pipeplan.models.gpt import gpt
 from pipeplan.models.llama import llama
 from pipeplan.models.mlp import mlp
 from pipeplan.models.moe import moe
+from pipeplan.models.presets import PRESETS
 from pipeplan.models.resnet import resnet
 from pipeplan.models.spec import ModelSpec
 
@@ -109,3 +110,7 @@ register(
         seq=4096,
     ),
 )
+
+_FACTORIES = {"llama": llama, "moe": moe}
+for _preset in PRESETS.values():  # the shapes of models people plan now (models/presets.py: fields and sources)
+    register(_preset.name, _FACTORIES[_preset.factory], _preset.description, preset=dict(_preset.options))

@@ -1,6 +1,7 @@
 """Hugging Face transformers models as pipeplan models: `hf:gpt2`, `hf:llama`, `hf:bert`, `hf:vit`, any
-`hf:<model_type>` that `AutoConfig.for_model` knows, or `hf:path/to/dir` (a local model directory: its config.json,
-and its *.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
+`hf:<model_type>` that `AutoConfig.for_model` knows, a preset's shapes (`hf:llama-3.1-70b`: models/presets.py, its
+sequence length the default seq_len), or `hf:path/to/dir` (a local model directory: its config.json, and its
+*.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
 The types tested end to end are listed in models/hf_types.py; another type is tried with a warning, and
 encoder-decoder and multimodal configs are refused in one line.
 
@@ -52,6 +53,7 @@ from pipeplan.models.hf_config import (
     transformers_module,
 )
 from pipeplan.models.hf_types import MOE, SUPPORTED, refusal
+from pipeplan.models.presets import preset_fields
 from pipeplan.models.spec import ModelSpec
 
 TASKS = ("causal-lm", "classification", "image-classification")
@@ -96,9 +98,9 @@ def _task(config, requested: Any) -> str:
     return task
 
 
-def _seq_len(config, requested: Any) -> int:
+def _seq_len(config, requested: Any, default: int | None = None) -> int:
     limit = next((int(getattr(config, f)) for f in _POSITION_FIELDS if getattr(config, f, None)), None)
-    seq = int(requested) if requested is not None else min(128, limit or 128)
+    seq = int(requested) if requested is not None else (default or min(128, limit or 128))
     if seq < 2 or (limit is not None and seq > limit):
         raise ModelError(f"hf option seq_len={seq} must lie in [2, {limit}] (the config's maximum positions)")
     return seq
@@ -239,6 +241,9 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         raise ModelError(f"hf option data={data!r} must be one of {', '.join(DATA)}")
     if task == "classification" and getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
         config.pad_token_id = 0  # sequence classification of a decoder finds each row's last non-pad token
+    preset = preset_fields(target)
+    if preset is not None and "seq_len" not in adapter:  # a preset's sequence length (models/presets.py)
+        adapter["seq_len"] = preset[2]
     sample_batch, seq = _sampler(config, task, adapter)
     loss_fn = causal_lm_loss if task == "causal-lm" else classification_loss
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None):

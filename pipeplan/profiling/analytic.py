@@ -129,6 +129,7 @@ def layer_profile(
         flops=counts.forward_flops,
         work=work,
         expert_param_count=counts.expert_param_count,
+        replicated_param_count=counts.replicated_param_count,
         **recompute_bytes,
     )
     return retime_layer(layer, rates)

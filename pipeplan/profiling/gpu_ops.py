@@ -13,7 +13,9 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
     (`enable_gqa`) runs natively: only the key/value heads are saved. With a mask (FlashAttention takes none), the
     memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`): no s² tensor of its own either, but
     the whole score matrix is computed (the mask is not exploited) and the mask, turned into an additive bias in
-    q's dtype when it is boolean (as SDPA does before dispatching), is saved with q, k, v and the output;
+    q's dtype when it is boolean (as SDPA does before dispatching), is saved with q, k, v and the output; so is a
+    call whose values have a head size other than the queries' (MLA: 192 / 128), which FlashAttention-2 does not
+    take (causal, without a mask: half the scores);
   * `math`: the Megatron-style math path: the scores matmul, softmax (saves its output, 2·a·s²·b bytes), dropout
     (1-byte mask, a·s²·b) and the matmul with v (saves the dropped probabilities, 2·a·s²·b) -- the 5·a·s²·b term
     of Korthikanti et al. (2022).
@@ -101,23 +103,25 @@ class _FlashAttention(torch.autograd.Function):
 
 
 class _EfficientAttention(torch.autograd.Function):
-    """The memory-efficient SDPA kernel with an additive bias (the aten ops have meta kernels): saves q, k, v, the
-    bias, the output and the float32 logsumexp; computes every score (the bias is not exploited)."""
+    """The memory-efficient SDPA kernel (the aten ops have meta kernels), with an additive bias or causal: saves q, k,
+    v, the bias, the output and the float32 logsumexp; every score is computed where a bias is given (it is not
+    exploited), half of them when causal."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, dropout_p, scale):
+    def forward(ctx: Any, q, k, v, bias: torch.Tensor | None, dropout_p, scale, causal: bool):
+        expanded = bias.expand(*q.shape[:-1], k.shape[-2]) if bias is not None else None
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias.expand(*q.shape[:-1], k.shape[-2]), True, dropout_p, False, scale=scale
+            q, k, v, expanded, True, dropout_p, causal, scale=scale
         )
         ctx.save_for_backward(q, k, v, bias, out, lse, seed, offset)
-        ctx.args = (dropout_p, scale)
+        ctx.args = (dropout_p, scale, causal)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
-        dropout_p, scale = ctx.args
-        expanded = bias.expand(*q.shape[:-1], k.shape[-2])
+        dropout_p, scale, causal = ctx.args
+        expanded = bias.expand(*q.shape[:-1], k.shape[-2]) if bias is not None else None
         grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
             grad_out,
             q,
@@ -130,10 +134,10 @@ class _EfficientAttention(torch.autograd.Function):
             offset,
             dropout_p,
             [True, True, True, False],
-            False,
+            causal,
             scale=scale,
         )
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -294,7 +298,10 @@ class GpuSemantics(TorchFunctionMode):
     def _attention(self, bound: dict[str, Any]) -> torch.Tensor:
         q, k, v, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
         grouped = bound["enable_gqa"] and k.shape[-3] != q.shape[-3]
-        kernel = _sdpa_kernel(self.attention, four_d=q.dim() == 4, masked=mask is not None, grouped=grouped)
+        shape = dict(
+            four_d=q.dim() == 4, masked=mask is not None, grouped=grouped, same_dims=q.shape[-1] == v.shape[-1]
+        )
+        kernel = _sdpa_kernel(self.attention, **shape)
         self.kernels_used[kernel] += 1
         dropout, scale = bound["dropout_p"], bound["scale"]
         if kernel == "flash":
@@ -302,7 +309,8 @@ class GpuSemantics(TorchFunctionMode):
         if bound["enable_gqa"]:
             k, v = _expand_heads(k, q.shape[-3]), _expand_heads(v, q.shape[-3])
         if kernel == "memory-efficient":
-            return _EfficientAttention.apply(q, k, v, _additive_bias(mask, q.dtype), dropout, scale)
+            bias = _additive_bias(mask, q.dtype) if mask is not None else None
+            return _EfficientAttention.apply(q, k, v, bias, dropout, scale, bias is None and bound["is_causal"])
         return math_attention(q, k, v, mask, dropout, bound["is_causal"], scale)
 
 
@@ -314,12 +322,13 @@ def _activation(func, args: tuple, kwargs: dict):
     return F.silu
 
 
-def _sdpa_kernel(mode: str, *, four_d: bool, masked: bool, grouped: bool) -> str:
-    """The kernel an SDPA call runs as under `mode` (one of KERNEL_NAMES): FlashAttention takes no mask; the
-    memory-efficient kernel takes one but no grouped key/value heads (PyTorch then takes the math path)."""
+def _sdpa_kernel(mode: str, *, four_d: bool, masked: bool, grouped: bool, same_dims: bool = True) -> str:
+    """The kernel an SDPA call runs as under `mode` (one of KERNEL_NAMES): FlashAttention takes no mask and one head
+    size for q, k and v; the memory-efficient kernel takes a mask and a value head size of its own (MLA's 192 / 128)
+    but no grouped key/value heads (PyTorch then takes the math path)."""
     if mode == "math" or not four_d:
         return "math"
-    if not masked:
+    if not masked and same_dims:
         return "flash"
     return "math" if grouped else "memory-efficient"
 

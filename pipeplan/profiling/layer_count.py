@@ -33,6 +33,7 @@ class LayerCounts:
     param_bytes: int
     expert_param_count: int = 0  # of param_count: stacked expert weights (`KernelTracer.expert_params`)
     attention_kernels: dict[str, int] = field(default_factory=dict)  # SDPA calls by the kernel they ran as
+    replicated_param_count: int = 0  # of param_count: duplicated linears' weights (`KernelTracer`)
     outputs: tuple = field(default=(), repr=False)
 
     @property
@@ -131,6 +132,7 @@ def count_layer(
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         expert_param_count=sum(p.numel() for p in tracing.tracer.expert_params.values()),
         attention_kernels=dict(semantics.kernels_used),
+        replicated_param_count=tracing.tracer.duplicated_params,
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
     )
 

@@ -96,6 +96,8 @@ class LayerProfile:
     selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
     work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
     expert_param_count: int = 0  # of param_count: routed experts' weights (expert parallelism splits them)
+    replicated_param_count: int = 0  # of param_count: weights every tensor-parallel rank holds whole (duplicated
+    # linears: MLA's down-projections, a router; analytic profiles)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:

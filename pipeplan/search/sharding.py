@@ -16,7 +16,8 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   the other ops / (t·cp)). A layer without work (a measured profile) divides its times by t·cp.
 - Memory: every kept-bytes field (none, selective, full, I's share) divides by t·cp, rounded up (Korthikanti Table
   2 with sequence parallelism is 1/t of the unsplit bytes; context parallelism splits every position); parameters
-  by t (context-parallel ranks hold the same weights); a stage boundary sends each rank's shard: cut bytes / t·cp.
+  by t (context-parallel ranks hold the same weights), but for the weights of linears Megatron duplicates
+  (`LayerProfile.replicated_param_count`: MLA's down-projections, routers), which every rank holds whole; a stage boundary sends each rank's shard: cut bytes / t·cp.
 - Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.transformer.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
   backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
@@ -181,7 +182,8 @@ def _shard_layer(
     timed = reshaped_layer(layer, rates, t=t, cp=cp, ep=ep) or _divided_times(layer, ranks)
     on_input = timed.input_grad_ms > 0
     experts = _split(layer.expert_param_count, t * ep)
-    params = _split(layer.param_count - layer.expert_param_count, t) + experts
+    whole = layer.replicated_param_count  # duplicated linears (MLA's down-projections, routers): every rank's
+    params = _split(layer.param_count - layer.expert_param_count - whole, t) + whole + experts
     return replace(
         timed,
         forward_ms=timed.forward_ms + comm.forward_ms,
@@ -199,6 +201,7 @@ def _shard_layer(
         selective_activation_bytes=_split(layer.selective_activation_bytes, ranks),
         full_activation_bytes=_split(layer.full_activation_bytes, ranks),
         expert_param_count=experts,
+        replicated_param_count=whole,
     )
 
 

@@ -17,7 +17,8 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
 - Memory: every kept-bytes field (none, selective, full, I's share) divides by t·cp, rounded up (Korthikanti Table
   2 with sequence parallelism is 1/t of the unsplit bytes; context parallelism splits every position); parameters
   by t (context-parallel ranks hold the same weights), but for the weights of linears Megatron duplicates
-  (`LayerProfile.replicated_param_count`: MLA's down-projections, routers), which every rank holds whole; a stage boundary sends each rank's shard: cut bytes / t·cp.
+  (`LayerProfile.replicated_param_count`: MLA's down-projections, routers), which every rank holds whole; a stage
+  boundary sends each rank's shard: cut bytes / t·cp.
 - Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.transformer.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
   backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls

@@ -91,8 +91,8 @@ register(
 register(
     "deepseek-v3",
     moe,
-    "DeepSeek-V3 shapes (2024): 3 dense then 58 MoE layers, 1 shared + 256 routed experts, top-8 sigmoid gates; "
-    "MLA approximated by standard multi-head attention of about its parameter count (205M vs 187M per layer)",
+    "DeepSeek-V3 shapes (2024): multi-head latent attention, 3 dense then 58 MoE layers, 1 shared + 256 routed "
+    "experts, top-8 sigmoid gates",
     preset=dict(
         layers=61,
         hidden=7168,
@@ -108,6 +108,11 @@ register(
         scale=2.5,
         vocab=129280,
         seq=4096,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
     ),
 )
 

@@ -168,10 +168,8 @@ def profile_analytic(
     `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; mixed modes count gradients
     (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
 
-    `attention` (ATTENTION_MODES): `auto` runs each scaled_dot_product_attention call as the kernel a GPU would
-    (FlashAttention, or memory-efficient attention with a mask), `flash` the same but refuses a model whose
-    attention is written by hand (it would run the math path), `math` the math path for every call; the provenance
-    records what ran (`attention`).
+    `attention` (ATTENTION_MODES): each scaled_dot_product_attention call as a GPU runs it (auto; flash: the same,
+    refusing attention written by hand) or the math path (math); the provenance records what ran.
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
@@ -179,25 +177,21 @@ def profile_analytic(
     from pipeplan.graph.trace import trace_model
 
     mode = get_precision(precision)
+    efficiencies = dict(matmul_efficiency=matmul_efficiency, memory_efficiency=memory_efficiency)
     config = AnalyticConfig(
         batch_size=batch_size,
         hardware=load_hardware(hardware),
         granularity=granularity,
         dtype=mode.compute_dtype_name,
         attention=attention,
-        matmul_efficiency=matmul_efficiency,
-        memory_efficiency=memory_efficiency,
         fp8_linears=mode.fp8_linears,
+        **efficiencies,
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
+    dtype = export_dtype(precision)  # an export is specialized to its parameters' dtype (graph.trace)
     traced = trace_model(
-        spec,
-        batch_size=batch_size,
-        granularity=granularity,
-        device="meta",
-        tracer=tracer,
-        dtype=export_dtype(precision),
+        spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer, dtype=dtype
     )
     mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
@@ -211,17 +205,8 @@ def profile_analytic(
     if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
         layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
         cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
-    return Profile(
-        layers=tuple(layers),
-        cut_bytes=cuts,
-        provenance=replace(
-            _provenance(spec, config, traced.layer_graph, model_ref, model_options),
-            precision=precision,
-            attention=attention_used,
-            notes=_notes(config, attention_used),
-        ),
-        input_bytes=tensor_bytes(model_inputs),
-    )
+    provenance = _provenance(spec, config, traced.layer_graph, model_ref, model_options, precision, attention_used)
+    return Profile(layers=tuple(layers), cut_bytes=cuts, provenance=provenance, input_bytes=tensor_bytes(model_inputs))
 
 
 def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
@@ -332,7 +317,7 @@ def _notes(config: AnalyticConfig, attention: str) -> str:
 
 
 def _provenance(
-    spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
+    spec: ModelSpec, config: AnalyticConfig, graph, model_ref, model_options, precision: str, attention: str
 ) -> Provenance:
     roofline = config.roofline
     return Provenance(
@@ -348,6 +333,9 @@ def _provenance(
         graph_fingerprint=graph.fingerprint,
         tracer=graph.tracer,
         eager_modules=graph.eager_modules,
+        precision=precision,
+        attention=attention,
+        notes=_notes(config, attention),
         tokens_per_sample=spec.tokens_per_sample,
         loss_in_last_layer=True,
         kernel_rates=roofline.kernel_rates,

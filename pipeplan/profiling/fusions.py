@@ -9,7 +9,7 @@ Transformer Engine / Apex save the input and one float32 statistic per row (`gpu
 `F.rms_norm` is counted as), and the GELU and SiLU kernels (`F.gelu`, `F.silu`) save their input. The analytic
 profile counts what a GPU run on such an engine does, so these regions are counted as those kernels.
 
-A *region* of a layer's graph is the set of call_function nodes whose innermost module (`nn_module_stack`) is
+A *region* of a layer's graph is the set of call_function and call_method nodes whose innermost module (`nn_module_stack`) is
 one module instance; it qualifies when it reads one tensor from outside (and, for a norm, exactly one parameter
 of that module: a vector as long as the last dimension of its result) and produces one value read outside it,
 of its input's last dimension. What it computes is then checked on a small random CPU input (regions whose ops
@@ -55,7 +55,7 @@ def _module_path(node: fx.Node) -> str | None:
 def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     regions: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        path = _module_path(node) if node.op == "call_function" else None
+        path = _module_path(node) if node.op in ("call_function", "call_method") else None
         if path:
             regions.setdefault(path, []).append(node)
     return regions
@@ -136,10 +136,10 @@ def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.N
     return weight is not None, shape[-1], str(dtype), tuple((str(n.target), arg(n.args), arg(n.kwargs)) for n in nodes)
 
 
-def _kernel(kind: tuple, dtype: torch.dtype) -> tuple:
+def _kernel(kind: tuple) -> tuple:
     """(function, keyword arguments) a recognized region becomes (positional: the input, and a norm's weight)."""
     if kind[0] == "norm":
-        return fused_rms_norm, {"offset": kind[1], "dtype": dtype}
+        return fused_rms_norm, {"offset": kind[1]}
     return ACTIVATIONS[kind[1]]
 
 
@@ -159,7 +159,7 @@ def fuse_regions(gm: fx.GraphModule, probed: dict | None = None) -> int:
         if kind is None:
             continue
         x, weight, y = found
-        function, kwargs = _kernel(kind, _meta(y)[1])
+        function, kwargs = _kernel(kind)
         with gm.graph.inserting_before(y):
             fused = gm.graph.call_function(function, (x, weight) if weight is not None else (x,), dict(kwargs))
         fused.meta = {**y.meta}

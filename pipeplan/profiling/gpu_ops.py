@@ -176,11 +176,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, offset: float, dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm as one fused kernel (`_FusedRMSNorm`) scaled by weight + offset (Gemma's 1 + weight), in `dtype`: what
-    a hand-written RMSNorm is counted as (profiling.fusions)."""
-    out = _FusedRMSNorm.apply(x, weight + offset if offset else weight, 1, 1e-6)
-    return out if out.dtype == dtype else out.to(dtype)
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, offset: float) -> torch.Tensor:
+    """RMSNorm as one fused kernel (`_FusedRMSNorm`) scaled by weight + offset (Gemma's 1 + weight), in the dtype of
+    x and the weight together: what a hand-written RMSNorm is counted as (profiling.fusions)."""
+    return _FusedRMSNorm.apply(x, weight + offset if offset else weight, 1, 1e-6)
 
 
 def math_attention(

@@ -9,8 +9,8 @@ Transformer Engine / Apex save the input and one float32 statistic per row (`gpu
 `F.rms_norm` is counted as), and the GELU and SiLU kernels (`F.gelu`, `F.silu`) save their input. The analytic
 profile counts what a GPU run on such an engine does, so these regions are counted as those kernels.
 
-A *region* of a layer's graph is the set of call_function and call_method nodes whose innermost module (`nn_module_stack`) is
-one module instance; it qualifies when it reads one tensor from outside (and, for a norm, exactly one parameter
+A *region* of a layer's graph is the set of call_function and call_method nodes whose innermost module
+(`nn_module_stack`) is one module instance; it qualifies when it reads one tensor from outside (and, for a norm, exactly one parameter
 of that module: a vector as long as the last dimension of its result) and produces one value read outside it,
 of its input's last dimension. What it computes is then checked on a small random CPU input (regions whose ops
 cannot run on it are left alone): a norm must give weight · x / rms(x) or (1 + weight) · x / rms(x); an

@@ -10,12 +10,12 @@ Transformer Engine / Apex save the input and one float32 statistic per row (`gpu
 profile counts what a GPU run on such an engine does, so these regions are counted as those kernels.
 
 A *region* of a layer's graph is the set of call_function and call_method nodes whose innermost module
-(`nn_module_stack`) is one module instance; it qualifies when it reads one tensor from outside (and, for a norm, exactly one parameter
-of that module: a vector as long as the last dimension of its result) and produces one value read outside it,
-of its input's last dimension. What it computes is then checked on a small random CPU input (regions whose ops
-cannot run on it are left alone): a norm must give weight · x / rms(x) or (1 + weight) · x / rms(x); an
-activation must give GELU (tanh or erf form) or SiLU to float32 rounding. Each recognized region becomes one
-call of the kernel (`gpu_ops.fused_rms_norm`, `F.gelu`, `F.silu`) in the profiled graph only: the model's graph
+(`nn_module_stack`) is one module instance; it qualifies when it reads one tensor from outside (and, for a norm,
+exactly one parameter of that module: a vector as long as the last dimension of its result) and produces one value
+read outside it, of its input's last dimension. What it computes is then checked on a small random CPU input
+(regions whose ops cannot run on it are left alone): a norm must give weight · x / rms(x) or (1 + weight) · x /
+rms(x); an activation must give GELU (tanh or erf form) or SiLU to float32 rounding. Each recognized region becomes
+one call of the kernel (`gpu_ops.fused_rms_norm`, `F.gelu`, `F.silu`) in the profiled graph only: the model's graph
 and what the runtime runs are unchanged.
 """
 

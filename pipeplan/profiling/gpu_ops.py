@@ -153,33 +153,35 @@ class _FusedRMSNorm(torch.autograd.Function):
     the fp32 reciprocal root mean square only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int, eps: float):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int, eps: float, offset: float = 0.0):
+        """`offset`: the kernel scales by weight + offset (Gemma's 1 + weight), computed inside it."""
         reduce = tuple(range(-dims, 0))
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32, as the kernels accumulate
         rstd = torch.rsqrt(wide.pow(2).mean(reduce, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd, weight)
-        ctx.dims = reduce
+        ctx.dims, ctx.offset = reduce, offset
         normed = (wide * rstd).to(x.dtype)
-        return normed * weight if weight is not None else normed
+        return normed * (weight + offset if offset else weight) if weight is not None else normed
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
         normed = x.to(rstd.dtype) * rstd
-        grad_normed = (grad * weight if weight is not None else grad).to(rstd.dtype)
+        scale = weight + ctx.offset if weight is not None and ctx.offset else weight
+        grad_normed = (grad * scale if scale is not None else grad).to(rstd.dtype)
         mean = (grad_normed * normed).mean(ctx.dims, keepdim=True)
         grad_x = ((grad_normed - normed * mean) * rstd).to(x.dtype)
         if weight is None:
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
         sum_dims = tuple(range(grad.dim() - weight.dim()))
         grad_w = (grad.to(rstd.dtype) * normed).sum(sum_dims).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, offset: float) -> torch.Tensor:
     """RMSNorm as one fused kernel (`_FusedRMSNorm`) scaled by weight + offset (Gemma's 1 + weight), in the dtype of
     x and the weight together: what a hand-written RMSNorm is counted as (profiling.fusions)."""
-    return _FusedRMSNorm.apply(x, weight + offset if offset else weight, 1, 1e-6)
+    return _FusedRMSNorm.apply(x, weight, 1, 1e-6, offset)
 
 
 def math_attention(

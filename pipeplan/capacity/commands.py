@@ -28,6 +28,7 @@ def capacity(options: CapacityOptions) -> None:
     Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
     Example: pipeplan capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"
+    Example: pipeplan capacity hf:qwen2.5-72b --hardware a100-80gb --devices 256 --attention math
     """
     from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job  # the sweep: imported when it runs
     from pipeplan.capacity.pinned import PinnedReport

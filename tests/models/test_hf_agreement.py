@@ -139,3 +139,29 @@ def test_capacity_of_llama2_7b_shape_as_hf_matches_the_builtin():
         layout = lambda row: (row.schedule, row.pipeline_devices, row.data_parallel, row.tensor_parallel)  # noqa: E731
         assert layout(hf) == layout(builtin), f"{hf.num_devices} devices"
         _close(hf.step_ms, builtin.step_ms, f"step on {hf.num_devices} devices")
+
+
+def test_a_user_factory_at_70b_width_agrees_with_the_builtin_whole_and_split():
+    """docs/models.md's decoder (examples/decoder_model.py: RMSNorm written out, rotary buffers, SDPA with grouped
+    heads) at Llama-3-70B's width: its block as the built-in llama's, and split by t = 8 alike."""
+    from pipeplan.cluster import Link
+    from pipeplan.search.sharding import Links, split_profile
+
+    shape = dict(layers=1, hidden=8192, heads=64, kv_heads=8, vocab=128256, seq=8192)
+    profiles = []
+    for ref, options in (
+        ("examples/decoder_model.py:build", {**shape, "ffn": 28672}),
+        ("llama", {**shape, "intermediate": 28672, "rope_theta": 500000.0}),
+    ):
+        spec = load_model(ref, {key: str(value) for key, value in options.items()})
+        profiles.append(profile_analytic(spec, batch_size=1, hardware="h100", precision="bf16-main"))
+    factory, builtin = (_roles(profile) for profile in profiles)
+    assert factory["params"] == builtin["params"] and factory["cut"] == builtin["cut"]
+    _close(factory["flops_per_token"], builtin["flops_per_token"], "FLOPs per token", rel=1e-9)
+    _close(factory["blocks"][0].activation_bytes, builtin["blocks"][0].activation_bytes, "saved bytes per block")
+    _close(_time(factory["blocks"]), _time(builtin["blocks"]), "block F + I + W")
+    _close(_time(factory["head"]), _time(builtin["head"]), "final norm and head F + I + W")
+    link = Link(bandwidth=370e9, latency_s=10e-6)
+    ours, theirs = (split_profile(profile, 8, 1, Links(tensor=link, context=link)) for profile in profiles)
+    assert ours.layers[1].param_count == theirs.layers[1].param_count
+    _close(_time(ours.layers[1:2]), _time(theirs.layers[1:2]), "t=8 block F + I + W")

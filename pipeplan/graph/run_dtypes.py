@@ -31,6 +31,14 @@ def export_dtype(precision: str) -> torch.dtype | None:
     return mode.param_dtype
 
 
+def counting_dtype(precision: str) -> torch.dtype | None:
+    """The parameters' dtype the analytic profiler exports a model at to count it: the precision's compute dtype
+    (it runs every layer in that dtype, autocast's modes too; their cut bytes and parameter copies are then read
+    off the runnable graph, `export_dtype`'s), None for float32."""
+    mode = get_precision(precision)
+    return None if mode.compute_dtype == torch.float32 else mode.compute_dtype
+
+
 class _Recorder(fx.Interpreter):
     """Runs the meta-traced graph on fake tensors of `device`: devices the trace baked in (`device=meta` arguments,
     constant tensors) are moved to it."""

@@ -36,7 +36,7 @@ import torch
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.loss_stage import last_layer_stage, model_loss
-from pipeplan.graph.run_dtypes import cut_bytes_under, export_dtype, fake_run
+from pipeplan.graph.run_dtypes import counting_dtype, cut_bytes_under, export_dtype, fake_run
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
@@ -174,8 +174,6 @@ def profile_analytic(
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
-    from pipeplan.graph.trace import trace_model
-
     mode = get_precision(precision)
     efficiencies = dict(matmul_efficiency=matmul_efficiency, memory_efficiency=memory_efficiency)
     config = AnalyticConfig(
@@ -189,11 +187,8 @@ def profile_analytic(
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
-    dtype = export_dtype(precision)  # an export is specialized to its parameters' dtype (graph.trace)
-    traced = trace_model(
-        spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer, dtype=dtype
-    )
-    mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
+    traced, runnable = _traces(spec, batch_size=batch_size, granularity=granularity, tracer=tracer, precision=precision)
+    mixed = fake_run(runnable, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
     traced.graph_module.to(config.torch_dtype)
     model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
@@ -203,10 +198,30 @@ def profile_analytic(
     check_experts_counted(traced.module, traced.layer_graph.layers, layers)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
     if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
-        layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
-        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
-    provenance = _provenance(spec, config, traced.layer_graph, model_ref, model_options, precision, attention_used)
+        layers = _autocast_layers(runnable, layers, mixed[1], mode.param_bytes)
+        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in runnable.layer_graph.cuts)
+    provenance = _provenance(spec, config, runnable.layer_graph, model_ref, model_options, precision, attention_used)
     return Profile(layers=tuple(layers), cut_bytes=cuts, provenance=provenance, input_bytes=tensor_bytes(model_inputs))
+
+
+def _traces(spec: ModelSpec, *, batch_size: int, granularity, tracer: str, precision: str):
+    """(the graph counted, the graph a run of `precision` traces). An export is specialized to its parameters' dtype
+    (graph.trace): the profiler counts one exported at the compute dtype (`counting_dtype`), while an autocast run
+    exports float32 parameters; the profile records the runnable graph's fingerprint and reads autocast's dtypes
+    off it. Both are the same graph for fx and for the other modes."""
+    from pipeplan.graph.trace import trace_model
+
+    common = dict(batch_size=batch_size, granularity=granularity, device="meta")
+    traced = trace_model(spec, **common, tracer=tracer, dtype=counting_dtype(precision))
+    if traced.tracer != "export" or counting_dtype(precision) == export_dtype(precision):
+        return traced, traced
+    runnable = trace_model(spec, **common, tracer="export", dtype=export_dtype(precision))
+    if [la.name for la in runnable.layer_graph.layers] != [la.name for la in traced.layer_graph.layers]:
+        raise ConfigError(  # a model whose layers depend on its dtype: count it as it runs
+            f"model {spec.name!r} exports to other layers in {precision}'s parameter dtype; profile it with "
+            "--precision fp32 or bf16"
+        )
+    return traced, runnable
 
 
 def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:

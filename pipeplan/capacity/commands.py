@@ -109,12 +109,16 @@ def _active(report: CapacityReport) -> str:
     return f" ({format_count(report.active_param_count)} active)" if report.active_param_count is not None else ""
 
 
+def _attention(report: CapacityReport) -> str:
+    return f" ({report.attention} attention)" if report.attention not in ("", "none") else ""
+
+
 def render_report(report: CapacityReport) -> None:
     usable = report.usable_memory_bytes
     out.print(
         f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters"
-        f"{_active(report)}, "
-        f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
+        f"{_active(report)}, {report.flops_per_token / 1e9:.2f} GFLOP/token{_attention(report)}, "
+        f"global batch {report.global_batch_size} x "
         f"{report.tokens_per_sample} tokens; plans fit in {format_bytes(usable)} of "
         f"{format_bytes(report.memory_per_device)} per device ({format_bytes(report.memory_reserve_bytes)} reserve)",
         highlight=False,

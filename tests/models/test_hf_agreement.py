@@ -126,7 +126,9 @@ def test_moe_hf_and_builtin_agree_at_published_width(family):
 
 @pytest.mark.slow
 def test_capacity_of_llama2_7b_shape_as_hf_matches_the_builtin():
-    """The issue's case: Llama-2-7B's shape, seq 4096, global batch 256, bf16-main, on 8 and 64 H100."""
+    """The issue's case: Llama-2-7B's shape, seq 4096, global batch 256, bf16-main, on 8 and 64 H100 (the schedules
+    capacity chooses there by default, to keep the test short: `pipeplan capacity` itself, all of them, gives 1F1B
+    1x8 and ZBV 8x8 for both, docs/models.md)."""
     hardware = load_hardware("h100")
     hf_options = {**{k: str(v) for k, v in LLAMA2_7B.items()}, "num_hidden_layers": "32", "vocab_size": "32000"}
     hf_options["max_position_embeddings"] = "4096"

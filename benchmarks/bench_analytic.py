@@ -51,7 +51,7 @@ def run_case(case: str) -> dict:
     ref, options = CASES[case]
     spec = load_model(ref, {k: str(v) for k, v in options.items()})
     start = time.perf_counter()
-    profile = profile_analytic(spec, batch_size=1, hardware="h100", flash_attention=True, precision="bf16-mixed")
+    profile = profile_analytic(spec, batch_size=1, hardware="h100", attention="auto", precision="bf16-mixed")
     profile_s = time.perf_counter() - start
     opts = spec.options
     block = next(layer for layer in profile.layers if layer.name.startswith("blocks."))

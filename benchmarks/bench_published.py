@@ -105,7 +105,9 @@ HELD_OUT = [
 
 def _profile(model: str, options: dict, hardware, precision: str, flash: bool):
     spec = load_model(model, options)
-    return profile_analytic(spec, batch_size=1, hardware=hardware, precision=precision, flash_attention=flash)
+    return profile_analytic(
+        spec, batch_size=1, hardware=hardware, precision=precision, attention="auto" if flash else "math"
+    )
 
 
 def _pinned(profile, hardware, layout_text: str, config: SearchConfig, measured: float, **labels) -> dict:

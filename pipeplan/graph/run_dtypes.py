@@ -20,6 +20,16 @@ from pipeplan.errors import TraceError
 from pipeplan.precision import get_precision
 
 
+def export_dtype(precision: str) -> torch.dtype | None:
+    """The parameters' dtype an export for `precision` is specialized to (graph.trace): a low-precision mode without
+    autocast holds its parameters in bf16/fp16 and runs in it; None for float32 parameters (autocast casts at run
+    time, and an export of float32 parameters records exactly what it runs)."""
+    mode = get_precision(precision)
+    if mode.autocast_dtype is not None or mode.param_dtype == torch.float32:
+        return None
+    return mode.param_dtype
+
+
 class _Recorder(fx.Interpreter):
     """Runs the meta-traced graph on fake tensors of `device`: devices the trace baked in (`device=meta` arguments,
     constant tensors) are moved to it."""

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeplan.models.presets import PRESETS
+
 if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
 
@@ -115,8 +117,8 @@ register(
 register(
     "deepseek-v3",
     "moe",
-    "DeepSeek-V3 shapes (2024): 3 dense then 58 MoE layers, 1 shared + 256 routed experts, top-8 sigmoid gates; "
-    "MLA approximated by standard multi-head attention of about its parameter count (205M vs 187M per layer)",
+    "DeepSeek-V3 shapes (2024): multi-head latent attention, 3 dense then 58 MoE layers, 1 shared + 256 routed "
+    "experts, top-8 sigmoid gates",
     preset=dict(
         layers=61,
         hidden=7168,
@@ -132,5 +134,13 @@ register(
         scale=2.5,
         vocab=129280,
         seq=4096,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
     ),
 )
+
+for _preset in PRESETS.values():  # the shapes of models people plan now (models/presets.py: fields and sources)
+    register(_preset.name, _preset.factory, _preset.description, preset=dict(_preset.options))

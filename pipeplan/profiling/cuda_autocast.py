@@ -133,10 +133,10 @@ class CudaAutocast(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def gpu_forward(*, flash_attention: bool, autocast_dtype: torch.dtype | None):
-    """What the analytic profiler runs a layer's forward under: CUDA's kernels where meta differs (`GpuSemantics`)
-    and, for the mixed precisions, CUDA's autocast (`CudaAutocast`, handling each call first)."""
-    with GpuSemantics(flash_attention=flash_attention):
+def gpu_forward(semantics: GpuSemantics, autocast_dtype: torch.dtype | None):
+    """What the analytic profiler runs a layer's forward under: CUDA's kernels where meta differs (`semantics`, a
+    `GpuSemantics`) and, for the mixed precisions, CUDA's autocast (`CudaAutocast`, handling each call first)."""
+    with semantics:
         if autocast_dtype is None:
             yield
         else:

@@ -136,6 +136,8 @@ class LayerProfile:
     work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
     expert_param_count: int = 0  # of param_count: routed experts' weights (expert parallelism splits them)
     spread: PassSpread | None = None  # measured (schema 4): how steady each pass's timings were
+    replicated_param_count: int = 0  # of param_count: weights every tensor-parallel rank holds whole (duplicated
+    # linears: MLA's down-projections, a router; analytic profiles)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:
@@ -212,6 +214,7 @@ class Provenance:
     tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None
     notes: str = ""
+    attention: str = ""  # analytic: what attention ran as (flash, memory-efficient, math; gpu_ops.attention_summary)
     loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
     eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)

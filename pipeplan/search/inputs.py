@@ -140,13 +140,19 @@ def check_profile_precision(profile: Profile, precision: str | None) -> str:
 def profile_model_input(request: ProfileRequest) -> PlanInput:
     """Profile the model on the spot (`profiling.profile_job`, the path `pipeplan profile` takes) and trace its
     graph on the meta device: the plan names each stage's FX nodes."""
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models.registry import canonical_ref, recorded_options
 
     profile, spec = profile_request(request)
     tracer = profile.provenance.tracer or request.tracer
     traced = trace_model(
-        spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer
+        spec,
+        batch_size=request.batch_size,
+        granularity=request.granularity,
+        device="meta",
+        tracer=tracer,
+        dtype=export_dtype(request.precision),
     )
     profile = selective_where_runnable(profile, traced)
     ref, digest = canonical_ref(request.model)
@@ -183,6 +189,7 @@ def attach_model(
 ) -> PlanInput:
     """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
     profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model
     from pipeplan.models.registry import canonical_ref, recorded_options
@@ -191,7 +198,10 @@ def attach_model(
     prov = source.profile.provenance
     if tracer == "auto" and prov.tracer:
         tracer = prov.tracer
-    traced = trace_model(spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer)
+    dtype = export_dtype(profile_precision(prov))
+    traced = trace_model(
+        spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer, dtype=dtype
+    )
     graph = traced.layer_graph
     recorded = prov.graph_fingerprint
     names = [layer.name for layer in source.profile.layers]
@@ -221,13 +231,15 @@ def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:
         return source
     if microbatch_size == source.profile.provenance.batch_size:
         return source
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model
 
     model = source.model
     spec = load_model(model.ref, dict(model.options))
+    dtype = export_dtype(profile_precision(source.profile.provenance))
     graph = trace_model(
-        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export"
+        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export", dtype=dtype
     ).layer_graph
     if [layer.name for layer in graph.layers] != [layer.name for layer in source.layer_graph.layers]:
         raise ConfigError(

@@ -46,12 +46,12 @@ def _blocks(profile):
 
 @pytest.fixture(scope="module")
 def flash_profile():
-    return _profile(_gpt(), flash_attention=True, precision="bf16")
+    return _profile(_gpt(), attention="auto", precision="bf16")
 
 
 @pytest.fixture(scope="module")
 def math_profile():
-    return _profile(_gpt(), flash_attention=False, precision="bf16")
+    return _profile(_gpt(), attention="math", precision="bf16")
 
 
 def _relative_error(value, reference):
@@ -106,15 +106,15 @@ def _roofline():
 @pytest.mark.parametrize("flash", [True, False])
 def test_recorder_flops_equal_flop_counter_mode(flash):
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
-    with GpuSemantics(flash_attention=flash), FlopCounterMode(display=False) as counter:
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto" if flash else "math")
+    with GpuSemantics(attention="auto" if flash else "math"), FlopCounterMode(display=False) as counter:
         block(x.requires_grad_())
     assert counts.forward.flops == counter.get_total_flops()
 
 
 def test_backward_split_weight_grads_are_the_linear_matmuls():
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto")
     linear_flops = 24 * BATCH * SEQ * HIDDEN**2
     weight_grad_flops = counts.backward.flops - counts.input_grad.flops
     assert weight_grad_flops == linear_flops  # W = one mat1ᵀ @ grad per Linear, same size as its forward
@@ -131,7 +131,7 @@ def test_backward_kernels_follow_from_the_forwards(flash):
     """The kernels each pass is timed with (derived from the forward's) do the FLOPs the recorded matmuls and
     attention calls of that pass do; the linears' roles alternate column, row as Megatron splits a block."""
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto" if flash else "math")
     kernels = counts.kernels
     attention = sum(k.flops for k in kernels if k.kind == "attention")  # causal: half of what torch counts
     assert all(k.causal for k in kernels if k.kind == "attention") and (attention > 0) == flash
@@ -149,7 +149,7 @@ def test_backward_kernels_follow_from_the_forwards(flash):
 def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
     """Kept for W: inputs of ln1, qkv, proj, ln2, fc (2·s·b·h each) and of the MLP's second Linear (8·s·b·h)."""
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto")
     sbh = SEQ * BATCH * HIDDEN
     assert _relative_error(counts.kept_until_weight_grad_bytes, 18 * sbh) < 0.01
     freed = counts.saved_bytes - counts.kept_until_weight_grad_bytes
@@ -183,10 +183,10 @@ def _layer_norm_backward_call():
 
 def test_dropout_correction_saves_a_bool_mask():
     x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+    with GpuSemantics(attention="auto"), SavedTensors() as saved:
         F.dropout(x, 0.1, training=True)
     assert [t.dtype for t in saved.tensors] == [torch.bool]
-    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+    with GpuSemantics(attention="auto"), SavedTensors() as saved:
         F.dropout(x, 0.1, training=False)
     assert saved.tensors == []
 

@@ -59,7 +59,7 @@ def test_block_bytes_follow_korthikanti_table_2_with_sequence_parallelism(t):
 def gpt_math() -> Profile:
     options = dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=0.1)
     spec = load_model("gpt", {k: str(v) for k, v in options.items()})
-    return profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16", flash_attention=False)
+    return profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16", attention="math")
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -18,6 +18,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.graph.export_trace import retarget_device
+from pipeplan.graph.run_dtypes import export_dtype
 from pipeplan.graph.stage import (
     StageModule,
     build_stage_module,
@@ -115,6 +116,7 @@ def trace_for_plan(plan: Plan, spec: ModelSpec) -> TracedModel:
         granularity=plan.model.granularity,
         device="meta",
         tracer=plan.model.tracer or "fx",
+        dtype=export_dtype(plan.training.precision),
     )
     expected, found = plan.model.fingerprint, traced.layer_graph.fingerprint
     if expected and expected != found:

@@ -20,7 +20,6 @@ Run: .venv/bin/python benchmarks/bench_published.py [--quick]   (--quick: the tw
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -29,8 +28,18 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the two smallest target rows only (no held-out table)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -97,7 +106,9 @@ HELD_OUT = [
 
 def _profile(model: str, options: dict, hardware, precision: str, flash: bool):
     spec = load_model(model, options)
-    return profile_analytic(spec, batch_size=1, hardware=hardware, precision=precision, flash_attention=flash)
+    return profile_analytic(
+        spec, batch_size=1, hardware=hardware, precision=precision, attention="auto" if flash else "math"
+    )
 
 
 def _pinned(profile, hardware, layout_text: str, config: SearchConfig, measured: float, **labels) -> dict:
@@ -212,10 +223,7 @@ def _table(title: str, rows: list[dict], mode_key: str) -> Table:
     return table
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the two smallest target rows only (no held-out table)")
-    args = parser.parse_args()
+def main(args) -> int:
     console = Console(width=200)
     targets = korthikanti(KORTHIKANTI[:2] if args.quick else KORTHIKANTI)
     summary = _summary(targets)
@@ -255,4 +263,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

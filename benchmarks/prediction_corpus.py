@@ -19,6 +19,7 @@ checkout of that CLI (no pipeplan/artifact/ room) they run as written, else `tra
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -204,8 +205,9 @@ def translate(argv: list[str]) -> list[str]:
 
 
 def _invoke(argv: list[str]) -> tuple[int, str]:
+    """The exit code and standard output (a warning on standard error, e.g. a profile's, is not the output)."""
     result = CliRunner().invoke(app, translate(argv))
-    return result.exit_code, result.output
+    return result.exit_code, result.stdout if result.exit_code == 0 else result.output
 
 
 def make_inputs() -> None:
@@ -236,10 +238,7 @@ def _output(code: int, output: str, workspace: str, as_json: bool):
 
 def _predicted_run_ms(plan_path: Path) -> dict[str, float]:
     """What `run` prints as the predicted step with --post-validate and --no-post-validate."""
-    if LEGACY_CLI:
-        from pipeplan.plan.plan import Plan
-    else:
-        from pipeplan.artifact.plan import Plan
+    Plan = importlib.import_module(f"pipeplan.{'plan' if LEGACY_CLI else 'artifact'}.plan").Plan  # the room of each CLI
     try:
         from pipeplan.runtime.train.loop import predicted_ms
     except ImportError:  # before runtime/ was split into subpackages

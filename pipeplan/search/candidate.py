@@ -11,8 +11,8 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs import LayerArrays, compute_ms
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError, ScheduleError
-from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.partitioner import min_memory_per_device, partition
 from pipeplan.partition.result import Partition
 from pipeplan.predict.gradient_sync import allreduce_step_ms
 from pipeplan.predict.layout import PipelineLayout

@@ -51,6 +51,7 @@ def build_plan(
         optimizer_bytes_per_param=result.config.per_param,
         dtype=numerics.precision.compute_dtype_name,
         precision=numerics.precision.name,
+        attention=profile.provenance.attention,
         device=run_device_for(profile.provenance.device),
         zero=chosen.zero,
         tensor_parallel=result.config.tensor_parallel,
@@ -59,9 +60,8 @@ def build_plan(
         overlap=result.config.overlap.label,
         post_validate=chosen.post_validate,
     )
-    pipe = chosen.pipeline
+    pipe, tokens = chosen.pipeline, model.tokens_per_sample
     world = pipe.num_devices * layout.data_parallel
-    tokens = model.tokens_per_sample
     return Plan(
         model=model,
         cluster=result.cluster,

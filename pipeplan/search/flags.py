@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ConfigError
 from pipeplan.options import option
+from pipeplan.profiling.profile_options import ATTENTION_HELP, check_attention
 from pipeplan.units import parse_size
 
 AUTO = "auto"
@@ -75,6 +76,7 @@ class SearchFlags:
     memory: str | None = option(None, "--memory", help=MEMORY_HELP)
     schedule: str = option(AUTO, "--schedule", "-s", help=SCHEDULE_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
+    attention: str = option(AUTO, "--attention", help=ATTENTION_HELP)
     layout: str | None = option(None, "--layout", help=LAYOUT_HELP)
     json_output: bool = option(False, "--json", help="Print only the summary as JSON.")
 
@@ -88,6 +90,7 @@ class SearchFlags:
         parse_memory(self.memory)
         parse_schedules(self.schedule, ())
         Overlap.parse(self.overlap)
+        check_attention(self.attention, "meta")  # a known mode (plan also refuses it for a measured profile)
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.layout is not None:

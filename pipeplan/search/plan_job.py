@@ -16,6 +16,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import default_precision
+from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
@@ -112,7 +113,11 @@ def _profile_source(options: PlanOptions, profile: Profile | None) -> PlanInput 
     """--profile's costs, or `profile`'s (with MODEL's traced graph when MODEL is given too); None without either."""
     if profile is None and options.profile is None:
         return None
-    source = profile_input(profile) if profile is not None else load_profile_input(str(options.profile))
+    if profile is not None:
+        warn_if_out_of_bounds(profile, "the Profile object")  # as `plan --profile` warns of a file
+        source = profile_input(profile)
+    else:
+        source = load_profile_input(str(options.profile))
     if options.model is None:
         return source
     model_options = parse_assignments(options.assignments)
@@ -131,6 +136,7 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
         precision=precision,
         progress=not options.json_output,
         tracer=options.tracer,
+        attention=options.attention,
     )
 
 

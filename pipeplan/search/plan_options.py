@@ -10,6 +10,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.graph.tracers import check_tracer
 from pipeplan.options import argument, option
+from pipeplan.profiling.profile_options import check_attention
 from pipeplan.search.flags import AUTO, SearchFlags, parse_memory, parse_parallel, parse_schedules
 
 DEFAULT_OUTPUT = "plan"
@@ -50,10 +51,15 @@ class PlanOptions(SearchFlags):
         if self.profile is not None:
             without_model = self.model is None
             flags = ("-a", self.assignments), ("--granularity", self.granularity), ("--device", self.device != "cpu")
-            ignored = [flag for flag, given in flags if given and (without_model or flag == "--device")]
+            flags += (("--attention", self.attention != "auto"),)
+            ignored = [
+                flag for flag, given in flags if given and (without_model or flag in ("--device", "--attention"))
+            ]
             if ignored:
                 warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
         check_tracer(self.tracer)
+        if self.profile is None:
+            check_attention(self.attention, self.device)
         names, named = parse_schedules(self.schedule, ())
         searched_schedules(names, allow_async=True, zero=parse_memory(self.memory).zero, named=named)  # refusals
         parallel = parse_parallel(self.parallel)

@@ -16,7 +16,7 @@ from pipeplan.artifact.timing import plan_memory, plan_steps, plan_steps_timelin
 from pipeplan.cli import app
 from pipeplan.costs import numerics
 from pipeplan.costs.overlap import Overlap
-from pipeplan.runtime import train
+from pipeplan.runtime.train import loop as train
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.search.config import SearchConfig

@@ -205,7 +205,7 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
     stages = pinned.pp * pinned.vp
     try:
-        if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (and modes, where recompute is not none)
+        if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (costed with recomputation allowed)
             recompute = "auto" if pinned.recompute != ("none",) else "none"
             part = partition_layout(layout, sharded, usable, explain=False, recompute=recompute, **options)
             if isinstance(part, Rejection):
@@ -215,10 +215,10 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
                 raise ConfigError(
                     f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks"
                 )
-            part_config = partition_config(layout, **options)
-            part = even_blocks_partition(sharded, groups, part_config, stages)
-            modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
-            part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
+            part = even_blocks_partition(sharded, groups, partition_config(layout, **options), stages)
+        modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute  # exactly as pinned
+        part_config = replace(partition_config(layout, **options), recompute="auto")
+        part = with_modes(part, LayerArrays.from_profile(sharded), modes, part_config)
         batch = config.global_batch_size
         result = evaluate_partition(
             layout,

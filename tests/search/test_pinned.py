@@ -90,3 +90,20 @@ def test_capacity_and_plan_show_the_pinned_layout_beside_the_planner(tmp_path):
     assert plan["training"]["tensor_parallel"] == 2 and plan["rationale"].startswith("Layout pinned by --layout")
     result = runner.invoke(app, [*plan_args, "--layout", "tp=2,pp=2,dp=4"])
     assert "tp x cp x pp x dp = 16 devices, but --devices is 8" in one_error_line(result)
+
+
+@pytest.mark.parametrize("extra", ["--no-replication", None])
+def test_plan_writes_context_parallel_and_balanced_recompute_as_pinned(tmp_path, extra):
+    """cp > 1 plans pass the plan file's rank -> node check (a rank stands for t x cp devices), and split=balanced
+    keeps the pinned recomputation (the partitioner picks the cuts, not the modes)."""
+    model = [part for k, v in GPT.items() for part in ("-a", f"{k}={v}")]
+    args = ["plan", "gpt", *model, "--device", "meta", "--hardware", "h100", "--devices", "8", "-B", "16"]
+    layout = "tp=2,cp=2,pp=2,dp=1,recompute=full,split=balanced"
+    result = runner.invoke(app, [*args, *([extra] if extra else []), "--layout", layout, "-o", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    training = plan["training"]
+    assert (training["tensor_parallel"], training["context_parallel"], training["data_parallel"]) == (2, 2, 1)
+    assert [s["recompute"] for s in plan["stages"]] == ["full", "full"]
+    assert [r["node"] for r in plan["ranks"]] == [0, 0]  # 2 ranks x 4 devices on one node of 8
+    assert runner.invoke(app, ["show", str(tmp_path / "p" / "plan.json")]).exit_code == 0

@@ -28,7 +28,7 @@ PRECISION_HELP = (
 OVERLAP_HELP = "none (Megatron-Core's default), all, or tensor,p2p,grad-reduce,param-gather."
 LAYOUT_HELP = (
     'Predict one layout exactly beside the planner\'s choice, e.g. "tp=8,cp=2,pp=9,vp=7,dp=4,mbs=1,recompute=none" '
-    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split)."
+    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split blocks, e.g. blocks=3/4/4/3)."
 )
 PLOT_HELP = "Write MFU and memory vs devices per tensor-parallel size, and MFU per schedule (PNG)."
 

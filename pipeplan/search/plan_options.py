@@ -48,7 +48,7 @@ OVERLAP_HELP = (
 )
 LAYOUT_HELP = (
     'Plan exactly this layout (compared with the search\'s choice), e.g. "tp=2,pp=2,vp=2,dp=1,mbs=1,recompute=none" '
-    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split; tp x cp x pp x dp = --devices)."
+    "(keys: tp cp ep pp vp dp mbs recompute zero schedule split blocks; tp x cp x pp x dp = --devices)."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
 ASYNC_HELP = (

@@ -31,6 +31,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from arguments import parse_args  # noqa: E402
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--widths", default=None, help="comma list (default: cuda 1024,2048,4096; cpu 32,128,512)")
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=None, help="default: cuda 1024, cpu 16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--precision", default=None, help="fp32 or bf16-mixed (default: cuda bf16-mixed, cpu fp32)")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--timer", default=None, help="wall or cpu (default: cuda wall, cpu cpu)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_backward.json"))
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -135,19 +154,8 @@ def measure_width(width: int, args, device: torch.device) -> dict:
     return row
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    parser.add_argument("--widths", default=None, help="comma list (default: cuda 1024,2048,4096; cpu 32,128,512)")
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=None, help="default: cuda 1024, cpu 16")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--precision", default=None, help="fp32 or bf16-mixed (default: cuda bf16-mixed, cpu fp32)")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--timer", default=None, help="wall or cpu (default: cuda wall, cpu cpu)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_backward.json"))
-    args = parser.parse_args(argv)
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """The device-dependent defaults, once torch can say whether CUDA is there."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.device = "cuda" if cuda else "cpu"
     args.widths = [int(w) for w in (args.widths or ("1024,2048,4096" if cuda else "32,128,512")).split(",")]
@@ -157,8 +165,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _arguments(argv)
+def main(args: argparse.Namespace) -> int:
+    args = _resolved(args)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -193,4 +201,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -68,10 +68,21 @@ def cut_partition(profile: Profile, cluster: Cluster, config: PartitionConfig, l
     return _score(arrays, cluster, config, [(a, b, 1) for a, b in zip(firsts, lasts, strict=True)])
 
 
-def even_blocks_partition(profile: Profile, cluster: Cluster, config: PartitionConfig, num_stages: int) -> Partition:
-    """Megatron's split of an embedding, blocks and a head into `num_stages` stages (module docstring)."""
+def even_blocks_partition(
+    profile: Profile,
+    cluster: Cluster,
+    config: PartitionConfig,
+    num_stages: int,
+    blocks_per_stage: tuple[int, ...] | None = None,
+) -> Partition:
+    """Megatron's split of an embedding, blocks and a head into `num_stages` stages (module docstring), or the
+    given blocks per stage (Megatron's `--pipeline-model-parallel-layout`): 0 blocks in the first stage leaves it
+    the embedding alone, 0 in the last the head alone (the callers check the counts)."""
     blocks = profile.num_layers - 2
-    sizes = [blocks // num_stages + (1 if s < blocks % num_stages else 0) for s in range(num_stages)]
+    sizes = blocks_per_stage or [
+        blocks // num_stages + (1 if s < blocks % num_stages else 0) for s in range(num_stages)
+    ]
+    assert len(sizes) == num_stages and sum(sizes) == blocks, (sizes, blocks)
     lasts = [int(v) for v in np.cumsum(sizes)]  # block s ends at layer lasts[s] (layer 0 is the embedding)
     lasts[-1] = profile.num_layers - 1  # the head joins the last stage
     return cut_partition(profile, cluster, config, lasts)

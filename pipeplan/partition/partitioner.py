@@ -93,6 +93,14 @@ def one_level(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, me
     )
 
 
+def _compact(raw: list[single.RawStage]) -> list[single.RawStage]:
+    """Device ids renumbered 0..n-1 in order: the two-level solver gives each block of stages at most a node's
+    devices and may leave a node's last ones unused, but a pipeline's devices are consecutive ranks (no idle rank
+    inside a pipeline)."""
+    ids = {d: i for i, d in enumerate(sorted({d for st in raw for d in st.devices}))}
+    return [dataclasses.replace(st, devices=tuple(ids[d] for d in st.devices)) for st in raw]
+
+
 def build_partition(
     arrays: LayerArrays,
     cluster: Cluster,
@@ -102,7 +110,7 @@ def build_partition(
     objective: float,
     layer_groups: int,
 ) -> Partition:
-    stages = [_stage_assignment(index, st, arrays, config) for index, st in enumerate(raw)]
+    stages = [_stage_assignment(index, st, arrays, config) for index, st in enumerate(_compact(raw))]
     used = sorted({d for s in stages for d in s.devices})
     held = stages_per_device([s.devices for s in stages])
     load = [float(ms) for ms in device_totals([s.time_ms for s in stages], held)]

@@ -53,8 +53,8 @@ OVERLAP_HELP = (
 )
 LAYOUT_HELP = (
     "Exactly this layout (plan: its plan; capacity: predicted), beside the search's choice, e.g. \"tp=2,pp=2,vp=2,"
-    'dp=1,mbs=1,recompute=none" (keys: tp cp ep pp vp dp mbs recompute zero schedule split; tp x cp x pp x dp = '
-    "the devices)."
+    'dp=1,mbs=1,recompute=none" (keys: tp cp ep pp vp dp mbs recompute zero schedule split blocks, e.g. '
+    "blocks=3/4/4/3; tp x cp x pp x dp = the devices)."
 )
 HARDWARE_HELP = "A preset (h100, a100-80gb, ...) or FILE.json[:NAME] from `pipeplan calibrate`: links, memory, rates."
 

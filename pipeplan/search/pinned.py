@@ -6,9 +6,11 @@ Keys (`parse_layout`): tp, cp, pp, vp (chunks per pipeline device: vp > 1 runs t
 per stage joined by `/`), zero (0, or 1: the distributed optimizer), schedule, split (even: Megatron's equal runs
 of blocks, the embedding with the first stage and the head with the last; balanced: pipeplan's partitioner on the
 same costs), ep (expert parallelism of a mixture-of-experts model: its routed experts split over ep of the dp x cp
-ranks; ep must divide dp x cp and the experts). tp x cp x pp x dp must be the device count; the global batch must
-be mbs x microbatches x dp. Tensor parallelism may span nodes here (when tp is larger than a node): its collectives
-then run on the inter-node link.
+ranks; ep must divide dp x cp and the experts), blocks (transformer blocks per stage in model order, pp x vp counts
+joined by `/`, as Megatron's `--pipeline-model-parallel-layout` gives uneven stages: e.g. `blocks=3/4/4/3`; 0 in the
+first or last count leaves that stage the embedding or the head alone). tp x cp x pp x dp must be the device count;
+the global batch must be mbs x microbatches x dp. Tensor parallelism may span nodes here (when tp is larger than a
+node): its collectives then run on the inter-node link.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pipeplan.search.scaling import scale_profile
 from pipeplan.search.sharding import split_inputs
 from pipeplan.search.stack import expert_parallel_problem
 
-KEYS = ("tp", "cp", "ep", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule", "split")
+KEYS = ("tp", "cp", "ep", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule", "split", "blocks")
 SPLITS = ("even", "balanced")
 
 
@@ -48,6 +50,7 @@ class PinnedLayout:
     zero: int = 0
     schedule: str | None = None
     split: str = "even"
+    blocks: tuple[int, ...] | None = None  # blocks per stage in model order (pp x vp), or None: Megatron's even runs
 
     @property
     def schedule_name(self) -> str:
@@ -62,7 +65,9 @@ class PinnedLayout:
         modes = "/".join(self.recompute)
         return (
             f"tp={self.tp},cp={self.cp},pp={self.pp},vp={self.vp},dp={self.dp},mbs={self.mbs},recompute={modes},"
-            f"zero={self.zero}" + (f",ep={self.ep}" if self.ep > 1 else "")
+            f"zero={self.zero}"
+            + (f",ep={self.ep}" if self.ep > 1 else "")
+            + (f",blocks={'/'.join(map(str, self.blocks))}" if self.blocks else "")
         )
 
 
@@ -82,6 +87,8 @@ def parse_layout(text: str) -> PinnedLayout:
             values[key] = modes
         elif key in ("schedule", "split"):
             values[key] = value
+        elif key == "blocks":
+            values[key] = _block_counts(value)
         else:
             try:
                 values[key] = int(value)
@@ -92,6 +99,16 @@ def parse_layout(text: str) -> PinnedLayout:
     layout = PinnedLayout(**values)
     _check(layout)
     return layout
+
+
+def _block_counts(value: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in value.split("/"))
+    except ValueError:
+        raise ConfigError(f"--layout blocks={value!r} must be whole numbers joined by '/', one per stage") from None
+    if any(c < 0 for c in counts):
+        raise ConfigError(f"--layout blocks={value!r} must not be negative")
+    return counts
 
 
 def _check(layout: PinnedLayout) -> None:
@@ -111,6 +128,27 @@ def _check(layout: PinnedLayout) -> None:
     stages = layout.pp * layout.vp
     if len(layout.recompute) not in (1, stages):
         raise ConfigError(f"--layout recompute names {len(layout.recompute)} stages; give one mode or {stages}")
+    if layout.blocks is not None:
+        _check_blocks(layout.blocks, stages, layout.split)
+
+
+def _check_blocks(blocks: tuple[int, ...], stages: int, split: str) -> None:
+    """Blocks per stage: one count per stage; only the first (embedding alone) and last (head alone) may be 0."""
+    if split != "even":
+        raise ConfigError("--layout blocks= sets the cuts itself: leave out split=balanced")
+    if len(blocks) != stages:
+        raise ConfigError(f"--layout blocks names {len(blocks)} stages; pp x vp = {stages}")
+    if 0 in blocks[1:-1]:
+        raise ConfigError(
+            "--layout blocks: only the first stage (the embedding alone) or the last (the head alone) may hold 0 blocks"
+        )
+
+
+def _check_block_total(pinned: PinnedLayout, stages: int, blocks: int) -> None:
+    if pinned.blocks is not None and sum(pinned.blocks) != blocks:
+        raise ConfigError(f"--layout blocks adds up to {sum(pinned.blocks)} blocks, but the model has {blocks}")
+    if pinned.blocks is None and stages > blocks:
+        raise ConfigError(f"--layout pp x vp = {stages} stages, but the model has {blocks} blocks")
 
 
 def pinned_layout(layout: PinnedLayout, config: SearchConfig, cluster: Cluster) -> Layout:
@@ -197,7 +235,7 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     usable = config.budget(cluster.memory_per_device).usable
     stages = pinned.pp * pinned.vp
     try:
-        if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (and modes, where recompute is not none)
+        if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (costed with recomputation allowed)
             recompute = "auto" if pinned.recompute != ("none",) else "none"
             part = partition_layout(
                 layout,
@@ -212,14 +250,12 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
             if isinstance(part, Rejection):
                 return layout, sharded, part
         else:
-            if stages > sharded.num_layers - 2:
-                raise ConfigError(
-                    f"--layout pp x vp = {stages} stages, but the model has {sharded.num_layers - 2} blocks"
-                )
+            _check_block_total(pinned, stages, sharded.num_layers - 2)
             part_config = partition_config(layout, config, zero=pinned.zero, memory_limit=usable)
-            part = even_blocks_partition(sharded, groups, part_config, stages)
-            modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute
-            part = with_modes(part, LayerArrays.from_profile(sharded), modes, replace(part_config, recompute="auto"))
+            part = even_blocks_partition(sharded, groups, part_config, stages, pinned.blocks)
+        modes = pinned.recompute * stages if len(pinned.recompute) == 1 else pinned.recompute  # exactly as pinned
+        part_config = replace(partition_config(layout, config, zero=pinned.zero, memory_limit=usable), recompute="auto")
+        part = with_modes(part, LayerArrays.from_profile(sharded), modes, part_config)
         result = evaluate_partition(layout, part, sharded, groups, config, memory_limit=usable, zero=pinned.zero)
     except (InfeasibleError, ScheduleError) as exc:
         return layout, sharded, Rejection(layout=layout, kind="schedule", reason=str(exc))

@@ -112,7 +112,7 @@ def run_torchtitan_cases(cases: list[tuple[str, str]], world_size: int, deps: st
     """cases: (label, exported job config); {label: [rank 0's result, ...], "reference LABEL": rank 0's}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,

@@ -172,6 +172,8 @@ def check(profile, cluster, config, expected):
     assert result.objective_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
     assert max(s.time_ms for s in result.stages) == pytest.approx(result.objective_ms, rel=1e-9, abs=1e-9)
     assert all(s.memory_bytes <= cluster.memory_per_device for s in result.stages)
+    used = sorted({d for s in result.stages for d in s.devices})  # a pipeline's devices are ranks 0..n-1, no gap
+    assert used == list(range(result.num_devices)) == list(range(len(result.device_load_ms)))
     return result
 
 

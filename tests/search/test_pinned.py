@@ -40,6 +40,10 @@ def profile():
         ("pp=2,vp=2,schedule=1f1b", "vp=2 needs a looped schedule"),
         ("split=random", "split='random'"),
         ("zero=2", "zero=2 is not supported"),
+        ("pp=2,blocks=4/x", "must be whole numbers joined by '/'"),
+        ("pp=2,blocks=4", "blocks names 1 stages; pp x vp = 2"),
+        ("pp=3,blocks=4/0/4", "only the first stage"),
+        ("pp=2,blocks=4/4,split=balanced", "leave out split=balanced"),
     ],
 )
 def test_bad_layouts_are_one_line(text, match):
@@ -91,3 +95,43 @@ def test_capacity_and_plan_show_the_pinned_layout_beside_the_planner(tmp_path):
     assert plan["training"]["tensor_parallel"] == 2 and plan["rationale"].startswith("Layout pinned by --layout")
     result = runner.invoke(app, [*plan_args, "--layout", "tp=2,pp=2,dp=4"])
     assert "tp x cp x pp x dp = 16 devices, but --devices is 8" in one_error_line(result)
+
+
+@pytest.mark.parametrize("extra", ["replicate=off", None])
+def test_plan_writes_context_parallel_and_balanced_recompute_as_pinned(tmp_path, extra):
+    """cp > 1 plans pass the plan file's rank -> node check (a rank stands for t x cp devices), and split=balanced
+    keeps the pinned recomputation (the partitioner picks the cuts, not the modes)."""
+    model = [part for k, v in GPT.items() for part in ("-a", f"{k}={v}")]
+    args = ["plan", "gpt", *model, "--device", "meta", "--hardware", "h100", "--devices", "8", "-B", "16"]
+    layout = "tp=2,cp=2,pp=2,dp=1,recompute=full,split=balanced"
+    parallel = ["--parallel", extra] if extra else []
+    result = runner.invoke(app, [*args, *parallel, "--layout", layout, "-o", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    training = plan["training"]
+    assert (training["tensor_parallel"], training["context_parallel"], training["data_parallel"]) == (2, 2, 1)
+    assert [s["recompute"] for s in plan["stages"]] == ["full", "full"]
+    assert [r["node"] for r in plan["ranks"]] == [0, 0]  # 2 ranks x 4 devices on one node of 8
+    assert runner.invoke(app, ["show", str(tmp_path / "p" / "plan.json")]).exit_code == 0
+
+
+def test_blocks_per_stage_pin_uneven_and_embedding_only_stages(profile, tmp_path):
+    """blocks= gives each stage its blocks (Megatron's --pipeline-model-parallel-layout): 0 first leaves the first
+    stage the embedding alone; the written plan and its Megatron export hold exactly those stages."""
+    config = SearchConfig(global_batch_size=16, numerics=numerics("adamw", "bf16-main"), memory_reserve_bytes=0)
+    cluster = cluster_for(load_hardware("h100"), 8, 8)
+    found = evaluate_pinned(profile, cluster, config, parse_layout("pp=2,vp=2,dp=4,blocks=0/3/3/2"))
+    part = found.evaluation.partition  # layer 0 the embedding, 1..8 the blocks, 9 the head
+    assert [(s.first_layer, s.last_layer) for s in part.stages] == [(0, 0), (1, 3), (4, 6), (7, 9)]
+    with pytest.raises(ConfigError, match="blocks adds up to 7 blocks, but the model has 8"):
+        evaluate_pinned(profile, cluster, config, parse_layout("pp=2,vp=2,dp=4,blocks=0/3/2/2"))
+    model = [part for k, v in GPT.items() for part in ("-a", f"{k}={v}")]
+    args = ["plan", "gpt", *model, "--device", "meta", "--hardware", "h100", "--devices", "8", "-B", "16"]
+    out = tmp_path / "p"
+    result = runner.invoke(app, [*args, "--layout", "pp=4,dp=2,blocks=1/3/4/0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert [(s["first_layer"], s["last_layer"]) for s in plan["stages"]] == [(0, 1), (2, 4), (5, 8), (9, 9)]
+    result = runner.invoke(app, ["export", str(out / "plan.json"), "--format", "megatron", "-o", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert "Et|ttt|tttt|L" in (tmp_path / "m").read_text()

@@ -26,6 +26,12 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
   and recompute silu in the backward: `_FusedGLU`; GeGLU (`gelu(gate) * up`, Gemma's MLP) likewise (Transformer
   Engine's geglu, Megatron's bias_geglu).
+- A grouped expert matmul's output (`aten._grouped_mm`, transformers' `grouped_mm_fallback`) times routing
+  weights of a wider dtype (transformers' grouped-mm experts keep the router's float32 weights, so the weighting,
+  the return to token order and the sum over top_k run in float32): production MoE layers weight the expert
+  outputs in their own dtype (Megatron-Core's weighted SwiGLU and fused unpermute, Transformer Engine's
+  moe_unpermute with merging probs; torchtitan casts the product back): the weights are cast to the outputs'
+  dtype first (`_weighted_experts`), and what follows runs in it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 
 aten = torch.ops.aten
@@ -244,6 +251,7 @@ class _FusedGLU(torch.autograd.Function):
 
 _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 _RMS_NORM = (F.rms_norm, aten.rms_norm.default)
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
 _GLU_ACTIVATIONS = (F.silu, aten.silu.default, F.gelu, aten.gelu.default)  # act(gate) * up: a fused GLU kernel
 
 
@@ -258,6 +266,7 @@ class GpuSemantics(TorchFunctionMode):
         self.attention = attention
         self.kernels_used: Counter[str] = Counter()
         self._gates: dict[int, tuple] = {}  # id(activation output) -> (output, gate, the activation)
+        self._expert_outputs: dict[int, torch.Tensor] = {}  # id -> a grouped expert matmul's output
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -277,9 +286,26 @@ class GpuSemantics(TorchFunctionMode):
             return out
         if func in _MULTIPLY and len(args) == 2 and not kwargs:
             fused = self._swiglu(*args)
+            if fused is None:
+                fused = self._weighted_experts(func, *args)
             if fused is not None:
                 return fused
+        if func in _GROUPED_MM or is_grouped_mm(func):
+            out = func(*args, **kwargs)
+            self._expert_outputs[id(out)] = out
+            return out
         return func(*args, **kwargs)
+
+    def _weighted_experts(self, func, a, b) -> torch.Tensor | None:
+        """A grouped expert matmul's output times wider routing weights, with the weights in the output's dtype
+        (module docstring); None when the product is not that."""
+        for outputs, weights in ((a, b), (b, a)):
+            if not isinstance(outputs, torch.Tensor) or self._expert_outputs.get(id(outputs)) is not outputs:
+                continue
+            if isinstance(weights, torch.Tensor) and weights.is_floating_point():
+                if torch.promote_types(outputs.dtype, weights.dtype) != outputs.dtype:
+                    return func(outputs, weights.to(outputs.dtype))
+        return None
 
     def _swiglu(self, a, b) -> torch.Tensor | None:
         """act(gate) * up (either order) as one fused kernel (`_FusedGLU`)."""

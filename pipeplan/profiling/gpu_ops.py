@@ -26,12 +26,7 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
   and recompute silu in the backward: `_FusedGLU`; GeGLU (`gelu(gate) * up`, Gemma's MLP) likewise (Transformer
   Engine's geglu, Megatron's bias_geglu).
-- A grouped expert matmul's output (`aten._grouped_mm`, transformers' `grouped_mm_fallback`) times routing
-  weights of a wider dtype (transformers' grouped-mm experts keep the router's float32 weights, so the weighting,
-  the return to token order and the sum over top_k run in float32): production MoE layers weight the expert
-  outputs in their own dtype (Megatron-Core's weighted SwiGLU and fused unpermute, Transformer Engine's
-  moe_unpermute with merging probs; torchtitan casts the product back): the weights are cast to the outputs'
-  dtype first (`_weighted_experts`), and what follows runs in it.
+- MoE routing written for eager PyTorch (weighting in the experts' dtype, a float32 router): `gpu_routing`.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeplan.profiling.gpu_routing import LINEARS, UPCASTS, UpcastLinear, upcast_source, weighted_experts
 from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 
@@ -267,6 +263,7 @@ class GpuSemantics(TorchFunctionMode):
         self.kernels_used: Counter[str] = Counter()
         self._gates: dict[int, tuple] = {}  # id(activation output) -> (output, gate, the activation)
         self._expert_outputs: dict[int, torch.Tensor] = {}  # id -> a grouped expert matmul's output
+        self._upcasts: dict[int, tuple] = {}  # id(float32 copy) -> (the copy, its 16-bit source)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -287,25 +284,33 @@ class GpuSemantics(TorchFunctionMode):
         if func in _MULTIPLY and len(args) == 2 and not kwargs:
             fused = self._swiglu(*args)
             if fused is None:
-                fused = self._weighted_experts(func, *args)
+                fused = weighted_experts(func, *args, self._expert_outputs)
             if fused is not None:
                 return fused
         if func in _GROUPED_MM or is_grouped_mm(func):
             out = func(*args, **kwargs)
             self._expert_outputs[id(out)] = out
             return out
+        if func in UPCASTS and args:
+            out = func(*args, **kwargs)
+            source = upcast_source(args[0], out)
+            if source is not None:
+                self._upcasts[id(out)] = (out, source)
+            return out
+        if func in LINEARS and len(args) == 2 and not kwargs:
+            upcast = self._upcast_linear(*args)
+            if upcast is not None:
+                return upcast
         return func(*args, **kwargs)
 
-    def _weighted_experts(self, func, a, b) -> torch.Tensor | None:
-        """A grouped expert matmul's output times wider routing weights, with the weights in the output's dtype
-        (module docstring); None when the product is not that."""
-        for outputs, weights in ((a, b), (b, a)):
-            if not isinstance(outputs, torch.Tensor) or self._expert_outputs.get(id(outputs)) is not outputs:
-                continue
-            if isinstance(weights, torch.Tensor) and weights.is_floating_point():
-                if torch.promote_types(outputs.dtype, weights.dtype) != outputs.dtype:
-                    return func(outputs, weights.to(outputs.dtype))
-        return None
+    def _upcast_linear(self, x, weight) -> torch.Tensor | None:
+        """A linear of a float32 copy of a 16-bit activation as a float32 router runs it (`gpu_routing`)."""
+        found = self._upcasts.get(id(x)) if isinstance(x, torch.Tensor) else None
+        if found is None or found[0] is not x:
+            return None
+        cast = self._upcasts.get(id(weight)) if isinstance(weight, torch.Tensor) else None
+        source = cast[1] if cast is not None and cast[0] is weight else weight
+        return UpcastLinear.apply(found[1], x, source, weight)
 
     def _swiglu(self, a, b) -> torch.Tensor | None:
         """act(gate) * up (either order) as one fused kernel (`_FusedGLU`)."""

@@ -32,14 +32,14 @@ def weighted_experts(func, a, b, expert_outputs: dict[int, torch.Tensor]) -> tor
     for outputs, weights in ((a, b), (b, a)):
         if not isinstance(outputs, torch.Tensor) or expert_outputs.get(id(outputs)) is not outputs:
             continue
-        if isinstance(weights, torch.Tensor) and weights.is_floating_point():
-            if torch.promote_types(outputs.dtype, weights.dtype) != outputs.dtype:
-                return func(outputs, weights.to(outputs.dtype))
+        wider = isinstance(weights, torch.Tensor) and weights.is_floating_point()
+        if wider and torch.promote_types(outputs.dtype, weights.dtype) != outputs.dtype:
+            return func(outputs, weights.to(outputs.dtype))
     return None
 
 
 def upcast_source(value, out) -> torch.Tensor | None:
-    """The 16-bit tensor `out` is a float32 copy of (`value`), or None."""
+    """`value` when `out` is a float32 copy of it, a 16-bit tensor; else None."""
     if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor) or out is value:
         return None
     return value if value.dtype in LOW_PRECISION and out.dtype == torch.float32 else None

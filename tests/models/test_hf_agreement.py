@@ -1,7 +1,8 @@
 """`hf:` models and the built-ins of the same shape agree (issue 35): analytic profiles at published widths (one or
 two blocks: every per-block quantity is the full model's; depth only repeats them) give the same parameters and
 FLOPs per token, and for the dense families the same saved bytes per block, cut bytes and block / head times
-within 2% (the MoE families: saved bytes per MoE block, and Mixtral's block times); `capacity` of Llama-2-7B's shape as `hf:llama` and as `llama-7b` chooses the same layout, its step
+within 2% (the MoE families: saved bytes per MoE block, and Mixtral's block times); `capacity` of Llama-2-7B's
+shape as `hf:llama` and as `llama-7b` chooses the same layout, its step
 within 2%, on 8 and 64 H100."""
 
 from __future__ import annotations

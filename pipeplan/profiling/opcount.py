@@ -93,8 +93,21 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and not a.alias_info.is_write for a in arguments)
 
 
+def _distinct_elements(tensor: torch.Tensor) -> int:
+    """Elements a kernel reads from memory: a broadcast (stride-0, `expand`ed) dimension repeats the same addresses,
+    which come from cache (e.g. the token index Megatron-Core's and torchtitan's MoE combine expand over the
+    hidden size for scatter_add), so it counts once."""
+    if tensor.layout != torch.strided:
+        return tensor.numel()
+    repeated = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride == 0 and size > 1:
+            repeated *= size
+    return tensor.numel() // repeated
+
+
 def _tensor_bytes(values: Iterable) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return sum(_distinct_elements(v) * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[float, int]:

@@ -41,8 +41,15 @@ class PipelineLayout:
         return tuple(tuple(Op.parse(text) for text in ops) for ops in self.device_ops)
 
     def stage_devices(self, stage: int) -> tuple[int, ...]:
-        """Pipeline devices holding `stage` (one per replica)."""
+        """Pipeline devices holding `stage` (one per replica; a mirrored schedule's two copies)."""
         return tuple(d for d, stages in enumerate(self.device_stages) if stage in stages)
+
+    def placed_as_partitioned(self, stage: int, devices: tuple[int, ...]) -> bool:
+        """Whether `stage` is held where a partition put it on `devices` (a mirrored schedule's: there first,
+        for direction 0, and on the mirror device)."""
+        held = self.stage_devices(stage)
+        mirrored = len(devices) == 1 and len(held) == 2 and self.device_stages[devices[0]][0] == stage
+        return held == devices or mirrored
 
 
 def pipeline_layout(

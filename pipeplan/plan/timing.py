@@ -16,6 +16,7 @@ from pipeplan.plan.layout import PipelineLayout, layout_schedule, layout_steps, 
 from pipeplan.plan.plan import Plan, StagePlan
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import Steady, StepEnd, steady_state
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
@@ -52,7 +53,9 @@ def plan_memory(plan: Plan) -> MemoryCosts:
     per_param: float | list[float] = training.optimizer_bytes_per_param
     if training.zero:  # the search's `stage_bytes_per_param`: routed experts' state over 1/ep of the holders
         split = static_split(training.optimizer, training.precision)
-        holders = training.data_parallel * training.context_parallel
+        holders = (
+            training.data_parallel * training.context_parallel * stage_copies(schedule_info(plan.schedule).placement)
+        )
         per_param = [
             stage_static_per_param(
                 split, s.param_count, s.expert_param_count, s.replicas * holders, 1, training.expert_parallel

@@ -76,3 +76,17 @@ def test_the_selector_says_why_dualpipe_loses():
     plan = build_plan(result, model=ModelRef(ref="synthetic"))
     assert plan.schedule == "1f1b" and any(e.layout.schedule == "dualpipe" for e in result.ranked)
     assert "dualpipe loses: its best, dualpipe 2x2 " in plan.rationale and "holds every stage twice" in plan.rationale
+
+
+@pytest.mark.parametrize("fmt", ["torch-csv", "torchtitan", "torchtitan-0.3", "megatron"])
+def test_every_export_refuses_it_in_one_line(tmp_path, fmt):
+    """No engine places one stage on two ranks: each format refuses, naming what to export instead, and writes
+    nothing."""
+    _, plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    result = runner.invoke(app, ["export", str(path), "-f", fmt, "-o", str(tmp_path / "out")])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: cannot export a dualpipe plan as {fmt}: ") and "dualpipev" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

@@ -32,6 +32,7 @@ from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError,
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.jsonio import build_dataclass, read_json, write_json
 from pipeplan.schedules.ops import Op
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import check_complete
 
@@ -327,7 +328,9 @@ def _check_asynchronous(plan: Plan) -> None:
 
 
 def _check_replicas(plan: Plan) -> None:
-    """Every pipeline holds each stage on exactly `replicas` ranks, numbered 0..replicas-1."""
+    """Every pipeline holds each stage on exactly `replicas` ranks, numbered 0..replicas-1 (once per copy: a
+    mirrored schedule holds each stage twice, `placement.stage_copies`)."""
+    copies = stage_copies(schedule_info(plan.schedule).placement)
     for pipeline in range(plan.training.data_parallel):
         holders: dict[int, list[int]] = {}
         for info in plan.ranks:
@@ -336,10 +339,10 @@ def _check_replicas(plan: Plan) -> None:
                     holders.setdefault(stage, []).append(info.stage_replica)
         for stage in plan.stages:
             found = sorted(holders.get(stage.index, []))
-            if found != list(range(stage.replicas)):
+            if found != sorted(list(range(stage.replicas)) * copies):
                 raise FormatError(
                     f"plan pipeline {pipeline} holds stage {stage.index} on {len(found)} rank(s) with replica "
-                    f"indices {found}; stage {stage.index} declares {stage.replicas} replica(s)"
+                    f"indices {found}; stage {stage.index} declares {stage.replicas} replica(s) x {copies} copies"
                 )
 
 

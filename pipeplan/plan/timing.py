@@ -12,10 +12,11 @@ from pipeplan.costs.optimizer import undo_copy_bytes
 from pipeplan.costs.overlap import Overlap, Reductions, eager_update_ms
 from pipeplan.errors import FormatError
 from pipeplan.plan.asynchronous import predicted_step, with_weight_versions
-from pipeplan.plan.layout import PipelineLayout, layout_steps, simulate_layout, transfer_costs
+from pipeplan.plan.layout import PipelineLayout, layout_schedule, layout_steps, simulate_layout, transfer_costs
 from pipeplan.plan.plan import Plan, StagePlan
-from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import Steady, StepEnd, steady_state
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
@@ -52,7 +53,9 @@ def plan_memory(plan: Plan) -> MemoryCosts:
     per_param: float | list[float] = training.optimizer_bytes_per_param
     if training.zero:  # the search's `stage_bytes_per_param`: routed experts' state over 1/ep of the holders
         split = static_split(training.optimizer, training.precision)
-        holders = training.data_parallel * training.context_parallel
+        holders = (
+            training.data_parallel * training.context_parallel * stage_copies(schedule_info(plan.schedule).placement)
+        )
         per_param = [
             stage_static_per_param(
                 split, s.param_count, s.expert_param_count, s.replicas * holders, 1, training.expert_parallel
@@ -91,15 +94,7 @@ def plan_schedule(plan: Plan) -> Schedule:
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
     if all(s.replicas == 1 for s in plan.stages):
-        placement = {stage: device for device, stages in enumerate(pipe.device_stages) for stage in stages}
-        return Schedule(
-            name=plan.schedule,
-            num_devices=pipe.num_devices,
-            num_stages=num_stages,
-            num_microbatches=m,
-            stage_device=tuple(placement[s] for s in range(num_stages)),
-            device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
-        )
+        return layout_schedule(pipe, plan.schedule, num_stages, m)
     schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
     expanded = replicate_paced(schedule, tuple(s.replicas for s in plan.stages))
     if sorted(tuple(row) for row in expanded.op_strings()) != sorted(pipe.device_ops):

@@ -42,9 +42,10 @@ from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layou
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import async_stream_steps, default_chunks, generate, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
-from pipeplan.search.gradient_sync import allreduce_step_ms, post_validation_allowed
+from pipeplan.search.gradient_sync import per_device, post_validation_allowed
 from pipeplan.search.period_end import period_end
 from pipeplan.search.recompute_choice import settle_recompute
 from pipeplan.search.stage_memory import activation_budget, memory_costs, stage_bytes_per_param
@@ -72,9 +73,11 @@ class Layout:
 
     @property
     def holders(self) -> int:
-        """Ranks of a stage replica that hold the same parameters: one per pipeline and per context-parallel rank
-        (ZeRO-1 shards the optimizer state over them; the gradient exchange runs over them)."""
-        return self.data_parallel * self.context_parallel
+        """Ranks of a stage replica that hold the same parameters: one per pipeline and per context-parallel rank,
+        twice for a mirrored schedule (dualpipe's copy per direction); ZeRO-1 shards the optimizer state over them,
+        the gradient exchange runs over them."""
+        copies = stage_copies(schedule_info(self.schedule).placement)
+        return self.data_parallel * self.context_parallel * copies
 
     @property
     def num_chunks(self) -> int:
@@ -124,7 +127,7 @@ class Evaluation:
 
     @property
     def allreduce_ms(self) -> float:
-        return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
+        return max(per_device(self.stage_allreduce_ms, self.pipeline.device_stages))
 
     def resimulate(self, costs: StageCosts) -> Timeline:
         """This candidate's op lists simulated again under other `costs` (e.g. free transfers), transfers blocking
@@ -346,7 +349,7 @@ def _schedule_layout(
         pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:
         return Rejection(layout=layout, kind="schedule", reason=str(exc))
-    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
+    assert all(pipe.placed_as_partitioned(s.index, s.devices) for s in part.stages), "partition and placement differ"
     if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
         # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
         reason = f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline"

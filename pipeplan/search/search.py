@@ -42,7 +42,7 @@ from pipeplan.costs import (
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.placement import LOOPED
+from pipeplan.schedules.placement import LOOPED, stage_copies
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.search.candidate import (
     REPLICATED,
@@ -271,7 +271,8 @@ def _evaluate_each_schedule(
 def _static_memory_rejection(
     layout: Layout, profile: Profile, cluster: Cluster, config: SearchConfig
 ) -> Rejection | None:
-    params = sum(layer.param_count for layer in profile.layers)
+    copies = stage_copies(schedule_info(layout.schedule).placement)  # dualpipe holds the model twice per pipeline
+    params = copies * sum(layer.param_count for layer in profile.layers)
     static = spread_static_bytes(params, config.least_per_param(layout.holders), layout.pipeline_devices)
     if static <= cluster.memory_per_device:
         return None

@@ -123,6 +123,8 @@ def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origi
     the last steps, the summary lines."""
     plan, config, rank, device = trainer.plan, trainer.config, trainer.rank, trainer.device
     result.optimizer_state_numel = trainer.optimizer.state_numel()
+    if config.track_saved:
+        result.saved_peak_bytes = trainer.saved_peak_bytes
     if trainer.post_validator is not None:
         result.rollbacks, result.redone = trainer.post_validator.rollbacks, trainer.post_validator.redone
     if trainer.executor.pairs is not None:

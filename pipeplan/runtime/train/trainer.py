@@ -49,6 +49,7 @@ class RunResult:
     redone: int = 0  # --post-validate: steps already started on undone weights, discarded and run again
     pairs: str | None = None  # how this rank ran its overlapped F&B pairs (overlap.PairRunner.describe), if any
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
+    saved_peak_bytes: int | None = None  # with RunConfig.track_saved: the most activation bytes held (executor's)
 
 
 def microbatches_for(
@@ -91,6 +92,8 @@ class Trainer:
             plan, rank, self.model, routing, device, direction_groups=groups, overlap_pairs=config.overlap_pairs
         )
         self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
+        self.executor.track_saved = config.track_saved
+        self.saved_peak_bytes = 0  # the most `Executor.held_activation_bytes` over the steps (track_saved)
         self.executor.autocast = lambda: self.precision.autocast(device.type)
         self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
@@ -168,6 +171,7 @@ class Trainer:
             self.executor.loss_grad = self.scaler.scale
         pieces = microbatches_for(self.plan, self.rank, shard, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
+        self.saved_peak_bytes = max(self.saved_peak_bytes, record.saved_peak_bytes)
         self._op_times[step] = [(name, record.began + a, record.began + b) for name, a, b in record.op_times]
         if self.inject_nan_at == step:
             _poison_a_gradient(self.model.params)

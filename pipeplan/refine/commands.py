@@ -14,9 +14,9 @@ def refine(options: RefineOptions) -> None:
     refined profile), the run's own plan is timed again with them (it reproduces the run), and the model is planned
     again with the plan's settings into DIR (plan.json, scripts, timeline.json and the refined profile.json).
 
-    The trace names the plan it ran (and the plan its profile): a trace of another plan or model is refused.
+    The trace names the plan it ran (and the plan its profile): a trace of another plan or model is refused. Record
+    one with `pipeplan run plan/plan.json --steps 20 --trace plan/measured.json`.
 
-    Example: pipeplan run plan/plan.json --steps 20 --trace plan/measured.json
     Example: pipeplan refine plan/measured.json -o plan-refined
     Example: pipeplan refine measured.json --plan plan/plan.json --schedule auto -o plan-auto
     """

@@ -6,7 +6,7 @@ base modules); ARCHITECTURE.md draws the same map:
     base (errors, units, console, options, jsonio, paths, precision, cluster, hardware, version)
     models < graph < profiling < calibrate
     schedules (pure op lists: base only)
-    costs < partition < plan < search < capacity
+    costs < partition < plan < search < capacity, refine (a run's trace -> refined profile -> plan again)
     runtime (executes a Plan: plan, graph, schedules, models; nothing of the search), in rooms of its own:
         runtime.weights < runtime.step < runtime.train < runtime.launch < runtime (commands, export_weights)
     api, cli (everything): the Python API and the command line over it; the package's `__init__` names the API's
@@ -48,6 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "plan": {"costs", "profiling", "graph", "schedules", "models"},
     "search": {"plan", "partition", "costs", "profiling", "graph", "schedules", "models"},
     "capacity": {"search", "plan", "partition", "costs", "profiling", "graph", "schedules", "models"},
+    "refine": {"search", "plan", "partition", "costs", "profiling", "graph", "schedules", "models"},
 }
 RUNTIME_ROOMS = ("weights", "step", "train", "launch")  # runtime's subpackages, bottom to top
 _BELOW_RUNTIME = {"plan", "graph", "schedules", "models"}  # nothing of the search

@@ -30,7 +30,7 @@ from pipeplan.cluster import Cluster
 from pipeplan.costs import ZERO_STAGES
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.graph.recompute_modes import unknown_recompute
-from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info
@@ -161,6 +161,18 @@ class RankInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfileRef:
+    """The profile the plan's costs come from (written beside plan.json as profile.json): what `run` records in
+    its trace and `refine` checks a profile file against, and the CPU threads it was measured with (a run whose
+    ranks use another count says so)."""
+
+    fingerprint: str  # Profile.fingerprint of profile.json
+    source: str = "measured"  # measured | analytic | pipedream
+    threads: int | None = None  # Provenance.threads: torch's CPU threads while measuring (None: not recorded)
+    refined_from: str = ""  # Provenance.refined_from: the run a refined profile learned from
+
+
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     step_ms: float
     samples_per_s: float
@@ -187,6 +199,7 @@ class Plan:
     memory_choices: tuple[str, ...] = ()  # each memory option used (recomputation per stage, ZeRO-1) and why
     pipeplan_version: str = ""
     torch_version: str = ""
+    profile: ProfileRef | None = None  # None: older plans, plans not made by the search (manual_plan)
 
     def __post_init__(self) -> None:
         _check_plan(self)
@@ -257,6 +270,11 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
+
+    @property
+    def fingerprint(self) -> str:
+        """Of its plan.json content (`jsonio.fingerprint`): a run's trace records the plan it ran."""
+        return fingerprint(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "plan") -> Plan:

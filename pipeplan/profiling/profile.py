@@ -44,7 +44,7 @@ from typing import Any
 
 from pipeplan.errors import FormatError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
-from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
 from pipeplan.profiling.kernels import Kernel, KernelRates
 
 PROFILE_SCHEMA_VERSION = 4
@@ -219,6 +219,8 @@ class Provenance:
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
     eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)
     expert_routing: tuple[ExpertRouting, ...] = ()  # per MoE layer, how the sample batch was routed (measured)
+    threads: int | None = None  # measured on a CPU: torch's threads (None: analytic, CUDA, older files)
+    refined_from: str = ""  # a profile refined from a run (`pipeplan refine`): the run's trace and plan
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -263,6 +265,11 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
+
+    @property
+    def fingerprint(self) -> str:
+        """Of its file's content (`jsonio.fingerprint`): what a plan records of the profile it was made from."""
+        return fingerprint(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "profile") -> Profile:

@@ -13,7 +13,7 @@ from pipeplan.errors import InfeasibleError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.plan.plan import Plan
-from pipeplan.plan.scripts import write_plan_dir
+from pipeplan.plan.scripts import with_profile, write_plan_dir
 from pipeplan.plan.timing import plan_steps_timeline, timeline_rows
 from pipeplan.precision import default_precision
 from pipeplan.profiling.profile_job import ProfileRequest
@@ -162,8 +162,9 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
 
 
 def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = None) -> tuple[Plan, Timeline]:
-    """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch and
-    timeline.json (when the job has a directory); return the plan and its predicted steps' timeline."""
+    """Search (each tensor-parallel size), build the chosen Plan and write DIR/plan.json, launch.sh, job.sbatch,
+    timeline.json and profile.json (when the job has a directory); return the plan and its predicted steps'
+    timeline."""
     tries = search_tensor_parallel(
         job.source.profile, job.cluster, job.config, job.tensor_parallel, job.schedules, progress=progress
     )
@@ -173,7 +174,8 @@ def run_plan_job(job: PlanJob, *, progress: Callable[[int, int], None] | None = 
         result, why = _pinned_result(job, result)
     source = graph_at_microbatch(job.source, result.best.layout.microbatch_size)
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
+    chosen = with_profile(chosen, job.source.profile)  # written beside it: `refine` starts from it
     timeline = plan_steps_timeline(chosen)  # several steps of the op lists (`show` draws the same)
     if job.output is not None:
-        write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output)
+        write_plan_dir(chosen, timeline_rows(chosen, timeline), job.output, job.source.profile)
     return chosen, timeline

@@ -27,6 +27,7 @@ from pipeplan.runtime.step.zero import make_step_optimizer
 from pipeplan.runtime.train.config import RunConfig
 from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
 from pipeplan.runtime.train.post_validate import PostValidator, Settled
+from pipeplan.runtime.train.run_notes import RunSource
 from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
 from pipeplan.runtime.weights import checkpoint
 from pipeplan.schedules.registry import schedule_info
@@ -75,6 +76,7 @@ def microbatches_for(
 class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
+        self.source: RunSource | None = None  # the plan as loaded and its file (`train` sets it): the trace's record
         self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
         self.precision = get_precision(plan.training.precision)
         apply_param_dtype(self.model, self.precision)

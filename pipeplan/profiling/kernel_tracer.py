@@ -32,6 +32,7 @@ ATTENTION_OPS = frozenset((aten._scaled_dot_product_flash_attention.default,))
 KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, aten._scaled_dot_product_flash_attention_backward.default))
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")  # (tokens, in) x (experts, in, out)
 GROUPED_MM_BACKWARD = ("transformers::grouped_mm_fallback_backward",)  # timed from the forward's Kernel
+REPEAT_CARRIERS = frozenset((aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default))
 
 
 def _op_name(func) -> str:
@@ -71,6 +72,7 @@ class KernelTracer:
         self._params = {id(p): p for p in params}  # views of parameters join this
         self._split: dict[int, torch.Tensor] = {}  # activations a tensor-parallel rank holds a part of
         self.expert_params: dict[int, torch.Tensor] = {}  # stacked expert weights (a grouped matmul's operand)
+        self._repeated: dict[int, tuple[torch.Tensor, int]] = {}  # heads repeated for grouped-query attention
 
     def _is_param(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._params
@@ -87,6 +89,7 @@ class KernelTracer:
 
     def see(self, func, args: tuple, out) -> Kernel | None:
         inputs, outputs = _tensors(args), _tensors(out)
+        self._follow_repeats(func, args, out)
         kernel = None
         if func in GEMM_OPS:
             kernel, split = self._gemm(func, args)
@@ -101,6 +104,16 @@ class KernelTracer:
             split = any(self._is_split(t) for t in inputs if t.is_floating_point())
         self._mark([t for t in outputs if t.is_floating_point()], split=split)
         return kernel
+
+    def _follow_repeats(self, func, args: tuple, out) -> None:
+        """Key/value heads repeated for the query heads (`repeat_interleave` on meta: expand, clone, view): how
+        many times, so attention records its key/value share (`Kernel.kv_share`)."""
+        if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return
+        if func is aten.expand.default and out.numel() > args[0].numel() > 0:
+            self._repeated[id(out)] = (out, out.numel() // args[0].numel())
+        elif func in REPEAT_CARRIERS and id(args[0]) in self._repeated:
+            self._repeated[id(out)] = (out, self._repeated[id(args[0])][1])
 
     def _gemm(self, func, args: tuple) -> tuple[Kernel, bool]:
         first = GEMM_OPS[func]
@@ -162,6 +175,7 @@ class KernelTracer:
         q, k = args[0], args[1]
         causal = bool(args[4]) if len(args) > 4 else False
         batch, heads, seq_q, head_dim = q.shape
+        repeats = self._repeated[id(k)][1] if id(k) in self._repeated else 1
         return Kernel(
             kind="attention",
             m=seq_q,
@@ -175,4 +189,5 @@ class KernelTracer:
             causal=causal,
             element_bytes=q.element_size(),
             core=True,
+            kv_share=1.0 / repeats,
         )

@@ -69,6 +69,8 @@ class AnalyticConfig:
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
     fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
+    stack: str = "eager"  # whose fusions time the other ops (profiling.fusion): megatron for Megatron precisions
+    grad_bytes: int = 0  # Megatron stack: weight gradients accumulate into a buffer of these bytes per element
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -89,15 +91,19 @@ class AnalyticConfig:
     @property
     def roofline(self) -> Roofline:
         hardware = self.hardware
-        peak = hardware.peak_flops(self.torch_dtype)
         matmul = hardware.matmul_flops_per_s(self.torch_dtype, self.matmul_efficiency)
         return Roofline(
             flops_per_s=matmul,
             bytes_per_s=hardware.memory_bytes_per_s(self.memory_efficiency),
             launch_s=hardware.kernel_launch_s,
-            attention_flops_per_s=peak * hardware.attention_fraction,
+            attention_flops_per_s=hardware.attention_flops_per_s(self.torch_dtype),
             sm_count=hardware.sm_count,
             fp8_flops_per_s=hardware.fp8_matmul_flops_per_s(self.matmul_efficiency) if self.fp8_linears else None,
+            gemm_overhead_s=hardware.gemm_overhead_s,
+            epilogue_exposed=hardware.epilogue_exposed,
+            grad_bytes=self.grad_bytes,
+            tile_reuse_half=hardware.tile_reuse_half,
+            stream_k=hardware.stream_k,
         )
 
 
@@ -174,6 +180,7 @@ def profile_analytic(
         matmul_efficiency=matmul_efficiency,
         memory_efficiency=memory_efficiency,
         fp8_linears=mode.fp8_linears,
+        **_stack_fields(mode),
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
@@ -198,6 +205,14 @@ def profile_analytic(
         ),
         input_bytes=tensor_bytes(model_inputs),
     )
+
+
+def _stack_fields(mode) -> dict:
+    """The stack a precision stands for: Megatron-Core/TE for Megatron's precisions (their fusions, weight
+    gradients accumulated into the gradient buffer: gradient_accumulation_fusion), PyTorch eager otherwise."""
+    if mode.main_weights:
+        return dict(stack="megatron", grad_bytes=mode.grad_bytes)
+    return dict(stack="eager", grad_bytes=0)
 
 
 def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
@@ -255,7 +270,11 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                     "profile with --device cpu or cuda instead"
                 ) from None
             env.update(zip(stage.outputs, counts.outputs))
-            work = counts.work(recompute.selective_rest_seconds)
+            work = counts.work(
+                recompute.selective_rest_seconds,
+                stack=config.stack,
+                selective=recompute.selective_traffic(config.stack),
+            )
             kept = recompute.byte_fields(counts.saved_bytes)
             layers.append(
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
@@ -273,6 +292,12 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
     return total
 
 
+_STACK_NOTES = {
+    "eager": "one kernel per op (PyTorch eager)",
+    "megatron": "Megatron-Core/Transformer Engine fusions (one kernel between matmuls)",
+}
+
+
 def _provenance(
     spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
 ) -> Provenance:
@@ -284,7 +309,7 @@ def _provenance(
     notes = (
         f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
         f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "
-        "last layer includes loss_fn"
+        f"other ops: {_STACK_NOTES[config.stack]}; last layer includes loss_fn"
     )
     return Provenance(
         source="analytic",

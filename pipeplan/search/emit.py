@@ -18,6 +18,7 @@ from pipeplan.plan.layout import rank_infos
 from pipeplan.plan.plan import ModelRef, Plan, Prediction, StagePlan, TrainingConfig, run_device_for
 from pipeplan.precision import get_precision
 from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.retime import layers_breakdown
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
@@ -143,6 +144,9 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
                 optimizer_ms=chosen.stage_optimizer_ms[index],
+                compute_breakdown=layers_breakdown(
+                    profile.layers[first : last + 1], profile.provenance.kernel_rates, stage.recompute
+                ).as_dict(),
                 **_recompute_fields(chosen, index),
             )
         )

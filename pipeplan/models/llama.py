@@ -86,13 +86,30 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class SquaredReluMLP(nn.Module):
+    """`down(relu(up(x))²)`: Nemotron-4's MLP (Parmar et al. 2024), two matrices instead of SwiGLU's three."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)).square())
+
+
+MLPS = {"swiglu": MLP, "relu2": SquaredReluMLP}
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float, mlp: str = "swiglu"
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = Attention(hidden, heads, kv_heads, theta)
         self.mlp_norm = RMSNorm(hidden, eps)
-        self.mlp = MLP(hidden, intermediate)
+        self.mlp = MLPS[mlp](hidden, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -121,11 +138,12 @@ class Llama(nn.Module):
         vocab: int,
         norm_eps: float,
         rope_theta: float,
+        mlp: str = "swiglu",
     ) -> None:
         super().__init__()
         self.embed = Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            Block(hidden, heads, kv_heads, intermediate, norm_eps, rope_theta) for _ in range(layers)
+            Block(hidden, heads, kv_heads, intermediate, norm_eps, rope_theta, mlp) for _ in range(layers)
         )
         self.head = Head(hidden, vocab, norm_eps)
         self.apply(init_llama_weights)
@@ -155,8 +173,10 @@ def llama(
     vocab: int = 512,
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
+    mlp: str = "swiglu",
 ) -> ModelSpec:
-    """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, untied LM head."""
+    """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (or `mlp=relu2`:
+    Nemotron-4's squared-ReLU MLP), untied LM head."""
     check_sizes(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seq=seq, vocab=vocab
     )
@@ -166,6 +186,8 @@ def llama(
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if norm_eps <= 0 or rope_theta <= 0:
         raise ValueError("norm_eps and rope_theta must be positive")
+    if mlp not in MLPS:
+        raise ValueError(f"mlp must be one of {', '.join(MLPS)}, got {mlp!r}")
     options = dict(
         layers=layers,
         hidden=hidden,
@@ -176,6 +198,7 @@ def llama(
         vocab=vocab,
         norm_eps=norm_eps,
         rope_theta=rope_theta,
+        **({"mlp": mlp} if mlp != "swiglu" else {}),  # the default stays out: earlier options and plans match
     )
     module_options = {key: value for key, value in options.items() if key != "seq"}
 

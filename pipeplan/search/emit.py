@@ -144,13 +144,18 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
                 optimizer_ms=chosen.stage_optimizer_ms[index],
-                compute_breakdown=layers_breakdown(
-                    profile.layers[first : last + 1], profile.provenance.kernel_rates, stage.recompute
-                ).as_dict(),
+                compute_breakdown=_breakdown(profile, first, last, stage.recompute),
                 **_recompute_fields(chosen, index),
             )
         )
     return tuple(plans)
+
+
+def _breakdown(profile: Profile, first: int, last: int, recompute: str) -> dict[str, float]:
+    """One microbatch of the stage by part (`profiling.retime.layers_breakdown`); {} for a profile timed without a
+    kernel model (measured: nothing to split)."""
+    rates = profile.provenance.kernel_rates
+    return layers_breakdown(profile.layers[first : last + 1], rates, recompute).as_dict() if rates else {}
 
 
 def _recompute_fields(chosen: Evaluation, index: int) -> dict:

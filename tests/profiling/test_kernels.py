@@ -81,12 +81,23 @@ def test_skinny_outputs_split_k_and_each_kernel_pays_its_overhead():
 
 def test_the_h100_preset_reproduces_a_published_table_of_measured_matmuls():
     """XLA's table of measured bf16 matmuls on H100 (tests/data/xla_sm90_bf16_matmuls.txt, its source in the file):
-    the kernel model with the h100 preset's terms at the boost clock is within 7% rms of all 125 and unbiased
-    (mean within 2%) on the 45 large ones; the model before (one efficiency, three tile shapes, no per-kernel
-    terms) was 24% too fast on those."""
+    the kernel model with the h100 preset's shape terms at the table's own fitted level (0.93) is within 7% rms of
+    all 125 and unbiased (mean within 2%) on the 45 large ones; the model before (one efficiency, three tile shapes,
+    no per-kernel terms) was 24% too fast on those. The preset's level comes from normally distributed inputs (the
+    table does not say what it multiplied; random inputs draw more power): 4-9% slower than the table."""
     h100 = load_hardware("h100")
+    table_level, preset_level = _xla_errors(h100, 0.93), _xla_errors(h100, h100.matmul_efficiency)
+    errors, large = table_level
+    assert len(errors) == 125 and len(large) == 45
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.07
+    assert abs(sum(large) / len(large)) < 0.02
+    assert 0.04 < sum(preset_level[1]) / len(preset_level[1]) < 0.09
+
+
+def _xla_errors(h100, efficiency: float) -> tuple[list[float], list[float]]:
+    """log(model / measured) time of each table entry, and of the large ones."""
     rates = KernelRates(
-        gemm_flops_per_s=h100.peak_bf16_flops * h100.matmul_efficiency,
+        gemm_flops_per_s=h100.peak_bf16_flops * efficiency,
         attention_flops_per_s=h100.peak_bf16_flops,
         bytes_per_s=h100.memory_bytes_per_s(),
         sm_count=h100.sm_count,
@@ -102,9 +113,7 @@ def test_the_h100_preset_reproduces_a_published_table_of_measured_matmuls():
         errors.append(math.log(kernel_seconds(kernel, rates) * float(tflops) * 1e12 / kernel.flops))
         if int(m) * int(n) >= 2**20 and int(k) >= 1024:
             large.append(errors[-1])
-    assert len(errors) == 125 and len(large) == 45
-    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.07
-    assert abs(sum(large) / len(large)) < 0.02
+    return errors, large
 
 
 def test_skinny_shards_run_below_peak_and_without_sms_there_is_no_quantization():

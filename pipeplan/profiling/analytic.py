@@ -305,7 +305,8 @@ def _provenance(
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
     calibrated = config.matmul_efficiency is None and config.hardware.measured_flops(config.torch_dtype) is not None
     basis = f"calibrated {peak}" if calibrated else f"{peak} tensor-core peak x efficiency"
-    launch = f", {roofline.launch_s * 1e6:.1f} us kernel launch floor" if roofline.launch_s else ""
+    per = "per memory-bound kernel" if roofline.sm_count else "kernel launch floor"
+    launch = f", {roofline.launch_s * 1e6:.1f} us {per}" if roofline.launch_s else ""
     notes = (
         f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
         f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "

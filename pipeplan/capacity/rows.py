@@ -82,13 +82,13 @@ def device_breakdown(best: Evaluation, profile: Profile) -> dict[str, float]:
     F + B + recomputation x the microbatches it runs (`profile`: the search's, at the layout's microbatch size)."""
     busy = best.timeline.device_busy
     device = max(range(len(busy)), key=lambda d: busy[d])
-    rates = profile.provenance.kernel_rates
+    rates, split = profile.provenance.kernel_rates, schedule_info(best.partition.schedule).split_backward
     total = ComputeBreakdown()
     for index in best.pipeline.device_stages[device]:
         stage = best.partition.stages[index]
         layers = profile.layers[stage.first_layer : stage.last_layer + 1]
         share = best.layout.num_microbatches / stage.replicas
-        total = total + layers_breakdown(layers, rates, stage.recompute).scaled(share)
+        total = total + layers_breakdown(layers, rates, stage.recompute, split_backward=split).scaled(share)
     return {"device": device, **total.as_dict(), "total_ms": total.total_ms}
 
 

@@ -46,6 +46,7 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline 
         for s in plan.stages
     ]
     data = plan.to_dict()
+    breakdown = compute_breakdown(plan)
     return {
         "plan_dir": plan_dir,
         "description": describe(plan),
@@ -65,7 +66,8 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline 
         "staleness": staleness(plan.schedule, plan.world_size // plan.training.data_parallel) or None,
         "zero": plan.training.zero,
         "memory_choices": list(plan.memory_choices),
-        "compute_breakdown": compute_breakdown(plan),
+        "compute_breakdown": breakdown,
+        "compute_breakdown_reason": None if breakdown else BREAKDOWN_ABSENT,
     }
 
 
@@ -77,6 +79,13 @@ BREAKDOWN_WORDS = {
     "collectives_ms": "exposed collectives",
     "other_ms": "other",
 }
+
+
+# why a plan holds no breakdown: its stages' times came without a kernel model (emit.py writes {} then)
+BREAKDOWN_ABSENT = (
+    "not split by kernel: the plan's profile was measured or imported (or the plan predates the split), so its "
+    "times have no kernel model to split into GEMM, attention, memory-bound kernels and launches"
+)
 
 
 def compute_breakdown(plan: Plan) -> dict[str, float] | None:
@@ -97,6 +106,14 @@ def compute_breakdown(plan: Plan) -> dict[str, float] | None:
         if found is None or total > found["total_ms"]:
             found = {"rank": info.rank, **parts, "total_ms": total}
     return found
+
+
+def _compute_words(plan: Plan) -> str:
+    """`show`'s Compute line: the busiest rank's split of one step, or why the plan holds none."""
+    parts = compute_breakdown(plan)
+    if not parts:
+        return BREAKDOWN_ABSENT
+    return f"{parts['total_ms']:,.1f} ms per step on rank {int(parts['rank'])} (the busiest): {breakdown_words(parts)}"
 
 
 def breakdown_words(parts: dict[str, float]) -> str:
@@ -210,11 +227,8 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
         f", bubble {p.bubble_rate:.1%}, peak memory {format_bytes(peak)} of {format_bytes(p.memory_limit_bytes)}"
         f" ({format_bytes(plan.cluster.memory_per_device)} less a {format_bytes(p.memory_reserve_bytes)} reserve)"
     )
-    parts = compute_breakdown(plan)
-    if parts:
-        text.append("\nCompute: ", style="bold")
-        text.append(f"{parts['total_ms']:,.1f} ms per step on rank {int(parts['rank'])} (the busiest): ")
-        text.append(breakdown_words(parts))
+    text.append("\nCompute: ", style="bold")
+    text.append(_compute_words(plan))
     stale = staleness(plan.schedule, plan.world_size // plan.training.data_parallel)
     if stale:  # asynchronous: what the speed costs in optimization semantics
         text.append("\nStaleness: ", style="bold yellow")

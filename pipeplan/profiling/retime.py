@@ -67,14 +67,21 @@ def pass_breakdown(work: LayerWork, rates: KernelRates, name: str) -> ComputeBre
     return _kernel_part(work, rates, name) + _rest_breakdown(work, rates, name)
 
 
-def layer_breakdown(layer: LayerProfile, rates: KernelRates | None, recompute: str = "none") -> ComputeBreakdown:
-    """One microbatch of `layer` — its forward, its fused backward (B) and what `recompute` re-runs — by part; the
-    parts sum to forward_ms + backward_ms + recompute_ms(recompute). A layer without work (a measured profile) is
-    all `other`."""
-    total = layer.forward_ms + layer.backward_ms + layer.recompute_ms(recompute)
+def layer_breakdown(
+    layer: LayerProfile, rates: KernelRates | None, recompute: str = "none", *, split_backward: bool = False
+) -> ComputeBreakdown:
+    """One microbatch of `layer` — its forward, its backward (the fused B, or I and W as separate passes when the
+    schedule splits the backward: `costs.stage.compute_ms`) and what `recompute` re-runs — by part; the parts sum
+    to forward_ms + (backward_ms or input_grad_ms + weight_grad_ms) + recompute_ms(recompute). A layer without work
+    (a measured profile) is all `other`."""
+    backward = layer.input_grad_ms + layer.weight_grad_ms if split_backward else layer.backward_ms
+    total = layer.forward_ms + backward + layer.recompute_ms(recompute)
     if layer.work is None or rates is None:
         return ComputeBreakdown(other=total)
-    parts = pass_breakdown(layer.work, rates, "forward") + pass_breakdown(layer.work, rates, "backward")
+    passes = ("forward", "input_grad", "weight_grad") if split_backward else ("forward", "backward")
+    parts = ComputeBreakdown()
+    for name in passes:
+        parts = parts + pass_breakdown(layer.work, rates, name)
     if recompute == "full":
         parts = parts + pass_breakdown(layer.work, rates, "forward")
     elif recompute == "selective" and layer.selective_recompute_ms > 0:
@@ -82,11 +89,13 @@ def layer_breakdown(layer: LayerProfile, rates: KernelRates | None, recompute: s
     return replace(parts, collectives=max(total - parts.total_ms, 0.0))
 
 
-def layers_breakdown(layers, rates: KernelRates | None, recompute: str = "none") -> ComputeBreakdown:
+def layers_breakdown(
+    layers, rates: KernelRates | None, recompute: str = "none", *, split_backward: bool = False
+) -> ComputeBreakdown:
     """One microbatch of a stage's `layers` (`layer_breakdown` each, the stage's `recompute` mode)."""
     total = ComputeBreakdown()
     for layer in layers:
-        total = total + layer_breakdown(layer, rates, recompute)
+        total = total + layer_breakdown(layer, rates, recompute, split_backward=split_backward)
     return total
 
 

@@ -14,8 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from arguments import parse_args
 
 REPEATS = 3
 TIME_TARGET_S = 30.0
@@ -27,18 +26,32 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
+def _options(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="fresh processes per case (median time kept)")
+    parser.add_argument("--case", choices=tuple(CASES), help="profile this one case here and print its JSON")
+
+
+if __name__ == "__main__":  # before anything runs: --help answers at once
+    ARGS = parse_args(__doc__, _options)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the closed-form references (a test oracle): helpers/transformer_reference.py
+
+
 def run_case(case: str) -> dict:
     """Profile one case in this process; returns timings, peak RSS and formula agreement."""
     start = time.perf_counter()
-    from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
     from pipeplan.models import load_model
     from pipeplan.profiling.analytic import profile_analytic
 
     import_s = time.perf_counter() - start
+    from helpers.transformer_reference import activation_bytes_per_layer, forward_flops_per_layer
+
     ref, options = CASES[case]
     spec = load_model(ref, {k: str(v) for k, v in options.items()})
     start = time.perf_counter()
-    profile = profile_analytic(spec, batch_size=1, hardware="h100", flash_attention=True, precision="bf16-mixed")
+    profile = profile_analytic(spec, batch_size=1, hardware="h100", attention="auto", precision="bf16-mixed")
     profile_s = time.perf_counter() - start
     opts = spec.options
     block = next(layer for layer in profile.layers if layer.name.startswith("blocks."))
@@ -60,7 +73,7 @@ def run_case(case: str) -> dict:
     return result
 
 
-def main() -> None:
+def main(repeats: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -69,7 +82,7 @@ def main() -> None:
     rows = []
     for case in CASES:
         runs = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             out = subprocess.run(
                 [sys.executable, __file__, "--case", case], check=True, capture_output=True, text=True
             ).stdout
@@ -78,7 +91,7 @@ def main() -> None:
         row["profile_s"] = statistics.median(r["profile_s"] for r in runs)
         row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
         rows.append(row)
-    table = Table(title=f"analytic profile (h100, batch 1, flash), median of {REPEATS} fresh processes")
+    table = Table(title=f"analytic profile (h100, batch 1, flash), median of {repeats} fresh processes")
     for column in ("case", "layers", "params", "profile s", "peak RSS MiB", "saved vs 34sbh", "FLOPs vs formula"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -101,7 +114,7 @@ def main() -> None:
             schema_version=1,
             machine=platform.platform(),
             python=platform.python_version(),
-            repeats=REPEATS,
+            repeats=repeats,
             targets=dict(profile_s=TIME_TARGET_S, peak_rss_bytes=RSS_TARGET_BYTES),
             target_met=ok,
             results=rows,
@@ -110,7 +123,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--case":
-        print(json.dumps(run_case(sys.argv[2])))
+    if ARGS.case is not None:
+        print(json.dumps(run_case(ARGS.case)))
     else:
-        main()
+        main(ARGS.repeats)

@@ -17,13 +17,24 @@ step times are noisy.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--steps", type=int, default=300, help="training steps per schedule")
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks (one thread each)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,8 +44,8 @@ from rich.table import Table  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.launch import launch_many  # noqa: E402
+from pipeplan.runtime.launch.local import launch_many  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
 from pipeplan.schedules.registry import schedule_info  # noqa: E402
 
 MODEL = str(ROOT / "benchmarks" / "byte_gpt.py") + ":byte_gpt"
@@ -111,12 +122,7 @@ def plot(found: dict[str, dict], path: Path, floor: float) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--ranks", type=int, choices=(2, 4), default=2)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    args = parser.parse_args()
+def main(args) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from byte_gpt import entropy_floor
 
@@ -156,4 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -14,6 +14,11 @@ import platform
 import sys
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

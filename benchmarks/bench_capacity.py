@@ -17,6 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=3, help="CLI runs (median kept)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -30,7 +40,6 @@ from pipeplan.hardware import load_hardware  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.search.config import SearchConfig, default_memory_reserve  # noqa: E402
 
-REPEATS = 3
 TARGET_S = 60.0
 MODEL, HARDWARE, DEVICES = "llama-70b", "h100", (64, 256, 1024)
 COMMAND = [
@@ -73,8 +82,8 @@ def _parts() -> dict[str, float]:
     return {"profile_s": profiled - start, "sweep_s": time.perf_counter() - profiled}
 
 
-def main() -> None:
-    runs = [_run_cli() for _ in range(REPEATS)]
+def main(repeats: int) -> None:
+    runs = [_run_cli() for _ in range(repeats)]
     walls, cpus, report = [r[0] for r in runs], [r[1] for r in runs], runs[-1][2]
     parts = _parts()
     console = Console(width=140)
@@ -120,4 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS.repeats)

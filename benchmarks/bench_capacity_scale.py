@@ -15,6 +15,16 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("models", nargs="*", metavar="MODEL", help="only these models (default: all four)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -140,4 +150,4 @@ def main(models: tuple[str, ...]) -> None:
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or MODELS)
+    main(tuple(ARGS.models) or MODELS)

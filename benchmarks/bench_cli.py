@@ -1,6 +1,6 @@
 """CLI start-up (issue 23): wall seconds of commands that need no torch, against `python -c "import torch"` measured
 in the same run (the time every command paid before). Targets: `pipeplan --help` < 0.5 s, `simulate -p 4 -m 8`
-< 1 s. Medians of REPEATS fresh interpreters each; writes results/cli.json."""
+< 1 s. Medians of --repeats fresh interpreters each (7); writes results/cli.json."""
 
 from __future__ import annotations
 
@@ -12,8 +12,17 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=7, help="fresh interpreters per command (median kept)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 HERE = Path(__file__).resolve().parent
-REPEATS = 7
 CASES = {
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
     'python -c "import pipeplan"': [sys.executable, "-c", "import pipeplan"],
@@ -51,9 +60,9 @@ def wall_s(argv: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(repeats: int) -> None:
     samples: dict[str, list[float]] = {name: [] for name in CASES}
-    for _ in range(REPEATS):  # interleaved, so a busy spell of the machine touches every command alike
+    for _ in range(repeats):  # interleaved, so a busy spell of the machine touches every command alike
         for name, argv in CASES.items():
             samples[name].append(wall_s(argv))
     baseline = statistics.median(samples['python -c "import torch"'])
@@ -66,7 +75,7 @@ def main() -> None:
         if target is not None:
             rows[-1] |= {"target_s": target, "meets_target": median < target}
         print(f"{name:<40} {median:9.3f} {median / baseline:15.2f} {target if target else '':>7}")
-    result = {"machine": platform.node(), "python": platform.python_version(), "repeats": REPEATS, "rows": rows}
+    result = {"machine": platform.node(), "python": platform.python_version(), "repeats": repeats, "rows": rows}
     out = HERE / "results" / "cli.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -74,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS.repeats)

@@ -4,8 +4,8 @@ The gpt `-a hidden=256 -a seq=128 -a layers=8` on 2 ranks (gloo, CPU), dualpipev
 of 2. Both plans run in one launch, alternating (ROUNDS runs of each, WARMUP first steps of each run dropped):
 the median step time of each and their ratio (overlapped / halves; < 1 is faster), and whether every run's losses
 are equal bit for bit. The overlapped op runs its backward on a second thread while the forward runs
-(`--overlap-pairs on`, runtime/overlap.py), so it gains where a rank has spare cores for it: pass the threads per
-rank as the first argument (default 1). Writes results/overlap.json.
+(`--overlap-pairs on`, runtime/step/pair_runner.py), so it gains where a rank has spare cores for it: pass the
+threads per rank as the first argument (default 1). Writes results/overlap.json.
 """
 
 from __future__ import annotations
@@ -18,13 +18,23 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("threads", type=int, nargs="?", default=1, help="torch CPU threads per rank (default 1)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.launch import launch_many  # noqa: E402
+from pipeplan.runtime.launch.local import launch_many  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
 from pipeplan.schedules.ops import Op  # noqa: E402
 
 GPT = {"hidden": 256, "seq": 128, "layers": 8}
@@ -37,8 +47,7 @@ def as_halves(rank_ops: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], .
     return tuple(tuple(str(h) for text in ops for h in Op.parse(text).parts) for ops in rank_ops)
 
 
-def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+def main(threads: int) -> None:
     plan = manual_plan(
         "gpt",
         GPT,
@@ -82,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS.threads)

@@ -8,24 +8,35 @@ Prints three tables and writes benchmarks/results/partition.json. Speed targets:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import platform
 from pathlib import Path
 
-import numpy as np
-from timing import median_seconds
+from arguments import parse_args
 
-from pipeplan.partition import (
+
+def _options(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per speed case (median kept)")
+    parser.add_argument("--skip-measured", action="store_true", help="use a synthetic profile, not measured models")
+    parser.add_argument("--reference-devices", type=int, nargs="+", default=[4], help="devices for PipeDream's cases")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
+import numpy as np  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
+from pipeplan.partition import (  # noqa: E402
     Cluster,
     PartitionConfig,
     parameter_balanced_partition,
     partition,
     uniform_partition,
 )
-from pipeplan.profiling.pipedream import read_pipedream_graph
-from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.pipedream import read_pipedream_graph  # noqa: E402
+from pipeplan.profiling.profile import LayerProfile, Profile, Provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "tests" / "data" / "pipedream-profiles"  # PipeDream (MIT), see its README and LICENSE
@@ -221,12 +232,7 @@ def run_pipedream(devices: list[int]) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-measured", action="store_true", help="use a synthetic profile, not measured models")
-    parser.add_argument("--reference-devices", type=int, nargs="+", default=[4])
-    args = parser.parse_args()
+def main(args) -> None:
     results = {
         "machine": platform.platform(),
         "speed": run_speed(args.repeats),
@@ -240,4 +246,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -22,6 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -34,7 +39,7 @@ from pipeplan.hardware import cluster_for  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.models import load_model  # noqa: E402
 from pipeplan.partition import single  # noqa: E402
-from pipeplan.partition.api import build_partition, one_level  # noqa: E402
+from pipeplan.partition.partitioner import build_partition, one_level  # noqa: E402
 from pipeplan.profiling.analytic import profile_analytic  # noqa: E402
 from pipeplan.profiling.profile import Profile  # noqa: E402
 from pipeplan.schedules.registry import SCHEDULE_NAMES  # noqa: E402

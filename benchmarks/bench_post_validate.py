@@ -24,6 +24,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -35,8 +40,8 @@ from rich.table import Table  # noqa: E402
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.plan.plan import Plan  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.trainer import Trainer  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
+from pipeplan.runtime.train.trainer import Trainer  # noqa: E402
 
 MODEL = {"hidden": 256, "seq": 64, "layers": 4}
 MICROBATCHES, MICROBATCH_SIZE = 8, 2
@@ -103,7 +108,7 @@ def _timed_copies(trainer: Trainer) -> list[float]:
 def _launch(plan_path: str, world_size: int) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,

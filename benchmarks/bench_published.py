@@ -27,7 +27,6 @@ Run: .venv/bin/python benchmarks/bench_published.py [--source korthikanti|nemo] 
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shutil
@@ -37,6 +36,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--source", choices=("korthikanti", "nemo"), help="one source only (writes nothing)")
+    parser.add_argument("--rows", help="comma-separated row names to run (writes nothing)")
+
+
+if __name__ == "__main__":  # first of all: --help answers before anything heavy is imported
+    ARGS = parse_args(__doc__, _options)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "published.json"
@@ -211,7 +221,7 @@ def korthikanti_api_math(rows: list[Row]) -> list[dict]:
         if key not in profiles:
             spec = load_model(row.model, {k: str(v) for k, v in row.options.items()})
             profiles[key] = profile_analytic(
-                spec, batch_size=1, hardware=hardware, precision=row.precision, flash_attention=False
+                spec, batch_size=1, hardware=hardware, precision=row.precision, attention="math"
             )
         reserve = default_memory_reserve(hardware.memory_bytes)
         config = SearchConfig(global_batch_size=row.batch, precision=row.precision, memory_reserve_bytes=reserve)
@@ -254,11 +264,7 @@ def gpt3_mfu(rows: list[dict]) -> dict | None:
     return dict(predicted=row["mfu"], measured=measured, points=100 * (row["mfu"] - measured), published=0.4993)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", choices=("korthikanti", "nemo"), help="one source only (writes nothing)")
-    parser.add_argument("--rows", help="comma-separated row names to run (writes nothing)")
-    args = parser.parse_args()
+def main(args) -> int:
     rows = [r for r in korthikanti_rows() + nemo_rows() if args.source in (None, r.source)]
     if args.rows:
         rows = [r for r in rows if r.name in args.rows.split(",")]
@@ -303,4 +309,4 @@ def _summary_line(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

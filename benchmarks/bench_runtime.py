@@ -33,6 +33,16 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from arguments import parse_args
+
+
+def _options(parser) -> None:
+    parser.add_argument("--repeat-a", type=int, metavar="N", help="run only (a), N times in separate launches")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -49,9 +59,10 @@ from pipeplan.plan.manual import manual_plan  # noqa: E402
 from pipeplan.plan.plan import Plan  # noqa: E402
 from pipeplan.plan.timing import plan_costs, plan_timeline  # noqa: E402
 from pipeplan.profiling.profile_job import ProfileRequest  # noqa: E402
-from pipeplan.runtime.config import RunConfig  # noqa: E402
-from pipeplan.runtime.trainer import Trainer  # noqa: E402
+from pipeplan.runtime.train.config import RunConfig  # noqa: E402
+from pipeplan.runtime.train.trainer import Trainer  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, Op  # noqa: E402
+from pipeplan.schedules.registry import schedule_info, schedule_names  # noqa: E402
 from pipeplan.search.config import SearchConfig  # noqa: E402
 from pipeplan.search.emit import build_plan  # noqa: E402
 from pipeplan.search.inputs import make_cluster, profile_model_input  # noqa: E402
@@ -65,13 +76,7 @@ GPT = {"hidden": "256", "seq": "128", "layers": "4"}  # the demo's gpt (examples
 GPT_GLOBAL_BATCH, GPT_MICROBATCH_SIZE, GPT_PIPELINE_DEPTH = 16, 2, 2
 GPT_MEMORY = "4GiB"  # every schedule fits (gpipe, the hungriest, needs ~95 MiB); the depth is forced instead
 RATIO_TARGET, PREDICTION_TOLERANCE = 1.0, 0.15
-TORCH_SCHEDULES = {  # every schedule both runtimes have: pipeplan's name -> torch.distributed.pipelining's class
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved": "ScheduleInterleaved1F1B",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+TORCH_SCHEDULES = schedule_names(torch_builtin=True)  # every schedule both runtimes have (the registry's)
 
 
 def _round_robin_ms(steps: dict[str, object], warmup: int = WARMUP, rounds: int = STEPS) -> dict[str, float]:
@@ -163,7 +168,7 @@ def _torch_step(schedule_name: str, rank: int):
     params = [p for stage in stages for p in stage.submod.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     loss_fn = spec.loss_fn
-    kind = getattr(schedules, TORCH_SCHEDULES[schedule_name])
+    kind = schedules.get_schedule_class(schedule_info(schedule_name).torch_name)
     schedule = kind(stages[0] if num_stages == 2 else stages, MLP_MICROBATCHES, loss_fn=loss_fn)
     x, target = next(spec.batches(MLP_BATCH, 0))
     holds_first = 0 in stage_ids
@@ -259,7 +264,7 @@ def _gpt_plans(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
 def _launch(mlp_plans: dict[str, str], gpt_plans: dict[str, str]) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,
@@ -389,10 +394,10 @@ def _repeat_a(console: Console, repeats: int) -> None:
     )
 
 
-def main() -> int:
+def main(repeat_a: int | None) -> int:
     console = Console(width=140)
-    if len(sys.argv) == 3 and sys.argv[1] == "--repeat-a":
-        _repeat_a(console, int(sys.argv[2]))
+    if repeat_a is not None:
+        _repeat_a(console, repeat_a)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as folder:
         mlp_plans = _mlp_plans(Path(folder))
@@ -425,4 +430,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS.repeat_a))

@@ -13,6 +13,11 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from arguments import parse_args
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    parse_args(__doc__)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the exact MILP (tests/helpers/milp.py)
@@ -24,10 +29,10 @@ from timing import median_seconds  # noqa: E402
 
 from pipeplan.jsonio import write_json  # noqa: E402
 from pipeplan.schedules import SCHEDULE_NAMES, StageCosts, generate, simulate, unit_memory  # noqa: E402
+from pipeplan.schedules.generators.zb_heuristic import heuristic_runs  # noqa: E402
+from pipeplan.schedules.generators.zbv import zbv_fixed  # noqa: E402
 from pipeplan.schedules.registry import clear_schedule_cache  # noqa: E402
 from pipeplan.schedules.simulate import activation_deltas  # noqa: E402
-from pipeplan.schedules.zb_heuristic import heuristic_runs  # noqa: E402
-from pipeplan.schedules.zbv import zbv_fixed  # noqa: E402
 
 REPEATS = 3
 SIMULATE_TARGET_S = 2.0

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
     from pipeplan.plan.plan import Plan
     from pipeplan.profiling.profile import Profile
-    from pipeplan.runtime.trainer import RunResult
+    from pipeplan.runtime.train.trainer import RunResult
     from pipeplan.schedules.uniform import Ranking, Simulation
 
 __all__ = ["ModelSpec", "Plan", "Profile", "module_spec", "plan", "profile", "run", "simulate"]
@@ -132,8 +132,8 @@ def run(plan: Plan | str | os.PathLike, **options: Any) -> list[RunResult]:
     trace_path=None, checkpoint_dir=None, lr=None, threads=None, ...)."""
     from pipeplan.models.module_spec import OBJECT_PREFIX
     from pipeplan.plan.plan import Plan
-    from pipeplan.runtime.launch import launch_local
-    from pipeplan.runtime.run_options import RunOptions
+    from pipeplan.runtime.launch.local import launch_local
+    from pipeplan.runtime.launch.run_options import RunOptions
 
     loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
     if loaded.model.ref.startswith(OBJECT_PREFIX):

@@ -7,7 +7,8 @@ base modules); ARCHITECTURE.md draws the same map:
     models < graph < profiling < calibrate
     schedules (pure op lists: base only)
     costs < partition < plan < search < capacity
-    runtime (executes a Plan: plan, graph, schedules, models; nothing of the search)
+    runtime (executes a Plan: plan, graph, schedules, models; nothing of the search), in rooms of its own:
+        runtime.weights < runtime.step < runtime.train < runtime.launch < runtime (commands, export_weights)
     api, cli (everything): the Python API and the command line over it; the package's `__init__` names the API's
     functions lazily (`pipeplan.profile` loads pipeplan.api on first use)
 
@@ -47,8 +48,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "plan": {"costs", "profiling", "graph", "schedules", "models"},
     "search": {"plan", "partition", "costs", "profiling", "graph", "schedules", "models"},
     "capacity": {"search", "plan", "partition", "costs", "profiling", "graph", "schedules", "models"},
-    "runtime": {"plan", "graph", "schedules", "models"},
 }
+RUNTIME_ROOMS = ("weights", "step", "train", "launch")  # runtime's subpackages, bottom to top
+_BELOW_RUNTIME = {"plan", "graph", "schedules", "models"}  # nothing of the search
+for _i, _sub in enumerate(RUNTIME_ROOMS):
+    MAY_IMPORT[f"runtime.{_sub}"] = _BELOW_RUNTIME | {f"runtime.{below}" for below in RUNTIME_ROOMS[:_i]}
+MAY_IMPORT["runtime"] = _BELOW_RUNTIME | {f"runtime.{sub}" for sub in RUNTIME_ROOMS}  # commands.py, export_weights.py
 MAY_IMPORT["api"] = set(MAY_IMPORT)
 MAY_IMPORT["cli"] = set(MAY_IMPORT) | {"api"}
 BASE_MAY_IMPORT = {"__init__": {"api"}}  # the package's face: its lazy attributes are the API's functions
@@ -56,6 +61,8 @@ BASE_MAY_IMPORT = {"__init__": {"api"}}  # the package's face: its lazy attribut
 
 def _room(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "runtime" and parts[2] in RUNTIME_ROOMS:
+        return f"runtime.{parts[2]}"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -84,6 +91,8 @@ def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
         room = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+        if room == "runtime" and len(relative.parts) > 2:
+            room = f"runtime.{relative.parts[1]}"
         yield room, path
 
 

@@ -28,6 +28,7 @@ def capacity(options: CapacityOptions) -> None:
     Example: pipeplan capacity gpt2-1.5b --hardware h100 --devices 8,64 --allow-async
     Example: pipeplan capacity llama-70b --hardware h100 --devices 64 -B 1024 --zero 1 --recompute none
     Example: pipeplan capacity llama-70b --hardware h100 -B 128 --seq 8192 --layout "tp=4,cp=2,pp=4,vp=5,dp=2"
+    Example: pipeplan capacity hf:qwen2.5-72b --hardware a100-80gb --devices 256 --attention math
     """
     from pipeplan.capacity.inputs import prepare_capacity, run_capacity_job  # the sweep: imported when it runs
     from pipeplan.capacity.pinned import PinnedReport
@@ -108,12 +109,16 @@ def _active(report: CapacityReport) -> str:
     return f" ({format_count(report.active_param_count)} active)" if report.active_param_count is not None else ""
 
 
+def _attention(report: CapacityReport) -> str:
+    return f" ({report.attention} attention)" if report.attention not in ("", "none") else ""
+
+
 def render_report(report: CapacityReport) -> None:
     usable = report.usable_memory_bytes
     out.print(
         f"[bold]{report.model}[/] on {report.hardware}: {format_count(report.param_count)} parameters"
-        f"{_active(report)}, "
-        f"{report.flops_per_token / 1e9:.2f} GFLOP/token, global batch {report.global_batch_size} x "
+        f"{_active(report)}, {report.flops_per_token / 1e9:.2f} GFLOP/token{_attention(report)}, "
+        f"global batch {report.global_batch_size} x "
         f"{report.tokens_per_sample} tokens; plans fit in {format_bytes(usable)} of "
         f"{format_bytes(report.memory_per_device)} per device ({format_bytes(report.memory_reserve_bytes)} reserve)",
         highlight=False,

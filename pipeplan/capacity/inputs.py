@@ -18,6 +18,7 @@ from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
+from pipeplan.models.presets import preset_fields
 from pipeplan.plan.asynchronous import searched_schedules
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
@@ -56,16 +57,24 @@ def capacity_profile(
     quiet: bool,
     batch_given: bool = True,
     precision: str = CAPACITY_PRECISION,
+    attention: str = "auto",
 ) -> Profile:
     """The analytic profile (meta device, flash attention, `precision`) through the one model -> profile path;
     `seq` replaces the model's (a preset's too). Without `batch_given` the default global batch counts tokens, so
     the model must say its tokens per sample."""
+    hf = model.startswith("hf:")
+    key = "seq_len" if hf else "seq"  # the hf: adapter's option (models/hf.py)
     if seq is not None:
         if seq < 1:
             raise ConfigError(f"--seq must be >= 1, got {seq}")
-        if "seq" in options:
-            warn(f"-a seq={options['seq']} ignored: --seq {seq} given")
-        options = {**options, "seq": str(seq)}
+        if key in options:
+            warn(f"-a {key}={options[key]} ignored: --seq {seq} given")
+        options = {**options, key: str(seq)}
+    elif hf and key not in options and preset_fields(model.removeprefix("hf:")) is None:
+        raise ConfigError(
+            f"capacity {model}: give --seq N, the sequence length to plan for (the hf: adapter's own default, "
+            "128 tokens, is for tests)"
+        )
     request = ProfileRequest(
         model=model,
         options=options,
@@ -75,6 +84,7 @@ def capacity_profile(
         hardware=hardware,
         progress=not quiet,
         preset_overridable=("seq",) if seq is not None else (),
+        attention=attention,
     )
 
     def check(spec: ModelSpec) -> None:
@@ -150,6 +160,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
         quiet=options.json_output,
         batch_given=batch_given,
         precision=options.precision,
+        attention=options.attention,
     )
     if not batch_given:
         batch = default_global_batch(profile.provenance.tokens_per_sample or 1, sizes)

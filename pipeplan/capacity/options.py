@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeplan.errors import ConfigError
 from pipeplan.options import argument, option
 from pipeplan.paths import check_output_file
+from pipeplan.profiling.profile_options import ATTENTION_HELP, check_attention
 from pipeplan.search.plan_options import RECOMPUTE_HELP, ZERO_HELP
 from pipeplan.units import parse_count
 
@@ -59,6 +60,7 @@ class CapacityOptions:
     expert_parallel: str = option("auto", "--expert-parallel", help=EXPERT_HELP)
     interleave: str = option("2,3,4", "--interleave", help=INTERLEAVE_HELP)
     precision: str = option(CAPACITY_PRECISION, "--precision", help=PRECISION_HELP)
+    attention: str = option("auto", "--attention", help=ATTENTION_HELP)
     overlap: str = option("none", "--overlap", help=OVERLAP_HELP)
     layout: str | None = option(None, "--layout", help=LAYOUT_HELP)
     recompute: str = option("auto", "--recompute", help=RECOMPUTE_HELP)
@@ -68,6 +70,7 @@ class CapacityOptions:
     json_output: bool = option(False, "--json", help="Print only JSON (rows and the answer).")
 
     def __post_init__(self) -> None:
+        check_attention(self.attention, "meta")
         if self.devices is None and self.layout is None:
             raise ConfigError("give --devices (counts to plan for, e.g. 8,64) or --layout")
         if self.global_batch_size is not None and self.global_batch_size < 1:

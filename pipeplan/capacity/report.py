@@ -102,6 +102,7 @@ class CapacityReport:
     param_count: int
     flops_per_token: float
     active_param_count: int | None = None  # mixture-of-experts models: parameters one token uses (None: dense)
+    attention: str = ""  # what the profile's attention ran as (flash, memory-efficient, math; provenance.attention)
     rows: tuple[CapacityRow, ...]  # listed counts, then any added by doubling
     per_schedule: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)
     per_tensor_parallel: dict[str, tuple[CapacityRow, ...]] = field(default_factory=dict)  # `8`, `8x2` (t x cp)
@@ -117,6 +118,7 @@ class CapacityReport:
             "tokens_per_sample": self.tokens_per_sample,
             "param_count": self.param_count,
             "flops_per_token": self.flops_per_token,
+            "attention": self.attention,
             "rows": [row.to_dict() for row in self.rows],
             "per_schedule": {name: [r.to_dict() for r in rows] for name, rows in self.per_schedule.items()},
             "per_tensor_parallel": {key: [r.to_dict() for r in rows] for key, rows in self.per_tensor_parallel.items()},

@@ -171,6 +171,7 @@ def capacity_sweep(
         param_count=sum(layer.param_count for layer in profile.layers),
         active_param_count=round(active_param_count(profile)) if is_moe(profile) else None,
         flops_per_token=sweep.flops_per_token,
+        attention=profile.provenance.attention,
         rows=rows,
         per_schedule={name: tuple(rs) for name, rs in sweep.schedule_rows.items()},
         per_tensor_parallel={key: tuple(rs) for key, rs in sweep.family_rows.items()},

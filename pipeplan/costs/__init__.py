@@ -16,9 +16,8 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
                                                           pipedream_stage_ms; StageCostModel for DP columns
     a device's stages one after another, the busiest      costs.stage: device_totals, busiest_device_ms
     bytes per parameter: weights + gradients +            costs.optimizer: sharded_bytes_per_param; the parts by
-    optimizer state / shards (one formula)                mode (static_split, OPTIMIZER_STATES) or Megatron's
-                                                          dtypes (megatron_adam_split); bytes_per_param,
-                                                          zero_bytes_per_param, adam_bytes_per_parameter;
+    optimizer state / shards (one formula)                mode (static_split, OPTIMIZER_STATES); bytes_per_param,
+                                                          zero_bytes_per_param;
                                                           expert_bytes_per_param (expert data-parallel group)
     static memory (weights, gradients, optimizer state)   costs.memory: static_bytes (optimizer_state_bytes,
                                                           spread_static_bytes, device_static_bytes)
@@ -54,12 +53,10 @@ from pipeplan.costs.memory import (
 from pipeplan.costs.optimizer import (
     OPTIMIZER_NAMES,
     ZERO_STAGES,
-    adam_bytes_per_parameter,
     bytes_per_param,
     check_zero_stage,
     expert_bytes_per_param,
     expert_holders,
-    megatron_adam_split,
     resolve_optimizer,
     sharded_bytes_per_param,
     static_split,
@@ -93,7 +90,6 @@ __all__ = [
     "ZERO_STAGES",
     "LayerArrays",
     "StageCostModel",
-    "adam_bytes_per_parameter",
     "all_gather_ms",
     "all_to_all_ms",
     "expert_bytes_per_param",
@@ -113,7 +109,6 @@ __all__ = [
     "exposed_transfer_ms",
     "gradient_sync_ms",
     "least_stage_memory_bytes",
-    "megatron_adam_split",
     "mode_offered",
     "optimizer_state_bytes",
     "pipedream_stage_ms",

@@ -155,7 +155,7 @@ class LayerArrays:
     def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
         """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
         model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
-        and everything saved lives until W (runtime/executor.py)."""
+        and everything saved lives until W (runtime/step/executor.py)."""
         return np.where(self.first_in_model(first, last), 0.0, self.span("freed", first, last))
 
     def first_in_model(self, first: np.ndarray | int, last: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Bytes per parameter of static memory: weights, gradients and optimizer state (master copies included), by
 optimizer and precision, sharded or not. One formula, `sharded_bytes_per_param`: weights + gradients + optimizer
-state / d, with d the devices that share the optimizer state (1 without ZeRO); two ways to name the parts:
+state / d, with d the devices that share the optimizer state (1 without ZeRO); the parts, and the table the tests
+check them against:
 
 - pipeplan's modes, `static_split(optimizer, precision)`: each part in the precision's parameter dtype
   (`pipeplan.precision`). `adamw` holds 2 state tensors per parameter (Adam's moments), `sgd` 1 (momentum),
@@ -8,7 +9,7 @@ state / d, with d the devices that share the optimizer state (1 without ZeRO); t
   parameters are the master weights; autocast's low-precision copies live with the activations) and 2 + 2 + 4 = 8
   under bf16. A number as optimizer is the whole figure per parameter. `adamw-fp32` / `adamw-bf16` are strict
   aliases of adamw under fp32 / bf16-mixed.
-- Megatron-LM's distributed-optimizer table, `megatron_adam_split(param_dtype, grad_dtype)` (Megatron Core
+- Megatron-LM's distributed-optimizer table (the tests' oracle: tests/helpers/megatron_bytes.py; Megatron Core
   developer guide, "Distributed Optimizer", https://docs.nvidia.com/megatron-core/developer-guide/latest/
   api-guide/dist_optimizer.html), bytes per parameter unsharded -> sharded over d:
       16-bit parameters, 16-bit gradients   20  ->  4 + 16/d
@@ -18,7 +19,7 @@ state / d, with d the devices that share the optimizer state (1 without ZeRO); t
   provide. pipeplan's fp32 and bf16-mixed are the last row; bf16 (no master copy, moments in bf16) is 4 + 4/d.
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a
-stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/zero.py);
+stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/step/zero.py);
 stages 2 and 3 are refused.
 """
 
@@ -36,7 +37,6 @@ from pipeplan.precision import PRECISIONS, get_precision
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
 OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
 OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
-MEGATRON_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_STAGES = (0, 1)  # 2 (gradients sharded) and 3 (parameters sharded) are not supported
 
 
@@ -140,33 +140,11 @@ def zero_bytes_per_param(split: tuple[float, float, float], group_size, zero: in
     return sharded_bytes_per_param(split, optimizer_shards(group_size, zero))
 
 
-def megatron_adam_split(param_dtype: str, grad_dtype: str) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) per parameter in Megatron's table: the model's own dtypes, and Adam's
-    fp32 moments (8) plus fp32 main parameters (4, for 16-bit parameters) and main gradients (4, for 16-bit
-    gradients)."""
-    for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
-        if dtype not in MEGATRON_DTYPE_BYTES:
-            raise ConfigError(f"{name} must be one of {', '.join(MEGATRON_DTYPE_BYTES)}, got {dtype!r}")
-    if MEGATRON_DTYPE_BYTES[grad_dtype] < MEGATRON_DTYPE_BYTES[param_dtype]:
-        raise ConfigError(f"{grad_dtype} gradients for {param_dtype} parameters are not a Megatron configuration")
-    state = 8 + (4 if param_dtype != "fp32" else 0) + (4 if grad_dtype != "fp32" else 0)
-    return MEGATRON_DTYPE_BYTES[param_dtype], MEGATRON_DTYPE_BYTES[grad_dtype], state
-
-
-def adam_bytes_per_parameter(*, param_dtype: str, grad_dtype: str, data_parallel: int, distributed: bool) -> float:
-    """Megatron-LM's bytes per parameter (parameters, gradients, Adam state with main copies), its distributed
-    optimizer sharding the state over the `data_parallel` ranks when `distributed`."""
-    split = megatron_adam_split(param_dtype, grad_dtype)
-    if data_parallel < 1:
-        raise ConfigError(f"data_parallel must be >= 1, got {data_parallel}")
-    return float(sharded_bytes_per_param(split, data_parallel if distributed else 1))
-
-
 def undo_copy_bytes(
     param_counts: Sequence[int], device_stages: Sequence[Sequence[int]], optimizer: str | float, precision: str
 ) -> tuple[float, ...]:
-    """Per device, what `run --post-validate` keeps to undo an eager step (runtime/post_validate.py, StepUndo): its
-    stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
+    """Per device, what `run --post-validate` keeps to undo an eager step (runtime/train/post_validate.py, StepUndo):
+    its stages' parameters and optimizer state once more, and the eager step's gradients, held while the next step's
     backward fills fresh ones (whole parameters: ZeRO-1's shards are not counted here)."""
     weights, gradients, state = static_split(optimizer, precision)
     return tuple(sum(param_counts[s] for s in stages) * (weights + gradients + state) for stages in device_stages)

@@ -120,8 +120,8 @@ def optimizer_bytes_per_param(split: tuple[float, float, float], weights_are_mas
 
 
 def eager_update_ms(update_ms: Sequence[float], optimizer: str | float, precision: str) -> list[float]:
-    """Per device, a post-validated step's update (`run --post-validate`: runtime/post_validate.StepUndo): the undo
-    copy of its weights and optimizer state (read and written once, 2 x (weights + state) bytes per parameter)
+    """Per device, a post-validated step's update (`run --post-validate`: runtime/train/post_validate.StepUndo): the
+    undo copy of its weights and optimizer state (read and written once, 2 x (weights + state) bytes per parameter)
     before the update itself (`optimizer_bytes_per_param` bytes), both memory-bound at the same rate: the update's
     time `update_ms` scaled by their bytes (0 stays 0: a profile that does not know the memory rate)."""
     split = static_split(optimizer, precision)

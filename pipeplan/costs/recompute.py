@@ -1,6 +1,6 @@
 """Activation recomputation per stage: what a stage keeps from F to its backward, what recomputing re-creates while
 the backward runs, and what it costs, under each mode of `profiling.profile.RECOMPUTE_MODES` — as `pipeplan run`
-executes them (runtime/executor.py, runtime/recompute_run.py) over the per-layer data of the profiles:
+executes them (runtime/step/executor.py, runtime/step/recompute_run.py) over the per-layer data of the profiles:
 
     mode       kept K (F to I/B)               re-created R while I/B runs          added to I (or B)
     none       A = sum activation_bytes        0                                    0

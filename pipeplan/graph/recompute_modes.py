@@ -1,5 +1,5 @@
 """Activation recomputation modes, the one list: what a plan's stage may run (`StagePlan.recompute`), what profiles
-measure per layer and what the runtime executes (runtime/recompute_run.py).
+measure per layer and what the runtime executes (runtime/step/recompute_run.py).
 
 - `none`: keep every saved tensor from F to the backward;
 - `selective`: re-run the scaled_dot_product_attention calls during the backward (Korthikanti et al. 2022), keeping
@@ -14,7 +14,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # a plan's per-stage `recompute
 
 def is_attention(target: object) -> bool:
     """Whether a call target (an FX node's, or a torch function) is scaled_dot_product_attention: the calls the
-    runtime's selective recomputation re-runs (runtime/recompute_run.py)."""
+    runtime's selective recomputation re-runs (runtime/step/recompute_run.py)."""
     import torch  # here: plan files are read (RECOMPUTE_MODES) by commands that do not import torch
 
     aten = torch.ops.aten

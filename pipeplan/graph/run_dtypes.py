@@ -14,11 +14,20 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from pipeplan.errors import TraceError
 from pipeplan.precision import get_precision
+
+
+def export_dtype(precision: str) -> torch.dtype | None:
+    """The parameters' dtype an export for `precision` is specialized to (graph.trace): a low-precision mode without
+    autocast holds its parameters in bf16/fp16 and runs in it; None for float32 parameters (autocast casts at run
+    time, and an export of float32 parameters records exactly what it runs)."""
+    mode = get_precision(precision)
+    if mode.autocast_dtype is not None or mode.param_dtype == torch.float32:
+        return None
+    return mode.param_dtype
 
 
 class _Recorder(fx.Interpreter):
@@ -30,7 +39,6 @@ class _Recorder(fx.Interpreter):
         self.device = device
         self.eager = eager
         self.dtypes: dict[str, object] = {}
-        self.current = ""  # the node running now
 
     def _move(self, value):
         if isinstance(value, torch.device) and value.type == "meta":
@@ -74,7 +82,6 @@ class _Recorder(fx.Interpreter):
         )
 
     def run_node(self, node: fx.Node):
-        self.current = node.name
         with self._set_current_node(node):
             args, kwargs = tree_map(self._move, self.fetch_args_kwargs_from_env(node))
             result = getattr(self, node.op)(node.target, args, kwargs)
@@ -95,31 +102,9 @@ class _Runner(nn.Module):
         return self.recorder.run(*inputs)
 
 
-class _CastWatch(TorchDispatchMode):
-    """Counts the low-precision copies autocast makes of parameters (its cache: one per parameter per forward), by
-    the graph node that asked for them: they are saved for backward like activations."""
-
-    def __init__(self, recorder_of, params: dict[int, torch.Tensor], dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.recorder_of, self.params, self.dtype = recorder_of, params, dtype
-        self.copies: dict[str, dict[int, int]] = {}  # node name -> {parameter id: bytes}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params and kwargs.get("dtype") == self.dtype:
-            node = self.recorder_of().current
-            size = args[0].numel() * torch.empty((), dtype=self.dtype).element_size()
-            self.copies.setdefault(node, {})[id(args[0])] = size
-        return func(*args, **kwargs)
-
-
 def value_dtypes(traced, precision: str, device_type: str) -> dict[str, object]:
-    """Graph node name -> dtype of its output (a pytree of dtypes for container values) under `precision`."""
-    return fake_run(traced, precision, device_type)[0]
-
-
-def fake_run(traced, precision: str, device_type: str) -> tuple[dict[str, object], dict[str, dict[int, int]]]:
-    """(value dtypes by node, autocast's parameter copies by node) from one run on fake tensors."""
+    """Graph node name -> dtype of its output (a pytree of dtypes for container values) under `precision`, from one
+    run on fake tensors."""
     mode = get_precision(precision)
     device = torch.device(device_type)
     runner = _Runner(traced.graph_module, device, traced.layer_graph.eager_modules)
@@ -134,10 +119,9 @@ def fake_run(traced, precision: str, device_type: str) -> tuple[dict[str, object
         with FakeTensorMode():
             state = {f"gm.{name}": fake(t) for name, t in _tensors(traced.graph_module)}
             for name, _ in traced.graph_module.named_parameters():
-                state[f"gm.{name}"].requires_grad_(state[f"gm.{name}"].is_floating_point())  # autocast's cache
+                state[f"gm.{name}"].requires_grad_(state[f"gm.{name}"].is_floating_point())  # as in a run
             inputs = tuple(fake(t) for t in sample)
-            watch = _CastWatch(lambda: runner.recorder, {id(t): t for t in state.values()}, mode.autocast_dtype)
-            with mode.autocast(device_type), torch.enable_grad(), watch:
+            with mode.autocast(device_type), torch.enable_grad():
                 torch.func.functional_call(runner, state, inputs, tie_weights=True, strict=False)
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
@@ -146,7 +130,7 @@ def fake_run(traced, precision: str, device_type: str) -> tuple[dict[str, object
             f"({type(exc).__name__}: {first}); use --precision fp32"
         ) from None
     assert runner.recorder is not None
-    return runner.recorder.dtypes, watch.copies
+    return runner.recorder.dtypes
 
 
 def _tensors(module: nn.Module):

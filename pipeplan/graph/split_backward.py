@@ -4,9 +4,10 @@ the parameters only), for any module, without W redoing I's work. Zero-bubble sc
 fill bubbles. What each pass keeps alive is `SplitAnalysis.weight_grad_nodes` (see saved_tensors): given the
 forward's `SavedTensors`, I releases everything else it saved, so memory between I and W is what profiles count.
 
-How: walk the autograd graph from the outputs. `input side` = nodes with a path to an input that needs a gradient;
-`weight side` = nodes with a path to a parameter but none to an input. A *frontier* node is an input-side node with
-edges into the weight side (e.g. the AddmmBackward of a Linear: it computes dX for I and dW for W).
+How: `split_analysis.analyze` walks the autograd graph from the outputs into an input side, a weight side and the
+*frontier* between them (input-side nodes with edges into the weight side, e.g. the AddmmBackward of a Linear: it
+computes dX for I and dW for W); the runtime passes one `SplitCache` per stage, so a stage's graph, the same for
+every microbatch, is analysed once.
 - I runs `autograd.grad(outputs, inputs)`: the engine computes only what the inputs need (for a frontier node, only
   its input-side outputs) while a pre-hook on each frontier node captures the gradient arriving at it.
 - W phase 1 re-enters each frontier node (`autograd.grad(GradientEdge(node, k), its weight-side edges, captured)`),
@@ -30,27 +31,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from pipeplan.console import warn
 from pipeplan.graph.saved_tensors import SavedTensors, storages_saved_by
+from pipeplan.graph.split_analysis import SplitAnalysis, SplitCache, analyze
 
-
-@dataclass
-class SplitAnalysis:
-    """Which autograd nodes belong to I and W for one (outputs, inputs, params) triple."""
-
-    input_side: set  # nodes with a path to an input needing a gradient
-    weight_side: set  # nodes with a path to a parameter and none to an input
-    frontier: dict  # input-side node -> its edges (node, input_nr) into the weight side
-    weight_roots: list[int]  # indices of outputs whose grad_fn is weight side
-    conflict: bool  # W must fall back to one backward from the outputs (see the module docstring)
-    input_captures: list = field(default_factory=list)  # shared weight-side edges whose gradient I captures
-    param_paths: set = field(default_factory=set)  # nodes with a path to a parameter (what the fallback W runs)
-
-    @property
-    def weight_grad_nodes(self) -> set:
-        """Nodes W runs (frontier + weight side; every node on a path to a parameter when W falls back): their
-        saved tensors live until W, everything else saved is freed once I is done."""
-        if self.conflict:
-            return set(self.param_paths)
-        return set(self.frontier) | self.weight_side
+__all__ = ["SplitAnalysis", "SplitCache", "analyze", "backward_full", "backward_input", "backward_weight"]
 
 
 @dataclass
@@ -62,83 +45,6 @@ class WeightGradState:
     weight_roots: list[tuple[object, torch.Tensor]] = field(default_factory=list)  # (GradientEdge, grad)
     fallback: tuple[list, list] | None = None  # (outputs, grads) when W must redo the traversal
     done: bool = False
-
-
-def _node_of(tensor: torch.Tensor):
-    return get_gradient_edge(tensor).node
-
-
-def _walk(roots: list, input_nodes: set, param_nodes: set) -> tuple[dict, dict, dict, list]:
-    """Post-order DFS from `roots` (iterative: autograd graphs can be thousands of nodes deep).
-    Returns (children, reaches_input, reaches_param, post-order list); inputs are not expanded."""
-    children: dict = {}
-    reaches_input: dict = {}
-    reaches_param: dict = {}
-    order: list = []
-    for root in roots:
-        if root is None or root in children:
-            continue
-        stack = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                kids = children[node]
-                reaches_input[node] = node in input_nodes or any(reaches_input[k] for k in kids)
-                reaches_param[node] = node in param_nodes or any(reaches_param[k] for k in kids)
-                order.append(node)
-                continue
-            if node in children:
-                continue
-            kids = [] if node in input_nodes else [n for n, _ in node.next_functions if n is not None]
-            children[node] = kids
-            stack.append((node, True))
-            stack.extend((k, False) for k in kids if k not in children)
-    return children, reaches_input, reaches_param, order
-
-
-def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]):
-    """Classify the autograd graph below `outputs` (see SplitAnalysis)."""
-    input_nodes = {_node_of(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
-    param_nodes = {_node_of(p) for p in params}
-    roots = [t.grad_fn for t in outputs]
-    children, reaches_input, reaches_param, order = _walk(roots, input_nodes, param_nodes)
-    input_side = {n for n in order if reaches_input[n]}
-    weight_side = {n for n in order if not reaches_input[n] and reaches_param[n]}
-    frontier: dict = {}
-    for node in order:
-        if node in input_side:
-            edges = {(kid, nr) for kid, nr in node.next_functions if kid is not None and kid in weight_side}
-            if edges:
-                frontier[node] = sorted(edges, key=lambda edge: (id(edge[0]), edge[1]))
-    # conflict: a frontier node's weight-side entry is also reachable through another of its children
-    entry_bit = {kid: 1 << i for i, kid in enumerate({kid for edges in frontier.values() for kid, _ in edges})}
-    below: dict = {}  # entries strictly below a node
-    for node in order:
-        bits = 0
-        for kid in children[node]:
-            bits |= below[kid] | entry_bit.get(kid, 0)
-        below[node] = bits
-    # an entry a frontier node also reaches through another child is "shared" (the bias of a Linear applied twice
-    # in a row): I captures the gradient arriving at it, and phase 1 leaves it out
-    shared_bits = 0
-    for node, edges in frontier.items():
-        own = 0
-        for kid, _ in edges:
-            own |= entry_bit[kid]
-        for kid in children[node]:
-            shared_bits |= below[kid] & own
-    shared = {kid for kid, bit in entry_bit.items() if bit & shared_bits}
-    # ... which is only right when no weight-side node feeds it (I would run that node too)
-    conflict = any(kid in shared for node in weight_side for kid in children[node])
-    input_captures = sorted(
-        {(kid, nr) for edges in frontier.values() for kid, nr in edges if kid in shared},
-        key=lambda edge: (id(edge[0]), edge[1]),
-    )
-    frontier = {node: [e for e in edges if e[0] not in shared] for node, edges in frontier.items()}
-    frontier = {node: edges for node, edges in frontier.items() if edges}
-    weight_roots = [i for i, root in enumerate(roots) if root is not None and root in weight_side]
-    param_paths = {n for n in order if reaches_param[n]}
-    return SplitAnalysis(input_side, weight_side, frontier, weight_roots, conflict, input_captures, param_paths)
 
 
 def _live_outputs(outputs, grad_outputs):
@@ -196,10 +102,12 @@ def backward_input(
     params: Sequence[torch.Tensor],
     *,
     saved: SavedTensors | None = None,
+    cache: SplitCache | None = None,
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightGradState]:
     """I: gradients of `inputs` (None where an input does not require grad; zeros where unused). Outputs with no
     grad_output (None) or no grad are skipped. Returns the state `backward_weight` needs. `saved`: the recorder
-    the forward ran under; once I is done it keeps only what W reads (`SplitAnalysis.weight_grad_nodes`)."""
+    the forward ran under; once I is done it keeps only what W reads (`SplitAnalysis.weight_grad_nodes`).
+    `cache`: the stage's `SplitCache` (the graph analysed once per shape, not per call)."""
     params = _trainable(params)
     outs, grads = _live_outputs(list(outputs), list(grad_outputs))
     state = WeightGradState(params=params)
@@ -207,7 +115,7 @@ def backward_input(
         if saved is not None:
             saved.release(set())
         return _input_grads([], [], list(inputs))[0], state
-    info = analyze(outs, inputs, params)
+    info = cache.analyze(outs, inputs, params) if cache is not None else analyze(outs, inputs, params)
     kept = storages_saved_by(info.weight_grad_nodes) if saved is not None else set()
     if info.conflict:
         warn(

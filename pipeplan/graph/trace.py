@@ -4,9 +4,12 @@ between two adjacent layers, the values live across it (skip connections and mod
 Two frontends produce the graph: torch.fx symbolic tracing (`fx_trace`, honours ModelSpec.leaf_modules) and
 torch.export in non-strict mode (`export_trace`, for models fx cannot trace, e.g. Hugging Face transformers).
 `tracer="auto"` tries fx and falls back to export; the tracer used is recorded (profile, plan) so every later
-step traces the same way. Layer grouping (`grouping`) and cuts are the same for both. The model's output may be
-any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput): `TracedModel.build_output` rebuilds it
-from its leaves for the loss.
+step traces the same way. An export is specialized to the batch size and to the parameters' dtype (`dtype`: a
+model exported in float32 records `x.to(input_dtype)` as a cast to float32, which a bfloat16 run would then keep);
+every step that traces for a precision passes that precision's `export_dtype` (graph.run_dtypes). Layer grouping
+(`grouping`) and cuts are the same for both; constant values are made again in each layer that reads them
+(`constants`). The model's output may be any pytree (a tensor, tuple, dict, dataclass, Hugging Face ModelOutput):
+`TracedModel.build_output` rebuilds it from its leaves for the loss.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from pipeplan.errors import ConfigError, ModelError, TraceError
+from pipeplan.graph.constants import rematerialize_constants
 from pipeplan.graph.grouping import (
     assign_unowned,
     check_in_place,
@@ -163,9 +167,13 @@ def _output_tree(gm: fx.GraphModule, export_spec: TreeSpec | None) -> tuple[Tree
     return spec, leaves, names
 
 
-def _sample_inputs(spec: ModelSpec, batch_size: int, device: str) -> tuple[torch.Tensor, ...]:
+def _sample_inputs(
+    spec: ModelSpec, batch_size: int, device: str, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The sample batch's inputs on `device`, floating-point ones in `dtype` (when given)."""
     inputs, _ = spec.sample_batch(batch_size, generator=torch.Generator().manual_seed(0))
-    return tuple(t.to(device) for t in inputs)
+    cast = lambda t: t.to(device, dtype) if dtype is not None and t.is_floating_point() else t.to(device)  # noqa: E731
+    return tuple(cast(t) for t in inputs)
 
 
 def build_module(spec: ModelSpec, device: str) -> nn.Module:
@@ -184,18 +192,22 @@ def trace_model(
     granularity: int | None = None,
     device: str = "cpu",
     tracer: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> TracedModel:
-    """Build `spec` on `device`, trace it, propagate shapes for `batch_size` samples and group nodes into layers."""
+    """Build `spec` on `device`, trace it, propagate shapes for `batch_size` samples and group nodes into layers;
+    `dtype`: the parameters' dtype an export is specialized to (module docstring; fx graphs do not depend on it)."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if granularity is not None and granularity < 1:
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
     check_tracer(tracer)
     module = build_module(spec, device)
-    return trace_module(module, spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer)
+    return trace_module(
+        module, spec, batch_size=batch_size, granularity=granularity, device=device, tracer=tracer, dtype=dtype
+    )
 
 
-def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str):
+def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, tracer: str, dtype=None):
     """(GraphModule with tensor_meta on its nodes, export's output spec or None, the tracer used).
 
     auto: fx, else export, else fx with automatic leaves (a module inside a repeated block that neither can trace,
@@ -203,14 +215,14 @@ def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, t
     from pipeplan.graph.fx_trace import propagate_shapes, symbolic_trace
 
     if tracer == "export":
-        return (*_export(module, spec, batch_size, device), "export")
+        return (*_export(module, spec, batch_size, device, dtype), "export")
     try:
         gm = symbolic_trace(module, spec)
     except TraceError as fx_error:
         export_error = None
         if tracer == "auto":
             try:
-                return (*_export(module, spec, batch_size, device), "export")
+                return (*_export(module, spec, batch_size, device, dtype), "export")
             except TraceError as error:
                 export_error = error
         try:
@@ -224,19 +236,21 @@ def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, t
     return gm, None, "fx"
 
 
-def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str):
-    """Export on the meta device (one graph whatever device the model is on): see export_trace.export_graph."""
+def _export(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, dtype: torch.dtype | None = None):
+    """Export on the meta device (one graph whatever device the model is on): see export_trace.export_graph; with
+    `dtype`, of the model with parameters in that dtype (a meta module cast: no memory)."""
     from pipeplan.graph.export_trace import export_graph
 
-    meta_inputs = _sample_inputs(spec, batch_size, "meta")
+    meta_inputs = _sample_inputs(spec, batch_size, "meta", dtype)
     if device == "meta":
-        return export_graph(module, spec, meta_inputs)
+        return export_graph(module.to(dtype) if dtype is not None else module, spec, meta_inputs)
+    meta_module = build_module(spec, "meta")
     return export_graph(
         module,
         spec,
         meta_inputs,
-        meta_module=build_module(spec, "meta"),
-        real_inputs=lambda: _sample_inputs(spec, batch_size, device),
+        meta_module=meta_module.to(dtype) if dtype is not None else meta_module,
+        real_inputs=lambda: _sample_inputs(spec, batch_size, device, dtype),
     )
 
 
@@ -250,7 +264,8 @@ def traced_constants(module: nn.Module, spec: ModelSpec, *, granularity: int | N
     from pipeplan.graph.export_trace import export_program
 
     device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
-    return export_program(module, spec, _sample_inputs(spec, 1, str(device)))[0]
+    with spec.tracing():
+        return export_program(module, spec, _sample_inputs(spec, 1, str(device)))[0]
 
 
 def trace_module(
@@ -261,13 +276,20 @@ def trace_module(
     granularity: int | None = None,
     device: str = "cpu",
     tracer: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> TracedModel:
     """Like trace_model, for an already-built module (its parameters are referenced, never copied)."""
-    gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer))
+    with spec.tracing():  # the model's own trace context (ModelSpec.trace_context)
+        gm, export_spec, used = _capture(module, spec, batch_size, device, check_tracer(tracer), dtype)
     normalize_graph(gm)
     nodes = list(gm.graph.nodes)
     keys = assign_unowned(nodes, layer_keys(gm, module, granularity))
     grouped, node_layer = group(nodes, keys)
+    if rematerialize_constants(gm, node_layer):  # constant values made again where read, not sent across cuts
+        nodes = list(gm.graph.nodes)
+        names = [name for name, _ in grouped]
+        keys = [names[node_layer[n.name]] if n.op not in ("placeholder", "output") else "" for n in nodes]
+        grouped, node_layer = group(nodes, keys)
     layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1

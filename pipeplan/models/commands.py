@@ -59,7 +59,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print only JSON o
     out.print(table)
     out.print("Custom models: MODEL may also be path/to/file.py:factory or package.module:factory.", highlight=False)
     out.print(
-        "Hugging Face (pip install 'pipeplan\\[hf]'): hf:gpt2, hf:llama, hf:bert, hf:<model_type> or hf:path/to/dir; "
-        "-a sets config fields (e.g. -a n_layer=4).",
+        "Hugging Face (pip install 'pipeplan\\[hf]'): hf:gpt2, hf:llama, hf:bert, hf:<model_type>, hf:path/to/dir or "
+        "a preset's shapes as its transformers type (hf:llama-3.1-70b); -a sets config fields (e.g. -a n_layer=4).",
         highlight=False,
     )

@@ -1,6 +1,7 @@
 """Hugging Face transformers models as pipeplan models: `hf:gpt2`, `hf:llama`, `hf:bert`, `hf:vit`, any
-`hf:<model_type>` that `AutoConfig.for_model` knows, or `hf:path/to/dir` (a local model directory: its config.json,
-and its *.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
+`hf:<model_type>` that `AutoConfig.for_model` knows, a preset's shapes (`hf:llama-3.1-70b`: models/presets.py, its
+sequence length the default seq_len), or `hf:path/to/dir` (a local model directory: its config.json, and its
+*.safetensors as initial weights). Nothing is downloaded: a model type is built from its default config.
 The types tested end to end are listed in models/hf_types.py; another type is tried with a warning, and
 encoder-decoder and multimodal configs are refused in one line.
 
@@ -18,12 +19,22 @@ fields is one ModelError line naming the -a options. Three options belong to the
 - `data`: `fixed` (default: every training step sees the same synthetic batch, so the loss visibly falls) or
   `random` (a fresh random batch each step: random tokens have nothing to learn beyond their frequencies).
 `use_cache` is turned off (a training step needs no key/value cache). The model returns its ModelOutput and the
-loss reads `.logits` from it. transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
+loss reads `.logits` from it.
+
+Attention runs as transformers runs it in an eager training step: the config's attention implementation (sdpa where
+the type supports it), and a plain causal (or, for encoders, full) mask without padding left to the kernel
+(`is_causal`, no mask tensor: FlashAttention on a GPU). transformers builds that mask when it is being exported,
+since an exported graph may later meet other query lengths; pipeplan exports again for every shape it runs, so its
+traces take the eager step's choice (`eager_masks`, the spec's trace context). A mask that is more than causal (a
+sliding window shorter than the sequence) is still built and passed to the kernel.
+transformers is an optional dependency: `pip install 'pipeplan[hf]'`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +53,11 @@ from pipeplan.models.hf_config import (
     transformers_module,
 )
 from pipeplan.models.hf_types import MOE, SUPPORTED, refusal
+from pipeplan.models.presets import preset_fields
 from pipeplan.models.spec import ModelSpec
 
 TASKS = ("causal-lm", "classification", "image-classification")
+IGNORED = -100  # a label cross-entropy skips
 DATA = ("fixed", "random")
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 MOE_TYPES = MOE  # mixture-of-experts types the adapter is tested with (models/hf_types.py)
@@ -85,9 +98,9 @@ def _task(config, requested: Any) -> str:
     return task
 
 
-def _seq_len(config, requested: Any) -> int:
+def _seq_len(config, requested: Any, default: int | None = None) -> int:
     limit = next((int(getattr(config, f)) for f in _POSITION_FIELDS if getattr(config, f, None)), None)
-    seq = int(requested) if requested is not None else min(128, limit or 128)
+    seq = int(requested) if requested is not None else (default or min(128, limit or 128))
     if seq < 2 or (limit is not None and seq > limit):
         raise ModelError(f"hf option seq_len={seq} must lie in [2, {limit}] (the config's maximum positions)")
     return seq
@@ -102,9 +115,12 @@ def _logits(output: Any) -> torch.Tensor:
 
 
 def causal_lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts token t+1 of the target (the input ids)."""
-    logits = _logits(output)[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    """Next-token cross-entropy: position t predicts token t+1 of the target (the input ids); the last position
+    predicts nothing. The labels are shifted, not the logits (as transformers' loss does): slicing the logits would
+    copy all b x (s-1) x vocab of them."""
+    logits = _logits(output)
+    labels = F.pad(target[:, 1:], (0, 1), value=IGNORED)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED)
 
 
 def with_router_aux_loss(loss_fn, coef: float):
@@ -177,6 +193,28 @@ def _sampler(config, task: str, adapter: dict[str, Any]):
     return tokens, seq
 
 
+# transformers' names its mask builders consult, and what an eager step of pipeplan's batches answers: not exporting,
+# and no packed sequences (the adapter passes input ids only: every row's positions are 0..s-1)
+_EAGER_ANSWERS = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+
+
+@contextlib.contextmanager
+def eager_masks() -> Iterator[None]:
+    """Trace with transformers' eager-step masks (module docstring): its mask builders skip a plain causal mask
+    unless it is being exported or the positions may pack several sequences (which it cannot tell from fake
+    tensors); this context gives them an eager step's answers while a trace runs (a name a transformers version
+    lacks is left alone: its mask is then traced as built)."""
+    masking = transformers_module().masking_utils
+    saved = {name: getattr(masking, name) for name in _EAGER_ANSWERS if hasattr(masking, name)}
+    try:
+        for name in saved:
+            setattr(masking, name, _EAGER_ANSWERS[name])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking, name, value)
+
+
 def _check_type(target: str, config, directory: Path | None) -> None:
     reason = refusal(config)
     if reason is not None:
@@ -203,6 +241,9 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         raise ModelError(f"hf option data={data!r} must be one of {', '.join(DATA)}")
     if task == "classification" and getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
         config.pad_token_id = 0  # sequence classification of a decoder finds each row's last non-pad token
+    preset = preset_fields(target)
+    if preset is not None and "seq_len" not in adapter:  # a preset's sequence length (models/presets.py)
+        adapter["seq_len"] = preset[2]
     sample_batch, seq = _sampler(config, task, adapter)
     loss_fn = causal_lm_loss if task == "causal-lm" else classification_loss
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None):
@@ -222,4 +263,5 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
         loss_fn=loss_fn,
         options={**_shapes(config, task), **applied, "task": task, **shown, "data": data},
         tokens_per_sample=seq,
+        trace_context=eager_masks,
     )

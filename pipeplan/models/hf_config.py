@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeplan.errors import ModelError
+from pipeplan.models.presets import preset_fields
 
 ADAPTER_OPTIONS = ("task", "seq_len", "data")
 
@@ -59,8 +60,12 @@ def given_line(target: str, options: dict[str, Any]) -> str:
 
 
 def _default_config(target: str):
-    """(the type's default config or the directory's config, the directory or None)."""
+    """(the type's default config, a preset's (models/presets.py) or the directory's config, the directory or
+    None)."""
     transformers = transformers_module()
+    preset = preset_fields(target)
+    if preset is not None:
+        return transformers.AutoConfig.for_model(preset[0], **preset[1]), None
     directory = Path(target)
     if (directory / "config.json").is_file():
         return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True), directory
@@ -77,6 +82,8 @@ def _default_config(target: str):
 def _convert(config, key: str, raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
+    if raw.lower() in ("null", "none"):  # a field that may be unset (Mistral's sliding_window=null)
+        return None
     default = getattr(config, key)
     if isinstance(default, list | dict):  # e.g. GPT-Neo's attention_types=[[["global","local"],1]]: JSON
         try:
@@ -129,8 +136,11 @@ def build_config(target: str, options: dict[str, Any], check: Callable[[Any, Pat
     fields = _fields(target, default, options)
     merged = {**fields, **({"use_cache": False} if hasattr(default, "use_cache") else {})}
     try:
+        preset = preset_fields(target)
         if directory is not None:
             config = type(default).from_dict({**default.to_dict(), **merged})
+        elif preset is not None:  # the preset's fields, the given ones over them
+            config = transformers_module().AutoConfig.for_model(preset[0], **{**preset[1], **merged})
         else:
             config = transformers_module().AutoConfig.for_model(target, **merged)
     except Exception as exc:  # a config's own validation of the fields (ValueError, AssertionError, ...)

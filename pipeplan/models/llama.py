@@ -4,7 +4,10 @@ Differences from `gpt`: RMSNorm instead of LayerNorm, rotary position embeddings
 grouped-query attention (`kv_heads` key/value heads shared by `heads // kv_heads` query heads), a SwiGLU MLP
 (`down(silu(gate(x)) * up(x))`), no biases, untied LM head. Same top-level layout as `gpt` (`embed`,
 `blocks.{i}`, `head`) so layer grouping and partitioning treat both alike. Shapes follow Touvron et al.,
-"LLaMA" (2023) and "Llama 2" (2023).
+"LLaMA" (2023) and "Llama 2" (2023). The same family's later members are options: `head_dim` other than hidden /
+heads (Gemma's 256), biases on the q/k/v projections (`qkv_bias`: Qwen2), a GeGLU MLP (`activation=gelu_tanh`:
+Gemma), an LM head tied to the embedding (`tie_embeddings`: Gemma, small Qwen2.5 and Llama 3.2), a squared-ReLU
+MLP of two matrices (`mlp=relu2`: Nemotron-4, `down(relu(up(x))²)`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeplan.models.gpt import lm_loss
-from pipeplan.models.spec import ModelSpec, check_sizes
+from pipeplan.models.spec import SIZE_LIMITS, ModelSpec, check_sizes
 
 
 class RMSNorm(nn.Module):
@@ -45,15 +48,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, rope_theta: float, head_dim: int = 0, qkv_bias: bool = False
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.kv_heads = kv_heads
-        self.head_dim = hidden // heads
+        self.head_dim = head_dim or hidden // heads
         self.rope_theta = rope_theta
-        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
 
     def _rotary(self, x: torch.Tensor, seq: int) -> torch.Tensor:
@@ -75,15 +80,21 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).flatten(-2))
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU (Gemma: GELU's tanh form)
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, intermediate, bias=False)
         self.up = nn.Linear(hidden, intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.tanh_gelu = activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate = self.gate(x)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down(gate * self.up(x))
 
 
 class SquaredReluMLP(nn.Module):
@@ -103,13 +114,16 @@ MLPS = {"swiglu": MLP, "relu2": SquaredReluMLP}
 
 class Block(nn.Module):
     def __init__(
-        self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float, mlp: str = "swiglu"
+        self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float, **o
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
-        self.attn = Attention(hidden, heads, kv_heads, theta)
+        self.attn = Attention(hidden, heads, kv_heads, theta, o.get("head_dim", 0), o.get("qkv_bias", False))
         self.mlp_norm = RMSNorm(hidden, eps)
-        self.mlp = MLPS[mlp](hidden, intermediate)
+        if o.get("mlp", "swiglu") == "relu2":
+            self.mlp = SquaredReluMLP(hidden, intermediate)
+        else:
+            self.mlp = MLP(hidden, intermediate, o.get("activation", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -138,14 +152,17 @@ class Llama(nn.Module):
         vocab: int,
         norm_eps: float,
         rope_theta: float,
-        mlp: str = "swiglu",
+        tie_embeddings: bool = False,
+        **variant,
     ) -> None:
         super().__init__()
         self.embed = Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            Block(hidden, heads, kv_heads, intermediate, norm_eps, rope_theta, mlp) for _ in range(layers)
+            Block(hidden, heads, kv_heads, intermediate, norm_eps, rope_theta, **variant) for _ in range(layers)
         )
         self.head = Head(hidden, vocab, norm_eps)
+        if tie_embeddings:
+            self.head.proj.weight = self.embed.tok.weight
         self.apply(init_llama_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -163,6 +180,17 @@ def init_llama_weights(module: nn.Module) -> None:
         module.reset_parameters()
 
 
+def _check_variant(norm_eps: float, rope_theta: float, mlp: str, activation: str) -> None:
+    if norm_eps <= 0 or rope_theta <= 0:
+        raise ValueError("norm_eps and rope_theta must be positive")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if mlp not in MLPS:
+        raise ValueError(f"mlp must be one of {', '.join(MLPS)}, got {mlp!r}")
+    if mlp == "relu2" and activation != "silu":
+        raise ValueError(f"activation ({activation!r}) is the gated MLP's; mlp=relu2 has no gate: drop activation")
+
+
 def llama(
     layers: int = 4,
     hidden: int = 128,
@@ -173,21 +201,24 @@ def llama(
     vocab: int = 512,
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
+    head_dim: int = 0,
+    qkv_bias: bool = False,
+    activation: str = "silu",
+    tie_embeddings: bool = False,
     mlp: str = "swiglu",
 ) -> ModelSpec:
     """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (or `mlp=relu2`:
-    Nemotron-4's squared-ReLU MLP), untied LM head."""
+    Nemotron-4's squared-ReLU MLP), untied LM head (the module docstring's options: head_dim 0 = hidden / heads)."""
     check_sizes(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seq=seq, vocab=vocab
     )
-    if hidden % heads or (hidden // heads) % 2:
+    if head_dim and (head_dim < 0 or head_dim % 2 or head_dim > SIZE_LIMITS["hidden"]):
+        raise ValueError(f"head_dim ({head_dim}) must be 0 (hidden / heads) or a positive even size")
+    if not head_dim and (hidden % heads or (hidden // heads) % 2):
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}) into an even head size")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if norm_eps <= 0 or rope_theta <= 0:
-        raise ValueError("norm_eps and rope_theta must be positive")
-    if mlp not in MLPS:
-        raise ValueError(f"mlp must be one of {', '.join(MLPS)}, got {mlp!r}")
+    _check_variant(norm_eps, rope_theta, mlp, activation)
     options = dict(
         layers=layers,
         hidden=hidden,
@@ -198,6 +229,10 @@ def llama(
         vocab=vocab,
         norm_eps=norm_eps,
         rope_theta=rope_theta,
+        head_dim=head_dim,
+        qkv_bias=qkv_bias,
+        activation=activation,
+        tie_embeddings=tie_embeddings,
         **({"mlp": mlp} if mlp != "swiglu" else {}),  # the default stays out: earlier options and plans match
     )
     module_options = {key: value for key, value in options.items() if key != "seq"}

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from pipeplan.models.gpt import lm_loss
 from pipeplan.models.llama import MLP, Attention, Embedding, Head, RMSNorm
+from pipeplan.models.mla import LatentAttention, LatentShape
 from pipeplan.models.spec import ModelSpec, check_sizes
 
 GATES = ("softmax", "sigmoid")
@@ -111,10 +112,13 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, *, hidden: int, heads: int, kv_heads: int, eps: float, theta: float, ffn: nn.Module) -> None:
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, eps: float, theta: float, ffn: nn.Module, latent):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
-        self.attn = Attention(hidden, heads, kv_heads, theta)
+        if latent is not None:  # multi-head latent attention (models/mla.py)
+            self.attn = LatentAttention(hidden, heads, latent, theta, eps)
+        else:
+            self.attn = Attention(hidden, heads, kv_heads, theta)
         self.mlp_norm = RMSNorm(hidden, eps)
         self.mlp = ffn
 
@@ -127,7 +131,7 @@ class MoEModel(nn.Module):
     def __init__(self, *, layers: int, dense_layers: int, vocab: int, hidden: int, heads: int, kv_heads: int, **o):
         super().__init__()
         eps, theta, intermediate = o.pop("norm_eps"), o.pop("rope_theta"), o.pop("intermediate")
-        attn = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, eps=eps, theta=theta)
+        attn = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, eps=eps, theta=theta, latent=o.pop("latent"))
         self.embed = Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
             MoEBlock(**attn, ffn=MLP(hidden, intermediate) if i < dense_layers else MoE(hidden=hidden, **o))
@@ -162,6 +166,19 @@ def _check(*, experts: int, top_k: int, shared_experts: int, dense_layers: int, 
         raise ValueError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
 
 
+def _latent_shape(
+    *, kv_lora_rank: int, q_lora_rank: int, qk_nope_dim: int, qk_rope_dim: int, v_head_dim: int
+) -> LatentShape | None:
+    """MLA's sizes (checked) when kv_lora_rank > 0, else None (standard attention)."""
+    if not kv_lora_rank:
+        return None
+    shape = LatentShape(
+        q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope=qk_nope_dim, qk_rope=qk_rope_dim, v_head=v_head_dim
+    )
+    shape.check()
+    return shape
+
+
 def moe(
     layers: int = 4,
     hidden: int = 64,
@@ -180,9 +197,14 @@ def moe(
     vocab: int = 256,
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
+    kv_lora_rank: int = 0,
+    q_lora_rank: int = 0,
+    qk_nope_dim: int = 128,
+    qk_rope_dim: int = 64,
+    v_head_dim: int = 128,
 ) -> ModelSpec:
-    """Mixture-of-experts decoder: LLaMA-style attention, shared + top-k routed SwiGLU experts, first dense_layers
-    dense (module docstring)."""
+    """Mixture-of-experts decoder: LLaMA-style attention (or, with kv_lora_rank > 0, multi-head latent attention:
+    models/mla.py), shared + top-k routed SwiGLU experts, first dense_layers dense (module docstring)."""
     sizes = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq, vocab=vocab)
     check_sizes(**sizes, intermediate=max(intermediate, expert_intermediate))
     _check(
@@ -193,18 +215,13 @@ def moe(
     if norm_eps <= 0 or rope_theta <= 0 or scale <= 0:
         raise ValueError("norm_eps, rope_theta and scale must be positive")
     routing = dict(experts=experts, top_k=top_k, gate=gate, normalize=normalize, scale=scale)
-    options = dict(
-        **sizes,
-        **routing,
-        expert_intermediate=expert_intermediate,
-        shared_experts=shared_experts,
-        dense_layers=dense_layers,
-        intermediate=intermediate,
-        norm_eps=norm_eps,
-        rope_theta=rope_theta,
-    )
-    module = {k: v for k, v in options.items() if k not in ("seq", "expert_intermediate", "shared_experts")}
-    module.update(ffn=expert_intermediate, shared=shared_experts)
+    latent = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim)
+    latent["v_head_dim"] = v_head_dim
+    options = dict(**sizes, **routing, expert_intermediate=expert_intermediate, shared_experts=shared_experts)
+    options.update(dense_layers=dense_layers, intermediate=intermediate, norm_eps=norm_eps, rope_theta=rope_theta)
+    options.update(latent)
+    module = {k: v for k, v in options.items() if k not in ("seq", "expert_intermediate", "shared_experts", *latent)}
+    module.update(ffn=expert_intermediate, shared=shared_experts, latent=_latent_shape(**latent))
 
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):
         tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,7 @@ class ModelSpec:
 
     - `build()` constructs the module on the current default device. `torch.manual_seed(seed)` then `build()` on
       the CPU defines the model's initial state: every rank of `pipeplan run` holds exactly those tensors
-      (parameters and buffers) for its stages, whatever build() does to make them (see runtime/materialize.py).
+      (parameters and buffers) for its stages, whatever build() does to make them (see runtime/weights/materialize.py).
       `with torch.device("meta"): spec.build()` must also work (tracing and planning allocate nothing).
     - `sample_batch(batch_size, generator)` returns `((inputs, ...), target)`: a tuple of input tensors for
       `forward` and the target tensor for `loss_fn(output, target)`. Deterministic for a given generator state.
@@ -89,6 +90,9 @@ class ModelSpec:
       torch.optim.lr_scheduler.LambdaLR's lr_lambda; a function of the step alone, so resuming is exact) instead
       of --lr-schedule / --warmup-steps / --decay-steps.
     - `leaf_modules`: module classes torch.fx must not trace into (e.g. one with data-dependent control flow).
+    - `trace_context()`: a context manager every trace of the model runs in (profile, plan and each rank of `run`
+      alike), e.g. the `hf:` adapter's, under which transformers leaves a plain causal mask to the attention
+      kernel while exporting as it does in an eager run (models/hf.py).
     - `init_module(module)`: a *complete* per-submodule initializer (after the submodule's own
       `reset_parameters()`, it sets every parameter and buffer of that submodule), declared only for models too
       large to build whole on one host: there, and only there, each rank builds its part on the meta device and
@@ -106,6 +110,7 @@ class ModelSpec:
     init_module: Callable[[nn.Module], None] | None = None
     optimizer: Callable[[list[tuple[str, nn.Parameter]], float, float], torch.optim.Optimizer] | None = None
     lr_lambda: Callable[[int], float] | None = None
+    trace_context: Callable[[], AbstractContextManager] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -113,9 +118,13 @@ class ModelSpec:
         for attr in ("build", "sample_batch", "loss_fn"):
             if not callable(getattr(self, attr)):
                 raise TypeError(f"ModelSpec.{attr} must be callable")
-        for attr in ("data", "init_module", "optimizer", "lr_lambda"):
+        for attr in ("data", "init_module", "optimizer", "lr_lambda", "trace_context"):
             if getattr(self, attr) is not None and not callable(getattr(self, attr)):
                 raise TypeError(f"ModelSpec.{attr} must be callable or None")
+
+    def tracing(self) -> AbstractContextManager:
+        """The context a trace of this model runs in (`trace_context`; none by default)."""
+        return self.trace_context() if self.trace_context is not None else nullcontext()
 
     def batches(self, batch_size: int, seed: int = 0) -> Iterator[Batch]:
         """Global training batches: the factory's real data if it supplies some, else endless synthetic ones."""

@@ -7,9 +7,9 @@ PipeDream's graph.txt reader lives in pipeplan.profiling.pipedream.
 
 from pipeplan.cluster import Cluster
 from pipeplan.costs import bytes_per_param
-from pipeplan.partition.api import partition
 from pipeplan.partition.baselines import parameter_balanced_partition, uniform_partition
 from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.partitioner import partition
 from pipeplan.partition.result import Partition, StageAssignment
 
 __all__ = [

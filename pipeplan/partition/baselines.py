@@ -22,9 +22,9 @@ import numpy as np
 from pipeplan.cluster import Cluster
 from pipeplan.costs import LayerArrays
 from pipeplan.partition import dp, single
-from pipeplan.partition.api import build_partition, one_level
 from pipeplan.partition.chunks import chunk_level
 from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.partitioner import build_partition, one_level
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.registry import stage_device

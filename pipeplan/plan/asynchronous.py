@@ -21,7 +21,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.precision import get_precision
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import LayoutSteps, StepEnd, post_validated_floor, steady_state
-from pipeplan.schedules.registry import generate, schedule_info
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, Timeline, stream_step_ms
 
 
@@ -58,7 +58,7 @@ def updates_per_step(name: str, num_microbatches: int) -> int:
     all-reduce follows the flush), m / update_every for an asynchronous one."""
     if not schedule_info(name).asynchronous:
         return 0
-    return num_microbatches // generate(name, num_devices=1, num_microbatches=num_microbatches).update_every
+    return num_microbatches // schedule_info(name).update_every(num_microbatches)
 
 
 def predicted_step(

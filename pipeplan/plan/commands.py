@@ -41,9 +41,14 @@ def export(
     torch-csv: the "compute_only" CSV schedule torch.distributed.pipelining's PipelineScheduleMulti._load_csv
     reads, one row per rank of one pipeline (plans with replicated stages cannot be exported: torch runs a stage
     on one rank). megatron: Megatron-LM arguments, one flag per line, with a `#` comment for each plan setting
-    Megatron cannot express and each stage's module FQNs.
+    Megatron cannot express and each stage's module FQNs, and Megatron-Core's config keyword arguments beside it
+    (OUT_STEM_mcore.py). torchtitan: a torchtitan 0.2 job config (TOML); torchtitan-0.3: torchtitan 0.3's
+    command-line overrides; both name the stages in torchtitan's model (llama3, deepseek_v3) and point at the plan's
+    CSV schedule written beside them (OUT_STEM.csv). docs/engines.md: from here to a torchrun / SLURM launch.
 
     Example: pipeplan export plan/plan.json --format megatron -o megatron.args
+
+    Example: pipeplan export plan/plan.json --format torchtitan-0.3 -o job.args
     """
     from pipeplan.plan.exports import export_plan
     from pipeplan.plan.plan import Plan  # the plan room: imported when the command runs (not for --help)

@@ -2,16 +2,18 @@
 
 `megatron_export(plan)` gives the command-line flags of Megatron-LM's `pretrain_gpt.py` (one per line in the
 file) and, for the same values, the keyword arguments of Megatron-Core's dataclasses (`TransformerConfig`,
-`DistributedDataParallelConfig`, `OptimizerConfig`), which the tests construct so Megatron-Core's own validation
-checks them. Each plan setting Megatron cannot express is a `notes` line (written as a `#` comment), and so is each
-stage's membership (its module FQNs).
+`DistributedDataParallelConfig`, `OptimizerConfig`), written beside the flags as a Python file (`render_core`) that
+the tests import and construct, so Megatron-Core's own validation checks them: with the model's shape fields
+(hidden_size, num_attention_heads, ...) they construct for every plan (pipeline_dtype for pp > 1, num_moe_experts
+for ep > 1 when the plan's model says its expert count). Each plan setting Megatron cannot express is a `notes` line
+(written as a `#` comment), and so is each stage's membership (its module FQNs).
 
 Mapping: pipeline size = the plan's devices per pipeline; virtual stages = its chunks (interleaved); tensor,
 context and expert sizes are the plan's t, cp and ep; data parallel (implied by the world size) is the plan's
-pipelines times a uniform replica count (PipeDream replication splits a pipeline's microbatches over r copies of
-every stage: the same as r times the pipelines). Uneven stages go into `--pipeline-model-parallel-layout` (`E`
-embedding, `t` decoder layer, `L` final norm + output + loss; stages in Megatron's order: virtual stage v of pipeline
-rank r is layout entry v x pp + r, which is pipeplan's looped placement). Recomputation: Megatron applies one
+pipelines times its replicas (`plan.engine_dims.data_parallel`). Uneven stages go into
+`--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` final norm + output + loss; stages in
+Megatron's order: virtual stage v of pipeline rank r is layout entry v x pp + r, which is pipeplan's looped
+placement). Recomputation: Megatron applies one
 setting to every stage: `selective` is Megatron's selective (core attention); `full` keeps only each stage's input
 (`uniform` over chunks as long as the longest stage).
 """
@@ -22,11 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeplan.costs.overlap import Overlap
+from pipeplan.errors import ConfigError
+from pipeplan.models.builtins import BUILTINS, builtin_family
+from pipeplan.plan.engine_dims import data_parallel, megatron_expert_problem
 from pipeplan.plan.plan import Plan
 from pipeplan.plan.stage_layers import BlockLayout, block_layout, cannot_express, describe_members
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "Megatron"
+_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype")  # TransformerConfig fields holding a torch dtype
 _PRECISION_FLAGS = {  # pipeplan precision -> (flags, note when Megatron's mode differs)
     "fp32": ((), ""),
     "bf16-mixed": (
@@ -59,7 +65,7 @@ class MegatronExport:
     flags: tuple[str, ...]  # "--name value" or "--name"
     notes: tuple[str, ...]  # plan settings Megatron cannot express (or expresses differently)
     members: tuple[str, ...]  # one line per stage: where it runs and its module FQNs
-    transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig keyword arguments
+    transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig keyword arguments (dtypes by name)
     ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallelConfig keyword arguments
     optimizer: dict[str, Any] = field(default_factory=dict)  # OptimizerConfig keyword arguments
 
@@ -73,15 +79,43 @@ class MegatronExport:
         lines += [f"# {member}" for member in self.members]
         return "\n".join([*lines, *self.flags]) + "\n"
 
+    def render_core(self, args_name: str) -> str:
+        """Megatron-Core's keyword arguments as a Python module (the same values as the flags in `args_name`)."""
+        transformer = ", ".join(
+            f"{key!r}: torch.{value}" if key in _DTYPE_FIELDS else f"{key!r}: {value!r}"
+            for key, value in self.transformer.items()
+        )
+        return "\n".join(
+            [
+                f'"""pipeplan export --format megatron: Megatron-Core keyword arguments, the values of {args_name}.',
+                "",
+                "    from megatron.core.transformer.transformer_config import TransformerConfig",
+                "    from megatron.core.distributed import DistributedDataParallelConfig",
+                "    from megatron.core.optimizer import OptimizerConfig",
+                "    config = TransformerConfig(**TRANSFORMER, hidden_size=..., num_attention_heads=...)  # your shape",
+                "    ddp_config = DistributedDataParallelConfig(**DDP)",
+                "    optimizer_config = OptimizerConfig(**OPTIMIZER)",
+                '"""',
+                "",
+                "import torch",
+                "",
+                f"TRANSFORMER = {{{transformer}}}",
+                f"DDP = {self.ddp!r}",
+                f"OPTIMIZER = {self.optimizer!r}",
+                "",
+            ]
+        )
+
 
 def megatron_export(plan: Plan) -> MegatronExport:
     layout = block_layout(plan, ENGINE)
     t, cp, ep = plan.training.tensor_parallel, plan.training.context_parallel, plan.training.expert_parallel
     pp = len(plan.stages) // plan.chunks
-    notes = [*_schedule_notes(plan), *cannot_express(layout, ENGINE)]
-    replicas, replica_notes = _replicas(plan)
-    notes += replica_notes
-    dp = plan.training.data_parallel * replicas
+    parallel = data_parallel(plan, ENGINE)
+    dp = parallel.size
+    if (problem := megatron_expert_problem(plan, dp)) is not None:
+        raise ConfigError(problem)
+    notes = [*_schedule_notes(plan), *cannot_express(layout, ENGINE), *parallel.notes]
     flags = [
         f"--tensor-model-parallel-size {t}",
         f"--pipeline-model-parallel-size {pp}",
@@ -103,6 +137,8 @@ def megatron_export(plan: Plan) -> MegatronExport:
     if t > 1:  # pipeplan's tensor-parallel cost model is Megatron's with sequence parallelism
         flags.append("--sequence-parallel")
         transformer["sequence_parallel"] = True
+    if ep > 1:
+        _expert_flags(plan, flags, transformer, notes)
     _layout_flags(plan, layout, flags, transformer, notes)
     _recompute_flags(plan, layout, flags, transformer, notes)
     ddp, optimizer = _optimizer_flags(plan, flags, notes)
@@ -129,28 +165,34 @@ def _member_line(stage, layout: BlockLayout, pp: int) -> str:
 
 
 def _schedule_notes(plan: Plan) -> list[str]:
-    info = schedule_info(plan.schedule)
-    if plan.schedule in ("1f1b", "interleaved"):
-        return []
-    if info.asynchronous:
-        return [f"schedule {plan.schedule} updates weights without a flush; Megatron flushes every step (1F1B)"]
-    if plan.schedule == "gpipe":
-        return ["schedule gpipe runs as Megatron's 1F1B (same gradients, less activation memory)"]
-    runs_as = "interleaved 1F1B over the same stages (looped, not V-shaped)" if plan.chunks > 1 else "1F1B"
-    return [f"schedule {plan.schedule} (split backward / zero bubble) is not in Megatron-Core; it runs as {runs_as}"]
+    note = schedule_info(plan.schedule).megatron_note(plan.chunks)  # "" for Megatron-Core's own schedules
+    return [note] if note else []
 
 
-def _replicas(plan: Plan) -> tuple[int, list[str]]:
-    counts = sorted({stage.replicas for stage in plan.stages})
-    if counts == [1]:
-        return 1, []
-    if len(counts) == 1:
-        return counts[0], [f"every stage has {counts[0]} replicas: exported as {counts[0]}x the data parallel size"]
-    per_stage = ", ".join(f"stage {s.index}: {s.replicas}" for s in plan.stages)
-    return 1, [
-        f"stages replicated different numbers of times ({per_stage}); Megatron runs each stage on one rank per "
-        "pipeline: exported with one rank per stage (fewer GPUs than planned)"
-    ]
+def _expert_flags(plan: Plan, flags: list[str], transformer: dict, notes: list[str]) -> None:
+    """The expert count Megatron-Core needs with ep > 1 (`num_moe_experts`), when the plan's model says it."""
+    experts = _expert_count(plan)
+    if experts is None:
+        notes.append(
+            "expert parallelism needs the model's expert count (--num-experts, TransformerConfig num_moe_experts), "
+            "which this plan's model reference does not record: give it with the model's shape flags"
+        )
+        return
+    flags.append(f"--num-experts {experts}")
+    transformer["num_moe_experts"] = experts
+
+
+def _expert_count(plan: Plan) -> int | None:
+    """Routed experts of a built-in MoE model (its options, preset or factory default); None for other models."""
+    ref, options = plan.model.ref, plan.model.options
+    if builtin_family(ref) != "moe":
+        return None
+    builtin = BUILTINS[ref]
+    if "experts" in options or "experts" in (builtin.preset or {}):
+        return int(options.get("experts", (builtin.preset or {}).get("experts")))
+    import inspect  # the factory's default: imports the model (torch), only for an ep plan of the default shape
+
+    return int(inspect.signature(builtin.factory).parameters["experts"].default)
 
 
 def _layout_flags(plan: Plan, layout: BlockLayout, flags: list[str], transformer: dict, notes: list[str]) -> None:
@@ -236,9 +278,13 @@ def _precision_flags(plan: Plan, flags: list[str], transformer: dict, optimizer:
     flags += precision_flags
     if note:
         notes.append(f"--precision {plan.training.precision}: {note}")
+    dtype = "float32"
     for flag in precision_flags:
         key = {"--bf16": "bf16", "--fp16": "fp16"}.get(flag)
         if key:
             transformer[key] = optimizer[key] = True
+            dtype = {"bf16": "bfloat16", "fp16": "float16"}[key]
+    # Megatron-LM's core_transformer_config_from_args: params_dtype from --bf16 / --fp16, pipeline_dtype = params_dtype
+    transformer.update(params_dtype=dtype, pipeline_dtype=dtype)
     if any(flag.startswith("--fp8-format") for flag in precision_flags):
         transformer["fp8"] = "hybrid"

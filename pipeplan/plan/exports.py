@@ -1,6 +1,7 @@
 """`pipeplan export`: a plan in another tool's format. torch-csv: the per-rank op lists as the "compute_only" CSV
-torch.distributed.pipelining's PipelineScheduleMulti._load_csv reads; megatron: Megatron-LM arguments
-(plan.export_megatron); torchtitan: a torchtitan job config (plan.export_torchtitan)."""
+torch.distributed.pipelining's PipelineScheduleMulti._load_csv reads; megatron: Megatron-LM arguments and, beside
+them, Megatron-Core's config keyword arguments (plan.export_megatron); torchtitan / torchtitan-0.3: a torchtitan
+0.2 job config (TOML) or 0.3 command-line arguments, with the CSV schedule beside it (plan.export_torchtitan)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
-from pipeplan.plan.export_formats import EXPORT_FORMATS
+from pipeplan.plan.export_formats import EXPORT_FORMATS, TORCHTITAN_FORMATS
 from pipeplan.plan.export_megatron import megatron_export
 from pipeplan.plan.export_torchtitan import torchtitan_export
 from pipeplan.plan.plan import Plan
@@ -48,21 +49,26 @@ def export_plan(plan: Plan, fmt: str, output: Path) -> tuple[list[str], list[str
                 f"all {plan.training.data_parallel} pipelines run the same lists"
             )
         return [f"wrote {output}"], notes
-    if fmt == "torchtitan":
-        return _write_torchtitan(plan, output)
+    if fmt in TORCHTITAN_FORMATS:
+        return _write_torchtitan(plan, output, TORCHTITAN_FORMATS[fmt])
     exported = megatron_export(plan)
+    core = output.with_name(f"{output.stem}_mcore.py")  # Megatron-Core's keyword arguments, beside the flags
+    core_text = exported.render_core(output.name)
     atomic_write_text(output, exported.render())
+    atomic_write_text(core, core_text)
     notes += [f"cannot express: {note}" for note in exported.notes]
-    return [*exported.flags, f"wrote {output}"], notes
+    return [*exported.flags, f"wrote {output}", f"wrote {core}"], notes
 
 
-def _write_torchtitan(plan: Plan, output: Path) -> tuple[list[str], list[str]]:
-    """The job config at `output` and, when it points at one, the torch CSV schedule beside it (same stem)."""
-    csv_path = output.with_suffix(".csv")
-    exported = torchtitan_export(plan, str(csv_path))
+def _write_torchtitan(plan: Plan, output: Path, version: str) -> tuple[list[str], list[str]]:
+    """The config at `output` and, when it points at one, the torch CSV schedule beside it (same stem), named by
+    its absolute path: torchtitan opens it from wherever it runs."""
+    csv_path = output.with_suffix(".csv").resolve()
+    exported = torchtitan_export(plan, str(csv_path), version)
+    text, csv_text = exported.render(), torch_csv(plan) if exported.needs_csv else None
     written = []
-    if exported.needs_csv:
-        atomic_write_text(csv_path, torch_csv(plan))
+    if csv_text is not None:
+        atomic_write_text(csv_path, csv_text)
         written.append(f"wrote {csv_path}")
-    atomic_write_text(output, exported.render())
+    atomic_write_text(output, text)
     return [*written, f"wrote {output}"], [f"cannot express: {note}" for note in exported.notes]

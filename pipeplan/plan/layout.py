@@ -12,7 +12,7 @@ from pipeplan.costs.overlap import Overlap, blocking_transfers
 from pipeplan.plan.plan import RankInfo
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.period import LayoutSteps, step_timer
-from pipeplan.schedules.registry import generate, schedule_info
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.replicate import replicate_paced, simulate_expanded, time_expanded
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
 
@@ -131,10 +131,11 @@ def layout_schedule(layout: PipelineLayout, name: str, num_stages: int, num_micr
         for stage in stages:
             first_device[stage] = device
     stream: dict[str, int] = {"num_microbatches": num_microbatches}
-    if schedule_info(name).asynchronous:  # the version rule of `name` (one step of it says which) over the stream
-        rule = generate(name, num_devices=layout.num_devices, num_microbatches=num_microbatches)
+    info = schedule_info(name)
+    if info.asynchronous:  # the version rule of `name` over the stream
         total = 1 + max(o.microbatch for ops in device_ops for o in ops)
-        stream = dict(num_microbatches=total, update_every=rule.update_every, weight_versions=rule.weight_versions)
+        every, versions = info.update_every(num_microbatches), info.weight_versions(layout.num_devices)
+        stream = dict(num_microbatches=total, update_every=every, weight_versions=versions)
     schedule = Schedule(
         name=name,
         num_devices=layout.num_devices,

@@ -76,6 +76,7 @@ class TrainingConfig:
     expert_parallel: int = 1  # ranks of pipelines x cp a MoE model's routed experts split over (analytic plans only)
     overlap: str = "none"  # communication overlap the step was predicted with (costs.overlap.Overlap.label)
     post_validate: bool = False  # the step is the period of post-validated steps: `run` post-validates (older: off)
+    attention: str = ""  # analytic plans: what attention the costs assume (the profile's: flash, math, ...)
 
     def __post_init__(self) -> None:
         from pipeplan.precision import PRECISIONS

@@ -19,7 +19,7 @@ PLAN_FILE = "plan.json"
 LAUNCH_FILE = "launch.sh"
 SBATCH_FILE = "job.sbatch"
 TIMELINE_FILE = "timeline.json"
-WORKER = "pipeplan.runtime.worker"
+WORKER = "pipeplan.runtime.launch.worker"
 
 
 def describe(plan: Plan) -> str:

@@ -218,7 +218,8 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
     text.append(describe(plan) + "\n")
     text.append("Predicted: ", style="bold")
     zero = ", ZeRO-1 optimizer sharding" if plan.training.zero else ""
-    text.append(f"{p.step_ms:.2f} ms/step{_period_words(plan, timeline)} in {plan.training.precision}{zero}")
+    attention = f", {plan.training.attention} attention" if plan.training.attention not in ("", "none") else ""
+    text.append(f"{p.step_ms:.2f} ms/step{_period_words(plan, timeline)} in {plan.training.precision}{zero}{attention}")
     text.append(f", {p.samples_per_s:.2f} samples/s")
     if p.tokens_per_s:
         text.append(f", {p.tokens_per_s:,.0f} tokens/s")

@@ -4,7 +4,11 @@ The model is built and traced on the meta device; each layer runs as its own Sta
 training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 - forward FLOPs, bytes and roofline time per aten op (`OpRecorder`), with dropout and attention swapped for their
-  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; FlashAttention-2 or the Megatron math path);
+  CUDA equivalents (`GpuSemantics`: 1-byte dropout masks; each scaled_dot_product_attention call as the kernel a
+  GPU runs it with, FlashAttention-2 or memory-efficient attention, or the Megatron math path under `--attention
+  math`; attention a model writes by hand runs as written) and, under bf16-/fp16-mixed, CUDA's autocast applied to
+  fp32 parameters (`cuda_autocast`: matmuls in the low dtype, norms, softmax and the loss in fp32, the residual
+  stream fp32, each forward's weight copies saved for backward);
 - tensors saved for backward (`saved_tensors.SavedTensors`), storages de-duplicated, parameters and buffers
   excluded, split into what the input-gradient (I) pass frees and what the weight-gradient (W) pass still reads,
   by the rule the measured profiler and the runtime follow;
@@ -19,31 +23,36 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
 
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does: its saved tensors (cross-entropy's
 log-softmax), FLOPs and times are the last layer's (`loss_stage`; under a mixed precision in fp32, as autocast
-runs losses). Times are the sum of per-op
-rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)` (`opcount.Roofline.seconds`; the rates are
-peak × efficiency, or what `pipeplan calibrate` measured; the launch floor is 0 unless calibrated) with no overlap
-between ops.
+runs losses). The other precisions run the model in their compute dtype (bf16 parameters and activations). Times
+are the sum of per-op rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)`
+(`opcount.Roofline.seconds`; the rates are peak × efficiency, or what `pipeplan calibrate` measured; the launch
+floor is 0 unless calibrated) with no overlap between ops.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from pipeplan.errors import ConfigError
 from pipeplan.graph.loss_stage import last_layer_stage, model_loss
-from pipeplan.graph.run_dtypes import cut_bytes_under, fake_run
+from pipeplan.graph.run_dtypes import export_dtype
 from pipeplan.hardware import Hardware, load_hardware
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
+from pipeplan.profiling.cuda_autocast import gpu_forward
 from pipeplan.profiling.experts import check_experts_counted
-from pipeplan.profiling.gpu_ops import GpuSemantics
+from pipeplan.profiling.fusions import fuse_regions
+from pipeplan.profiling.gpu_ops import GpuSemantics, attention_summary
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.layer_count import LayerCounts, count_layer, tensor_bytes
 from pipeplan.profiling.opcount import Roofline
 from pipeplan.profiling.profile import LayerProfile, LayerWork, Profile, Provenance
+from pipeplan.profiling.profile_options import ATTENTION_MODES
 from pipeplan.profiling.recompute import analytic_recompute
+from pipeplan.profiling.repeats import layer_key
 from pipeplan.profiling.retime import retime_layer
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -65,7 +74,7 @@ class AnalyticConfig:
     hardware: Hardware
     granularity: int | None = None
     dtype: str = "bfloat16"
-    flash_attention: bool = True
+    attention: str = "auto"  # ATTENTION_MODES: what each SDPA call runs as (profiling.gpu_ops)
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
     fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
@@ -79,6 +88,8 @@ class AnalyticConfig:
         if canonical not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
         object.__setattr__(self, "dtype", canonical)
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
         for name in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
@@ -127,6 +138,7 @@ def layer_profile(
         flops=counts.forward_flops,
         work=work,
         expert_param_count=counts.expert_param_count,
+        replicated_param_count=counts.replicated_param_count,
         **recompute_bytes,
     )
     return retime_layer(layer, rates)
@@ -152,7 +164,7 @@ def profile_analytic(
     hardware: str | Hardware,
     precision: str,
     granularity: int | None = None,
-    flash_attention: bool = True,
+    attention: str = "auto",
     matmul_efficiency: float | None = None,
     memory_efficiency: float | None = None,
     progress: bool = False,
@@ -162,48 +174,58 @@ def profile_analytic(
 ) -> Profile:
     """Profile `spec` for `hardware` without running it: per-layer F/I/W/B times, FLOPs, saved activations.
 
-    `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; mixed modes count gradients
-    (all-reduce bytes) in fp32 and cut bytes in the dtypes CPU autocast gives (a proxy for the GPU's).
+    `precision` (pipeplan.precision, the caller's choice) sets the compute dtype; the mixed modes run fp32
+    parameters under CUDA's autocast (`cuda_autocast`), so parameters, gradients (all-reduce bytes), saved tensors
+    and the values crossing cuts have the dtypes a CUDA run gives them.
+
+    `attention` (ATTENTION_MODES): each scaled_dot_product_attention call as a GPU runs it (auto; flash: the same,
+    refusing attention written by hand) or the math path (math); the provenance records what ran.
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
-    from pipeplan.graph.trace import trace_model
-
     mode = get_precision(precision)
+    efficiencies = dict(matmul_efficiency=matmul_efficiency, memory_efficiency=memory_efficiency)
     config = AnalyticConfig(
         batch_size=batch_size,
         hardware=load_hardware(hardware),
         granularity=granularity,
         dtype=mode.compute_dtype_name,
-        flash_attention=flash_attention,
-        matmul_efficiency=matmul_efficiency,
-        memory_efficiency=memory_efficiency,
+        attention=attention,
         fp8_linears=mode.fp8_linears,
+        **efficiencies,
         **_stack_fields(mode),
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
-    traced = trace_model(spec, batch_size=batch_size, granularity=granularity, device="meta", tracer=tracer)
-    mixed = fake_run(traced, precision, "cpu") if mode.autocast_dtype is not None else None  # fp32 parameters
-    traced.graph_module.to(config.torch_dtype)
-    model_inputs, target = _model_batch(spec, batch_size, config.torch_dtype)
+    traced = _trace(spec, batch_size=batch_size, granularity=granularity, tracer=tracer, precision=precision)
+    traced.graph_module.to(mode.param_dtype)  # fp32 under autocast (its master weights), else the compute dtype
+    model_inputs, target = _model_batch(spec, batch_size, mode.param_dtype)
     env: dict[str, object] = dict(zip(traced.layer_graph.input_names, model_inputs))
     upcast = mode.autocast_dtype is not None  # autocast runs the loss in fp32 (profiling.loss_stage)
     make_loss = lambda stage: model_loss(traced, stage, spec.loss_fn, target, upcast=upcast)  # noqa: E731
-    layers = _profile_layers(traced, config, env, make_loss, progress=progress)
+    layers, attention_used = _profile_layers(
+        traced, config, env, make_loss, autocast_dtype=mode.autocast_dtype, progress=progress
+    )
     check_experts_counted(traced.module, traced.layer_graph.layers, layers)
     cuts = tuple(_cut_bytes(cut, env) for cut in traced.layer_graph.cuts)
-    if mixed is not None:  # fp32 parameters and gradients; cut values in autocast's dtypes
-        layers = _autocast_layers(traced, layers, mixed[1], mode.param_bytes)
-        cuts = tuple(cut_bytes_under(cut, mixed[0]) for cut in traced.layer_graph.cuts)
-    return Profile(
-        layers=tuple(layers),
-        cut_bytes=cuts,
-        provenance=replace(
-            _provenance(spec, config, traced.layer_graph, model_ref, model_options), precision=precision
-        ),
-        input_bytes=tensor_bytes(model_inputs),
+    provenance = _provenance(spec, config, traced.layer_graph, model_ref, model_options, precision, attention_used)
+    return Profile(layers=tuple(layers), cut_bytes=cuts, provenance=provenance, input_bytes=tensor_bytes(model_inputs))
+
+
+def _trace(spec: ModelSpec, *, batch_size: int, granularity, tracer: str, precision: str):
+    """The model traced on the meta device as a run of `precision` traces it: an export is specialized to its
+    parameters' dtype (`graph.run_dtypes.export_dtype`: float32 under autocast, which `cuda_autocast` then applies
+    to each layer's forward as a CUDA run does)."""
+    from pipeplan.graph.trace import trace_model
+
+    return trace_model(
+        spec,
+        batch_size=batch_size,
+        granularity=granularity,
+        device="meta",
+        tracer=tracer,
+        dtype=export_dtype(precision),
     )
 
 
@@ -215,61 +237,41 @@ def _stack_fields(mode) -> dict:
     return dict(stack="eager", grad_bytes=0)
 
 
-def _autocast_layers(traced, layers: list[LayerProfile], copies: dict, param_bytes: int) -> list[LayerProfile]:
-    """fp32 parameter bytes; the low-precision weight copies autocast keeps for backward join the saved activations
-    (kept until W: the matmul's node is re-entered for the weight gradient, as the measured profiler finds)."""
-    extra = [0] * len(layers)
-    for node, sizes in copies.items():
-        extra[traced.node_layer[node]] += sum(sizes.values())
-    return [
-        replace(
-            la,
-            param_bytes=la.param_count * param_bytes,
-            activation_bytes=la.activation_bytes + more,
-            selective_activation_bytes=la.selective_activation_bytes + more,  # the weight copies stay saved
-        )
-        for la, more in zip(layers, extra, strict=True)
-    ]
-
-
-def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make_loss, *, progress: bool):
+def _profile_layers(
+    traced, config: AnalyticConfig, env: dict[str, object], make_loss, *, autocast_dtype, progress: bool
+):
     """Count every layer in order, feeding each the values `env` holds; adds each layer's outputs to `env`. The
-    last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage)."""
+    last layer runs with its loss, `make_loss(stage)` (profiling.loss_stage); `autocast_dtype`: CUDA's autocast
+    around each forward (None: none)."""
     from pipeplan.console import progress as progress_bar
     from pipeplan.graph.stage import build_stage_module
 
     graph = traced.layer_graph
     layers: list[LayerProfile] = []
+    kernels: Counter[str] = Counter()
+    counted: dict[tuple, tuple] = {}  # a repeated layer's counts (profiling.repeats)
+    probed: dict[tuple, float | None] = {}  # each norm region's probe (profiling.fusions)
+    by_hand: list[str] = []  # layers whose attention is written by hand (an s x s core that no SDPA call made)
     with progress_bar(quiet=not progress) as bar:
         task = bar.add_task(f"analytic profile ({config.hardware.name})", total=graph.num_layers)
         for index, layer in enumerate(graph.layers):
             last = index == graph.num_layers - 1
             stage = last_layer_stage(traced, layer.nodes) if last else build_stage_module(traced, layer.nodes)
+            fuse_regions(stage, probed)  # hand-written RMSNorm and GELU as the kernels (profiling.fusions)
             loss = make_loss(stage) if last else None
             needs = [name not in graph.input_names for name in stage.inputs]
-            try:
-                counts = count_layer(
-                    stage,
-                    [env[name] for name in stage.inputs],
-                    roofline=config.roofline,
-                    flash_attention=config.flash_attention,
-                    input_needs_grad=needs,
-                    loss=loss,
-                )
-                recompute = analytic_recompute(
-                    stage,
-                    [env[name] for name in stage.inputs],
-                    roofline=config.roofline,
-                    input_needs_grad=needs,
-                    context=lambda: GpuSemantics(flash_attention=config.flash_attention),
-                )
-            except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                raise ConfigError(
-                    f"analytic profiling runs layer {layer.name!r} on the meta device and it failed ({reason}); "
-                    "profile with --device cpu or cuda instead"
-                ) from None
+            inputs = [env[name] for name in stage.inputs]
+            key = None if last else layer_key(stage, layer.module_path, inputs, needs)
+            if key is not None and key in counted:
+                counts, recompute = counted[key]
+            else:
+                counts, recompute = _count(layer.name, stage, inputs, needs, loss, config, autocast_dtype)
+                if key is not None:
+                    counted[key] = (counts, recompute)
             env.update(zip(stage.outputs, counts.outputs))
+            kernels.update(counts.attention_kernels)
+            if recompute.attention_bytes and not counts.attention_kernels.get("math"):
+                by_hand.append(layer.name)
             work = counts.work(
                 recompute.selective_rest_seconds,
                 stack=config.stack,
@@ -280,7 +282,41 @@ def _profile_layers(traced, config: AnalyticConfig, env: dict[str, object], make
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
             )
             bar.advance(task)
-    return layers
+    if by_hand and config.attention == "flash":
+        raise ConfigError(
+            f"--attention flash: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which runs as "
+            "written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
+        )
+    return layers, attention_summary(kernels, bool(by_hand))
+
+
+def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: AnalyticConfig, autocast_dtype):
+    """(LayerCounts, AnalyticRecompute) of one layer run on the meta device (under CUDA's autocast to
+    `autocast_dtype`, None: none)."""
+    try:
+        counts = count_layer(
+            stage,
+            inputs,
+            roofline=config.roofline,
+            attention=config.attention,
+            input_needs_grad=needs,
+            loss=loss,
+            autocast_dtype=autocast_dtype,
+        )
+        recompute = analytic_recompute(
+            stage,
+            inputs,
+            roofline=config.roofline,
+            input_needs_grad=needs,
+            context=lambda: gpu_forward(GpuSemantics(attention=config.attention), autocast_dtype),
+        )
+    except Exception as exc:  # e.g. data-dependent code (.item(), nonzero) cannot run on meta tensors
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise ConfigError(
+            f"analytic profiling runs layer {name!r} on the meta device and it failed ({reason}); "
+            "profile with --device cpu or cuda instead"
+        ) from None
+    return counts, recompute
 
 
 def _cut_bytes(cut, env: dict[str, object]) -> int:
@@ -298,20 +334,24 @@ _STACK_NOTES = {
 }
 
 
-def _provenance(
-    spec: ModelSpec, config: AnalyticConfig, graph, model_ref: str | None, model_options: dict | None
-) -> Provenance:
+def _notes(config: AnalyticConfig, attention: str) -> str:
     roofline = config.roofline
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
     calibrated = config.matmul_efficiency is None and config.hardware.measured_flops(config.torch_dtype) is not None
     basis = f"calibrated {peak}" if calibrated else f"{peak} tensor-core peak x efficiency"
     per = "per memory-bound kernel" if roofline.sm_count else "kernel launch floor"
     launch = f", {roofline.launch_s * 1e6:.1f} us {per}" if roofline.launch_s else ""
-    notes = (
+    return (
         f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
-        f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {'flash' if config.flash_attention else 'math'}; "
+        f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {attention} (--attention {config.attention}); "
         f"other ops: {_STACK_NOTES[config.stack]}; last layer includes loss_fn"
     )
+
+
+def _provenance(
+    spec: ModelSpec, config: AnalyticConfig, graph, model_ref, model_options, precision: str, attention: str
+) -> Provenance:
+    roofline = config.roofline
     return Provenance(
         source="analytic",
         device="meta",
@@ -325,8 +365,10 @@ def _provenance(
         graph_fingerprint=graph.fingerprint,
         tracer=graph.tracer,
         eager_modules=graph.eager_modules,
+        precision=precision,
+        attention=attention,
+        notes=_notes(config, attention),
         tokens_per_sample=spec.tokens_per_sample,
-        notes=notes,
         loss_in_last_layer=True,
         kernel_rates=roofline.kernel_rates,
     )

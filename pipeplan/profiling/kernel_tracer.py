@@ -7,7 +7,15 @@ activations are split while the forward runs on the meta device:
   contracts k / t features and the output is reduced (whole again);
 - any other op's output is split when one of its inputs is (attention's inputs come from column-parallel linears,
   so attention splits its heads: `b`, the batch of samples x heads);
-- views of a parameter stay parameters (a linear's `weight.t()`).
+- views and casts of a parameter stay parameters (a linear's `weight.t()`, a router's `weight.float()`, autocast's
+  bf16 weight);
+- a column-parallel linear whose output features are then reduced over (a norm's statistics, a router's softmax
+  or top-k: found by following which activations still hold its output features, through elementwise ops and
+  slices of the last dimension, but not a reshape to heads) cannot be split by features: Megatron duplicates it
+  (MLA's q and kv down-projections before their norms, a MoE router). It is changed to a duplicated linear, its
+  output to whole, and it keeps its rows split by t (sequence parallelism runs it on each rank's tokens);
+  `duplicated_params` are its weights, held whole by every rank. Roles are thus found by structure, whatever the
+  model's names: q/k/v (column), o (row), MLP up/gate (column) and down (row), experts, router, norms.
 
 Token positions (what context parallelism splits, `cp`) are a linear's rows (`m`: samples x positions) and
 attention's query positions; the microbatch grows a linear's rows and attention's batch (`tokens`). Every matmul
@@ -21,6 +29,8 @@ are the layer's expert weights (`expert_params`), which expert parallelism split
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -28,8 +38,17 @@ from pipeplan.profiling.kernels import Kernel
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}  # first operand
-ATTENTION_OPS = frozenset((aten._scaled_dot_product_flash_attention.default,))
-KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, aten._scaled_dot_product_flash_attention_backward.default))
+# fused attention kernels: (op, the position of its is_causal argument)
+ATTENTION_CAUSAL_ARG = {
+    aten._scaled_dot_product_flash_attention.default: 4,
+    aten._scaled_dot_product_efficient_attention.default: 6,
+}
+ATTENTION_OPS = frozenset(ATTENTION_CAUSAL_ARG)
+ATTENTION_BACKWARD_OPS = (
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+)
+KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, *ATTENTION_BACKWARD_OPS))
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")  # (tokens, in) x (experts, in, out)
 GROUPED_MM_BACKWARD = ("transformers::grouped_mm_fallback_backward",)  # timed from the forward's Kernel
 REPEAT_CARRIERS = frozenset((aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default))
@@ -65,45 +84,128 @@ def _tensors(value) -> list[torch.Tensor]:
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
 
 
+# ops that reduce a tensor over its last dimension (a norm's statistics, a router's softmax); the loss's
+# log-softmax over a vocabulary-parallel head is not one of them (Megatron's vocab-parallel cross entropy)
+# (a router's top-k selection too), and where the op takes the dimensions
+_REDUCE_DIM = {
+    "mean": 1,
+    "sum": 1,
+    "var": 1,
+    "var_mean": 1,
+    "amax": 1,
+    "amin": 1,
+    "_softmax": 1,
+    "softmax": 1,
+    "topk": 2,
+}
+_CASTS = frozenset((aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout))  # a cast of a parameter is one
+_REDUCE_LAST = ("native_layer_norm", "_fused_rms_norm", "rms_norm", "native_group_norm")
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    return tensor.numel() // tensor.shape[-1] if tensor.dim() and tensor.shape[-1] else -1
+
+
+def _reduces_last_dim(func, args: tuple) -> bool:
+    """Whether `func` reduces its first argument over the last dimension (module docstring)."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+    if name in _REDUCE_LAST:
+        return True
+    if name not in _REDUCE_DIM or not args or not isinstance(args[0], torch.Tensor) or len(args) < 2:
+        return False
+    dims = args[_REDUCE_DIM[name]] if len(args) > _REDUCE_DIM[name] else -1
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    last = args[0].dim() - 1
+    return any(d % max(args[0].dim(), 1) == last for d in dims)
+
+
 class KernelTracer:
-    """Follows one forward's ops (`see`), returning a Kernel for each matmul or attention call."""
+    """Follows one forward's ops (`see`), returning a Kernel for each matmul or attention call; `kernels` holds
+    them as the layer finally splits them (a linear found duplicated after it ran is changed there)."""
 
     def __init__(self, params) -> None:
         self._params = {id(p): p for p in params}  # views of parameters join this
-        self._split: dict[int, torch.Tensor] = {}  # activations a tensor-parallel rank holds a part of
+        self._held: dict[int, torch.Tensor] = {}  # every tensor an entry below names (keeps ids unique)
+        self._origins: dict[int, frozenset[int]] = {}  # split activations: the kernels that split them
+        self._feature: dict[int, int] = {}  # activations holding a column-parallel kernel's output features
+        self._active: set[int] = set()  # kernels whose outputs are split (column-parallel, heads)
+        self._weights: dict[int, torch.Tensor] = {}  # kernel index -> its weight operand
+        self._duplicated: set[int] = set()  # kernels of linears every tensor-parallel rank holds whole
+        self.kernels: list[Kernel] = []
         self.expert_params: dict[int, torch.Tensor] = {}  # stacked expert weights (a grouped matmul's operand)
         self._repeated: dict[int, tuple[torch.Tensor, int]] = {}  # heads repeated for grouped-query attention
 
     def _is_param(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._params
 
-    def _is_split(self, tensor) -> bool:
-        return isinstance(tensor, torch.Tensor) and id(tensor) in self._split
+    def _split_by(self, tensor) -> frozenset[int]:
+        if not isinstance(tensor, torch.Tensor):
+            return frozenset()
+        return frozenset(o for o in self._origins.get(id(tensor), ()) if o in self._active)
 
-    def _mark(self, outputs, *, split: bool, param: bool = False) -> None:
+    def _is_split(self, tensor) -> bool:
+        return bool(self._split_by(tensor))
+
+    @property
+    def duplicated_params(self) -> int:
+        """Elements of the weights of linears found duplicated (each tensor-parallel rank holds them whole)."""
+        found = {self._weights[i].untyped_storage()._cdata: self._weights[i].numel() for i in self._duplicated}
+        return sum(found.values())
+
+    def _mark(self, outputs, origins: frozenset[int], feature: int | None = None) -> None:
         for tensor in outputs:
-            if param:
-                self._params[id(tensor)] = tensor
-            elif split:
-                self._split[id(tensor)] = tensor
+            if origins:
+                self._origins[id(tensor)] = origins
+                self._held[id(tensor)] = tensor
+            if feature is not None and feature in self._active:
+                self._feature[id(tensor)] = feature
+                self._held[id(tensor)] = tensor
+
+    def _emit(self, kernel: Kernel, weight: torch.Tensor | None = None) -> int:
+        self.kernels.append(kernel)
+        if weight is not None:
+            self._weights[len(self.kernels) - 1] = weight
+        return len(self.kernels) - 1
+
+    def _duplicate(self, index: int) -> None:
+        """Kernel `index`, a column-parallel linear whose output features are reduced over (a norm, a router's
+        softmax or top-k), is duplicated as Megatron runs it: every rank holds its whole weight and, under sequence
+        parallelism, runs it on its own s / t token rows (MLA's down-projections; the small latent is then
+        gathered); nothing it made is split by features."""
+        kernel = self.kernels[index]
+        self.kernels[index] = replace(kernel, tp=kernel.tokens)
+        self._duplicated.add(index)
+        self._active.discard(index)
 
     def see(self, func, args: tuple, out) -> Kernel | None:
         inputs, outputs = _tensors(args), _tensors(out)
         self._follow_repeats(func, args, out)
-        kernel = None
-        if func in GEMM_OPS:
-            kernel, split = self._gemm(func, args)
-        elif is_grouped_mm(func):
-            kernel, split = self._grouped(args)
-        elif func in ATTENTION_OPS:
-            kernel, split = self._attention(args), self._is_split(args[0])
-        elif _is_view(func) and any(self._is_param(t) for t in inputs):
-            self._mark(outputs, split=False, param=True)
+        floats = [t for t in outputs if t.is_floating_point()]
+        if func in GEMM_OPS or is_grouped_mm(func):
+            index = self._gemm(func, args) if func in GEMM_OPS else self._grouped(args)
+            kernel = self.kernels[index]
+            if kernel.weight and kernel.tp in ("n", "m"):  # column-parallel: its output is split
+                self._active.add(index)
+                self._mark(floats, frozenset((index,)), index if kernel.tp == "n" else None)
+            elif not kernel.weight:
+                self._mark(floats, frozenset().union(*(self._split_by(t) for t in inputs)))
+            return kernel
+        if func in ATTENTION_OPS:
+            index = self._emit(self._attention(args, ATTENTION_CAUSAL_ARG[func]))
+            self._mark(floats, self._split_by(args[0]))
+            return self.kernels[index]
+        if (_is_view(func) or func in _CASTS) and any(self._is_param(t) for t in inputs):
+            for tensor in outputs:
+                self._params[id(tensor)] = tensor
             return None
-        else:  # indices (integer tensors) are not features: they split nothing
-            split = any(self._is_split(t) for t in inputs if t.is_floating_point())
-        self._mark([t for t in outputs if t.is_floating_point()], split=split)
-        return kernel
+        if _reduces_last_dim(func, args) and self._feature.get(id(args[0])) in self._active:
+            self._duplicate(self._feature[id(args[0])])
+        # indices (integer tensors) are not features: they split nothing
+        origins = frozenset().union(*(self._split_by(t) for t in inputs if t.is_floating_point()))
+        features = [self._feature[id(t)] for t in inputs if id(t) in self._feature]
+        keeps = features and all(_rows(t) == _rows(inputs[0]) and t.shape[-1] <= inputs[0].shape[-1] for t in floats)
+        self._mark(floats, origins, features[0] if keeps else None)
+        return None
 
     def _follow_repeats(self, func, args: tuple, out) -> None:
         """Key/value heads repeated for the query heads (`repeat_interleave` on meta: expand, clone, view): how
@@ -115,7 +217,8 @@ class KernelTracer:
         elif func in REPEAT_CARRIERS and id(args[0]) in self._repeated:
             self._repeated[id(out)] = (out, self._repeated[id(args[0])][1])
 
-    def _gemm(self, func, args: tuple) -> tuple[Kernel, bool]:
+    def _gemm(self, func, args: tuple) -> int:
+        """Emit a matmul's Kernel; its index."""
         first = GEMM_OPS[func]
         a, b = args[first], args[first + 1]
         batched = a.dim() == 3
@@ -129,7 +232,7 @@ class KernelTracer:
             kernel = Kernel(
                 kind="gemm", tp="b" if split else "", cp="m", tokens="b", input_grad=grad, core=True, **common
             )
-            return kernel, split
+            return self._emit(kernel)
         activation = a if weight_b else b
         row = self._is_split(activation)  # a split input: row-parallel (contract k / t), output whole again
         tp = "k" if row else ("n" if weight_b else "m")
@@ -147,9 +250,9 @@ class KernelTracer:
             experts=experts,
             **common,
         )
-        return kernel, not row
+        return self._emit(kernel, b if weight_b else a)
 
-    def _grouped(self, args: tuple) -> tuple[Kernel, bool]:
+    def _grouped(self, args: tuple) -> int:
         """A grouped-mm call as one grouped expert Kernel: batch = experts, m = the rows each gets when balanced."""
         tokens, weight = args[0], args[1]
         experts, k, n = weight.shape
@@ -169,18 +272,18 @@ class KernelTracer:
             input_grad=tokens.requires_grad,
             experts=True,
         )
-        return kernel, not row
+        return self._emit(kernel, weight)
 
-    def _attention(self, args: tuple) -> Kernel:
-        q, k = args[0], args[1]
-        causal = bool(args[4]) if len(args) > 4 else False
+    def _attention(self, args: tuple, causal_arg: int) -> Kernel:
+        q, k, v = args[0], args[1], args[2]
+        causal = bool(args[causal_arg]) if len(args) > causal_arg else False
         batch, heads, seq_q, head_dim = q.shape
         repeats = self._repeated[id(k)][1] if id(k) in self._repeated else 1
         return Kernel(
             kind="attention",
             m=seq_q,
             n=k.shape[2],
-            k=head_dim,
+            k=(head_dim + v.shape[-1]) // 2,  # QKᵀ over q's head size, PV over v's (MLA: 192 and 128)
             batch=batch * heads,
             tp="b" if self._is_split(q) else "",
             cp="m",

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from pipeplan.graph.saved_tensors import SavedTensors, saved_split, storage_key
 from pipeplan.graph.split_backward import analyze, backward_full, backward_input
+from pipeplan.profiling.cuda_autocast import gpu_forward
 from pipeplan.profiling.fusion import Traffic, traffic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import Kernel
@@ -34,6 +35,8 @@ class LayerCounts:
     param_count: int
     param_bytes: int
     expert_param_count: int = 0  # of param_count: stacked expert weights (`KernelTracer.expert_params`)
+    attention_kernels: dict[str, int] = field(default_factory=dict)  # SDPA calls by the kernel they ran as
+    replicated_param_count: int = 0  # of param_count: duplicated linears' weights (`KernelTracer`)
     outputs: tuple = field(default=(), repr=False)
     forward_keep: frozenset[int] = frozenset()  # storages the forward must write: saved for backward, outputs
     input_grad_keep: frozenset[int] = frozenset()  # storages I produces (input gradients)
@@ -124,21 +127,24 @@ def count_layer(
     inputs: Sequence,
     *,
     roofline: Roofline,
-    flash_attention: bool = True,
+    attention: str = "auto",
     input_needs_grad: Sequence[bool] | None = None,
     loss: Callable[[tuple], torch.Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> LayerCounts:
     """Run `module(*inputs)` forward and backward on meta tensors and count it (see the module docstring).
 
     `loss(outputs)` makes the backward start from that scalar (the last pipeline stage); otherwise from every
-    floating-point output, with gradients shaped like them.
+    floating-point output, with gradients shaped like them. `autocast_dtype`: the forward (and loss) under CUDA's
+    autocast to it (`cuda_autocast`; None: none).
     """
     needs = list(input_needs_grad) if input_needs_grad is not None else [True] * len(inputs)
     leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
     params = _unique_parameters(module)
     saved = SavedTensors()
     tracing = OpRecorder(roofline, trace_kernels=True, params=params)
-    with GpuSemantics(flash_attention=flash_attention), tracing as forward, saved:
+    semantics = GpuSemantics(attention=attention)
+    with gpu_forward(semantics, autocast_dtype), tracing as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         roots = [r for r in ([loss(outputs)] if loss is not None else outputs) if _requires_grad(r)]
@@ -166,6 +172,8 @@ def count_layer(
         param_count=param_count,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         expert_param_count=sum(p.numel() for p in tracing.tracer.expert_params.values()),
+        attention_kernels=dict(semantics.kernels_used),
+        replicated_param_count=tracing.tracer.duplicated_params,
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
         forward_keep=forward_keep,
         input_grad_keep=input_grad_keep,

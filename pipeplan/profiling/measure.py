@@ -1,19 +1,21 @@
 """Measured profiler: run each layer of a traced model as its own stage module and time forward (F), input-gradient
-(I), weight-gradient (W) and fused backward (B), medians over `repeats` after `warmup` runs, on CPU or CUDA.
+(I), weight-gradient (W) and fused backward (B), on CPU or CUDA: in interleaved rounds (every layer and the
+whole-model references once per round, `warmup` untimed rounds then `repeats` timed ones), medians with their
+spreads, outliers timed again, parts out of bounds re-measured (`profiling.rounds`, checks:
+`profiling.consistency`); a profile still out of bounds is kept with a one-line warning naming the layer.
 
 Memory per layer: the bytes autograd saves for backward (storages de-duplicated, parameters and buffers excluded),
 split into what I frees and what must live until W, by the one rule the runtime follows (saved_tensors). F, I, W
 and B run the backward implementation the runtime runs (split_backward). The last layer runs the model's loss
 after it, as a pipeline's last stage does (loss_stage): what the loss saves (cross-entropy's log-softmax), its
 FLOPs and its time are the last layer's. Whole-model forward (with the loss) and backward times are measured too,
-to check that the per-layer sums agree. Layers run on the activations of the sample batch, so mixture-of-experts
+and the whole model's split backward (the first layer, then the rest as one stage), to check that the per-layer
+sums agree, pass by pass. Layers run on the activations of the sample batch, so mixture-of-experts
 layers are timed with the routing their own routers choose for it, which the profile records (routing.py).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,19 +23,24 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeplan.console import progress as progress_bar
+from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.graph.host_memory import check_fits_host
 from pipeplan.graph.loss_stage import LossStage, last_layer_stage, model_loss
 from pipeplan.graph.run_dtypes import cut_bytes_under, value_dtypes
 from pipeplan.graph.saved_tensors import SavedTensors, saved_split
-from pipeplan.graph.split_backward import analyze, backward_full, backward_input, backward_weight
+from pipeplan.graph.split_backward import analyze
 from pipeplan.graph.stage import StageModule, build_stage_module
 from pipeplan.graph.trace import TracedModel, trace_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import check_device_precision, get_precision
+from pipeplan.profiling import rounds
+from pipeplan.profiling.consistency import out_of_bounds_message
+from pipeplan.profiling.measured_times import SPLIT_UNIT, WHOLE_UNIT, TimedProfile
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
-from pipeplan.profiling.recompute import measured_recompute
+from pipeplan.profiling.recompute import RecomputeCosts, input_bytes, measured_attention_core
 from pipeplan.profiling.routing import measure_routing
+from pipeplan.profiling.timed_units import LayerUnit, WholeUnit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,33 +84,6 @@ class MeasureConfig:
 TIMERS = ("wall", "cpu")
 
 
-class _Clock:
-    """Milliseconds between start() and stop(): CUDA events (synchronized) on a GPU; on CPU wall-clock time
-    (perf_counter) or, with timer="cpu", the process's CPU time (what one thread computes, not waiting for a core)."""
-
-    def __init__(self, config: MeasureConfig) -> None:
-        self.cuda = config.device.startswith("cuda")
-        self._now = time.process_time if config.timer == "cpu" else time.perf_counter
-        self._began = 0.0
-        self._event = None
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self._event = torch.cuda.Event(enable_timing=True)
-            self._event.record()
-        else:
-            self._began = self._now()
-
-    def stop(self) -> float:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            torch.cuda.synchronize()
-            return float(self._event.elapsed_time(end))
-        return (self._now() - self._began) * 1e3
-
-
 def _tensor_bytes(values: Sequence[object]) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
@@ -130,85 +110,11 @@ def _leaves(values: Sequence[object]) -> list:
     return [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def _grad_outputs(outs: Sequence[object], generator: torch.Generator) -> list:
-    grads = []
-    for out in outs:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
-            grads.append(noise.to(out.device))
-        else:
-            grads.append(None)
-    return grads
-
-
-def _median(samples: list[float]) -> float:
-    return float(statistics.median(samples))
-
-
-def _time_layer(stage: StageModule, inputs: list, params: list, config: MeasureConfig) -> dict[str, float]:
-    clock = _Clock(config)
-    generator = torch.Generator().manual_seed(0)
-    with config.autocast():
-        grads = _grad_outputs(stage(*inputs), generator)  # with autograd on: which outputs need a gradient
-    samples: dict[str, list[float]] = {"forward_ms": [], "input_grad_ms": [], "weight_grad_ms": [], "backward_ms": []}
-    for step in range(config.warmup + config.repeats):
-        for p in params:
-            p.grad = None
-        clock.start()
-        with SavedTensors(hold=False) as saved, config.autocast():  # as the runtime runs it
-            outs = stage(*inputs)
-        fwd = clock.stop()
-        clock.start()
-        _, state = backward_input(outs, grads, inputs, params, saved=saved)
-        i_ms = clock.stop()
-        clock.start()
-        backward_weight(state)
-        w_ms = clock.stop()
-        del outs, state, saved
-        for p in params:
-            p.grad = None
-        with config.autocast():
-            outs = stage(*inputs)
-        clock.start()
-        backward_full(outs, grads, inputs, params)
-        b_ms = clock.stop()
-        del outs
-        if step >= config.warmup:
-            for key, value in zip(samples, (fwd, i_ms, w_ms, b_ms)):
-                samples[key].append(value)
-    return {key: _median(values) for key, values in samples.items()}
-
-
 def _layer_flops(stage: StageModule, inputs: list, config: MeasureConfig) -> float:
     plain = [v.detach() if isinstance(v, torch.Tensor) else v for v in inputs]  # no autograd hooks to place
     with torch.no_grad(), config.autocast(), FlopCounterMode(display=False) as counter:
         stage(*plain)
     return float(counter.get_total_flops())
-
-
-def _whole_model_samples(
-    traced: TracedModel, inputs: tuple, target: torch.Tensor, config: MeasureConfig, *, warmup: int
-) -> tuple[list[float], list[float]]:
-    """Whole-model forward (the loss included, as the layers' is) and backward times (ms), `config.repeats` samples
-    each after `warmup` runs."""
-    clock = _Clock(config)
-    module, loss_fn = traced.module, traced.spec.loss_fn
-    forward, backward = [], []
-    for step in range(warmup + config.repeats):
-        module.zero_grad(set_to_none=True)
-        clock.start()
-        with config.autocast():
-            loss = loss_fn(module(*inputs), target)
-        fwd = clock.stop()
-        clock.start()
-        loss.backward()
-        bwd = clock.stop()
-        del loss
-        if step >= warmup:
-            forward.append(fwd)
-            backward.append(bwd)
-    module.zero_grad(set_to_none=True)
-    return forward, backward
 
 
 def _layer_stages(traced: TracedModel, target: torch.Tensor) -> list[StageModule | LossStage]:
@@ -232,10 +138,17 @@ def _layer_values(
 
 
 def profile_traced(
-    traced: TracedModel, config: MeasureConfig, *, model_ref: str | None = None, model_options=None, progress=True
+    traced: TracedModel,
+    config: MeasureConfig,
+    *,
+    model_ref: str | None = None,
+    model_options=None,
+    progress=True,
+    clock: rounds.Clock | None = None,
 ) -> Profile:
-    """Measure every layer of an already traced (real-device) model."""
-    spec, graph = traced.spec, traced.layer_graph
+    """Measure every layer of an already traced (real-device) model; `clock` (default: `make_clock(config)`)
+    times the passes."""
+    spec = traced.spec
     sample, target = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
     low = get_precision(config.precision).param_dtype
     low = low if low != torch.float32 else None  # bf16: floating inputs in bf16 too; else as the model gives them
@@ -244,53 +157,92 @@ def profile_traced(
     stages = _layer_stages(traced, target)
     env = _layer_values(traced, stages, inputs, config)
     seen_params: set[int] = set()
-    layers: list[LayerProfile] = []
-    with progress_bar(quiet=not progress) as bar:
-        task = bar.add_task(f"profiling {spec.name}", total=len(stages) + 2)
-        # whole-model samples before and after the layers, pooled: slow drifts of a shared machine hit both alike
-        whole_forward, whole_backward = _whole_model_samples(traced, inputs, target, config, warmup=config.warmup)
-        bar.advance(task)
-        for layer, stage in zip(graph.layers, stages):
-            leaves = _leaves([env[name] for name in stage.inputs])
-            params = [p for p in stage.parameters() if p.requires_grad]
-            own = [p for p in stage.parameters() if id(p) not in seen_params]
-            seen_params.update(id(p) for p in own)
-            times = _time_layer(stage, leaves, params, config)
-            total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
-            recompute = measured_recompute(
-                stage,
-                leaves,
-                autocast=config.autocast,
-                clock=_Clock(config),
-                warmup=config.warmup,
-                repeats=config.repeats,
-            )
-            layers.append(
-                LayerProfile(
-                    name=layer.name,
-                    module_path=layer.module_path,
-                    activation_bytes=total,
-                    activation_freed_by_input_grad_bytes=freed,
-                    param_count=sum(p.numel() for p in own),
-                    param_bytes=sum(p.numel() * p.element_size() for p in own),
-                    output_bytes=_tensor_bytes([env[name] for name in stage.outputs]),
-                    flops=_layer_flops(stage, leaves, config),
-                    peak_memory_bytes=peak,
-                    **times,
-                    **recompute.layer_fields(total),
-                )
-            )
-            bar.advance(task)
-        more_forward, more_backward = _whole_model_samples(traced, inputs, target, config, warmup=0)
-        bar.advance(task)
-    return Profile(
-        layers=tuple(layers),
+    prepared = [
+        _prepare_layer(layer, stage, env, config, seen_params)
+        for layer, stage in zip(traced.layer_graph.layers, stages)
+    ]
+    whole = WholeUnit(WHOLE_UNIT, traced.module, spec.loss_fn, inputs, target, config.autocast)
+    split = _split_unit(traced, env, target, config)
+    units = [whole, *([split] if split else []), *(unit for _, unit in prepared)]
+    clock = clock or make_clock(config)
+    base = Profile(
+        layers=tuple(LayerProfile(**fields) for fields, _ in prepared),
         cut_bytes=_cut_bytes(traced, config),
         provenance=_provenance(traced, config, model_ref, model_options, inputs),
         input_bytes=_tensor_bytes(inputs),
-        whole_forward_ms=_median(whole_forward + more_forward),
-        whole_backward_ms=_median(whole_backward + more_backward),
     )
+    timed = TimedProfile(base=base, warmup=config.warmup, repeats=config.repeats, clock=clock.name)
+    with progress_bar(quiet=not progress) as bar:
+        total = len(units) * (config.warmup + config.repeats)
+        task = bar.add_task(f"profiling {spec.name}", total=total)
+        done = [0]
+
+        def advance() -> None:
+            done[0] += 1
+            bar.update(task, completed=done[0], total=max(total, done[0]))
+
+        pools = rounds.measure(
+            units, clock, warmup=config.warmup, repeats=config.repeats, assess=timed.suspects, on_sample=advance
+        )
+    profile = timed.profile(pools)
+    message = out_of_bounds_message(profile)
+    if message:
+        warn(message)
+    return profile
+
+
+def make_clock(config: MeasureConfig) -> rounds.Clock:
+    """CUDA events on a GPU; else wall-clock or (--timer cpu) process CPU time."""
+    if config.device.startswith("cuda"):
+        return rounds.EventClock(torch.cuda.Event, torch.cuda.synchronize)
+    return rounds.HostClock(cpu=config.timer == "cpu")
+
+
+def _prepare_layer(layer, stage, env: dict, config: MeasureConfig, seen_params: set[int]) -> tuple[dict, LayerUnit]:
+    """A layer's untimed fields (memory, parameters, FLOPs, recompute bytes; its times 0 until measured) and the
+    unit that times it."""
+    leaves = _leaves([env[name] for name in stage.inputs])
+    params = [p for p in stage.parameters() if p.requires_grad]
+    own = [p for p in stage.parameters() if id(p) not in seen_params]
+    seen_params.update(id(p) for p in own)
+    total, freed, peak = _forward_memory(stage, leaves, params, config.autocast)
+    core = measured_attention_core(stage, leaves, autocast=config.autocast)
+    recompute = RecomputeCosts(
+        attention_bytes=core.saved_bytes,
+        input_bytes=input_bytes(leaves),
+        full_recompute_ms=0.0,
+        selective_recompute_ms=0.0,
+    )
+    fields = dict(
+        name=layer.name,
+        module_path=layer.module_path,
+        forward_ms=0.0,
+        input_grad_ms=0.0,
+        weight_grad_ms=0.0,
+        backward_ms=0.0,
+        activation_bytes=total,
+        activation_freed_by_input_grad_bytes=freed,
+        param_count=sum(p.numel() for p in own),
+        param_bytes=sum(p.numel() * p.element_size() for p in own),
+        output_bytes=_tensor_bytes([env[name] for name in stage.outputs]),
+        flops=_layer_flops(stage, leaves, config),
+        peak_memory_bytes=peak,
+        **recompute.layer_fields(total),
+    )
+    return fields, LayerUnit(layer.name, stage, leaves, params, config.autocast, core_calls=core.calls)
+
+
+def _split_unit(traced: TracedModel, env: dict, target: torch.Tensor, config: MeasureConfig) -> LayerUnit | None:
+    """Every layer but the first as one stage with the loss, timed F, I, W: with the first layer's own I + W, the
+    whole model's split backward (None for a one-layer model: the layer is the whole)."""
+    layers = traced.layer_graph.layers
+    if len(layers) < 2:
+        return None
+    last = last_layer_stage(traced, [name for layer in layers[1:] for name in layer.nodes])
+    rest = LossStage(last, model_loss(traced, last, traced.spec.loss_fn, target))
+    leaves = _leaves([env[name] for name in rest.inputs])
+    params = [p for p in rest.parameters() if p.requires_grad]
+    return LayerUnit(SPLIT_UNIT, rest, leaves, params, config.autocast, fused=False)
 
 
 def _cut_bytes(traced: TracedModel, config: MeasureConfig) -> tuple[int, ...]:

@@ -177,6 +177,8 @@ class OpRecorder(TorchDispatchMode):
         self.roofline = roofline
         self.totals = OpTotals()
         self.tracer = KernelTracer(params) if trace_kernels else None
+        if self.tracer is not None:
+            self.totals.kernels = self.tracer.kernels  # as the tracer finally splits them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -187,8 +189,7 @@ class OpRecorder(TorchDispatchMode):
         totals.bytes += moved
         totals.num_ops += 1
         if self.tracer is not None:
-            kernel = self.tracer.see(func, args, out)
-            totals.kernels += [kernel] if kernel is not None else []
+            self.tracer.see(func, args, out)
         if flops or moved:
             bound = self.roofline.seconds(flops, moved) if flops and not is_kernel_op(func) else 0.0
             totals.calls.append(op_call(func, args, kwargs, out, bound))

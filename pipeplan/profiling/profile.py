@@ -27,6 +27,13 @@ Mixture-of-experts models: `provenance.expert_routing` says, per MoE layer, how 
 was routed by the model's own routers (tokens per expert; `profiling.routing`), and `provenance.eager_modules`
 which modules ran eagerly inside their layers (data-dependent code, `graph.fx_trace`). Both are absent (empty) in
 older files and in profiles of dense models; no schema change.
+
+How steady a measured profile's times were (schema 4, `profiling.rounds`): each layer's `spread` holds, per pass,
+the spread of the samples its median was taken over (interquartile range / median); `whole_split_backward_ms` is
+the split backward (I + W) of the whole model run as two stages (the first layer, then the rest), the reference the
+layers' I + W sum is checked against (beside `whole_forward_ms` for F and `whole_backward_ms` for B); and
+`measurement` how the samples were taken. `profiling.consistency` checks them. All three are absent (None) in
+older files and in analytic and PipeDream profiles.
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
 from pipeplan.jsonio import build_dataclass, read_json, write_json
 from pipeplan.profiling.kernels import Kernel, KernelRates
 
-PROFILE_SCHEMA_VERSION = 4
-OLDER_PROFILE_VERSIONS = (1, 2, 3)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the work,
-# 3 the work's traffic (its other ops keep their roofline ms)
+PROFILE_SCHEMA_VERSION = 5
+OLDER_PROFILE_VERSIONS = (1, 2, 3, 4)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the
+# work, 1-3 the spreads and the split-backward reference (None: not checked), 1-4 the work's traffic (its other ops
+# keep their roofline ms)
 SOURCES = ("measured", "analytic", "pipedream")
 
 
@@ -62,11 +70,11 @@ class PassTraffic:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerWork:
-    """What an analytic profile's times are made of (schema 3, traffic: schema 4), so that they can be taken again
+    """What an analytic profile's times are made of (schema 3, traffic: schema 5), so that they can be taken again
     at another shape (`profiling.retime.retime_layer`: a tensor- or context-parallel rank, another microbatch size):
     the forward's matmul and attention kernels (`profiling.kernels`, their backward follows from them) and, per
     pass, the other ops: their traffic (bytes, kernels; GPU profiles) and the roofline ms of each op (what a
-    profile without an SM count, a CPU's, times them by; schema-3 profiles have only these)."""
+    profile without an SM count, a CPU's, times them by; profiles before schema 5 have only these)."""
 
     kernels: tuple[Kernel, ...]
     rest_forward_ms: float
@@ -74,7 +82,7 @@ class LayerWork:
     rest_weight_grad_ms: float
     rest_backward_ms: float
     rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
-    forward_traffic: PassTraffic | None = None  # None: a schema-3 profile (its rest ms are used)
+    forward_traffic: PassTraffic | None = None  # None: a profile before schema 5 (its rest ms are used)
     input_grad_traffic: PassTraffic | None = None
     weight_grad_traffic: PassTraffic | None = None
     backward_traffic: PassTraffic | None = None
@@ -109,6 +117,37 @@ TRAFFIC_PASSES = ("forward", "input_grad", "weight_grad", "backward", "selective
 
 
 @dataclass(frozen=True, kw_only=True)
+class PassSpread:
+    """How far a layer's (or the whole model's) timings of each pass scattered around the medians it records: the
+    interquartile range over the median (0.1 = the middle half of the samples lies within 10% of the median),
+    `samples` timings per pass (after outliers were re-measured, `profiling.rounds`). A pass not timed is 0."""
+
+    samples: int
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+    backward: float = 0.0
+    full_recompute: float = 0.0
+    selective_recompute: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """How a measured profile's times were taken (`profiling.rounds`): `rounds` timed rounds over every layer and
+    the whole-model references in turn after `warmup` untimed ones; `attempts` measurements in all (more than one:
+    out-of-bounds parts were re-measured automatically, `remeasured` names them); `clock`: wall, cpu or
+    cuda-events."""
+
+    rounds: int
+    warmup: int
+    attempts: int = 1
+    remeasured: tuple[str, ...] = ()
+    outliers_replaced: int = 0  # samples dropped as outliers and timed again
+    clock: str = "wall"
+    whole_spread: PassSpread | None = None  # the whole-model references' (forward, backward, split backward: I+W)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerProfile:
     name: str
     forward_ms: float
@@ -129,6 +168,9 @@ class LayerProfile:
     selective_recompute_ms: float = 0.0  # selective recompute: the attention core's forward again
     work: LayerWork | None = None  # analytic profiles: kernels and the rest, per pass (None: measured, older)
     expert_param_count: int = 0  # of param_count: routed experts' weights (expert parallelism splits them)
+    spread: PassSpread | None = None  # measured (schema 4): how steady each pass's timings were
+    replicated_param_count: int = 0  # of param_count: weights every tensor-parallel rank holds whole (duplicated
+    # linears: MLA's down-projections, a router; analytic profiles)
 
     def __post_init__(self) -> None:
         if self.selective_activation_bytes is None:
@@ -205,6 +247,7 @@ class Provenance:
     tracer: str = ""  # fx | export: how the graph was traced ("" in older profiles: fx)
     tokens_per_sample: int | None = None
     notes: str = ""
+    attention: str = ""  # analytic: what attention ran as (flash, memory-efficient, math; gpu_ops.attention_summary)
     loss_in_last_layer: bool = False  # the last layer counts loss_fn (its saved tensors: False in older profiles)
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
     eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)
@@ -225,6 +268,8 @@ class Profile:
     input_bytes: int = 0  # model inputs per microbatch
     whole_forward_ms: float | None = None  # whole-model reference timings (fidelity checks)
     whole_backward_ms: float | None = None
+    whole_split_backward_ms: float | None = None  # I + W of the first layer, then the rest as one stage (schema 4)
+    measurement: Measurement | None = None  # measured (schema 4): rounds, attempts, re-measured parts
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -13,7 +13,13 @@ from pipeplan.hardware import Hardware, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import check_device_precision
 from pipeplan.profiling.profile import Profile
-from pipeplan.profiling.profile_options import DEFAULT_REPEATS, DEFAULT_TIMER, DEFAULT_WARMUP, ProfileOptions
+from pipeplan.profiling.profile_options import (
+    DEFAULT_REPEATS,
+    DEFAULT_TIMER,
+    DEFAULT_WARMUP,
+    ProfileOptions,
+    check_attention,
+)
 
 if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
@@ -36,6 +42,7 @@ class ProfileRequest:
     repeats: int = DEFAULT_REPEATS
     timer: str = DEFAULT_TIMER
     preset_overridable: tuple[str, ...] = ()  # preset options the request may replace (capacity's --seq)
+    attention: str = "auto"  # analytic profiles: what each SDPA call runs as (profile_options.ATTENTION_MODES)
 
     def __post_init__(self) -> None:
         kind = self.device.partition(":")[0]
@@ -49,6 +56,7 @@ class ProfileRequest:
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
         check_device_precision(self.precision, kind)
+        check_attention(self.attention, kind)
 
 
 def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:
@@ -71,7 +79,10 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         from pipeplan.profiling.analytic import profile_analytic  # imported only when needed
 
         given = {key: spec.options.get(key, value) for key, value in request.options.items()}
-        return profile_analytic(spec, hardware=request.hardware, model_options=given, **common), spec
+        profile = profile_analytic(
+            spec, hardware=request.hardware, model_options=given, attention=request.attention, **common
+        )
+        return profile, spec
     from pipeplan.profiling.measure import profile_model
 
     profile = profile_model(
@@ -105,6 +116,7 @@ def profile_from_options(options: ProfileOptions) -> Profile:
         warmup=options.warmup,
         repeats=options.repeats,
         timer=options.timer,
+        attention=options.attention,
     )
     profile, _ = profile_request(request)
     if options.output is not None:

@@ -19,7 +19,24 @@ PRECISION_HELP = (
     "e.g. --precision bf16-mixed."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
+ATTENTION_MODES = ("auto", "flash", "math")  # what an analytic profile runs each scaled_dot_product_attention as
+ATTENTION_HELP = (
+    "Analytic profiles: auto (what the model and device run: FlashAttention, or memory-efficient attention with a "
+    "mask), flash (the same; refuses attention written by hand) or math (unfused softmax), e.g. --attention math."
+)
 DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"
+
+
+def check_attention(mode: str, device: str) -> None:
+    """One line refusing an unknown --attention, or one given where nothing is analytic (a measured profile runs the
+    attention the model and device run)."""
+    if mode not in ATTENTION_MODES:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {mode!r}")
+    if mode != "auto" and device != "meta":
+        raise ConfigError(
+            f"--attention {mode} is for analytic profiles (--device meta --hardware NAME); a --device {device} "
+            "profile measures the attention the model runs"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,11 +49,14 @@ class ProfileOptions:
     hardware_file: Path | None = option(None, "--hardware-file", help="JSON file adding presets (pipeplan calibrate).")
     granularity: int | None = option(None, "--granularity", help="Module depth of a layer (default: repeated blocks).")
     tracer: str = option("auto", "--tracer", help=TRACER_HELP)
-    warmup: int = option(DEFAULT_WARMUP, "--warmup", help="Untimed runs per layer before measuring.")
-    repeats: int = option(DEFAULT_REPEATS, "--repeats", help="Timed runs per layer; the median is kept.")
+    warmup: int = option(DEFAULT_WARMUP, "--warmup", help="Untimed rounds (every layer once each) before measuring.")
+    repeats: int = option(
+        DEFAULT_REPEATS, "--repeats", help="Timed rounds; the median is kept, checked from 3 up (e.g. --repeats 9)."
+    )
     threads: int | None = option(None, "--threads", help="CPU threads torch may use (default: torch's choice).")
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
+    attention: str = option("auto", "--attention", help=ATTENTION_HELP)
     output: str | None = option(None, "--output", "-o", help="Write the Profile JSON here (atomically).")
     as_json: bool = option(False, "--json", help="Print only the Profile JSON on stdout.")
 
@@ -47,6 +67,7 @@ class ProfileOptions:
         self._check_device()
         check_device_precision(self.run_precision, self.device.partition(":")[0])
         check_tracer(self.tracer)
+        check_attention(self.attention, self.device)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         self._warn_ignored()

@@ -1,5 +1,5 @@
 """Activation recomputation data per layer: what a layer keeps for backward under each mode, and what recomputing
-costs. The measured profiler (`measured_recompute`) and the analytic one (`analytic_recompute`) both call this.
+costs. The measured profiler (`measured_attention_core`) and the analytic one (`analytic_recompute`) both call this.
 
 Modes (the LayerProfile fields, see profiling.profile):
 - none: everything autograd saves (`activation_bytes`, counted by the profilers themselves);
@@ -29,7 +29,6 @@ its internals in its own backward.
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -250,46 +249,22 @@ def _params(module) -> list[torch.Tensor]:
     return list(module.parameters()) + list(module.buffers()) if hasattr(module, "parameters") else []
 
 
-def _median_ms(run: Callable[[], object], clock, warmup: int, repeats: int) -> float:
-    samples = []
-    for step in range(warmup + repeats):
-        clock.start()
-        run()
-        elapsed = clock.stop()
-        if step >= warmup:
-            samples.append(elapsed)
-    return float(statistics.median(samples))
-
-
-def _replay(calls: Sequence[OpCall]) -> None:
-    """Re-run recorded ops on their recorded arguments (kernels only: no autograd graph is built)."""
+def replay(calls: Sequence[OpCall]) -> None:
+    """Re-run recorded ops on their recorded arguments (kernels only: no autograd graph is built): what selective
+    recomputation re-runs of an attention core."""
     with torch.no_grad():
         for call in calls:
             call.func(*call.args, **call.kwargs)
 
 
-def measured_recompute(
-    stage, inputs: Sequence, *, autocast: Callable, clock, warmup: int, repeats: int
-) -> RecomputeCosts:
-    """Recompute data of one layer on a real device: full = the forward re-run (with autograd, under the
-    precision's autocast, as checkpointing re-runs it), selective = the attention core's ops replayed; medians of
-    `repeats` timings after `warmup`, by `clock` (start()/stop() -> ms)."""
+def measured_attention_core(stage, inputs: Sequence, *, autocast: Callable) -> AttentionCore:
+    """The attention core of one layer on a real device, from one recorded forward (under the precision's
+    autocast). The measured profiler times the recomputation in its rounds (`profiling.timed_units`): full = the
+    forward re-run (with autograd, as checkpointing re-runs it), selective = the core's ops replayed (`replay`)."""
     log, outputs = record_forward(stage, inputs, autocast)
     core = find_attention_core(log, keep=[*inputs, *_params(stage)])
     del outputs
-
-    def forward_again() -> None:
-        with autocast():
-            stage(*inputs)
-
-    full_ms = _median_ms(forward_again, clock, warmup, repeats)
-    selective_ms = _median_ms(lambda: _replay(core.calls), clock, warmup, repeats) if core.calls else 0.0
-    return RecomputeCosts(
-        attention_bytes=core.saved_bytes,
-        input_bytes=input_bytes(inputs),
-        full_recompute_ms=full_ms,
-        selective_recompute_ms=selective_ms,
-    )
+    return core
 
 
 def analytic_recompute(

@@ -1,4 +1,5 @@
-"""Render a Profile: a rich table per layer (F/I/W/B ms, activations, parameters, cut bytes) and fidelity ratios."""
+"""Render a Profile: a rich table per layer (F/I/W/B ms, activations, parameters, cut bytes) and the checks of its
+timings (`profiling.consistency`)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,9 @@ from rich import box
 from rich.table import Table
 
 from pipeplan.precision import profile_precision
+from pipeplan.profiling.consistency import consistency_line
 from pipeplan.profiling.profile import Profile
 from pipeplan.units import format_bytes, format_count, format_ms
-
-
-def fidelity(profile: Profile) -> dict[str, float | None]:
-    """Per-layer sums over whole-model timings (1.0 = the layer profile adds up exactly)."""
-    forward = sum(layer.forward_ms for layer in profile.layers)
-    split = sum(layer.input_grad_ms + layer.weight_grad_ms for layer in profile.layers)
-    fused = sum(layer.backward_ms for layer in profile.layers)
-    whole_f, whole_b = profile.whole_forward_ms, profile.whole_backward_ms
-    return {
-        "forward_sum_over_whole": forward / whole_f if whole_f else None,
-        "split_backward_sum_over_whole": split / whole_b if whole_b else None,
-        "fused_backward_sum_over_whole": fused / whole_b if whole_b else None,
-    }
 
 
 def profile_table(profile: Profile) -> Table:
@@ -90,12 +79,13 @@ def routing_lines(profile: Profile) -> list[str]:
     return lines
 
 
-def fidelity_line(profile: Profile) -> str | None:
-    ratios = fidelity(profile)
-    if ratios["forward_sum_over_whole"] is None or ratios["split_backward_sum_over_whole"] is None:
-        return None
-    return (
-        f"whole model: forward {profile.whole_forward_ms:.3f} ms, backward {profile.whole_backward_ms:.3f} ms; "
-        f"layer sums / whole: F {ratios['forward_sum_over_whole']:.2f}, I+W "
-        f"{ratios['split_backward_sum_over_whole']:.2f}, B {ratios['fused_backward_sum_over_whole']:.2f}"
+def consistency_lines(profile: Profile) -> list[str]:
+    """The whole-model references and the checks of the timings (`profiling.consistency`): sums per pass, the
+    largest spread, what is out of bounds."""
+    if profile.whole_forward_ms is None or profile.whole_backward_ms is None:
+        return []
+    split = profile.whole_split_backward_ms
+    whole = f"whole model: forward {profile.whole_forward_ms:.3f} ms, backward {profile.whole_backward_ms:.3f} ms" + (
+        f", split backward (I+W) {split:.3f} ms" if split else ""
     )
+    return [line for line in (whole, consistency_line(profile)) if line]

@@ -26,11 +26,11 @@ import torch
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.graph.trace import build_module
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.init_weights import alias_groups, load_initial_weights
-from pipeplan.runtime.materialize import build_whole, named_tensors
-from pipeplan.runtime.stages import load_spec
-from pipeplan.runtime.weights_output import check_target, hf_config, write_weights
+from pipeplan.runtime.step.stages import load_spec
+from pipeplan.runtime.weights import checkpoint
+from pipeplan.runtime.weights.init_weights import alias_groups, load_initial_weights
+from pipeplan.runtime.weights.materialize import build_whole, named_tensors
+from pipeplan.runtime.weights.weights_output import check_target, hf_config, write_weights
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,13 @@
-"""Schedule name -> ScheduleInfo: the generator and every property other modules ask about (placement, chunks,
-split backward, replication, capacity default, memory behaviour). Every generator is a pure function of
-(devices, microbatches, ...). The registry imports the generators; nothing they import imports the registry."""
+"""Schedule name -> ScheduleInfo: the generator and every fact other modules ask about (placement, chunks, split
+backward, replication, capacity default, memory behaviour, weight updates, what the search estimates it with, and
+its names in torch.distributed.pipelining, torchtitan and Megatron-LM). Every generator is a pure function of
+(devices, microbatches, ...) in `generators/`. The registry imports the generators; nothing they import imports
+the registry.
+
+Adding a schedule: its generator file in `generators/` and one `ScheduleInfo` below (the engine names have no
+default, so each is decided). tests/schedules/test_schedule_coverage.py runs every registered schedule through every
+consumer (simulate, show, the exports, the run's checks) and tests/schedules/test_registry.py checks each fact
+against the generated op lists."""
 
 from __future__ import annotations
 
@@ -9,12 +16,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from pipeplan.errors import ScheduleError, UnknownScheduleError
-from pipeplan.schedules.dualpipev import dualpipev
-from pipeplan.schedules.gpipe import gpipe
-from pipeplan.schedules.interleaved import interleaved
-from pipeplan.schedules.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.dualpipev import dualpipev
+from pipeplan.schedules.generators.gpipe import gpipe
+from pipeplan.schedules.generators.interleaved import interleaved
+from pipeplan.schedules.generators.one_f_one_b import one_f_one_b
+from pipeplan.schedules.generators.pipedream import pipedream, pipedream_2bw
+from pipeplan.schedules.generators.zb_auto import zb_auto
+from pipeplan.schedules.generators.zb_h1 import zb_h1
+from pipeplan.schedules.generators.zb_h2 import zb_h2
+from pipeplan.schedules.generators.zbv import zbv, zbv_fixed
 from pipeplan.schedules.ops import Schedule
-from pipeplan.schedules.pipedream import pipedream, pipedream_2bw
 from pipeplan.schedules.placement import (
     LOOPED,
     ONE_PER_DEVICE,
@@ -32,10 +43,6 @@ from pipeplan.schedules.simulate import (
     stream_steps,
     unit_memory,
 )
-from pipeplan.schedules.zb_auto import zb_auto
-from pipeplan.schedules.zb_h1 import zb_h1
-from pipeplan.schedules.zb_h2 import zb_h2
-from pipeplan.schedules.zbv import zbv, zbv_fixed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +58,16 @@ class ScheduleInfo:
     --memory-limit (default 1F1B's peak); other schedules are checked against it after generation.
     asynchronous: weight updates without a pipeline flush (PipeDream-style): the generator takes (p, m, steps) and
     emits one stream of steps x m microbatches whose ops carry weight versions; `staleness` says, for `describe`,
-    how stale the weights are and how many versions a stage keeps ({p}: the pipeline devices).
+    how stale the weights are and how many versions a stage keeps ({p}: the pipeline devices). `update`: when a
+    stage makes a new weight version, after every microbatch's backward ("microbatch") or once per step of m
+    ("step"): `update_every(m)`; `max_versions`: the most versions a stage holds (0: one per pipeline device, p):
+    `weight_versions(p)`. The op lists carry the same two numbers (`Schedule.update_every`, `weight_versions`).
+    estimate_with: the schedule the search's balanced-stage estimate simulates in its place ("" itself).
+    overlapped_pairs: its op lists pair a forward with a backward in one op (`Op.overlap`; `simulate --overlap-ms`).
+    torch_name: the torch.distributed.pipelining schedule with this stage placement (`get_schedule_class` name,
+    torchtitan's `pipeline_parallel_schedule`); torch_builtin: torch has this schedule itself under that name.
+    megatron: how Megatron-LM runs it, completing "schedule NAME ..." ("" when it is Megatron-Core's own schedule;
+    {runs_as}: 1F1B, or interleaved 1F1B over the same stages when they are looped).
     """
 
     name: str
@@ -65,10 +81,19 @@ class ScheduleInfo:
     within_memory_limit: bool = False
     asynchronous: bool = False
     staleness: str = ""
+    update: str = ""
+    max_versions: int = 1
+    estimate_with: str = ""
+    overlapped_pairs: bool = False
+    torch_name: str
+    torch_builtin: bool
+    megatron: str
 
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
-        assert self.asynchronous == bool(self.staleness), self.name
+        assert self.asynchronous == bool(self.staleness) == bool(self.update), self.name
+        assert self.update in ("", "microbatch", "step") and self.max_versions >= 0, self.name
+        assert self.asynchronous or self.max_versions == 1, self.name
         assert not self.asynchronous or (
             self.placement == ONE_PER_DEVICE and not (self.replicable or self.split_backward or self.cost_driven)
         ), self.name
@@ -87,17 +112,78 @@ class ScheduleInfo:
         """Global stage id -> device on `num_devices` devices."""
         return stage_devices(self.placement, num_devices, self.resolve_chunks(chunks))
 
+    def update_every(self, num_microbatches: int) -> int:
+        """Microbatches per new weight version (0: synchronous, the weights change only between steps)."""
+        return {"": 0, "microbatch": 1, "step": num_microbatches}[self.update]
+
+    def weight_versions(self, num_devices: int) -> int:
+        """The most weight versions a stage holds at once on a pipeline of `num_devices` devices."""
+        return self.max_versions or num_devices
+
+    def megatron_note(self, chunks: int) -> str:
+        """How Megatron-LM runs a plan of this schedule with `chunks` stages per device ("" when natively)."""
+        if not self.megatron:
+            return ""
+        looped = "interleaved 1F1B over the same stages (looped, not V-shaped)"
+        return f"schedule {self.name} {self.megatron.format(runs_as=looped if chunks > 1 else '1F1B')}"
+
     def describe_staleness(self, num_devices: int) -> str:
         """e.g. `pipedream-2bw: weights 1 step stale; 2 weight versions per stage` ("" when synchronous)."""
         return f"{self.name}: {self.staleness.format(p=num_devices, p1=num_devices - 1)}" if self.staleness else ""
 
 
+_ZERO_BUBBLE = "(split backward / zero bubble) is not in Megatron-Core; it runs as {runs_as}"
 _INFOS = (
-    ScheduleInfo(name="gpipe", generator=gpipe, placement=ONE_PER_DEVICE, split_backward=False, replicable=True),
-    ScheduleInfo(name="1f1b", generator=one_f_one_b, placement=ONE_PER_DEVICE, split_backward=False, replicable=True),
-    ScheduleInfo(name="interleaved", generator=interleaved, placement=LOOPED, split_backward=False, default_chunks=2),
-    ScheduleInfo(name="zb-h1", generator=zb_h1, placement=ONE_PER_DEVICE, split_backward=True, replicable=True),
-    ScheduleInfo(name="zb-h2", generator=zb_h2, placement=ONE_PER_DEVICE, split_backward=True, replicable=True),
+    ScheduleInfo(
+        name="gpipe",
+        generator=gpipe,
+        placement=ONE_PER_DEVICE,
+        split_backward=False,
+        replicable=True,
+        torch_name="GPipe",
+        torch_builtin=True,
+        megatron="runs as Megatron's 1F1B (same gradients, less activation memory)",
+    ),
+    ScheduleInfo(
+        name="1f1b",
+        generator=one_f_one_b,
+        placement=ONE_PER_DEVICE,
+        split_backward=False,
+        replicable=True,
+        torch_name="1F1B",
+        torch_builtin=True,
+        megatron="",
+    ),
+    ScheduleInfo(
+        name="interleaved",
+        generator=interleaved,
+        placement=LOOPED,
+        split_backward=False,
+        default_chunks=2,
+        torch_name="Interleaved1F1B",
+        torch_builtin=True,
+        megatron="",
+    ),
+    ScheduleInfo(
+        name="zb-h1",
+        generator=zb_h1,
+        placement=ONE_PER_DEVICE,
+        split_backward=True,
+        replicable=True,
+        torch_name="1F1B",
+        torch_builtin=False,
+        megatron=_ZERO_BUBBLE,
+    ),
+    ScheduleInfo(
+        name="zb-h2",
+        generator=zb_h2,
+        placement=ONE_PER_DEVICE,
+        split_backward=True,
+        replicable=True,
+        torch_name="1F1B",
+        torch_builtin=False,
+        megatron=_ZERO_BUBBLE,
+    ),
     ScheduleInfo(
         name="zb-auto",
         generator=zb_auto,
@@ -106,11 +192,35 @@ _INFOS = (
         capacity_default=False,
         cost_driven=True,
         within_memory_limit=True,
+        # ZB-1p is never slower than zb-h1 under the same costs and, with balanced stages, no faster in practice:
+        # the search's estimate skips its (slow) list scheduling
+        estimate_with="zb-h1",
+        torch_name="1F1B",
+        torch_builtin=False,
+        megatron=_ZERO_BUBBLE,
     ),
     ScheduleInfo(
-        name="zbv", generator=zbv, placement=V_SHAPED, split_backward=True, default_chunks=2, cost_driven=True
+        name="zbv",
+        generator=zbv,
+        placement=V_SHAPED,
+        split_backward=True,
+        default_chunks=2,
+        cost_driven=True,
+        torch_name="ZBVZeroBubble",
+        torch_builtin=True,
+        megatron=_ZERO_BUBBLE,
     ),
-    ScheduleInfo(name="dualpipev", generator=dualpipev, placement=V_SHAPED, split_backward=True, default_chunks=2),
+    ScheduleInfo(
+        name="dualpipev",
+        generator=dualpipev,
+        placement=V_SHAPED,
+        split_backward=True,
+        default_chunks=2,
+        overlapped_pairs=True,
+        torch_name="DualPipeV",
+        torch_builtin=True,
+        megatron=_ZERO_BUBBLE,
+    ),
     ScheduleInfo(
         name="pipedream",
         generator=pipedream,
@@ -119,6 +229,11 @@ _INFOS = (
         asynchronous=True,
         staleness="weights updated after every microbatch, stage d's {p1}-d updates stale (weight stashing); up to "
         "{p} weight versions on the first stage",
+        update="microbatch",
+        max_versions=0,
+        torch_name="1F1B",
+        torch_builtin=False,
+        megatron="updates weights without a flush; Megatron flushes every step (1F1B)",
     ),
     ScheduleInfo(
         name="pipedream-2bw",
@@ -127,6 +242,11 @@ _INFOS = (
         split_backward=False,
         asynchronous=True,
         staleness="weights 1 step stale; 2 weight versions per stage",
+        update="step",
+        max_versions=2,
+        torch_name="1F1B",
+        torch_builtin=False,
+        megatron="updates weights without a flush; Megatron flushes every step (1F1B)",
     ),
 )
 _BY_NAME = {info.name: info for info in _INFOS}

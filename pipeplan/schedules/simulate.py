@@ -88,7 +88,7 @@ class MemoryCosts:
     device (weights, gradients, optimizer state).
 
     Activation recomputation (`kept_bytes`, `recompute_bytes`; defaults: none) follows the runtime
-    (runtime/executor.py, runtime/recompute_run.py): from F to the stage's I (or B) a microbatch holds only
+    (runtime/step/executor.py, runtime/step/recompute_run.py): from F to the stage's I (or B) a microbatch holds only
     `kept_bytes` (K: the stage's inputs under full recomputation, A less the attention internals under selective);
     while its I (or B) runs, recomputation re-creates `recompute_bytes` (R) on top of that (full: A - K, the whole
     stage's saved tensors, rebuilt right before the backward; selective: one attention call's internals at a time,

@@ -13,7 +13,7 @@ from pipeplan.jsonio import write_json
 from pipeplan.schedules.ops import OVERLAP, Schedule
 from pipeplan.schedules.period import simulate_steps
 from pipeplan.schedules.placement import LOOPED
-from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info
+from pipeplan.schedules.registry import SCHEDULE_NAMES, async_stream_steps, generate, schedule_info, schedule_names
 from pipeplan.schedules.render import timeline_to_chrome_trace
 from pipeplan.schedules.simulate import StageCosts, Timeline, simulate, stream_step_ms, unit_memory
 from pipeplan.schedules.simulate_options import SimulateOptions
@@ -41,7 +41,8 @@ def simulate_uniform(
         post_validate=options.post_validate,
     )
     if overlap_ms is not None and not any(o.kind == OVERLAP for ops in schedule.device_ops for o in ops):
-        raise ScheduleError(f"--overlap-ms applies to schedules with overlapped F&B ops (dualpipev), not {name}")
+        paired = ", ".join(schedule_names(overlapped_pairs=True))
+        raise ScheduleError(f"--overlap-ms applies to schedules with overlapped F&B ops ({paired}), not {name}")
     return schedule, simulate(schedule, costs, memory)
 
 
@@ -97,7 +98,7 @@ def compare_schedules(options: SimulateOptions) -> tuple[list[dict[str, Any]], l
             skipped.append({"schedule": name, "reason": "asynchronous: simulate it with --schedule to see its stream"})
             continue
         chunks = options.chunks if schedule_info(name).placement == LOOPED else None
-        overlap_ms = options.overlap_ms if name == "dualpipev" else None
+        overlap_ms = options.overlap_ms if schedule_info(name).overlapped_pairs else None
         try:
             schedule, timeline = simulate_uniform(name, options, chunks=chunks, overlap_ms=overlap_ms)
         except ScheduleError as exc:

@@ -34,8 +34,8 @@ from pipeplan.costs import (
 )
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import InfeasibleError, ScheduleError
-from pipeplan.partition.api import min_memory_per_device, partition
 from pipeplan.partition.config import PartitionConfig
+from pipeplan.partition.partitioner import min_memory_per_device, partition
 from pipeplan.partition.result import Partition
 from pipeplan.plan.asynchronous import with_weight_versions
 from pipeplan.plan.layout import PipelineLayout, pipeline_layout, simulate_layout, transfer_costs

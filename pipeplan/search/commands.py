@@ -20,6 +20,7 @@ def plan(options: PlanOptions) -> None:
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
     Example: pipeplan plan --profile llama.json --hardware h100 --devices 64 -B 1024 --memory-reserve 6GiB
     Example: pipeplan plan llama-7b --device meta --hardware h100 --devices 64 -B 256 --tensor-parallel auto
+    Example: pipeplan plan hf:mistral-7b --device meta --hardware h100 --devices 8 -B 64 --attention math
     Example: pipeplan plan gpt --devices 4 -B 32 --allow-async -o demo-async
     """
     from pipeplan.plan.summary import render_summary, summary_dict

@@ -55,6 +55,7 @@ def build_plan(
         optimizer_bytes_per_param=result.config.per_param,
         dtype=get_precision(result.config.precision).compute_dtype_name,
         precision=result.config.precision,
+        attention=profile.provenance.attention,
         device=run_device_for(profile.provenance.device),
         zero=chosen.zero,
         tensor_parallel=result.config.tensor_parallel,
@@ -63,9 +64,8 @@ def build_plan(
         overlap=result.config.overlap.label,
         post_validate=chosen.post_validate,
     )
-    pipe = chosen.pipeline
+    pipe, tokens = chosen.pipeline, model.tokens_per_sample
     world = pipe.num_devices * layout.data_parallel
-    tokens = model.tokens_per_sample
     return Plan(
         model=model,
         cluster=devices_cluster(result.cluster, result.config.tensor_parallel, result.config.context_parallel),

@@ -59,9 +59,7 @@ def balanced_estimate_ms(layout: Layout, profile: Profile, cluster: Cluster, *, 
     costs = StageCosts(
         forward_ms=forward, input_grad_ms=input_grad, weight_grad_ms=weight_grad, backward_ms=backward, comm_ms=comm
     )
-    # zb-auto (ZB-1p) is never slower than zb-h1 under the same costs and, with balanced stages, no faster in
-    # practice: estimate it with zb-h1 and skip its (slow) list scheduling here
-    probe = "zb-h1" if layout.schedule == "zb-auto" else layout.schedule
+    probe = schedule_info(layout.schedule).estimate_with or layout.schedule  # zb-auto: zb-h1 (the registry says why)
     m0 = probe_microbatches(p, m)
     looped = layout.chunks if layout.mode != REPLICATED else None
     schedule = _schedule(probe, p, m0, looped)

@@ -13,6 +13,7 @@ from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
 from pipeplan.plan.plan import ModelRef
 from pipeplan.precision import get_precision, profile_precision
+from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest, profile_request
 from pipeplan.schedules.registry import schedule_info
@@ -113,6 +114,7 @@ def load_profile_input(path: str, profile_format: str) -> PlanInput:
         profile = read_pipedream_graph(path)
     else:
         profile = Profile.load(path)
+        warn_if_out_of_bounds(profile, f"profile file {str(path)!r}")
     prov = profile.provenance
     model = ModelRef(
         ref=prov.model or str(path),
@@ -138,13 +140,19 @@ def check_profile_precision(profile: Profile, precision: str | None) -> str:
 def profile_model_input(request: ProfileRequest) -> PlanInput:
     """Profile the model on the spot (`profiling.profile_job`, the path `pipeplan profile` takes) and trace its
     graph on the meta device: the plan names each stage's FX nodes."""
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models.registry import canonical_ref, recorded_options
 
     profile, spec = profile_request(request)
     tracer = profile.provenance.tracer or request.tracer
     traced = trace_model(
-        spec, batch_size=request.batch_size, granularity=request.granularity, device="meta", tracer=tracer
+        spec,
+        batch_size=request.batch_size,
+        granularity=request.granularity,
+        device="meta",
+        tracer=tracer,
+        dtype=export_dtype(request.precision),
     )
     profile = selective_where_runnable(profile, traced)
     ref, digest = canonical_ref(request.model)
@@ -162,7 +170,7 @@ def profile_model_input(request: ProfileRequest) -> PlanInput:
 
 def selective_where_runnable(profile: Profile, traced) -> Profile:
     """`profile` with selective recomputation data only on layers that call scaled_dot_product_attention: the
-    runtime recomputes only those calls (runtime/recompute_run.py), so elsewhere selective keeps what none keeps
+    runtime recomputes only those calls (runtime/step/recompute_run.py), so elsewhere selective keeps what none keeps
     and the planner never offers it (a hand-written attention's internals stay saved)."""
     from pipeplan.graph.recompute_modes import is_attention
 
@@ -181,6 +189,7 @@ def attach_model(
 ) -> PlanInput:
     """A profile file's costs with MODEL's traced graph (stage node names): the plan becomes runnable. The
     profile must have been made from the same graph (layer names, and its fingerprint when it records one)."""
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model
     from pipeplan.models.registry import canonical_ref, recorded_options
@@ -189,7 +198,10 @@ def attach_model(
     prov = source.profile.provenance
     if tracer == "auto" and prov.tracer:
         tracer = prov.tracer
-    traced = trace_model(spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer)
+    dtype = export_dtype(profile_precision(prov))
+    traced = trace_model(
+        spec, batch_size=prov.batch_size, granularity=granularity, device="meta", tracer=tracer, dtype=dtype
+    )
     graph = traced.layer_graph
     recorded = prov.graph_fingerprint
     names = [layer.name for layer in source.profile.layers]
@@ -219,13 +231,15 @@ def graph_at_microbatch(source: PlanInput, microbatch_size: int) -> PlanInput:
         return source
     if microbatch_size == source.profile.provenance.batch_size:
         return source
+    from pipeplan.graph.run_dtypes import export_dtype
     from pipeplan.graph.trace import trace_model
     from pipeplan.models import load_model
 
     model = source.model
     spec = load_model(model.ref, dict(model.options))
+    dtype = export_dtype(profile_precision(source.profile.provenance))
     graph = trace_model(
-        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export"
+        spec, batch_size=microbatch_size, granularity=model.granularity, device="meta", tracer="export", dtype=dtype
     ).layer_graph
     if [layer.name for layer in graph.layers] != [layer.name for layer in source.layer_graph.layers]:
         raise ConfigError(

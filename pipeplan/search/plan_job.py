@@ -157,6 +157,7 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
         precision=precision,
         progress=not options.json_output,
         tracer=options.tracer,
+        attention=options.attention,
     )
 
 

@@ -9,6 +9,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.graph.tracers import check_tracer
 from pipeplan.options import argument, option
+from pipeplan.profiling.profile_options import ATTENTION_HELP, check_attention
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 
 DEFAULT_OUTPUT = "plan"
@@ -98,6 +99,7 @@ class PlanOptions:
     no_replication: bool = option(False, "--no-replication", help="Do not try replicated stages.")
     granularity: int | None = option(None, "--granularity", help="Layer grouping depth when tracing the model.")
     tracer: str = option("auto", "--tracer", help=TRACER_HELP)
+    attention: str = option("auto", "--attention", help=ATTENTION_HELP)
     output: str | None = option(DEFAULT_OUTPUT, "--output", "-o", help="Directory for plan.json and scripts.")
     json_output: bool = option(False, "--json", help="Print only the summary as JSON.")
 
@@ -117,10 +119,15 @@ class PlanOptions:
         if self.profile is not None:
             without_model = self.model is None
             flags = ("-a", self.assignments), ("--granularity", self.granularity), ("--device", self.device != "cpu")
-            ignored = [flag for flag, given in flags if given and (without_model or flag == "--device")]
+            flags += (("--attention", self.attention != "auto"),)
+            ignored = [
+                flag for flag, given in flags if given and (without_model or flag in ("--device", "--attention"))
+            ]
             if ignored:
                 warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
         check_tracer(self.tracer)
+        if self.profile is None:
+            check_attention(self.attention, self.device)
         if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
             searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
         Overlap.parse(self.overlap)

@@ -67,6 +67,7 @@ def scale_profile(profile: Profile, microbatch_size: int) -> Profile:
         input_bytes=round(profile.input_bytes * factor),
         whole_forward_ms=scale_optional(profile.whole_forward_ms),
         whole_backward_ms=scale_optional(profile.whole_backward_ms),
+        whole_split_backward_ms=scale_optional(profile.whole_split_backward_ms),
         provenance=replace(
             profile.provenance,
             batch_size=microbatch_size,

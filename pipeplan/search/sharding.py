@@ -6,17 +6,20 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 Megatron-Core context parallelism (ring attention over cp ranks with load-balanced causal chunks: each rank holds
 2 of 2·cp sequence chunks; docs "context_parallel", Transformer Engine `AttnFuncWithCPAndKVP2P`).
 
-- Which layers: the profile must be a transformer stack at block granularity — its first layer an embedding (a
-  lookup: parameters, no FLOPs), then a uniform run of blocks (same parameters and FLOPs, the hidden state in and
-  out), then the LM head. Anything else is refused with one line (`transformer_layers`).
+- Which layers: the profile must be a transformer stack at block granularity, its layers' roles found by structure
+  (`search.stack.transformer_layers`): embedding lookups and helpers, a uniform run of blocks (same parameters and
+  FLOPs, the hidden state in and out), a final norm, the LM head — whether the model is a built-in, a Hugging
+  Face type or a user's factory. Anything else is refused with one line naming the layer.
 - Compute: a layer's times come from its work (`profiling.retime.reshaped_layer`: every matmul at the rank's
   shape — column-parallel linears n / t, row-parallel ones k / t, attention heads / t; context parallelism: token
   rows / cp, attention queries / cp against all keys, causal work balanced — tile and wave quantization included;
   the other ops / (t·cp)). A layer without work (a measured profile) divides its times by t·cp.
 - Memory: every kept-bytes field (none, selective, full, I's share) divides by t·cp, rounded up (Korthikanti Table
   2 with sequence parallelism is 1/t of the unsplit bytes; context parallelism splits every position); parameters
-  by t (context-parallel ranks hold the same weights); a stage boundary sends each rank's shard: cut bytes / t·cp.
-- Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.transformer.
+  by t (context-parallel ranks hold the same weights), but for the weights of linears Megatron duplicates
+  (`LayerProfile.replicated_param_count`: MLA's down-projections, routers), which every rank holds whole; a stage
+  boundary sends each rank's shard: cut bytes / t·cp.
+- Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.tensor_parallel.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
   backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
   (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
@@ -26,8 +29,9 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   forward's, and the input gradients of row-parallel ones: Transformer Engine's ring-exchange overlap). Context
   parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV backward over the
   context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
-  The embedding reduce-scatters forward and all-gathers backward; the head all-gathers its input and its
-  vocab-parallel cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
+  The (vocabulary-parallel) embedding reduce-scatters forward and all-gathers backward; helpers and a final norm
+  have none (sequence parallel: each rank's s / t rows); the head all-gathers its input and its vocab-parallel
+  cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
 
 `split_cluster` turns the cluster into groups of t·cp consecutive ranks (tensor parallelism innermost, then
 context parallelism, as Megatron orders ranks); groups larger than a node span whole nodes.
@@ -40,7 +44,7 @@ from dataclasses import dataclass, replace
 from pipeplan.cluster import Cluster, Link
 from pipeplan.costs import all_gather_ms, all_to_all_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
 from pipeplan.costs.overlap import Overlap, overlapped_ms
-from pipeplan.costs.transformer import tensor_parallel_comm_per_layer
+from pipeplan.costs.tensor_parallel import tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.profiling.experts import expert_count, routed_share
 from pipeplan.profiling.kernels import DIMS, KernelRates, kernel_seconds, kernels_seconds, pass_kernels
@@ -167,15 +171,17 @@ def layer_comms(profile: Profile, t: int, cp: int, links: Links, overlap: Overla
     rates = profile.provenance.kernel_rates
     tokens = profile.provenance.batch_size * (profile.provenance.tokens_per_sample or 1) / cp
     split = hidden / cp
-    embedding = LayerComm(
+    comms = [LayerComm()] * profile.num_layers  # helpers and a final norm: none (sequence parallel, s / t rows)
+    comms[stack.embedding] = LayerComm(
         forward_ms=reduce_scatter_ms(split, t, links.tensor), backward_ms=all_gather_ms(split, t, links.tensor)
     )
     losses = CROSS_ENTROPY_ALLREDUCES * allreduce_ms(4 * tokens, t, links.tensor)
-    head = LayerComm(
+    comms[stack.head] = LayerComm(
         forward_ms=all_gather_ms(split, t, links.tensor) + losses, backward_ms=reduce_scatter_ms(split, t, links.tensor)
     )
-    blocks = [block_comm(profile.layers[i], hidden, t, cp, links, rates, overlap) for i in stack.blocks]
-    return expert_comms(profile, t, cp, ep, links, [embedding, *blocks, head])
+    for i in stack.blocks:
+        comms[i] = block_comm(profile.layers[i], hidden, t, cp, links, rates, overlap)
+    return expert_comms(profile, t, cp, ep, links, comms)
 
 
 def expert_comms(profile: Profile, t: int, cp: int, ep: int, links: Links, comms: list[LayerComm]) -> list[LayerComm]:
@@ -209,7 +215,8 @@ def _shard_layer(
     timed = reshaped_layer(layer, rates, t=t, cp=cp, ep=ep) or _divided_times(layer, ranks)
     on_input = timed.input_grad_ms > 0
     experts = _split(layer.expert_param_count, t * ep)
-    params = _split(layer.param_count - layer.expert_param_count, t) + experts
+    whole = layer.replicated_param_count  # duplicated linears (MLA's down-projections, routers): every rank's
+    params = _split(layer.param_count - layer.expert_param_count - whole, t) + whole + experts
     return replace(
         timed,
         forward_ms=timed.forward_ms + comm.forward_ms,
@@ -227,6 +234,7 @@ def _shard_layer(
         selective_activation_bytes=_split(layer.selective_activation_bytes, ranks),
         full_activation_bytes=_split(layer.full_activation_bytes, ranks),
         expert_param_count=experts,
+        replicated_param_count=whole,
     )
 
 

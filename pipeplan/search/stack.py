@@ -1,7 +1,10 @@
 """What tensor and context parallelism need of a model and a cluster, and why a size cannot be used (one clause).
 
-- The profile must be a transformer stack at block granularity (`stack_problem`): an embedding (parameters, no
-  FLOPs), a uniform run of blocks (the hidden state in and out, the same parameters and FLOPs), an LM head.
+- The profile must be a transformer stack at block granularity (`stack_problem`), its layers' roles found by
+  structure: embedding lookups (parameters, no FLOPs) and helpers (no parameters) before the blocks, a uniform run
+  of blocks (the hidden state in and out, the same parameters and FLOPs; dense and MoE blocks apart), a final norm
+  (no FLOPs) and an LM head. Helpers that only make constant values (rotary cos/sin, masks, positions) leave no
+  layer: the trace makes them again in each block (graph.constants).
 - Tensor parallelism t splits heads and the hidden size, so t must divide them (read from the model's options),
   the sequence (sequence parallelism splits it) and the node: tensor-parallel ranks stay in one node, as Megatron
   places them (NVLink), unless the user asks for a size that fills whole nodes.
@@ -38,47 +41,86 @@ DIVIDED_OPTIONS = (
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerLayers:
-    """The roles of a profile's layers: embedding 0, blocks 1..n-2, head n-1; `hidden_bytes`: one block's output
-    (s·b·h elements in the profile's dtype), the message of every tensor-parallel collective."""
+    """The roles of a profile's layers, found by structure (`stack_problem`): the layers before the first block
+    (embedding lookups and parameter-free helpers: GPT-2's position embedding and dropout), the blocks, the layers
+    after them (a final norm; helpers) and the LM head, the last layer; `embedding`: the first lookup (the
+    vocabulary-parallel one); `hidden_bytes`: one block's output (s·b·h elements in the profile's dtype), the
+    message of every tensor-parallel collective."""
 
     num_layers: int
+    first_block: int
+    end_block: int  # one past the last block
+    embedding: int
     hidden_bytes: int
 
     @property
     def blocks(self) -> range:
-        return range(1, self.num_layers - 1)
+        return range(self.first_block, self.end_block)
+
+    @property
+    def head(self) -> int:
+        return self.num_layers - 1
 
 
 def transformer_layers(profile: Profile) -> TransformerLayers:
-    """The stack's roles (see the module docstring), or ConfigError naming the first layer that does not fit."""
-    problem = stack_problem(profile)
-    if problem is not None:
+    """The stack's roles (see TransformerLayers), or ConfigError naming the first layer that does not fit."""
+    found = _roles(profile)
+    if isinstance(found, str):
         raise ConfigError(
-            f"tensor and context parallelism model a transformer stack: {problem}; use --tensor-parallel 1 "
+            f"tensor and context parallelism model a transformer stack: {found}; use --tensor-parallel 1 "
             "--context-parallel 1"
         )
-    return TransformerLayers(num_layers=profile.num_layers, hidden_bytes=profile.layers[0].output_bytes)
+    return found
 
 
 def stack_problem(profile: Profile) -> str | None:
     """Why the profile is not a transformer stack at block granularity (one clause), or None when it is."""
+    found = _roles(profile)
+    return found if isinstance(found, str) else None
+
+
+def _roles(profile: Profile) -> TransformerLayers | str:
+    """The stack's roles, or why there are none: the layers without matrix products (FLOPs) before the first
+    block must be lookups (parameters) or helpers (none), those after the last block up to the head likewise
+    (a final norm); the blocks between them take the hidden state in and out and have the same parameters and
+    FLOPs (dense and MoE blocks apart)."""
     layers = profile.layers
     if len(layers) < 3:
         return f"the profile has {len(layers)} layer(s), not an embedding, blocks and an LM head"
-    embedding, head, blocks = layers[0], layers[-1], layers[1:-1]
-    if embedding.param_count == 0 or embedding.flops > 0:
-        return f"layer {embedding.name!r} is not an embedding lookup (parameters, no FLOPs)"
-    for index, block in enumerate(blocks, start=1):
-        before, after = profile.cut_bytes[index - 1], profile.cut_bytes[index]
-        if block.param_count == 0 or block.flops <= 0 or block.output_bytes != embedding.output_bytes:
-            return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
-        if before != after:
-            return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
-        first = next(b for b in blocks if (b.expert_param_count > 0) == (block.expert_param_count > 0))
-        if (block.param_count, block.flops) != (first.param_count, first.flops):  # dense and MoE blocks apart
-            return f"layer {block.name!r} differs from {first.name!r} (profile at block granularity)"
-    if head.param_count == 0 or head.flops <= 0:
-        return f"layer {head.name!r} is not an LM head (parameters, FLOPs)"
+    head = len(layers) - 1
+    first = next((i for i, layer in enumerate(layers[:head]) if layer.flops > 0), head)
+    end = next((i + 1 for i in range(head - 1, first - 1, -1) if layers[i].flops > 0), first)
+    lookups = [i for i in range(first) if layers[i].param_count > 0]
+    if not lookups:
+        return f"layer {layers[0].name!r} is not an embedding lookup (parameters, no FLOPs)"
+    if first == end:
+        return "the profile has no transformer blocks (layers with parameters and FLOPs before the LM head)"
+    hidden = layers[first - 1].output_bytes
+    for index in range(first, end):
+        problem = _block_problem(profile, index, hidden)
+        if problem:
+            return problem
+    for index in range(end, head):
+        if layers[index].output_bytes != hidden:
+            return f"layer {layers[index].name!r} after the blocks does not keep the hidden state (a final norm)"
+    if layers[head].param_count == 0 or layers[head].flops <= 0:
+        return f"layer {layers[head].name!r} is not an LM head (parameters, FLOPs)"
+    return TransformerLayers(
+        num_layers=len(layers), first_block=first, end_block=end, embedding=lookups[0], hidden_bytes=hidden
+    )
+
+
+def _block_problem(profile: Profile, index: int, hidden: int) -> str | None:
+    layers = profile.layers
+    block = layers[index]
+    if block.param_count == 0 or block.flops <= 0 or block.output_bytes != hidden:
+        return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
+    if profile.cut_bytes[index - 1] != profile.cut_bytes[index]:
+        return f"layer {block.name!r} is not a transformer block (hidden state in and out, parameters, FLOPs)"
+    moe = block.expert_param_count > 0
+    first = next(b for b in layers if b.flops > 0 and (b.expert_param_count > 0) == moe)
+    if (block.param_count, block.flops) != (first.param_count, first.flops):  # dense and MoE blocks apart
+        return f"layer {block.name!r} differs from {first.name!r} (profile at block granularity)"
     return None
 
 

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 from helpers.search import capacity_config, make_cluster, synthetic_profile
+from helpers.transformer_reference import activation_bytes_per_layer, forward_flops_per_layer
 
 from pipeplan.capacity.memory import _cuttable, _least_total, device_memory_split, memory_floor_bytes
 from pipeplan.capacity.sweep import (
@@ -22,7 +23,6 @@ from pipeplan.capacity.sweep import (
     time_split,
 )
 from pipeplan.costs import bytes_per_param, static_split
-from pipeplan.costs.transformer import activation_bytes_per_layer, forward_flops_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance

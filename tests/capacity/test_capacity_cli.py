@@ -8,12 +8,12 @@ import json
 import pytest
 from helpers.cli import one_error_line
 from helpers.search import capacity_config
+from helpers.transformer_reference import activation_bytes_per_layer
 from typer.testing import CliRunner
 
 from pipeplan.capacity.inputs import capacity_profile
 from pipeplan.capacity.sweep import capacity_sweep, model_flops_per_token
 from pipeplan.cli import app
-from pipeplan.costs.transformer import activation_bytes_per_layer
 from pipeplan.hardware import load_hardware
 
 runner = CliRunner()

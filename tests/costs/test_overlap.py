@@ -4,8 +4,9 @@ and Megatron's mixed precision bytes."""
 from __future__ import annotations
 
 import pytest
+from helpers.megatron_bytes import MEGATRON_SPLITS, MEGATRON_TABLE
 
-from pipeplan.costs import adam_bytes_per_parameter, static_split
+from pipeplan.costs import static_split
 from pipeplan.costs.optimizer import undo_copy_bytes
 from pipeplan.costs.overlap import (
     COMM_SMS,
@@ -66,9 +67,8 @@ def test_megatron_mixed_precision_is_megatron_s_table():
     """Megatron Core's distributed-optimizer table (16-bit parameters, fp32 gradients: 18 -> 6 + 12/d)."""
     for precision in ("bf16-main", "fp16-main"):
         split = static_split("adamw", precision)
-        assert split == (2.0, 4.0, 12.0) and sum(split) == adam_bytes_per_parameter(
-            param_dtype="bf16", grad_dtype="fp32", data_parallel=1, distributed=False
-        )
+        assert split == MEGATRON_SPLITS["float16 param, fp32 grads"]
+        assert sum(split) == MEGATRON_TABLE["float16 param, fp32 grads"][0]
     assert static_split("adamw", "fp8") == (4.0, 4.0, 12.0)  # + the FP8 weight and its transpose
     assert static_split("adamw", "bf16-mixed") == (4.0, 4.0, 8.0)  # autocast: fp32 parameters are the master
 

@@ -1,19 +1,19 @@
-"""Every closed form in memory_formulas against values computed by hand from its source: Korthikanti et al. 2022
+"""Every closed form of the test oracle (helpers/transformer_reference.py) and the tensor-parallel collectives
+(costs/tensor_parallel.py) against values computed by hand from its source: Korthikanti et al. 2022
 Table 2 for GPT-3 175B (their Table 3: a = 96, h = 12288, s = 2048, t = 8, b = 1) and the tensor-parallel
 collectives of §4.2.2 (Megatron-LM's distributed-optimizer table is tested with the cost model, test_zero_costs)."""
 
 from __future__ import annotations
 
 import pytest
-
-from pipeplan.costs.transformer import (
-    Collective,
+from helpers.transformer_reference import (
     activation_bytes_per_layer,
     attention_core_flops,
     forward_flops_per_layer,
     lm_head_flops,
-    tensor_parallel_comm_per_layer,
 )
+
+from pipeplan.costs.tensor_parallel import Collective, tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
 
 GPT3 = dict(seq=2048, batch=1, hidden=12288, heads=96)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.megatron_bytes import MEGATRON_SPLITS, MEGATRON_TABLE
 
 from pipeplan.cluster import Cluster, Link
 from pipeplan.costs import (
-    adam_bytes_per_parameter,
     check_zero_stage,
     optimizer_state_bytes,
     static_split,
@@ -16,20 +16,6 @@ from pipeplan.costs import (
     zero_bytes_per_param,
 )
 from pipeplan.errors import ConfigError
-
-# Megatron Core developer guide, "Distributed Optimizer" (docs.nvidia.com/megatron-core/developer-guide/latest/
-# distrib_optimizer.html): (param dtype, grad dtype) -> (bytes without it, (constant, numerator) of c + n/d).
-MEGATRON_TABLE = {
-    "float16 param, float16 grads": (20, (4, 16)),
-    "float16 param, fp32 grads": (18, (6, 12)),
-    "fp32 param, fp32 grads": (16, (8, 8)),
-}
-# (weights, gradients, optimizer state incl. fp32 main params / main grads) of each row, in bytes per parameter
-MEGATRON_SPLITS = {
-    "float16 param, float16 grads": (2, 2, 16),  # fp32 main params + main grads + Adam m, v
-    "float16 param, fp32 grads": (2, 4, 12),  # fp32 main params + Adam m, v (grads accumulate in fp32)
-    "fp32 param, fp32 grads": (4, 4, 8),  # Adam m, v
-}
 
 
 @pytest.mark.parametrize("row", list(MEGATRON_TABLE))
@@ -87,27 +73,3 @@ def test_only_zero_stages_0_and_1():
             check_zero_stage(bad)
     with pytest.raises(ConfigError):
         zero_bytes_per_param((4, 4, 8), 2, 3)
-
-
-@pytest.mark.parametrize(
-    ("param_dtype", "grad_dtype", "plain", "sharded_over_8"),
-    [
-        ("fp16", "fp16", 20, 4 + 16 / 8),
-        ("bf16", "bf16", 20, 4 + 16 / 8),
-        ("bf16", "fp32", 18, 6 + 12 / 8),
-        ("fp16", "fp32", 18, 6 + 12 / 8),
-        ("fp32", "fp32", 16, 8 + 8 / 8),
-    ],
-)
-def test_optimizer_bytes_match_megatron_distributed_optimizer_table(param_dtype, grad_dtype, plain, sharded_over_8):
-    kwargs = dict(param_dtype=param_dtype, grad_dtype=grad_dtype)
-    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=False) == plain
-    assert adam_bytes_per_parameter(**kwargs, data_parallel=1, distributed=True) == plain
-    assert adam_bytes_per_parameter(**kwargs, data_parallel=8, distributed=True) == sharded_over_8
-
-
-def test_optimizer_bytes_refuse_unknown_configurations():
-    with pytest.raises(ConfigError, match="param_dtype must be one of"):
-        adam_bytes_per_parameter(param_dtype="int8", grad_dtype="fp32", data_parallel=2, distributed=True)
-    with pytest.raises(ConfigError, match="not a Megatron configuration"):
-        adam_bytes_per_parameter(param_dtype="fp32", grad_dtype="bf16", data_parallel=2, distributed=True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipeplan.graph.saved_tensors import SavedTensors, saved_split
-from pipeplan.graph.split_backward import analyze, backward_full, backward_input, backward_weight
+from pipeplan.graph.split_backward import SplitCache, analyze, backward_full, backward_input, backward_weight
 from pipeplan.models.gpt import Block, Embedding
 from pipeplan.models.mlp import LinearAct
 from pipeplan.models.resnet import ResidualBlock
@@ -306,3 +306,112 @@ class RandomProgram(nn.Module):
 def test_random_programs_split_exactly(steps):
     torch.manual_seed(0)
     _check(RandomProgram(steps), [torch.randn(4, 8), torch.randn(4, 8)])  # a fallback (warned) is allowed here
+
+
+# ---- SplitCache: the analysis remembered per stage, by graph shape
+
+
+def _same_analysis(got, want) -> None:
+    """Equal node sets; frontier edges and captures compared as sets (`analyze` orders them by object id)."""
+    assert (got.input_side, got.weight_side, got.param_paths) == (want.input_side, want.weight_side, want.param_paths)
+    assert {n: set(edges) for n, edges in got.frontier.items()} == {n: set(e) for n, e in want.frontier.items()}
+    assert list(got.frontier) == list(want.frontier)  # W's order of frontier calls (the sums' order)
+    assert (got.weight_roots, got.conflict) == (want.weight_roots, want.conflict)
+    assert set(got.input_captures) == set(want.input_captures)
+    assert got.weight_grad_nodes == want.weight_grad_nodes
+
+
+def _fresh_graph(module, inputs):
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    outs = module(*leaves)
+    return list(outs if isinstance(outs, tuple) else (outs,)), leaves
+
+
+CACHED_MODULES = [
+    (lambda: Block(32, 4, 0.0), lambda: [torch.randn(2, 8, 32)]),
+    (lambda: ResidualBlock(8), lambda: [torch.randn(2, 8, 6, 6)]),
+    (TwiceLinear, lambda: [torch.randn(4, 8)]),  # a captured shared edge
+    (SharedAndTransformed, lambda: [torch.randn(4, 8)]),  # the fallback (conflict)
+    (lambda: Embedding(50, 16, 10, 0.0), lambda: [torch.randint(0, 50, (3, 10))]),  # weight roots only
+    (TwoOutputs, lambda: [torch.randn(4, 8)]),
+]
+
+
+@pytest.mark.parametrize("make, batch", CACHED_MODULES)
+def test_cached_analysis_is_the_analysis_of_each_new_graph(make, batch):
+    torch.manual_seed(0)
+    module, cache = make(), SplitCache()
+    params = list(module.parameters())
+    for _ in range(3):
+        outs, leaves = _fresh_graph(module, batch())
+        _same_analysis(cache.analyze(outs, leaves, params), analyze(outs, leaves, params))
+    assert (cache.misses, cache.hits) == (1, 2)
+
+
+def test_cached_split_gives_the_same_gradients_bit_for_bit(console_warnings):
+    """Three microbatches of I then W through one cache accumulate exactly what the uncached passes do."""
+    torch.manual_seed(0)
+    module = nn.Sequential(Block(32, 4, 0.0), Block(32, 4, 0.0))
+    params = list(module.parameters())
+    batches = [torch.randn(2, 8, 32) for _ in range(3)]
+    results = []
+    for cache in (None, SplitCache()):
+        module.zero_grad(set_to_none=True)
+        input_grads = []
+        for x in batches:
+            with SavedTensors() as saved:
+                outs, leaves = _fresh_graph(module, [x])
+            grads, state = backward_input(outs, [torch.ones_like(outs[0])], leaves, params, saved=saved, cache=cache)
+            backward_weight(state)
+            input_grads.append(grads[0])
+        results.append((input_grads, [p.grad.clone() for p in params]))
+    for plain, cached in zip(*(r[0] + r[1] for r in results), strict=True):
+        assert torch.equal(plain, cached)
+    assert not console_warnings()
+
+
+def test_a_graph_of_another_shape_is_analysed_afresh():
+    """Data-dependent code builds another graph: the cache must not map the old answer onto it."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(torch.tanh(h)) if bool(x.sum() > 0) else h * self.b.bias
+
+    module, cache = Branchy(), SplitCache(shapes=1)
+    params = list(module.parameters())
+    for x in (torch.ones(4, 8), -torch.ones(4, 8), torch.ones(4, 8), torch.ones(4, 8)):
+        outs, leaves = _fresh_graph(module, [x])
+        _same_analysis(cache.analyze(outs, leaves, params), analyze(outs, leaves, params))
+    assert (cache.misses, cache.hits) == (3, 1)  # one shape remembered: the first is forgotten by the third call
+
+
+def test_cached_analysis_follows_other_parameter_tensors():
+    """Asynchronous schedules run a stage on stashed weight versions: same shape, other parameter tensors."""
+    torch.manual_seed(0)
+    module, cache = LinearAct(8, "relu"), SplitCache()
+    versions = [list(module.parameters()), [nn.Parameter(p.detach().clone()) for p in module.parameters()]]
+    for params in versions:
+        x = torch.randn(4, 8, requires_grad=True)
+        out = torch.relu(nn.functional.linear(x, params[0], params[1]))
+        info = cache.analyze([out], [x], params)
+        _same_analysis(info, analyze([out], [x], params))
+        leaves = {id(n.variable) for n in info.weight_side if type(n).__name__ == "AccumulateGrad"}
+        assert leaves == {id(p) for p in params}
+    assert cache.hits == 1
+
+
+@settings(max_examples=25)
+@given(st.lists(st.tuples(*(st.integers(0, 4),) + (st.integers(0, 9),) * 3), min_size=1, max_size=7))
+def test_random_programs_cached_analysis(steps):
+    torch.manual_seed(0)
+    module, cache = RandomProgram(steps), SplitCache()
+    params = list(module.parameters())
+    for _ in range(2):
+        outs, leaves = _fresh_graph(module, [torch.randn(4, 8), torch.randn(4, 8)])
+        _same_analysis(cache.analyze(outs, leaves, params), analyze(outs, leaves, params))
+    assert cache.hits == 1

@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from helpers.runtime import build_reference_model
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.step.stages import build_pipeline_model
 from pipeplan.schedules.registry import generate
 
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.precision_run import LossScaler
-from pipeplan.runtime.trainer import Trainer
+from pipeplan.runtime.step.precision_run import LossScaler
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _entry(cases: list[Case]) -> dict[str, Outcome]:
 def run_cases(cases: list[Case], world_size: int) -> dict[str, list[Outcome]]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,

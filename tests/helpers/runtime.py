@@ -10,10 +10,10 @@ import torch
 from pipeplan.models.spec import ModelSpec
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.init_weights import load_initial_weights
-from pipeplan.runtime.materialize import build_whole, named_tensors
-from pipeplan.runtime.stages import load_spec
+from pipeplan.runtime.step.stages import load_spec
+from pipeplan.runtime.weights import checkpoint
+from pipeplan.runtime.weights.init_weights import load_initial_weights
+from pipeplan.runtime.weights.materialize import build_whole, named_tensors
 
 TINY_GPT = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
 TINY_GPT_TIED = {**TINY_GPT, "tie_embeddings": True}

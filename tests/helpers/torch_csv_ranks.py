@@ -17,7 +17,7 @@ def _run_case(plan_path: str, csv_path: str, rank: int) -> dict:
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     from pipeplan.plan.plan import Plan
-    from pipeplan.runtime.stages import build_pipeline_model
+    from pipeplan.runtime.step.stages import build_pipeline_model
 
     plan = Plan.load(plan_path)
     model = build_pipeline_model(plan, rank, torch.device("cpu"))
@@ -56,7 +56,7 @@ def run_csv_cases(cases: list[tuple[str, str, str]], world_size: int) -> dict[st
     """cases: (label, plan.json, exported CSV); {label: [rank 0's result, rank 1's, ...]}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pipeplan.runtime.launch import _free_port
+    from pipeplan.runtime.launch.local import _free_port
 
     config = LaunchConfig(
         min_nodes=1,

@@ -107,23 +107,36 @@ def test_bert_classification_profiles_and_plans_from_the_cli(tmp_path):
     assert plan["stages"][-1]["layer_names"][-1] == "classifier"
 
 
+# a sliding window shorter than the sequence: transformers builds the mask (expanded to the batch) in each block
+TINY_WINDOW = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=64,
+    seq_len=8,
+    sliding_window=4,
+)
+
+
 def test_exported_plan_names_the_nodes_of_its_microbatch_size(tmp_path):
-    """torch.export specializes to the batch size (size 1 drops an expand): a batch-1 profile planned at
+    """torch.export specializes to the batch size (the mask's expand to the batch): a batch-1 profile planned at
     microbatch 2 must name the nodes the runtime traces at 2."""
-    options = [f"{k}={v}" for k, v in TINY_GPT2.items()]
+    options = [f"{k}={v}" for k, v in TINY_WINDOW.items()]
     args = [a for option in options for a in ("-a", option)]
-    profile = tmp_path / "g.json"
-    result = runner.invoke(app, ["profile", "hf:gpt2", *args, "--warmup", "0", "--repeats", "1", "-o", str(profile)])
+    profile = tmp_path / "m.json"
+    result = runner.invoke(app, ["profile", "hf:mistral", *args, "--warmup", "0", "--repeats", "1", "-o", str(profile)])
     assert result.exit_code == 0, result.output
     out = tmp_path / "p"
     result = runner.invoke(
-        app, ["plan", "hf:gpt2", *args, "--profile", str(profile), "-n", "2", "-p", "2", "-b", "2", "-o", str(out)]
+        app, ["plan", "hf:mistral", *args, "--profile", str(profile), "-n", "2", "-p", "2", "-b", "2", "-o", str(out)]
     )
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     assert plan["training"]["microbatch_size"] == 2
-    at_two = trace_model(load_model("hf:gpt2", TINY_GPT2), batch_size=2, device="meta").layer_graph
-    at_one = trace_model(load_model("hf:gpt2", TINY_GPT2), batch_size=1, device="meta").layer_graph
+    at_two = trace_model(load_model("hf:mistral", TINY_WINDOW), batch_size=2, device="meta").layer_graph
+    at_one = trace_model(load_model("hf:mistral", TINY_WINDOW), batch_size=1, device="meta").layer_graph
     assert at_one.fingerprint != at_two.fingerprint
     assert plan["model"]["fingerprint"] == at_two.fingerprint
 
@@ -145,7 +158,7 @@ def test_local_directory_gives_config_and_initial_weights(tmp_path):
 
 def test_ranks_start_from_the_directory_weights(tmp_path):
     from pipeplan.plan.manual import manual_plan
-    from pipeplan.runtime.stages import build_pipeline_model
+    from pipeplan.runtime.step.stages import build_pipeline_model
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     saved = transformers.AutoModelForCausalLM.from_config(config)
@@ -161,7 +174,7 @@ def test_ranks_start_from_the_directory_weights(tmp_path):
 def test_a_model_directory_is_recorded_absolute_with_its_config_hash(tmp_path, monkeypatch):
     from pipeplan.errors import RunError
     from pipeplan.plan.manual import manual_plan
-    from pipeplan.runtime.stages import check_model_file
+    from pipeplan.runtime.step.stages import check_model_file
 
     config = transformers.AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model", safe_serialization=True)

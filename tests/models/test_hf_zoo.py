@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from pipeplan.cli import app
 from pipeplan.models.hf_types import DENSE
 from pipeplan.plan.plan import Plan
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one multi-process launch for all types

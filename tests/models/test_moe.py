@@ -60,7 +60,7 @@ def test_moe_model_trains_and_builds_on_meta():
 
 
 # Mixtral 8x7B: 46.7B (Jiang et al. 2024); DeepSeek-V3: 671B without its multi-token-prediction module (its report,
-# Table 1 / §4.2); our MHA stand-in for MLA holds 205M instead of 187M per layer (+1.1B over 61 layers).
+# Table 1 / §4.2), with its multi-head latent attention (187M parameters per layer).
 @pytest.mark.parametrize(("name", "published"), [("mixtral-8x7b", 46.7e9), ("deepseek-v3", 671e9)])
 def test_moe_presets_match_published_parameter_counts(name, published):
     with torch.device("meta"):

@@ -8,6 +8,7 @@ import torch
 from pipeplan.errors import ModelError
 from pipeplan.models import BUILTINS, load_model
 from pipeplan.models.llama import Llama, RMSNorm
+from pipeplan.models.presets import PRESETS
 
 # Published sizes: GPT-2 as counted by the Hugging Face checkpoints (the 2019 paper's 117M/345M/762M/1542M
 # under-count the position/embedding tables); Llama 2 paper (Touvron et al. 2023): 6.74B, 13.0B, 69B (70B model).
@@ -134,3 +135,43 @@ def test_llama_init_module_initializes_a_meta_build():
 def test_llama_bad_options_are_model_errors(options, match):
     with pytest.raises(ModelError, match=match):
         _tiny_llama(**options)
+
+
+# The shapes of models people plan now (pipeplan/models/presets.py): each preset, as a built-in and as an hf: shape,
+# holds its authors' published parameter count within 1% (the sources are in the preset).
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_model_presets_match_published_parameter_counts(name, kind):
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    count = _meta_param_count(name if kind == "builtin" else f"hf:{name}")
+    published = PRESETS[name].published_params
+    assert abs(count - published) / published < 0.01, f"{kind} {name}: {count:,}"
+
+
+def test_an_hf_preset_is_the_config_json_of_its_source(tmp_path):
+    """`hf:<preset>` builds the preset's fields over the type's defaults; `hf:DIR` of a config.json saved from it
+    (as downloaded) builds the same model; -a fields replace the preset's, and its seq is the default seq_len."""
+    transformers = pytest.importorskip("transformers")
+    spec = load_model("hf:mistral-7b", {"num_hidden_layers": "2"})
+    assert spec.tokens_per_sample == PRESETS["mistral-7b"].options["seq"]
+    assert spec.options["num_hidden_layers"] == 2 and spec.options["num_key_value_heads"] == 8
+    config = transformers.AutoConfig.for_model("mistral", **PRESETS["mistral-7b"].fields)
+    config.save_pretrained(tmp_path)
+    from_dir = load_model(f"hf:{tmp_path}", {"num_hidden_layers": "2", "seq_len": "8192"})
+    shape = {k: v for k, v in spec.options.items() if k not in ("seq_len", "data", "task")}
+    assert {k: from_dir.options[k] for k in shape} == shape
+    with torch.device("meta"):
+        assert sum(p.numel() for p in spec.build().parameters()) == sum(
+            p.numel() for p in from_dir.build().parameters()
+        )
+
+
+def test_llama_family_options_build_gemma_and_qwen_shapes():
+    with torch.device("meta"):
+        gemma = _tiny_llama(head_dim=16, activation="gelu_tanh", tie_embeddings=True).build()
+        qwen = _tiny_llama(qkv_bias=True).build()
+    assert gemma.blocks[0].attn.q.weight.shape == (4 * 16, 32) and gemma.head.proj.weight is gemma.embed.tok.weight
+    assert qwen.blocks[0].attn.q.bias is not None and qwen.blocks[0].attn.o.bias is None
+    with pytest.raises(ModelError, match="activation"):
+        _tiny_llama(activation="relu")

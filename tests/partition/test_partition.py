@@ -17,7 +17,7 @@ from pipeplan.partition import (
     partition,
     uniform_partition,
 )
-from pipeplan.partition.api import min_memory_per_device
+from pipeplan.partition.partitioner import min_memory_per_device
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
 from pipeplan.schedules.memory import held_per_stage
 from pipeplan.schedules.registry import generate

@@ -84,7 +84,7 @@ def test_a_layer_splits_the_passes_its_schedule_runs(recompute):
     to F + B + recomputation, or F + I + W + recomputation when the backward is split; without work (measured) all
     of it is `other`."""
     spec = load_model("llama", dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, seq=128, vocab=512))
-    profile = profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16-mixed", flash_attention=False)
+    profile = profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16-mixed", attention="math")
     rates = profile.provenance.kernel_rates
     for layer in profile.layers:
         added = layer.recompute_ms(recompute)

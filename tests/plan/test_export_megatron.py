@@ -1,9 +1,11 @@
-"""`export --format megatron`: the flags and Megatron-Core's own config dataclasses accepting the same values
-(their __post_init__ validation runs), notes for what Megatron cannot express, stage membership."""
+"""`export --format megatron`: the flags and Megatron-Core's own config dataclasses built from the exported Python
+file alone, plus the model's shape fields (their __post_init__ validation runs: pp > 1, vp, ep, recompute plans),
+notes for what Megatron cannot express, stage membership, and the layouts refused."""
 
 from __future__ import annotations
 
 import dataclasses
+import runpy
 import warnings
 
 import pytest
@@ -27,13 +29,16 @@ def _megatron():
     return transformer.TransformerConfig, distributed.DistributedDataParallelConfig, optimizer.OptimizerConfig
 
 
-def _accepted_by_megatron(exported, **model):
-    """Megatron-Core's dataclasses built from the export (plus the model's shape, which a plan does not hold)."""
+def _accepted_by_megatron(exported, tmp_path, **model):
+    """Megatron-Core's dataclasses built from the exported keyword-argument file alone, plus the model's shape
+    (hidden_size, num_attention_heads: a plan does not hold them)."""
     transformer_config, ddp_config, optimizer_config = _megatron()
-    kwargs = {"hidden_size": 64, "num_attention_heads": 4, "pipeline_dtype": torch.float32, **model}
-    config = transformer_config(**exported.transformer, **kwargs)
-    ddp_config(**exported.ddp)
-    optimizer_config(**exported.optimizer)
+    path = tmp_path / "megatron_mcore.py"
+    path.write_text(exported.render_core("megatron.args"))
+    kwargs = runpy.run_path(str(path))
+    config = transformer_config(**kwargs["TRANSFORMER"], hidden_size=64, num_attention_heads=4, **model)
+    ddp_config(**kwargs["DDP"])
+    optimizer_config(**kwargs["OPTIMIZER"])
     return config
 
 
@@ -42,10 +47,11 @@ def _flag(exported, name):
     return values[0] if values else None
 
 
-def test_even_stages_need_no_layout():
+def test_even_stages_need_no_layout(tmp_path):
     exported = megatron_export(manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4))
-    config = _accepted_by_megatron(exported)
+    config = _accepted_by_megatron(exported, tmp_path)
     assert config.pipeline_model_parallel_size == 2 and config.num_layers == 4
+    assert config.pipeline_dtype == torch.float32 == config.params_dtype
     assert _flag(exported, "--pipeline-model-parallel-layout") is None and not exported.notes
     assert _flag(exported, "--global-batch-size") == "4" and _flag(exported, "--micro-batch-size") == "1"
     assert exported.members[1:] == (
@@ -54,10 +60,10 @@ def test_even_stages_need_no_layout():
     )
 
 
-def test_uneven_interleaved_stages_go_into_the_layout():
+def test_uneven_interleaved_stages_go_into_the_layout(tmp_path):
     plan = manual_plan("gpt", schedule="interleaved", pipeline_devices=2, num_microbatches=4, recompute=["full"] * 4)
     exported = megatron_export(plan)
-    config = _accepted_by_megatron(exported)
+    config = _accepted_by_megatron(exported, tmp_path)
     assert _flag(exported, "--pipeline-model-parallel-layout") == "Et|tt|t|L"
     layout = config.pipeline_model_parallel_layout  # Megatron's parsed layout: [pipeline rank][virtual stage]
     assert config.virtual_pipeline_model_parallel_size == 2
@@ -72,10 +78,10 @@ def test_uneven_interleaved_stages_go_into_the_layout():
     )
 
 
-def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express():
+def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express(tmp_path):
     recompute = ["selective", "none"]
     layout = {"pipeline_devices": 2, "num_microbatches": 4, "cuts": [(0, 1), (2, 5)], "recompute": recompute}
-    plan = manual_plan("gpt", schedule="zb-h1", zero=1, precision="bf16-mixed", **layout)
+    plan = manual_plan("moe", schedule="zb-h1", zero=1, precision="bf16-mixed", **layout)
     training = dataclasses.replace(
         plan.training, tensor_parallel=2, context_parallel=2, expert_parallel=2, overlap="grad-reduce,param-gather"
     )
@@ -83,7 +89,9 @@ def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express():
         plan, training=training, cluster=dataclasses.replace(plan.cluster, num_devices=8, devices_per_node=8)
     )
     exported = megatron_export(plan)
-    config = _accepted_by_megatron(exported, num_moe_experts=4, add_bias_linear=False)
+    config = _accepted_by_megatron(exported, tmp_path, add_bias_linear=False)  # num_moe_experts: the export's
+    assert config.num_moe_experts == 4 and _flag(exported, "--num-experts") == "4"  # the moe factory's default
+    assert config.pipeline_dtype == torch.bfloat16 == config.params_dtype
     assert (config.tensor_model_parallel_size, config.context_parallel_size, config.expert_model_parallel_size) == (
         2,
         2,
@@ -97,9 +105,36 @@ def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express():
     assert exported.members[0].startswith("world size 8 GPUs: tp 2 x cp 2 x pp 2 x dp 1")
 
 
-def test_replicas_and_cuts_inside_a_block_are_noted():
-    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, replicas=[2, 1])
-    assert "different numbers of times" in megatron_export(plan).notes[0]
+def test_replicas_are_data_parallel_ranks_or_refused(tmp_path):
+    replicated = manual_plan("gpt", schedule="1f1b", pipeline_devices=1, num_microbatches=6, replicas=[3])
+    exported = megatron_export(replicated)
+    assert exported.members[0].startswith("world size 3 GPUs: tp 1 x cp 1 x pp 1 x dp 3")
+    assert "3 replicas: exported as data parallelism over 1 pipeline(s) x 3 = 3 ranks, 2 microbatches" in " ".join(
+        exported.notes
+    )
+    _accepted_by_megatron(exported, tmp_path)
+    uneven = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, replicas=[2, 1])
+    with pytest.raises(ConfigError, match=r"different numbers of times.*re-plan with --no-replication"):
+        megatron_export(uneven)
+    moe = manual_plan("moe", {"experts": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=4)
+    moe = dataclasses.replace(moe, training=dataclasses.replace(moe.training, expert_parallel=2))
+    with pytest.raises(ConfigError, match=r"ep=2 expert ranks from the data-parallel x cp ranks \(1 x 1\)"):
+        megatron_export(moe)
+
+
+def test_expert_count_from_the_models_options_or_preset():
+    moe = manual_plan("moe", {"experts": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=4, data_parallel=2)
+    moe = dataclasses.replace(moe, training=dataclasses.replace(moe.training, expert_parallel=2))
+    assert megatron_export(moe).transformer["num_moe_experts"] == 8  # given
+    preset = dataclasses.replace(moe, model=dataclasses.replace(moe.model, ref="deepseek-v3", options={}))
+    assert megatron_export(preset).transformer["num_moe_experts"] == 256  # the preset's (no model loaded)
+    own = dataclasses.replace(moe, model=dataclasses.replace(moe.model, ref="pkg.mod:build"))
+    exported = megatron_export(own)
+    assert "num_moe_experts" not in exported.transformer and "expert count" in " ".join(exported.notes)
+
+
+def test_cuts_inside_a_block_are_noted():
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4)
     stages = list(plan.stages)
     stages[0] = dataclasses.replace(stages[0], layer_names=(*stages[0].layer_names[:-1], "blocks.1.attn"))
     stages[1] = dataclasses.replace(stages[1], layer_names=("blocks.1.mlp", *stages[1].layer_names[1:]))
@@ -120,6 +155,8 @@ def test_cli_writes_the_args_file_with_comments(tmp_path):
     result = runner.invoke(app, ["export", str(tmp_path / "plan.json"), "-f", "megatron", "-o", str(out)])
     assert result.exit_code == 0, result.output
     lines = out.read_text().splitlines()
+    assert str(tmp_path / "megatron_mcore.py") in result.stdout
+    assert runpy.run_path(str(tmp_path / "megatron_mcore.py"))["TRANSFORMER"]["pipeline_model_parallel_size"] == 2
     flags = [line for line in lines if not line.startswith("#")]
     assert all(line.startswith("--") for line in flags) and "--pipeline-model-parallel-layout Ettt|tL" in flags
     assert any(line.startswith("# cannot express: schedule gpipe") for line in lines)

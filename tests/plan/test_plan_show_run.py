@@ -15,7 +15,7 @@ from pipeplan.costs.overlap import Overlap
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.summary import summary_dict
 from pipeplan.plan.timing import plan_memory, plan_steps, plan_steps_timeline, plan_timeline
-from pipeplan.runtime import train
+from pipeplan.runtime.train import loop as train
 from pipeplan.schedules.memory import inflight_per_stage
 from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.search.config import SearchConfig

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
-
-from pipeplan.costs.transformer import (
+from helpers.transformer_reference import (
     activation_bytes_per_layer,
     forward_flops_per_layer,
     lm_head_flops,
 )
+from torch.utils.flop_counter import FlopCounterMode
+
 from pipeplan.errors import ConfigError
 from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.hardware import load_hardware
@@ -47,12 +47,12 @@ def _blocks(profile):
 
 @pytest.fixture(scope="module")
 def flash_profile():
-    return _profile(_gpt(), flash_attention=True, precision="bf16")
+    return _profile(_gpt(), attention="auto", precision="bf16")
 
 
 @pytest.fixture(scope="module")
 def math_profile():
-    return _profile(_gpt(), flash_attention=False, precision="bf16")
+    return _profile(_gpt(), attention="math", precision="bf16")
 
 
 def _relative_error(value, reference):
@@ -107,15 +107,15 @@ def _roofline():
 @pytest.mark.parametrize("flash", [True, False])
 def test_recorder_flops_equal_flop_counter_mode(flash):
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
-    with GpuSemantics(flash_attention=flash), FlopCounterMode(display=False) as counter:
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto" if flash else "math")
+    with GpuSemantics(attention="auto" if flash else "math"), FlopCounterMode(display=False) as counter:
         block(x.requires_grad_())
     assert counts.forward.flops == counter.get_total_flops()
 
 
 def test_backward_split_weight_grads_are_the_linear_matmuls():
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto")
     linear_flops = 24 * BATCH * SEQ * HIDDEN**2
     weight_grad_flops = counts.backward.flops - counts.input_grad.flops
     assert weight_grad_flops == linear_flops  # W = one mat1ᵀ @ grad per Linear, same size as its forward
@@ -132,7 +132,7 @@ def test_backward_kernels_follow_from_the_forwards(flash):
     """The kernels each pass is timed with (derived from the forward's) do the FLOPs the recorded matmuls and
     attention calls of that pass do; the linears' roles alternate column, row as Megatron splits a block."""
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=flash)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto" if flash else "math")
     kernels = counts.kernels
     attention = sum(k.flops for k in kernels if k.kind == "attention")  # causal: half of what torch counts
     assert all(k.causal for k in kernels if k.kind == "attention") and (attention > 0) == flash
@@ -150,7 +150,7 @@ def test_backward_kernels_follow_from_the_forwards(flash):
 def test_kept_until_weight_grad_holds_linear_and_norm_inputs():
     """Kept for W: inputs of ln1, qkv, proj, ln2, fc (2·s·b·h each) and of the MLP's second Linear (8·s·b·h)."""
     block, x = _meta_block()
-    counts = count_layer(block, [x], roofline=_roofline(), flash_attention=True)
+    counts = count_layer(block, [x], roofline=_roofline(), attention="auto")
     sbh = SEQ * BATCH * HIDDEN
     assert _relative_error(counts.kept_until_weight_grad_bytes, 18 * sbh) < 0.01
     freed = counts.saved_bytes - counts.kept_until_weight_grad_bytes
@@ -184,10 +184,10 @@ def _layer_norm_backward_call():
 
 def test_dropout_correction_saves_a_bool_mask():
     x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+    with GpuSemantics(attention="auto"), SavedTensors() as saved:
         F.dropout(x, 0.1, training=True)
     assert [t.dtype for t in saved.tensors] == [torch.bool]
-    with GpuSemantics(flash_attention=True), SavedTensors() as saved:
+    with GpuSemantics(attention="auto"), SavedTensors() as saved:
         F.dropout(x, 0.1, training=False)
     assert saved.tensors == []
 
@@ -207,7 +207,7 @@ def test_times_follow_the_roofline(flash_profile):
     assert slow.launch == fast.launch > 0  # launches do not depend on the rates
     overhead = h100.gemm_overhead_s * 1e3 * sum(k.kind == "gemm" and not k.core for k in _blocks(base)[0].work.kernels)
     assert slow.gemm - overhead == pytest.approx((fast.gemm - overhead) * h100.matmul_efficiency / 0.1, rel=0.05)
-    faster = _blocks(_profile(_gpt(), hardware="b200"))[0]
+    faster = _blocks(_profile(_gpt(), hardware="b200", precision="bf16"))[0]  # as flash_profile
     assert faster.forward_ms < block.forward_ms and faster.flops == block.flops
 
 
@@ -244,20 +244,29 @@ def test_float32_profile_doubles_bytes():
     assert full.layers[1].flops == half.layers[1].flops
 
 
-def test_bf16_mixed_profile_counts_fp32_parameters_and_the_dtypes_autocast_sends():
-    """Under autocast the parameters and gradients stay fp32 and the residual stream crossing each cut is fp32
-    (embedding output + bf16 block outputs promote to fp32), while the block computes in bf16."""
+def test_bf16_mixed_profile_counts_what_cuda_autocast_keeps():
+    """Under CUDA's autocast the parameters and gradients stay fp32, the residual stream (embedding output + bf16
+    block outputs) is fp32, so each LayerNorm saves its input in fp32 (layer_norm is on autocast's fp32 list) while
+    the matmuls run and save in bf16 (their inputs cast), and each forward's bf16 weight copies are saved for the
+    backward (biases are cast too, but addmm's backward does not keep them)."""
     spec = _gpt(dropout=0.0, layers=1)
     mixed, pure = _profile(spec), _profile(spec, precision="bf16")
     assert (mixed.provenance.precision, mixed.provenance.dtype) == ("bf16-mixed", "bfloat16")
     assert mixed.layers[1].param_bytes == 4 * mixed.layers[1].param_count == 2 * pure.layers[1].param_bytes
     assert mixed.cut_bytes == tuple(2 * b for b in pure.cut_bytes)
-    assert mixed.layers[1].forward_ms == pytest.approx(pure.layers[1].forward_ms)
-    # autocast's bf16 copies of the block's matmul weights and biases (not the norms') are saved for backward
     block = mixed.layers[1]
-    linear = sum(p.numel() for n, p in spec.build().named_parameters() if n.startswith("blocks.0.") and "ln" not in n)
-    assert block.activation_bytes - pure.layers[1].activation_bytes == 2 * linear
+    weights = sum(p.numel() for n, p in spec.build().named_parameters() if n.startswith("blocks.0.") and "weight" in n)
+    norms = 2 * HIDDEN  # ln1.weight, ln2.weight
+    layer_norm_inputs = 2 * BATCH * SEQ * HIDDEN  # ln1's and ln2's inputs: 2 more bytes per element each
+    assert block.activation_bytes - pure.layers[1].activation_bytes == 2 * layer_norm_inputs + 2 * (weights - norms)
     assert block.activation_freed_by_input_grad_bytes == pure.layers[1].activation_freed_by_input_grad_bytes
+    # the same FLOPs; more time: autocast's casts (weights each forward, fp32 <-> bf16 activations) are memory traffic
+    assert block.flops == pure.layers[1].flops and block.forward_ms > pure.layers[1].forward_ms
+    # the head: its LayerNorm's input in fp32, its weight's bf16 copy, and the loss in fp32 (under bf16 in bf16):
+    # log-softmax's b*s*V values and nll_loss's scalar total weight at 4 bytes instead of 2
+    head, tokens = mixed.layers[-1], BATCH * SEQ
+    more = 2 * tokens * HIDDEN + 2 * HIDDEN * VOCAB + 2 * tokens * VOCAB + 2
+    assert head.activation_bytes - pure.layers[-1].activation_bytes == more
 
 
 def test_llama_profile_with_grouped_query_attention():

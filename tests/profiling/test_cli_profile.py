@@ -26,6 +26,7 @@ def test_profile_gpt_writes_one_entry_per_layer(tmp_path):
     result = _run("profile", "gpt", "-a", "layers=4", "-a", "hidden=64", "--batch-size", "2", "-o", str(target), *QUICK)
     assert result.exit_code == 0, result.output
     assert "blocks.3" in result.output and "I ms" in result.output
+    assert "split backward (I+W)" in result.output and "timings not checked: 1 timed round(s)" in result.output
     profile = Profile.load(target)
     assert [layer.name for layer in profile.layers] == ["embed"] + [f"blocks.{i}" for i in range(4)] + ["head"]
     assert profile.provenance.model_options == {"layers": 4, "hidden": 64}

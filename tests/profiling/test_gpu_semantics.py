@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.transformer_reference import llama_activation_bytes_per_layer
 
-from pipeplan.costs.transformer import llama_activation_bytes_per_layer
 from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.models.llama import Block
 from pipeplan.profiling.gpu_ops import GpuSemantics
@@ -27,14 +27,14 @@ def test_fused_rms_norm_and_swiglu_equal_the_unfused_ops():
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(4, 16, 32, generator=generator, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
     plain = _grads(lambda a, w: F.rms_norm(a, (32,), w, 1e-6), x, weight)
-    with GpuSemantics(flash_attention=True):
+    with GpuSemantics(attention="auto"):
         fused = _grads(lambda a, w: F.rms_norm(a, (32,), w, 1e-6), x, weight)
     torch.testing.assert_close(fused[0], plain[0])
     for got, want in zip(fused[1], plain[1], strict=True):
         torch.testing.assert_close(got, want)
     gate, up = torch.randn(8, 32, generator=generator, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
     plain = _grads(lambda g, u: F.silu(g) * u, gate, up)
-    with GpuSemantics(flash_attention=True):
+    with GpuSemantics(attention="auto"):
         fused = _grads(lambda g, u: F.silu(g) * u, gate, up)
     torch.testing.assert_close(fused[0], plain[0])
     for got, want in zip(fused[1], plain[1], strict=True):
@@ -48,7 +48,7 @@ def test_a_llama_block_saves_what_the_fused_kernels_save():
         block = Block(HIDDEN, HEADS, KV_HEADS, FFN, 1e-5, 10000.0).to(torch.bfloat16)
     x = torch.empty(BATCH, SEQ, HIDDEN, device="meta", dtype=torch.bfloat16, requires_grad=True)
     saved = SavedTensors()
-    with GpuSemantics(flash_attention=True), saved:
+    with GpuSemantics(attention="auto"), saved:
         block(x)
     expected = llama_activation_bytes_per_layer(
         seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=FFN

@@ -58,7 +58,7 @@ def test_gpt_head_counts_the_log_softmax(how):
 def test_hugging_face_lm_head_counts_the_log_softmax():
     pytest.importorskip("transformers")
     spec = load_model("hf:gpt2", TINY_GPT2)
-    tokens = BATCH * (SEQ - 1)  # position t predicts token t+1: the loss scores s-1 positions
+    tokens = BATCH * SEQ  # the log-softmax covers every position (the last one's label is ignored: no next token)
     for profile in (_measured(spec), _analytic(spec, "fp32")):
         head = profile.layers[-1]
         assert head.name == "lm_head"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.transformer_reference import activation_bytes_per_layer, attention_core_flops
 from torch import nn
 
-from pipeplan.costs.transformer import activation_bytes_per_layer, attention_core_flops
-from pipeplan.errors import FormatError
+from pipeplan.errors import ConfigError, FormatError
 from pipeplan.models import load_model
-from pipeplan.profiling import recompute
+from pipeplan.profiling import analytic, recompute
 from pipeplan.profiling.analytic import profile_analytic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.layer_count import count_layer
@@ -36,8 +36,9 @@ def _gpt(dropout: float, seq: int = SEQ, hidden: int = HIDDEN):
     return load_model("gpt", {k: str(v) for k, v in options.items()})
 
 
-def _llama():
+def _llama(implementation: str = "sdpa"):
     options = {**LLAMA, "num_hidden_layers": 2, "vocab_size": 64, "seq_len": LLAMA_SEQ, "attention_dropout": 0.1}
+    options["_attn_implementation"] = implementation  # eager: transformers' softmax(QKᵀ)V by hand
     return load_model("hf:llama", {k: str(v) for k, v in options.items()})
 
 
@@ -63,6 +64,7 @@ def _profile_with_logs(monkeypatch, make_profile, seq: int):
         return log, outputs
 
     monkeypatch.setattr(recompute, "record_forward", spy)
+    monkeypatch.setattr(analytic, "layer_key", lambda *args: None)  # every layer counted (no repeats reused)
     profile = make_profile()
     assert len(counts) == profile.num_layers
     return profile, counts
@@ -115,7 +117,7 @@ def test_fused_attention_saves_no_s_by_s_tensor_so_selective_equals_none():
 
 @pytest.fixture(scope="module")
 def gpt_math():
-    return _analytic(_gpt(dropout=0.1), flash_attention=False)
+    return _analytic(_gpt(dropout=0.1), attention="math")
 
 
 def test_analytic_gpt_matches_korthikanti(gpt_math):
@@ -143,41 +145,61 @@ def test_analytic_attention_core_is_the_4bs2h_matmuls_plus_the_softmax_chain():
     x = torch.empty(BATCH, SEQ, HIDDEN, device="meta", dtype=torch.bfloat16)
     roofline = Roofline(flops_per_s=1e12, bytes_per_s=1e12)
     costs = recompute.analytic_recompute(
-        block, [x], roofline=roofline, input_needs_grad=[True], context=lambda: GpuSemantics(flash_attention=False)
+        block, [x], roofline=roofline, input_needs_grad=[True], context=lambda: GpuSemantics(attention="math")
     )
     assert costs.attention_bytes == 5 * HEADS * SEQ**2 * BATCH + SEQ**2  # + the causal mask
     assert costs.input_bytes == 2 * SEQ * BATCH * HIDDEN and costs.selective_rest_seconds > 0  # the softmax chain
-    counts = count_layer(block, [x], roofline=roofline, flash_attention=False)
+    counts = count_layer(block, [x], roofline=roofline, attention="math")
     core = sum(k.flops for k in counts.kernels if k.core)  # the matmuls selective recomputation re-runs
     assert core == attention_core_flops(seq=SEQ, batch=BATCH, hidden=HIDDEN)
 
 
 def test_analytic_flash_keeps_everything_under_selective():
-    profile = _analytic(_gpt(dropout=0.1), flash_attention=True)
+    profile = _analytic(_gpt(dropout=0.1), attention="auto")
     _check_modes(profile)
     for layer in profile.layers:
         assert layer.selective_activation_bytes == layer.activation_bytes and layer.selective_recompute_ms == 0.0
 
 
-@pytest.mark.parametrize("kind", ["measured", "analytic"])
+@pytest.mark.parametrize("kind", ["measured-eager", "analytic-eager", "analytic-math"])
 def test_hf_llama_modes_match_its_shapes(kind, monkeypatch):
+    """Attention with s x s internals: transformers' eager (by hand) implementation, measured or analytic, or its
+    SDPA calls profiled as the math path (--attention math)."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    make = (lambda: _measured(_llama())) if kind == "measured" else (lambda: _analytic(_llama()))
-    profile, square = _profile_with_logs(monkeypatch, make, LLAMA_SEQ)
+    makers = {
+        "measured-eager": lambda: _measured(_llama("eager")),
+        "analytic-eager": lambda: _analytic(_llama("eager")),
+        "analytic-math": lambda: _analytic(_llama(), attention="math"),
+    }
+    profile, square = _profile_with_logs(monkeypatch, makers[kind], LLAMA_SEQ)
     _check_modes(profile)
-    heads, hidden, head_dim, seq = LLAMA["num_attention_heads"], LLAMA["hidden_size"], LLAMA["head_dim"], LLAMA_SEQ
+    heads, hidden, seq = LLAMA["num_attention_heads"], LLAMA["hidden_size"], LLAMA_SEQ
     layers = [layer for layer in profile.layers if layer.name.startswith("model.layers.")]
     assert len(layers) == 2
     for layer, expected in zip(profile.layers, square, strict=True):
         assert layer.activation_bytes - layer.selective_activation_bytes == expected
     for layer in layers:
         assert layer.activation_bytes - layer.selective_activation_bytes > 0 and layer.selective_recompute_ms > 0
-    if kind == "measured":  # float32: softmax, noise and dropped probabilities of every head
+    if kind.startswith("analytic"):
+        assert profile.provenance.attention == ("math" if kind == "analytic-math" else "math (by hand)")
+    if kind == "measured-eager":  # float32: softmax, noise and dropped probabilities of every head
         assert all(la.activation_bytes - la.selective_activation_bytes == 12 * heads * seq**2 * BATCH for la in layers)
-        # inputs: hidden states, rotary cos and sin (float32), the causal mask (bool, b × 1 × s × s)
-        expected_inputs = 4 * BATCH * seq * hidden + 2 * 4 * seq * head_dim + BATCH * seq**2
-        assert all(layer.full_activation_bytes == expected_inputs for layer in layers)
+        # inputs: the hidden states only (rotary cos and sin and the mask are made again in each block)
+        assert all(layer.full_activation_bytes == 4 * BATCH * seq * hidden for layer in layers)
+
+
+def test_hf_llama_sdpa_runs_flash_with_nothing_for_selective_to_drop(monkeypatch):
+    """transformers' SDPA implementation with no padding leaves the causal mask to the kernel: FlashAttention,
+    no s x s tensor saved, selective recomputation keeps what none keeps."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    profile = _analytic(_llama())
+    assert profile.provenance.attention == "flash"
+    for layer in profile.layers:
+        assert layer.selective_activation_bytes == layer.activation_bytes and layer.selective_recompute_ms == 0.0
+    with pytest.raises(ConfigError, match="--attention flash: layer 'model.layers.0' computes attention by hand"):
+        _analytic(_llama("eager"), attention="flash")
 
 
 def test_router_softmax_is_not_attention_and_square_heads_are_not_scores():
@@ -200,14 +222,14 @@ def test_router_softmax_is_not_attention_and_square_heads_are_not_scores():
 def test_json_round_trip_and_schema_1_files_load_with_defaults(gpt_math, tmp_path):
     path = tmp_path / "p.json"
     gpt_math.save(path)
-    assert json.loads(path.read_text())["schema_version"] == PROFILE_SCHEMA_VERSION == 4
+    assert json.loads(path.read_text())["schema_version"] == PROFILE_SCHEMA_VERSION == 5
     assert Profile.load(path) == gpt_math
-    three = gpt_math.to_dict()  # schema 3: the work without its traffic; its other ops keep their roofline ms
-    three["schema_version"] = 3
-    for layer in three["layers"]:
+    four = gpt_math.to_dict()  # schema 4 (and 3): the work without its traffic; its other ops keep their roofline ms
+    four["schema_version"] = 4
+    for layer in four["layers"]:
         for name in ("forward", "input_grad", "weight_grad", "backward", "selective"):
             del layer["work"][f"{name}_traffic"]
-    path.write_text(json.dumps(three))
+    path.write_text(json.dumps(four))
     assert all(layer.work.forward_traffic is None for layer in Profile.load(path).layers)
     old = gpt_math.to_dict()
     old["schema_version"] = 1
@@ -220,8 +242,8 @@ def test_json_round_trip_and_schema_1_files_load_with_defaults(gpt_math, tmp_pat
     for layer, before in zip(loaded.layers, entering, strict=True):
         assert layer.selective_activation_bytes == layer.activation_bytes and layer.selective_recompute_ms == 0.0
         assert layer.full_activation_bytes == before and layer.full_recompute_ms == layer.forward_ms
-    path.write_text(json.dumps({**old, "schema_version": 5}))
-    with pytest.raises(FormatError, match="schema_version 5") as info:
+    path.write_text(json.dumps({**old, "schema_version": 6}))
+    with pytest.raises(FormatError, match="schema_version 6") as info:
         Profile.load(path)
     assert "\n" not in str(info.value)
 

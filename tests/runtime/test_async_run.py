@@ -1,4 +1,4 @@
-"""Asynchronous schedules on gloo (runtime/asynchronous.py): every microbatch's gradient equals the single-process
+"""Asynchronous schedules on gloo (runtime/train/asynchronous.py): every microbatch's gradient equals the single-process
 reference computed on the weight versions its forward used; losses and final parameters equal the reference's
 version-by-version AdamW (pipedream: an update per microbatch per stage; pipedream-2bw: the one-step-stale rule);
 data-parallel pipelines and tied weights sum their gradients at each update; a run resumed from a checkpoint equals
@@ -17,12 +17,12 @@ from helpers.async_reference import async_reference
 from helpers.runtime import TINY_GPT, TINY_GPT_TIED, TINY_MLP, build_reference_model, make_plan
 
 from pipeplan.plan.manual import manual_plan
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.asynchronous import settled_by, stream_rank_ops
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.routing import build_routing, parse_rank_ops
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.step.messages import build_routing, parse_rank_ops
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.asynchronous import settled_by, stream_rank_ops
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,9 +16,9 @@ import torch
 from helpers.runtime import TINY_GPT_TIED, make_plan
 
 from pipeplan.errors import RunError
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local
+from pipeplan.runtime.launch.local import launch_local
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # multi-process runs
 
@@ -59,7 +59,7 @@ def test_dead_rank_under_torchrun_stops_everyone_and_keeps_the_checkpoint(tmp_pa
     checkpoints = tmp_path / "ckpt"
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
     args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-    args += ["-m", "pipeplan.runtime.worker", path, "--steps", "5", "--checkpoint-dir", str(checkpoints)]
+    args += ["-m", "pipeplan.runtime.launch.worker", path, "--steps", "5", "--checkpoint-dir", str(checkpoints)]
     args += ["--checkpoint-every", "1", "--heartbeat-timeout", "10", "--quiet"]
     proc, elapsed = _run(args, env_extra={"PIPEPLAN_FAULT": "rank=1,step=2,mode=exit"})
     assert proc.returncode != 0

@@ -11,8 +11,9 @@ from pipeplan.cli import app
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import Plan, run_device_for
-from pipeplan.runtime import launch, worker
-from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import local as launch
+from pipeplan.runtime.launch import worker
+from pipeplan.runtime.train.config import RunConfig
 
 TINY = dict(layers=2, hidden=16, heads=2, seq=8, vocab=32)
 

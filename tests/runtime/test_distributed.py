@@ -24,10 +24,10 @@ from helpers.runtime import (
     save_plan,
 )
 
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.overlap import MARGIN, PROBE_STEPS, WARMUP_STEPS
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.step.pair_runner import MARGIN, PROBE_STEPS, WARMUP_STEPS
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.config import RunConfig
 from pipeplan.schedules.ops import OVERLAP, Op
 from pipeplan.schedules.registry import schedule_names
 

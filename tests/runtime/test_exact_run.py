@@ -12,9 +12,9 @@ import torch
 from helpers.runtime import make_plan, reference_losses
 
 from pipeplan.models import load_model
-from pipeplan.runtime import materialize as mat
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import materialize as mat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 

@@ -21,9 +21,9 @@ from helpers.runtime import TINY_GPT, TINY_GPT_TIED, build_reference_model, make
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import checkpoint
 
 safetensors = pytest.importorskip("safetensors.torch")
 pytest.importorskip("transformers")

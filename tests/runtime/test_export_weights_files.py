@@ -12,10 +12,10 @@ import torch
 from helpers.runtime import build_reference_model, make_plan
 
 from pipeplan.errors import RunError
-from pipeplan.runtime import checkpoint
 from pipeplan.runtime.export_weights import export_weights
-from pipeplan.runtime.stages import build_pipeline_model
-from pipeplan.runtime.weights_output import shards
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.weights import checkpoint
+from pipeplan.runtime.weights.weights_output import shards
 
 safetensors = pytest.importorskip("safetensors.torch")
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"

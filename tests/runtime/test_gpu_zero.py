@@ -10,8 +10,8 @@ import torch
 from helpers.runtime import build_reference_model, make_plan
 
 from pipeplan.costs import optimizer_state_bytes, static_split
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local
+from pipeplan.runtime.launch.local import launch_local
+from pipeplan.runtime.train.config import RunConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]  # multi-process runs
 

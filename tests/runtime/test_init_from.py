@@ -13,9 +13,9 @@ from helpers.runtime import build_reference_model, make_plan
 from pipeplan.errors import ConfigError
 from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
-from pipeplan.runtime import materialize as mat
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import materialize as mat
 
 save_file = pytest.importorskip("safetensors.torch").save_file  # the [hf] extra
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"

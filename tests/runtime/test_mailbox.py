@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeplan.runtime import comm
-from pipeplan.runtime.comm import Mailbox, TensorMeta
-from pipeplan.runtime.routing import Message, Routing
+from pipeplan.runtime.step import comm
+from pipeplan.runtime.step.comm import Mailbox, TensorMeta
+from pipeplan.runtime.step.messages import Message, Routing
 
 
 class _Work:

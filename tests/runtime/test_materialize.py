@@ -16,8 +16,8 @@ from pipeplan.errors import RunError
 from pipeplan.graph.host_memory import HOST_MEMORY_ENV
 from pipeplan.graph.trace import trace_module
 from pipeplan.models import load_model
-from pipeplan.runtime import materialize as mat
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.weights import materialize as mat
 
 HERE = Path(__file__).parent
 QUIRKY = f"{HERE / 'exact_models.py'}:quirky_lm"

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from pipeplan.errors import ConfigError
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.overlap import PROBE_STEPS, WARMUP_STEPS, PairRunner
+from pipeplan.runtime.step.pair_runner import PROBE_STEPS, WARMUP_STEPS, PairRunner
+from pipeplan.runtime.train.config import RunConfig
 
 
 def _threads(runner: PairRunner) -> tuple[str, str]:

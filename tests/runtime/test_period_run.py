@@ -17,8 +17,8 @@ import pytest
 from helpers.runtime import make_plan
 
 from pipeplan.plan.timing import plan_costs, plan_schedule
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.period import StepEnd, simulate_steps
 

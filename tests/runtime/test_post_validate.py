@@ -34,10 +34,10 @@ from helpers.runtime import (
 )
 
 from pipeplan.errors import RunError
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local, launch_many
-from pipeplan.runtime.step_checks import clip_coefficient
+from pipeplan.runtime.launch.local import launch_local, launch_many
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.step_checks import clip_coefficient
+from pipeplan.runtime.weights import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 

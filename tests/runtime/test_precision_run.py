@@ -13,9 +13,9 @@ from helpers.runtime import TINY_GPT_TIED, build_reference_model, gathered_grads
 from pipeplan.errors import ConfigError
 from pipeplan.plan.manual import manual_plan
 from pipeplan.precision import get_precision
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local, launch_many
-from pipeplan.runtime.precision_run import LossScaler, memory_versus
+from pipeplan.runtime.launch.local import launch_local, launch_many
+from pipeplan.runtime.step.precision_run import LossScaler, memory_versus
+from pipeplan.runtime.train.config import RunConfig
 
 pytestmark = pytest.mark.timeout(300)
 

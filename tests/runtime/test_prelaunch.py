@@ -14,10 +14,10 @@ from helpers.runtime import build_reference_model, make_plan
 
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.models import load_model
-from pipeplan.runtime import materialize as mat
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.launch.local import launch_local
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import materialize as mat
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 QUIRKY = f"{Path(__file__).with_name('exact_models.py')}:quirky_lm"
@@ -70,7 +70,7 @@ def test_a_base_model_checkpoint_maps_onto_the_causal_lm(tmp_path, capsys):
     saved = {k: v.clone() for k, v in base.state_dict().items()}
     assert not any(key.startswith("model.") for key in saved)
 
-    from pipeplan.runtime.prelaunch import check_before_launch
+    from pipeplan.runtime.launch.prelaunch import check_before_launch
 
     check_before_launch(plan, RunConfig(steps=1, quiet=True, init_from=str(weights)))
     said = " ".join(capsys.readouterr().err.split())

@@ -15,12 +15,12 @@ from pipeplan.models import load_model
 from pipeplan.plan.manual import manual_plan
 from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.executor import Executor
-from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import build_pipeline_model, check_plan_runs
-from pipeplan.runtime.trainer import microbatches_for
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.step.executor import Executor
+from pipeplan.runtime.step.messages import build_routing
+from pipeplan.runtime.step.stages import build_pipeline_model, check_plan_runs
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.trainer import microbatches_for
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -19,10 +19,10 @@ from pipeplan.graph.saved_tensors import storage_bytes, storage_key
 from pipeplan.models import load_model
 from pipeplan.plan.manual import manual_plan
 from pipeplan.profiling.measure import profile_model
-from pipeplan.runtime.executor import Executor
-from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import build_pipeline_model
-from pipeplan.runtime.trainer import microbatches_for
+from pipeplan.runtime.step.executor import Executor
+from pipeplan.runtime.step.messages import build_routing
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.trainer import microbatches_for
 from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activation_rises
 
 pytestmark = pytest.mark.timeout(400)

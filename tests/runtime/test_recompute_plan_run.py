@@ -14,8 +14,8 @@ from pipeplan.cli import app
 from pipeplan.models import load_model
 from pipeplan.plan.plan import Plan
 from pipeplan.profiling.measure import profile_model
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # multi-process runs
 

@@ -12,9 +12,9 @@ import torch
 from helpers.runtime import TINY_GPT, make_plan
 
 from pipeplan.errors import RunError
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local, launch_many
+from pipeplan.runtime.launch.local import launch_local, launch_many
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # multi-process runs
 POISONED = str(Path(__file__).with_name("toy_models.py")) + ":poisoned_mlp"

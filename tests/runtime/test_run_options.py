@@ -11,12 +11,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import pipeplan.runtime.launch as launch
+import pipeplan.runtime.launch.local as launch
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError
-from pipeplan.runtime import worker
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.metrics import tensorboard_available
+from pipeplan.runtime.launch import worker
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.train.metrics import tensorboard_available
 
 
 def _through_run(monkeypatch, argv: list[str]):

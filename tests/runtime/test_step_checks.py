@@ -15,11 +15,12 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError, RunError
-from pipeplan.runtime import post_validate, worker
-from pipeplan.runtime.config import FaultSpec, RunConfig
-from pipeplan.runtime.post_validate import StepUndo, check_post_validate
-from pipeplan.runtime.precision_run import LossScaler
-from pipeplan.runtime.step_checks import GlobalState, Verdict, apply_verdict, clip_coefficient, judge, local_row
+from pipeplan.runtime.launch import worker
+from pipeplan.runtime.step.precision_run import LossScaler
+from pipeplan.runtime.train import post_validate
+from pipeplan.runtime.train.config import FaultSpec, RunConfig
+from pipeplan.runtime.train.post_validate import StepUndo, check_post_validate
+from pipeplan.runtime.train.step_checks import GlobalState, Verdict, apply_verdict, clip_coefficient, judge, local_row
 
 CPU = torch.device("cpu")
 

@@ -18,9 +18,9 @@ from pipeplan.cli import app
 from pipeplan.costs.optimizer import OPTIMIZER_STATES
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import load_model
-from pipeplan.runtime.config import OPTIMIZERS, RunConfig
-from pipeplan.runtime.metrics import MetricsLog, kept_lines, step_record
-from pipeplan.runtime.optim import check_training, lr_factor, optimizer_factory, run_optimizer
+from pipeplan.runtime.train.config import OPTIMIZERS, RunConfig
+from pipeplan.runtime.train.metrics import MetricsLog, kept_lines, step_record
+from pipeplan.runtime.train.optim import check_training, lr_factor, optimizer_factory, run_optimizer
 
 
 @pytest.fixture(scope="module")

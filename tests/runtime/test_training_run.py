@@ -21,8 +21,8 @@ from helpers.runtime import build_reference_model, checkpoint_files, global_batc
 from runtime.training_models import TEXT, TINY_TEXT, decay_groups, halving
 
 from pipeplan.errors import RunError
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_local, launch_many
+from pipeplan.runtime.launch.local import launch_local, launch_many
+from pipeplan.runtime.train.config import RunConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 

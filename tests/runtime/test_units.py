@@ -11,13 +11,13 @@ from helpers.runtime import TINY_GPT_TIED, TINY_RESNET, build_reference_model, m
 
 from pipeplan.errors import ConfigError, RunError
 from pipeplan.models import load_model
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import FaultSpec, RunConfig
-from pipeplan.runtime.grads import parameter_holders
-from pipeplan.runtime.launch import launch_local
-from pipeplan.runtime.materialize import materialize
-from pipeplan.runtime.routing import build_routing
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.launch.local import launch_local
+from pipeplan.runtime.step.grads import parameter_holders
+from pipeplan.runtime.step.messages import build_routing
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.config import FaultSpec, RunConfig
+from pipeplan.runtime.weights import checkpoint
+from pipeplan.runtime.weights.materialize import materialize
 
 
 def test_rank_materializes_only_its_stages_with_reference_values(tmp_path):
@@ -161,7 +161,7 @@ def test_checkpoint_round_trip_and_missing_marker(tmp_path):
 def test_failure_summary_names_the_rank_that_caused_it(tmp_path):
     from types import SimpleNamespace
 
-    from pipeplan.runtime.launch import _failure_line
+    from pipeplan.runtime.launch.local import _failure_line
 
     failure = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1, timestamp=1)})
     (tmp_path / "rank_0.txt").write_text("RuntimeError: Read error [127.0.0.1]:5: Connection reset by peer\n")
@@ -175,7 +175,7 @@ def test_failure_summary_names_the_rank_that_caused_it(tmp_path):
 
 @pytest.mark.parametrize(("local_world", "expected"), [(None, 8), ("2", 4), ("3", 2), ("16", 1)])
 def test_default_cpu_threads_share_the_cores_among_local_ranks(monkeypatch, local_world, expected):
-    from pipeplan.runtime import worker
+    from pipeplan.runtime.launch import worker
 
     monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     if local_world is None:

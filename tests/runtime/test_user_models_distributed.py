@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.runtime import assert_matches_reference, make_plan, reference_losses
 
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
-from pipeplan.runtime.stages import build_pipeline_model
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.train.config import RunConfig
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # multi-process runs

@@ -215,7 +215,7 @@ def test_sbatch_finds_its_plan_when_submitted_from_elsewhere(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    assert f"-m pipeplan.runtime.worker {plan_dir}/plan.json --steps 3 --init-from w.pt" in record.read_text()
+    assert f"-m pipeplan.runtime.launch.worker {plan_dir}/plan.json --steps 3 --init-from w.pt" in record.read_text()
 
 
 def _stub(path: Path, body: str) -> None:

@@ -1,4 +1,4 @@
-"""ZeRO-1 (training.zero = 1, runtime/zero.py) on gloo: the same plan run with zero=1 gives the losses, gradients,
+"""ZeRO-1 (training.zero = 1, runtime/step/zero.py) on gloo: the same plan run with zero=1 gives the losses, gradients,
 parameters and (gathered) AdamW state of zero=0 after several steps, for data-parallel pipelines, tied weights across
 stages and replicated stages (groups of 2, 3 and 4 ranks); its checkpoints resume exactly, also from a zero=0
 checkpoint; each rank holds 1/d of the shared parameters' optimizer state.
@@ -22,9 +22,9 @@ from helpers.runtime import (
     make_plan,
 )
 
-from pipeplan.runtime import checkpoint
-from pipeplan.runtime.config import RunConfig
-from pipeplan.runtime.launch import launch_many
+from pipeplan.runtime.launch.local import launch_many
+from pipeplan.runtime.train.config import RunConfig
+from pipeplan.runtime.weights import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # multi-process runs
 

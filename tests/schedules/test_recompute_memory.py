@@ -9,8 +9,8 @@ from helpers.milp import solve_milp
 
 from pipeplan.errors import ConfigError, ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, MemoryCosts, StageCosts, generate, peak_activation_per_device, simulate
+from pipeplan.schedules.generators.zb_auto import default_limit
 from pipeplan.schedules.simulate import activation_deltas, activation_rises
-from pipeplan.schedules.zb_auto import default_limit
 
 
 def _memory(num_stages: int, mode: str) -> MemoryCosts:

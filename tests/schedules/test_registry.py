@@ -12,6 +12,7 @@ import pytest
 from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
+from pipeplan.schedules.ops import OVERLAP
 from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED, fixed_chunks
 from pipeplan.schedules.registry import (
     SCHEDULE_NAMES,
@@ -132,9 +133,44 @@ def test_properties_match_the_tables_they_replaced():
     assert schedule_names(placement=V_SHAPED) == ("zbv", "dualpipev")
     assert schedule_names(placement=LOOPED) == ("interleaved",)
     assert schedule_names(asynchronous=True) == ("pipedream", "pipedream-2bw")
+    assert schedule_names(overlapped_pairs=True) == ("dualpipev",)
+    assert schedule_names(torch_builtin=True) == ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+    assert schedule_names(megatron="") == ("1f1b", "interleaved")
+    assert [schedule_info(n).estimate_with for n in SCHEDULE_NAMES if schedule_info(n).estimate_with] == ["zb-h1"]
     assert schedule_names() == SCHEDULE_NAMES
     with pytest.raises(AssertionError):
         schedule_names(colour="red")
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_weight_updates_and_pairs_match_the_generated_op_lists(name, p):
+    """update_every, weight_versions and overlapped pairs are facts of the registry; the op lists carry the same."""
+    info, m = schedule_info(name), 4 * p
+    schedule = generate(name, num_devices=p, num_microbatches=m)
+    assert (schedule.update_every, schedule.weight_versions) == (info.update_every(m), info.weight_versions(p))
+    paired = any(o.kind == OVERLAP for ops in schedule.device_ops for o in ops)
+    assert paired == info.overlapped_pairs
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_estimate_stands_in_with_a_fixed_order_of_the_same_shape(name):
+    info = schedule_info(name)
+    stand_in = schedule_info(info.estimate_with or name)
+    assert not stand_in.cost_driven or stand_in is info
+    assert (stand_in.placement, stand_in.split_backward) == (info.placement, info.split_backward)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_torch_names_are_torch_schedules_with_the_same_placement(name):
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    info = schedule_info(name)
+    torch_class = schedules.get_schedule_class(info.torch_name)
+    v_shaped = torch_class in (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV)
+    assert v_shaped == (info.placement == V_SHAPED)
+    assert issubclass(torch_class, schedules.PipelineScheduleSingle) == (info.placement == ONE_PER_DEVICE)
+    builtin = schedule_names(torch_builtin=True)
+    assert len({schedule_info(n).torch_name for n in builtin}) == len(builtin)  # one pipeplan schedule per class
 
 
 def _unknown_message(call) -> str:
@@ -176,12 +212,14 @@ def _schedules_imports(path: Path) -> set[str]:
     return found
 
 
+def _module(path: Path) -> str:
+    parts = path.relative_to(SCHEDULES_DIR.parent.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def test_the_schedules_import_graph_has_no_cycle():
-    graph = {
-        "pipeplan.schedules" if path.stem == "__init__" else f"pipeplan.schedules.{path.stem}": _schedules_imports(path)
-        for path in SCHEDULES_DIR.glob("*.py")
-    }
-    assert "pipeplan.schedules.zb_auto" in graph["pipeplan.schedules.registry"]
+    graph = {_module(path): _schedules_imports(path) for path in SCHEDULES_DIR.rglob("*.py")}
+    assert "pipeplan.schedules.generators.zb_auto" in graph["pipeplan.schedules.registry"]
     state: dict[str, str] = {}
 
     def visit(module: str, path: tuple[str, ...]) -> None:

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules import MemoryCosts, StageCosts, generate, peak_activation_per_device, simulate, validate
+from pipeplan.schedules.generators.zb_heuristic import ALL_OPTIONS, heuristic_run, heuristic_runs
 from pipeplan.schedules.period import simulate_steps
 from pipeplan.schedules.simulate import activation_deltas, unit_memory
-from pipeplan.schedules.zb_heuristic import ALL_OPTIONS, heuristic_run, heuristic_runs
 
 _TOL = 1e-9
 
@@ -149,7 +149,7 @@ def test_adapts_to_costs():
 
 @given(p=st.integers(1, 8), m=st.integers(1, 20), act=st.lists(st.floats(0.1, 5.0), min_size=8, max_size=8))
 def test_default_limit_is_1f1b_peak(p, m, act):
-    from pipeplan.schedules.zb_auto import default_limit
+    from pipeplan.schedules.generators.zb_auto import default_limit
 
     memory = MemoryCosts(activation_bytes=act[:p], input_grad_freed_bytes=[a / 3 for a in act[:p]])
     one_f_one_b = generate("1f1b", num_devices=p, num_microbatches=m)

@@ -8,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeplan.schedules.zb_h2 import zb_h2
+from pipeplan.schedules.generators.zb_h2 import zb_h2
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "zb_h2_golden.json"
 

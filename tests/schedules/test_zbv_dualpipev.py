@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.schedules import StageCosts, generate, peak_activation_per_device, simulate, unit_memory, validate
+from pipeplan.schedules.generators.zbv import zbv_fixed
+from pipeplan.schedules.generators.zbv_greedy import greedy_candidates
 from pipeplan.schedules.ops import OVERLAP, Op, make_schedule
 from pipeplan.schedules.simulate import MemoryCosts, activation_deltas
-from pipeplan.schedules.zbv import zbv_fixed
-from pipeplan.schedules.zbv_greedy import greedy_candidates
 
 _TOL = 1e-9
 
@@ -170,7 +170,7 @@ def test_overlapped_op_memory_counts_both_halves():
 @settings(max_examples=20)
 @given(p=st.integers(2, 4), m=st.integers(4, 12), i=st.floats(0.5, 2.0), w=st.floats(0.2, 2.0))
 def test_greedy_skips_only_repeated_option_runs(p, m, i, w):
-    from pipeplan.schedules.zbv_greedy import _chain
+    from pipeplan.schedules.generators.zbv_greedy import _chain
 
     costs = StageCosts(forward_ms=1.0, input_grad_ms=i, weight_grad_ms=w, comm_ms=0.1).per_stage(2 * p)
     memory = unit_memory(2)

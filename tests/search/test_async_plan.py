@@ -131,9 +131,9 @@ def test_plans_refuse_what_async_schedules_cannot_run_with():
         manual_plan("mlp", TINY_MLP, zero=1, **layout)
     with pytest.raises(FormatError, match="fp16-mixed"):
         manual_plan("mlp", TINY_MLP, precision="fp16-mixed", **layout)
-    from pipeplan.runtime.asynchronous import check_async_run
-    from pipeplan.runtime.config import RunConfig
-    from pipeplan.runtime.post_validate import check_post_validate
+    from pipeplan.runtime.train.asynchronous import check_async_run
+    from pipeplan.runtime.train.config import RunConfig
+    from pipeplan.runtime.train.post_validate import check_post_validate
 
     plan = manual_plan("mlp", TINY_MLP, **layout)
     with pytest.raises(ConfigError, match="drop --clip-grad-norm"):
@@ -143,7 +143,7 @@ def test_plans_refuse_what_async_schedules_cannot_run_with():
 
 
 def test_run_refuses_op_lists_that_are_not_the_generators_stream():
-    from pipeplan.runtime.asynchronous import check_stream
+    from pipeplan.runtime.train.asynchronous import check_stream
 
     plan = manual_plan("mlp", TINY_MLP, schedule="pipedream-2bw", pipeline_devices=2, num_microbatches=2)
     check_stream(plan)

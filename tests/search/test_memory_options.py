@@ -17,7 +17,7 @@ from pipeplan.costs import allreduce_ms
 from pipeplan.errors import ConfigError, InfeasibleError
 from pipeplan.plan.plan import ModelRef, Plan
 from pipeplan.plan.timing import plan_costs, plan_memory, plan_timeline
-from pipeplan.runtime import train
+from pipeplan.runtime.train import loop as train
 from pipeplan.search.config import SearchConfig, parse_zero
 from pipeplan.search.emit import build_plan
 from pipeplan.search.search import search_plans

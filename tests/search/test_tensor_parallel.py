@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 from helpers.search import stack_profile
+from helpers.transformer_reference import activation_bytes_per_layer
 
 from pipeplan.cluster import Cluster, Link
 from pipeplan.costs.overlap import Overlap
-from pipeplan.costs.transformer import activation_bytes_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
@@ -60,7 +60,7 @@ def test_block_bytes_follow_korthikanti_table_2_with_sequence_parallelism(t):
 def gpt_math() -> Profile:
     options = dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=0.1)
     spec = load_model("gpt", {k: str(v) for k, v in options.items()})
-    return profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16", flash_attention=False)
+    return profile_analytic(spec, batch_size=2, hardware="h100", precision="bf16", attention="math")
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -4,7 +4,7 @@
 # (from any directory: the plan and its model file are found by absolute path)
 # 2 node(s): on every node run
 #   NNODES=2 NODE_RANK=<0..1> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash launch.sh [...]
-# Arguments after the script name go to `python -m pipeplan.runtime.worker`, started by torch's launcher (torchrun) under the
+# Arguments after the script name go to `python -m pipeplan.runtime.launch.worker`, started by torch's launcher (torchrun) under the
 # interpreter pipeplan planned with (PIPEPLAN_PYTHON=... to choose another). On one node a free port is picked
 # unless MASTER_PORT is set, so several runs can start side by side.
 set -euo pipefail
@@ -29,4 +29,4 @@ fi
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-  -m pipeplan.runtime.worker "$HERE/plan.json" "$@"
+  -m pipeplan.runtime.launch.worker "$HERE/plan.json" "$@"

@@ -78,7 +78,7 @@ class AnalyticConfig:
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
     fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
-    stack: str = "eager"  # whose fusions time the other ops (profiling.fusion): megatron for Megatron precisions
+    stack: str = "eager"  # whose fusions time the other ops (profiling.stack_traffic): megatron for Megatron precisions
     grad_bytes: int = 0  # Megatron stack: weight gradients accumulate into a buffer of these bytes per element
 
     def __post_init__(self) -> None:

@@ -14,11 +14,11 @@ from torch.utils._pytree import tree_flatten
 from pipeplan.graph.saved_tensors import SavedTensors, saved_split, storage_key
 from pipeplan.graph.split_backward import analyze, backward_full, backward_input
 from pipeplan.profiling.cuda_autocast import gpu_forward
-from pipeplan.profiling.fusion import Traffic, traffic
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import Kernel
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
 from pipeplan.profiling.profile import LayerWork, PassTraffic
+from pipeplan.profiling.stack_traffic import Traffic, traffic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +54,10 @@ class LayerCounts:
     def work(
         self, selective_rest_seconds: float = 0.0, *, stack: str = "eager", selective: Traffic | None = None
     ) -> LayerWork:
-        """The layer's kernels and the rest of each pass (ms, and traffic under `stack`: `profiling.fusion`): what
-        `retime_layer` takes times from. W's rest is the fused pass (fused conv/norm gradient kernels timed as
-        split) less I's; the whole backward's when the layer has no input gradient to compute; W's traffic is B's
-        less I's. `selective`: the attention core's traffic (selective recomputation)."""
+        """The layer's kernels and the rest of each pass (ms, and traffic under `stack`:
+        `profiling.stack_traffic`): what `retime_layer` takes times from. W's rest is the fused pass (fused
+        conv/norm gradient kernels timed as split) less I's; the whole backward's when the layer has no input
+        gradient to compute; W's traffic is B's less I's. `selective`: the attention core's traffic (selective recomputation)."""
         weight_rest = self.backward.rest_seconds
         forward = traffic(self.forward.calls, stack, self.forward_keep)
         backward = traffic(self.backward.calls, stack, self.backward_keep)

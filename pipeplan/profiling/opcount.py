@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from pipeplan.profiling.fusion import OpTraffic
 from pipeplan.profiling.kernel_tracer import KernelTracer, grouped_mm_flops, is_grouped_mm, is_kernel_op
 from pipeplan.profiling.kernels import Kernel, KernelRates
+from pipeplan.profiling.stack_traffic import OpTraffic
 
 aten = torch.ops.aten
 _FREE_OPS = frozenset(
@@ -97,7 +97,7 @@ class OpTotals:
     kernel_flops: float = 0.0  # of the matmul and attention ops (timed as kernels, not here)
     num_ops: int = 0
     kernels: list[Kernel] = field(default_factory=list)  # the forward's, with trace_kernels
-    calls: list[OpTraffic] = field(default_factory=list)  # every op that moves or computes (profiling.fusion)
+    calls: list[OpTraffic] = field(default_factory=list)  # every op that moves or computes (profiling.stack_traffic)
     pinned: list = field(default_factory=list, repr=False)  # the storages seen: their keys stay unique (tensors are
     # not held: autograd would then copy a gradient it could otherwise keep)
 
@@ -119,7 +119,7 @@ def _storages(values: Iterable) -> tuple[tuple[int, int], ...]:
 
 
 def op_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out, compute_seconds: float = 0.0) -> OpTraffic:
-    """One op as `profiling.fusion` sees it: a kernel (matmul, attention) or not, what it reads and writes."""
+    """One op as `profiling.stack_traffic` sees it: a kernel (matmul, attention) or not, what it reads and writes."""
     return OpTraffic(
         kernel=is_kernel_op(func),
         reads=_storages(tree_flatten((args, kwargs))[0]),

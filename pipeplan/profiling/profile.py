@@ -56,7 +56,7 @@ SOURCES = ("measured", "analytic", "pipedream")
 
 @dataclass(frozen=True, kw_only=True)
 class PassTraffic:
-    """A pass's other ops as a GPU runs them (`profiling.fusion`, under the stack the profile's precision stands
+    """A pass's other ops as a GPU runs them (`profiling.stack_traffic`, under the stack the profile's precision stands
     for): HBM bytes and kernel launches of the memory-bound ones, ms of those whose FLOPs bind (convolutions)."""
 
     bytes: float = 0.0

@@ -37,9 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.graph.saved_tensors import SavedTensors
-from pipeplan.profiling.fusion import OpTraffic, Traffic, traffic
 from pipeplan.profiling.kernel_tracer import is_kernel_op
 from pipeplan.profiling.opcount import Roofline, op_call, op_cost
+from pipeplan.profiling.stack_traffic import OpTraffic, Traffic, traffic
 
 aten = torch.ops.aten
 
@@ -224,7 +224,7 @@ class AnalyticRecompute:
     attention_bytes: int
     input_bytes: int
     selective_rest_seconds: float
-    selective_calls: tuple[OpTraffic, ...] = ()  # the attention core's ops (`profiling.fusion`)
+    selective_calls: tuple[OpTraffic, ...] = ()  # the attention core's ops (`profiling.stack_traffic`)
     keep_storages: frozenset[int] = frozenset()  # what the core must write: saved for backward, its outputs
 
     def selective_traffic(self, stack: str) -> Traffic:

@@ -10,7 +10,7 @@ Each pass is its kernels (`kernel_seconds`) plus the rest of its ops:
   it keeps less than none does (a fused attention kernel saves no s x s tensor: nothing to recompute).
 
 The rest of a pass on a GPU (rates with an SM count, a profile with traffic): every other kernel is memory-bound,
-bytes / the memory rate plus one launch each (`profiling.fusion` counts both under the stack's fusions), and the
+bytes / the memory rate plus one launch each (`profiling.stack_traffic` counts both under the stack's fusions), and the
 ops whose FLOPs bind take their roofline time. Without an SM count (a CPU) or traffic (a schema-3 profile) the
 rest is each op's roofline, as profiled.
 

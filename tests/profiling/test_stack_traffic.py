@@ -1,5 +1,5 @@
-"""The other ops of a layer on a GPU (profiling.fusion): eager (one kernel per op) against Megatron/TE fusion (one
-kernel between two matmul or attention kernels), their bytes and kernel launches; and the memory-bound time
+"""The other ops of a layer on a GPU (profiling.stack_traffic): eager (one kernel per op) against Megatron/TE fusion
+(one kernel between two matmul or attention kernels), their bytes and kernel launches; and the memory-bound time
 retime takes from them: bytes / the memory rate plus one launch per kernel."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
-from pipeplan.profiling.fusion import OpTraffic, traffic
 from pipeplan.profiling.kernels import KernelRates
 from pipeplan.profiling.profile import LayerWork, PassTraffic
 from pipeplan.profiling.retime import pass_breakdown, rest_ms
+from pipeplan.profiling.stack_traffic import OpTraffic, traffic
 
 MB = 2**20
 

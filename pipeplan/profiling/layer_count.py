@@ -57,7 +57,8 @@ class LayerCounts:
         """The layer's kernels and the rest of each pass (ms, and traffic under `stack`:
         `profiling.stack_traffic`): what `retime_layer` takes times from. W's rest is the fused pass (fused
         conv/norm gradient kernels timed as split) less I's; the whole backward's when the layer has no input
-        gradient to compute; W's traffic is B's less I's. `selective`: the attention core's traffic (selective recomputation)."""
+        gradient to compute; W's traffic is B's less I's. `selective`: the attention core's traffic (selective
+        recomputation)."""
         weight_rest = self.backward.rest_seconds
         forward = traffic(self.forward.calls, stack, self.forward_keep)
         backward = traffic(self.backward.calls, stack, self.backward_keep)

@@ -11,9 +11,8 @@ Sources (each row's layout, batch, precision and overlap are the run's own; what
   zero=0), GPT-3-style models (tied embeddings, dropout 0.1), sequence 2048, vocabulary 51,200, one data-parallel
   pipeline, measured seconds per iteration with full recomputation (plain tensor parallelism) and with sequence
   parallelism + selective recomputation; no communication overlap (Megatron-LM 2022 had none of Megatron-Core's).
-  Those runs used Megatron's math attention (no FlashAttention): `attention_args` passes `--attention math` once
-  the CLI has it (issue 34 item 2, being built); until then the rows run with what the CLI has (flash) and say so,
-  and the same rows also go through the library the CLI calls with math attention (`korthikanti_api_math`).
+  Those runs used Megatron's math attention (no FlashAttention): their commands pass `--attention math`
+  (`Row.attention`, set in one place: `korthikanti_rows`).
 - NVIDIA DGX Cloud benchmarking recipes v25.01.1 (github.com/NVIDIA/dgxc-benchmarking, tag v25.01.1: llama3.1/,
   nemo_megatron/, nemotron/ READMEs and their YAML configs), H100 80 GB, NeMo with Transformer Engine, measured
   step seconds. Every recipe: distributed_fused_adam with bf16 gradient reduction (`-bf16grads` precisions,
@@ -67,6 +66,7 @@ class Row:
     overlap: str
     measured_s: float
     note: str = ""
+    attention: str = "auto"  # --attention (auto: what the model and GPU run, FlashAttention here)
 
 
 GPT = dict(vocab=51200, seq=2048, tie_embeddings="true", dropout=0.1)  # GPT-3-style (Korthikanti; NeMo's GPT-3)
@@ -107,6 +107,7 @@ def korthikanti_rows() -> list[Row]:
                     "fp16-main",
                     "none",
                     measured,
+                    attention="math",  # Megatron-LM of 2022: no FlashAttention
                 )
             )
     return rows
@@ -144,29 +145,12 @@ def nemo_rows() -> list[Row]:
     return rows
 
 
-def attention_args(row: Row) -> list[str]:
-    """The one place the attention kernel is chosen: the Korthikanti runs used Megatron's math attention; the CLI
-    flag (issue 34 item 2) is passed once `pipeplan capacity --help` lists it."""
-    if row.source != "korthikanti":
-        return []
-    return ["--attention", "math"] if _cli_has_attention() else []
-
-
-_HELP: list[str] = []
-
-
-def _cli_has_attention() -> bool:
-    if not _HELP:
-        _HELP.append(subprocess.run([PIPEPLAN, "capacity", "--help"], capture_output=True, text=True).stdout)
-    return "--attention" in _HELP[0]
-
-
 def command(row: Row) -> list[str]:
     options = [part for key, value in row.options.items() for part in ("-a", f"{key}={value}")]
     return [
         *(PIPEPLAN, "capacity", row.model, *options, "--hardware", row.hardware, "-B", str(row.batch)),
         *("--precision", row.precision, "--overlap", row.overlap, "--layout", row.layout),
-        *attention_args(row),
+        *(("--attention", row.attention) if row.attention != "auto" else ()),
         "--json",
     ]
 
@@ -182,7 +166,7 @@ def run_row(row: Row) -> dict:
         command=" ".join(["pipeplan", *args[1:]]),
         measured_s=row.measured_s,
         note=row.note,
-        attention="math" if "--attention" in args else ("flash" if row.source == "korthikanti" else "default"),
+        attention=row.attention,
         wall_s=wall,
     )
     if done.returncode:
@@ -201,44 +185,6 @@ def run_row(row: Row) -> dict:
         "time": pinned.get("time"),
         "planner_s": planner["step_ms"] / 1e3 if planner.get("step_ms") else None,
     }
-
-
-def korthikanti_api_math(rows: list[Row]) -> list[dict]:
-    """Until the CLI has --attention: the Korthikanti rows through the library the CLI calls (the analytic profile
-    with Megatron's math attention, the pinned layout's evaluation: `search.pinned.evaluate_pinned`, as `capacity
-    --layout` runs it), so the report says what those rows give with the attention their runs used."""
-    sys.path.insert(0, str(ROOT))
-    from pipeplan.hardware import cluster_for, load_hardware
-    from pipeplan.models import load_model
-    from pipeplan.profiling.analytic import profile_analytic
-    from pipeplan.search.config import SearchConfig, default_memory_reserve
-    from pipeplan.search.pinned import evaluate_pinned, parse_layout
-
-    found, profiles = [], {}
-    for row in rows:
-        hardware = load_hardware(row.hardware)
-        key = tuple(sorted(row.options.items()))
-        if key not in profiles:
-            spec = load_model(row.model, {k: str(v) for k, v in row.options.items()})
-            profiles[key] = profile_analytic(
-                spec, batch_size=1, hardware=hardware, precision=row.precision, attention="math"
-            )
-        reserve = default_memory_reserve(hardware.memory_bytes)
-        config = SearchConfig(global_batch_size=row.batch, precision=row.precision, memory_reserve_bytes=reserve)
-        layout = parse_layout(row.layout)
-        evaluation = evaluate_pinned(profiles[key], cluster_for(hardware, layout.devices, 8), config, layout).evaluation
-        predicted = evaluation.step_ms / 1e3 if evaluation else None
-        found.append(
-            dict(
-                source="korthikanti (API, math attention)",
-                name=row.name,
-                measured_s=row.measured_s,
-                predicted_s=predicted,
-                ratio=predicted / row.measured_s if predicted else None,
-            )
-        )
-        print(f"  API, math attention: {row.name:16s} ratio {found[-1]['ratio']}")
-    return found
 
 
 def summary(rows: list[dict]) -> dict:
@@ -272,8 +218,6 @@ def main(args) -> int:
     for row in rows:
         found.append(run_row(row))
         _print_row(found[-1])
-    if any(r.source == "korthikanti" for r in rows) and not _cli_has_attention():
-        found += korthikanti_api_math([r for r in rows if r.source == "korthikanti"])
     sources = sorted({r["source"] for r in found})
     summaries = {source: summary([r for r in found if r["source"] == source]) for source in sources}
     for source, result in summaries.items():
@@ -286,7 +230,7 @@ def main(args) -> int:
     payload = dict(schema_version=2, machine=platform.node(), rows=found, summary=summaries, gpt3_mfu=mfu)
     RESULTS.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
-    return 0 if all(s["met"] for name, s in summaries.items() if "API" not in name) else 1
+    return 0 if all(s["met"] for s in summaries.values()) else 1
 
 
 def _print_row(row: dict) -> None:

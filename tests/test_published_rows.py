@@ -1,6 +1,6 @@
 """benchmarks/bench_published.py's row set, without running it (each row is a `pipeplan capacity` subprocess of
 about two minutes): Korthikanti et al.'s Table 5 (8 rows) and the DGX Cloud NeMo H100 rows (11), each a command a
-user types whose layout parses and spans the run's own GPU count, and the one place `--attention math` goes."""
+user types whose layout parses and spans the run's own GPU count; the Korthikanti rows with `--attention math`."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def test_each_row_is_a_capacity_command_on_its_runs_gpus(row):
     assert parse_layout(row.layout).devices == size
 
 
-def test_math_attention_goes_to_the_korthikanti_rows_once_the_cli_has_it(monkeypatch):
-    korthikanti, nemo = bench.korthikanti_rows()[0], bench.nemo_rows()[0]
-    monkeypatch.setattr(bench, "_cli_has_attention", lambda: True)
-    assert bench.attention_args(korthikanti) == ["--attention", "math"] and bench.attention_args(nemo) == []
-    monkeypatch.setattr(bench, "_cli_has_attention", lambda: False)
-    assert bench.attention_args(korthikanti) == []
+def test_the_korthikanti_rows_ask_for_the_math_attention_their_runs_used():
+    for row in bench.korthikanti_rows() + bench.nemo_rows():
+        args = bench.command(row)
+        if row.source == "korthikanti":
+            assert args[args.index("--attention") + 1] == "math"
+        else:
+            assert "--attention" not in args  # auto: FlashAttention, as NeMo runs

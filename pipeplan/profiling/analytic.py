@@ -24,9 +24,12 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does: its saved tensors (cross-entropy's
 log-softmax), FLOPs and times are the last layer's (`loss_stage`; under a mixed precision in fp32, as autocast
 runs losses). The other precisions run the model in their compute dtype (bf16 parameters and activations). Times
-are the sum of per-op rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)`
-(`opcount.Roofline.seconds`; the rates are peak × efficiency, or what `pipeplan calibrate` measured; the launch
-floor is 0 unless calibrated) with no overlap between ops.
+are the layer's work timed by the kernel model (`retime.retime_layer`): each matmul and attention call by its
+shape (`kernels`), every other kernel as its HBM bytes over the memory rate plus a launch under the fusions of the
+stack the precision stands for (`stack_traffic`: Megatron/TE for Megatron's precisions, eager otherwise), with no
+overlap between kernels; on a CPU (no SM count) each other op keeps its roofline `max(flops / rate, bytes /
+rate)` (`opcount.Roofline.seconds`). The rates are peak × efficiency at the training clock, or what `pipeplan
+calibrate` measured.
 """
 
 from __future__ import annotations

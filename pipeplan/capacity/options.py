@@ -25,7 +25,10 @@ PRECISION_HELP = (
     "bf16-main (Megatron: bf16 weights, fp32 gradients and main weights: 18 B/param, the default), fp16-main, fp8 "
     "(Transformer Engine linears), bf16-mixed (autocast, as `pipeplan run`), bf16."
 )
-OVERLAP_HELP = "none (Megatron-Core's default), all, or tensor,p2p,grad-reduce,param-gather."
+OVERLAP_HELP = (
+    "none (Megatron-Core's default), all, or tensor,p2p,grad-reduce,param-gather; sms=N: the SMs an overlapped "
+    "tensor-parallel collective takes (default 8)."
+)
 LAYOUT_HELP = (
     'Predict one layout exactly beside the planner\'s choice, e.g. "tp=8,cp=2,pp=9,vp=7,dp=4,mbs=1,recompute=none" '
     "(keys: tp cp ep pp vp dp mbs recompute zero schedule split blocks, e.g. blocks=3/4/4/3)."

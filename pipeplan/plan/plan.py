@@ -141,6 +141,9 @@ class StagePlan:
     recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
     optimizer_ms: float = 0.0  # predicted optimizer update on one device holding the stage (after its exchange)
     expert_param_count: int = 0  # of param_count: routed-expert weights (ZeRO-1 shards their state over 1/ep)
+    # one microbatch's F + B + recomputation by what it is spent on (profiling.retime.BREAKDOWN, "<part>_ms"; analytic
+    # profiles: matmuls, attention, memory-bound kernels, launches, exposed collectives, other ops); {} when unknown
+    compute_breakdown: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:

@@ -236,9 +236,7 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     layout = pinned_layout(pinned, config, cluster)
     check_pinned_experts(pinned, profile, cluster)
     scaled = scale_profile(profile, pinned.mbs)
-    sharded, groups = split_inputs(
-        scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor, ep=pinned.ep
-    )
+    sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, overlap=config.overlap, ep=pinned.ep)
     usable = usable_cluster(groups, config)
     options = dict(optimizer=config.optimizer, precision=config.precision, zero=pinned.zero)
     stages = pinned.pp * pinned.vp

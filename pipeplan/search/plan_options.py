@@ -44,7 +44,8 @@ POST_VALIDATE_HELP = (
 )
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
-    "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
+    "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p; sms=N: the SMs an overlapped tensor-parallel "
+    "collective takes (default 8)."
 )
 LAYOUT_HELP = (
     'Plan exactly this layout (compared with the search\'s choice), e.g. "tp=2,pp=2,vp=2,dp=1,mbs=1,recompute=none" '

@@ -190,7 +190,7 @@ def search_plans(
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
     t, cp = config.tensor_parallel, config.context_parallel  # after scaling: each message's latency counted once
     profiles = {
-        b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor, ep=config.expert_parallel)[0]
+        b: split_inputs(scaled, cluster, t, cp, overlap=config.overlap, ep=config.expert_parallel)[0]
         for b, scaled in profiles.items()
     }
     cluster = split_cluster(cluster, t, cp)

@@ -115,7 +115,7 @@ def plan(
     job = prepare_plan(request, profile=in_memory)
     chosen = plan_layouts(job.source, job.cluster, job.config)
     if job.output is not None:
-        write_plan(chosen, job.output)
+        write_plan(chosen, job.output, job.source.profile)
     return chosen
 
 

@@ -37,6 +37,7 @@ _COMMANDS: list[tuple[str, str]] = [  # in pipeline order, as `pipeplan --help` 
     ("export", "pipeplan.artifact.commands:export"),
     ("run", "pipeplan.runtime.commands:run"),
     ("export-weights", "pipeplan.runtime.commands:export_weights"),
+    ("refine", "pipeplan.refine.commands:refine"),
     ("capacity", "pipeplan.capacity.commands:capacity"),
     ("calibrate", "pipeplan.calibrate.commands:calibrate"),
 ]

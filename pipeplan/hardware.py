@@ -76,9 +76,16 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "measured_tf32_tflops": ("measured_tf32_flops", 1e12),
     "measured_hbm_tb_per_s": ("measured_hbm_bandwidth", 1e12),
     "kernel_launch_us": ("kernel_launch_s", 1e-6),
+    # the kernel model's per-kernel terms and clocks (profiling.kernels): optional, 0 / None when not given
+    "gemm_overhead_us": ("gemm_overhead_s", 1e-6),
+    "gemm_epilogue_exposed": ("epilogue_exposed", 1.0),
+    "gemm_tile_reuse_half": ("tile_reuse_half", 1.0),
+    "boost_clock_mhz": ("boost_clock_hz", 1e6),
+    "training_clock_mhz": ("training_clock_hz", 1e6),
 }
 _READ_ONLY_FIELDS = {"hbm_gb": ("memory_bytes", 1e9)}  # older files: memory in decimal GB (never written)
 _TEXT_FIELDS = ("description", "sources")
+_BOOL_FIELDS = ("stream_k",)  # JSON true / false
 _RECORD_FIELDS = ("calibration",)  # free-form JSON objects kept in the file for people; the model reads none
 _REQUIRED_ATTRS = frozenset(
     ("peak_bf16_flops", "peak_tf32_flops", "memory_bytes", "hbm_bandwidth", "nvlink_bandwidth", "network_bandwidth")
@@ -111,7 +118,13 @@ class Hardware:
     measured_fp16_flops: float | None = None
     measured_tf32_flops: float | None = None  # float32 matmuls (TF32 on tensor cores; plain fp32 on a CPU)
     measured_hbm_bandwidth: float | None = None
-    kernel_launch_s: float = 0.0  # per-kernel floor on an op's time (eager dispatch + launch of a tiny op)
+    kernel_launch_s: float = 0.0  # GPU: what one more kernel launch adds; CPU calibration: an op's time floor
+    gemm_overhead_s: float = 0.0  # a matmul or attention kernel's launch and ramp (profiling.kernels)
+    epilogue_exposed: float = 0.0  # the share of a matmul tile's output write that does not hide behind math
+    tile_reuse_half: float = 0.0  # the operand reuse at which a matmul tile's loads take as long as its math
+    stream_k: bool = False  # its matmul library spreads a partial last wave over every SM (profiling.kernels)
+    boost_clock_hz: float | None = None  # the SM clock the efficiencies were measured at (short runs: max boost)
+    training_clock_hz: float | None = None  # the SM clock a training GPU holds at its power limit
     description: str = ""
     sources: str = ""
 
@@ -125,14 +138,19 @@ class Hardware:
             "network_bandwidth",
             "sm_count",
             "peak_fp8_flops",
+            "boost_clock_hz",
+            "training_clock_hz",
             *_MEASURED_ATTRS,
         ):
             value = getattr(self, attr)
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be positive and finite, got {value!r}")
-        if not self.kernel_launch_s < math.inf:
-            raise ConfigError(f"hardware {self.name!r}: kernel_launch_s must be finite, got {self.kernel_launch_s!r}")
-        for attr in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s"):
+        for attr in ("kernel_launch_s", "gemm_overhead_s", "epilogue_exposed", "tile_reuse_half"):
+            if not 0 <= getattr(self, attr) < math.inf:
+                raise ConfigError(
+                    f"hardware {self.name!r}: {attr} must be >= 0 and finite, got {getattr(self, attr)!r}"
+                )
+        for attr in ("intra_node_latency_s", "inter_node_latency_s"):
             if not getattr(self, attr) >= 0:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)!r}")
         for attr in ("matmul_efficiency", "memory_efficiency", "nvlink_efficiency", "network_efficiency"):
@@ -156,6 +174,15 @@ class Hardware:
     def attention_fraction(self) -> float:
         return self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
+    @property
+    def clock_ratio(self) -> float:
+        """The SM clock a training GPU holds over the clock its efficiencies were measured at (1 when either is
+        not given): tensor-core work (matmuls, attention) runs this much slower in a training run than in the short
+        benchmarks the efficiencies come from; memory-bound kernels, paced by HBM, do not."""
+        if self.boost_clock_hz is None or self.training_clock_hz is None:
+            return 1.0
+        return self.training_clock_hz / self.boost_clock_hz
+
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense matmul peak for `dtype`: bf16/fp16 tensor cores, else TF32 (float32 matmuls on tensor cores)."""
         if _dtype_name(dtype) in ("bfloat16", "float16"):
@@ -177,7 +204,11 @@ class Hardware:
         measured = self.measured_flops(dtype)
         if efficiency is None and measured is not None:
             return measured
-        return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency)
+        return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency) * self.clock_ratio
+
+    def attention_flops_per_s(self, dtype: torch.dtype) -> float:
+        """FlashAttention's rate the analytic model uses: peak x attention efficiency x `clock_ratio`."""
+        return self.peak_flops(dtype) * self.attention_fraction * self.clock_ratio
 
     def fp8_matmul_flops_per_s(self, efficiency: float | None = None) -> float | None:
         """FP8 linears' full-wave rate: the FP8 peak x `efficiency` when one is given (an explicit override), else
@@ -185,7 +216,8 @@ class Hardware:
         matmul_efficiency. None without an FP8 peak."""
         if self.peak_fp8_flops is None:
             return None
-        return self.peak_fp8_flops * (efficiency or self.fp8_matmul_efficiency or self.matmul_efficiency)
+        fraction = efficiency or self.fp8_matmul_efficiency or self.matmul_efficiency
+        return self.peak_fp8_flops * fraction * self.clock_ratio
 
     def memory_bytes_per_s(self, efficiency: float | None = None) -> float:
         """The memory-bound rate the analytic model uses (same precedence as `matmul_flops_per_s`)."""
@@ -196,13 +228,15 @@ class Hardware:
     def to_file_entry(self) -> dict[str, Any]:
         """The entry as `hardware.json` writes it (datasheet units; unset optional figures left out)."""
         entry: dict[str, Any] = {key: getattr(self, key) for key in _TEXT_FIELDS}
+        entry.update({key: True for key in _BOOL_FIELDS if getattr(self, key)})
         for key, (attr, scale) in _FILE_FIELDS.items():
             value = getattr(self, attr)
-            if value is not None and not (attr == "kernel_launch_s" and value == 0):
+            if value is not None and not (attr in _ZERO_DEFAULTS and value == 0):
                 entry[key] = value / scale
         return entry
 
 
+_ZERO_DEFAULTS = ("kernel_launch_s", "gemm_overhead_s", "epilogue_exposed", "tile_reuse_half")  # 0: not written
 _MEASURED_MATMUL_ATTRS = ("measured_bf16_flops", "measured_fp16_flops", "measured_tf32_flops")
 _MEASURED_ATTRS = (*_MEASURED_MATMUL_ATTRS, "measured_hbm_bandwidth")
 
@@ -210,7 +244,7 @@ _MEASURED_ATTRS = (*_MEASURED_MATMUL_ATTRS, "measured_hbm_bandwidth")
 def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(entry, dict):
         raise FormatError(f"{where} must be a JSON object")
-    known = set(_FILE_FIELDS) | set(_TEXT_FIELDS) | set(_RECORD_FIELDS)
+    known = set(_FILE_FIELDS) | set(_TEXT_FIELDS) | set(_RECORD_FIELDS) | set(_BOOL_FIELDS)
     unknown = sorted(set(entry) - known - set(_READ_ONLY_FIELDS))
     if unknown:
         raise FormatError(f"{where} has unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
@@ -225,6 +259,11 @@ def _entry_to_kwargs(entry: Any, *, where: str, base: dict[str, Any] | None) -> 
         if key in _TEXT_FIELDS:
             if not isinstance(value, str):
                 raise FormatError(f"{where}: {key} must be a string")
+            kwargs[key] = value
+            continue
+        if key in _BOOL_FIELDS:
+            if not isinstance(value, bool):
+                raise FormatError(f"{where}: {key} must be true or false, got {value!r}")
             kwargs[key] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -52,6 +53,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def fingerprint(data: dict[str, Any]) -> str:
+    """A file's content fingerprint: sha256 of its JSON with sorted keys (the first 16 hex digits); the same for a
+    dataclass written and read back (`Plan`, `Profile`), so a run's trace can name the plan and profile it ran."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def read_json(

@@ -6,7 +6,7 @@ base modules); ARCHITECTURE.md draws the same map:
     base (errors, units, console, options, jsonio, paths, precision, cluster, hardware, version)
     models < graph < profiling < calibrate
     schedules (pure op lists: base only)
-    costs < partition < predict < artifact < search < capacity
+    costs < partition < predict < artifact < search < capacity, refine (a run's trace -> refined profile -> plan again)
     runtime (executes a Plan: artifact, graph, schedules, models; nothing of the search), in rooms of its own:
         runtime.weights < runtime.step < runtime.train < runtime.launch < runtime (commands, export_weights)
     api, cli (everything): the Python API and the command line over it; the package's `__init__` names the API's
@@ -49,6 +49,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "artifact": {"predict", "costs", "profiling", "graph", "schedules", "models"},
     "search": {"artifact", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
     "capacity": {"search", "artifact", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
+    "refine": {"search", "artifact", "predict", "partition", "costs", "profiling", "graph", "schedules", "models"},
 }
 RUNTIME_ROOMS = ("weights", "step", "train", "launch")  # runtime's subpackages, bottom to top
 _BELOW_RUNTIME = {"artifact", "graph", "schedules", "models"}  # nothing of the search

@@ -40,6 +40,9 @@ def export_plan(plan: Plan, fmt: str, output: Path) -> tuple[list[str], list[str
     """Write `plan` to `output` in `fmt`; (lines for stdout, notes for stderr)."""
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose from: {', '.join(EXPORT_FORMATS)}")
+    refusal = schedule_info(plan.schedule).not_exportable
+    if refusal:  # (dualpipe: torch, torchtitan and Megatron-LM place each stage on one rank)
+        raise ConfigError(f"cannot export a {plan.schedule} plan as {fmt}: {refusal}")
     notes: list[str] = []
     if fmt == "torch-csv":
         atomic_write_text(output, torch_csv(plan))

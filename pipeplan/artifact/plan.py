@@ -26,13 +26,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeplan.artifact.profile_ref import ProfileRef
 from pipeplan.cluster import Cluster, DeviceGroups
 from pipeplan.costs import ZERO_STAGES, Numerics, bytes_per_param, numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.graph.recompute_modes import unknown_recompute
-from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
 from pipeplan.schedules.ops import Op
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import check_complete
 
@@ -156,6 +158,9 @@ class StagePlan:
     recompute_bytes: int = 0  # re-created on top of kept_bytes while I or B runs (partition.costs.recompute)
     optimizer_ms: float = 0.0  # predicted optimizer update on one device holding the stage (after its exchange)
     expert_param_count: int = 0  # of param_count: routed-expert weights (ZeRO-1 shards their state over 1/ep)
+    # one microbatch's F + B + recomputation by what it is spent on (profiling.retime.BREAKDOWN, "<part>_ms"; analytic
+    # profiles: matmuls, attention, memory-bound kernels, launches, exposed collectives, other ops); {} when unknown
+    compute_breakdown: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (problem := unknown_recompute(self.recompute)) is not None:
@@ -202,6 +207,7 @@ class Plan:
     memory_choices: tuple[str, ...] = ()  # each memory option used (recomputation per stage, ZeRO-1) and why
     pipeplan_version: str = ""
     torch_version: str = ""
+    profile: ProfileRef | None = None  # None: older plans, plans not made by the search (manual_plan)
 
     def __post_init__(self) -> None:
         _check_plan(self)
@@ -270,6 +276,11 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
+
+    @property
+    def fingerprint(self) -> str:
+        """Of its plan.json content (`jsonio.fingerprint`): a run's trace records the plan it ran."""
+        return fingerprint(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "plan") -> Plan:
@@ -341,19 +352,20 @@ def _check_asynchronous(plan: Plan) -> None:
 
 
 def _check_replicas(plan: Plan) -> None:
-    """Every pipeline holds each stage on exactly `replicas` ranks, numbered 0..replicas-1."""
+    """Every pipeline holds each stage on exactly `replicas` ranks, numbered 0..replicas-1 (once per copy: a
+    mirrored schedule holds each stage twice, `placement.stage_copies`)."""
+    copies = stage_copies(schedule_info(plan.schedule).placement)
     for pipeline in range(plan.training.data_parallel):
         holders: dict[int, list[int]] = {}
-        for info in plan.ranks:
-            if info.pipeline == pipeline:
-                for stage in info.stages:
-                    holders.setdefault(stage, []).append(info.stage_replica)
+        for info in (info for info in plan.ranks if info.pipeline == pipeline):
+            for stage in info.stages:
+                holders.setdefault(stage, []).append(info.stage_replica)
         for stage in plan.stages:
             found = sorted(holders.get(stage.index, []))
-            if found != list(range(stage.replicas)):
+            if found != sorted(list(range(stage.replicas)) * copies):
                 raise FormatError(
                     f"plan pipeline {pipeline} holds stage {stage.index} on {len(found)} rank(s) with replica "
-                    f"indices {found}; stage {stage.index} declares {stage.replicas} replica(s)"
+                    f"indices {found}; stage {stage.index} declares {stage.replicas} replica(s) x {copies} copies"
                 )
 
 

@@ -8,10 +8,13 @@ import os
 import shlex
 import sys
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.profile_ref import ProfileRef
 from pipeplan.jsonio import atomic_write_text, write_json
+from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.render import timeline_to_chrome_trace
 
@@ -19,6 +22,7 @@ PLAN_FILE = "plan.json"
 LAUNCH_FILE = "launch.sh"
 SBATCH_FILE = "job.sbatch"
 TIMELINE_FILE = "timeline.json"
+PROFILE_FILE = "profile.json"  # the profile the plan was made from (`refine` scales it to a run's measured ops)
 WORKER = "pipeplan.runtime.launch.worker"
 
 
@@ -127,9 +131,27 @@ srun "$PYTHON" -m torch.distributed.run \\
 """
 
 
-def write_plan_dir(plan: Plan, timeline_rows: Iterable[tuple[int, str, float, float]], directory: str | Path) -> Path:
-    """Write plan.json, launch.sh, job.sbatch and timeline.json into `directory` (each atomically); return it."""
+def with_profile(plan: Plan, profile: Profile) -> Plan:
+    """`plan` recording the profile it was made from (`Plan.profile`: its fingerprint, source and threads)."""
+    prov = profile.provenance
+    ref = ProfileRef(
+        fingerprint=profile.fingerprint, source=prov.source, threads=prov.threads, refined_from=prov.refined_from
+    )
+    return replace(plan, profile=ref)
+
+
+def write_plan_dir(
+    plan: Plan,
+    timeline_rows: Iterable[tuple[int, str, float, float]],
+    directory: str | Path,
+    profile: Profile | None = None,
+) -> Path:
+    """Write plan.json, launch.sh, job.sbatch, timeline.json and, when given, the profile the plan was made from
+    (profile.json, which must be the one `plan.profile` names) into `directory` (each atomically); return it."""
     target = Path(directory)
+    if profile is not None:
+        assert plan.profile is not None and plan.profile.fingerprint == profile.fingerprint, "another profile"
+        profile.save(target / PROFILE_FILE)
     plan.save(target / PLAN_FILE)
     for name, text in ((LAUNCH_FILE, launch_script(plan)), (SBATCH_FILE, sbatch_script(plan))):
         atomic_write_text(target / name, text)

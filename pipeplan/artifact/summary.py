@@ -46,6 +46,7 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline 
         for s in plan.stages
     ]
     data = plan.to_dict()
+    breakdown = compute_breakdown(plan)
     return {
         "plan_dir": plan_dir,
         "description": describe(plan),
@@ -65,12 +66,66 @@ def summary_dict(plan: Plan, *, plan_dir: str | None = None, timeline: Timeline 
         "staleness": _staleness(plan) or None,
         "zero": plan.training.zero,
         "memory_choices": list(plan.memory_choices),
+        "compute_breakdown": breakdown,
+        "compute_breakdown_reason": None if breakdown else BREAKDOWN_ABSENT,
     }
 
 
 def memory_limit(plan: Plan) -> int | None:
     """What the plan's peaks were checked against (hand-made plans: the device memory when known, else None)."""
     return plan.predicted.memory_limit_bytes or plan.cluster.memory_per_device
+
+
+BREAKDOWN_WORDS = {
+    "gemm_ms": "GEMM",
+    "attention_ms": "attention",
+    "memory_ms": "memory-bound",
+    "launch_ms": "launches",
+    "collectives_ms": "exposed collectives",
+    "other_ms": "other",
+}
+
+
+# why a plan holds no breakdown: its stages' times came without a kernel model (emit.py writes {} then)
+BREAKDOWN_ABSENT = (
+    "not split by kernel: the plan's profile was measured or imported (or the plan predates the split), so its "
+    "times have no kernel model to split into GEMM, attention, memory-bound kernels and launches"
+)
+
+
+def compute_breakdown(plan: Plan) -> dict[str, float] | None:
+    """The busiest rank of pipeline 0: one step's compute by part (its stages' `compute_breakdown`, one
+    microbatch's, x the microbatches each runs); None when the plan's stages hold none (a measured profile's)."""
+    if not all(stage.compute_breakdown for stage in plan.stages):
+        return None
+    found: dict[str, float] | None = None
+    for info in plan.ranks:
+        if info.pipeline != 0:
+            continue
+        parts: dict[str, float] = {}
+        for index in info.stages:
+            stage = plan.stages[index]
+            for key, ms in stage.compute_breakdown.items():
+                parts[key] = parts.get(key, 0.0) + ms * plan.training.num_microbatches / stage.replicas
+        total = sum(parts.values())
+        if found is None or total > found["total_ms"]:
+            found = {"rank": info.rank, **parts, "total_ms": total}
+    return found
+
+
+def _compute_words(plan: Plan) -> str:
+    """`show`'s Compute line: the busiest rank's split of one step, or why the plan holds none."""
+    parts = compute_breakdown(plan)
+    if not parts:
+        return BREAKDOWN_ABSENT
+    return f"{parts['total_ms']:,.1f} ms per step on rank {int(parts['rank'])} (the busiest): {breakdown_words(parts)}"
+
+
+def breakdown_words(parts: dict[str, float]) -> str:
+    """`GEMM 78%, attention 9%, ...` of a breakdown's total (parts under 0.5% left out)."""
+    total = parts.get("total_ms") or sum(v for k, v in parts.items() if k in BREAKDOWN_WORDS)
+    shares = [(words, parts.get(key, 0.0) / total) for key, words in BREAKDOWN_WORDS.items()] if total else []
+    return ", ".join(f"{words} {share:.0%}" for words, share in shares if share >= 0.005)
 
 
 def per_schedule(plan: Plan) -> list[dict[str, Any]]:
@@ -183,6 +238,8 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
             f" of {format_bytes(p.memory_limit_bytes)} ({format_bytes(plan.cluster.memory_per_device)} less a "
             f"{format_bytes(p.memory_reserve_bytes)} reserve)"
         )
+    text.append("\nCompute: ", style="bold")
+    text.append(_compute_words(plan))
     stale = _staleness(plan)
     if stale:  # asynchronous: what the speed costs in optimization semantics
         text.append("\nStaleness: ", style="bold yellow")

@@ -9,12 +9,13 @@ from dataclasses import replace
 
 from pipeplan.artifact.plan import Plan, StagePlan
 from pipeplan.errors import FormatError
-from pipeplan.predict.layout import PipelineLayout
+from pipeplan.predict.layout import PipelineLayout, layout_schedule
 from pipeplan.predict.memory import StaticRule, with_weight_versions
 from pipeplan.predict.predict import Prediction, StepInputs, held_memory, predict, simulate_step, steady_steps
-from pipeplan.schedules.ops import Op, Schedule
+from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import Steady
-from pipeplan.schedules.registry import generate
+from pipeplan.schedules.placement import stage_copies
+from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 
@@ -49,10 +50,11 @@ def _searched_memory(plan: Plan, device_stages: tuple[tuple[int, ...], ...]) -> 
     """Per stage activation bytes (and I's frees, and under recomputation what is kept and re-created), per
     pipeline-0 rank static bytes (`predict.memory.StaticRule`, as the search counted them), stashed weight copies."""
     training = plan.training
+    copies = stage_copies(schedule_info(plan.schedule).placement)  # a mirrored schedule holds each stage twice
     rule = StaticRule(
         numerics=training.numerics,
         zero=training.zero,
-        holders=training.data_parallel * training.context_parallel,
+        holders=training.data_parallel * training.context_parallel * copies,
         ep=training.expert_parallel,
     )
     counts = [s.param_count for s in plan.stages]
@@ -103,15 +105,7 @@ def plan_schedule(plan: Plan) -> Schedule:
     pipe = plan_pipeline(plan)
     num_stages, m = len(plan.stages), plan.training.num_microbatches
     if all(s.replicas == 1 for s in plan.stages):
-        placement = {stage: device for device, stages in enumerate(pipe.device_stages) for stage in stages}
-        return Schedule(
-            name=plan.schedule,
-            num_devices=pipe.num_devices,
-            num_stages=num_stages,
-            num_microbatches=m,
-            stage_device=tuple(placement[s] for s in range(num_stages)),
-            device_ops=tuple(tuple(Op.parse(text) for text in ops) for ops in pipe.device_ops),
-        )
+        return layout_schedule(pipe, plan.schedule, num_stages, m)
     schedule = generate(plan.schedule, num_devices=num_stages, num_microbatches=m)
     expanded = replicate_paced(schedule, tuple(s.replicas for s in plan.stages))
     if sorted(tuple(row) for row in expanded.op_strings()) != sorted(pipe.device_ops):

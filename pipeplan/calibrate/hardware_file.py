@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeplan.calibrate.fit import full_wave_flops_per_s
+from pipeplan.calibrate.fit import KernelTerms, full_wave_flops_per_s
 from pipeplan.calibrate.spec import Calibration
 from pipeplan.errors import ConfigError, FormatError, OutputError
 from pipeplan.hardware import HARDWARE_SCHEMA_VERSION, Hardware, hardware_presets, validate_hardware_data
@@ -78,19 +78,37 @@ def _rate(measured: float | None, peak: float | None, what: str, notes: list[str
     return peak, measured / peak
 
 
-def _achieved(cal: Calibration, dtype: str) -> float | None:
-    """One dtype's matmul rate for the model: a full wave's (the kernel-model fit) with an SM count, else the median
-    measured rate; None when the dtype was not measured."""
+def kernel_terms(cal: Calibration, preset: Hardware | None) -> KernelTerms | None:
+    """The per-kernel terms a GPU's matmuls are fitted with: its matched preset's, at the measured memory rate
+    (None: an unmatched GPU or a CPU, fitted on compute alone)."""
+    if preset is None or not cal.sm_count or not cal.memory_bytes_per_s:
+        return None
+    return KernelTerms(
+        bytes_per_s=cal.memory_bytes_per_s,
+        gemm_overhead_s=preset.gemm_overhead_s,
+        epilogue_exposed=preset.epilogue_exposed,
+        tile_reuse_half=preset.tile_reuse_half,
+        stream_k=preset.stream_k,
+    )
+
+
+def _achieved(cal: Calibration, dtype: str, preset: Hardware | None = None) -> float | None:
+    """One dtype's matmul rate for the model: a full wave's (the kernel-model fit, with the matched preset's
+    per-kernel terms) with an SM count, else the median measured rate; None when the dtype was not measured."""
     samples = [sample for sample in cal.matmul if sample.dtype == dtype]
     if not samples:
         return None
-    return full_wave_flops_per_s(samples, cal.sm_count) if cal.sm_count else cal.matmul_flops_per_s(dtype)
+    if not cal.sm_count:
+        return cal.matmul_flops_per_s(dtype)
+    terms = kernel_terms(cal, preset)
+    peak = (preset.peak_tf32_flops if dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1.0
+    return full_wave_flops_per_s(samples, cal.sm_count, terms, peak)
 
 
 def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str]) -> dict[str, Any]:
-    low = _achieved(cal, "bf16") or _achieved(cal, "fp16")
-    f32 = _achieved(cal, "tf32" if cal.device == "cuda" else "fp32")
-    any_f32 = f32 or _achieved(cal, "fp32")
+    low = _achieved(cal, "bf16", preset) or _achieved(cal, "fp16", preset)
+    f32 = _achieved(cal, "tf32" if cal.device == "cuda" else "fp32", preset)
+    any_f32 = f32 or _achieved(cal, "fp32", preset)
     if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
         notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
         low, any_f32 = low or any_f32, any_f32 or low
@@ -109,6 +127,7 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     }
     if cal.sm_count:
         fields["sm_count"] = cal.sm_count
+        fields.update(_kernel_term_fields(kernel_terms(cal, preset), preset, notes))
         tf32 = f", tf32 alone {eff_f32:.3f}" if eff_low and eff_f32 else ""
         notes.append(
             f"matmul_efficiency {fields['matmul_efficiency']:.3f}: the full-wave fraction of peak fitted to the "
@@ -121,6 +140,28 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
             fields[f"measured_{key}_tflops"] = value / 1e12
     if f32 is not None:
         fields["measured_tf32_tflops"] = f32 / 1e12
+    return fields
+
+
+def _kernel_term_fields(terms: KernelTerms | None, preset: Hardware | None, notes: list[str]) -> dict[str, Any]:
+    """The per-kernel terms and clocks the fit ran with, written into the entry (so an entry under a new name
+    times matmuls as the fit did); an unmatched GPU gets none (its fit had none)."""
+    if terms is None or preset is None:
+        return {}
+    notes.append(
+        f"gemm_overhead_us, gemm_epilogue_exposed, gemm_tile_reuse_half, stream_k and the clocks: preset "
+        f"{preset.name!r}'s, the terms the matmul fit ran with"
+    )
+    fields: dict[str, Any] = {
+        "gemm_overhead_us": terms.gemm_overhead_s * 1e6,
+        "gemm_epilogue_exposed": terms.epilogue_exposed,
+        "gemm_tile_reuse_half": terms.tile_reuse_half,
+        "stream_k": terms.stream_k,
+    }
+    if preset.boost_clock_hz is not None:
+        fields["boost_clock_mhz"] = preset.boost_clock_hz / 1e6
+    if preset.training_clock_hz is not None:
+        fields["training_clock_mhz"] = preset.training_clock_hz / 1e6
     return fields
 
 
@@ -182,11 +223,13 @@ def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
     return fields
 
 
-def _matmul_fit_record(cal: Calibration) -> dict[str, Any]:
+def _matmul_fit_record(cal: Calibration, preset: Hardware | None) -> dict[str, Any]:
     """Each measured shape's full-wave rate (the record behind the fitted matmul_efficiency)."""
     record: dict[str, Any] = {"sm_count": cal.sm_count}
+    terms = kernel_terms(cal, preset)
     for sample in cal.matmul:
-        rate = full_wave_flops_per_s([sample], cal.sm_count)
+        peak = (preset.peak_tf32_flops if sample.dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1
+        rate = full_wave_flops_per_s([sample], cal.sm_count, terms, peak)
         record.setdefault(sample.dtype, []).append({"shape_mnk": list(sample.shape), "full_wave_tflops": rate / 1e12})
     return record
 
@@ -196,6 +239,7 @@ def hardware_entry(cal: Calibration) -> dict[str, Any]:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
     extra: dict[str, Any] = {}
+    matched = False
     if cal.device == "cuda":
         preset, matched = nearest_preset(cal.device_name, cal.memory_bytes)
         if matched:
@@ -213,7 +257,7 @@ def hardware_entry(cal: Calibration) -> dict[str, Any]:
         links = _link_fields(cal, _cpu_fallback(), False, notes)
     raw = cal.to_dict()
     if cal.sm_count:
-        raw["matmul_fit"] = _matmul_fit_record(cal)
+        raw["matmul_fit"] = _matmul_fit_record(cal, preset if cal.device == "cuda" and matched else None)
     return {
         "description": f"{cal.device_name} ({cal.device}), measured by pipeplan calibrate on {stamp}, "
         f"torch {cal.torch_version}",

@@ -50,6 +50,8 @@ class CapacityRow:
     recompute: tuple[str, ...] | None = None  # per stage of the chosen plan
     zero: int | None = None
     tensor_parallel_reason: str = ""
+    # the busiest pipeline device's compute per step by part (capacity.rows.device_breakdown); None: no plan
+    compute_breakdown: dict[str, float] | None = None
 
     @property
     def recompute_label(self) -> str:

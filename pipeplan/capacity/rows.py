@@ -11,6 +11,8 @@ from pipeplan.capacity.report import CapacityRow, TimeSplit
 from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.predict.predict import compute_period_ms
 from pipeplan.predict.step import busy_per_step
+from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.retime import ComputeBreakdown, layers_breakdown
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Evaluation, Rejection
@@ -59,6 +61,7 @@ def result_row(
         expert_parallel=layout.expert_parallel,
         recompute=tuple(stage.recompute for stage in best.partition.stages),
         zero=best.zero,
+        compute_breakdown=device_breakdown(best, result.profiles[layout.microbatch_size]),
     )
 
 
@@ -70,6 +73,22 @@ def tokens_per_s(result: SearchResult) -> float:
 def mfu(result: SearchResult, peak_flops: float, flops_per_token: float, num_devices: int) -> float:
     """Model FLOPs utilization of the search's best plan (see capacity.sweep's docstring)."""
     return tokens_per_s(result) * flops_per_token / (peak_flops * num_devices)
+
+
+def device_breakdown(best: Evaluation, profile: Profile) -> dict[str, float]:
+    """The busiest pipeline device's compute per step by part (`profiling.retime.layers_breakdown`: matmuls,
+    attention, memory-bound kernels, launches, exposed collectives, other): each stage it holds, one microbatch's
+    F + B + recomputation x the microbatches it runs (`profile`: the search's, at the layout's microbatch size)."""
+    busy = best.timeline.device_busy
+    device = max(range(len(busy)), key=lambda d: busy[d])
+    rates, split = profile.provenance.kernel_rates, schedule_info(best.partition.schedule).split_backward
+    total = ComputeBreakdown()
+    for index in best.pipeline.device_stages[device]:
+        stage = best.partition.stages[index]
+        layers = profile.layers[stage.first_layer : stage.last_layer + 1]
+        share = best.layout.num_microbatches / stage.replicas
+        total = total + layers_breakdown(layers, rates, stage.recompute, split_backward=split).scaled(share)
+    return {"device": device, **total.as_dict(), "total_ms": total.total_ms}
 
 
 def time_split(best: Evaluation) -> TimeSplit:

@@ -281,7 +281,7 @@ def _plan_split(
     schedule's row. Schedules whose every layout is over memory by `screen_layouts` are not searched."""
     t, cp, ep = item.tensor_parallel, item.context_parallel, item.expert_parallel
     search_config = replace(config.search, tensor_parallel=t, context_parallel=cp, expert_parallel=ep)
-    split = split_inputs(profile, cluster, t, cp, tp_overlap=search_config.overlap.tensor, ep=ep)
+    split = split_inputs(profile, cluster, t, cp, overlap=search_config.overlap, ep=ep)
     screen = screen_layouts(*split, search_config, config.schedules)
     num_devices = cluster.num_devices
     names = screen.schedules

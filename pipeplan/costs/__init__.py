@@ -10,6 +10,7 @@ Partition, planner, capacity and the plans `show` and `run` re-simulate all call
     an I or B op with recomputation                       costs.stage: backward_op_ms
     a stage's I and W op times (the model's first stage:  costs.stage: stage_grad_ms
     I only recomputes, W runs the whole backward)
+    a stage's F, I, W, B and recomputation op times       costs.stage: stage_op_ms
     recomputation per stage: kept / re-created bytes,     costs.recompute: stage_kept_bytes,
     added time, which modes a stage may take              stage_recompute_bytes, stage_recompute_ms, mode_offered
     stage time (pipeplan / PipeDream)                     costs.stage: stage_ms, exposed_transfer_ms,
@@ -73,6 +74,7 @@ from pipeplan.costs.recompute import (
 )
 from pipeplan.costs.stage import (
     StageCostModel,
+    StageOpMs,
     backward_op_ms,
     busiest_device_ms,
     compute_ms,
@@ -82,6 +84,7 @@ from pipeplan.costs.stage import (
     span_compute_ms,
     stage_grad_ms,
     stage_ms,
+    stage_op_ms,
     stages_per_device,
 )
 
@@ -100,6 +103,8 @@ __all__ = [
     "stage_static_per_param",
     "backward_op_ms",
     "stage_grad_ms",
+    "StageOpMs",
+    "stage_op_ms",
     "allreduce_ms",
     "balanced_bounds",
     "busiest_device_ms",

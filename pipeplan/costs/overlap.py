@@ -4,8 +4,11 @@ step then costs after its last op.
 `Overlap` holds Megatron-Core's options; its defaults are Megatron-Core's own (its dataclasses `ModelParallelConfig`
 and `DistributedDataParallelConfig`: every overlap off; NeMo and Megatron-LM's benchmark recipes turn them on):
 
-- `tensor`: tensor-parallel collectives pipelined with the linears they feed (`tp_comm_overlap`); used by
-  `search.sharding`;
+- `tensor`: tensor-parallel collectives pipelined with the linears they feed (`tp_comm_overlap`: Transformer
+  Engine's userbuffers); used by `search.sharding`. Not free (`overlapped_ms`): while a collective runs it
+  occupies `comm_sms` SMs (userbuffers' `num_sm`), which the matmuls beside it lose, and the linear runs as
+  chunks (TE splits it into t ring-exchange steps, or num_splits pipeline steps) that quantize and launch on
+  their own; `--overlap tensor,sms=N` sets the SMs (default `COMM_SMS`);
 - `p2p`: pipeline sends and receives run beside compute (`overlap_p2p_comm`); off, a stage's device is busy for
   each transfer it sends (`blocking_transfers`);
 - `grad_reduce`: each stage's gradient reduction (all-reduce, or the distributed optimizer's reduce-scatter)
@@ -27,6 +30,11 @@ from pipeplan.costs.optimizer import Numerics, static_split
 from pipeplan.schedules.simulate import StageCosts
 
 OVERLAP_OPTIONS = ("tensor", "p2p", "grad_reduce", "param_gather")
+# SMs an overlapped tensor-parallel collective occupies: the mean num_sm over the ten overlapped collectives of
+# NeMo's H100 userbuffers config for Llama 3 70B, TP 4 (nemo/collections/llm/recipes/tp_overlap_configs/
+# userbuffers.py, userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192: bulk 4, 24, 2, 4; ring exchange 1, 1, 1, 1;
+# pipeline 24, 16: mean 7.8)
+COMM_SMS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,28 +43,53 @@ class Overlap:
     p2p: bool = False
     grad_reduce: bool = False
     param_gather: bool = False
+    comm_sms: int = COMM_SMS  # SMs an overlapped tensor-parallel collective takes from the matmuls beside it
 
     @classmethod
     def parse(cls, text: str) -> Overlap:
-        """`none`, `all`, or names from OVERLAP_OPTIONS joined by commas (the --overlap option)."""
+        """`none`, `all`, or names from OVERLAP_OPTIONS joined by commas, optionally with `sms=N` (the SMs an
+        overlapped tensor-parallel collective occupies) (the --overlap option)."""
         from pipeplan.errors import ConfigError
 
-        text = text.strip().lower()
-        if text in ("none", ""):
-            return cls()
-        if text == "all":
-            return cls(**{name: True for name in OVERLAP_OPTIONS})
-        names = [part.strip().replace("-", "_") for part in text.split(",") if part.strip()]
+        parts = [part.strip().lower() for part in text.split(",") if part.strip()]
+        sms = [part for part in parts if part.startswith("sms=")]
+        parts = [part for part in parts if not part.startswith("sms=")]
+        found = cls(comm_sms=_comm_sms(sms[-1]) if sms else COMM_SMS)
+        if parts in ([], ["none"]):
+            return found
+        if parts == ["all"]:
+            return replace(found, **{name: True for name in OVERLAP_OPTIONS})
+        names = [part.replace("-", "_") for part in parts]
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
             choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
-            raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices}")
-        return cls(**{name: True for name in names})
+            raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N)")
+        return replace(found, **{name: True for name in names})
 
     @property
     def label(self) -> str:
         names = [name.replace("_", "-") for name in OVERLAP_OPTIONS if getattr(self, name)]
-        return ",".join(names) if names else "none"
+        sms = [f"sms={self.comm_sms}"] if self.tensor and self.comm_sms != COMM_SMS else []
+        return ",".join(names + sms) if names else "none"
+
+
+def _comm_sms(text: str) -> int:
+    from pipeplan.errors import ConfigError
+
+    value = text.removeprefix("sms=")
+    if not value.isdigit():
+        raise ConfigError(f"--overlap {text!r}: sms= takes a whole number of SMs, e.g. sms=8")
+    return int(value)
+
+
+def overlapped_ms(comm_ms: float, work_ms: float, *, chunks: int, sm_share: float, split_ms: float = 0.0) -> float:
+    """What a collective overlapped with `work_ms` of matmuls (Megatron's tp_comm_overlap) adds to its pass: the
+    part that cannot hide (the first of its `chunks`, or its excess over the work), the compute its SMs take from
+    the matmuls while both run (min(comm, work) x `sm_share`: comm_sms / the GPU's SMs), and `split_ms`, what
+    running the matmuls as chunks costs over running them whole (their quantization and launches)."""
+    if comm_ms <= 0:
+        return 0.0
+    return max(comm_ms - work_ms, comm_ms / chunks) + min(comm_ms, work_ms) * sm_share + split_ms
 
 
 def blocking_transfers(costs: StageCosts, crosses: Sequence[bool]) -> StageCosts:

@@ -26,6 +26,7 @@ from pipeplan.cluster import Link
 from pipeplan.costs.arrays import LayerArrays
 from pipeplan.costs.comm import allreduce_ms, pipedream_sync_ms, pipedream_transfer_ms, transfer_ms
 from pipeplan.costs.options import CostOptions
+from pipeplan.costs.recompute import stage_recompute_ms
 
 
 def compute_ms(forward, input_grad, weight_grad, backward, *, split_backward: bool):
@@ -51,6 +52,32 @@ def stage_grad_ms(arrays: LayerArrays, first: int, last: int, recompute_ms: floa
     if arrays.first_in_model(first, last):
         return float(backward_op_ms(0.0, recompute_ms)), input_grad + weight_grad
     return float(backward_op_ms(input_grad, recompute_ms)), weight_grad
+
+
+@dataclass(frozen=True)
+class StageOpMs:
+    """One stage's op times per microbatch on one device (`stage_op_ms`): F, I and W (as `stage_grad_ms` splits
+    them), B, and what recomputation adds to I and B."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    backward: float
+    recompute: float
+
+
+def stage_op_ms(arrays: LayerArrays, first: int, last: int, recompute: str) -> StageOpMs:
+    """The op times of stage [first..last] under recomputation mode `recompute`: what the partitioner gives each
+    stage, the plan stores and `refine` times again from a refined profile."""
+    added = float(stage_recompute_ms(arrays, recompute, first, last))
+    input_grad, weight_grad = stage_grad_ms(arrays, first, last, added)
+    return StageOpMs(
+        forward=float(arrays.span("forward", first, last)),
+        input_grad=input_grad,
+        weight_grad=weight_grad,
+        backward=float(backward_op_ms(arrays.span("backward", first, last), added)),
+        recompute=added,
+    )
 
 
 def span_compute_ms(arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: int) -> np.ndarray:

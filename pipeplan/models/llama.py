@@ -6,7 +6,8 @@ grouped-query attention (`kv_heads` key/value heads shared by `heads // kv_heads
 `blocks.{i}`, `head`) so layer grouping and partitioning treat both alike. Shapes follow Touvron et al.,
 "LLaMA" (2023) and "Llama 2" (2023). The same family's later members are options: `head_dim` other than hidden /
 heads (Gemma's 256), biases on the q/k/v projections (`qkv_bias`: Qwen2), a GeGLU MLP (`activation=gelu_tanh`:
-Gemma), an LM head tied to the embedding (`tie_embeddings`: Gemma, small Qwen2.5 and Llama 3.2).
+Gemma), an LM head tied to the embedding (`tie_embeddings`: Gemma, small Qwen2.5 and Llama 3.2), a squared-ReLU
+MLP of two matrices (`mlp=relu2`: Nemotron-4, `down(relu(up(x))²)`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,21 @@ class MLP(nn.Module):
         return self.down(gate * self.up(x))
 
 
+class SquaredReluMLP(nn.Module):
+    """`down(relu(up(x))²)`: Nemotron-4's MLP (Parmar et al. 2024), two matrices instead of SwiGLU's three."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)).square())
+
+
+MLPS = {"swiglu": MLP, "relu2": SquaredReluMLP}
+
+
 class Block(nn.Module):
     def __init__(
         self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float, **o
@@ -104,7 +120,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = Attention(hidden, heads, kv_heads, theta, o.get("head_dim", 0), o.get("qkv_bias", False))
         self.mlp_norm = RMSNorm(hidden, eps)
-        self.mlp = MLP(hidden, intermediate, o.get("activation", "silu"))
+        if o.get("mlp", "swiglu") == "relu2":
+            self.mlp = SquaredReluMLP(hidden, intermediate)
+        else:
+            self.mlp = MLP(hidden, intermediate, o.get("activation", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -161,6 +180,17 @@ def init_llama_weights(module: nn.Module) -> None:
         module.reset_parameters()
 
 
+def _check_variant(norm_eps: float, rope_theta: float, mlp: str, activation: str) -> None:
+    if norm_eps <= 0 or rope_theta <= 0:
+        raise ValueError("norm_eps and rope_theta must be positive")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if mlp not in MLPS:
+        raise ValueError(f"mlp must be one of {', '.join(MLPS)}, got {mlp!r}")
+    if mlp == "relu2" and activation != "silu":
+        raise ValueError(f"activation ({activation!r}) is the gated MLP's; mlp=relu2 has no gate: drop activation")
+
+
 def llama(
     layers: int = 4,
     hidden: int = 128,
@@ -175,9 +205,10 @@ def llama(
     qkv_bias: bool = False,
     activation: str = "silu",
     tie_embeddings: bool = False,
+    mlp: str = "swiglu",
 ) -> ModelSpec:
-    """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, untied LM head (the
-    module docstring's options: head_dim 0 = hidden / heads)."""
+    """LLaMA-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (or `mlp=relu2`:
+    Nemotron-4's squared-ReLU MLP), untied LM head (the module docstring's options: head_dim 0 = hidden / heads)."""
     check_sizes(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seq=seq, vocab=vocab
     )
@@ -185,12 +216,9 @@ def llama(
         raise ValueError(f"head_dim ({head_dim}) must be 0 (hidden / heads) or a positive even size")
     if not head_dim and (hidden % heads or (hidden // heads) % 2):
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}) into an even head size")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if norm_eps <= 0 or rope_theta <= 0:
-        raise ValueError("norm_eps and rope_theta must be positive")
+    _check_variant(norm_eps, rope_theta, mlp, activation)
     options = dict(
         layers=layers,
         hidden=hidden,
@@ -205,6 +233,7 @@ def llama(
         qkv_bias=qkv_bias,
         activation=activation,
         tie_embeddings=tie_embeddings,
+        **({"mlp": mlp} if mlp != "swiglu" else {}),  # the default stays out: earlier options and plans match
     )
     module_options = {key: value for key, value in options.items() if key != "seq"}
 

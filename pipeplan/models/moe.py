@@ -7,7 +7,8 @@ ordinary SwiGLU blocks (DeepSeek-V3's first 3).
 Routing (`MoE.forward`): router logits (a bias-free linear) -> gate scores (`softmax` over all experts, or
 `sigmoid` per expert as DeepSeek-V3) -> the top_k per token, their scores renormalized to sum to 1 (`normalize`;
 Mixtral and DeepSeek-V3 do) and times `scale` -> tokens sorted by expert (index-based dispatch, as real MoE code
-does) -> each expert's SwiGLU on its tokens -> the outputs weighted and scattered back (index_add). No auxiliary
+does) -> each expert's SwiGLU on its tokens -> the outputs weighted and scattered back (scatter_add, as
+Megatron-Core's unpermute). No auxiliary
 load-balancing loss (DeepSeek-V3 balances with a bias instead; neither it nor group-limited routing is modelled).
 
 On a real device the tokens per expert are counted (bincount: data-dependent). On the meta device and on fake
@@ -105,9 +106,12 @@ class MoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)  # token slots sorted by expert
         token = order // self.top_k
         routed = self.experts(flat[token], self.counts(chosen))
-        out = torch.zeros_like(flat).index_add(0, token, routed * weights.flatten()[order].unsqueeze(-1))
-        if self.shared is not None:
-            out = out + self.shared(flat)
+        # combine as Megatron-Core's unpermute and torchtitan do: the weighted outputs scatter-added into the shared
+        # experts' output over an expanded token index, which is all autograd saves for it (index_add would also
+        # save its source, a second copy of the tokens x top_k expert outputs that no production run keeps)
+        out = self.shared(flat) if self.shared is not None else torch.zeros_like(flat)
+        index = token.unsqueeze(-1).expand(-1, flat.shape[-1])
+        out = out.scatter_add(0, index, routed * weights.flatten()[order].unsqueeze(-1))
         return out.reshape(x.shape)
 
 

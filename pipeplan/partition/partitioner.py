@@ -9,11 +9,9 @@ import numpy as np
 from pipeplan.cluster import Cluster
 from pipeplan.costs import (
     LayerArrays,
-    backward_op_ms,
     device_totals,
-    stage_grad_ms,
     stage_memory_bytes,
-    stage_recompute_ms,
+    stage_op_ms,
     stages_per_device,
     static_bytes,
 )
@@ -140,20 +138,19 @@ def _stage_assignment(index: int, st: single.RawStage, arrays: LayerArrays, conf
     replicas = len(st.devices)
     group = replicas * config.data_parallel
     memory = stage_memory_bytes(arrays, config, a, b, 1, st.inflight, mode=st.recompute, group_size=group)
-    recompute = float(stage_recompute_ms(arrays, st.recompute, a, b))
-    input_grad, weight_grad = stage_grad_ms(arrays, a, b, recompute)
+    ops = stage_op_ms(arrays, a, b, st.recompute)
     return StageAssignment(
         index=index,
         first_layer=a,
         last_layer=b,
         replicas=replicas,
         devices=st.devices,
-        forward_ms=float(arrays.span("forward", a, b)),
-        input_grad_ms=input_grad,
-        weight_grad_ms=weight_grad,
-        backward_ms=float(backward_op_ms(arrays.span("backward", a, b), recompute)),
+        forward_ms=ops.forward,
+        input_grad_ms=ops.input_grad,
+        weight_grad_ms=ops.weight_grad,
+        backward_ms=ops.backward,
         recompute=st.recompute,
-        recompute_ms=recompute,
+        recompute_ms=ops.recompute,
         comm_ms=st.comm_ms,
         allreduce_ms=st.allreduce_ms,
         output_transfer_ms=st.output_transfer_ms,

@@ -1,9 +1,10 @@
 """The end of a step, per stage: the gradient exchange over the ranks holding the same parameters, and the
 optimizer update (the formulas are the cost module's: `costs.gradient_sync_ms`, `costs.overlap`).
 
-A stage's parameters are held by its replicas in every data-parallel pipeline and, under context parallelism, by
-each of the cp ranks of a group (they split the sequence, not the weights): the exchange runs over replicas x
-pipelines x cp ranks, over the slowest link among them: inter-node when the pipelines' groups sit in different
+A stage's parameters are held by its replicas in every data-parallel pipeline (dualpipe: by both its mirrored
+copies, devices d and P-1-d, in each) and, under context parallelism, by each of the cp ranks of a group (they
+split the sequence, not the weights): the exchange runs over replicas x copies x pipelines x cp ranks, over the
+slowest link among them: inter-node when the pipelines' groups sit in different
 nodes, or when context-parallel groups fill whole nodes on a cluster of several (the search's cluster then has one
 group per node; a group of exactly one node's devices is counted inter-node too: pessimistic when cp ranks share
 the node and there is one pipeline). Its bytes are the stage's gradients in the precision's gradient dtype;
@@ -14,6 +15,7 @@ holders (Megatron-Core), and ZeRO-1 shards their update over it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.cluster import Cluster
@@ -37,6 +39,11 @@ class SyncGroup:
     data_parallel: int = 1
     context_parallel: int = 1
     expert_parallel: int = 1  # routed experts are held by 1/ep of the others
+    mirrored: bool = False  # dualpipe: each stage also on device P-1-d (its copy for the other direction)
+
+    def stage_devices(self, devices: Sequence[int], num_devices: int) -> tuple[int, ...]:
+        """The pipeline devices holding a stage the partition put on `devices` (and their mirrors)."""
+        return tuple(devices) + (tuple(num_devices - 1 - d for d in devices) if self.mirrored else ())
 
 
 def stage_param_count(profile: Profile, first_layer: int, last_layer: int) -> int:
@@ -55,7 +62,8 @@ def stage_allreduce_ms(
     mode = numerics.precision
     times = []
     for stage in part.stages:
-        devices = [k * part.num_devices + d for k in range(group.data_parallel) for d in stage.devices]
+        held = group.stage_devices(stage.devices, part.num_devices)
+        devices = [k * part.num_devices + d for k in range(group.data_parallel) for d in held]
         whole_nodes = group.context_parallel > 1 and cluster.devices_per_node == 1 and cluster.num_nodes > 1
         link = cluster.inter_link if whole_nodes else cluster.link_between(devices)
         count = stage_param_count(profile, stage.first_layer, stage.last_layer)
@@ -81,7 +89,8 @@ def stage_optimizer_ms(
     moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
     times = []
     for stage in part.stages:
-        shards = stage.replicas * group.data_parallel * group.context_parallel if zero else 1
+        copies = 2 if group.mirrored else 1
+        shards = stage.replicas * group.data_parallel * group.context_parallel * copies if zero else 1
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
         count = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
         count = count / shards + experts / float(expert_holders(shards, group.expert_parallel))

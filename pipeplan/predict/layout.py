@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pipeplan.costs.overlap import Overlap, blocking_transfers
 from pipeplan.schedules.ops import Op, Schedule
 from pipeplan.schedules.period import LayoutSteps, step_timer
+from pipeplan.schedules.placement import MIRRORED
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.replicate import replicate_paced, simulate_expanded, time_expanded
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline, simulate
@@ -38,8 +39,15 @@ class PipelineLayout:
         return tuple(tuple(Op.parse(text) for text in ops) for ops in self.device_ops)
 
     def stage_devices(self, stage: int) -> tuple[int, ...]:
-        """Pipeline devices holding `stage` (one per replica)."""
+        """Pipeline devices holding `stage` (one per replica; a mirrored schedule's two copies)."""
         return tuple(d for d, stages in enumerate(self.device_stages) if stage in stages)
+
+    def placed_as_partitioned(self, stage: int, devices: tuple[int, ...]) -> bool:
+        """Whether `stage` is held where a partition put it on `devices` (a mirrored schedule's: there first,
+        for direction 0, and on the mirror device)."""
+        held = self.stage_devices(stage)
+        mirrored = len(devices) == 1 and len(held) == 2 and self.device_stages[devices[0]][0] == stage
+        return held == devices or mirrored
 
 
 def pipeline_layout(
@@ -64,12 +72,8 @@ def pipeline_layout(
             device_ops=tuple(tuple(rows[i]) for i in order),
             ops=tuple(tuple(expanded.device_ops[i]) for i in order),
         )
-    stages_of = tuple(
-        tuple(s for s in range(schedule.num_stages) if schedule.stage_device[s] == d)
-        for d in range(schedule.num_devices)
-    )
     return PipelineLayout(
-        device_stages=stages_of,
+        device_stages=tuple(schedule.device_stages(d) for d in range(schedule.num_devices)),
         device_replica=(0,) * schedule.num_devices,
         device_ops=tuple(tuple(row) for row in schedule.op_strings()),
         ops=schedule.device_ops,
@@ -90,7 +94,7 @@ def simulate_layout(
     (`schedules.simulate.stream_step_ms`). `costs`: one op's time on one device per stage and the transfer per
     boundary; `memory.static_bytes` per pipeline device."""
     schedule = layout_schedule(layout, name, num_stages, num_microbatches)
-    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+    if schedule.mirrored or all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
         return simulate(schedule, costs, memory)
     return simulate_expanded(schedule, costs, memory)
 
@@ -101,18 +105,20 @@ def layout_steps(
     """One step of `layout`'s op lists timed from each device's ready time (`schedules.period`), by the engine
     `simulate_layout` uses."""
     schedule = layout_schedule(layout, name, num_stages, num_microbatches)
-    if all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
+    if schedule.mirrored or all(len(layout.stage_devices(s)) == 1 for s in range(num_stages)):
         return LayoutSteps(schedule, step_timer(schedule, costs))
     return LayoutSteps(schedule, lambda ready: time_expanded(schedule, costs, ready))
 
 
 def layout_schedule(layout: PipelineLayout, name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """`layout`'s op lists as a Schedule (an asynchronous one's stream with its version rule); a stage on several
-    devices is placed on its first (`replicate.simulate_expanded` reads placements only to tell devices apart)."""
+    devices is placed on its first (`replicate.simulate_expanded` reads placements only to tell devices apart),
+    a mirrored schedule's on its direction-0 device (each device's first stage)."""
     device_ops = layout.op_lists()
+    mirrored = schedule_info(name).placement == MIRRORED
     first_device = {}
     for device, stages in reversed(list(enumerate(layout.device_stages))):
-        for stage in stages:
+        for stage in stages[:1] if mirrored else stages:
             first_device[stage] = device
     stream: dict[str, int] = {"num_microbatches": num_microbatches}
     info = schedule_info(name)
@@ -126,6 +132,7 @@ def layout_schedule(layout: PipelineLayout, name: str, num_stages: int, num_micr
         num_stages=num_stages,
         stage_device=tuple(first_device[s] for s in range(num_stages)),
         device_ops=device_ops,
+        mirrored=mirrored,
         **stream,
     )
     return layout.schedule if schedule == layout.schedule else schedule  # the same op lists: its checks are done

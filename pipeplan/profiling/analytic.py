@@ -24,9 +24,12 @@ training dtype, under three instruments (see `opcount` and `gpu_ops`):
 The last layer also runs the model's `loss_fn`, as a pipeline's last stage does: its saved tensors (cross-entropy's
 log-softmax), FLOPs and times are the last layer's (`loss_stage`; under a mixed precision in fp32, as autocast
 runs losses). The other precisions run the model in their compute dtype (bf16 parameters and activations). Times
-are the sum of per-op rooflines `max(flops / matmul rate, bytes / memory rate, kernel launch)`
-(`opcount.Roofline.seconds`; the rates are peak × efficiency, or what `pipeplan calibrate` measured; the launch
-floor is 0 unless calibrated) with no overlap between ops.
+are the layer's work timed by the kernel model (`retime.retime_layer`): each matmul and attention call by its
+shape (`kernels`), every other kernel as its HBM bytes over the memory rate plus a launch under the fusions of the
+stack the precision stands for (`stack_traffic`: Megatron/TE for Megatron's precisions, eager otherwise), with no
+overlap between kernels; on a CPU (no SM count) each other op keeps its roofline `max(flops / rate, bytes /
+rate)` (`opcount.Roofline.seconds`). The rates are peak × efficiency at the training clock, or what `pipeplan
+calibrate` measured.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class AnalyticConfig:
     matmul_efficiency: float | None = None  # None: the hardware preset's
     memory_efficiency: float | None = None
     fp8_linears: bool = False  # linears' matmuls at the FP8 peak (precision fp8)
+    stack: str = "eager"  # whose fusions time the other ops (profiling.stack_traffic): megatron for Megatron precisions
+    grad_bytes: int = 0  # Megatron stack: weight gradients accumulate into a buffer of these bytes per element
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -100,15 +105,19 @@ class AnalyticConfig:
     @property
     def roofline(self) -> Roofline:
         hardware = self.hardware
-        peak = hardware.peak_flops(self.torch_dtype)
         matmul = hardware.matmul_flops_per_s(self.torch_dtype, self.matmul_efficiency)
         return Roofline(
             flops_per_s=matmul,
             bytes_per_s=hardware.memory_bytes_per_s(self.memory_efficiency),
             launch_s=hardware.kernel_launch_s,
-            attention_flops_per_s=peak * hardware.attention_fraction,
+            attention_flops_per_s=hardware.attention_flops_per_s(self.torch_dtype),
             sm_count=hardware.sm_count,
             fp8_flops_per_s=hardware.fp8_matmul_flops_per_s(self.matmul_efficiency) if self.fp8_linears else None,
+            gemm_overhead_s=hardware.gemm_overhead_s,
+            epilogue_exposed=hardware.epilogue_exposed,
+            grad_bytes=self.grad_bytes,
+            tile_reuse_half=hardware.tile_reuse_half,
+            stream_k=hardware.stream_k,
         )
 
 
@@ -188,6 +197,7 @@ def profile_analytic(
         attention=attention,
         fp8_linears=mode.fp8_linears,
         **efficiencies,
+        **_stack_fields(mode),
     )
     if mode.fp8_linears and not config.hardware.peak_fp8_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores; hardware {config.hardware.name!r} has none")
@@ -220,6 +230,14 @@ def _trace(spec: ModelSpec, *, batch_size: int, granularity, tracer: str, precis
         tracer=tracer,
         dtype=export_dtype(precision),
     )
+
+
+def _stack_fields(mode) -> dict:
+    """The stack a precision stands for: Megatron-Core/TE for Megatron's precisions (their fusions, weight
+    gradients accumulated into the gradient buffer: gradient_accumulation_fusion), PyTorch eager otherwise."""
+    if mode.main_weights:
+        return dict(stack="megatron", grad_bytes=mode.grad_bytes)
+    return dict(stack="eager", grad_bytes=0)
 
 
 def _profile_layers(
@@ -257,7 +275,11 @@ def _profile_layers(
             kernels.update(counts.attention_kernels)
             if recompute.attention_bytes and not counts.attention_kernels.get("math"):
                 by_hand.append(layer.name)
-            work = counts.work(recompute.selective_rest_seconds)
+            work = counts.work(
+                recompute.selective_rest_seconds,
+                stack=config.stack,
+                selective=recompute.selective_traffic(config.stack),
+            )
             kept = recompute.byte_fields(counts.saved_bytes)
             layers.append(
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
@@ -309,16 +331,23 @@ def _cut_bytes(cut, env: dict[str, object]) -> int:
     return total
 
 
+_STACK_NOTES = {
+    "eager": "one kernel per op (PyTorch eager)",
+    "megatron": "Megatron-Core/Transformer Engine fusions (one kernel between matmuls)",
+}
+
+
 def _notes(config: AnalyticConfig, attention: str) -> str:
     roofline = config.roofline
     peak = "tf32" if config.torch_dtype == torch.float32 else "bf16/fp16"
     calibrated = config.matmul_efficiency is None and config.hardware.measured_flops(config.torch_dtype) is not None
     basis = f"calibrated {peak}" if calibrated else f"{peak} tensor-core peak x efficiency"
-    launch = f", {roofline.launch_s * 1e6:.1f} us kernel launch floor" if roofline.launch_s else ""
+    per = "per memory-bound kernel" if roofline.sm_count else "kernel launch floor"
+    launch = f", {roofline.launch_s * 1e6:.1f} us {per}" if roofline.launch_s else ""
     return (
         f"roofline: {roofline.flops_per_s / 1e12:.1f} TFLOP/s matmul ({basis}){launch}, "
         f"{roofline.bytes_per_s / 1e9:.0f} GB/s memory; attention: {attention} (--attention {config.attention}); "
-        "last layer includes loss_fn"
+        f"other ops: {_STACK_NOTES[config.stack]}; last layer includes loss_fn"
     )
 
 

@@ -104,8 +104,10 @@ def _probe(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node)
     probe_x = torch.randn(PROBE_ROWS, width, generator=generator) * 3
     if weight is None:
         out = _run(nodes, x, None, y, probe_x)
+        if out is None or out.shape != probe_x.shape:  # e.g. attention's region: its input is q, k and v together
+            return None
         for name, (function, kwargs) in ACTIVATIONS.items():
-            if out is not None and torch.allclose(out, function(probe_x, **kwargs), rtol=0, atol=ACTIVATION_TOLERANCE):
+            if torch.allclose(out, function(probe_x, **kwargs), rtol=0, atol=ACTIVATION_TOLERANCE):
                 return "activation", name
         return None
     probe_w = torch.rand(width, generator=generator) + 0.5

@@ -26,6 +26,7 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `silu(gate) * up` (a SwiGLU MLP) saves gate, silu's output and up; fused SwiGLU kernels save gate and up only
   and recompute silu in the backward: `_FusedGLU`; GeGLU (`gelu(gate) * up`, Gemma's MLP) likewise (Transformer
   Engine's geglu, Megatron's bias_geglu).
+- MoE routing written for eager PyTorch (weighting in the experts' dtype, a float32 router): `gpu_routing`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeplan.profiling.gpu_routing import LINEARS, UPCASTS, UpcastLinear, upcast_source, weighted_experts
+from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 
 aten = torch.ops.aten
@@ -244,6 +247,7 @@ class _FusedGLU(torch.autograd.Function):
 
 _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 _RMS_NORM = (F.rms_norm, aten.rms_norm.default)
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
 _GLU_ACTIVATIONS = (F.silu, aten.silu.default, F.gelu, aten.gelu.default)  # act(gate) * up: a fused GLU kernel
 
 
@@ -258,6 +262,8 @@ class GpuSemantics(TorchFunctionMode):
         self.attention = attention
         self.kernels_used: Counter[str] = Counter()
         self._gates: dict[int, tuple] = {}  # id(activation output) -> (output, gate, the activation)
+        self._expert_outputs: dict[int, torch.Tensor] = {}  # id -> a grouped expert matmul's output
+        self._upcasts: dict[int, tuple] = {}  # id(float32 copy) -> (the copy, its 16-bit source)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -277,9 +283,34 @@ class GpuSemantics(TorchFunctionMode):
             return out
         if func in _MULTIPLY and len(args) == 2 and not kwargs:
             fused = self._swiglu(*args)
+            if fused is None:
+                fused = weighted_experts(func, *args, self._expert_outputs)
             if fused is not None:
                 return fused
+        if func in _GROUPED_MM or is_grouped_mm(func):
+            out = func(*args, **kwargs)
+            self._expert_outputs[id(out)] = out
+            return out
+        if func in UPCASTS and args:
+            out = func(*args, **kwargs)
+            source = upcast_source(args[0], out)
+            if source is not None:
+                self._upcasts[id(out)] = (out, source)
+            return out
+        if func in LINEARS and len(args) == 2 and not kwargs:
+            upcast = self._upcast_linear(*args)
+            if upcast is not None:
+                return upcast
         return func(*args, **kwargs)
+
+    def _upcast_linear(self, x, weight) -> torch.Tensor | None:
+        """A linear of a float32 copy of a 16-bit activation as a float32 router runs it (`gpu_routing`)."""
+        found = self._upcasts.get(id(x)) if isinstance(x, torch.Tensor) else None
+        if found is None or found[0] is not x:
+            return None
+        cast = self._upcasts.get(id(weight)) if isinstance(weight, torch.Tensor) else None
+        source = cast[1] if cast is not None and cast[0] is weight else weight
+        return UpcastLinear.apply(found[1], x, source, weight)
 
     def _swiglu(self, a, b) -> torch.Tensor | None:
         """act(gate) * up (either order) as one fused kernel (`_FusedGLU`)."""

@@ -51,6 +51,7 @@ ATTENTION_BACKWARD_OPS = (
 KERNEL_OPS = frozenset((*GEMM_OPS, *ATTENTION_OPS, *ATTENTION_BACKWARD_OPS))
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")  # (tokens, in) x (experts, in, out)
 GROUPED_MM_BACKWARD = ("transformers::grouped_mm_fallback_backward",)  # timed from the forward's Kernel
+REPEAT_CARRIERS = frozenset((aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default))
 
 
 def _op_name(func) -> str:
@@ -132,6 +133,7 @@ class KernelTracer:
         self._duplicated: set[int] = set()  # kernels of linears every tensor-parallel rank holds whole
         self.kernels: list[Kernel] = []
         self.expert_params: dict[int, torch.Tensor] = {}  # stacked expert weights (a grouped matmul's operand)
+        self._repeated: dict[int, tuple[torch.Tensor, int]] = {}  # heads repeated for grouped-query attention
 
     def _is_param(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._params
@@ -177,6 +179,7 @@ class KernelTracer:
 
     def see(self, func, args: tuple, out) -> Kernel | None:
         inputs, outputs = _tensors(args), _tensors(out)
+        self._follow_repeats(func, args, out)
         floats = [t for t in outputs if t.is_floating_point()]
         if func in GEMM_OPS or is_grouped_mm(func):
             index = self._gemm(func, args) if func in GEMM_OPS else self._grouped(args)
@@ -203,6 +206,16 @@ class KernelTracer:
         keeps = features and all(_rows(t) == _rows(inputs[0]) and t.shape[-1] <= inputs[0].shape[-1] for t in floats)
         self._mark(floats, origins, features[0] if keeps else None)
         return None
+
+    def _follow_repeats(self, func, args: tuple, out) -> None:
+        """Key/value heads repeated for the query heads (`repeat_interleave` on meta: expand, clone, view): how
+        many times, so attention records its key/value share (`Kernel.kv_share`)."""
+        if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return
+        if func is aten.expand.default and out.numel() > args[0].numel() > 0:
+            self._repeated[id(out)] = (out, out.numel() // args[0].numel())
+        elif func in REPEAT_CARRIERS and id(args[0]) in self._repeated:
+            self._repeated[id(out)] = (out, self._repeated[id(args[0])][1])
 
     def _gemm(self, func, args: tuple) -> int:
         """Emit a matmul's Kernel; its index."""
@@ -265,6 +278,7 @@ class KernelTracer:
         q, k, v = args[0], args[1], args[2]
         causal = bool(args[causal_arg]) if len(args) > causal_arg else False
         batch, heads, seq_q, head_dim = q.shape
+        repeats = self._repeated[id(k)][1] if id(k) in self._repeated else 1
         return Kernel(
             kind="attention",
             m=seq_q,
@@ -278,4 +292,5 @@ class KernelTracer:
             causal=causal,
             element_bytes=q.element_size(),
             core=True,
+            kv_share=1.0 / repeats,
         )

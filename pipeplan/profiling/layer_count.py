@@ -9,14 +9,16 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from pipeplan.graph.saved_tensors import SavedTensors, saved_split
+from pipeplan.graph.saved_tensors import SavedTensors, saved_split, storage_key
 from pipeplan.graph.split_backward import analyze, backward_full, backward_input
 from pipeplan.profiling.cuda_autocast import gpu_forward
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import Kernel
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
-from pipeplan.profiling.profile import LayerWork
+from pipeplan.profiling.profile import LayerWork, PassTraffic
+from pipeplan.profiling.stack_traffic import Traffic, traffic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,9 @@ class LayerCounts:
     attention_kernels: dict[str, int] = field(default_factory=dict)  # SDPA calls by the kernel they ran as
     replicated_param_count: int = 0  # of param_count: duplicated linears' weights (`KernelTracer`)
     outputs: tuple = field(default=(), repr=False)
+    forward_keep: frozenset[int] = frozenset()  # storages the forward must write: saved for backward, outputs
+    input_grad_keep: frozenset[int] = frozenset()  # storages I produces (input gradients)
+    backward_keep: frozenset[int] = frozenset()  # storages B produces (input and parameter gradients)
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -46,13 +51,27 @@ class LayerCounts:
         """The forward's FLOPs with its kernels' as they run (a causal attention's half; torch counts it whole)."""
         return self.forward.flops - self.forward.kernel_flops + sum(k.flops for k in self.kernels)
 
-    def work(self, selective_rest_seconds: float = 0.0) -> LayerWork:
-        """The layer's kernels and the rest of each pass (ms): what `retime_layer` takes times from. W's rest is
-        the fused pass (fused conv/norm gradient kernels timed as split) less I's; the whole backward's when the
-        layer has no input gradient to compute."""
+    def work(
+        self, selective_rest_seconds: float = 0.0, *, stack: str = "eager", selective: Traffic | None = None
+    ) -> LayerWork:
+        """The layer's kernels and the rest of each pass (ms, and traffic under `stack`:
+        `profiling.stack_traffic`): what `retime_layer` takes times from. W's rest is the fused pass (fused
+        conv/norm gradient kernels timed as split) less I's; the whole backward's when the layer has no input
+        gradient to compute; W's traffic is B's less I's. `selective`: the attention core's traffic (selective
+        recomputation)."""
         weight_rest = self.backward.rest_seconds
+        forward = traffic(self.forward.calls, stack, self.forward_keep)
+        backward = traffic(self.backward.calls, stack, self.backward_keep)
+        input_grad = (
+            traffic(self.input_grad.calls, stack, self.input_grad_keep) if self.input_grad.num_ops else Traffic()
+        )
         if self.input_grad.num_ops:
             weight_rest = max(self.backward.rest_split_seconds - self.input_grad.rest_seconds, 0.0)
+        weight_grad = Traffic(
+            bytes=max(backward.bytes - input_grad.bytes, 0.0),
+            kernels=max(backward.kernels - input_grad.kernels, 0),
+            compute_seconds=max(backward.compute_seconds - input_grad.compute_seconds, 0.0),
+        )
         return LayerWork(
             kernels=self.kernels,
             rest_forward_ms=self.forward.rest_seconds * 1e3,
@@ -60,7 +79,16 @@ class LayerCounts:
             rest_weight_grad_ms=weight_rest * 1e3,
             rest_backward_ms=self.backward.rest_seconds * 1e3,
             rest_selective_ms=selective_rest_seconds * 1e3,
+            forward_traffic=_pass_traffic(forward),
+            input_grad_traffic=_pass_traffic(input_grad),
+            weight_grad_traffic=_pass_traffic(weight_grad),
+            backward_traffic=_pass_traffic(backward),
+            selective_traffic=_pass_traffic(selective or Traffic()),
         )
+
+
+def _pass_traffic(found: Traffic) -> PassTraffic:
+    return PassTraffic(bytes=found.bytes, kernels=found.kernels, compute_ms=found.compute_seconds * 1e3)
 
 
 def tensor_bytes(values: Sequence) -> int:
@@ -78,15 +106,21 @@ def _leaf_input(value, needs_grad: bool):
     return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
 
 
-def _record(roofline: Roofline, run: Callable[[], object], params: Sequence[torch.Tensor]) -> OpTotals:
-    """The ops one backward pass launches (parameter gradients cleared before and after)."""
+def _record(
+    roofline: Roofline, run: Callable[[], object], params: Sequence[torch.Tensor]
+) -> tuple[OpTotals, frozenset[int]]:
+    """The ops one backward pass launches (parameter gradients cleared before and after), and the storages of
+    what it produces (the gradients it returns and accumulates)."""
     for p in params:
         p.grad = None
     with OpRecorder(roofline) as recorder:
-        run()
+        result = run()
+    produced = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    produced += [p.grad for p in params if p.grad is not None]
+    keep = frozenset(storage_key(t) for t in produced)
     for p in params:
         p.grad = None
-    return recorder.totals
+    return recorder.totals, keep
 
 
 def count_layer(
@@ -120,9 +154,14 @@ def count_layer(
     weights = [p for p in params if p.requires_grad]
     info = analyze(roots, grad_inputs, weights)
     split = saved_split(saved, info.weight_grad_nodes, exclude=[*params, *module.buffers()])
+    forward_keep = frozenset(saved.storage_bytes(exclude=[*params, *module.buffers()])) | {
+        storage_key(o) for o in outputs if isinstance(o, torch.Tensor)
+    }
     # the passes the runtime runs (split_backward): B with the graph kept, then I (W is B's ops less I's)
-    backward = _record(roofline, lambda: backward_full(roots, grads, grad_inputs, weights, retain_graph=True), weights)
-    input_grad = _record(roofline, lambda: backward_input(roots, grads, grad_inputs, weights), weights)
+    backward, backward_keep = _record(
+        roofline, lambda: backward_full(roots, grads, grad_inputs, weights, retain_graph=True), weights
+    )
+    input_grad, input_grad_keep = _record(roofline, lambda: backward_input(roots, grads, grad_inputs, weights), weights)
     param_count = sum(p.numel() for p in params)
     return LayerCounts(
         forward=forward.totals,
@@ -137,6 +176,9 @@ def count_layer(
         attention_kernels=dict(semantics.kernels_used),
         replicated_param_count=tracing.tracer.duplicated_params,
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
+        forward_keep=forward_keep,
+        input_grad_keep=input_grad_keep,
+        backward_keep=backward_keep,
     )
 
 

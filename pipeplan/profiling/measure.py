@@ -283,6 +283,7 @@ def _provenance(traced: TracedModel, config: MeasureConfig, model_ref, model_opt
         loss_in_last_layer=True,
         eager_modules=traced.layer_graph.eager_modules,
         expert_routing=measure_routing(traced.module, inputs, config.autocast),
+        threads=torch.get_num_threads() if device == "cpu" else None,
     )
 
 

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from pipeplan.profiling.kernel_tracer import KernelTracer, grouped_mm_flops, is_grouped_mm, is_kernel_op
 from pipeplan.profiling.kernels import Kernel, KernelRates
+from pipeplan.profiling.stack_traffic import OpTraffic
 
 aten = torch.ops.aten
 _FREE_OPS = frozenset(
@@ -52,6 +53,11 @@ class Roofline:
     attention_flops_per_s: float | None = None  # None: flops_per_s
     sm_count: int | None = None
     fp8_flops_per_s: float | None = None
+    gemm_overhead_s: float = 0.0  # per matmul / attention kernel (profiling.kernels)
+    epilogue_exposed: float = 0.0
+    grad_bytes: int = 0
+    tile_reuse_half: float = 0.0
+    stream_k: bool = False
 
     def __post_init__(self) -> None:
         assert self.flops_per_s > 0 and self.bytes_per_s > 0, "roofline rates must be positive"
@@ -66,6 +72,11 @@ class Roofline:
             sm_count=self.sm_count,
             launch_s=self.launch_s,
             fp8_flops_per_s=self.fp8_flops_per_s,
+            gemm_overhead_s=self.gemm_overhead_s,
+            epilogue_exposed=self.epilogue_exposed,
+            grad_bytes=self.grad_bytes,
+            tile_reuse_half=self.tile_reuse_half,
+            stream_k=self.stream_k,
         )
 
     def seconds(self, flops: float, num_bytes: float) -> float:
@@ -86,6 +97,9 @@ class OpTotals:
     kernel_flops: float = 0.0  # of the matmul and attention ops (timed as kernels, not here)
     num_ops: int = 0
     kernels: list[Kernel] = field(default_factory=list)  # the forward's, with trace_kernels
+    calls: list[OpTraffic] = field(default_factory=list)  # every op that moves or computes (profiling.stack_traffic)
+    pinned: list = field(default_factory=list, repr=False)  # the storages seen: their keys stay unique (tensors are
+    # not held: autograd would then copy a gradient it could otherwise keep)
 
 
 def _is_view(func: torch._ops.OpOverload) -> bool:
@@ -93,8 +107,38 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and not a.alias_info.is_write for a in arguments)
 
 
+def _distinct_elements(tensor: torch.Tensor) -> int:
+    """Elements a kernel reads from memory: a broadcast (stride-0, `expand`ed) dimension repeats the same addresses,
+    which come from cache (e.g. the token index Megatron-Core's and torchtitan's MoE combine expand over the
+    hidden size for scatter_add), so it counts once."""
+    if tensor.layout != torch.strided:
+        return tensor.numel()
+    repeated = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride == 0 and size > 1:
+            repeated *= size
+    return tensor.numel() // repeated
+
+
 def _tensor_bytes(values: Iterable) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return sum(_distinct_elements(v) * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _storages(values: Iterable) -> tuple[tuple[int, int], ...]:
+    """(storage key, bytes) of each tensor in `values` (views share their base's key)."""
+    return tuple(
+        (v.untyped_storage()._cdata, v.numel() * v.element_size()) for v in values if isinstance(v, torch.Tensor)
+    )
+
+
+def op_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out, compute_seconds: float = 0.0) -> OpTraffic:
+    """One op as `profiling.stack_traffic` sees it: a kernel (matmul, attention) or not, what it reads and writes."""
+    return OpTraffic(
+        kernel=is_kernel_op(func),
+        reads=_storages(tree_flatten((args, kwargs))[0]),
+        writes=_storages(tree_flatten(out)[0]),
+        compute_seconds=compute_seconds,
+    )
 
 
 def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[float, int]:
@@ -159,6 +203,11 @@ class OpRecorder(TorchDispatchMode):
         totals.num_ops += 1
         if self.tracer is not None:
             self.tracer.see(func, args, out)
+        if flops or moved:
+            bound = self.roofline.seconds(flops, moved) if flops and not is_kernel_op(func) else 0.0
+            totals.calls.append(op_call(func, args, kwargs, out, bound))
+            tensors = tree_flatten((args, kwargs, out))[0]
+            totals.pinned.extend(t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor))
         if is_kernel_op(func):
             totals.kernel_flops += flops
             return out

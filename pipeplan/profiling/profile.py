@@ -44,21 +44,37 @@ from typing import Any
 
 from pipeplan.errors import FormatError
 from pipeplan.graph.recompute_modes import RECOMPUTE_MODES
-from pipeplan.jsonio import build_dataclass, read_json, write_json
+from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
 from pipeplan.profiling.kernels import Kernel, KernelRates
 
-PROFILE_SCHEMA_VERSION = 4
-OLDER_PROFILE_VERSIONS = (1, 2, 3)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the work,
-# 1-3 the spreads and the split-backward reference (None: not checked)
+PROFILE_SCHEMA_VERSION = 5
+OLDER_PROFILE_VERSIONS = (1, 2, 3, 4)  # still read: 1 lacks the recompute fields (defaults above), 1 and 2 the
+# work, 1-3 the spreads and the split-backward reference (None: not checked), 1-4 the work's traffic (its other ops
+# keep their roofline ms)
 SOURCES = ("measured", "analytic", "pipedream")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PassTraffic:
+    """A pass's other ops as a GPU runs them (`profiling.stack_traffic`, under the stack the profile's precision stands
+    for): HBM bytes and kernel launches of the memory-bound ones, ms of those whose FLOPs bind (convolutions)."""
+
+    bytes: float = 0.0
+    kernels: int = 0
+    compute_ms: float = 0.0
+
+    def scaled(self, factor: float) -> PassTraffic:
+        """The same ops on `factor` times the elements: bytes and FLOPs scale, the kernels launched do not."""
+        return replace(self, bytes=self.bytes * factor, compute_ms=self.compute_ms * factor)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerWork:
-    """What an analytic profile's times are made of (schema 3), so that they can be taken again at another shape
-    (`profiling.retime.retime_layer`: a tensor- or context-parallel rank, another microbatch size): the forward's
-    matmul and attention kernels (`profiling.kernels`, their backward follows from them) and, per pass, the
-    roofline time of every other op (ms)."""
+    """What an analytic profile's times are made of (schema 3, traffic: schema 5), so that they can be taken again
+    at another shape (`profiling.retime.retime_layer`: a tensor- or context-parallel rank, another microbatch size):
+    the forward's matmul and attention kernels (`profiling.kernels`, their backward follows from them) and, per
+    pass, the other ops: their traffic (bytes, kernels; GPU profiles) and the roofline ms of each op (what a
+    profile without an SM count, a CPU's, times them by; profiles before schema 5 have only these)."""
 
     kernels: tuple[Kernel, ...]
     rest_forward_ms: float
@@ -66,13 +82,26 @@ class LayerWork:
     rest_weight_grad_ms: float
     rest_backward_ms: float
     rest_selective_ms: float = 0.0  # the attention core's ops that are not kernels
+    forward_traffic: PassTraffic | None = None  # None: a profile before schema 5 (its rest ms are used)
+    input_grad_traffic: PassTraffic | None = None
+    weight_grad_traffic: PassTraffic | None = None
+    backward_traffic: PassTraffic | None = None
+    selective_traffic: PassTraffic | None = None
+
+    def traffic(self, name: str) -> PassTraffic | None:
+        """One pass's traffic: forward, input_grad, weight_grad, backward or selective."""
+        return getattr(self, f"{name}_traffic")
 
     def reshaped(self, *, t: int = 1, cp: int = 1, batch_scale: float = 1.0, ep: int = 1) -> LayerWork:
         """The work of one rank of t tensor- x cp context-parallel ranks, for a microbatch `batch_scale` times as
         large: kernels at the rank's shape (`Kernel.on_rank`); the rest (norms, dropouts, residual adds: split along
-        the sequence under sequence and context parallelism) x batch_scale / (t x cp); grouped expert matmuls under
-        expert parallelism `ep` (`Kernel.on_rank`)."""
+        the sequence under sequence and context parallelism) x batch_scale / (t x cp), its kernel launches as many;
+        grouped expert matmuls under expert parallelism `ep` (`Kernel.on_rank`)."""
         rest = batch_scale / (t * cp)
+        traffic = {
+            f"{name}_traffic": (value.scaled(rest) if (value := self.traffic(name)) is not None else None)
+            for name in TRAFFIC_PASSES
+        }
         return LayerWork(
             kernels=tuple(k.on_rank(t=t, cp=cp, batch_scale=batch_scale, ep=ep) for k in self.kernels),
             rest_forward_ms=self.rest_forward_ms * rest,
@@ -80,7 +109,11 @@ class LayerWork:
             rest_weight_grad_ms=self.rest_weight_grad_ms * rest,
             rest_backward_ms=self.rest_backward_ms * rest,
             rest_selective_ms=self.rest_selective_ms * rest,
+            **traffic,
         )
+
+
+TRAFFIC_PASSES = ("forward", "input_grad", "weight_grad", "backward", "selective")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +252,8 @@ class Provenance:
     kernel_rates: KernelRates | None = None  # analytic: what its kernels were timed with (`retime_layer` reuses it)
     eager_modules: tuple[str, ...] = ()  # modules run eagerly inside their layer (graph.LayerGraph.eager_modules)
     expert_routing: tuple[ExpertRouting, ...] = ()  # per MoE layer, how the sample batch was routed (measured)
+    threads: int | None = None  # measured on a CPU: torch's threads (None: analytic, CUDA, older files)
+    refined_from: str = ""  # a profile refined from a run (`pipeplan refine`): the run's trace and plan
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -263,6 +298,11 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
+
+    @property
+    def fingerprint(self) -> str:
+        """Of its file's content (`jsonio.fingerprint`): what a plan records of the profile it was made from."""
+        return fingerprint(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "profile") -> Profile:

@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten
 
 from pipeplan.graph.saved_tensors import SavedTensors
 from pipeplan.profiling.kernel_tracer import is_kernel_op
-from pipeplan.profiling.opcount import Roofline, op_cost
+from pipeplan.profiling.opcount import Roofline, op_call, op_cost
+from pipeplan.profiling.stack_traffic import OpTraffic, Traffic, traffic
 
 aten = torch.ops.aten
 
@@ -223,6 +224,12 @@ class AnalyticRecompute:
     attention_bytes: int
     input_bytes: int
     selective_rest_seconds: float
+    selective_calls: tuple[OpTraffic, ...] = ()  # the attention core's ops (`profiling.stack_traffic`)
+    keep_storages: frozenset[int] = frozenset()  # what the core must write: saved for backward, its outputs
+
+    def selective_traffic(self, stack: str) -> Traffic:
+        """The attention core's other ops under `stack` (what selective recomputation re-runs besides kernels)."""
+        return traffic(self.selective_calls, stack, self.keep_storages)
 
     def byte_fields(self, activation_bytes: int) -> dict[str, int]:
         assert 0 <= self.attention_bytes <= activation_bytes, "attention internals exceed the saved bytes"
@@ -281,8 +288,16 @@ def analytic_recompute(
     core = find_attention_core(log, keep=[*inputs, *_params(module)])
     del outputs
     rest = [op_cost(call.func, call.args, call.kwargs, call.out) for call in core.calls if not is_kernel_op(call.func)]
+    calls = []
+    for call in core.calls:
+        flops, moved = op_cost(call.func, call.args, call.kwargs, call.out)
+        if flops or moved:
+            bound = roofline.seconds(flops, moved) if flops and not is_kernel_op(call.func) else 0.0
+            calls.append(op_call(call.func, call.args, call.kwargs, call.out, bound))
     return AnalyticRecompute(
         attention_bytes=core.saved_bytes,
         input_bytes=input_bytes(inputs),
         selective_rest_seconds=sum(roofline.seconds(flops, moved) for flops, moved in rest),
+        selective_calls=tuple(calls),
+        keep_storages=frozenset(s for t in log.saved if (s := _storage(t)) is not None),
     )

@@ -45,7 +45,7 @@ def execute(
     """Per-device start and end times, aligned with `device_ops`; `ready[d]`: when device d may start its first op
     (default 0: a step of several, `schedules.period`, starts each device at its own time). `op_ms[kind][stage]`
     gives durations (all 0 when None); `comm_ms[boundary]` is charged when producer and consumer are on different
-    devices (by `schedule.stage_device`); an OVERLAP_F_B op takes `overlapped_ms(F, B, overlap_ms)`.
+    devices (by `schedule.op_device`); an OVERLAP_F_B op takes `overlapped_ms(F, B, overlap_ms)`.
     `backward_kind[slot]` (slot = stage * m + microbatch) is the kind index (B or I) carrying that slot's input
     gradient."""
     return replay(schedule, timing_order(schedule, backward_kind), op_ms, comm_ms, overlap_ms, ready)
@@ -54,19 +54,16 @@ def execute(
 def dependencies(schedule: Schedule, backward_kind: bytes | bytearray, device: int, o: Op) -> Dependencies:
     """What op `o` on `device` waits for: the keys (kind index * S * m + stage * m + microbatch) of the ops it
     needs, each with the boundary whose transfer is charged on it (-1: none, the producer is on the same device)."""
-    s, m, n, placement = (
-        o.stage,
-        schedule.num_microbatches,
-        schedule.num_stages * schedule.num_microbatches,
-        schedule.stage_device,
-    )
-    slot = s * m + o.microbatch
+    s, mb, m, n = o.stage, o.microbatch, schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
+    slot = s * m + mb
     if o.kind == "F":
-        return (slot - m, s - 1 if placement[s - 1] != device else -1, -1, -1) if s > 0 else NO_DEPENDENCIES
+        if s == 0:
+            return NO_DEPENDENCIES
+        return slot - m, s - 1 if schedule.op_device(s - 1, mb) != device else -1, -1, -1
     if o.kind == "W":
         return 2 * n + slot, -1, -1, -1
     if s + 1 < schedule.num_stages:
-        return slot, -1, backward_kind[slot + m] * n + slot + m, (s if placement[s + 1] != device else -1)
+        return slot, -1, backward_kind[slot + m] * n + slot + m, (s if schedule.op_device(s + 1, mb) != device else -1)
     return slot, -1, -1, -1
 
 

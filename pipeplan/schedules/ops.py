@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeplan.errors import FormatError, ScheduleError
+from pipeplan.schedules.placement import mirrored_device
 
 KINDS = ("F", "B", "I", "W")
 KIND_INDEX = {kind: index for index, kind in enumerate(KINDS)}
@@ -122,7 +123,9 @@ def _parse_op(text: str) -> Op:
 @dataclass(kw_only=True, frozen=True)
 class Schedule:
     """One ordered op list per device. `stage_device[s]` is the device global stage `s` runs on; microbatches
-    flow stage 0 -> 1 -> ... -> num_stages - 1 forward and back again for the backward."""
+    flow stage 0 -> 1 -> ... -> num_stages - 1 forward and back again for the backward. `mirrored` (dualpipe's
+    placement, `placement.MIRRORED`): every stage is held twice, the odd microbatches running stage s on device
+    num_devices - 1 - stage_device[s] (`op_device`)."""
 
     name: str
     num_devices: int
@@ -132,6 +135,19 @@ class Schedule:
     device_ops: tuple[tuple[Op, ...], ...]
     update_every: int = 0  # 0: synchronous; k: a stage makes a new weight version per k microbatches (module doc)
     weight_versions: int = 1  # the most weight versions a stage may hold at once
+    mirrored: bool = False  # each stage also on the mirror device, for the odd microbatches (class doc)
+
+    def op_device(self, stage: int, microbatch: int) -> int:
+        """The device running `stage` for `microbatch`."""
+        device = self.stage_device[stage]
+        return mirrored_device(device, microbatch, self.num_devices) if self.mirrored else device
+
+    def device_stages(self, device: int) -> tuple[int, ...]:
+        """The stages `device` holds, ascending by their direction-0 order (mirrored: its own, then the mirror's)."""
+        own = tuple(s for s, d in enumerate(self.stage_device) if d == device)
+        if not self.mirrored:
+            return own
+        return own + tuple(s for s, d in enumerate(self.stage_device) if d == self.num_devices - 1 - device)
 
     @property
     def asynchronous(self) -> bool:
@@ -161,6 +177,11 @@ class Schedule:
             raise ScheduleError(
                 f"schedule {self.name!r}: {len(self.device_ops)} op lists for {self.num_devices} devices"
             )
+        if self.mirrored and (self.num_devices % 2 or self.num_stages != self.num_devices or self.update_every):
+            raise ScheduleError(
+                f"schedule {self.name!r}: a mirrored schedule is synchronous, with one stage per device and an even "
+                f"number of devices; got {self.num_stages} stages on {self.num_devices} devices"
+            )
 
     @property
     def num_chunks(self) -> int:
@@ -176,6 +197,11 @@ class Schedule:
             raise ScheduleError(
                 f"{self.name} is asynchronous (weight versions on every op); torch's CSV schedules have none: "
                 "export a synchronous schedule"
+            )
+        if self.mirrored:
+            raise ScheduleError(
+                f"{self.name} runs each stage on two devices (one per direction); torch's CSV schedules place a stage "
+                "on one rank: export a one-direction schedule (e.g. dualpipev)"
             )
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -210,6 +236,8 @@ class Schedule:
         }
         if self.asynchronous:
             data |= {"update_every": self.update_every, "weight_versions": self.weight_versions}
+        if self.mirrored:
+            data["mirrored"] = True
         return data
 
     @classmethod
@@ -227,6 +255,7 @@ class Schedule:
             device_ops=tuple(tuple(Op.parse(s) for s in row) for row in data["device_ops"]),
             update_every=int(data.get("update_every", 0)),
             weight_versions=int(data.get("weight_versions", 1)),
+            mirrored=data.get("mirrored", False) is True,
         )
 
 
@@ -260,6 +289,7 @@ def make_schedule(
     *,
     update_every: int = 0,
     weight_versions: int = 1,
+    mirrored: bool = False,
 ) -> Schedule:
     """Build a Schedule from a generator's lists (num_devices/num_stages derived)."""
     return Schedule(
@@ -271,6 +301,7 @@ def make_schedule(
         device_ops=tuple(tuple(ops) for ops in device_ops),
         update_every=update_every,
         weight_versions=weight_versions,
+        mirrored=mirrored,
     )
 
 

@@ -125,6 +125,7 @@ def repeated(schedule: Schedule, steps: int) -> Schedule:
         num_stages=schedule.num_stages,
         num_microbatches=m * steps,
         stage_device=schedule.stage_device,
+        mirrored=schedule.mirrored,  # (microbatch parity kept: m is even)
         device_ops=tuple(tuple(o.shifted(k * m) for k in range(steps) for o in ops) for ops in schedule.device_ops),
     )
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from pipeplan.errors import ScheduleError, UnknownScheduleError
+from pipeplan.schedules.generators.dualpipe import dualpipe
 from pipeplan.schedules.generators.dualpipev import dualpipev
 from pipeplan.schedules.generators.gpipe import gpipe
 from pipeplan.schedules.generators.interleaved import interleaved
@@ -28,6 +29,7 @@ from pipeplan.schedules.generators.zbv import zbv, zbv_fixed
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.placement import (
     LOOPED,
+    MIRRORED,
     ONE_PER_DEVICE,
     PLACEMENTS,
     V_SHAPED,
@@ -50,8 +52,9 @@ class ScheduleInfo:
     """What the rest of pipeplan knows about one schedule.
 
     generator: (p, m) -> Schedule; looped ones take (p, m, chunks); cost-driven ones take (p, m, costs=, memory=,
-    memory_limit=). placement: `placement.PLACEMENTS` (it fixes the allowed chunks: one-per-device 1, V-shaped 2,
-    looped any >= 1). split_backward: runs I and W as separate ops (compute F + I + W, else F + B).
+    memory_limit=). placement: `placement.PLACEMENTS` (it fixes the allowed chunks: one-per-device and mirrored
+    1, V-shaped 2, looped any >= 1; mirrored holds each stage twice, `placement.stage_copies`).
+    split_backward: runs I and W as separate ops (compute F + I + W, else F + B).
     replicable: PipeDream replicated stages allowed (one stage per device and a fixed order, regenerated from the
     name alone). capacity_default: swept by `capacity` when --schedule is auto. cost_driven: the op order depends
     on the stage costs and memory (else fixed by p, m and chunks). within_memory_limit: generated under
@@ -68,6 +71,8 @@ class ScheduleInfo:
     torchtitan's `pipeline_parallel_schedule`); torch_builtin: torch has this schedule itself under that name.
     megatron: how Megatron-LM runs it, completing "schedule NAME ..." ("" when it is Megatron-Core's own schedule;
     {runs_as}: 1F1B, or interleaved 1F1B over the same stages when they are looped).
+    not_exportable: why neither torch.distributed.pipelining, torchtitan nor Megatron-LM can express it ("": they
+    can, as torch_name / megatron say); `pipeplan export` refuses it with this reason.
     """
 
     name: str
@@ -88,9 +93,11 @@ class ScheduleInfo:
     torch_name: str
     torch_builtin: bool
     megatron: str
+    not_exportable: str = ""
 
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
+        assert self.placement != MIRRORED or (self.not_exportable and not self.torch_name), self.name
         assert self.asynchronous == bool(self.staleness) == bool(self.update), self.name
         assert self.update in ("", "microbatch", "step") and self.max_versions >= 0, self.name
         assert self.asynchronous or self.max_versions == 1, self.name
@@ -220,6 +227,19 @@ _INFOS = (
         torch_name="DualPipeV",
         torch_builtin=True,
         megatron=_ZERO_BUBBLE,
+    ),
+    ScheduleInfo(
+        name="dualpipe",
+        generator=dualpipe,
+        placement=MIRRORED,
+        split_backward=True,
+        overlapped_pairs=True,
+        capacity_default=False,  # twice the parameters of dualpipev for the same bubble: asked for by name only
+        torch_name="",
+        torch_builtin=False,
+        megatron="is bidirectional (two copies of every stage); Megatron-LM has no such schedule",
+        not_exportable="it holds every stage twice, one copy per direction, and these engines place a stage on one "
+        "rank; export a dualpipev plan (DualPipe cut in half: the same bubble with one copy)",
     ),
     ScheduleInfo(
         name="pipedream",

@@ -134,8 +134,8 @@ def _check_placement(schedule: Schedule) -> None:
                 problem = f"stage {o.stage} does not exist ({schedule.num_stages} stages)"
             elif o.microbatch >= m:
                 problem = f"microbatch {o.microbatch} does not exist ({m} microbatches)"
-            elif schedule.stage_device[o.stage] != device:
-                problem = f"stage {o.stage} is placed on device {schedule.stage_device[o.stage]}, not {device}"
+            elif (placed := schedule.op_device(o.stage, o.microbatch)) != device:
+                problem = f"stage {o.stage} is placed on device {placed} for microbatch {o.microbatch}, not {device}"
             elif seen[KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch]:
                 problem = "it runs twice"
             if problem:

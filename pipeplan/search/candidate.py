@@ -14,11 +14,12 @@ from pipeplan.errors import InfeasibleError, ScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.partition.partitioner import min_memory_per_device, partition
 from pipeplan.partition.result import Partition
-from pipeplan.predict.gradient_sync import allreduce_step_ms
 from pipeplan.predict.layout import PipelineLayout
 from pipeplan.predict.predict import Prediction, StepInputs, simulate_step
+from pipeplan.predict.step import per_device
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import default_chunks, schedule_info
 from pipeplan.schedules.simulate import MemoryCosts, StageCosts, Timeline
 from pipeplan.search.config import SearchConfig
@@ -44,9 +45,11 @@ class Layout:
 
     @property
     def holders(self) -> int:
-        """Ranks of a stage replica that hold the same parameters: one per pipeline and per context-parallel rank
-        (ZeRO-1 shards the optimizer state over them; the gradient exchange runs over them)."""
-        return self.data_parallel * self.context_parallel
+        """Ranks of a stage replica that hold the same parameters: one per pipeline and per context-parallel rank,
+        twice for a mirrored schedule (dualpipe's copy per direction); ZeRO-1 shards the optimizer state over them,
+        the gradient exchange runs over them."""
+        copies = stage_copies(schedule_info(self.schedule).placement)
+        return self.data_parallel * self.context_parallel * copies
 
     @property
     def num_chunks(self) -> int:
@@ -136,7 +139,7 @@ class Evaluation:
 
     @property
     def allreduce_ms(self) -> float:
-        return allreduce_step_ms(self.partition, self.stage_allreduce_ms)
+        return max(per_device(self.stage_allreduce_ms, self.pipeline.device_stages))  # dualpipe: both copies
 
     def resimulate(self, costs: StageCosts) -> Timeline:
         """This candidate's op lists simulated again under other `costs` (e.g. free transfers), transfers blocking

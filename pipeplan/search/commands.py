@@ -11,10 +11,11 @@ from pipeplan.search.plan_options import PlanOptions
 def plan(options: PlanOptions) -> None:
     """Choose pipeline depth, replication, microbatches and schedule, and write a runnable plan.
 
-    Writes DIR/plan.json, launch.sh, job.sbatch and timeline.json (DIR defaults to ./plan). MODEL is profiled on
-    the spot (measured on cpu/cuda, analytic with --device meta --hardware NAME); --profile FILE plans from a saved
-    profile (not runnable alone: give MODEL too so the plan names each stage's FX nodes). Profile costs are
-    scaled linearly to the microbatch size.
+    Writes DIR/plan.json, launch.sh, job.sbatch, timeline.json and profile.json (the costs planned from, which
+    `pipeplan refine` starts from; DIR defaults to ./plan). MODEL is profiled on the spot (measured on cpu/cuda,
+    analytic with --device meta --hardware NAME); --profile FILE plans from a saved profile (not runnable alone:
+    give MODEL too so the plan names each stage's FX nodes). Profile costs are scaled linearly to the microbatch
+    size.
 
     Example: pipeplan plan gpt --devices 2 --global-batch-size 8 -o demo-out
     Example: pipeplan plan gpt --precision bf16-mixed --devices 2 -B 8 -o demo-bf16
@@ -31,9 +32,9 @@ def plan(options: PlanOptions) -> None:
     with progress_task("searching plans", quiet=options.json_output) as update:
         progress = lambda done, total: update(completed=done, total=total)  # noqa: E731
         chosen = plan_layouts(job.source, job.cluster, job.config, progress=progress)
-    timeline = write_plan(chosen, job.output)
+    timeline = write_plan(chosen, job.output, job.source.profile)
     if options.json_output:
         print_json(summary_dict(chosen, plan_dir=str(job.output), timeline=timeline))
         return
     render_summary(out, chosen, timeline=timeline)
-    out.print(f"wrote {job.output}/plan.json, launch.sh, job.sbatch, timeline.json")
+    out.print(f"wrote {job.output}/plan.json, launch.sh, job.sbatch, timeline.json, profile.json")

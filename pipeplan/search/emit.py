@@ -17,6 +17,8 @@ from pipeplan.artifact.plan import ModelRef, Plan, Predicted, StagePlan, Trainin
 from pipeplan.artifact.ranks import rank_infos
 from pipeplan.errors import FormatError
 from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.retime import layers_breakdown
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
@@ -141,10 +143,22 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
                 optimizer_ms=chosen.stage_optimizer_ms[index],
+                compute_breakdown=_breakdown(profile, first, last, stage.recompute, chosen.partition.schedule),
                 **_recompute_fields(chosen, index),
             )
         )
     return tuple(plans)
+
+
+def _breakdown(profile: Profile, first: int, last: int, recompute: str, schedule: str) -> dict[str, float]:
+    """One microbatch of the stage as the schedule runs it (F + B, or F + I + W), by part
+    (`profiling.retime.layers_breakdown`); {} for a profile timed without a kernel model (measured: nothing to
+    split)."""
+    rates = profile.provenance.kernel_rates
+    if not rates:
+        return {}
+    split = schedule_info(schedule).split_backward
+    return layers_breakdown(profile.layers[first : last + 1], rates, recompute, split_backward=split).as_dict()
 
 
 def _recompute_fields(chosen: Evaluation, index: int) -> dict:

@@ -25,6 +25,7 @@ from pipeplan.partition.result import Partition
 from pipeplan.predict.gradient_sync import SyncGroup, allreduce_step_ms, stage_allreduce_ms
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts, simulate
 from pipeplan.search.candidate import REPLICATED, Layout, stage_work_ms
@@ -87,7 +88,7 @@ def per_device_bound_ms(layout: Layout, profile: Profile, kinds: frozenset[str])
     stage when cutting the layers into S contiguous stages."""
     work = [la.forward_ms + _cheapest_backward(la, kinds) for la in profile.layers]
     even = sum(work) / layout.pipeline_devices
-    if layout.mode == REPLICATED:
+    if layout.mode == REPLICATED or _mirrored(layout):  # (dualpipe: a device runs half the microbatches of two)
         return even
     stages = layout.pipeline_devices * layout.num_chunks
     return max(even, min_largest_stage(work, stages))
@@ -121,6 +122,10 @@ def min_largest_stage(work: list[float], num_stages: int) -> float:
     return low
 
 
+def _mirrored(layout: Layout) -> bool:
+    return stage_copies(schedule_info(layout.schedule).placement) > 1
+
+
 def allreduce_lower_bound_ms(layout: Layout, profile: Profile, cluster: Cluster) -> float:
     """The gradients spread evenly over a pipeline's devices, ring all-reduced over the pipelines."""
     if layout.data_parallel == 1:
@@ -135,7 +140,10 @@ def partition_lower_bound_ms(
 ) -> float:
     """m x the busiest device's work per microbatch (its stages' F + backward, / replicas) + the gradient
     all-reduce (not when the reduction overlaps the backward: it may hide)."""
-    busiest = busiest_device_ms(stage_work_ms(part), stages_per_device([s.devices for s in part.stages]))
+    work = stage_work_ms(part)
+    if _mirrored(layout):  # device d runs half the microbatches through each of stages d and P-1-d
+        work = tuple((w + work[-1 - s]) / 2 for s, w in enumerate(work))
+    busiest = busiest_device_ms(work, stages_per_device([s.devices for s in part.stages]))
     if config.overlap.grad_reduce:
         return layout.num_microbatches * busiest
     group = SyncGroup(

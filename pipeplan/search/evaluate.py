@@ -40,6 +40,7 @@ from pipeplan.predict.memory import (
 from pipeplan.predict.predict import StepInputs, simulate_step
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Schedule
+from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import async_stream_steps, generate, schedule_info
 from pipeplan.schedules.simulate import StageCosts
 from pipeplan.search.candidate import (
@@ -139,6 +140,7 @@ def _step_end(
         data_parallel=layout.data_parallel,
         context_parallel=layout.context_parallel,
         expert_parallel=layout.expert_parallel,
+        mirrored=stage_copies(schedule_info(layout.schedule).placement) > 1,  # dualpipe: each stage's two copies
     )
     numerics = config.numerics
     return dict(
@@ -176,7 +178,7 @@ def _schedule_layout(
         pipe = pipeline_layout(schedule, part.replicas, tuple(s.devices for s in part.stages))
     except ScheduleError as exc:
         return Rejection(layout=layout, kind="schedule", reason=str(exc))
-    assert all(pipe.stage_devices(s.index) == s.devices for s in part.stages), "partition and schedule placement differ"
+    assert all(pipe.placed_as_partitioned(s.index, s.devices) for s in part.stages), "partition and placement differ"
     if pipe.num_devices < layout.pipeline_devices and (layout.data_parallel > 1 or cluster.num_nodes > 1):
         # idle devices would break the rank layout of several pipelines / nodes; other layouts cover this case
         reason = f"the partition uses {pipe.num_devices} of {layout.pipeline_devices} devices per pipeline"

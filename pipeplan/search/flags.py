@@ -49,7 +49,8 @@ SCHEDULE_HELP = (
 )
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
-    "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p."
+    "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p; sms=N: the SMs an overlapped tensor-parallel "
+    "collective takes (default 8), e.g. --overlap tensor,sms=16."
 )
 LAYOUT_HELP = (
     "Exactly this layout (plan: its plan; capacity: predicted), beside the search's choice, e.g. \"tp=2,pp=2,vp=2,"

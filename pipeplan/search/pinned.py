@@ -229,9 +229,7 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     layout = pinned_layout(pinned, config, cluster)
     check_pinned_experts(pinned, profile, cluster)
     scaled = scale_profile(profile, pinned.mbs)
-    sharded, groups = split_inputs(
-        scaled, cluster, pinned.tp, pinned.cp, tp_overlap=config.overlap.tensor, ep=pinned.ep
-    )
+    sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, overlap=config.overlap, ep=pinned.ep)
     usable = config.budget(cluster.memory_per_device).usable
     stages = pinned.pp * pinned.vp
     try:

@@ -140,10 +140,11 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
     )
 
 
-def write_plan(chosen: Plan, output: Path | None) -> Timeline:
+def write_plan(chosen: Plan, output: Path | None, profile: Profile | None = None) -> Timeline:
     """The plan's predicted steps (several, until their period repeats: what `show` draws), and DIR/plan.json,
-    launch.sh, job.sbatch and timeline.json when `output` names a directory."""
+    launch.sh, job.sbatch, timeline.json and profile.json (`profile`: the one the plan was made from, which
+    `pipeplan refine` starts from) when `output` names a directory."""
     timeline = plan_steps_timeline(chosen)
     if output is not None:
-        write_plan_dir(chosen, timeline_rows(chosen, timeline), output)
+        write_plan_dir(chosen, timeline_rows(chosen, timeline), output, profile)
     return timeline

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.scripts import with_profile
 from pipeplan.cluster import Cluster
 from pipeplan.errors import InfeasibleError
 from pipeplan.profiling.profile import Profile
@@ -59,7 +60,8 @@ def plan(
     if config.layout is not None:  # the pinned layout is the plan; the search's choice is what it is compared with
         result, why = _pinned_result(profile, cluster, config, result)
     source = graph_at_microbatch(source, result.best.layout.microbatch_size)
-    return build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
+    chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
+    return with_profile(chosen, profile)  # the profile it was made from (`refine` starts from it)
 
 
 def _pinned_result(

@@ -7,6 +7,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from pipeplan.costs import bytes_per_param, device_static_bytes
+from pipeplan.schedules.placement import stage_copies
+from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.candidate import Evaluation, Layout
 from pipeplan.search.post_validation import synchronized_period_ms
 from pipeplan.search.recompute_choice import recompute_reasons
@@ -153,6 +155,7 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     other_schedules = {e.layout.schedule for e in result.ranked} - {layout.schedule}
     if other_schedules:
         parts.append(f"Other schedules that fit: {', '.join(sorted(other_schedules))}.")
+    parts += _mirrored_words(result, chosen)
     counts = rejection_counts(result)
     if counts:
         words = ", ".join(f"{n} {_KIND_WORDS.get(kind, kind)}" for kind, n in sorted(counts.items()))
@@ -163,6 +166,25 @@ def rationale(result: SearchResult, chosen: Evaluation) -> str:
     if choices:
         parts.append(f"Memory: {'; '.join(choices)}.")
     return " ".join(parts)
+
+
+def _mirrored_words(result: SearchResult, chosen: Evaluation) -> list[str]:
+    """Why a ranked mirrored schedule (dualpipe: every stage twice per pipeline) lost: its best candidate's step
+    and the memory of its second parameter copy, against the chosen plan's."""
+    if stage_copies(schedule_info(chosen.layout.schedule).placement) > 1:
+        return []
+    best = next((e for e in result.ranked if stage_copies(schedule_info(e.layout.schedule).placement) > 1), None)
+    if best is None:
+        return []
+    gap = (best.step_ms / chosen.step_ms - 1.0) * 100.0
+    slower = f"{gap:.1f}% slower" if gap > 0 else f"only {-gap:.1f}% faster (within the prediction margin)"
+    static = best.memory.static_bytes
+    assert isinstance(static, tuple)
+    return [
+        f"{best.layout.schedule} loses: its best, {best.label_with_replicas}, is {slower} and holds every "
+        f"stage twice (static {format_bytes(max(static))} per device, peak {format_bytes(best.peak_memory_bytes)} "
+        f"vs {format_bytes(chosen.peak_memory_bytes)})."
+    ]
 
 
 def _post_validation_words(result: SearchResult, chosen: Evaluation) -> str:

@@ -19,11 +19,10 @@ from dataclasses import replace
 
 from pipeplan.costs import (
     LayerArrays,
-    backward_op_ms,
     device_totals,
     mode_offered,
-    stage_grad_ms,
     stage_memory_bytes,
+    stage_op_ms,
     stage_recompute_ms,
     stages_per_device,
 )
@@ -98,20 +97,19 @@ def with_modes(part: Partition, arrays: LayerArrays, modes: Sequence[str], confi
             stages.append(stage)
             continue
         a, b = stage.first_layer, stage.last_layer
-        added = float(stage_recompute_ms(arrays, mode, a, b))
+        ops = stage_op_ms(arrays, a, b, mode)
         held = (stage.inflight_microbatches, stage.inflight_before_input_grad)
         group = stage.replicas * config.data_parallel
         memory = stage_memory_bytes(arrays, config, a, b, 1, held, mode=mode, group_size=group)
-        input_grad, weight_grad = stage_grad_ms(arrays, a, b, added)
         stages.append(
             replace(
                 stage,
                 recompute=mode,
-                recompute_ms=added,
-                input_grad_ms=input_grad,
-                weight_grad_ms=weight_grad,
-                backward_ms=float(backward_op_ms(arrays.span("backward", a, b), added)),
-                time_ms=max(stage.time_ms + (added - stage.recompute_ms) / stage.replicas, stage.comm_ms),
+                recompute_ms=ops.recompute,
+                input_grad_ms=ops.input_grad,
+                weight_grad_ms=ops.weight_grad,
+                backward_ms=ops.backward,
+                time_ms=max(stage.time_ms + (ops.recompute - stage.recompute_ms) / stage.replicas, stage.comm_ms),
                 memory_bytes=int(-(-float(memory) // 1)),
             )
         )

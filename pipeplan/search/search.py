@@ -41,7 +41,7 @@ from pipeplan.costs import (
 )
 from pipeplan.errors import ConfigError, InfeasibleError, ScheduleError
 from pipeplan.profiling.profile import Profile
-from pipeplan.schedules.placement import LOOPED
+from pipeplan.schedules.placement import LOOPED, stage_copies
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.search.candidate import (
     REPLICATED,
@@ -198,7 +198,7 @@ def search_plans(
     profiles = {b: scale_profile(profile, b) for b in sorted(set(config.microbatch_sizes))}
     t, cp = config.tensor_parallel, config.context_parallel  # after scaling: each message's latency counted once
     profiles = {
-        b: split_inputs(scaled, cluster, t, cp, tp_overlap=config.overlap.tensor, ep=config.expert_parallel)[0]
+        b: split_inputs(scaled, cluster, t, cp, overlap=config.overlap, ep=config.expert_parallel)[0]
         for b, scaled in profiles.items()
     }
     groups, usable = config.groups.of(cluster), config.budget(cluster.memory_per_device).usable
@@ -267,7 +267,8 @@ def _evaluate_each_schedule(
 
 
 def _static_memory_rejection(layout: Layout, profile: Profile, usable: int, config: SearchConfig) -> Rejection | None:
-    params = sum(layer.param_count for layer in profile.layers)
+    copies = stage_copies(schedule_info(layout.schedule).placement)  # dualpipe holds the model twice per pipeline
+    params = copies * sum(layer.param_count for layer in profile.layers)
     static = spread_static_bytes(params, config.least_per_param(layout.holders), layout.pipeline_devices)
     if static <= usable:
         return None

@@ -22,10 +22,13 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
 - Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.tensor_parallel.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
   backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
-  (only what exceeds them is exposed). With `tp_overlap` (Megatron's tp_comm_overlap, off by default as in
-  Megatron-Core) each collective hides behind its layer's linears, pipelined in t chunks: exposed max(comm - matmul
-  time, comm / t). Context parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV
-  backward over the context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
+  (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
+  Megatron-Core) each collective hides behind its layer's linears at the rank's shape, pipelined in t chunks, at
+  a cost (`costs.overlap.overlapped_ms`): exposed max(comm - matmul time, comm / t), plus the matmul time its
+  `Overlap.comm_sms` SMs take while it runs, plus what running the linears as t chunks of their tokens costs (the
+  forward's, and the input gradients of row-parallel ones: Transformer Engine's ring-exchange overlap). Context
+  parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV backward over the
+  context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
   The (vocabulary-parallel) embedding reduce-scatters forward and all-gathers backward; helpers and a final norm
   have none (sequence parallel: each rank's s / t rows); the head all-gathers its input and its vocab-parallel
   cross entropy all-reduces 3 fp32 values per token (Megatron-LM's vocab_parallel_cross_entropy).
@@ -40,14 +43,16 @@ from dataclasses import dataclass, replace
 
 from pipeplan.cluster import Cluster, DeviceGroups, Link
 from pipeplan.costs import all_gather_ms, all_to_all_ms, allreduce_ms, reduce_scatter_ms, transfer_ms
+from pipeplan.costs.overlap import Overlap, overlapped_ms
 from pipeplan.costs.tensor_parallel import tensor_parallel_comm_per_layer
 from pipeplan.errors import ConfigError
 from pipeplan.profiling.experts import expert_count, routed_share
-from pipeplan.profiling.kernels import KernelRates, kernels_seconds, pass_kernels
+from pipeplan.profiling.kernels import DIMS, KernelRates, kernel_seconds, kernels_seconds, pass_kernels
 from pipeplan.profiling.profile import LayerProfile, Profile
 from pipeplan.profiling.retime import reshaped_layer
 from pipeplan.search.stack import stack_problem, transformer_layers
 
+NO_OVERLAP = Overlap()
 CROSS_ENTROPY_ALLREDUCES = 3  # max logit, sum of exponentials, target logit; fp32 per token
 
 
@@ -84,52 +89,79 @@ def _collectives_ms(collectives, t: int, link: Link, positions: int) -> float:
     return sum(c.count * time[c.kind](c.message_bytes / positions, t, link) for c in collectives)
 
 
-def _exposed(comm: float, work: float, chunks: int) -> float:
-    """A collective pipelined with `work` in `chunks`: what cannot hide (the first chunk, or the excess)."""
-    return max(comm - work, comm / chunks) if comm > 0 else 0.0
-
-
-def block_comm(layer: LayerProfile, hidden_bytes: int, t: int, cp: int, links: Links, rates, tp_overlap: bool):
-    """A block's collectives on one rank (module docstring), exposed parts only."""
+def block_comm(
+    layer: LayerProfile,
+    hidden_bytes: int,
+    t: int,
+    cp: int,
+    links: Links,
+    rates,
+    overlap: Overlap,
+) -> LayerComm:
+    """A block's collectives on one rank (module docstring), exposed parts only; with `overlap.tensor` what
+    overlapping costs (`costs.overlap.overlapped_ms`: `overlap.comm_sms` SMs taken while a collective runs, the
+    linears run as t chunks of their tokens)."""
     comm = tensor_parallel_comm_per_layer(
         seq=1, batch=1, hidden=hidden_bytes, tensor_parallel=t, sequence_parallel=True, bytes_per_element=1
     )  # the formula's message is s·b·h elements x bytes: the profiled hidden-state bytes, passed whole
     forward = _collectives_ms(comm.forward, t, links.tensor, cp)
     backward = _collectives_ms(comm.backward, t, links.tensor, cp)
     regather = _collectives_ms(comm.regather, t, links.tensor, cp)
-    work = layer.work
+    work = layer.work.reshaped(t=t, cp=cp) if layer.work is not None else None
     matmul = {name: 0.0 for name in ("forward", "input_grad")}
     attention = {name: 0.0 for name in ("forward", "input_grad")}
+    split = {name: 0.0 for name in ("forward", "input_grad")}
     if work is not None and rates is not None:
         for name in matmul:
             kernels = pass_kernels(work.kernels, name)
             matmul[name] = kernels_seconds([k for k in kernels if k.weight], rates) * 1e3
             attention[name] = kernels_seconds([k for k in kernels if k.kind == "attention" or k.core], rates) * 1e3
-    if tp_overlap:
-        forward, backward = _exposed(forward, matmul["forward"], t), _exposed(backward, matmul["input_grad"], t)
+            chunked = [k for k in kernels if k.weight and (name == "forward" or k.tp == "n")]
+            split[name] = _chunks_ms(chunked, t, rates)
+    if overlap.tensor:
+        share = overlap.comm_sms / rates.sm_count if rates is not None and rates.sm_count else 0.0
+        forward = overlapped_ms(forward, matmul["forward"], chunks=t, sm_share=share, split_ms=split["forward"])
+        backward = overlapped_ms(backward, matmul["input_grad"], chunks=t, sm_share=share, split_ms=split["input_grad"])
     backward += max(regather - matmul["input_grad"], 0.0)
-    ring = context_ring_ms(layer, cp, links.context)
+    ring = context_ring_ms(layer, cp, links.context, t)
     forward += max(ring - attention["forward"], 0.0)
     backward += max(2 * ring - attention["input_grad"], 0.0)
     return LayerComm(forward_ms=forward, backward_ms=backward)
 
 
-def context_ring_ms(layer: LayerProfile, cp: int, link: Link) -> float:
+def _chunks_ms(kernels, chunks: int, rates: KernelRates) -> float:
+    """What running each of `kernels` as `chunks` matmuls of 1/chunks of its tokens costs over running it whole
+    (TE's ring exchange and pipelined overlap: the linears beside an overlapped collective, forward, and the
+    input gradients of row-parallel ones)."""
+    extra = 0.0
+    for kernel in kernels:
+        dim = DIMS[kernel.tokens[0]] if kernel.tokens else "m"
+        size = getattr(kernel, dim)
+        if chunks <= 1 or size < chunks:
+            continue
+        piece = replace(kernel, **{dim: -(-size // chunks)})
+        extra += chunks * kernel_seconds(piece, rates) - kernel_seconds(kernel, rates)
+    return max(extra, 0.0) * 1e3
+
+
+def context_ring_ms(layer: LayerProfile, cp: int, link: Link, t: int = 1) -> float:
     """Forward ring of context parallelism: cp - 1 transfers of the rank's K and V chunk (per attention call of the
-    layer, from its kernel at the rank's shape: batch x positions x head size); 0 for cp = 1."""
+    layer, from its kernel at the rank's shape: samples x key/value heads / t x positions / cp x head size); 0 for
+    cp = 1."""
     if cp == 1 or layer.work is None:
         return 0.0
     total = 0.0
     for kernel in layer.work.kernels:
         if kernel.kind == "attention" or (kernel.core and kernel.kind == "gemm" and kernel.k <= kernel.n):
-            kv_bytes = 2 * kernel.batch * (kernel.n / cp) * kernel.k * kernel.element_bytes
+            rank = kernel.on_rank(t=t, cp=cp)
+            kv_bytes = 2 * rank.batch * kernel.kv_share * (rank.n / cp) * rank.k * rank.element_bytes
             total += (cp - 1) * transfer_ms(kv_bytes, link)
             if kernel.kind == "gemm":
                 break  # math attention: one K and one V per layer, however many matmuls read them
     return total
 
 
-def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: bool, ep: int = 1) -> list[LayerComm]:
+def layer_comms(profile: Profile, t: int, cp: int, links: Links, overlap: Overlap, ep: int = 1) -> list[LayerComm]:
     """Per layer: the embedding's, each block's and the head's collectives (see the module docstring), and each
     MoE block's all-to-alls (`expert_comms`)."""
     if t == 1 and cp == 1:
@@ -148,7 +180,7 @@ def layer_comms(profile: Profile, t: int, cp: int, links: Links, tp_overlap: boo
         forward_ms=all_gather_ms(split, t, links.tensor) + losses, backward_ms=reduce_scatter_ms(split, t, links.tensor)
     )
     for i in stack.blocks:
-        comms[i] = block_comm(profile.layers[i], hidden, t, cp, links, rates, tp_overlap)
+        comms[i] = block_comm(profile.layers[i], hidden, t, cp, links, rates, overlap)
     return expert_comms(profile, t, cp, ep, links, comms)
 
 
@@ -219,7 +251,9 @@ def _divided_times(layer: LayerProfile, ranks: int) -> LayerProfile:
     )
 
 
-def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap: bool = False, ep: int = 1) -> Profile:
+def split_profile(
+    profile: Profile, t: int, cp: int, links: Links, *, overlap: Overlap = NO_OVERLAP, ep: int = 1
+) -> Profile:
     """`profile` as each rank of a t x cp group (and of an ep expert-parallel group) runs it, collectives over
     `links` included; t = cp = ep = 1 returns it unchanged. Raises ConfigError when the profile is not a
     transformer stack."""
@@ -227,7 +261,7 @@ def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap
         raise ConfigError(f"--parallel tp, cp and ep must be >= 1, got {t}, {cp}, {ep}")
     if t == 1 and cp == 1 and ep == 1:
         return profile
-    comms = layer_comms(profile, t, cp, links, tp_overlap, ep)
+    comms = layer_comms(profile, t, cp, links, overlap, ep)
     rates = profile.provenance.kernel_rates
     layers = tuple(
         _shard_layer(layer, t, cp, comm, rates, ep) for layer, comm in zip(profile.layers, comms, strict=True)
@@ -245,7 +279,15 @@ def split_profile(profile: Profile, t: int, cp: int, links: Links, *, tp_overlap
     )
 
 
-def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_overlap: bool = False, ep: int = 1):
+def split_inputs(
+    profile: Profile,
+    cluster: Cluster,
+    t: int,
+    cp: int = 1,
+    *,
+    overlap: Overlap = NO_OVERLAP,
+    ep: int = 1,
+):
     """What the pipeline search runs on: one rank's profile and the cluster of t·cp groups; unchanged for t = cp =
     ep = 1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
     from pipeplan.search.stack import check_split
@@ -255,7 +297,7 @@ def split_inputs(profile: Profile, cluster: Cluster, t: int, cp: int = 1, *, tp_
         return profile, cluster
     links = group_links(cluster, t, cp, ep)
     groups = DeviceGroups(tensor_parallel=t, context_parallel=cp)
-    return split_profile(profile, t, cp, links, tp_overlap=tp_overlap, ep=ep), groups.of(cluster)
+    return split_profile(profile, t, cp, links, overlap=overlap, ep=ep), groups.of(cluster)
 
 
 __all__ = ["stack_problem", "split_inputs", "split_profile", "group_links"]

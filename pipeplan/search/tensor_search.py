@@ -189,7 +189,7 @@ def compute_floor_ms(profile: Profile, cluster: Cluster, config: SearchConfig, i
     t, cp, ep = item.tensor_parallel, item.context_parallel, item.expert_parallel
     per_sample = math.inf
     for b in config.microbatch_sizes:
-        rank = split_inputs(scale_profile(profile, b), cluster, t, cp, tp_overlap=config.overlap.tensor, ep=ep)[0]
+        rank = split_inputs(scale_profile(profile, b), cluster, t, cp, overlap=config.overlap, ep=ep)[0]
         work = sum(la.forward_ms + min(la.backward_ms, la.input_grad_ms + la.weight_grad_ms) for la in rank.layers)
         per_sample = min(per_sample, work / b)
     return per_sample * config.global_batch_size * t * cp / cluster.num_devices

@@ -35,7 +35,7 @@ def _search(schedules, **profile_kwargs):
     return profile, search_plans(profile, make_cluster(4, memory=2**32), config, schedules)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zbv"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zbv", "dualpipe"])
 def test_search_prediction_is_what_the_plan_resimulates(schedule):
     _, result = _search((schedule,))
     chosen = result.best

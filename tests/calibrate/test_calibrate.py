@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from pipeplan.calibrate.fit import model_seconds
-from pipeplan.calibrate.hardware_file import hardware_entry, nearest_preset, write_hardware_file
+from pipeplan.calibrate.hardware_file import hardware_entry, kernel_terms, nearest_preset, write_hardware_file
 from pipeplan.calibrate.measure import median_seconds
 from pipeplan.calibrate.spec import SIZES, CalibrateConfig, Calibration, LinkResult, MatmulSample, MemorySample
 from pipeplan.cli import app
@@ -98,9 +98,12 @@ def test_calibrate_json_prints_only_the_file(tmp_path):
 GPU_SHAPES = SIZES[("cuda", False)].matmul_shapes
 
 
-def _samples(dtype: str, full_wave_tflops: float, sm_count: int, shapes=GPU_SHAPES) -> list[MatmulSample]:
-    """Matmuls timed as the kernel model times them when a full wave runs at `full_wave_tflops`."""
-    return [MatmulSample(dtype, shape, model_seconds(shape, full_wave_tflops * 1e12, sm_count)) for shape in shapes]
+def _samples(dtype: str, full_wave_tflops: float, sm_count: int, terms=None, shapes=GPU_SHAPES) -> list[MatmulSample]:
+    """Matmuls timed as the kernel model times them when a full wave runs at `full_wave_tflops` (with a matched
+    preset's per-kernel `terms`, as calibrate fits them)."""
+    return [
+        MatmulSample(dtype, shape, model_seconds(shape, full_wave_tflops * 1e12, sm_count, terms)) for shape in shapes
+    ]
 
 
 def _synthetic(
@@ -112,13 +115,14 @@ def _synthetic(
     links: LinkResult | None = None,
     sm_count: int = 132,
 ):
-    """A GPU calibration whose matmuls run, in the kernel model, at full-wave rates `bf16` and `tf32` TFLOP/s."""
-    return Calibration(
+    """A GPU calibration whose matmuls run, in the kernel model (with the matched preset's per-kernel terms), at
+    full-wave rates `bf16` and `tf32` TFLOP/s."""
+    cal = Calibration(
         device="cuda",
         device_name=device_name,
         memory_bytes=int(memory_gb * 1e9),
         sm_count=sm_count,
-        matmul=_samples("bf16", bf16, sm_count) + _samples("tf32", tf32, sm_count),
+        matmul=[],
         memory=[
             MemorySample(1 << 30, 2.9e12, 3.1e12),
             MemorySample(1 << 24, 2.0e12, 2.2e12),
@@ -128,6 +132,10 @@ def _synthetic(
         links=links,
         notes=["links not measured: 1 GPU visible (point-to-point and all-reduce need 2+)"] if links is None else [],
     )
+    preset, matched = nearest_preset(device_name, cal.memory_bytes)
+    terms = kernel_terms(cal, preset if matched else None)
+    cal.matmul = _samples("bf16", bf16, sm_count, terms) + _samples("tf32", tf32, sm_count, terms)
+    return cal
 
 
 def _load(tmp_path, entry: dict, name: str = "gpu") -> Hardware:
@@ -155,14 +163,19 @@ def test_a_known_gpu_keeps_datasheet_peaks_and_fits_the_full_wave_efficiency(tmp
     assert spec.nvlink_bandwidth == h100.nvlink_bandwidth and spec.network_bandwidth == h100.network_bandwidth
     assert spec.nvlink_efficiency == h100.nvlink_efficiency and spec.network_efficiency == h100.network_efficiency
     assert "links NOT measured" in spec.sources and "'h100'" in spec.sources
+    # the fit ran with the preset's per-kernel terms, and the entry keeps them and its clocks: a calibration's short
+    # runs are at the boost clock, and a training run at the training clock (clock_ratio)
+    assert (spec.gemm_overhead_s, spec.epilogue_exposed) == (h100.gemm_overhead_s, h100.epilogue_exposed)
+    assert spec.tile_reuse_half == h100.tile_reuse_half and spec.stream_k and spec.clock_ratio == h100.clock_ratio
     roofline = AnalyticConfig(batch_size=1, hardware=spec).roofline
-    assert roofline.flops_per_s == pytest.approx(700e12) and roofline.bytes_per_s == pytest.approx(3.0e12)
+    assert roofline.flops_per_s == pytest.approx(700e12 * h100.clock_ratio)
+    assert roofline.bytes_per_s == pytest.approx(3.0e12)
     assert roofline.launch_s == pytest.approx(4e-6) and roofline.sm_count == 132
     f32 = AnalyticConfig(batch_size=1, hardware=spec, dtype="float32").roofline  # one efficiency for every dtype
-    assert f32.flops_per_s == pytest.approx(494.7e12 * 700.0 / 989.4)
-    # an explicit efficiency still means peak x that efficiency
+    assert f32.flops_per_s == pytest.approx(494.7e12 * 700.0 / 989.4 * h100.clock_ratio)
+    # an explicit efficiency still means peak x that efficiency (at the training clock)
     forced = AnalyticConfig(batch_size=1, hardware=spec, matmul_efficiency=0.5).roofline
-    assert forced.flops_per_s == pytest.approx(989.4e12 * 0.5)
+    assert forced.flops_per_s == pytest.approx(989.4e12 * 0.5 * h100.clock_ratio)
 
 
 def test_a_known_gpu_measured_in_tf32_only_keeps_the_bf16_peak_unmeasured(tmp_path):
@@ -171,7 +184,10 @@ def test_a_known_gpu_measured_in_tf32_only_keeps_the_bf16_peak_unmeasured(tmp_pa
     spec = _load(tmp_path, hardware_entry(cal))
     assert spec.measured_bf16_flops is None and spec.peak_bf16_flops == load_hardware("h100").peak_bf16_flops
     assert spec.matmul_efficiency == pytest.approx(400.0 / 494.7)
-    assert AnalyticConfig(batch_size=1, hardware=spec).roofline.flops_per_s == pytest.approx(989.4e12 * 400 / 494.7)
+    ratio = load_hardware("h100").clock_ratio
+    assert AnalyticConfig(batch_size=1, hardware=spec).roofline.flops_per_s == pytest.approx(
+        989.4e12 * 400 / 494.7 * ratio
+    )
 
 
 def test_an_unknown_gpu_uses_its_full_wave_rates_as_peaks_and_names_the_link_fallback(tmp_path):

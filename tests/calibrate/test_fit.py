@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from pipeplan.calibrate.fit import fit_matmul_efficiency, full_wave_flops_per_s, model_seconds, shape_efficiency
+from pipeplan.calibrate.fit import (
+    KernelTerms,
+    fit_matmul_efficiency,
+    full_wave_flops_per_s,
+    model_seconds,
+    shape_efficiency,
+)
 from pipeplan.calibrate.hardware_file import hardware_entry
 from pipeplan.calibrate.spec import SIZES, Calibration, MatmulSample, MemorySample
 from pipeplan.hardware import load_hardware
@@ -45,14 +52,25 @@ def test_the_fit_is_the_median_over_shapes():
         fit_matmul_efficiency([], PEAK, 132)
 
 
-def test_quantization_is_taken_out_of_the_measured_rate():
-    """A half-wave matmul measures at half the full wave's rate; the fit sees through it, the raw fraction cannot."""
-    half_wave = _sample((1024, 1024, 1024), 0.8, 132)
-    raw_fraction = half_wave.flops_per_s / PEAK
-    assert raw_fraction == pytest.approx(0.8 * 64 / 132)  # 64 of 132 SMs busy
-    assert shape_efficiency(half_wave, PEAK, 132) == pytest.approx(0.8)
-    full = _sample((16 * 128, 33 * 128, 4096), 0.8, 132)  # 528 tiles of 128 x 128 = 4 full waves
-    assert full.flops_per_s / PEAK == pytest.approx(0.8)
+H100 = load_hardware("h100")
+TERMS = KernelTerms(
+    bytes_per_s=3.0e12,
+    gemm_overhead_s=H100.gemm_overhead_s,
+    epilogue_exposed=H100.epilogue_exposed,
+    tile_reuse_half=H100.tile_reuse_half,
+    stream_k=H100.stream_k,
+)
+
+
+def test_quantization_and_the_per_kernel_terms_are_taken_out_of_the_measured_rate():
+    """With the h100 preset's per-kernel terms (what calibrate fits a matched H100 with) a small matmul measures far
+    below the full wave's rate and a large one near it; the fit sees through both, the raw fraction cannot."""
+    small = MatmulSample("bf16", (1024, 1024, 1024), model_seconds((1024, 1024, 1024), 0.8 * PEAK, 132, TERMS))
+    large = MatmulSample("bf16", (8192, 8192, 8192), model_seconds((8192, 8192, 8192), 0.8 * PEAK, 132, TERMS))
+    assert small.flops_per_s / PEAK < 0.5 < 0.7 < large.flops_per_s / PEAK < 0.8
+    for sample in (small, large):
+        assert shape_efficiency(sample, PEAK, 132, TERMS) == pytest.approx(0.8, rel=1e-6)
+    assert full_wave_flops_per_s([small, large], 132, TERMS, PEAK) == pytest.approx(0.8 * PEAK, rel=1e-6)
 
 
 def test_without_sms_the_fit_is_measured_over_peak():
@@ -70,7 +88,10 @@ def test_the_calibrated_entry_makes_the_analytic_kernels_take_the_measured_times
         device_name="NVIDIA H100 80GB HBM3",
         memory_bytes=85_000_000_000,
         sm_count=132,
-        matmul=[_sample(shape, 0.8, 132) for shape in shapes],
+        matmul=[
+            MatmulSample("bf16", shape, model_seconds(shape, 0.8 * PEAK, 132, replace(TERMS, bytes_per_s=3.0e12)))
+            for shape in shapes
+        ],
         memory=[MemorySample(1 << 30, 3.0e12, 3.0e12)],
         launch_s=4e-6,
     )
@@ -79,6 +100,7 @@ def test_the_calibrated_entry_makes_the_analytic_kernels_take_the_measured_times
     spec = load_hardware("gpu", hardware_file=path)
     assert spec.matmul_efficiency == pytest.approx(0.8) and spec.sm_count == 132
     rates = AnalyticConfig(batch_size=1, hardware=spec).roofline.kernel_rates
+    rates = replace(rates, gemm_flops_per_s=rates.gemm_flops_per_s / spec.clock_ratio)  # the calibration's clock
     for sample in cal.matmul:
         m, n, k = sample.shape
         assert kernel_seconds(Kernel(kind="gemm", m=m, n=n, k=k), rates) == pytest.approx(sample.seconds)

@@ -75,6 +75,12 @@ def test_cli_json_and_plot(tmp_path):
         assert memory["weights"] + memory["gradients"] + memory["optimizer"] == 18 * memory["param_count"]
     assert data["answer"] is None
     assert set(data["per_schedule"]) >= {"1f1b", "zbv"}
+    for row in data["rows"]:  # the busiest device's compute per step, by part (profiling.retime)
+        parts = row["compute_breakdown"]
+        keys = ("gemm_ms", "attention_ms", "memory_ms", "launch_ms", "other_ms", "collectives_ms")
+        assert sum(parts[key] for key in keys) == pytest.approx(parts["total_ms"])
+        assert parts["gemm_ms"] > parts["attention_ms"] > 0 and parts["memory_ms"] > 0 and parts["launch_ms"] > 0
+        assert parts["total_ms"] == pytest.approx(row["time"]["compute_ms"], rel=0.15)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -9,12 +9,14 @@ from helpers.megatron_bytes import MEGATRON_SPLITS, MEGATRON_TABLE
 from pipeplan.costs import numerics, static_split
 from pipeplan.costs.optimizer import undo_copy_bytes
 from pipeplan.costs.overlap import (
+    COMM_SMS,
     DeviceStep,
     Overlap,
     blocking_transfers,
     eager_update_ms,
     optimizer_bytes_per_param,
     optimizer_step_ms,
+    overlapped_ms,
     step_end_ms,
 )
 from pipeplan.errors import ConfigError
@@ -28,6 +30,22 @@ def test_overlap_options_parse_and_default_to_megatron_core_s_none():
     assert Overlap.parse(Overlap(tensor=True, p2p=True).label) == Overlap(tensor=True, p2p=True)
     with pytest.raises(ConfigError, match="--overlap 'nccl'"):
         Overlap.parse("nccl")
+    assert Overlap.parse("all").comm_sms == COMM_SMS == 8  # NeMo's H100 userbuffers setting (its source: the module)
+    assert Overlap.parse("tensor,sms=24") == Overlap(tensor=True, comm_sms=24)
+    assert Overlap.parse(Overlap.parse("all,sms=2").label) == Overlap.parse("all,sms=2")
+    with pytest.raises(ConfigError, match="sms= takes a whole number"):
+        Overlap.parse("tensor,sms=many")
+
+
+def test_an_overlapped_collective_hides_but_takes_sms_and_chunks_from_the_matmuls():
+    """comm 2 ms beside 8 ms of matmuls in 4 chunks on a GPU whose collective takes 8 of 132 SMs: the first chunk
+    (0.5) shows, the matmuls lose 2 ms x 8/132 while both run, and the chunked matmuls' extra time adds."""
+    share = 8 / 132
+    assert overlapped_ms(2.0, 8.0, chunks=4, sm_share=share) == pytest.approx(0.5 + 2.0 * share)
+    assert overlapped_ms(2.0, 8.0, chunks=4, sm_share=share, split_ms=0.3) == pytest.approx(0.8 + 2.0 * share)
+    assert overlapped_ms(20.0, 8.0, chunks=4, sm_share=share) == pytest.approx(12.0 + 8.0 * share)  # the excess
+    assert overlapped_ms(2.0, 8.0, chunks=4, sm_share=0.0) == 0.5  # free SMs: the earlier model
+    assert overlapped_ms(0.0, 8.0, chunks=4, sm_share=share, split_ms=0.3) == 0.0  # nothing to overlap
 
 
 def test_blocking_transfers_busy_the_sender_where_stages_cross_devices():

@@ -27,6 +27,7 @@ from pipeplan.profiling.kernels import pass_kernels
 from pipeplan.profiling.layer_count import count_layer
 from pipeplan.profiling.opcount import Roofline, split_parts
 from pipeplan.profiling.profile import Profile
+from pipeplan.profiling.retime import pass_breakdown
 
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 256, 2, 256, 4, 128
 
@@ -199,9 +200,14 @@ def test_times_follow_the_roofline(flash_profile):
     assert block.backward_ms <= block.input_grad_ms + block.weight_grad_ms
     embed = flash_profile.layers[0]
     assert embed.input_grad_ms == 0 and embed.weight_grad_ms == embed.backward_ms > 0  # token ids: W only
-    slower = _blocks(_profile(_gpt(), matmul_efficiency=0.1, memory_efficiency=0.1))[0]
-    assert slower.forward_ms == pytest.approx(block.forward_ms * h100.matmul_efficiency / 0.1, rel=0.3)
-    faster = _blocks(_profile(_gpt(), hardware="b200"))[0]
+    base = _profile(_gpt(), precision="bf16")
+    low = _profile(_gpt(), precision="bf16", matmul_efficiency=0.1, memory_efficiency=0.1)
+    fast, slow = (pass_breakdown(_blocks(p)[0].work, p.provenance.kernel_rates, "forward") for p in (base, low))
+    assert slow.memory == pytest.approx(fast.memory * h100.memory_efficiency / 0.1)  # bytes over the memory rate
+    assert slow.launch == fast.launch > 0  # launches do not depend on the rates
+    overhead = h100.gemm_overhead_s * 1e3 * sum(k.kind == "gemm" and not k.core for k in _blocks(base)[0].work.kernels)
+    assert slow.gemm - overhead == pytest.approx((fast.gemm - overhead) * h100.matmul_efficiency / 0.1, rel=0.05)
+    faster = _blocks(_profile(_gpt(), hardware="b200", precision="bf16"))[0]  # as flash_profile
     assert faster.forward_ms < block.forward_ms and faster.flops == block.flops
 
 

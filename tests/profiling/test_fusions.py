@@ -62,6 +62,20 @@ class _Gelu(nn.Module):
         return F.gelu(x, approximate="tanh")
 
 
+class _Halves(nn.Module):  # no weight, its output half as wide as its input (as attention's q, k, v -> out)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (2, -1)).sum(-2)
+
+
+class _Doubled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.halves = _Halves()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.halves(torch.cat([x, x], -1))
+
+
 class _Block(nn.Module):
     def __init__(self, part: nn.Module) -> None:
         super().__init__()
@@ -112,3 +126,10 @@ def test_hand_written_gelu_is_counted_as_the_gelu_kernel_and_quick_gelu_is_not()
     kernel = _block_saved(_Gelu)
     assert _block_saved(_TanhGelu) == kernel
     assert _block_saved(_QuickGelu) > kernel
+
+
+def test_a_region_whose_output_is_not_its_inputs_shape_is_left_as_written():
+    """The probe feeds a region an input as wide as its output: a region that changes the width (here both ways;
+    attention's, from q, k, v together to its output, at GPT-3 22B's width) gives a result of another shape, which is
+    no activation (it used to raise from the comparison)."""
+    assert _block_saved(_Doubled) == _block_saved(_Doubled, "export") > 0

@@ -1,16 +1,22 @@
-"""Kernels by shape: tile and wave quantization, FlashAttention's thread blocks, the FP8 cast, the backward kernels
-and the rank shapes tensor and context parallelism give."""
+"""Kernels by shape: tile and wave quantization, operand reuse, small-K, split-K and stream-K, the per-kernel
+overhead, FlashAttention's thread blocks, the FP8 cast, the backward kernels, the rank shapes tensor and context
+parallelism give — and the model against a published table of measured H100 matmuls."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from pipeplan.hardware import load_hardware
 from pipeplan.profiling.kernels import Kernel, KernelRates, backward_kernels, kernel_seconds, pass_kernels
 
 PEAK = 312e12  # A100 bf16 dense (datasheet)
 RATES = KernelRates(gemm_flops_per_s=PEAK, attention_flops_per_s=PEAK, bytes_per_s=2e12, sm_count=108)
+REUSE = replace(RATES, tile_reuse_half=79.0)  # small tiles run below the largest's rate (hardware.json's fit)
+XLA_TABLE = Path(__file__).parents[1] / "data" / "xla_sm90_bf16_matmuls.txt"
 
 
 def _linear(**fields) -> Kernel:
@@ -18,20 +24,103 @@ def _linear(**fields) -> Kernel:
     return Kernel(**{**base, **fields})
 
 
-def test_a_full_wave_runs_at_the_rate_and_a_partial_wave_costs_more():
+def test_a_full_wave_runs_at_the_rate_and_a_partial_wave_costs_more_unless_stream_k_spreads_it():
     # 108 SMs: 12 x 9 tiles of 256 x 128 are exactly one wave (compute-bound at k = 16384)
     full = Kernel(kind="gemm", m=256 * 12, n=128 * 9, k=16384)
-    assert kernel_seconds(full, RATES) == pytest.approx(full.flops / PEAK)
-    wider = Kernel(kind="gemm", m=256 * 12, n=128 * 10, k=16384)  # 120 tiles: no tile shape fills whole waves
-    achieved = wider.flops / kernel_seconds(wider, RATES)
-    assert achieved == pytest.approx(PEAK * 10 / 9 / 1.5)  # best: 240 tiles of 128 x 128 in 3 waves
+    assert kernel_seconds(full, REUSE) == pytest.approx(full.flops / PEAK)
+    wider = Kernel(kind="gemm", m=256 * 12, n=128 * 10, k=16384)  # 120 large tiles: a second, mostly empty wave
+    waves = wider.flops / kernel_seconds(wider, REUSE)
+    assert waves < 0.85 * PEAK  # smaller tiles fill waves better but run below the largest tile's rate
+    spread = wider.flops / kernel_seconds(wider, replace(REUSE, stream_k=True))
+    assert waves < spread < PEAK and spread > 0.95 * PEAK  # stream-K: every SM an equal share of the k-steps
+    free = wider.flops / kernel_seconds(wider, RATES)  # without the reuse term small tiles would be free
+    assert free > waves
+
+
+def test_small_tiles_run_below_the_largest_tiles_rate():
+    """A tile's rate falls with its operand reuse r = tm·tn / (tm + tn), multiply-adds per loaded element: a
+    64-row matmul's best tile here is 64 x 64 (108 tiles, one wave; k too short to split), at
+    (1 + R / r_max) / (1 + R / r) of the largest tile's rate, r = 32."""
+    skinny = Kernel(kind="gemm", m=64, n=64 * 108, k=384)
+    factor = (1 + 79 / (128 * 256 / 384)) / (1 + 79 / 32)
+    expected = 2.0 * 64 * 64 * 384 / (PEAK * factor / 108)
+    assert kernel_seconds(skinny, replace(REUSE, bytes_per_s=1e30)) == pytest.approx(expected)
+    assert factor < 0.6
+
+
+def test_small_k_runs_below_the_rate_by_its_exposed_epilogue():
+    """A tile's output write (b bytes per element at the SM's share of the memory rate: b·R / (2·BW) steps of k)
+    shows for `epilogue_exposed` of its time: a full wave at depth k runs at k / (k + k0) of the rate, rising with
+    k; a weight gradient accumulating into an fp32 buffer reads and writes 8 bytes per element, 4x the steps."""
+    rates = replace(REUSE, epilogue_exposed=0.73)
+    k0 = 0.73 * 2 * PEAK / (2 * 2e12)  # a bf16 result: 2 bytes per element
+    achieved = []
+    for k in (256, 1024, 4096, 16384):
+        full = Kernel(kind="gemm", m=256 * 12, n=128 * 9, k=k, element_bytes=2)
+        achieved.append(full.flops / kernel_seconds(full, rates))
+        assert achieved[-1] == pytest.approx(PEAK * k / (k + k0))
+    assert achieved == sorted(achieved)
+    wgrad = Kernel(kind="gemm", m=256 * 12, n=128 * 9, k=2048, accumulates=True)
+    fp32 = replace(rates, grad_bytes=4)
+    assert wgrad.flops / kernel_seconds(wgrad, fp32) == pytest.approx(PEAK * 2048 / (2048 + 4 * k0))
+    assert kernel_seconds(wgrad, rates) == kernel_seconds(replace(wgrad, accumulates=False), rates)  # eager: written
+
+
+def test_skinny_outputs_split_k_and_each_kernel_pays_its_overhead():
+    """4 tiles on 108 SMs: split-K cuts k into 16 slices (partial sums written and read back); a kernel of almost no
+    work still takes gemm_overhead_s."""
+    skinny = Kernel(kind="gemm", m=256, n=256, k=16384)
+    one_wave = 2.0 * 128 * 256 * 16384 / (PEAK / 108)  # without split-K: 2 tiles of 128 x 256, one wave
+    split = kernel_seconds(skinny, replace(REUSE, bytes_per_s=1e30))
+    assert split < one_wave / 8
+    tiny = Kernel(kind="gemm", m=16, n=16, k=16)
+    assert kernel_seconds(tiny, replace(REUSE, gemm_overhead_s=5e-6)) == pytest.approx(
+        kernel_seconds(tiny, REUSE) + 5e-6
+    )
+
+
+def test_the_h100_preset_reproduces_a_published_table_of_measured_matmuls():
+    """XLA's table of measured bf16 matmuls on H100 (tests/data/xla_sm90_bf16_matmuls.txt, its source in the file):
+    the kernel model with the h100 preset's shape terms at the table's own fitted level (0.93) is within 7% rms of
+    all 125 and unbiased (mean within 2%) on the 45 large ones; the model before (one efficiency, three tile shapes,
+    no per-kernel terms) was 24% too fast on those. The preset's level comes from normally distributed inputs (the
+    table does not say what it multiplied; random inputs draw more power): 4-9% slower than the table."""
+    h100 = load_hardware("h100")
+    table_level, preset_level = _xla_errors(h100, 0.93), _xla_errors(h100, h100.matmul_efficiency)
+    errors, large = table_level
+    assert len(errors) == 125 and len(large) == 45
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.07
+    assert abs(sum(large) / len(large)) < 0.02
+    assert 0.04 < sum(preset_level[1]) / len(preset_level[1]) < 0.09
+
+
+def _xla_errors(h100, efficiency: float) -> tuple[list[float], list[float]]:
+    """log(model / measured) time of each table entry, and of the large ones."""
+    rates = KernelRates(
+        gemm_flops_per_s=h100.peak_bf16_flops * efficiency,
+        attention_flops_per_s=h100.peak_bf16_flops,
+        bytes_per_s=h100.memory_bytes_per_s(),
+        sm_count=h100.sm_count,
+        gemm_overhead_s=h100.gemm_overhead_s,
+        epilogue_exposed=h100.epilogue_exposed,
+        tile_reuse_half=h100.tile_reuse_half,
+        stream_k=h100.stream_k,
+    )
+    rows = [line.split() for line in XLA_TABLE.read_text().splitlines() if line and not line.startswith("#")]
+    errors, large = [], []
+    for m, n, k, tflops in rows:
+        kernel = Kernel(kind="gemm", m=int(m), n=int(n), k=int(k))
+        errors.append(math.log(kernel_seconds(kernel, rates) * float(tflops) * 1e12 / kernel.flops))
+        if int(m) * int(n) >= 2**20 and int(k) >= 1024:
+            large.append(errors[-1])
+    return errors, large
 
 
 def test_skinny_shards_run_below_peak_and_without_sms_there_is_no_quantization():
     shard = _linear().on_rank(t=8)
     assert (shard.m, shard.n, shard.k) == (8192, 2304, 6144)
-    achieved = shard.flops / kernel_seconds(shard, RATES)
-    assert achieved < 0.98 * PEAK  # no tile shape fills whole waves of 108
+    achieved = shard.flops / kernel_seconds(shard, REUSE)
+    assert achieved < 0.98 * PEAK  # no tile shape fills whole waves of 108 at the largest tile's rate
     flat = KernelRates(gemm_flops_per_s=PEAK, attention_flops_per_s=PEAK, bytes_per_s=2e12)
     assert kernel_seconds(shard, flat) == pytest.approx(shard.flops / PEAK)
 

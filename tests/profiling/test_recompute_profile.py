@@ -222,8 +222,15 @@ def test_router_softmax_is_not_attention_and_square_heads_are_not_scores():
 def test_json_round_trip_and_schema_1_files_load_with_defaults(gpt_math, tmp_path):
     path = tmp_path / "p.json"
     gpt_math.save(path)
-    assert json.loads(path.read_text())["schema_version"] == PROFILE_SCHEMA_VERSION == 4
+    assert json.loads(path.read_text())["schema_version"] == PROFILE_SCHEMA_VERSION == 5
     assert Profile.load(path) == gpt_math
+    four = gpt_math.to_dict()  # schema 4 (and 3): the work without its traffic; its other ops keep their roofline ms
+    four["schema_version"] = 4
+    for layer in four["layers"]:
+        for name in ("forward", "input_grad", "weight_grad", "backward", "selective"):
+            del layer["work"][f"{name}_traffic"]
+    path.write_text(json.dumps(four))
+    assert all(layer.work.forward_traffic is None for layer in Profile.load(path).layers)
     old = gpt_math.to_dict()
     old["schema_version"] = 1
     for layer in old["layers"]:
@@ -235,8 +242,8 @@ def test_json_round_trip_and_schema_1_files_load_with_defaults(gpt_math, tmp_pat
     for layer, before in zip(loaded.layers, entering, strict=True):
         assert layer.selective_activation_bytes == layer.activation_bytes and layer.selective_recompute_ms == 0.0
         assert layer.full_activation_bytes == before and layer.full_recompute_ms == layer.forward_ms
-    path.write_text(json.dumps({**old, "schema_version": 5}))
-    with pytest.raises(FormatError, match="schema_version 5") as info:
+    path.write_text(json.dumps({**old, "schema_version": 6}))
+    with pytest.raises(FormatError, match="schema_version 6") as info:
         Profile.load(path)
     assert "\n" not in str(info.value)
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers.runtime import TINY_GPT_TIED, make_plan
+from helpers.runtime import TINY_GPT, TINY_GPT_TIED, make_plan
 
 from pipeplan.errors import RunError
 from pipeplan.runtime.launch.local import launch_local
@@ -91,6 +91,15 @@ def test_diverged_tied_copies_stop_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,step=1,mode=diverge")
     config = RunConfig(steps=3, check_every=1, quiet=True, heartbeat_timeout_s=30.0)
     with pytest.raises(RunError, match=r"step 1: parameter 'embed.tok.weight' differs between ranks \[0, 1\]"):
+        launch_local(path, config, threads=1)
+
+
+def test_diverged_dualpipe_copies_stop_the_run(tmp_path, monkeypatch):
+    """dualpipe holds every stage twice (rank d: stages d and p-1-d); a nudged copy fails the step's checksum."""
+    path, _ = make_plan(tmp_path, "dp", "gpt", TINY_GPT, schedule="dualpipe", pipeline_devices=2)
+    monkeypatch.setenv("PIPEPLAN_FAULT", "rank=1,step=1,mode=diverge")
+    config = RunConfig(steps=2, check_every=1, quiet=True, heartbeat_timeout_s=30.0)
+    with pytest.raises(RunError, match=r"step 1: parameter '.*' differs between ranks \[0, 1\]"):
         launch_local(path, config, threads=1)
 
 

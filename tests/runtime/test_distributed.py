@@ -40,6 +40,8 @@ AUTO_STEPS = WARMUP_STEPS + PROBE_STEPS + 1  # the warm-up, the probe, one step 
 TOY = str(Path(__file__).with_name("toy_models.py")) + ":repeated_gpt"
 INPUT_SKIP = str(Path(__file__).with_name("toy_models.py")) + ":input_skip_mlp"
 TRAIN_STEPS, LR = 20, 3e-3
+TRAINING = dict(quiet=True, lr=LR, heartbeat_timeout_s=30.0)
+DUALPIPE_STEPS = 3
 FUSED_GPT = {**TINY_GPT, "dropout": 0.1}  # dropout: each half's forward draws its own seeded randomness
 
 
@@ -77,10 +79,13 @@ def two_rank_runs(tmp_path_factory):
     add("dualpipev auto", path, plan, dataclasses.replace(ONE_STEP, steps=AUTO_STEPS))
     halves = dataclasses.replace(plan, rank_ops=as_halves(plan.rank_ops))
     add("dualpipev halves", save_plan(folder, "halves", halves), halves)
+    # dualpipe's two copies of each stage trained three steps, compared after every step (--check-every 1)
+    path, plan = make_plan(folder, "dualpipe-train", "gpt", TINY_GPT, schedule="dualpipe", pipeline_devices=2)
+    add("dualpipe train", path, plan, RunConfig(steps=DUALPIPE_STEPS, check_every=1, **TRAINING))
     path, plan = make_plan(folder, "input-skip", INPUT_SKIP, {}, schedule="zb-h1", pipeline_devices=2)
     add("model input read by the last stage", path, plan)
     path, plan = make_plan(folder, "toy", TOY, {}, schedule="zbv", pipeline_devices=2)
-    common = dict(quiet=True, lr=LR, heartbeat_timeout_s=30.0)
+    common = TRAINING
     add("train", path, plan, RunConfig(steps=TRAIN_STEPS, check_every=5, **common))
     checkpoints = str(folder / "ckpt")
     add("first half", path, plan, RunConfig(steps=3, checkpoint_dir=checkpoints, checkpoint_every=2, **common))
@@ -144,6 +149,18 @@ def test_auto_pairs_keep_the_way_their_probe_timed_faster(two_rank_runs):
     assert [r.losses[0] for r in _per_rank(results, index)] == [r.losses[0] for r in first]
 
 
+def test_dualpipe_copies_train_like_single_process_adamw(two_rank_runs):
+    """Both ranks hold both stages (one copy per direction); their gradients are summed, so the mirrored copies
+    take the same AdamW steps: the single-process losses, and the copies' checksums agree after every step."""
+    cases, results, _ = two_rank_runs
+    index, plan = cases["dualpipe train"]
+    assert [info.stages for info in plan.ranks] == [(0, 1), (1, 0)]
+    losses = results[0][index].losses
+    assert len(losses) == DUALPIPE_STEPS and losses == results[1][index].losses
+    expected = reference_losses(plan, DUALPIPE_STEPS, lr=LR, weight_decay=plan.training.weight_decay)
+    torch.testing.assert_close(losses, expected, rtol=2e-4, atol=1e-5)
+
+
 def test_model_input_read_by_a_later_stage(two_rank_runs):
     cases, results, _ = two_rank_runs
     index, plan = cases["model input read by the last stage"]
@@ -181,6 +198,12 @@ def test_four_ranks_replicas_data_parallel_and_ties(tmp_path):
             "gpt",
             TINY_GPT_TIED,
             dict(schedule="dualpipev", pipeline_devices=2, data_parallel=2),
+        ),
+        (
+            "gpt dualpipe 4 stages",  # each rank holds stages d and 3-d; microbatches enter at ranks 0 and 3
+            "gpt",
+            TINY_GPT_TIED,
+            dict(schedule="dualpipe", pipeline_devices=4, num_microbatches=8),
         ),
         (
             "resnet interleaved dp2",

@@ -8,13 +8,15 @@ from hypothesis import strategies as st
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules import SCHEDULE_NAMES, default_chunks, generate, stage_device, validate
-from pipeplan.schedules.placement import V_SHAPED
+from pipeplan.schedules.placement import MIRRORED, V_SHAPED
 from pipeplan.schedules.registry import clear_schedule_cache, schedule_info
 
 
 def _supported(name: str, p: int, m: int, v: int) -> bool:
     if schedule_info(name).placement == V_SHAPED:
         return v == 2 and (name != "dualpipev" or m >= 2 * p)
+    if schedule_info(name).placement == MIRRORED:
+        return v == 1 and p % 2 == 0 and m % 2 == 0 and m >= 2 * p
     if name == "interleaved":
         return m % p == 0
     return v == 1
@@ -50,6 +52,7 @@ def test_placements():
     assert stage_device("interleaved", 3, 2) == (0, 1, 2, 0, 1, 2)
     assert stage_device("zbv", 3) == (0, 1, 2, 2, 1, 0)
     assert stage_device("dualpipev", 2) == (0, 1, 1, 0)
+    assert stage_device("dualpipe", 4) == (0, 1, 2, 3)  # direction 0; the odd microbatches run on 3 - device
     assert stage_device("1f1b", 4) == (0, 1, 2, 3)
 
 

@@ -23,10 +23,10 @@ def test_1f1b_inflight():
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_order_based_peak_matches_timed_peak_by_replay(name):
     """Replay each device's list with a live-bytes dict; the simulator's peak is static + that maximum."""
-    schedule = generate(name, num_devices=3, num_microbatches=6)
+    schedule = generate(name, num_devices=4, num_microbatches=8)
     act = tuple(10.0 + 3 * s for s in range(schedule.num_stages))
     freed = tuple(a * 0.4 for a in act)
-    memory = MemoryCosts(activation_bytes=act, input_grad_freed_bytes=freed, static_bytes=(7.0, 8.0, 9.0))
+    memory = MemoryCosts(activation_bytes=act, input_grad_freed_bytes=freed, static_bytes=(7.0, 8.0, 9.0, 10.0))
     expect = []
     for ops in schedule.device_ops:
         live, peak = {}, 0.0
@@ -42,7 +42,7 @@ def test_order_based_peak_matches_timed_peak_by_replay(name):
         expect.append(peak)
     assert peak_activation_per_device(schedule, memory) == pytest.approx(expect)
     timed = simulate(schedule, memory=memory).peak_memory_bytes
-    assert timed == pytest.approx([s + p for s, p in zip((7.0, 8.0, 9.0), expect)])
+    assert timed == pytest.approx([s + p for s, p in zip((7.0, 8.0, 9.0, 10.0), expect, strict=True)])
 
 
 def test_fixed_schedules_are_checked_against_a_byte_limit():

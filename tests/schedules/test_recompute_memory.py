@@ -60,7 +60,7 @@ def _replayed_peaks(schedule, memory: MemoryCosts) -> list[float]:
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_peak_matches_a_replay_of_the_op_lists(name, mode):
-    schedule = generate(name, num_devices=3, num_microbatches=6)
+    schedule = generate(name, num_devices=4, num_microbatches=8)
     memory = _memory(schedule.num_stages, mode)
     expect = _replayed_peaks(schedule, memory)
     assert peak_activation_per_device(schedule, memory) == pytest.approx(expect)

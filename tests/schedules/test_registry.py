@@ -14,7 +14,7 @@ from pipeplan.errors import ConfigError, ScheduleError, UnknownScheduleError
 from pipeplan.partition.config import PartitionConfig
 from pipeplan.schedules import generate, peak_activation_per_device, stage_device, validate
 from pipeplan.schedules.ops import OVERLAP
-from pipeplan.schedules.placement import LOOPED, ONE_PER_DEVICE, V_SHAPED, fixed_chunks
+from pipeplan.schedules.placement import LOOPED, MIRRORED, ONE_PER_DEVICE, V_SHAPED, fixed_chunks
 from pipeplan.schedules.registry import (
     SCHEDULE_NAMES,
     clear_schedule_cache,
@@ -32,8 +32,14 @@ def _generate(name: str, p: int, chunks: int | None = None, **kwargs):
     return generate(name, num_devices=p, num_microbatches=4 * p, chunks=chunks, **kwargs)
 
 
+def _devices(name: str, p: int) -> int:
+    """`p`, or the next even count for a mirrored schedule (dualpipe's two directions need an even one)."""
+    return p + p % 2 if schedule_info(name).placement == MIRRORED else p
+
+
 def _expected_device(placement: str, stage: int, p: int) -> int:
-    """The published placements, written out independently of pipeplan.schedules.placement."""
+    """The published placements, written out independently of pipeplan.schedules.placement (mirrored: the even
+    microbatches' device, DualPipe's forward direction)."""
     if placement == V_SHAPED:  # ZB-V / DualPipeV: device d holds stages d and 2p-1-d
         return stage if stage < p else 2 * p - 1 - stage
     return stage % p  # looped (Megatron interleaved); one stage per device when there is one chunk
@@ -43,14 +49,20 @@ def _expected_device(placement: str, stage: int, p: int) -> int:
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 def test_placement_and_chunks_match_the_generated_op_lists(name, p):
     info = schedule_info(name)
+    if p != _devices(name, p):
+        with pytest.raises(ScheduleError, match="even --stages"):
+            _generate(name, p)
+        return
     schedule = _generate(name, p)
     validate(schedule)
     assert schedule.num_chunks == info.default_chunks == default_chunks(name)
     assert schedule.stage_device == info.stage_device(p) == stage_device(name, p)
     assert schedule.stage_device == tuple(_expected_device(info.placement, s, p) for s in range(schedule.num_stages))
     for device, ops in enumerate(schedule.device_ops):
-        assert {schedule.stage_device[o.stage] for o in ops} == {device}
-    if info.placement == ONE_PER_DEVICE:
+        assert {schedule.op_device(h.stage, h.microbatch) for o in ops for h in o.parts} == {device}
+        mirror = {p - 1 - d for d in (device,) if info.placement == MIRRORED}
+        assert {h.stage for o in ops for h in o.parts} == {device} | mirror or info.placement != MIRRORED
+    if info.placement in (ONE_PER_DEVICE, MIRRORED):
         assert schedule.stage_device == tuple(range(p))
 
 
@@ -72,7 +84,7 @@ def test_allowed_chunks_are_the_ones_the_generator_accepts(name):
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_split_backward_schedules_emit_i_and_w_the_others_b(name):
-    kinds = {o.kind for ops in _generate(name, 3).device_ops for o in ops}
+    kinds = {o.kind for ops in _generate(name, _devices(name, 3)).device_ops for o in ops}
     if schedule_info(name).split_backward:
         assert {"I", "W"} <= kinds
     else:
@@ -84,7 +96,8 @@ def test_cost_driven_generators_take_costs_and_fixed_ones_do_not(name):
     info = schedule_info(name)
     parameters = set(inspect.signature(info.generator).parameters)
     assert ({"costs", "memory", "memory_limit"} <= parameters) == info.cost_driven
-    stages = 3 * info.default_chunks
+    p = _devices(name, 3)
+    stages = p * info.default_chunks
     skewed = StageCosts(
         forward_ms=[(1, 5, 1)[s % 3] for s in range(stages)],
         input_grad_ms=[(3, 1, 1)[s % 3] for s in range(stages)],
@@ -92,9 +105,9 @@ def test_cost_driven_generators_take_costs_and_fixed_ones_do_not(name):
         comm_ms=2,
     )
     clear_schedule_cache()  # fixed orders are cached: generate each one afresh
-    plain = _generate(name, 3)
+    plain = _generate(name, p)
     clear_schedule_cache()
-    steered = _generate(name, 3, costs=skewed)
+    steered = _generate(name, p, costs=skewed)
     assert plain is not steered
     # a fixed order: costs cannot change it; a cost-driven one follows these skewed costs away from the unit-cost order
     assert (plain.device_ops == steered.device_ops) == (not info.cost_driven)
@@ -128,13 +141,14 @@ def test_memory_limit_is_met_by_generation_or_refused_after_it(name):
 
 
 def test_properties_match_the_tables_they_replaced():
-    assert schedule_names(split_backward=True) == ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev")
+    assert schedule_names(split_backward=True) == ("zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipev", "dualpipe")
     assert schedule_names(replicable=True) == ("gpipe", "1f1b", "zb-h1", "zb-h2")
-    assert schedule_names(capacity_default=True) == tuple(n for n in SCHEDULE_NAMES if n != "zb-auto")
+    assert schedule_names(capacity_default=True) == tuple(n for n in SCHEDULE_NAMES if n not in ("zb-auto", "dualpipe"))
+    assert schedule_names(placement=MIRRORED) == ("dualpipe",)
     assert schedule_names(placement=V_SHAPED) == ("zbv", "dualpipev")
     assert schedule_names(placement=LOOPED) == ("interleaved",)
     assert schedule_names(asynchronous=True) == ("pipedream", "pipedream-2bw")
-    assert schedule_names(overlapped_pairs=True) == ("dualpipev",)
+    assert schedule_names(overlapped_pairs=True) == ("dualpipev", "dualpipe")
     assert schedule_names(torch_builtin=True) == ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
     assert schedule_names(megatron="") == ("1f1b", "interleaved")
     assert [schedule_info(n).estimate_with for n in SCHEDULE_NAMES if schedule_info(n).estimate_with] == ["zb-h1"]
@@ -148,6 +162,8 @@ def test_properties_match_the_tables_they_replaced():
 def test_weight_updates_and_pairs_match_the_generated_op_lists(name, p):
     """update_every, weight_versions and overlapped pairs are facts of the registry; the op lists carry the same."""
     info, m = schedule_info(name), 4 * p
+    if p != _devices(name, p):
+        return  # (dualpipe: an even p; test_placement_and_chunks_match_the_generated_op_lists checks the refusal)
     schedule = generate(name, num_devices=p, num_microbatches=m)
     assert (schedule.update_every, schedule.weight_versions) == (info.update_every(m), info.weight_versions(p))
     paired = any(o.kind == OVERLAP for ops in schedule.device_ops for o in ops)
@@ -166,6 +182,9 @@ def test_the_estimate_stands_in_with_a_fixed_order_of_the_same_shape(name):
 def test_torch_names_are_torch_schedules_with_the_same_placement(name):
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     info = schedule_info(name)
+    if not info.torch_name:  # torch has no schedule with this placement: every export refuses it
+        assert info.not_exportable and not info.torch_builtin and info.placement == MIRRORED
+        return
     torch_class = schedules.get_schedule_class(info.torch_name)
     v_shaped = torch_class in (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV)
     assert v_shaped == (info.placement == V_SHAPED)

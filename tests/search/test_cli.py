@@ -33,7 +33,13 @@ def plan_dir(profile_file, tmp_path_factory):
 
 
 def test_plan_writes_the_plan_directory(plan_dir):
-    assert {p.name for p in plan_dir.iterdir()} == {"plan.json", "launch.sh", "job.sbatch", "timeline.json"}
+    assert {p.name for p in plan_dir.iterdir()} == {
+        "plan.json",
+        "launch.sh",
+        "job.sbatch",
+        "timeline.json",
+        "profile.json",
+    }
     plan = Plan.load(plan_dir / "plan.json")
     assert plan.world_size == 4 and not plan.runnable
 

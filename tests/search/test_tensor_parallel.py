@@ -12,6 +12,7 @@ from helpers.search import stack_profile
 from helpers.transformer_reference import activation_bytes_per_layer
 
 from pipeplan.cluster import Cluster, DeviceGroups, Link
+from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import ConfigError
 from pipeplan.models import load_model
 from pipeplan.profiling.analytic import profile_analytic
@@ -104,6 +105,23 @@ def test_compute_splits_and_collectives_ride_the_critical_path():
     assert head.forward_ms == pytest.approx(1.0 / t + ring + losses)
     assert head.input_grad_ms == pytest.approx(1.0 / t + ring)
     assert sharded.cut_bytes == tuple(b // t for b in profile.cut_bytes)
+
+
+def test_overlapping_tensor_parallel_collectives_costs_what_their_sms_and_chunks_take():
+    """--overlap tensor hides a block's collectives behind its linears at the rank's shape, not for free: the SMs a
+    collective occupies (`Overlap.comm_sms`) slow the matmuls beside it, and the linears run as t chunks (on a
+    tiny model the chunks' launches would cost more than they hide; here, a 4096-wide block, they do not)."""
+    spec = load_model("gpt", dict(layers=2, hidden=4096, heads=32, seq=2048, vocab=1024))
+    profile = profile_analytic(spec, batch_size=1, hardware="h100", precision="bf16-main")
+    links, t = Links(tensor=Link(bandwidth=370e9, latency_s=10e-6), context=LINK), 4
+    exposed = split_profile(profile, t, 1, links).layers[1]
+    times = {
+        sms: split_profile(profile, t, 1, links, overlap=Overlap(tensor=True, comm_sms=sms)).layers[1]
+        for sms in (0, 8, 64)
+    }
+    assert times[0].forward_ms < times[8].forward_ms < times[64].forward_ms  # more SMs taken, slower matmuls
+    assert times[8].forward_ms < exposed.forward_ms  # still mostly hidden
+    assert times[8].input_grad_ms < exposed.input_grad_ms and times[8].weight_grad_ms == exposed.weight_grad_ms
 
 
 def test_one_is_the_profile_itself_and_rounding_never_undercounts():

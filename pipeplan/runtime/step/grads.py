@@ -1,7 +1,8 @@
 """Gradient all-reduce for parameters held by several ranks, and the check that their copies never diverge.
 
-A parameter is held by every rank whose stages use it: the replicas of its stage (PipeDream replication), the same
-stage in every data-parallel pipeline, and, for weights tied across stages (gpt tie_embeddings: the embedding is
+A parameter is held by every rank whose stages use it: the replicas of its stage (PipeDream replication), the two
+mirrored copies of a dualpipe stage (rank d holds stages d and p-1-d, one per direction), the same stage in every
+data-parallel pipeline, and, for weights tied across stages (gpt tie_embeddings: the embedding is
 the LM head), the ranks of each stage using it. Each such rank computed a partial gradient (its microbatches, its
 use of the tied weight), and the losses are already scaled by 1 / (microbatches x pipelines), so the true gradient
 is the SUM over the holders. Parameters with the same set of holders share one process group and one flat bucket.
@@ -73,6 +74,7 @@ class GradientSync:
             bad = (spread > 1e-9 * scale).nonzero().flatten().tolist()
             if bad:
                 raise RunError(
-                    f"step {step}: parameter {names[bad[0]]!r} differs between ranks {list(ranks)} (replicas or tied "
-                    "copies diverged); check for non-deterministic ops or restart from the last checkpoint"
+                    f"step {step}: parameter {names[bad[0]]!r} differs between ranks {list(ranks)} (replicas, "
+                    "mirrored or tied copies diverged); check for non-deterministic ops or restart from the last "
+                    "checkpoint"
                 )

@@ -100,6 +100,7 @@ class RunConfig:
     log_every: int = 1
     collective_timeout_s: float | None = None  # process-group timeout; default: 2 x heartbeat timeout
     direction_groups: bool = True  # a process group per transfer direction (step/comm.py; always on NCCL and async)
+    track_saved: bool = False  # record each rank's peak of held activation bytes (RunResult.saved_peak_bytes)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

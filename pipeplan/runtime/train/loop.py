@@ -31,6 +31,7 @@ from pipeplan.runtime.train.asynchronous import AsynchronousSteps
 from pipeplan.runtime.train.config import FaultSpec, RunConfig
 from pipeplan.runtime.train.metrics import MetricsLog, step_record
 from pipeplan.runtime.train.optim import run_plan
+from pipeplan.runtime.train.run_notes import RunSource, run_notes
 from pipeplan.runtime.train.step_checks import clip_coefficient
 from pipeplan.runtime.train.trace_io import write_trace
 from pipeplan.runtime.train.trainer import RunResult, SynchronousSteps, TracedStep, Trainer
@@ -61,13 +62,23 @@ class StepStrategy(Protocol):
         ...
 
 
-def train(
-    plan: Plan, config: RunConfig, *, rank: int, device: torch.device, capture_grads: bool = False, watchdog=None
+def train(  # noqa: PLR0913
+    plan: Plan,
+    config: RunConfig,
+    *,
+    rank: int,
+    device: torch.device,
+    capture_grads: bool = False,
+    watchdog=None,
+    plan_path: str | None = None,
 ) -> RunResult:
+    """Run `plan` (loaded from `plan_path`: the trace names it) on this rank; its result."""
+    loaded = plan
     plan = run_plan(plan, config)  # --seed, --lr and --weight-decay in place of the plan's
     strategy = AsynchronousSteps if schedule_info(plan.schedule).asynchronous else SynchronousSteps
     strategy.check(plan, config)  # before building anything
     trainer = Trainer(plan, config, rank=rank, device=device)
+    trainer.source = RunSource(plan=loaded, path=plan_path)
     start = trainer.restore() if config.resume else 0
     result = RunResult(rank=rank, first_step=start)
     steps: StepStrategy = strategy(trainer, result, capture_grads=capture_grads)
@@ -122,22 +133,30 @@ def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origi
     """What the run leaves: optimizer state size, rollbacks and peak memory in the result, the measured trace of
     the last steps, the summary lines."""
     plan, config, rank, device = trainer.plan, trainer.config, trainer.rank, trainer.device
+    source = trainer.source or RunSource(plan=plan)
     result.optimizer_state_numel = trainer.optimizer.state_numel()
+    if config.track_saved:
+        result.saved_peak_bytes = trainer.saved_peak_bytes
     if trainer.post_validator is not None:
         result.rollbacks, result.redone = trainer.post_validator.rollbacks, trainer.post_validator.redone
     if trainer.executor.pairs is not None:
         result.pairs = trainer.executor.pairs.describe()
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-    if config.trace_path:
-        write_trace(config.trace_path, rank, traced, origin=origin, world_size=plan.world_size)
+    gathered: list = [None] * plan.world_size  # every rank's median step time and F&B pairs
     if result.step_ms:  # --quiet drops only the per-step lines
-        peaks = gather_peak_memory(device)
-        gathered: list = [None] * plan.world_size  # every rank's median step time and F&B pairs
         dist.all_gather_object(gathered, (_median_step(result.step_ms), result.pairs))
-        periods = [period for period, _ in gathered]
+    predicted = predicted_ms(plan, bool(config.post_validate))
+    measured = max(period for period, _ in gathered) if result.step_ms else 0.0
+    if config.trace_path:
+        run = source.record(config, device.type, measured_ms=measured, predicted_ms=predicted) if rank == 0 else None
+        write_trace(config.trace_path, rank, traced, origin=origin, world_size=plan.world_size, run=run)
+    if result.step_ms:
+        peaks = gather_peak_memory(device)
         if rank == 0:
-            _log_summary(plan, predicted_ms(plan, bool(config.post_validate)), result.step_ms, periods, peaks)
+            _log_summary(plan, predicted, result.step_ms, [period for period, _ in gathered], peaks)
+            for line in run_notes(source, config, device.type, measured, predicted):
+                out.print(line, highlight=False, soft_wrap=True)
             _log_checks(config, result)
             for rank_of, (_, pairs) in enumerate(gathered):
                 if pairs is not None:

@@ -8,7 +8,9 @@ args), so the two overlay in Perfetto, plus the same times as plain numbers unde
 Every rank's times are on its own time.perf_counter(), started at the same instant (train.py takes the origin right
 after a barrier) and shifted so that the earliest traced op starts at 0 ms; a step's `end_ms` is when its optimizer
 step ended on that rank (with --post-validate, a step rolled back ends when the verdict's step was taken; a step run
-again keeps the times of its last run)."""
+again keeps the times of its last run). "pipeplan_measured" also holds "run": which plan the ranks ran and how
+(`plan.measured.RunRecord`: the plan's path and fingerprint, its profile's, the threads per rank, the measured and
+predicted step), what `pipeplan refine` checks and reads."""
 
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def traced_steps(traced: list[tuple[int, list[tuple[str, float, float]], float]]
     return [{"step": s, "end_ms": ms(end), "ops": [[op, ms(a), ms(b)] for op, a, b in ops]} for s, ops, end in traced]
 
 
-def measured_trace(per_rank: list[list[dict]]) -> dict:
-    """The Chrome trace (with "pipeplan_measured") of every rank's `traced_steps`."""
+def measured_trace(per_rank: list[list[dict]], run: dict | None = None) -> dict:
+    """The Chrome trace (with "pipeplan_measured") of every rank's `traced_steps`; `run`: the run's record
+    (`plan.measured.run_record`)."""
     zero = min((op[1] for steps in per_rank for step in steps for op in step["ops"]), default=0.0)
     ranks = []
     for rank, steps in enumerate(per_rank):
@@ -53,12 +56,16 @@ def measured_trace(per_rank: list[list[dict]]) -> dict:
     for event, step in zip(trace["traceEvents"], numbers, strict=False):  # the op events come first, in row order
         event["args"]["step"] = step
     trace["pipeplan_measured"] = {"clock": CLOCK, "ranks": ranks}
+    if run is not None:
+        trace["pipeplan_measured"]["run"] = run
     return trace
 
 
-def write_trace(path: str | os.PathLike, rank: int, traced: list, *, origin: float, world_size: int) -> None:
-    """Collective: gather every rank's traced steps; rank 0 writes one merged trace file."""
+def write_trace(
+    path: str | os.PathLike, rank: int, traced: list, *, origin: float, world_size: int, run: dict | None = None
+) -> None:
+    """Collective: gather every rank's traced steps; rank 0 writes one merged trace file (with `run`, rank 0's)."""
     gathered: list[list[dict] | None] = [None] * world_size
     dist.all_gather_object(gathered, traced_steps(traced, origin))
     if rank == 0:
-        atomic_write_text(path, json.dumps(measured_trace([g or [] for g in gathered])) + "\n")
+        atomic_write_text(path, json.dumps(measured_trace([g or [] for g in gathered], run)) + "\n")

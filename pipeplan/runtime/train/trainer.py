@@ -27,6 +27,7 @@ from pipeplan.runtime.step.zero import make_step_optimizer
 from pipeplan.runtime.train.config import RunConfig
 from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
 from pipeplan.runtime.train.post_validate import PostValidator, Settled
+from pipeplan.runtime.train.run_notes import RunSource
 from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
 from pipeplan.runtime.weights import checkpoint
 from pipeplan.schedules.registry import schedule_info
@@ -49,6 +50,7 @@ class RunResult:
     redone: int = 0  # --post-validate: steps already started on undone weights, discarded and run again
     pairs: str | None = None  # how this rank ran its overlapped F&B pairs (overlap.PairRunner.describe), if any
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
+    saved_peak_bytes: int | None = None  # with RunConfig.track_saved: the most activation bytes held (executor's)
 
 
 def microbatches_for(
@@ -74,6 +76,7 @@ def microbatches_for(
 class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, *, rank: int, device: torch.device) -> None:
         self.plan, self.config, self.rank, self.device = plan, config, rank, device
+        self.source: RunSource | None = None  # the plan as loaded and its file (`train` sets it): the trace's record
         self.model = build_pipeline_model(plan, rank, device, init_from=config.init_from)
         self.precision = get_precision(plan.training.precision)
         apply_param_dtype(self.model, self.precision)
@@ -91,6 +94,8 @@ class Trainer:
             plan, rank, self.model, routing, device, direction_groups=groups, overlap_pairs=config.overlap_pairs
         )
         self.executor.cuda_events = device.type == "cuda" and bool(config.trace_path)
+        self.executor.track_saved = config.track_saved
+        self.saved_peak_bytes = 0  # the most `Executor.held_activation_bytes` over the steps (track_saved)
         self.executor.autocast = lambda: self.precision.autocast(device.type)
         self.scaler = LossScaler() if self.precision.grad_scaler else None
         self.sync = GradientSync(plan, rank, self.model.stage_params, self.model.params)
@@ -168,6 +173,7 @@ class Trainer:
             self.executor.loss_grad = self.scaler.scale
         pieces = microbatches_for(self.plan, self.rank, shard, self.wanted, self.device, self.precision.param_dtype)
         record = self.executor.run_step(pieces, step=step)
+        self.saved_peak_bytes = max(self.saved_peak_bytes, record.saved_peak_bytes)
         self._op_times[step] = [(name, record.began + a, record.began + b) for name, a, b in record.op_times]
         if self.inject_nan_at == step:
             _poison_a_gradient(self.model.params)

@@ -18,7 +18,6 @@ checkout of that CLI (no pipeplan/artifact/ room) they run as written, else `tra
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import json
@@ -33,6 +32,18 @@ os.environ["COLUMNS"] = "200"  # rich's width: the same tables every run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from arguments import parse_args  # noqa: E402
+
+
+def _options(parser) -> None:
+    parser.add_argument("output", help="the corpus file to write (JSON)")
+    parser.add_argument("--only", default="", help="comma-separated names")
+    parser.add_argument("--against", default=None, help="a corpus file of before, to diff with")
+
+
+if __name__ == "__main__":  # first of all: --help answers before torch or pipeplan is imported
+    ARGS = parse_args(__doc__, _options)
 
 import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -270,11 +281,7 @@ def record_json(command: str, workspace: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output")
-    parser.add_argument("--only", default="", help="comma-separated names")
-    parser.add_argument("--against", default=None, help="a corpus file of before, to diff with")
-    args = parser.parse_args()
+    args = ARGS
     only = {n for n in args.only.split(",") if n}
     output = Path(args.output).resolve()
     torch.set_num_threads(1)

@@ -121,7 +121,7 @@ class LayerArrays:
         "inputs",
     )
 
-    def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
+    def span(self, name: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Sum of `name` over items first..last (inclusive), vectorized over `first`."""
         values = getattr(self, name)
         return values[last + 1] - values[first]
@@ -136,20 +136,20 @@ class LayerArrays:
         upper = np.where(items[None, :] >= items[:, None], values[None, :], -np.inf)
         return np.maximum.accumulate(upper, axis=1)[np.asarray(first), np.asarray(last)]  # [a, b]: max over a..b
 
-    def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def stage_freed(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
         model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
         and everything saved lives until W (runtime/step/executor.py)."""
         return np.where(self.first_in_model(first, last), 0.0, self.span("freed", first, last))
 
-    def first_in_model(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def first_in_model(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Whether the stage of items first..last holds the model's first layer (its inputs are the model's own,
         never differentiable), vectorized over `first`."""
         if self.reversed_order:
             return np.full(np.shape(first), last == self.num_items - 1)
         return np.asarray(first) == 0
 
-    def stage_start(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def stage_start(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Per-item `entering` of a stage's first layer in model order (its last item when reversed)."""
         return self.entering[last] if self.reversed_order else self.entering[np.asarray(first)]
 

@@ -83,7 +83,7 @@ def stage_memory_bytes(
     arrays: LayerArrays,
     config: CostOptions,
     first: np.ndarray | int,
-    last: int,
+    last: np.ndarray | int,
     replicas,
     held,
     *,
@@ -121,7 +121,7 @@ def stage_memory_bytes(
 
 
 def least_stage_memory_bytes(
-    arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: int, replicas, held
+    arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: np.ndarray | int, replicas, held
 ) -> np.ndarray:
     """The least `stage_memory_bytes` over the recomputation modes the stage may take (`config.recompute`)."""
     found = [
@@ -139,7 +139,7 @@ def screened_recompute(
     arrays: LayerArrays,
     config: CostOptions,
     first: np.ndarray | int,
-    last: int,
+    last: np.ndarray | int,
     replicas,
     held,
     limit: float,

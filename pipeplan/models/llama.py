@@ -11,6 +11,8 @@ Gemma), an LM head tied to the embedding (`tie_embeddings`: Gemma, small Qwen2.5
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -206,7 +208,7 @@ def llama(
         activation=activation,
         tie_embeddings=tie_embeddings,
     )
-    module_options = {key: value for key, value in options.items() if key != "seq"}
+    module_options: dict[str, Any] = {key: value for key, value in options.items() if key != "seq"}
 
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):
         tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator)

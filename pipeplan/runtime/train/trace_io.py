@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,7 +37,7 @@ def traced_steps(traced: list[tuple[int, list[tuple[str, float, float]], float]]
 def measured_trace(per_rank: list[list[dict]]) -> dict:
     """The Chrome trace (with "pipeplan_measured") of every rank's `traced_steps`."""
     zero = min((op[1] for steps in per_rank for step in steps for op in step["ops"]), default=0.0)
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for rank, steps in enumerate(per_rank):
         shifted = [
             {

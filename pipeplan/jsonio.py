@@ -130,7 +130,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             except FormatError as exc:
                 errors.append(str(exc))
         raise FormatError(errors[0] if len(errors) == 1 else f"{where} has an unexpected value {value!r}")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build_dataclass(hint, value, where=where)
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):

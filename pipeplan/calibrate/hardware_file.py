@@ -66,9 +66,11 @@ def nearest_preset(device_name: str, memory_bytes: int) -> tuple[Hardware, bool]
     return presets[0], False
 
 
-def _rate(measured: float | None, peak: float | None, what: str, notes: list[str]) -> tuple[float, float]:
-    """(peak, efficiency) for one measured rate; a measurement above the preset's peak raises the peak."""
+def _rate(measured: float | None, peak: float | None, what: str, notes: list[str]) -> tuple[float, float | None]:
+    """(peak, efficiency) for one measured rate; a measurement above the preset's peak raises the peak; efficiency
+    None when the rate was not measured (the preset's peak stands)."""
     if peak is None:
+        assert measured is not None, f"{what}: neither measured nor a preset's peak"
         return measured, 1.0
     if measured is None:
         return peak, None
@@ -112,9 +114,11 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
         notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
         low, any_f32 = low or any_f32, any_f32 or low
-    peak_low, eff_low = _rate(low, preset and preset.peak_bf16_flops, "bf16 matmul", notes)
-    peak_f32, eff_f32 = _rate(any_f32, preset and preset.peak_tf32_flops, "tf32 matmul", notes)
-    peak_mem, eff_mem = _rate(cal.memory_bytes_per_s, preset and preset.hbm_bandwidth, "memory bandwidth", notes)
+    peak_low, eff_low = _rate(low, preset.peak_bf16_flops if preset else None, "bf16 matmul", notes)
+    peak_f32, eff_f32 = _rate(any_f32, preset.peak_tf32_flops if preset else None, "tf32 matmul", notes)
+    peak_mem, eff_mem = _rate(
+        cal.memory_bytes_per_s, preset.hbm_bandwidth if preset else None, "memory bandwidth", notes
+    )
     fields: dict[str, Any] = {
         "peak_bf16_tflops": peak_low / 1e12,
         "peak_tf32_tflops": peak_f32 / 1e12,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from pipeplan.costs.optimizer import static_split
 from pipeplan.precision import get_precision
+from pipeplan.schedules.ops import Op
 from pipeplan.schedules.simulate import StageCosts
 
 OVERLAP_OPTIONS = ("tensor", "p2p", "grad_reduce", "param_gather")
@@ -186,7 +187,7 @@ class Reductions:
     overlap: Overlap
     num_microbatches: int
 
-    def __call__(self, device: int, ops, starts: Sequence[float], ends: Sequence[float]) -> float:  # type: ignore[no-untyped-def]
+    def __call__(self, device: int, ops: Sequence[Op], starts: Sequence[float], ends: Sequence[float]) -> float:
         last = self.num_microbatches - 1
         window: dict[int, list[float]] = {}
         if self.overlap.grad_reduce:

@@ -91,8 +91,8 @@ def _convert(config, key: str, raw: Any) -> Any:
         except ValueError:
             value = None
         if not isinstance(value, type(default)):
-            kind = type(default).__name__
-            raise ModelError(f"hf option {key}={raw!r} must be a JSON {kind} (as the config's default)")
+            kind_name = type(default).__name__
+            raise ModelError(f"hf option {key}={raw!r} must be a JSON {kind_name} (as the config's default)")
         return value
     kinds = [type(default)] if default is not None else [int, float]
     for kind in kinds:

@@ -186,7 +186,7 @@ class LayerProfile:
             raise FormatError(
                 f"layer {self.name!r}: activation_freed_by_input_grad_bytes must lie in [0, activation_bytes]"
             )
-        if not 0 <= self.selective_activation_bytes <= max(self.activation_bytes, 0):
+        if not 0 <= self.kept_bytes("selective") <= max(self.activation_bytes, 0):
             raise FormatError(f"layer {self.name!r}: selective_activation_bytes must lie in [0, activation_bytes]")
 
     @property
@@ -199,12 +199,16 @@ class LayerProfile:
         if recompute == "full":
             assert self.full_activation_bytes is not None, "full_activation_bytes is filled by Profile"
             return self.full_activation_bytes
-        return self.selective_activation_bytes if recompute == "selective" else self.activation_bytes
+        if recompute == "selective":
+            assert self.selective_activation_bytes is not None, "__post_init__ fills selective_activation_bytes"
+            return self.selective_activation_bytes
+        return self.activation_bytes
 
     def recompute_ms(self, recompute: str) -> float:
         """Time the backward spends re-running forward work under `recompute` (0 for none)."""
         _check_mode(recompute)
         if recompute == "full":
+            assert self.full_recompute_ms is not None, "__post_init__ fills full_recompute_ms"
             return self.full_recompute_ms
         return self.selective_recompute_ms if recompute == "selective" else 0.0
 

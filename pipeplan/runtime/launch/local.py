@@ -15,6 +15,7 @@ import time
 import uuid
 from multiprocessing.reduction import DupFd
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -128,7 +129,7 @@ def _environment(values: dict[str, str]):
                 os.environ[name] = value
 
 
-def _shutdown_option() -> dict[str, int]:
+def _shutdown_option() -> dict[str, Any]:  # LaunchConfig keywords (which this torch has)
     """Wait only briefly for ranks to exit once the run has failed (torch's default is 30 s; older torch has no
     such option and keeps its default)."""
     fields = getattr(LaunchConfig, "__dataclass_fields__", {})

@@ -100,7 +100,7 @@ def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, thread
         first = runs[0][1]
         timeout = timedelta(seconds=first.pg_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        watchdog = Watchdog(rank=rank, world_size=world_size, timeout_s=first.heartbeat_timeout_s).start()
+        watchdog = Watchdog(rank=rank, world_size=world_size, timeout_s=first.heartbeat_s).start()
         results = [
             train(plan, config, rank=rank, device=device, capture_grads=capture_grads, watchdog=watchdog, plan_path=p)
             for plan, (p, config) in zip(plans, runs, strict=True)

@@ -237,6 +237,7 @@ def materialize_stages(
         return
     refuse_or_announce_meta_path(spec, rank=rank, needed=needed, available=available, ranks=ranks_here)
     own_tensors = [t for stage in stages for _, t in named_tensors(stage)]
+    assert spec.init_module is not None, "refuse_or_announce_meta_path refuses a factory without init_module"
     materialize(
         traced.module,
         needed=own_tensors,

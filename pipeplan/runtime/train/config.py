@@ -125,12 +125,10 @@ class RunConfig:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):
             raise ConfigError(f"--clip-grad-norm must be a finite number > 0, got {self.clip_grad_norm}")
-        if self.heartbeat_timeout_s is None:
-            object.__setattr__(self, "heartbeat_timeout_s", heartbeat_timeout_from_env())
-        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
-            raise ConfigError(
-                f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
-            )
+        heartbeat = heartbeat_timeout_from_env() if self.heartbeat_timeout_s is None else self.heartbeat_timeout_s
+        object.__setattr__(self, "heartbeat_timeout_s", heartbeat)
+        if not (math.isfinite(heartbeat) and heartbeat > 0):
+            raise ConfigError(f"--heartbeat-timeout must be a finite number of seconds > 0, got {heartbeat}")
         self._check_paths()
 
     def _check_training(self) -> None:
@@ -195,8 +193,14 @@ class RunConfig:
         return plan_precision
 
     @property
+    def heartbeat_s(self) -> float:
+        """`heartbeat_timeout_s` as __post_init__ settled it (None given: $PIPEPLAN_HEARTBEAT_TIMEOUT or 60 s)."""
+        assert self.heartbeat_timeout_s is not None, "RunConfig.__post_init__ settles heartbeat_timeout_s"
+        return self.heartbeat_timeout_s
+
+    @property
     def pg_timeout_s(self) -> float:
-        return self.collective_timeout_s or 2.0 * self.heartbeat_timeout_s
+        return self.collective_timeout_s or 2.0 * self.heartbeat_s
 
     def run_device(self, plan_device: str) -> str:
         """cpu or cuda: --device if given, else the plan's; cuda must be available here (one line if not)."""

@@ -103,7 +103,7 @@ def _achieved(cal: Calibration, dtype: str, preset: Hardware | None = None) -> f
     if not cal.sm_count:
         return cal.matmul_flops_per_s(dtype)
     terms = kernel_terms(cal, preset)
-    peak = (preset.peak_tf32_flops if dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1.0
+    peak = _peak(preset, dtype) if terms else 1.0
     return full_wave_flops_per_s(samples, cal.sm_count, terms, peak)
 
 
@@ -227,12 +227,18 @@ def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
     return fields
 
 
+def _peak(preset: Hardware | None, dtype: str) -> float:
+    """The matched preset's datasheet peak for a measured dtype (tf32 for fp32 matmuls)."""
+    assert preset is not None, "kernel terms come from a matched preset"
+    return preset.peak_tf32_flops if dtype in ("tf32", "fp32") else preset.peak_bf16_flops
+
+
 def _matmul_fit_record(cal: Calibration, preset: Hardware | None) -> dict[str, Any]:
     """Each measured shape's full-wave rate (the record behind the fitted matmul_efficiency)."""
     record: dict[str, Any] = {"sm_count": cal.sm_count}
     terms = kernel_terms(cal, preset)
     for sample in cal.matmul:
-        peak = (preset.peak_tf32_flops if sample.dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1
+        peak = _peak(preset, sample.dtype) if terms else 1.0
         rate = full_wave_flops_per_s([sample], cal.sm_count, terms, peak)
         record.setdefault(sample.dtype, []).append({"shape_mnk": list(sample.shape), "full_wave_tflops": rate / 1e12})
     return record

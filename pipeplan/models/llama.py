@@ -122,6 +122,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = Attention(hidden, heads, kv_heads, theta, o.get("head_dim", 0), o.get("qkv_bias", False))
         self.mlp_norm = RMSNorm(hidden, eps)
+        self.mlp: nn.Module
         if o.get("mlp", "swiglu") == "relu2":
             self.mlp = SquaredReluMLP(hidden, intermediate)
         else:

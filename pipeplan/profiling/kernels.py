@@ -183,8 +183,7 @@ def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
     if kernel.kind == "attention":
         work = _attention_seconds(kernel, rates)
     else:
-        rate = rates.fp8_flops_per_s if fp8 else rates.gemm_flops_per_s
-        work = _gemm_seconds(kernel, rate, rates)
+        work = _gemm_seconds(kernel, rates.gemm_flops_per_s if fp8_rate is None else fp8_rate, rates)
     memory = replace(kernel, element_bytes=1 if fp8 else kernel.element_bytes).bytes / rates.bytes_per_s
     memory += _accumulated(kernel, rates) * kernel.batch * kernel.m * kernel.n / rates.bytes_per_s
     cast = 3.0 * kernel.batch * kernel.m * kernel.k / rates.bytes_per_s if fp8 else 0.0

@@ -19,6 +19,7 @@ PLAN_FILE = "plan.json"
 LAUNCH_FILE = "launch.sh"
 SBATCH_FILE = "job.sbatch"
 TIMELINE_FILE = "timeline.json"
+PLAN_DIR_FILES = (PLAN_FILE, LAUNCH_FILE, SBATCH_FILE, TIMELINE_FILE)  # what `plan -o DIR` writes
 WORKER = "pipeplan.runtime.launch.worker"
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from pipeplan.errors import RunError
-from pipeplan.jsonio import atomic_write_text
+from pipeplan.jsonio import atomic_write, atomic_write_text
 from pipeplan.plan.plan import Plan
 
 LATEST = "latest"
@@ -69,16 +68,7 @@ def save_stage(
         "optimizer": {name: _cpu(optimizer_states.get(name, {})) for name in names},
         "rng": torch.get_rng_state(),
     }
-    target = stage_file(root, step, stage)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(stage_file(root, step, stage), lambda tmp: torch.save(state, tmp))
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:

@@ -71,12 +71,15 @@ def launch_many(
     for plan in plans:
         check_plan_runs(plan)  # fail here, before starting any rank
     world_size = plans[0].world_size
+    written: set[str] = set()  # checkpoint directories an earlier run of this launch writes (checked by the ranks)
     for plan, (_, config) in zip(plans, runs):
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
         check_post_validate(plan, config.post_validate)
         check_async_run(plan, config)
         check_training(plan, load_spec(plan), config)  # optimizer vs plan and factory, schedule options
-        check_before_launch(plan, config)  # --init-from keys, shapes, dtypes; the model buildable here
+        # --init-from keys, shapes, dtypes; the model buildable here; the --resume checkpoint whole
+        check_before_launch(plan, config, check_resume=config.checkpoint_dir not in written)
+        written.add(config.checkpoint_dir or "")
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:

@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pipeplan.errors import RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.launch.prelaunch import check_before_launch
-from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV
+from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV, ExitWatch
 from pipeplan.runtime.launch.worker import run_plans
 from pipeplan.runtime.step.stages import check_plan_runs, load_spec
 from pipeplan.runtime.train.asynchronous import check_async_run
@@ -104,7 +104,8 @@ def launch_many(
         # handed to the ranks (and multiprocessing's resource tracker: a failed rank's os._exit leaves
         # semaphores it cleans up, and its warning about them would follow the error line)
         warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
-        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}):
+        exits = ExitWatch(errors, max(run[1].heartbeat_timeout_s for run in runs))  # every rank's exit watched
+        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}), exits:
             try:
                 jobs = [(str(path), config) for path, config in runs]
                 environ, streams = dict(os.environ), _LauncherStreams()

@@ -105,8 +105,8 @@ def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, thread
             train(plan, config, rank=rank, device=device, capture_grads=capture_grads, watchdog=watchdog)
             for plan, (_, config) in zip(plans, runs, strict=True)
         ]
+        dist.barrier()  # still under the heartbeat: a rank stopped before it is noticed by its peers
         watchdog.stop(done=True)
-        dist.barrier()
         dist.destroy_process_group()
         return results
     except PipeplanError as exc:

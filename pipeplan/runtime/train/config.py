@@ -226,7 +226,8 @@ class FaultSpec:
     """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it (Python
     still runs), `stop` sends it SIGSTOP (nothing runs, signals wait), `diverge` nudges its copy of a shared
     (replicated or tied) parameter so the divergence check must catch it, `nan` puts a NaN into one of its
-    gradients after that step's backward passes (the step's non-finite check must catch it)."""
+    gradients after that step's backward passes (the step's non-finite check must catch it). `step` = --steps: after
+    the run's summary, as the ranks shut down."""
 
     rank: int
     step: int

@@ -33,6 +33,7 @@ from pipeplan.graph.grouping import (
     cut_producers,
     group,
     layer_keys,
+    merge_data_dependent_cuts,
     normalize_graph,
 )
 from pipeplan.graph.tracers import check_tracer
@@ -290,6 +291,7 @@ def trace_module(
         names = [name for name, _ in grouped]
         keys = [names[node_layer[n.name]] if n.op not in ("placeholder", "output") else "" for n in nodes]
         grouped, node_layer = group(nodes, keys)
+    grouped, node_layer = merge_data_dependent_cuts(nodes, grouped, node_layer)  # no cut carries an unknown size
     layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1

@@ -100,7 +100,10 @@ def _task(config, requested: Any) -> str:
 
 def _seq_len(config, requested: Any, default: int | None = None) -> int:
     limit = next((int(getattr(config, f)) for f in _POSITION_FIELDS if getattr(config, f, None)), None)
-    seq = int(requested) if requested is not None else (default or min(128, limit or 128))
+    try:
+        seq = int(requested) if requested is not None else (default or min(128, limit or 128))
+    except (TypeError, ValueError):
+        raise ModelError(f"hf option seq_len={requested!r} must be an integer (tokens per sample)") from None
     if seq < 2 or (limit is not None and seq > limit):
         raise ModelError(f"hf option seq_len={seq} must lie in [2, {limit}] (the config's maximum positions)")
     return seq

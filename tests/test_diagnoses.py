@@ -162,3 +162,54 @@ def test_hf_config_directories_with_a_bad_model_type(tmp_path, config, message):
 def test_hf_fields_that_cannot_build_a_model(option, message):
     pytest.importorskip("transformers")
     assert message in _line(["profile", "hf:gpt2", "-a", option])
+
+
+FORWARD = """\
+import torch
+from torch import nn
+from pipeplan.models.spec import ModelSpec
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > -1e9:  # data-dependent: neither fx nor export traces it
+            raise ValueError("no data today")
+        return self.a(x)
+
+
+def build():
+    batch = lambda b, generator=None: ((torch.randn(b, 4),), torch.randn(b, 4))  # noqa: E731
+    return ModelSpec(name="m", build=M, sample_batch=batch, loss_fn=nn.functional.mse_loss)
+"""
+
+
+@pytest.mark.parametrize("device", [["--device", "cpu"], ["--device", "meta", "--hardware", "h100"]])
+def test_a_forward_that_fails_is_reported_as_the_models_own_error(tmp_path, device):
+    """Deliver 5: no tracer captures it, so the model runs once eagerly on its sample batch and that error is
+    the line (on meta too, where the sum is data-dependent but the raise is not reached: the tracers' line)."""
+    path = tmp_path / "fails.py"
+    path.write_text(FORWARD)
+    line = _line(["profile", f"{path}:build", *device])
+    if device[1] == "cpu":
+        assert "your model's forward fails on its own sample batch (at " in line and "fails.py:13)" in line, line
+        assert "ValueError: no data today" in line
+    else:
+        assert "trace" in line, line
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "gemma", "stablelm"])
+def test_grouped_query_heads_that_do_not_divide_are_named(model_type):
+    pytest.importorskip("transformers")
+    line = _line(["profile", f"hf:{model_type}", "-a", "num_attention_heads=4"])
+    assert "(the config's default) does not divide num_attention_heads=4" in line, line
+    assert "-a num_key_value_heads=4" in line
+
+
+def test_a_field_left_unset_is_named():
+    pytest.importorskip("transformers")
+    line = _line(["profile", "hf:nemotron", "-a", "num_hidden_layers=2", "-a", "hidden_size=32"])
+    assert "unset: give -a " in line, line

@@ -46,6 +46,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ModelError
 from pipeplan.models.hf_config import (
     ADAPTER_OPTIONS,
+    SHAPE_FIELDS,
     build_config,
     effective_fields,
     first_line,
@@ -155,9 +156,11 @@ def _builder(config, directory: Path | None, task: str, asked: str):
         except ModelError:
             raise
         except Exception as exc:
+            none = isinstance(exc, TypeError) and "NoneType" in str(exc)  # a field the model needs left unset
+            unset = [n for n in SHAPE_FIELDS if none and n in config.to_dict() and getattr(config, n) is None]
+            hint = f"its config leaves {', '.join(unset)} unset: give -a {unset[0]}=N" if unset else "check -a options"
             raise ModelError(
-                f"{asked}: building the model from its config raised {type(exc).__name__}: {first_line(exc)}; "
-                "check these -a options"
+                f"{asked}: building the model from its config raised {type(exc).__name__}: {first_line(exc)}; {hint}"
             ) from None
         return model.train()
 

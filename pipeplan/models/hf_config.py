@@ -218,6 +218,14 @@ def check_fields(target: str, config, fields: dict[str, Any]) -> None:
             f"hf:{target}: rotary_dim={rotary} ({whose}) exceeds the head size hidden_size / num_attention_heads = "
             f"{hidden // heads}; give -a rotary_dim={hidden // heads} or less"
         )
+    kv = getattr(config, "num_key_value_heads", None)
+    if all(isinstance(v, int) for v in (kv, heads)) and kv > 0 and heads % kv:  # grouped-query attention's groups
+        whose = "given" if "num_key_value_heads" in fields else "the config's default"
+        raise ModelError(
+            f"hf:{target}: num_key_value_heads={kv} ({whose}) does not divide num_attention_heads={heads}; give "
+            f"-a num_key_value_heads={next(d for d in range(min(kv, heads), 0, -1) if heads % d == 0)} (or another "
+            f"divisor of {heads})"
+        )
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
         return

@@ -148,3 +148,53 @@ def test_other_schedules_load_as_generated(tmp_path):
             tmp_path, schedule, "mlp", {"layers": 8, "hidden": 8}, schedule=schedule, pipeline_devices=2
         )
         Plan.from_dict(plan.to_dict())
+
+
+def test_a_full_disk_while_checkpointing_is_said_as_one(tmp_path, monkeypatch):
+    """torch.save on a full disk raises `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos`:
+    the rank's line said `RuntimeError:` and nothing after it."""
+    from pipeplan.errors import OutputError
+    from pipeplan.runtime.launch.worker import _short
+    from pipeplan.runtime.weights import checkpoint
+
+    def full(state, path):
+        with open(path, "wb") as handle:
+            handle.write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 0))
+    param = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(OutputError, match="No space left on device \\(0 bytes free, the stage needs"):
+        checkpoint.save_stage(
+            tmp_path,
+            step=1,
+            stage=0,
+            names=("w",),
+            params={"w": param},
+            buffers={},
+            optimizer_states={},
+            fingerprint="f",
+            partition="p",
+            num_stages=1,
+        )
+    assert not list(tmp_path.rglob("*.tmp"))  # the partial file is gone
+    assert (
+        _short("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534") == "unexpected pos 576 vs 534"
+    )
+
+
+def test_export_weights_blames_a_missing_plan_not_the_checkpoint(tmp_path):
+    (tmp_path / "ckpt" / STEP).mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text(STEP + "\n")
+    argv = ["export-weights", str(tmp_path / "ckpt"), "-o", str(tmp_path / "w.safetensors"), "--plan", "missing.json"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1 and "--plan 'missing.json' does not exist" in result.output, result.output
+
+
+def test_the_log_folder_is_made_like_every_outputs(tmp_path):
+    from pipeplan.runtime.train.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path / "a" / "b" / "train.jsonl"), None, start=0)
+    log.close()
+    assert (tmp_path / "a" / "b" / "train.jsonl").is_file()

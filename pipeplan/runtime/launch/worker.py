@@ -128,9 +128,9 @@ def _quiet_termination() -> None:
 def _short(text: str) -> str:
     """First sentence of an exception message, without gloo's `[file.cc:line]` prefix."""
     line = text.splitlines()[0] if text else ""
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).lstrip(" .:")
     sentence = line.split(". ")[0]
-    return sentence[:200]
+    return sentence[:200] or "(no message)"
 
 
 def _fail(rank: int, message: str, watchdog: Watchdog | None, trace: str) -> None:

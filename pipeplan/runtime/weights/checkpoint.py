@@ -8,6 +8,7 @@ let `pipeplan export-weights` rebuild the whole model's state_dict from a checkp
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -71,7 +72,29 @@ def save_stage(
         "stateless": sorted(name for name in names if not optimizer_states.get(name)),  # no gradient yet: no state
         "rng": torch.get_rng_state(),
     }
-    atomic_write(stage_file(root, step, stage), lambda tmp: torch.save(state, tmp))
+    atomic_write(stage_file(root, step, stage), lambda tmp: _save(state, tmp))
+
+
+def _save(state: dict[str, Any], path: str) -> None:
+    """torch.save, a full disk said as one (torch reports it as `RuntimeError: [enforce fail ...] unexpected pos`)."""
+    try:
+        torch.save(state, path)
+    except RuntimeError:
+        free = shutil.disk_usage(Path(path).parent).free
+        needed = sum(t.numel() * t.element_size() for t in _tensors(state))
+        if free < needed:
+            raise OSError(
+                errno.ENOSPC, f"No space left on device ({free} bytes free, the stage needs {needed})"
+            ) from None
+        raise
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:

@@ -43,14 +43,16 @@ class Overlap:
         from pipeplan.errors import ConfigError
 
         text = text.strip().lower()
-        if text in ("none", ""):
+        choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
+        if not text.replace(",", "").strip():
+            raise ConfigError(f"--overlap needs a value: none, all, or a comma list of {choices}")
+        if text == "none":
             return cls()
         if text == "all":
             return cls(**{name: True for name in OVERLAP_OPTIONS})
         names = [part.strip().replace("-", "_") for part in text.split(",") if part.strip()]
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
-            choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
             raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices}")
         return cls(**{name: True for name in names})
 

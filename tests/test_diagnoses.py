@@ -213,3 +213,19 @@ def test_a_field_left_unset_is_named():
     pytest.importorskip("transformers")
     line = _line(["profile", "hf:nemotron", "-a", "num_hidden_layers=2", "-a", "hidden_size=32"])
     assert "unset: give -a " in line, line
+
+
+def test_a_rotary_models_default_position_cap_follows_the_sequence():
+    """`capacity hf:llama --seq 4096` (seq_len=4096 over llama's default max_position_embeddings=2048): rotary
+    positions have no table, so the cap is raised and recorded; a cap the user gave, or GPT-2's position table,
+    still refuses."""
+    pytest.importorskip("transformers")
+    from pipeplan.errors import ModelError
+    from pipeplan.models import load_model
+
+    spec = load_model("hf:llama", {"num_hidden_layers": "1", "hidden_size": "32", "seq_len": "4096"})
+    assert spec.tokens_per_sample == 4096 and spec.options["max_position_embeddings"] == 4096
+    with pytest.raises(ModelError, match=r"seq_len=4096 must lie in \[2, 1024\]"):
+        load_model("hf:llama", {"max_position_embeddings": "1024", "seq_len": "4096"})
+    with pytest.raises(ModelError, match=r"seq_len=4096 must lie in \[2, 1024\]"):
+        load_model("hf:gpt2", {"seq_len": "4096"})

@@ -286,7 +286,7 @@ def _check_plan(plan: Plan) -> None:
         raise FormatError("plan ranks must be numbered 0..N-1 in order")
     if len(plan.rank_ops) != len(plan.ranks):
         raise FormatError(f"plan has {len(plan.ranks)} ranks but {len(plan.rank_ops)} rank_ops lists")
-    group = plan.training.tensor_parallel
+    group = plan.training.tensor_parallel * plan.training.context_parallel  # devices per rank of the plan
     if len(plan.ranks) * group > plan.cluster.num_devices:
         raise FormatError(
             f"plan uses {len(plan.ranks) * group} devices but its cluster has {plan.cluster.num_devices} devices"

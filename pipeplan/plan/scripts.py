@@ -29,9 +29,10 @@ def describe(plan: Plan) -> str:
     model = f"{plan.model.ref}" + (f" ({options})" if options else "")
     counts = [stage.replicas for stage in plan.stages]
     replicas = f" (replicas {','.join(map(str, counts))})" if max(counts) > 1 else ""
-    t = plan.training.tensor_parallel
-    devices = plan.world_size * t
+    t, cp = plan.training.tensor_parallel, plan.training.context_parallel
+    devices = plan.world_size * t * cp  # each rank of the plan is a group of t x cp devices
     tensor = f", tensor parallel t={t} (each stage device a group of {t})" if t > 1 else ""
+    tensor += f", context parallel cp={cp} (each stage device's sequence over {cp} ranks)" if cp > 1 else ""
     ep = plan.training.expert_parallel
     tensor += f", expert parallel ep={ep} (routed experts split over {ep} pipelines' ranks)" if ep > 1 else ""
     return (

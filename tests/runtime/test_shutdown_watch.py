@@ -73,3 +73,35 @@ def test_a_rank_stopped_after_the_summary_does_not_hang_the_launcher(tmp_path, m
     with pytest.raises(RunError, match="rank 1 (stopped responding|failed: stopped or frozen)"):
         launch_local(path, RunConfig(steps=2, quiet=True, heartbeat_timeout_s=5.0), threads=1)
     assert time.monotonic() - began < 120
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ranks_of_a_killed_launcher_leave_quietly(tmp_path):
+    """kill -9 of the launcher: its ranks notice the lost store and exit (their copies of its stdout and stderr
+    close: the pipe ends), without C++ stack traces (c10's log is at FATAL in the ranks)."""
+    import select
+
+    path, _ = make_plan(tmp_path, "k9", "gpt", TINY_GPT, schedule="1f1b", pipeline_devices=2)
+    args = [sys.executable, "-m", "pipeplan", "run", path, "--steps", "100000", "--heartbeat-timeout", "5"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "PIPEPLAN_DEBUG")}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "OMP_NUM_THREADS": "1"})
+    output = b""
+    while b"\nstep " not in b"\n" + output:  # steps are running
+        assert select.select([proc.stdout], [], [], 120)[0], output[-2000:]
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        assert chunk, output[-2000:]
+        output += chunk
+    proc.kill()
+    proc.wait()
+    ended = time.monotonic() + 60
+    while time.monotonic() < ended:  # until every rank has closed the pipe
+        if select.select([proc.stdout], [], [], 1)[0]:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            output += chunk
+    else:
+        pytest.fail("the ranks outlived their launcher by a minute")
+    text = output.decode(errors="replace")
+    assert "frame #" not in text and "Exception raised from" not in text, text[-3000:]

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pipeplan.errors import RunError
+from pipeplan.errors import DEBUG_ENV, RunError
 from pipeplan.plan.plan import Plan
 from pipeplan.runtime.launch.prelaunch import check_before_launch
 from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV, ExitWatch
@@ -36,6 +36,8 @@ from pipeplan.runtime.train.trainer import RunResult
 # phrases of errors that only say a peer went away (the rank reporting them is not the cause)
 _LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
 _STOPPED_PEER = re.compile(r"^rank \d+ stopped responding")
+CPP_LOG = "TORCH_CPP_LOG_LEVEL"  # c10's log: ranks whose store or peer vanished log C++ stack traces at ERROR; the
+# launcher's one line says it (FATAL keeps them quiet unless the user set a level or PIPEPLAN_DEBUG=1)
 SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, stopped) is killed this much later
 # The ranks are forked from one server process that imported torch and the worker once (multiprocessing's
 # forkserver, one per launching process), not spawned fresh: a spawned rank spends ~2 s importing them, again at
@@ -105,7 +107,8 @@ def launch_many(
         # semaphores it cleans up, and its warning about them would follow the error line)
         warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
         exits = ExitWatch(errors, max(run[1].heartbeat_timeout_s for run in runs))  # every rank's exit watched
-        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}), exits:
+        quiet_cpp = {} if os.environ.get(DEBUG_ENV) else {"TORCH_CPP_LOG_LEVEL": os.environ.get(CPP_LOG, "FATAL")}
+        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings, **quiet_cpp}), exits:
             try:
                 jobs = [(str(path), config) for path, config in runs]
                 environ, streams = dict(os.environ), _LauncherStreams()

@@ -18,6 +18,9 @@ from pipeplan.runtime.train.metrics import check_tensorboard
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+# a rank beats about every second (watchdog.py), and the process group's timeout is twice this: below a second a
+# live rank would be declared dead (1e-9 s timed out the ranks' own store connections)
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 FAULT_MODES = ("exit", "hang", "stop", "diverge", "nan")
 FAULT_FORMAT = "rank=1,step=2,mode=" + "|".join(FAULT_MODES)
 
@@ -126,9 +129,10 @@ class RunConfig:
             raise ConfigError(f"--clip-grad-norm must be a finite number > 0, got {self.clip_grad_norm}")
         if self.heartbeat_timeout_s is None:
             object.__setattr__(self, "heartbeat_timeout_s", heartbeat_timeout_from_env())
-        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
+        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S):
             raise ConfigError(
-                f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
+                f"--heartbeat-timeout must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}, got "
+                f"{self.heartbeat_timeout_s}"
             )
         self._check_paths()
 
@@ -216,8 +220,10 @@ def heartbeat_timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{HEARTBEAT_ENV}={raw!r} must be a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{HEARTBEAT_ENV} must be a finite number of seconds > 0, got {value}")
+    if not (math.isfinite(value) and value >= MIN_HEARTBEAT_TIMEOUT_S):
+        raise ConfigError(
+            f"{HEARTBEAT_ENV} must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}, got {value}"
+        )
     return value
 
 

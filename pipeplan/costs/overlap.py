@@ -54,6 +54,9 @@ class Overlap:
         from pipeplan.errors import ConfigError
 
         parts = [part.strip().lower() for part in text.split(",") if part.strip()]
+        choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
+        if not parts:
+            raise ConfigError(f"--overlap needs a value: none, all, or a comma list of {choices}")
         sms = [part for part in parts if part.startswith("sms=")]
         parts = [part for part in parts if not part.startswith("sms=")]
         found = cls(comm_sms=_comm_sms(sms[-1]) if sms else COMM_SMS)
@@ -64,7 +67,6 @@ class Overlap:
         names = [part.replace("-", "_") for part in parts]
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
-            choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
             raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N)")
         return replace(found, **{name: True for name in names})
 

@@ -12,6 +12,7 @@ from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
 from pipeplan.plan.plan import ModelRef
+from pipeplan.plan.scripts import PLAN_DIR_FILES
 from pipeplan.precision import get_precision, profile_precision
 from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
@@ -93,7 +94,7 @@ def check_plan_options(
     if precision is not None:
         get_precision(precision)
     if output is not None:  # None: the Python API's plan(), which writes no directory unless asked
-        check_output_dir(output, "--output")
+        check_output_dir(output, "--output", files=PLAN_DIR_FILES)
 
 
 @dataclass(frozen=True, kw_only=True)

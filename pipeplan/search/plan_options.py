@@ -126,13 +126,13 @@ class PlanOptions:
             if ignored:
                 warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
         check_tracer(self.tracer)
-        if self.profile is None:
-            check_attention(self.attention, self.device)
+        check_attention(self.attention, self.device if self.profile is None else "meta")  # ('' is no mode either)
         if self.schedule != "auto":  # an asynchronous one without --allow-async (or with --zero 1): refused here
             searched_schedules((self.schedule,), allow_async=self.allow_async, zero=self.zero)
         Overlap.parse(self.overlap)
         if self.layout is not None:
-            parse_layout(self.layout)
+            pinned = parse_layout(self.layout)  # its schedule, like --schedule's: asynchronous only with --allow-async
+            searched_schedules((pinned.schedule_name,), allow_async=self.allow_async, zero=self.zero)
         for flag, text in (
             ("--tensor-parallel", self.tensor_parallel),
             ("--context-parallel", self.context_parallel),

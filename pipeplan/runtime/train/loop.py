@@ -127,6 +127,7 @@ def _run_segments(trainer: Trainer, steps: StepStrategy, result: RunResult, batc
     if config.check_every and checked != config.steps - 1:
         trainer.sync.check_in_sync(config.steps - 1)
     _finish(trainer, result, traced[-TRACE_STEPS:], origin)
+    _maybe_fail(fault, rank, config.steps, watchdog, trainer)  # step = --steps: in the shutdown, after the summary
 
 
 def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origin: float) -> None:

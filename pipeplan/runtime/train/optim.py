@@ -108,6 +108,17 @@ def optimizer_factory(
     return lambda tensors: torch.optim.SGD(tensors, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
+def state_keys(name: str, momentum: float | None) -> frozenset[str] | None:
+    """The per-parameter state the optimizer `name` keeps once it has stepped a parameter (what a checkpoint of it
+    holds); None for a factory's optimizer, whose state pipeplan does not know."""
+    if name == FACTORY:
+        return None
+    if name == "adamw":
+        return frozenset({"step", "exp_avg", "exp_avg_sq"})
+    with_momentum = name == "sgd" and (momentum if momentum is not None else SGD_MOMENTUM) != 0
+    return frozenset({"momentum_buffer"}) if with_momentum else frozenset()
+
+
 @dataclass(frozen=True, kw_only=True)
 class LrSchedule:
     """The learning-rate factor per step: the factory's `lr_lambda`, or --lr-schedule with its warm-up and decay."""

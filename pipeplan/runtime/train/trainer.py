@@ -7,6 +7,7 @@ The run loop is train.py; the asynchronous step is asynchronous.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,10 +24,10 @@ from pipeplan.runtime.step.executor import Executor, MicroBatch
 from pipeplan.runtime.step.grads import GradientSync
 from pipeplan.runtime.step.messages import build_routing
 from pipeplan.runtime.step.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
-from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.step.stages import StageTensors, build_pipeline_model
 from pipeplan.runtime.step.zero import make_step_optimizer
 from pipeplan.runtime.train.config import RunConfig
-from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
+from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule, state_keys
 from pipeplan.runtime.train.post_validate import PostValidator, Settled
 from pipeplan.runtime.train.run_notes import RunSource
 from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
@@ -229,20 +230,27 @@ class Trainer:
         dist.barrier()
 
     def restore(self) -> int:
+        """Load this rank's stages of the newest checkpoint, each stage file checked whole first (the launcher
+        checked every stage already; a rank under torchrun checks its own)."""
         root = self.config.checkpoint_dir
         assert root is not None, "a run resumes only with --checkpoint-dir"
         step = checkpoint.latest_step(root)
         checkpoint.check_complete(root, step, len(self.plan.stages))
+        keys = state_keys(self.optimizer_name, self.config.momentum)
         states: dict[str, dict[str, Any]] = {}
         for stage in self.plan.ranks[self.rank].stages:
+            buffers = dict(self.model.modules[stage].named_buffers())
+            held = StageTensors(
+                {
+                    n: (tuple(self.model.params[n].shape), self.model.params[n].dtype)
+                    for n in self.model.stage_params[stage]
+                },
+                {name: tuple(value.shape) for name, value in buffers.items()},
+            )
+            (expected,) = checkpoint.expected_stages(self.plan, [held], keys, step)
+            expected = dataclasses.replace(expected, fingerprint=self.fingerprint)
             states |= checkpoint.load_stage(
-                root,
-                step=step,
-                stage=stage,
-                params=self.model.params,
-                buffers=dict(self.model.modules[stage].named_buffers()),
-                fingerprint=self.fingerprint,
-                partition=checkpoint.partition_key(self.plan),
+                root, stage=stage, expected=expected, params=self.model.params, buffers=buffers
             )
         self.optimizer.load_states(states)
         return step

@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeplan.errors import FormatError, ScheduleError
 from pipeplan.schedules.ops import Op
+from pipeplan.schedules.placement import device_stages
 from pipeplan.schedules.registry import ScheduleInfo, generate, schedule_info
 from pipeplan.schedules.replicate import replicate_paced
 
@@ -44,10 +45,9 @@ def check_schedule_fields(plan: Any) -> None:
             f"plan schedule {plan.schedule} with {chunks} chunk(s) on {num_devices} device(s) has "
             f"{num_devices * chunks} stages, but the plan has {len(plan.stages)}; {_REPLAN}"
         )
-    placement = info.stage_device(num_devices, chunks)
     for device, rank in enumerate(pipe):
-        expected = tuple(stage for stage, where in enumerate(placement) if where == device)
-        if sorted(rank.stages) != list(expected):
+        expected = sorted(device_stages(info.placement, device, num_devices, chunks))  # (mirrored: both copies)
+        if sorted(rank.stages) != expected:
             raise FormatError(
                 f"plan rank {rank.rank} holds stages {list(rank.stages)}, but schedule {plan.schedule} with {chunks} "
                 f"chunk(s) places stages {list(expected)} on its device; {_REPLAN}"

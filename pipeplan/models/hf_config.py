@@ -224,7 +224,8 @@ def check_fields(target: str, config, fields: dict[str, Any]) -> None:
             f"hf:{target}: rotary_dim={rotary} ({whose}) exceeds the head size hidden_size / num_attention_heads = "
             f"{hidden // heads}; give -a rotary_dim={hidden // heads} or less"
         )
-    kv = getattr(config, "num_key_value_heads", None)
+    # (MLA, DeepSeek's: every head's keys and values come from one latent, kv_lora_rank; the field groups nothing)
+    kv = None if getattr(config, "kv_lora_rank", None) else getattr(config, "num_key_value_heads", None)
     if isinstance(kv, int) and isinstance(heads, int) and kv > 0 and heads % kv:  # grouped-query attention's groups
         whose = "given" if "num_key_value_heads" in fields else "the config's default"
         raise ModelError(

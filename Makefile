@@ -37,6 +37,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check pipeplan tests benchmarks examples
 	$(BIN)/ruff format --check pipeplan tests benchmarks examples
+	$(BIN)/mypy pipeplan  # settings in pyproject.toml [tool.mypy]; its cache in .mypy_cache
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix pipeplan tests benchmarks examples
@@ -53,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from pipeplan.console import err
-from pipeplan.errors import DEBUG_ENV, PipeplanError
+from pipeplan.errors import DEBUG_ENV, PipeplanError, user_code_location
 
 app = typer.Typer(
     name="pipeplan",
@@ -57,6 +57,9 @@ def _error_line(exc: BaseException) -> str:
     if isinstance(exc, RecursionError):
         return "the model or input is nested too deeply to process"
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    location = user_code_location(exc)
+    if location is not None:  # raised in the user's own file (a model's forward, a loss, a factory's helper)
+        return f"your code raised {type(exc).__name__}: {first} at {location}"
     return f"unexpected {type(exc).__name__}: {first} (a pipeplan bug; {DEBUG_ENV}=1 shows the traceback)"
 
 
@@ -75,6 +78,13 @@ def _one_line_errors(func: Callable) -> Callable:
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
+        except SystemExit as exc:  # the user's code (a model's forward, its loss) exiting is not the command's end
+            where = user_code_location(exc)
+            if where is None:
+                raise
+            line = f"your code called sys.exit({exc.code!r}) at {where}; a model's code must return or raise, not exit"
+            err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         except Exception as exc:
             if _is_usage_error(exc) or (os.environ.get(DEBUG_ENV) and not isinstance(exc, PipeplanError)):
                 raise

@@ -41,3 +41,26 @@ class OutputError(PipeplanError):
 
 class UnknownScheduleError(ScheduleError, ConfigError):
     """A schedule name that is not in the registry (a bad option value, hence also a ConfigError)."""
+
+
+def user_code_location(exc: BaseException) -> str | None:
+    """`file.py:LINE` of the innermost traceback frame in the user's own code (not pipeplan, not the Python
+    installation or its site-packages, not generated code), or None: where a user's factory or model raised."""
+    import os
+    import sys
+    import traceback
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    installed = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(package + os.sep):
+            continue
+        if any(path.startswith(root + os.sep) for root in installed) or "site-packages" in path.split(os.sep):
+            continue
+        found = frame
+    if found is None:
+        return None
+    shown = os.path.relpath(found.filename) if not os.path.relpath(found.filename).startswith("..") else found.filename
+    return f"{shown}:{found.lineno}"

@@ -15,13 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeplan.errors import FormatError, OutputError
+from pipeplan.paths import not_regular
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Have `write(temporary_path)` write the file, then rename it onto `path`, so that readers see either the old
     file or the complete new one. An OS error (a directory in the way, a full disk, no permission) is one
-    OutputError naming the path; nothing is left behind."""
-    target = Path(path)
+    OutputError naming the path; nothing is left behind. Only a regular file is ever replaced: a device node, a
+    FIFO or a socket at `path` is refused (a symbolic link is written through, onto the file it names)."""
+    target = Path(os.path.realpath(path))
+    _refuse_special(path, target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -30,6 +33,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         raise OutputError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
     try:
         write(tmp)
+        _refuse_special(path, target)  # created while `write` ran
         os.replace(tmp, target)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -37,6 +41,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _refuse_special(path: str | os.PathLike, target: Path) -> None:
+    kind = not_regular(target)
+    if kind is not None:
+        raise OutputError(
+            f"cannot write {str(path)!r}: it is {kind}, not a regular file, and pipeplan replaces only regular "
+            "files; choose another path"
+        )
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -130,7 +143,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             except FormatError as exc:
                 errors.append(str(exc))
         raise FormatError(errors[0] if len(errors) == 1 else f"{where} has an unexpected value {value!r}")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build_dataclass(hint, value, where=where)
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):

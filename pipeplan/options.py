@@ -57,6 +57,7 @@ def command(options_type: type[Options]) -> Callable[[Callable[[Options], Any]],
         def typer_command(**values: Any) -> Any:
             return func(options_type(**values))
 
+        # typer reads inspect.signature, which honours __signature__ (an attribute functions are not typed with)
         typer_command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         typer_command.__annotations__ = {p.name: p.annotation for p in parameters}
         return typer_command

@@ -4,6 +4,7 @@ instead of after a long profile or run."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from pipeplan.errors import ConfigError
@@ -16,6 +17,38 @@ def _first_existing(path: Path) -> Path:
         if candidate.exists():
             return candidate
     return Path(".")
+
+
+_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def not_regular(path: Path | str) -> str | None:
+    """What the existing `path` is when it is not a regular file ("a character device", ...; symbolic links
+    followed), or None (a regular file, or nothing there yet). pipeplan replaces only regular files."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def check_replaceable(path: Path | str, option: str) -> None:
+    """Refuse an output path that exists and is not a regular file (a device node such as /dev/null, a FIFO, a
+    socket): writing pipeplan's file there would replace it or block."""
+    kind = not_regular(path)
+    if kind is not None and kind != "a directory":
+        raise ConfigError(
+            f"{option} {str(path)!r} is {kind}, not a regular file; pipeplan writes only regular files: give a "
+            "file path"
+        )
 
 
 def _check_common(path: Path | str | None, option: str) -> Path:
@@ -43,20 +76,30 @@ def check_output_file(path: Path | str | None, option: str) -> Path:
     target = _check_common(path, option)
     if target.is_dir():
         raise ConfigError(f"{option} {str(target)!r} is a directory; give a file name (e.g. {target}/out.json)")
+    check_replaceable(target, option)
     if target.exists() and not os.access(target, os.W_OK):
         raise ConfigError(f"{option} {str(target)!r} is not writable")
     _check_parent(target, option)
     return target
 
 
-def check_output_dir(path: Path | str | None, option: str) -> Path:
-    """A directory pipeplan will create (or write into): not a file, creatable and writable."""
+def check_output_dir(path: Path | str | None, option: str, files: tuple[str, ...] = ()) -> Path:
+    """A directory pipeplan will create (or write `files` into): not a file, creatable and writable, and none of
+    `files` already there as something other than a regular file."""
     target = _check_common(path, option)
     if target.exists() and not target.is_dir():
-        raise ConfigError(f"{option} {str(target)!r} is a file; give a directory")
+        kind = not_regular(target)
+        raise ConfigError(f"{option} {str(target)!r} is {kind or 'a file'}; give a directory")
     if target.is_dir():
         if not os.access(target, os.W_OK | os.X_OK):
             raise ConfigError(f"{option} {str(target)!r} is not writable")
+        for name in files:
+            inside = target / name
+            if not_regular(inside) is not None:
+                raise ConfigError(
+                    f"{option} {str(target)!r}: {str(inside)!r} is {not_regular(inside)}, not a regular file; "
+                    "pipeplan replaces only regular files: give another directory"
+                )
         return target
     _check_parent(target, option)
     return target

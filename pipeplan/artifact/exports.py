@@ -14,6 +14,7 @@ from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.timing import plan_schedule
 from pipeplan.errors import ConfigError
 from pipeplan.jsonio import atomic_write_text
+from pipeplan.paths import check_replaceable
 from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.validate import validate
@@ -57,6 +58,7 @@ def export_plan(plan: Plan, fmt: str, output: Path) -> tuple[list[str], list[str
     exported = megatron_export(plan)
     core = output.with_name(f"{output.stem}_mcore.py")  # Megatron-Core's keyword arguments, beside the flags
     core_text = exported.render_core(output.name)
+    check_replaceable(core, "--output's Megatron-Core file")  # before the first file: never half the export
     atomic_write_text(output, exported.render())
     atomic_write_text(core, core_text)
     notes += [f"cannot express: {note}" for note in exported.notes]
@@ -71,6 +73,7 @@ def _write_torchtitan(plan: Plan, output: Path, version: str) -> tuple[list[str]
     text, csv_text = exported.render(), torch_csv(plan) if exported.needs_csv else None
     written = []
     if csv_text is not None:
+        check_replaceable(csv_path, "--output's schedule CSV")  # before the first file: never half the export
         atomic_write_text(csv_path, csv_text)
         written.append(f"wrote {csv_path}")
     atomic_write_text(output, text)

@@ -33,6 +33,7 @@ from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
+from pipeplan.artifact.schedule_fields import check_schedule_fields
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info
@@ -332,6 +333,7 @@ def _check_plan(plan: Plan) -> None:
     _check_replicas(plan)
     _check_asynchronous(plan)
     _check_rank_ops(plan)
+    check_schedule_fields(plan)  # the schedule and chunks fields are its op lists' (plan/schedule_fields.py)
 
 
 def _check_asynchronous(plan: Plan) -> None:

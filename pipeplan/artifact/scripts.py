@@ -23,6 +23,7 @@ LAUNCH_FILE = "launch.sh"
 SBATCH_FILE = "job.sbatch"
 TIMELINE_FILE = "timeline.json"
 PROFILE_FILE = "profile.json"  # the profile the plan was made from (`refine` scales it to a run's measured ops)
+PLAN_DIR_FILES = (PLAN_FILE, LAUNCH_FILE, SBATCH_FILE, TIMELINE_FILE, PROFILE_FILE)  # what `plan -o DIR` writes
 WORKER = "pipeplan.runtime.launch.worker"
 
 
@@ -32,9 +33,10 @@ def describe(plan: Plan) -> str:
     model = f"{plan.model.ref}" + (f" ({options})" if options else "")
     counts = [stage.replicas for stage in plan.stages]
     replicas = f" (replicas {','.join(map(str, counts))})" if max(counts) > 1 else ""
-    t = plan.training.tensor_parallel
-    devices = plan.world_size * t
+    t, cp = plan.training.tensor_parallel, plan.training.context_parallel
+    devices = plan.world_size * t * cp  # each rank of the plan is a group of t x cp devices
     tensor = f", tensor parallel t={t} (each stage device a group of {t})" if t > 1 else ""
+    tensor += f", context parallel cp={cp} (each stage device's sequence over {cp} ranks)" if cp > 1 else ""
     ep = plan.training.expert_parallel
     tensor += f", expert parallel ep={ep} (routed experts split over {ep} pipelines' ranks)" if ep > 1 else ""
     return (

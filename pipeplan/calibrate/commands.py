@@ -22,7 +22,9 @@ def _table(name: str, entry: dict, cal: Calibration) -> Table:
         shape = "x".join(map(str, sample.shape))
         table.add_row(f"matmul {sample.dtype} {shape}", f"{sample.flops_per_s / 1e12:.3f} TFLOP/s")
     for dtype in dict.fromkeys(s.dtype for s in cal.matmul):
-        table.add_row(f"matmul {dtype} (median)", f"{cal.matmul_flops_per_s(dtype) / 1e12:.3f} TFLOP/s")
+        median = cal.matmul_flops_per_s(dtype)
+        assert median is not None, "a dtype with samples has a median"
+        table.add_row(f"matmul {dtype} (median)", f"{median / 1e12:.3f} TFLOP/s")
     for mem in cal.memory:
         copy, add = mem.copy_bytes_per_s / 1e9, mem.add_bytes_per_s / 1e9
         table.add_row(f"memory copy / add {mem.num_bytes >> 20} MiB", f"{copy:.1f} / {add:.1f} GB/s")

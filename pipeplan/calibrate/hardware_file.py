@@ -66,9 +66,11 @@ def nearest_preset(device_name: str, memory_bytes: int) -> tuple[Hardware, bool]
     return presets[0], False
 
 
-def _rate(measured: float | None, peak: float | None, what: str, notes: list[str]) -> tuple[float, float]:
-    """(peak, efficiency) for one measured rate; a measurement above the preset's peak raises the peak."""
+def _rate(measured: float | None, peak: float | None, what: str, notes: list[str]) -> tuple[float, float | None]:
+    """(peak, efficiency) for one measured rate; a measurement above the preset's peak raises the peak; efficiency
+    None when the rate was not measured (the preset's peak stands)."""
     if peak is None:
+        assert measured is not None, f"{what}: neither measured nor a preset's peak"
         return measured, 1.0
     if measured is None:
         return peak, None
@@ -101,7 +103,7 @@ def _achieved(cal: Calibration, dtype: str, preset: Hardware | None = None) -> f
     if not cal.sm_count:
         return cal.matmul_flops_per_s(dtype)
     terms = kernel_terms(cal, preset)
-    peak = (preset.peak_tf32_flops if dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1.0
+    peak = _peak(preset, dtype) if terms else 1.0
     return full_wave_flops_per_s(samples, cal.sm_count, terms, peak)
 
 
@@ -112,9 +114,11 @@ def _compute_fields(cal: Calibration, preset: Hardware | None, notes: list[str])
     if preset is None and (low is None or any_f32 is None):  # no datasheet: a peak must come from somewhere
         notes.append("peak_bf16/peak_tf32: one precision not measured, so its peak copies the other's measurement")
         low, any_f32 = low or any_f32, any_f32 or low
-    peak_low, eff_low = _rate(low, preset and preset.peak_bf16_flops, "bf16 matmul", notes)
-    peak_f32, eff_f32 = _rate(any_f32, preset and preset.peak_tf32_flops, "tf32 matmul", notes)
-    peak_mem, eff_mem = _rate(cal.memory_bytes_per_s, preset and preset.hbm_bandwidth, "memory bandwidth", notes)
+    peak_low, eff_low = _rate(low, preset.peak_bf16_flops if preset else None, "bf16 matmul", notes)
+    peak_f32, eff_f32 = _rate(any_f32, preset.peak_tf32_flops if preset else None, "tf32 matmul", notes)
+    peak_mem, eff_mem = _rate(
+        cal.memory_bytes_per_s, preset.hbm_bandwidth if preset else None, "memory bandwidth", notes
+    )
     fields: dict[str, Any] = {
         "peak_bf16_tflops": peak_low / 1e12,
         "peak_tf32_tflops": peak_f32 / 1e12,
@@ -223,12 +227,18 @@ def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
     return fields
 
 
+def _peak(preset: Hardware | None, dtype: str) -> float:
+    """The matched preset's datasheet peak for a measured dtype (tf32 for fp32 matmuls)."""
+    assert preset is not None, "kernel terms come from a matched preset"
+    return preset.peak_tf32_flops if dtype in ("tf32", "fp32") else preset.peak_bf16_flops
+
+
 def _matmul_fit_record(cal: Calibration, preset: Hardware | None) -> dict[str, Any]:
     """Each measured shape's full-wave rate (the record behind the fitted matmul_efficiency)."""
     record: dict[str, Any] = {"sm_count": cal.sm_count}
     terms = kernel_terms(cal, preset)
     for sample in cal.matmul:
-        peak = (preset.peak_tf32_flops if sample.dtype in ("tf32", "fp32") else preset.peak_bf16_flops) if terms else 1
+        peak = _peak(preset, sample.dtype) if terms else 1.0
         rate = full_wave_flops_per_s([sample], cal.sm_count, terms, peak)
         record.setdefault(sample.dtype, []).append({"shape_mnk": list(sample.shape), "full_wave_tflops": rate / 1e12})
     return record

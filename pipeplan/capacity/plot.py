@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from pipeplan.capacity.report import CapacityReport, CapacityRow
+from pipeplan.jsonio import atomic_write
 from pipeplan.units import GIB
 
 
@@ -45,5 +46,7 @@ def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:
     memory.set_title("busiest device's memory per tensor-parallel size")
     schedules.set_title("MFU per schedule (best size)")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)

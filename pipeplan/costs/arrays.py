@@ -32,31 +32,15 @@ class LayerArrays:
     param_count: np.ndarray
     cut: np.ndarray
     bounds: np.ndarray  # layer index where each item starts, plus num_layers (items may group layers)
-    selective: np.ndarray | None = None  # bytes kept under selective recomputation (None: = activation)
-    selective_recompute: np.ndarray | None = None  # ms (None: 0)
-    full_recompute: np.ndarray | None = None  # ms (None: the forward)
-    entering: np.ndarray | None = None  # per item (None: the cut before it)
-    internals: np.ndarray | None = None  # per item (None: 0)
-    inputs: np.ndarray | None = None  # prefix sums of each layer's `entering` (None: the cut before each)
-    regrowth: np.ndarray | None = None  # per item: the most one of its layers re-creates when re-run (None: 0)
+    selective: np.ndarray  # bytes kept under selective recomputation
+    selective_recompute: np.ndarray  # ms
+    full_recompute: np.ndarray  # ms
+    entering: np.ndarray  # per item
+    internals: np.ndarray  # per item
+    inputs: np.ndarray  # prefix sums of each layer's `entering`
+    regrowth: np.ndarray  # per item: the most one of its layers re-creates when re-run
+    expert_param_count: np.ndarray  # of param_count: routed-expert weights
     reversed_order: bool = False
-    expert_param_count: np.ndarray | None = None  # of param_count: routed-expert weights (None: 0)
-
-    def __post_init__(self) -> None:
-        n = len(self.bounds) - 1
-        defaults = {
-            "expert_param_count": np.zeros(n + 1),
-            "selective": self.activation,
-            "selective_recompute": np.zeros(n + 1),
-            "full_recompute": self.forward,
-            "entering": self.cut[:-1].copy(),
-            "internals": np.zeros(n),
-            "inputs": np.concatenate([[0.0], np.cumsum(self.cut[:-1])]),
-            "regrowth": np.zeros(n),
-        }
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerArrays:
@@ -67,7 +51,7 @@ class LayerArrays:
 
         cut = np.zeros(len(layers) + 1)
         cut[1:-1] = np.asarray(profile.cut_bytes, dtype=np.float64)
-        entering = np.asarray([layers[0].full_activation_bytes, *profile.cut_bytes], dtype=np.float64)
+        entering = np.asarray([layers[0].kept_bytes("full"), *profile.cut_bytes], dtype=np.float64)
         return cls(
             forward=prefix([la.forward_ms for la in layers]),
             input_grad=prefix([la.input_grad_ms for la in layers]),
@@ -80,11 +64,11 @@ class LayerArrays:
             expert_param_count=prefix([la.expert_param_count for la in layers]),
             cut=cut,
             bounds=np.arange(len(layers) + 1),
-            selective=prefix([la.selective_activation_bytes for la in layers]),
+            selective=prefix([la.kept_bytes("selective") for la in layers]),
             selective_recompute=prefix([la.selective_recompute_ms for la in layers]),
-            full_recompute=prefix([la.full_recompute_ms for la in layers]),
+            full_recompute=prefix([la.recompute_ms("full") for la in layers]),
             entering=entering,
-            internals=np.asarray([la.activation_bytes - la.selective_activation_bytes for la in layers], dtype=float),
+            internals=np.asarray([la.activation_bytes - la.kept_bytes("selective") for la in layers], dtype=float),
             inputs=prefix(list(entering)),
             regrowth=np.maximum(np.asarray([la.activation_bytes for la in layers], dtype=float) - entering, 0.0),
         )
@@ -137,7 +121,7 @@ class LayerArrays:
         "inputs",
     )
 
-    def span(self, name: str, first: np.ndarray | int, last: int) -> np.ndarray:
+    def span(self, name: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Sum of `name` over items first..last (inclusive), vectorized over `first`."""
         values = getattr(self, name)
         return values[last + 1] - values[first]
@@ -152,20 +136,20 @@ class LayerArrays:
         upper = np.where(items[None, :] >= items[:, None], values[None, :], -np.inf)
         return np.maximum.accumulate(upper, axis=1)[np.asarray(first), np.asarray(last)]  # [a, b]: max over a..b
 
-    def stage_freed(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def stage_freed(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Bytes a stage's I frees: its layers' `freed`, except for the model's first stage, whose inputs are the
         model's own (never differentiable): its I has no input gradient to compute, so W does all the backward
         and everything saved lives until W (runtime/step/executor.py)."""
         return np.where(self.first_in_model(first, last), 0.0, self.span("freed", first, last))
 
-    def first_in_model(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def first_in_model(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Whether the stage of items first..last holds the model's first layer (its inputs are the model's own,
         never differentiable), vectorized over `first`."""
         if self.reversed_order:
             return np.full(np.shape(first), last == self.num_items - 1)
         return np.asarray(first) == 0
 
-    def stage_start(self, first: np.ndarray | int, last: int) -> np.ndarray:
+    def stage_start(self, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
         """Per-item `entering` of a stage's first layer in model order (its last item when reversed)."""
         return self.entering[last] if self.reversed_order else self.entering[np.asarray(first)]
 

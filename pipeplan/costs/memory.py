@@ -69,7 +69,7 @@ def device_static_bytes(
 ) -> tuple[float, ...]:
     """Per device: `static_bytes` of the stages (chunks) it holds (`device_stages[d]`: their indices); `per_param`
     one figure, or one per stage (ZeRO-1: each stage's group shards its optimizer state)."""
-    each = [per_param] * len(stage_param_counts) if np.ndim(per_param) == 0 else list(per_param)  # type: ignore[arg-type]
+    each = list(per_param) if isinstance(per_param, Sequence) else [per_param] * len(stage_param_counts)
     return tuple(float(sum(static_bytes(stage_param_counts[s], each[s]) for s in stages)) for stages in device_stages)
 
 
@@ -83,7 +83,7 @@ def stage_memory_bytes(
     arrays: LayerArrays,
     config: CostOptions,
     first: np.ndarray | int,
-    last: int,
+    last: np.ndarray | int,
     replicas,
     held,
     *,
@@ -121,7 +121,7 @@ def stage_memory_bytes(
 
 
 def least_stage_memory_bytes(
-    arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: int, replicas, held
+    arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: np.ndarray | int, replicas, held
 ) -> np.ndarray:
     """The least `stage_memory_bytes` over the recomputation modes the stage may take (`config.recompute`)."""
     found = [
@@ -139,7 +139,7 @@ def screened_recompute(
     arrays: LayerArrays,
     config: CostOptions,
     first: np.ndarray | int,
-    last: int,
+    last: np.ndarray | int,
     replicas,
     held,
     limit: float,
@@ -150,12 +150,13 @@ def screened_recompute(
     `config.recompute_modes` offered there whose `stage_memory_bytes` fits `limit` with the least added time,
     earlier modes on ties. Returns (added ms per microbatch, inf where no mode fits; index into recompute_modes).
     Without recomputation: 0 where the stage fits, inf where not."""
-    best = best_mode = None
+    best: np.ndarray | None = None
+    best_mode: np.ndarray | None = None
     for index, mode in enumerate(config.recompute_modes):
         memory = stage_memory_bytes(arrays, config, first, last, replicas, held, mode=mode, group_size=group_size)
         fits = (memory <= limit) & mode_offered(arrays, mode, first, last)
         added = np.where(fits, stage_recompute_ms(arrays, mode, first, last), np.inf)
-        if best is None:
+        if best is None or best_mode is None:  # the first mode
             best, best_mode = added, np.zeros(np.shape(added), dtype=np.int64)
         else:
             better = added < best

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipeplan.costs.optimizer import Numerics, static_split
+from pipeplan.schedules.ops import Op
 from pipeplan.schedules.simulate import StageCosts
 
 OVERLAP_OPTIONS = ("tensor", "p2p", "grad_reduce", "param_gather")
@@ -52,6 +53,9 @@ class Overlap:
         from pipeplan.errors import ConfigError
 
         parts = [part.strip().lower() for part in text.split(",") if part.strip()]
+        choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
+        if not parts:
+            raise ConfigError(f"--overlap needs a value: none, all, or a comma list of {choices}")
         sms = [part for part in parts if part.startswith("sms=")]
         parts = [part for part in parts if not part.startswith("sms=")]
         found = cls(comm_sms=_comm_sms(sms[-1]) if sms else COMM_SMS)
@@ -62,7 +66,6 @@ class Overlap:
         names = [part.replace("-", "_") for part in parts]
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
-            choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
             raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N)")
         return replace(found, **{name: True for name in names})
 
@@ -185,7 +188,7 @@ class Reductions:
     overlap: Overlap
     num_microbatches: int
 
-    def __call__(self, device: int, ops, starts: Sequence[float], ends: Sequence[float]) -> float:  # type: ignore[no-untyped-def]
+    def __call__(self, device: int, ops: Sequence[Op], starts: Sequence[float], ends: Sequence[float]) -> float:
         last = self.num_microbatches - 1
         window: dict[int, list[float]] = {}
         if self.overlap.grad_reduce:

@@ -37,7 +37,7 @@ RECOMPUTE_CHOICES = ("none", "auto")  # the partitioner's option: no recomputati
 
 
 def stage_kept_bytes(
-    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int, *, per_layer: bool = False
+    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: np.ndarray | int, *, per_layer: bool = False
 ) -> np.ndarray:
     """K: bytes one microbatch of stage [first..last] holds from its F to its I (or B), vectorized over `first`."""
     if mode == "full" and per_layer:
@@ -47,7 +47,7 @@ def stage_kept_bytes(
     return arrays.span("selective" if mode == "selective" else "activation", first, last)
 
 
-def stage_freed_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+def stage_freed_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
     """f: bytes the stage's I frees, leaving A - f until W. Its layers' `freed` (what no weight-gradient node
     saved), except on the model's first stage, whose inputs are the model's own: its I has no input gradient to
     compute, so W runs the whole backward and keeps everything — less, under selective recomputation, the attention
@@ -60,7 +60,7 @@ def stage_freed_bytes(arrays: LayerArrays, mode: str, first: np.ndarray | int, l
 
 
 def stage_recompute_bytes(
-    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int, *, per_layer: bool = False
+    arrays: LayerArrays, mode: str, first: np.ndarray | int, last: np.ndarray | int, *, per_layer: bool = False
 ) -> np.ndarray:
     """R: bytes recomputation re-creates on top of K while the stage's I (or B) runs."""
     if mode == "full" and per_layer:
@@ -72,7 +72,7 @@ def stage_recompute_bytes(
     return np.zeros(np.shape(first))
 
 
-def stage_recompute_ms(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+def stage_recompute_ms(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
     """Time recomputation adds to the stage's I (or B) per microbatch: the attention cores again (selective), the
     forward again (full)."""
     if mode == "full":
@@ -82,7 +82,7 @@ def stage_recompute_ms(arrays: LayerArrays, mode: str, first: np.ndarray | int, 
     return np.zeros(np.shape(first))
 
 
-def mode_offered(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: int) -> np.ndarray:
+def mode_offered(arrays: LayerArrays, mode: str, first: np.ndarray | int, last: np.ndarray | int) -> np.ndarray:
     """Whether the partitioner may give stage [first..last] `mode`: none and full always, selective only where it
     keeps fewer bytes than none (an attention core whose internals it drops)."""
     if mode == "selective":

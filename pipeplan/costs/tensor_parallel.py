@@ -50,6 +50,7 @@ def tensor_parallel_comm_per_layer(
     if tensor_parallel == 1:
         return TensorParallelComm(forward=(), backward=())
     message = seq * batch * hidden * bytes_per_element
+    one_pass: tuple[Collective, ...]
     if sequence_parallel:
         one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
         return TensorParallelComm(forward=one_pass, backward=one_pass, regather=(Collective("all-gather", 2, message),))

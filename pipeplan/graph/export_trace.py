@@ -53,7 +53,7 @@ def export_graph(
 
 def _bind_state(gm: fx.GraphModule, module: nn.Module) -> None:
     """Make every parameter and buffer of `gm` the tensor of the same qualified name in `module` (ties kept)."""
-    real = dict(module.named_parameters(remove_duplicate=False))
+    real: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     real.update(module.named_buffers(remove_duplicate=False))
     for store in ("_parameters", "_buffers"):
         for path, owner in gm.named_modules(remove_duplicate=False):

@@ -19,8 +19,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 
 def normalize_graph(gm: fx.GraphModule) -> None:
@@ -231,3 +233,33 @@ def check_in_place(nodes: list[fx.Node], node_layer: dict[str, int]) -> str | No
             if later:
                 return f"{value.name!r} is modified in place by {node.name!r} and read afterwards by {later[0].name!r}"
     return None
+
+
+def _data_dependent(node: fx.Node) -> bool:
+    """The node's value has a size only the data decides (an unbacked SymInt: `x[mask]`, `nonzero`), or is such a
+    size itself: no number describes it before the run, so no cut may carry it."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, list | tuple) else (value,)
+    for item in values:
+        if isinstance(item, torch.SymInt) and free_unbacked_symbols(item):
+            return True
+        if isinstance(item, torch.Tensor) and any(
+            free_unbacked_symbols(d) for d in item.shape if isinstance(d, torch.SymInt)
+        ):
+            return True
+    return False
+
+
+def merge_data_dependent_cuts(
+    nodes: list[fx.Node], layers: list[tuple[str, list[str]]], node_layer: dict[str, int]
+) -> tuple[list[tuple[str, list[str]]], dict[str, int]]:
+    """Merge adjacent layers across every cut a data-dependent value (`_data_dependent`) would cross, so that
+    each such value is made and used within one layer (where the layer runs, it has the sample's size)."""
+    while True:
+        cuts = cut_producers(nodes, node_layer, len(layers))
+        bad = next((i for i, cut in enumerate(cuts) if any(_data_dependent(n) for n in cut)), None)
+        if bad is None:
+            return layers, node_layer
+        merged = (layers[bad][0], layers[bad][1] + layers[bad + 1][1])
+        layers = [*layers[:bad], merged, *layers[bad + 2 :]]
+        node_layer = {name: i for i, (_, names) in enumerate(layers) for name in names}

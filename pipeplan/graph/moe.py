@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -59,7 +60,12 @@ def recognise(module: nn.Module, path: str = "") -> MoEModule | None:
             continue
         for router_name, router in children.items():
             weight = getattr(router, "weight", None)
-            if router_name != name and getattr(weight, "dim", lambda: 0)() == 2 and weight.shape[0] == count:
+            if (
+                router_name != name
+                and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2
+                and weight.shape[0] == count
+            ):
                 shared = tuple(n for n in children if n.startswith("shared_expert") and not n.endswith("_gate"))
                 return MoEModule(path, module, router_name, name, count, _top_k(module, router), shared)
     return None

@@ -89,23 +89,24 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
-    def __enter__(self) -> SavedTensors:
+    def __enter__(self) -> SavedTensors:  # type: ignore[override]  # torch's hooks return None; this the recorder
         super().__enter__()
         return self
 
-    def _live(self) -> list[_Slot]:
+    def _live(self) -> list[tuple[_Slot, torch.Tensor]]:
+        """(slot, its tensor) of every recorded tensor still held, in the order autograd saved them."""
         found = self._slots if self._hold else [ref() for ref in self._slots]
-        return [slot for slot in found if slot is not None and slot.tensor is not None]
+        return [(slot, slot.tensor) for slot in found if slot is not None and slot.tensor is not None]
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The recorded tensors still held, in the order autograd saved them."""
-        return [slot.tensor for slot in self._live()]
+        return [tensor for _, tensor in self._live()]
 
     def release(self, keep: set[int]) -> None:
         """Drop every recorded tensor whose storage is not in `keep`."""
-        for slot in self._live():
-            if storage_key(slot.tensor) not in keep:
+        for slot, tensor in self._live():
+            if storage_key(tensor) not in keep:
                 slot.tensor = None
 
     def storage_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> dict[int, int]:

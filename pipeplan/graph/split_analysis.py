@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # a leaf's node: `.variable` is the leaf
+# a leaf's node: `.variable` is the leaf (torch's stubs leave out the autograd node classes)
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from pipeplan.graph.grouping import (
     cut_producers,
     group,
     layer_keys,
+    merge_data_dependent_cuts,
     normalize_graph,
 )
 from pipeplan.graph.tracers import check_tracer
@@ -212,10 +213,15 @@ def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, t
 
     auto: fx, else export, else fx with automatic leaves (a module inside a repeated block that neither can trace,
     such as an MoE layer with data-dependent routing, runs eagerly: fx_trace.symbolic_trace)."""
+    from pipeplan.graph.eager_check import check_runs_eagerly
     from pipeplan.graph.fx_trace import propagate_shapes, symbolic_trace
 
     if tracer == "export":
-        return (*_export(module, spec, batch_size, device, dtype), "export")
+        try:
+            return (*_export(module, spec, batch_size, device, dtype), "export")
+        except TraceError:
+            check_runs_eagerly(module, spec, _sample_inputs(spec, batch_size, device, dtype))
+            raise
     try:
         gm = symbolic_trace(module, spec)
     except TraceError as fx_error:
@@ -228,6 +234,7 @@ def _capture(module: nn.Module, spec: ModelSpec, batch_size: int, device: str, t
         try:
             gm = symbolic_trace(module, spec, auto_leaves=True)
         except TraceError:
+            check_runs_eagerly(module, spec, _sample_inputs(spec, batch_size, device, dtype))  # the model's own error
             if export_error is None:
                 raise TraceError(f"{fx_error}; or trace with --tracer export") from None
             raise TraceError(f"{fx_error}; and {export_error}") from None
@@ -290,6 +297,7 @@ def trace_module(
         names = [name for name, _ in grouped]
         keys = [names[node_layer[n.name]] if n.op not in ("placeholder", "output") else "" for n in nodes]
         grouped, node_layer = group(nodes, keys)
+    grouped, node_layer = merge_data_dependent_cuts(nodes, grouped, node_layer)  # no cut carries an unknown size
     layers = [Layer(name=name, module_path=name, nodes=tuple(names)) for name, names in grouped]
     output = next(n for n in nodes if n.op == "output")
     node_layer[output.name] = len(layers) - 1

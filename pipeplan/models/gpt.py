@@ -6,6 +6,8 @@ Layout: `embed` (token + position embedding, dropout), `blocks.{i}` (pre-LN: cau
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,7 +134,7 @@ def gpt(
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    options = dict(
+    options: dict[str, Any] = dict(
         layers=layers,
         hidden=hidden,
         heads=heads,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ModelError
 from pipeplan.models.hf_config import (
     ADAPTER_OPTIONS,
+    SHAPE_FIELDS,
     build_config,
     effective_fields,
     first_line,
@@ -98,12 +100,28 @@ def _task(config, requested: Any) -> str:
     return task
 
 
-def _seq_len(config, requested: Any, default: int | None = None) -> int:
+def _seq_len(config, requested: Any, default: int | None = None, given: AbstractSet[str] = frozenset()) -> int:
     limit = next((int(getattr(config, f)) for f in _POSITION_FIELDS if getattr(config, f, None)), None)
-    seq = int(requested) if requested is not None else (default or min(128, limit or 128))
+    try:
+        seq = int(requested) if requested is not None else (default or min(128, limit or 128))
+    except (TypeError, ValueError):
+        raise ModelError(f"hf option seq_len={requested!r} must be an integer (tokens per sample)") from None
+    if limit is not None and seq > limit and _rotary_default(config, given):
+        # rotary positions have no table: max_position_embeddings is only the config's default cap (recorded in the
+        # spec's options with the other shape fields, so every rebuild has it)
+        config.max_position_embeddings = seq
+        limit = seq
     if seq < 2 or (limit is not None and seq > limit):
         raise ModelError(f"hf option seq_len={seq} must lie in [2, {limit}] (the config's maximum positions)")
     return seq
+
+
+def _rotary_default(config, given: AbstractSet[str]) -> bool:
+    """The position limit is max_position_embeddings of a rotary model, not given by the user (raising it
+    changes no parameter)."""
+    rotary = any(getattr(config, name, None) is not None for name in ("rope_parameters", "rope_theta", "rope_scaling"))
+    table = any(getattr(config, name, None) for name in ("n_positions", "n_ctx"))
+    return rotary and not table and "max_position_embeddings" not in given
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -152,9 +170,11 @@ def _builder(config, directory: Path | None, task: str, asked: str):
         except ModelError:
             raise
         except Exception as exc:
+            none = isinstance(exc, TypeError) and "NoneType" in str(exc)  # a field the model needs left unset
+            unset = [n for n in SHAPE_FIELDS if none and n in config.to_dict() and getattr(config, n) is None]
+            hint = f"its config leaves {', '.join(unset)} unset: give -a {unset[0]}=N" if unset else "check -a options"
             raise ModelError(
-                f"{asked}: building the model from its config raised {type(exc).__name__}: {first_line(exc)}; "
-                "check these -a options"
+                f"{asked}: building the model from its config raised {type(exc).__name__}: {first_line(exc)}; {hint}"
             ) from None
         return model.train()
 
@@ -169,7 +189,7 @@ def _shapes(config, task: str) -> dict[str, Any]:
     return fields
 
 
-def _sampler(config, task: str, adapter: dict[str, Any]):
+def _sampler(config, task: str, adapter: dict[str, Any], given: AbstractSet[str] = frozenset()):
     """(sample_batch(batch_size, generator), tokens per sample or None) of the task's synthetic batches."""
     labels = int(getattr(config, "num_labels", 2))
     if task == "image-classification":
@@ -182,7 +202,7 @@ def _sampler(config, task: str, adapter: dict[str, Any]):
             return (pixels,), torch.randint(0, labels, (batch_size,), generator=generator)
 
         return images, None
-    seq, vocab = _seq_len(config, adapter.get("seq_len")), int(config.vocab_size)
+    seq, vocab = _seq_len(config, adapter.get("seq_len"), given=given), int(config.vocab_size)
 
     def tokens(batch_size: int, generator: torch.Generator | None = None):
         ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
@@ -244,7 +264,7 @@ def hf_model(target: str, options: dict[str, Any] | None = None) -> ModelSpec:
     preset = preset_fields(target)
     if preset is not None and "seq_len" not in adapter:  # a preset's sequence length (models/presets.py)
         adapter["seq_len"] = preset[2]
-    sample_batch, seq = _sampler(config, task, adapter)
+    sample_batch, seq = _sampler(config, task, adapter, set(applied))
     loss_fn = causal_lm_loss if task == "causal-lm" else classification_loss
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None):
         loss_fn = with_router_aux_loss(loss_fn, float(config.router_aux_loss_coef))

@@ -68,7 +68,12 @@ def _default_config(target: str):
         return transformers.AutoConfig.for_model(preset[0], **preset[1]), None
     directory = Path(target)
     if (directory / "config.json").is_file():
-        return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True), directory
+        _check_model_type(target, directory / "config.json")
+        try:
+            return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True), directory
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            raise ModelError(f"hf:{target}: transformers cannot read its config.json ({first}); fix the file") from None
     if os.sep in target or target.startswith("."):
         raise ModelError(f"hf:{target}: no config.json in that directory (hf:DIR needs a local model directory)")
     try:
@@ -77,6 +82,55 @@ def _default_config(target: str):
         raise ModelError(
             f"hf:{target}: unknown model type; use a transformers model_type (gpt2, llama, bert, ...) or hf:path/to/dir"
         ) from None
+
+
+# config fields that count or size something: a value < 1 given with -a is refused (n_layer=-1 looped forever)
+SIZE_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "n_positions",
+        "n_ctx",
+        "max_position_embeddings",
+        "n_layer",
+        "num_hidden_layers",
+        "n_embd",
+        "hidden_size",
+        "d_model",
+        "n_head",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "n_inner",
+        "num_local_experts",
+        "num_experts",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_layers",
+        "num_heads",
+    }
+)
+
+
+def _check_model_type(target: str, path: Path) -> None:
+    """A config directory's config.json names one known transformers model type (as a string)."""
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelError(f"hf:{target}: {str(path)!r} is not valid JSON ({exc}); fix or replace it") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        found = "has none" if model_type is None else f"holds {model_type!r}"
+        raise ModelError(
+            f'hf:{target}: config.json needs a "model_type" string (gpt2, llama, ...) and {found}; add the type '
+            "its model was saved as"
+        )
+    if model_type not in transformers_module().CONFIG_MAPPING:
+        raise ModelError(
+            f"hf:{target}: config.json's model_type {model_type!r} is not a type this transformers "
+            f"({transformers_module().__version__}) knows; fix model_type or upgrade transformers"
+        )
 
 
 def _convert(config, key: str, raw: Any) -> Any:
@@ -91,8 +145,8 @@ def _convert(config, key: str, raw: Any) -> Any:
         except ValueError:
             value = None
         if not isinstance(value, type(default)):
-            kind = type(default).__name__
-            raise ModelError(f"hf option {key}={raw!r} must be a JSON {kind} (as the config's default)")
+            kind_name = type(default).__name__
+            raise ModelError(f"hf option {key}={raw!r} must be a JSON {kind_name} (as the config's default)")
         return value
     kinds = [type(default)] if default is not None else [int, float]
     for kind in kinds:
@@ -124,6 +178,9 @@ def _fields(target: str, default, options: dict[str, Any]) -> dict[str, Any]:
                 f"options: {', '.join(ADAPTER_OPTIONS)}"
             )
         fields[key] = _convert(default, key, raw)
+        value = fields[key]
+        if key in SIZE_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ModelError(f"hf option {key}={value} must be >= 1 (a size or count of {type(default).__name__})")
     return fields
 
 
@@ -155,11 +212,26 @@ def check_fields(target: str, config, fields: dict[str, Any]) -> None:
     """Fields whose mismatch the model only meets far from the cause (an embedding's padding_idx assertion, a
     broadcast inside rotary attention): one line naming them."""
     rotary, hidden, heads = (getattr(config, k, None) for k in ("rotary_dim", "hidden_size", "num_attention_heads"))
-    if all(isinstance(v, int) for v in (rotary, hidden, heads)) and heads and rotary > hidden // heads:
+    if (
+        isinstance(rotary, int)
+        and isinstance(hidden, int)
+        and isinstance(heads, int)
+        and heads
+        and rotary > hidden // heads
+    ):
         whose = "given" if "rotary_dim" in fields else "the config's default"
         raise ModelError(
             f"hf:{target}: rotary_dim={rotary} ({whose}) exceeds the head size hidden_size / num_attention_heads = "
             f"{hidden // heads}; give -a rotary_dim={hidden // heads} or less"
+        )
+    # (MLA, DeepSeek's: every head's keys and values come from one latent, kv_lora_rank; the field groups nothing)
+    kv = None if getattr(config, "kv_lora_rank", None) else getattr(config, "num_key_value_heads", None)
+    if isinstance(kv, int) and isinstance(heads, int) and kv > 0 and heads % kv:  # grouped-query attention's groups
+        whose = "given" if "num_key_value_heads" in fields else "the config's default"
+        raise ModelError(
+            f"hf:{target}: num_key_value_heads={kv} ({whose}) does not divide num_attention_heads={heads}; give "
+            f"-a num_key_value_heads={next(d for d in range(min(kv, heads), 0, -1) if heads % d == 0)} (or another "
+            f"divisor of {heads})"
         )
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):

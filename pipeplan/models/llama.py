@@ -12,6 +12,8 @@ MLP of two matrices (`mlp=relu2`: Nemotron-4, `down(relu(up(x))²)`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,6 +122,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = Attention(hidden, heads, kv_heads, theta, o.get("head_dim", 0), o.get("qkv_bias", False))
         self.mlp_norm = RMSNorm(hidden, eps)
+        self.mlp: nn.Module
         if o.get("mlp", "swiglu") == "relu2":
             self.mlp = SquaredReluMLP(hidden, intermediate)
         else:
@@ -235,7 +238,7 @@ def llama(
         tie_embeddings=tie_embeddings,
         **({"mlp": mlp} if mlp != "swiglu" else {}),  # the default stays out: earlier options and plans match
     )
-    module_options = {key: value for key, value in options.items() if key != "seq"}
+    module_options: dict[str, Any] = {key: value for key, value in options.items() if key != "seq"}
 
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):
         tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator)

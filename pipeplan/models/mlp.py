@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,7 +39,7 @@ def mlp(layers: int = 8, hidden: int = 256, activation: str = "relu") -> ModelSp
     check_sizes(layers=layers, hidden=hidden)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    options = dict(layers=layers, hidden=hidden, activation=activation)
+    options: dict[str, Any] = dict(layers=layers, hidden=hidden, activation=activation)
 
     def sample_batch(batch_size: int, generator: torch.Generator | None = None):
         x = torch.randn(batch_size, hidden, generator=generator)

@@ -21,6 +21,8 @@ part runs eagerly inside its block.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +121,7 @@ class MoEBlock(nn.Module):
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, eps: float, theta: float, ffn: nn.Module, latent):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
+        self.attn: LatentAttention | Attention
         if latent is not None:  # multi-head latent attention (models/mla.py)
             self.attn = LatentAttention(hidden, heads, latent, theta, eps)
         else:
@@ -221,7 +224,9 @@ def moe(
     routing = dict(experts=experts, top_k=top_k, gate=gate, normalize=normalize, scale=scale)
     latent = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim)
     latent["v_head_dim"] = v_head_dim
-    options = dict(**sizes, **routing, expert_intermediate=expert_intermediate, shared_experts=shared_experts)
+    options: dict[str, Any] = dict(
+        **sizes, **routing, expert_intermediate=expert_intermediate, shared_experts=shared_experts
+    )
     options.update(dense_layers=dense_layers, intermediate=intermediate, norm_eps=norm_eps, rope_theta=rope_theta)
     options.update(latent)
     module = {k: v for k, v in options.items() if k not in ("seq", "expert_intermediate", "shared_experts", *latent)}

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeplan.errors import ModelError, PipeplanError
+from pipeplan.errors import ModelError, PipeplanError, user_code_location
 from pipeplan.models.builtins import BUILTINS
 from pipeplan.models.spec import ModelSpec, check_batch
 
@@ -65,13 +65,29 @@ def call_factory(factory: Callable[..., ModelSpec], options: dict[str, Any], *, 
         converted[key] = _convert(raw, annotation, key, valid)
     try:
         spec = factory(**converted)
-    except (ValueError, TypeError) as exc:
-        raise ModelError(f"model {ref!r}: {exc}; valid options: {valid}") from None
-    except Exception as exc:  # a user's factory may raise anything: one line naming it, no traceback
-        raise ModelError(f"model factory {ref!r} raised {type(exc).__name__}: {_first_line(exc)}") from None
+    except Exception as exc:  # a user's factory may raise anything: one line naming it and where, no traceback
+        where = user_code_location(exc)
+        if where is not None:
+            raise ModelError(f"your factory {ref!r} raised {_described(exc)} at {where}") from None
+        if isinstance(exc, ValueError | TypeError):  # a built-in factory refusing its options
+            raise ModelError(f"model {ref!r}: {exc}; valid options: {valid}") from None
+        raise ModelError(f"model factory {ref!r} raised {_described(exc)}") from None
+    except SystemExit as exc:
+        raise ModelError(_exited(ref, "its factory", exc)) from None
     if not isinstance(spec, ModelSpec):
         raise ModelError(f"model factory {ref!r} must return a pipeplan ModelSpec, got {type(spec).__name__}")
     return guarded(spec, ref)
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _exited(ref: str, what: str, exc: SystemExit) -> str:
+    return (
+        f"model {ref!r}: {what} called sys.exit({exc.code!r}) instead of returning; pipeplan stops here (a model's "
+        "code must return or raise, not exit)"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -90,12 +106,25 @@ def guarded(spec: ModelSpec, ref: str) -> ModelSpec:
         except PipeplanError:
             raise
         except Exception as exc:
-            raise ModelError(
-                f"building model {ref!r} (its ModelSpec.build) raised {type(exc).__name__}: {_first_line(exc)}"
-            ) from None
+            where = user_code_location(exc)
+            at = f" at {where}" if where else ""
+            raise ModelError(f"building model {ref!r} (its ModelSpec.build) raised {_described(exc)}{at}") from None
+        except SystemExit as exc:
+            raise ModelError(_exited(ref, "its ModelSpec.build", exc)) from None
 
     def checked_sample_batch(*args, **kwargs):
-        return check_batch(sample_batch(*args, **kwargs), f"model {ref!r}: sample_batch")
+        try:
+            batch = sample_batch(*args, **kwargs)
+        except PipeplanError:
+            raise
+        except Exception as exc:
+            where = user_code_location(exc)
+            if where is None:
+                raise
+            raise ModelError(f"model {ref!r}: its sample_batch raised {_described(exc)} at {where}") from None
+        except SystemExit as exc:
+            raise ModelError(_exited(ref, "its sample_batch", exc)) from None
+        return check_batch(batch, f"model {ref!r}: sample_batch")
 
     return dataclasses.replace(spec, build=checked_build, sample_batch=checked_sample_batch)
 

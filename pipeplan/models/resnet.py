@@ -4,6 +4,8 @@ keeps every sample independent, so microbatching does not change the maths."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,7 +79,7 @@ def resnet(
         target = torch.randint(0, classes, (batch_size,), generator=generator)
         return (x,), target
 
-    build_options = {k: v for k, v in options.items() if k != "image"}
+    build_options: dict[str, Any] = {k: v for k, v in options.items() if k != "image"}
     return ModelSpec(
         name="resnet",
         build=lambda: ResNet(**build_options),

@@ -106,7 +106,7 @@ class ModelSpec:
     options: dict[str, Any] = field(default_factory=dict)
     tokens_per_sample: int | None = None
     leaf_modules: tuple[type[nn.Module], ...] = ()
-    data: Callable[[int, int], Iterator[Batch]] | None = None
+    data: Callable[..., Iterator[Batch]] | None = None
     init_module: Callable[[nn.Module], None] | None = None
     optimizer: Callable[[list[tuple[str, nn.Parameter]], float, float], torch.optim.Optimizer] | None = None
     lr_lambda: Callable[[int], float] | None = None

@@ -33,17 +33,17 @@ from pipeplan.schedules.registry import stage_device
 def _num_stages(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> int:
     if config.num_stages is not None:
         return min(config.num_stages, arrays.num_items)
-    p = min(cluster.num_devices, arrays.num_items // config.chunks)
-    return max(p, 1) * config.chunks if config.chunks > 1 else min(cluster.num_devices, arrays.num_items)
+    p = min(cluster.num_devices, arrays.num_items // config.num_chunks)
+    return max(p, 1) * config.num_chunks if config.num_chunks > 1 else min(cluster.num_devices, arrays.num_items)
 
 
 def _score(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, stages: single.Stages) -> Partition:
     straight = dataclasses.replace(config, mode="straight")
-    if config.chunks > 1:
-        p = len(stages) // config.chunks
+    if config.num_chunks > 1:
+        p = len(stages) // config.num_chunks
         level = chunk_level(arrays, cluster, straight, float("inf"), spans_nodes=p > cluster.devices_per_node)
         raw = single.describe(level, stages)
-        placement = stage_device(config.schedule, p, config.chunks)
+        placement = stage_device(config.schedule, p, config.num_chunks)
         raw = [dataclasses.replace(st, devices=(placement[s],)) for s, st in enumerate(raw)]
     else:
         raw = single.describe(one_level(arrays, cluster, straight, float("inf")), stages)

@@ -32,10 +32,10 @@ def chunk_level(arrays, cluster: Cluster, config: PartitionConfig, memory_limit:
     return Level(
         arrays=arrays,
         config=config,
-        units=cluster.num_devices * config.chunks,
+        units=cluster.num_devices * config.num_chunks,
         intra=inter if spans_nodes else intra,
         inter=inter if spans_nodes else intra,
-        devices_per_node=cluster.num_devices * config.chunks + 1,
+        devices_per_node=cluster.num_devices * config.num_chunks + 1,
         memory_limit=memory_limit,
     )
 
@@ -47,10 +47,11 @@ def _device_memory_fits(level: Level, stages: single.Stages, num_devices: int) -
     inflight = single.inflight_counts(config, len(stages))
     if config.recompute != "none" and not single.stages_fit(level, stages):
         return False
-    modes = single.stage_modes(level, stages, inflight)
-    if None in modes:
+    found = single.stage_modes(level, stages, inflight)
+    modes = [mode for mode in found if mode is not None]
+    if len(modes) < len(found):
         return False
-    placement = stage_device(config.schedule, num_devices, config.chunks)
+    placement = stage_device(config.schedule, num_devices, config.num_chunks)
     used = np.zeros(num_devices)
     for s, (a, b, _) in enumerate(stages):
         used[placement[s]] += stage_memory_bytes(level.arrays, config, a, b, 1, inflight[s], mode=modes[s])
@@ -58,7 +59,7 @@ def _device_memory_fits(level: Level, stages: single.Stages, num_devices: int) -
 
 
 def _candidates(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) -> list[int]:
-    v = config.chunks
+    v = config.num_chunks
     if config.num_stages is not None:
         return [config.num_stages // v]
     return list(range(1, min(cluster.num_devices, arrays.num_items // v) + 1))
@@ -66,7 +67,7 @@ def _candidates(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig) 
 
 def _schedule_exists(config: PartitionConfig, num_devices: int) -> bool:
     try:
-        single.inflight_counts(config, num_devices * config.chunks)
+        single.inflight_counts(config, num_devices * config.num_chunks)
     except ScheduleError:
         return False
     return True
@@ -75,7 +76,7 @@ def _schedule_exists(config: PartitionConfig, num_devices: int) -> bool:
 def solve_chunked(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float):
     """(objective, raw stages, layer groups) or None. Candidates p are tried best objective first (ties: fewer
     devices); a p for which the schedule does not exist (e.g. interleaved needs microbatches % p == 0) is skipped."""
-    v, n = config.chunks, arrays.num_items
+    v, n = config.num_chunks, arrays.num_items
     candidates = _candidates(arrays, cluster, config)
     if not candidates:
         return None
@@ -108,9 +109,9 @@ def _fallback(arrays, cluster, config, memory_limit, candidates):
     best = None
     for p in candidates:
         level = chunk_level(
-            arrays, cluster, config, memory_limit / config.chunks, spans_nodes=p > cluster.devices_per_node
+            arrays, cluster, config, memory_limit / config.num_chunks, spans_nodes=p > cluster.devices_per_node
         )
-        found = single.solve_fixed_stages(level, p * config.chunks)
+        found = single.solve_fixed_stages(level, p * config.num_chunks)
         if found is not None and (best is None or found[0] < best[0]):
             best = (found[0], p, level, found[1])  # described at memory / v: the modes the DP counted
     return best

@@ -60,22 +60,22 @@ class PartitionConfig:
         info = schedule_info(self.schedule)
         if self.chunks is not None and self.chunks < 1:
             raise ConfigError(f"--chunks must be >= 1, got {self.chunks}")
-        if self.chunks is None:
-            object.__setattr__(self, "chunks", info.default_chunks)
+        chunks = info.default_chunks if self.chunks is None else self.chunks
+        object.__setattr__(self, "chunks", chunks)
         if self.mode is None:
-            object.__setattr__(self, "mode", "straight" if self.chunks > 1 else "replicated")
+            object.__setattr__(self, "mode", "straight" if chunks > 1 else "replicated")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "replicated" and self.chunks > 1:
-            raise ConfigError(f"schedule {self.schedule} places {self.chunks} chunks per device; use mode='straight'")
+        if self.mode == "replicated" and chunks > 1:
+            raise ConfigError(f"schedule {self.schedule} places {chunks} chunks per device; use mode='straight'")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {self.cost_model!r}")
-        if self.cost_model == "pipedream" and self.chunks > 1:
+        if self.cost_model == "pipedream" and chunks > 1:
             raise ConfigError("cost_model='pipedream' knows one stage per device; use cost_model='pipeplan'")
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.num_stages is not None and self.num_stages % self.chunks:
-            raise ConfigError(f"num_stages ({self.num_stages}) must be a multiple of --chunks ({self.chunks})")
+        if self.num_stages is not None and self.num_stages % chunks:
+            raise ConfigError(f"num_stages ({self.num_stages}) must be a multiple of --chunks ({chunks})")
         if self.memory_limit_microbatches is not None and self.memory_limit_microbatches < 1:
             raise ConfigError(f"--memory-limit must be >= 1, got {self.memory_limit_microbatches}")
         if self.max_layer_groups < 2:
@@ -117,3 +117,15 @@ class PartitionConfig:
     def splits_backward(self) -> bool:
         """True when the schedule runs I and W separately (compute = F + I + W, else F + B)."""
         return schedule_info(self.schedule).split_backward
+
+    @property
+    def num_chunks(self) -> int:
+        """`chunks` as resolved by __post_init__ (None given: the schedule's default)."""
+        assert self.chunks is not None, "PartitionConfig.__post_init__ resolves chunks"
+        return self.chunks
+
+    @property
+    def stage_mode(self) -> str:
+        """`mode` as resolved by __post_init__ (None given: straight for chunked schedules, else replicated)."""
+        assert self.mode is not None, "PartitionConfig.__post_init__ resolves mode"
+        return self.mode

@@ -38,7 +38,7 @@ class Table:
     units: np.ndarray  # units the last stage consumes (>= replicas under at-most semantics)
 
 
-def _empty(num_items: int, max_units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _empty(num_items: int, max_units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     value = np.full((num_items + 1, max_units + 1), INF)
     value[0, 0] = 0.0
     first = np.full((num_items + 1, max_units + 1), -1, dtype=np.int64)

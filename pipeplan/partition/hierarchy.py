@@ -54,7 +54,7 @@ class _Inner:
 def _inner(level: Level, inflight: single.Held) -> _Inner:
     model, g = level.model, level.units
     reps = np.arange(1, g + 1)
-    variants = {"mid": [], "no_in": [], "no_out": [], "none": []}
+    variants: dict[str, list[np.ndarray]] = {"mid": [], "no_in": [], "no_out": [], "none": []}
     recomputes = level.config.recompute != "none"
     for last in range(level.arrays.num_items):
         zero_in = np.zeros(last + 1)

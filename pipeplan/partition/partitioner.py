@@ -44,23 +44,28 @@ def _check_sizes(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig)
     n = arrays.num_items
     if config.num_stages is not None and config.num_stages > n:
         raise ConfigError(f"num_stages ({config.num_stages}) exceeds the profile's {n} layers; lower num_stages")
-    if config.num_stages is not None and config.num_stages > cluster.num_devices * config.chunks:
+    if config.num_stages is not None and config.num_stages > cluster.num_devices * config.num_chunks:
         raise ConfigError(
             f"num_stages ({config.num_stages}) needs more than --devices ({cluster.num_devices}) x --chunks"
-            f" ({config.chunks}); lower num_stages"
+            f" ({config.num_chunks}); lower num_stages"
         )
-    if config.chunks > 1 and n < config.chunks:
-        raise InfeasibleError(f"{config.schedule} needs at least {config.chunks} layers; lower --chunks")
+    if config.num_chunks > 1 and n < config.num_chunks:
+        raise InfeasibleError(f"{config.schedule} needs at least {config.num_chunks} layers; lower --chunks")
 
 
 def _solve(arrays: LayerArrays, cluster: Cluster, config: PartitionConfig, memory_limit: float):
     """(objective, raw stages, layer groups) or None when nothing fits."""
-    if config.chunks > 1:
+    if config.num_chunks > 1:
         from pipeplan.partition.chunks import solve_chunked
 
         return solve_chunked(arrays, cluster, config, memory_limit)
     multi_node = cluster.num_devices > cluster.devices_per_node
-    if multi_node and config.mode == "replicated" and config.cost_model == "pipeplan" and config.num_stages is None:
+    if (
+        multi_node
+        and config.stage_mode == "replicated"
+        and config.cost_model == "pipeplan"
+        and config.num_stages is None
+    ):
         from pipeplan.partition.hierarchy import solve_two_level
 
         return solve_two_level(arrays, cluster, config, memory_limit)
@@ -119,8 +124,8 @@ def build_partition(
         num_layers=arrays.num_items,
         num_devices=len(used),
         schedule=config.schedule,
-        chunks=config.chunks,
-        mode=config.mode,
+        chunks=config.num_chunks,
+        mode=config.stage_mode,
         cost_model=config.cost_model,
         num_microbatches=config.num_microbatches,
         optimizer_bytes_per_param=config.optimizer_bytes_per_param,
@@ -169,7 +174,7 @@ def min_memory_per_device(arrays: LayerArrays, cluster: Cluster, config: Partiti
     cluster's memory when that already failed, doubles until a partition fits, then bisects. One-node replicated
     gpipe/1f1b searches get the exact minimum from one DP instead."""
     multi_node = cluster.num_devices > cluster.devices_per_node
-    if config.chunks == 1 and not multi_node:
+    if config.num_chunks == 1 and not multi_node:
         exact = single.min_memory_from_end(one_level(arrays, cluster, config, np.inf))
         if exact is not None:
             return int(np.ceil(exact)) if np.isfinite(exact) else None

@@ -45,9 +45,9 @@ def inflight_counts(config: PartitionConfig, num_stages: int) -> tuple[Held, ...
     W or B not yet) and the most before their I (F run, I or B not yet), from the op order of the schedule."""
     return held_counts(
         config.schedule,
-        num_stages // config.chunks,
+        num_stages // config.num_chunks,
         config.num_microbatches,
-        config.chunks,
+        config.num_chunks,
         config.memory_limit_microbatches,
     )
 
@@ -111,10 +111,10 @@ def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | 
     n = level.arrays.num_items
     if num_stages > min(n, level.units):
         return None
-    if level.exact_units and level.config.mode == "straight" and num_stages != level.units:
+    if level.exact_units and level.config.stage_mode == "straight" and num_stages != level.units:
         return None  # PipeDream's straight pipelines use every machine
     inflight = np.asarray(inflight_counts(level.config, num_stages), dtype=np.float64)
-    if level.config.mode == "straight":
+    if level.config.stage_mode == "straight":
         columns = (inflight[:, 0], inflight[:, 1])
         table = dp.straight_dp(n, num_stages, straight_table(level, columns, num_stages, stages=num_stages))
         value = table.value[n, num_stages]
@@ -135,7 +135,7 @@ def solve_fixed_stages(level: Level, num_stages: int) -> tuple[float, Stages] | 
 def solve_fast(level: Level) -> tuple[float, Stages] | None:
     """Position-free optimum (memory: only the necessary condition); None when no cell is finite."""
     n = level.arrays.num_items
-    if level.config.mode == "straight":
+    if level.config.stage_mode == "straight":
         cols = min(n, level.units)
         table = dp.straight_dp(n, cols, straight_table(level, (1, 1), cols))
         units = dp.best_units(table.value, n, cols, exact=level.exact_units)
@@ -165,7 +165,7 @@ def solve_level(level: Level) -> tuple[float, Stages] | None:
         return solve_from_end(level, from_end)
     best = None
     for num_stages in range(1, min(level.arrays.num_items, level.units) + 1):
-        if level.exact_units and level.config.mode == "straight" and num_stages != level.units:
+        if level.exact_units and level.config.stage_mode == "straight" and num_stages != level.units:
             continue
         found = solve_fixed_stages(level, num_stages)
         if found is not None and (best is None or found[0] < best[0]):
@@ -177,7 +177,7 @@ def _end_relative_inflight(level: Level) -> list[Held] | None:
     """g[q] = in-flight count of the stage q positions before the last, when that holds for every pipeline depth
     (gpipe, 1f1b; not the zero-bubble schedules); None otherwise or where the trick does not apply."""
     config = level.config
-    if config.mode != "replicated" or config.cost_model != "pipeplan":
+    if config.stage_mode != "replicated" or config.cost_model != "pipeplan":
         return None
     depth = min(level.arrays.num_items, level.units)
     g = list(inflight_counts(config, depth))[::-1]
@@ -259,7 +259,7 @@ def describe(level: Level, stages: Stages) -> list[RawStage]:
     inflight = inflight_counts(level.config, len(stages))
     modes = stage_modes(level, stages, inflight)
     assert None not in modes, "describing stages that do not fit"
-    straight = level.config.mode == "straight"
+    straight = level.config.stage_mode == "straight"
     out, device = [], 0
     for s, (a, b, r) in enumerate(stages):
         if straight:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -188,7 +189,7 @@ def profile_analytic(
     `model_options` are recorded in the provenance (default: the spec's name and options).
     """
     mode = get_precision(precision)
-    efficiencies = dict(matmul_efficiency=matmul_efficiency, memory_efficiency=memory_efficiency)
+    efficiencies: dict[str, Any] = dict(matmul_efficiency=matmul_efficiency, memory_efficiency=memory_efficiency)
     config = AnalyticConfig(
         batch_size=batch_size,
         hardware=load_hardware(hardware),

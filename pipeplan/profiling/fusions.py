@@ -21,6 +21,8 @@ and what the runtime runs are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -30,7 +32,8 @@ from pipeplan.profiling.gpu_ops import fused_rms_norm
 PROBE_ROWS = 6  # rows of the CPU probe
 NORM_TOLERANCE = 3e-2  # relative: a norm may round through bf16 (its candidates differ by far more)
 ACTIVATION_TOLERANCE = 1e-4  # GELU's tanh and erf forms differ by up to 5e-4 (and quick_gelu by 2e-2)
-ACTIVATIONS = {  # name -> (the function the built-ins call, keyword arguments)
+# name -> (the function the built-ins call, keyword arguments)
+ACTIVATIONS: dict[str, tuple[Callable[..., torch.Tensor], dict[str, str]]] = {
     "gelu_tanh": (F.gelu, {"approximate": "tanh"}),
     "gelu": (F.gelu, {}),
     "silu": (F.silu, {}),
@@ -123,7 +126,7 @@ def _probe(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node)
 
 def _signature(nodes: list[fx.Node], x: fx.Node, weight: fx.Node | None, y: fx.Node) -> tuple:
     """The region's ops with their arguments, nodes numbered within it: equal signatures probe alike."""
-    numbers = {x: "x", weight: "weight", **{node: index for index, node in enumerate(nodes)}}
+    numbers: dict[fx.Node | None, str | int] = {x: "x", weight: "weight", **{n: i for i, n in enumerate(nodes)}}
 
     def arg(value):
         if isinstance(value, fx.Node):

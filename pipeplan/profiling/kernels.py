@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
 LARGEST_REUSE = 128 * 256 / (128 + 256)  # multiply-adds per loaded operand element of the largest tile
@@ -119,7 +120,8 @@ class Kernel:
             sizes[DIMS[tag]] *= grow
         if self.experts:
             sizes["batch"] /= ep
-        return replace(self, **{attr: max(1, math.ceil(value)) for attr, value in sizes.items()})
+        dims: dict[str, Any] = {attr: max(1, math.ceil(value)) for attr, value in sizes.items()}
+        return replace(self, **dims)
 
 
 def backward_kernels(kernel: Kernel) -> dict[str, list[Kernel]]:
@@ -176,12 +178,12 @@ def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
     runs at the FP8 rate on 1-byte operands, after Transformer Engine quantizes its activation operand (m x k: read
     in 16 bits, written in 8: a memory-bound cast kernel of 3 bytes per element; the weights' cast is kept for the
     step and not counted per matmul)."""
-    fp8 = rates.fp8_flops_per_s is not None and kernel.weight
+    fp8_rate = rates.fp8_flops_per_s if kernel.weight else None
+    fp8 = fp8_rate is not None
     if kernel.kind == "attention":
         work = _attention_seconds(kernel, rates)
     else:
-        rate = rates.fp8_flops_per_s if fp8 else rates.gemm_flops_per_s
-        work = _gemm_seconds(kernel, rate, rates)
+        work = _gemm_seconds(kernel, rates.gemm_flops_per_s if fp8_rate is None else fp8_rate, rates)
     memory = replace(kernel, element_bytes=1 if fp8 else kernel.element_bytes).bytes / rates.bytes_per_s
     memory += _accumulated(kernel, rates) * kernel.batch * kernel.m * kernel.n / rates.bytes_per_s
     cast = 3.0 * kernel.batch * kernel.m * kernel.k / rates.bytes_per_s if fp8 else 0.0

@@ -163,6 +163,8 @@ def count_layer(
     )
     input_grad, input_grad_keep = _record(roofline, lambda: backward_input(roots, grads, grad_inputs, weights), weights)
     param_count = sum(p.numel() for p in params)
+    tracer = tracing.tracer
+    assert tracer is not None, "an OpRecorder with trace_kernels has a KernelTracer"
     return LayerCounts(
         forward=forward.totals,
         input_grad=input_grad,
@@ -172,9 +174,9 @@ def count_layer(
         output_bytes=tensor_bytes(outputs),
         param_count=param_count,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
-        expert_param_count=sum(p.numel() for p in tracing.tracer.expert_params.values()),
+        expert_param_count=sum(p.numel() for p in tracer.expert_params.values()),
         attention_kernels=dict(semantics.kernels_used),
-        replicated_param_count=tracing.tracer.duplicated_params,
+        replicated_param_count=tracer.duplicated_params,
         outputs=tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
         forward_keep=forward_keep,
         input_grad_keep=input_grad_keep,

@@ -150,8 +150,10 @@ def profile_traced(
     times the passes."""
     spec = traced.spec
     sample, target = spec.sample_batch(config.batch_size, generator=torch.Generator().manual_seed(0))
-    low = get_precision(config.precision).param_dtype
-    low = low if low != torch.float32 else None  # bf16: floating inputs in bf16 too; else as the model gives them
+    param_dtype = get_precision(config.precision).param_dtype
+    low = (
+        param_dtype if param_dtype != torch.float32 else None
+    )  # bf16: floating inputs in bf16 too; else as the model gives them
     inputs = tuple(t.to(config.device, low if low and t.is_floating_point() else t.dtype) for t in sample)
     target = target.to(config.device)  # as the runtime moves it: in its own dtype
     stages = _layer_stages(traced, target)
@@ -163,7 +165,7 @@ def profile_traced(
     ]
     whole = WholeUnit(WHOLE_UNIT, traced.module, spec.loss_fn, inputs, target, config.autocast)
     split = _split_unit(traced, env, target, config)
-    units = [whole, *([split] if split else []), *(unit for _, unit in prepared)]
+    units: list[rounds.Unit] = [whole, *([split] if split else []), *(unit for _, unit in prepared)]
     clock = clock or make_clock(config)
     base = Profile(
         layers=tuple(LayerProfile(**fields) for fields, _ in prepared),

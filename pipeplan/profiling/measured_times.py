@@ -10,9 +10,10 @@ without the references (e.g. samples gathered another way, per layer) give a pro
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pipeplan.profiling.consistency import WHOLE, check
-from pipeplan.profiling.profile import Measurement, PassSpread, Profile
+from pipeplan.profiling.profile import LayerProfile, Measurement, PassSpread, Profile
 from pipeplan.profiling.rounds import Pools
 
 WHOLE_UNIT = WHOLE
@@ -28,6 +29,12 @@ TIME_FIELDS = {
 SPLIT_PASSES = ("input_grad", "weight_grad")
 
 
+def _timed_layer(layer: LayerProfile, pools: Pools) -> LayerProfile:
+    """`layer` with its pools' median times and their spread."""
+    times: dict[str, Any] = {TIME_FIELDS[key]: value for key, value in pools.medians(layer.name).items()}
+    return replace(layer, **times, spread=PassSpread(samples=pools.count(layer.name), **pools.spreads(layer.name)))
+
+
 @dataclass(frozen=True)
 class TimedProfile:
     """`base` (every field but the times) timed by the pools of `repeats` rounds after `warmup`, read by `clock`."""
@@ -38,14 +45,7 @@ class TimedProfile:
     clock: str
 
     def profile(self, pools: Pools) -> Profile:
-        layers = tuple(
-            replace(
-                layer,
-                **{TIME_FIELDS[key]: value for key, value in pools.medians(layer.name).items()},
-                spread=PassSpread(samples=pools.count(layer.name), **pools.spreads(layer.name)),
-            )
-            for layer in self.base.layers
-        )
+        layers = tuple(_timed_layer(layer, pools) for layer in self.base.layers)
         whole = pools.medians(WHOLE_UNIT) if WHOLE_UNIT in pools.samples else {}
         return replace(
             self.base,

@@ -186,7 +186,7 @@ class LayerProfile:
             raise FormatError(
                 f"layer {self.name!r}: activation_freed_by_input_grad_bytes must lie in [0, activation_bytes]"
             )
-        if not 0 <= self.selective_activation_bytes <= max(self.activation_bytes, 0):
+        if not 0 <= self.kept_bytes("selective") <= max(self.activation_bytes, 0):
             raise FormatError(f"layer {self.name!r}: selective_activation_bytes must lie in [0, activation_bytes]")
 
     @property
@@ -199,12 +199,16 @@ class LayerProfile:
         if recompute == "full":
             assert self.full_activation_bytes is not None, "full_activation_bytes is filled by Profile"
             return self.full_activation_bytes
-        return self.selective_activation_bytes if recompute == "selective" else self.activation_bytes
+        if recompute == "selective":
+            assert self.selective_activation_bytes is not None, "__post_init__ fills selective_activation_bytes"
+            return self.selective_activation_bytes
+        return self.activation_bytes
 
     def recompute_ms(self, recompute: str) -> float:
         """Time the backward spends re-running forward work under `recompute` (0 for none)."""
         _check_mode(recompute)
         if recompute == "full":
+            assert self.full_recompute_ms is not None, "__post_init__ fills full_recompute_ms"
             return self.full_recompute_ms
         return self.selective_recompute_ms if recompute == "selective" else 0.0
 
@@ -229,6 +233,9 @@ class ExpertRouting:
         """The busiest expert's tokens over the mean (1.0 = perfectly balanced)."""
         mean = sum(self.tokens_per_expert) / len(self.tokens_per_expert) if self.tokens_per_expert else 0.0
         return max(self.tokens_per_expert) / mean if mean else 1.0
+
+
+PROFILE_DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a profile is measured or counted in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,6 +267,16 @@ class Provenance:
             raise FormatError(f"provenance.source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.batch_size < 1:
             raise FormatError("provenance.batch_size must be >= 1")
+        if self.device not in ("cpu", "meta", "cuda") and not self.device.startswith("cuda:"):
+            raise FormatError(f"provenance.device must be cpu, meta or cuda[:NAME], got {self.device!r}; re-profile")
+        if self.dtype not in PROFILE_DTYPES:
+            raise FormatError(
+                f"provenance.dtype must be one of {', '.join(PROFILE_DTYPES)}, got {self.dtype!r}; re-profile"
+            )
+        if self.tokens_per_sample is not None and (
+            isinstance(self.tokens_per_sample, bool) or self.tokens_per_sample < 1
+        ):
+            raise FormatError(f"provenance.tokens_per_sample must be >= 1 or null, got {self.tokens_per_sample!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +331,11 @@ class Profile:
             path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION, older_versions=OLDER_PROFILE_VERSIONS
         )
         profile = cls.from_dict(data, where=f"profile file {str(path)!r}")
+        if not any(layer.forward_ms > 0 for layer in profile.layers):
+            raise FormatError(
+                f"profile file {str(path)!r}: its layers take no time (every forward_ms is 0), so there is nothing "
+                "to balance; re-profile the model"
+            )
         prov = profile.provenance
         if prov.source in ("measured", "analytic") and not prov.loss_in_last_layer:
             from pipeplan.console import warn

@@ -6,7 +6,7 @@ command)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, resolve_hardware
@@ -67,7 +67,7 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
     spec = load_model(request.model, request.options, preset_overridable=request.preset_overridable)
     if check is not None:
         check(spec)
-    common = dict(
+    common: dict[str, Any] = dict(  # the keywords both profilers take
         batch_size=request.batch_size,
         granularity=request.granularity,
         progress=request.progress,
@@ -79,6 +79,7 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         from pipeplan.profiling.analytic import profile_analytic  # imported only when needed
 
         given = {key: spec.options.get(key, value) for key, value in request.options.items()}
+        assert request.hardware is not None, "ProfileRequest refuses --device meta without --hardware"
         profile = profile_analytic(
             spec, hardware=request.hardware, model_options=given, attention=request.attention, **common
         )

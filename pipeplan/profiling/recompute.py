@@ -154,7 +154,7 @@ class _Touch:
 def _region(touches: list[_Touch], anchor: OpCall) -> tuple[set[int], set[int]] | None:
     """(storages, indices of the core's calls) of one softmax's attention region; None if it is not attention."""
     shape = _trailing(anchor.outputs[0])
-    region = {_storage(t) for t in anchor.outputs + anchor.inputs if _trailing(t) == shape} - {None}
+    region = {key for t in anchor.outputs + anchor.inputs if _trailing(t) == shape and (key := _storage(t)) is not None}
     core: set[int] = set()
     scores = False
     changed = True

@@ -14,6 +14,7 @@ with any other attribute (an object whose effect cannot be compared) gets no key
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -66,6 +67,7 @@ def layer_key(stage: fx.GraphModule, prefix: str, inputs: Sequence, needs: Seque
     for index, node in enumerate(stage.graph.nodes):
         numbers[node] = index
         target = node.target
+        detail: tuple[Any, ...]
         if node.op == "get_attr":
             detail = (_relative(str(target), prefix), _tensor_sig(_attribute(stage, str(target))))
         elif node.op == "call_module":

@@ -165,4 +165,4 @@ def reshaped_layer(
 
 
 def _drops_attention(layer: LayerProfile) -> bool:
-    return layer.selective_activation_bytes < layer.activation_bytes
+    return layer.kept_bytes("selective") < layer.activation_bytes

@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 MAD_SCALE = 1.4826  # MAD x 1.4826 estimates the standard deviation of normal samples (Leys et al. 2013)
 OUTLIER_MADS = 3.0  # Leys et al.'s "moderately conservative" threshold
@@ -73,20 +73,28 @@ class HostClock:
         return reading
 
 
+class TimingEvent(Protocol):
+    """What EventClock uses of a torch.cuda.Event."""
+
+    def record(self) -> None: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
 class EventClock:
     """CUDA events: start() and stop() record one each on the current stream; read() after settle() (one
     synchronize) gives the milliseconds between a pair. `event` is torch.cuda.Event, `synchronize`
     torch.cuda.synchronize (tests pass stand-ins)."""
 
-    def __init__(self, event: Callable[..., object], synchronize: Callable[[], None]) -> None:
+    def __init__(self, event: Callable[..., TimingEvent], synchronize: Callable[[], None]) -> None:
         self.name = "cuda-events"
         self._event, self._synchronize = event, synchronize
-        self._began: object = None
+        self._began: TimingEvent | None = None
         self._pending = 0
 
-    def _record(self) -> object:
+    def _record(self) -> TimingEvent:
         mark = self._event(enable_timing=True)
-        mark.record()  # type: ignore[attr-defined]
+        mark.record()
         return mark
 
     def start(self) -> None:
@@ -103,7 +111,8 @@ class EventClock:
 
     def read(self, reading: object) -> float:
         assert self._pending == 0, "read a CUDA event pair after settle()"
-        began, ended = reading  # type: ignore[misc]
+        assert isinstance(reading, tuple), "a reading of this clock's stop()"
+        began, ended = reading
         return float(began.elapsed_time(ended))
 
 

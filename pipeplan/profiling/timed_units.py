@@ -22,7 +22,7 @@ from pipeplan.profiling.rounds import Clock
 
 def grad_outputs(outs: Sequence[object], generator: torch.Generator) -> list:
     """Gradients for a stage's outputs (noise from `generator`; None where no gradient flows)."""
-    grads = []
+    grads: list[torch.Tensor | None] = []
     for out in outs:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)

@@ -119,7 +119,7 @@ def _scaled_layer(layer: LayerProfile, factors: StageFactors, mode: str) -> Laye
         input_grad_ms=layer.input_grad_ms * factors.input_grad,
         weight_grad_ms=layer.weight_grad_ms * factors.weight_grad,
         backward_ms=layer.backward_ms * factors.backward,
-        full_recompute_ms=layer.full_recompute_ms * full,
+        full_recompute_ms=(layer.forward_ms if layer.full_recompute_ms is None else layer.full_recompute_ms) * full,
         selective_recompute_ms=layer.selective_recompute_ms * selective,
         work=None,  # measured in place: no longer the analytic kernels' times
         spread=None,

@@ -67,6 +67,8 @@ def read_checkpoint(
         kept = sorted(p.name for p in root.glob("step_*"))
         raise RunError(f"{str(root)!r} holds no checkpoint of step {step} (it holds {kept or 'none'}); pick --step")
     plan_path = Path(plan_file) if plan_file else where / checkpoint.PLAN_FILE
+    if plan_file and not plan_path.is_file():
+        raise RunError(f"--plan {plan_file!r} does not exist; give the plan file the run used")
     if not plan_path.is_file():
         raise RunError(
             f"checkpoint {str(where)!r} holds no {checkpoint.PLAN_FILE} (an older pipeplan wrote it); give the plan "

@@ -24,6 +24,7 @@ Dependencies = tuple[int, int, int, int]  # (key, boundary charged or -1) of the
 Order = array  # of int64: 9 per op half, see `timing_order`
 NO_DEPENDENCIES: Dependencies = (-1, -1, -1, -1)
 _OPEN, _CLOSE = len(KINDS), len(KINDS) + 1  # `timing_order`'s kind of an OVERLAP_F_B's forward and backward half
+_Row = tuple[int, int, int, int, int, int, int, int, int]  # `timing_order`'s 9 ints of one op (or one half)
 
 
 def overlapped_ms(forward_ms: float, backward_ms: float, overlap_ms: float | None) -> float:
@@ -73,22 +74,23 @@ def timing_order(schedule: Schedule, backward_kind: bytes | bytearray) -> Order:
     such rows, its forward (kind `_OPEN`) then its backward (`_CLOSE`), placed once both halves can start. Raises
     ScheduleError (with a marked grid) on a deadlock."""
     n, m = schedule.num_stages * schedule.num_microbatches, schedule.num_microbatches
-    rows = [
+
+    def encode(d: int, i: int, o: Op, kind: int) -> _Row:
+        return (d, i, KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch, kind, o.stage) + dependencies(
+            schedule, backward_kind, d, o
+        )
+
+    rows: list[list[_Row | tuple[_Row, _Row]]] = [
         [
-            (d, i, KIND_INDEX[o.kind] * n + o.stage * m + o.microbatch, KIND_INDEX[o.kind], o.stage)
-            + dependencies(schedule, backward_kind, d, o)
+            encode(d, i, o, KIND_INDEX[o.kind])
             if o.halves is None
-            else tuple(
-                (d, i, KIND_INDEX[h.kind] * n + h.stage * m + h.microbatch, kind, h.stage)
-                + dependencies(schedule, backward_kind, d, h)
-                for h, kind in zip(o.halves, (_OPEN, _CLOSE))
-            )
+            else (encode(d, i, o.halves[0], _OPEN), encode(d, i, o.halves[1], _CLOSE))
             for i, o in enumerate(ops)
         ]
         for d, ops in enumerate(schedule.device_ops)
     ]
     done = bytearray(4 * n)
-    order = []
+    order: list[_Row] = []
     pos = [0] * len(rows)
     waiting: dict[int, list[int]] = {}
     runnable = list(range(len(rows) - 1, -1, -1))

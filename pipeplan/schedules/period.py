@@ -150,7 +150,7 @@ def step_timer(schedule: Schedule, costs: StageCosts) -> StepTimer:
     op_ms, comm, overlap = op_durations(cost), cost.comm_ms, cost.overlap_ms
 
     def timer(ready: Sequence[float]) -> Times:
-        return run_in_order(schedule, op_ms=op_ms, comm_ms=comm, overlap_ms=overlap, ready=ready)  # type: ignore[arg-type]
+        return run_in_order(schedule, op_ms=op_ms, comm_ms=comm, overlap_ms=overlap, ready=ready)
 
     return timer
 

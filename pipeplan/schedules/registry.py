@@ -56,7 +56,8 @@ class ScheduleInfo:
     1, V-shaped 2, looped any >= 1; mirrored holds each stage twice, `placement.stage_copies`).
     split_backward: runs I and W as separate ops (compute F + I + W, else F + B).
     replicable: PipeDream replicated stages allowed (one stage per device and a fixed order, regenerated from the
-    name alone). capacity_default: swept by `capacity` when --schedule is auto. cost_driven: the op order depends
+    name alone). capacity_default: swept by `capacity` when --schedule is auto. named_only: searched by `plan` only
+    when --schedule names it (left out of auto there too). cost_driven: the op order depends
     on the stage costs and memory (else fixed by p, m and chunks). within_memory_limit: generated under
     --memory-limit (default 1F1B's peak); other schedules are checked against it after generation.
     asynchronous: weight updates without a pipeline flush (PipeDream-style): the generator takes (p, m, steps) and
@@ -82,6 +83,7 @@ class ScheduleInfo:
     default_chunks: int = 1
     replicable: bool = False
     capacity_default: bool = True
+    named_only: bool = False
     cost_driven: bool = False
     within_memory_limit: bool = False
     asynchronous: bool = False
@@ -235,6 +237,7 @@ _INFOS = (
         split_backward=True,
         overlapped_pairs=True,
         capacity_default=False,  # twice the parameters of dualpipev for the same bubble: asked for by name only
+        named_only=True,  # and no engine runs it: `plan` picking it by itself would leave a plan nothing exports
         torch_name="",
         torch_builtin=False,
         megatron="is bidirectional (two copies of every stage); Megatron-LM has no such schedule",

@@ -27,7 +27,7 @@ PAPER_INPUT_GRAD_FREES = 0.5  # Zero Bubble paper: I frees half of a microbatch'
 PerStage = Number | Sequence[Number]
 
 
-def _broadcast(value: PerStage | None, length: int, *, option: str) -> tuple[float, ...]:
+def _broadcast(value: PerStage, length: int, *, option: str) -> tuple[float, ...]:
     if isinstance(value, int | float):
         values = (float(value),) * length
     else:
@@ -61,7 +61,7 @@ class StageCosts:
             if value is not None:
                 _broadcast(value, 1 if isinstance(value, int | float) else len(value), option=name)
 
-    def per_stage(self, num_stages: int) -> StageCosts:
+    def per_stage(self, num_stages: int) -> PerStageCosts:
         """A copy with every field a tuple: num_stages entries (num_stages - 1 for comm_ms)."""
         fwd = _broadcast(self.forward_ms, num_stages, option="forward_ms")
         igrad = _broadcast(self.input_grad_ms, num_stages, option="input_grad_ms")
@@ -71,7 +71,7 @@ class StageCosts:
         else:
             bwd = _broadcast(self.backward_ms, num_stages, option="backward_ms")
         comm = _broadcast(self.comm_ms, num_stages - 1, option="comm_ms")
-        return StageCosts(
+        return PerStageCosts(
             forward_ms=fwd,
             input_grad_ms=igrad,
             weight_grad_ms=wgrad,
@@ -79,6 +79,18 @@ class StageCosts:
             comm_ms=comm,
             overlap_ms=self.overlap_ms,
         )
+
+
+@dataclass(kw_only=True, frozen=True)
+class PerStageCosts(StageCosts):
+    """`StageCosts.per_stage`'s result: the same costs with every field a tuple, one entry per stage (per boundary
+    for `comm_ms`), so the engine and the generators index them."""
+
+    forward_ms: tuple[float, ...]
+    input_grad_ms: tuple[float, ...]
+    weight_grad_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    comm_ms: tuple[float, ...]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -183,21 +195,21 @@ def simulate(
     """Validate and time `schedule` (unit costs, no comm, 1 byte per activation by default; an OVERLAP_F_B op
     takes `engine.overlapped_ms` of `costs.overlap_ms`)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
-    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)
     if not all(math.isfinite(end) for row in ends for end in row[-1:]):
         raise ConfigError("the simulated step time overflows a float: the op or transfer times are too large")
     return build_timeline(schedule, starts, ends, memory or MemoryCosts())
 
 
-def op_durations(cost: StageCosts) -> dict[str, Sequence[float]]:
+def op_durations(cost: PerStageCosts) -> dict[str, Sequence[float]]:
     """The engine's `op_ms` (per kind, per stage) of costs made `per_stage`."""
-    return {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}  # type: ignore[dict-item]
+    return {"F": cost.forward_ms, "I": cost.input_grad_ms, "W": cost.weight_grad_ms, "B": cost.backward_ms}
 
 
 def makespan_and_span(schedule: Schedule, costs: StageCosts | None = None) -> tuple[float, float]:
     """`simulate(schedule, costs)`'s makespan and max_span without building the timeline (for ranking)."""
     cost = (costs or StageCosts()).per_stage(schedule.num_stages)
-    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)  # type: ignore[arg-type]
+    starts, ends = run_in_order(schedule, op_ms=op_durations(cost), comm_ms=cost.comm_ms, overlap_ms=cost.overlap_ms)
     rows = [(s[0], e[-1]) for s, e in zip(starts, ends) if s]
     return max(e for _, e in rows), max(e - s for s, e in rows)
 

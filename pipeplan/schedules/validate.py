@@ -56,7 +56,11 @@ def checked(schedule: Schedule) -> tuple[bytes, Order]:
     if entry is not None and entry[0]() is schedule:
         return entry[1]
     result = check_schedule(schedule)
-    _CHECKED[key] = (weakref.ref(schedule, lambda _, key=key: _CHECKED.pop(key, None)), result)
+
+    def forget(_: weakref.ref) -> None:  # the schedule is gone: so is its entry
+        _CHECKED.pop(key, None)
+
+    _CHECKED[key] = (weakref.ref(schedule, forget), result)
     return result
 
 

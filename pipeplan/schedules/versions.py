@@ -86,7 +86,8 @@ def held_versions(schedule: Schedule) -> Iterator[tuple[int, int, Op, int]]:
         readers: dict[int, Counter[int]] = {}
         for o in ops:
             if o.kind == "F":
-                readers.setdefault(o.stage, Counter())[o.version] += 1  # type: ignore[index]
+                assert o.version is not None  # every op of an asynchronous schedule carries one (checked above)
+                readers.setdefault(o.stage, Counter())[o.version] += 1
         stages = {s: _Stage(count, schedule.num_microbatches // k, k) for s, count in readers.items()}
         for step, o in enumerate(ops):
             state = stages[o.stage]

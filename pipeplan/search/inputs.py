@@ -12,6 +12,9 @@ from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
+from pipeplan.artifact.plan import ModelRef
+from pipeplan.artifact.scripts import PLAN_DIR_FILES
+from pipeplan.precision import get_precision, profile_precision
 from pipeplan.precision import profile_precision
 from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
@@ -81,7 +84,7 @@ def check_plan_options(*, output: str | os.PathLike | None, granularity: int | N
     if granularity is not None and granularity < 1:
         raise ConfigError(f"--granularity must be >= 1 (module depth), got {granularity}")
     if output is not None:  # None: the Python API's plan(), which writes no directory unless asked
-        check_output_dir(output, "--output")
+        check_output_dir(output, "--output", files=PLAN_DIR_FILES)
 
 
 @dataclass(frozen=True, kw_only=True)

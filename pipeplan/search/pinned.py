@@ -79,6 +79,8 @@ def parse_layout(text: str) -> PinnedLayout:
         key, value = key.strip().lower(), value.strip()
         if not sep or key not in KEYS:
             raise ConfigError(f"--layout part {part!r} must be key=value with key one of {', '.join(KEYS)}")
+        if key in values:  # the last would win silently
+            raise ConfigError(f"--layout gives {key} twice ({part!r}); give each key once")
         if key == "recompute":
             modes = tuple(m.strip() for m in value.split("/"))
             bad = [m for m in modes if m not in RECOMPUTE_MODES]

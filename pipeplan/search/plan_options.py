@@ -42,6 +42,7 @@ class PlanOptions(SearchFlags):
         # here, not at the top: `pipeplan --help` imports this file, and these import the search (numpy)
         from pipeplan.search.config import searched_schedules
         from pipeplan.search.inputs import check_plan_options, parse_devices
+        from pipeplan.search.pinned import parse_layout
 
         check_plan_options(output=self.output, granularity=self.granularity)
         parse_devices(self.devices)
@@ -61,7 +62,11 @@ class PlanOptions(SearchFlags):
         if self.profile is None:
             check_attention(self.attention, self.device)
         names, named = parse_schedules(self.schedule, ())
-        searched_schedules(names, allow_async=True, zero=parse_memory(self.memory).zero, named=named)  # refusals
+        zero = parse_memory(self.memory).zero
+        searched_schedules(names, allow_async=True, zero=zero, named=named)  # refusals
+        if self.layout is not None:  # its schedule, named as in --schedule: asynchronous allowed, not with its ZeRO-1
+            pinned = parse_layout(self.layout)
+            searched_schedules((pinned.schedule_name,), allow_async=True, zero=pinned.zero)
         parallel = parse_parallel(self.parallel)
         for key, size in (("tp", parallel.tensor), ("cp", parallel.context), ("ep", parallel.expert)):
             if size != AUTO and size > 1 and self.profile is None and self.device != "meta":  # type: ignore[operator]

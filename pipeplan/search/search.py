@@ -191,7 +191,7 @@ def search_plans(
     progress: Progress | None = None,
 ) -> SearchResult:
     """Rank every layout that fits; raise InfeasibleError naming the binding constraint when none does."""
-    names = tuple(schedules) if schedules else SCHEDULE_NAMES
+    names = tuple(schedules) if schedules else tuple(n for n in SCHEDULE_NAMES if not schedule_info(n).named_only)
     for name in names:
         schedule_info(name, also_accepted=("auto",))
     names = searched_schedules(names, allow_async=config.allow_async, zero=config.zero, named=bool(schedules))

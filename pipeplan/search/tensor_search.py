@@ -174,6 +174,8 @@ def search_tensor_parallel(
             done.append(replace(item, reason=str(exc), searched=True))
     if not any(item.result is not None for item in done):
         searched = sorted((item for item in done if item.searched), key=_group_key)
+        if not searched:  # every (t, cp, ep) asked for was refused before searching (e.g. cp not dividing devices)
+            raise InfeasibleError(next((item.reason for item in done if item.reason), "no layout to search"))
         raise InfeasibleError(searched[-1].reason)
     return tuple(done)
 

@@ -92,3 +92,11 @@ def test_every_export_refuses_it_in_one_line(tmp_path, fmt):
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert lines[0].startswith(f"error: cannot export a dualpipe plan as {fmt}: ") and "dualpipev" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_plan_searches_dualpipe_only_by_name():
+    """No engine runs dualpipe: `plan`'s auto set leaves it out (a plan it chose alone could not be exported)."""
+    profile = synthetic_profile(num_layers=8, cut_bytes=50_000_000, params=1000)
+    config = SearchConfig(global_batch_size=16, precision=PRECISION)
+    result = search_plans(profile, make_cluster(4, memory=2**32), config)
+    assert result.ranked and not any(e.layout.schedule == "dualpipe" for e in result.ranked)

@@ -15,6 +15,9 @@ from pipeplan.artifact.timing import plan_schedule, plan_timeline, timeline_rows
 from pipeplan.costs import numerics
 from pipeplan.errors import FormatError, RunError
 from pipeplan.graph.trace import Layer, LayerGraph, TensorInfo
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.scripts import describe
+from pipeplan.artifact.timing import plan_schedule, plan_timeline, timeline_rows
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.search import search_plans
@@ -107,11 +110,13 @@ def test_plan_without_model_is_not_runnable():
 )
 def test_engine_only_plans_are_refused_by_run(plan, training, needle):
     """What the runtime does not do (ring attention, collectives hidden behind the backward) is never run as if."""
-    size = training.get("context_parallel", 1)  # a rank stands for cp devices: the cluster has cp x as many
-    devices = replace(plan.cluster, num_devices=size * plan.cluster.num_devices)
-    devices = replace(devices, devices_per_node=size * plan.cluster.devices_per_node)
-    engine = replace(plan, cluster=devices, training=replace(plan.training, **training))
+    cp = training.get("context_parallel", 1)  # each rank a group of cp devices: a cluster with cp times as many
+    cluster = replace(
+        plan.cluster, num_devices=plan.cluster.num_devices * cp, devices_per_node=plan.cluster.devices_per_node * cp
+    )
+    engine = replace(plan, training=replace(plan.training, **training), cluster=cluster)
     assert not engine.runnable and needle in engine.not_runnable_reason()
+    assert f" on {len(plan.ranks) * cp} device(s)" in describe(engine)  # the summary line counts cp's devices
     with pytest.raises(RunError, match=re.escape(needle)):
         engine.require_runnable()
     assert replace(plan, training=replace(plan.training, overlap="p2p")).runnable  # the runtime's sends are async

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.fuzz_cases import Case, corrupted_plans, make_files, option_cases
+from helpers.fuzz_cases import Case, corrupted_plans, make_files, option_cases, tampered_checkpoints
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -133,6 +134,29 @@ def test_option_seeds(files, worker):
 @pytest.mark.timeout(1200)
 def test_corrupted_plans(files, worker):
     _check_all(worker, corrupted_plans(files))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_device_outputs_are_refused_and_left_alone(files, worker):
+    """Every output option and export format given a FIFO or /dev/null: refused, and still a FIFO and a device."""
+    cases = [c for c in option_cases(files) if any(device in c.argv for device in files.devices)]
+    assert len(cases) > 10
+    _check_all(worker, cases)
+    assert stat.S_ISFIFO(os.stat(files.fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tampered_checkpoints(files, worker, tmp_path):
+    """A real 2-step checkpoint, damaged one way per case: `run --resume` refuses each in one line."""
+    from pipeplan.runtime.launch.local import launch_local
+    from pipeplan.runtime.train.config import RunConfig
+
+    written = tmp_path / "ckpt"
+    config = RunConfig(steps=2, checkpoint_dir=str(written), checkpoint_every=1, quiet=True, heartbeat_timeout_s=30.0)
+    launch_local(files.runnable, config, threads=1)
+    _check_all(worker, tampered_checkpoints(files, written))
 
 
 @pytest.mark.slow

@@ -131,3 +131,48 @@ def moe_lm(
         tokens_per_sample=SEQ,
         leaf_modules=(SparseMoE,) if leaf else (),
     )
+
+
+class TopLevelMoELM(nn.Module):
+    """The routing in the model's own forward (issue 38): per layer a router and a ModuleList of experts held in
+    ModuleLists of the model, and the top-level loop dispatching tokens with boolean masks, `out[sel] = ...`."""
+
+    def __init__(self, layers: int, width: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.embed = nn.Embedding(VOCAB, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.routers = nn.ModuleList(nn.Linear(width, experts, bias=False) for _ in range(layers))
+        self.experts = nn.ModuleList(nn.ModuleList(Expert(width) for _ in range(experts)) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for norm, router, experts in zip(self.norms, self.routers, self.experts):
+            x = norm(h).reshape(-1, h.shape[-1])
+            weights, chosen = router(x).softmax(-1).topk(self.top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for index, expert in enumerate(experts):
+                sel = (chosen == index).any(-1)
+                gate = (weights * (chosen == index)).sum(-1, keepdim=True)
+                out[sel] = out[sel] + expert(x[sel]) * gate[sel]
+            h = h + out.reshape(h.shape)
+        return self.head(self.norm(h))
+
+
+def moe_top_level(layers: int = 2, width: int = 16, experts: int = 4, top_k: int = 2) -> ModelSpec:
+    def sample_batch(batch_size: int, generator: torch.Generator | None = None):
+        ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
+        return (ids,), ids.clone()
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), target[:, 1:].reshape(-1))
+
+    return ModelSpec(
+        name="moe_top_level",
+        build=lambda: TopLevelMoELM(layers, width, experts, top_k),
+        sample_batch=sample_batch,
+        loss_fn=loss_fn,
+        tokens_per_sample=SEQ,
+    )

@@ -149,3 +149,21 @@ def test_untraceable_container_of_blocks_is_refused_not_made_one_layer():
     )
     with pytest.raises(TraceError, match=r"module 'encoder' \(_Encoder\)"):
         trace_model(spec)
+
+
+def test_routing_in_the_models_own_forward_keeps_data_dependent_sizes_inside_layers():
+    """Issue 38: routers and experts in ModuleLists, boolean-mask dispatch in the top-level loop. fx cannot trace
+    it; the export can, with data-dependent (unbacked) sizes: those values never cross a cut (the layers they run
+    across are merged), every cut has a size, and the meta graph run on the CPU gives the model's output."""
+    from pathlib import Path
+
+    spec = load_model(str(Path(__file__).with_name("moe_user_models.py")) + ":moe_top_level", {})
+    meta = trace_model(spec, batch_size=2, device="meta")
+    torch.manual_seed(0)
+    cpu = trace_model(spec, batch_size=2, device="cpu")
+    assert meta.layer_graph.fingerprint == cpu.layer_graph.fingerprint and cpu.tracer == "export"
+    names = [layer.name for layer in cpu.layer_graph.layers]
+    assert names == ["embed", "norms.0", "routers.0", "norms.1", "routers.1", "norm", "head"]
+    assert all(isinstance(d, int) for cut in cpu.layer_graph.cuts for info in cut for d in info.shape)
+    (ids,), _ = spec.sample_batch(2, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(cpu.graph_module(ids), cpu.module(ids))

@@ -3,13 +3,14 @@ checkpoints."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 from helpers.runtime import TINY_GPT_TIED, TINY_RESNET, build_reference_model, make_plan
 
-from pipeplan.errors import ConfigError, RunError
+from pipeplan.errors import ConfigError, FormatError, RunError
 from pipeplan.models import load_model
 from pipeplan.runtime.launch.local import launch_local
 from pipeplan.runtime.step.grads import parameter_holders
@@ -103,7 +104,10 @@ def test_op_list_that_moves_a_backward_is_refused(tmp_path):
     b0 = next(o for o in ops[0] if o.endswith("B0"))  # replica 0's backward of microbatch 0 moves to replica 1
     ops[0].remove(b0)
     ops[1].append(b0)
-    broken = dataclasses.replace(plan, rank_ops=tuple(tuple(r) for r in ops))
+    with pytest.raises(FormatError, match="do not match schedule gpipe"):  # refused when a plan file loads
+        dataclasses.replace(plan, rank_ops=tuple(tuple(r) for r in ops))
+    broken = copy.copy(plan)  # and by the routing, should one reach a rank
+    object.__setattr__(broken, "rank_ops", tuple(tuple(r) for r in ops))
     with pytest.raises(RunError, match="forward ran on another rank"):
         build_routing(broken, model.stage_io, model.model_inputs, model.differentiable)
 
@@ -148,14 +152,23 @@ def test_checkpoint_round_trip_and_missing_marker(tmp_path):
         checkpoint.check_complete(tmp_path, 5, 2)
     fresh, fresh_buffer = torch.nn.Parameter(torch.zeros(3)), torch.zeros(2)
     restore = dict(params={"w": fresh}, buffers={"bn.mean": fresh_buffer})
-    saved = checkpoint.load_stage(tmp_path, **restore, **common)
+    expected = checkpoint.StageExpectation(
+        step=5,
+        num_stages=1,
+        fingerprint="f",
+        partition="p1",
+        params={"w": ((3,), torch.float32)},
+        buffers={"bn.mean": (2,)},
+        optimizer_keys=frozenset({"step", "exp_avg", "exp_avg_sq"}),
+    )
+    saved = checkpoint.load_stage(tmp_path, stage=0, expected=expected, **restore)
     assert torch.equal(fresh.detach(), param.detach()) and torch.equal(fresh_buffer, running)
     torch.testing.assert_close(saved["w"]["exp_avg"], optimizer.state[param]["exp_avg"])
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(RunError, match="another model graph"):
-        checkpoint.load_stage(tmp_path, **restore, **{**common, "fingerprint": "g"})
+        checkpoint.load_stage(tmp_path, stage=0, expected=dataclasses.replace(expected, fingerprint="g"), **restore)
     with pytest.raises(RunError, match="another partition"):
-        checkpoint.load_stage(tmp_path, **restore, **{**common, "partition": "p2"})
+        checkpoint.load_stage(tmp_path, stage=0, expected=dataclasses.replace(expected, partition="p2"), **restore)
 
 
 def test_failure_summary_names_the_rank_that_caused_it(tmp_path):

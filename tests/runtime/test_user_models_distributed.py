@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # multi-process runs
 os.environ["HF_HUB_OFFLINE"] = "1"  # the ranks inherit it: nothing is ever downloaded
 
 USER = str(Path(__file__).with_name("user_models.py"))
+TOP_LEVEL_MOE = str(Path(__file__).parents[1] / "graph" / "moe_user_models.py") + ":moe_top_level"
 GPT2 = {"n_layer": "4", "n_embd": "32", "n_head": "2", "vocab_size": "96", "seq_len": "12"}
 GPT2.update({"resid_pdrop": "0", "embd_pdrop": "0", "attn_pdrop": "0"})  # dropout would differ per process
 LLAMA = {"num_hidden_layers": "4", "hidden_size": "32", "num_attention_heads": "4", "num_key_value_heads": "2"}
@@ -43,6 +44,7 @@ def runs(tmp_path_factory):
         # stage 1 starts at the stem's in-place ReLU: its input arrives as a leaf that requires grad
         ("tv_resnet", f"{USER}:tv_resnet", {}, dict(schedule="1f1b", cuts=[(0, 1), (2, 7)]), ONE_STEP),
         ("moe", f"{USER}:moe", {}, dict(schedule="zb-h1"), ONE_STEP),
+        ("top-level moe", TOP_LEVEL_MOE, {}, dict(schedule="1f1b"), ONE_STEP),  # routing in the model's forward
         ("pair", f"{USER}:pair", {}, dict(schedule="zb-h1", cuts=[(0, 1), (2, 3)]), ONE_STEP),  # a tuple crosses
     ]
     for label, model, options, layout, config in layouts:
@@ -96,3 +98,13 @@ def test_a_tuple_crossing_stages_travels_as_its_elements(runs):
     index, plan = cases["pair"]
     assert build_pipeline_model(plan, 1, torch.device("cpu")).stage_io[1].inputs == ("split.0", "split.1")
     assert_matches_reference(plan, _per_rank(results, index), "pair")
+
+
+def test_moe_routed_in_the_models_own_forward_matches_single_process(runs):
+    """Issue 38: routers and experts in ModuleLists, boolean-mask dispatch in the top-level loop. The export's
+    data-dependent sizes stay inside a layer (no cut carries one); two stages, gradients equal one process."""
+    cases, results = runs
+    index, plan = cases["top-level moe"]
+    assert plan.model.tracer == "export" and len(plan.stages) == 2
+    assert "routers.0" in plan.stages[0].layer_names and "routers.1" in plan.stages[1].layer_names  # a MoE each
+    assert_matches_reference(plan, _per_rank(results, index), "top-level moe")

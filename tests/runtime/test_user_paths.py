@@ -82,7 +82,7 @@ def model_file(tmp_path):
 def test_factory_and_build_errors_are_one_line(model_file):
     ref = f"{model_file}:build"
     line = one_error_line(runner.invoke(app, ["profile", ref, "-a", "fail=factory"]))
-    assert f"model factory {ref!r} raised RuntimeError: no GPU budget for this model" in line
+    assert f"your factory {ref!r} raised RuntimeError: no GPU budget for this model at {model_file}:" in line
     line = one_error_line(runner.invoke(app, ["profile", ref, "-a", "fail=build"]))
     assert "(its ModelSpec.build) raised KeyError" in line and "vocab_size" in line
 

@@ -15,8 +15,13 @@ from pipeplan.artifact.plan import ModelRef, Plan
 from pipeplan.artifact.summary import summary_dict
 from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
+from pipeplan.artifact.manual import manual_plan
+from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.summary import summary_dict
+from pipeplan.artifact.timing import plan_timeline
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, FormatError, RunError, ScheduleError
+from pipeplan.errors import ConfigError, FormatError, ScheduleError
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Layout
 from pipeplan.search.config import SearchConfig
@@ -155,6 +160,5 @@ def test_run_refuses_op_lists_that_are_not_the_generators_stream():
     check_stream(plan)
     rows = [list(ops) for ops in plan.rank_ops]
     rows[0][0], rows[0][1] = rows[0][1], rows[0][0]  # still complete, another order
-    edited = Plan.from_dict({**plan.to_dict(), "rank_ops": rows})
-    with pytest.raises(RunError, match="not the pipedream-2bw generator's stream"):
-        check_stream(edited)
+    with pytest.raises(FormatError, match="not schedule pipedream-2bw's"):  # refused when the plan loads
+        Plan.from_dict({**plan.to_dict(), "rank_ops": rows})

@@ -11,6 +11,9 @@ from typer.testing import CliRunner
 from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
+from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_timeline
+from pipeplan.profiling.profile import Profile
 
 runner = CliRunner()
 
@@ -33,15 +36,12 @@ def plan_dir(profile_file, tmp_path_factory):
 
 
 def test_plan_writes_the_plan_directory(plan_dir):
-    assert {p.name for p in plan_dir.iterdir()} == {
-        "plan.json",
-        "launch.sh",
-        "job.sbatch",
-        "timeline.json",
-        "profile.json",
-    }
+    files = {"plan.json", "launch.sh", "job.sbatch", "timeline.json", "profile.json"}
+    assert {p.name for p in plan_dir.iterdir()} == files
     plan = Plan.load(plan_dir / "plan.json")
     assert plan.world_size == 4 and not plan.runnable
+    assert plan.profile is not None  # profile.json is the profile the plan records (what `refine` starts from)
+    assert Profile.load(plan_dir / "profile.json").fingerprint == plan.profile.fingerprint
 
 
 def test_plan_json_prints_only_json(profile_file, tmp_path):

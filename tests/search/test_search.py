@@ -11,8 +11,12 @@ from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, InfeasibleError
+from pipeplan.artifact.asynchronous import searched_schedules
 from pipeplan.schedules.registry import SCHEDULE_NAMES
+from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.search.candidate import Evaluation, Rejection
+from pipeplan.search.candidate import Evaluation, Rejection, evaluate
+from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve, searched_schedules
 from pipeplan.search.evaluate import evaluate
 from pipeplan.search.scaling import scale_profile
@@ -23,7 +27,8 @@ from pipeplan.units import parse_size
 
 def _brute_force(profile, cluster, config) -> list[Evaluation]:
     """Every layout evaluated, no pruning (of the schedules the search considers under `config.allow_async`)."""
-    names = searched_schedules(SCHEDULE_NAMES, allow_async=config.allow_async, named=False)
+    auto = tuple(n for n in SCHEDULE_NAMES if not schedule_info(n).named_only)  # what plan searches unnamed
+    names = searched_schedules(auto, allow_async=config.allow_async, named=False)
     layouts = enumerate_layouts(profile.num_layers, cluster, config, names)
     return [e for item in layouts if not isinstance(item, Rejection) for e in _fitting(item, profile, cluster, config)]
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from multiprocessing.reduction import DupFd
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -22,9 +23,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.artifact.plan import Plan
+from pipeplan.errors import DEBUG_ENV, RunError
 from pipeplan.errors import RunError
 from pipeplan.runtime.launch.prelaunch import check_before_launch
-from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV
+from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV, ExitWatch
 from pipeplan.runtime.launch.worker import run_plans
 from pipeplan.runtime.step.stages import check_plan_runs, load_spec
 from pipeplan.runtime.train.asynchronous import check_async_run
@@ -36,6 +38,8 @@ from pipeplan.runtime.train.trainer import RunResult
 # phrases of errors that only say a peer went away (the rank reporting them is not the cause)
 _LOST_PEER = ("Connection reset", "Connection closed", "closed by peer", "Broken pipe", "timed out", "Timed out")
 _STOPPED_PEER = re.compile(r"^rank \d+ stopped responding")
+CPP_LOG = "TORCH_CPP_LOG_LEVEL"  # c10's log: ranks whose store or peer vanished log C++ stack traces at ERROR; the
+# launcher's one line says it (FATAL keeps them quiet unless the user set a level or PIPEPLAN_DEBUG=1)
 SHUTDOWN_TIMEOUT_S = 3  # after a failure, a rank that ignores SIGTERM (frozen, stopped) is killed this much later
 # The ranks are forked from one server process that imported torch and the worker once (multiprocessing's
 # forkserver, one per launching process), not spawned fresh: a spawned rank spends ~2 s importing them, again at
@@ -71,12 +75,15 @@ def launch_many(
     for plan in plans:
         check_plan_runs(plan)  # fail here, before starting any rank
     world_size = plans[0].world_size
+    written: set[str] = set()  # checkpoint directories an earlier run of this launch writes (checked by the ranks)
     for plan, (_, config) in zip(plans, runs):
         config.run_precision(plan.training.precision, config.run_device(plan.training.device))
         check_post_validate(plan, config.post_validate)
         check_async_run(plan, config)
         check_training(plan, load_spec(plan), config)  # optimizer vs plan and factory, schedule options
-        check_before_launch(plan, config)  # --init-from keys, shapes, dtypes; the model buildable here
+        # --init-from keys, shapes, dtypes; the model buildable here; the --resume checkpoint whole
+        check_before_launch(plan, config, check_resume=config.checkpoint_dir not in written)
+        written.add(config.checkpoint_dir or "")
     on_cuda = any(config.run_device(plan.training.device) == "cuda" for plan, (_, config) in zip(plans, runs))
     gpus = torch.cuda.device_count() if on_cuda else 0
     if on_cuda and world_size > gpus:
@@ -101,7 +108,9 @@ def launch_many(
         # handed to the ranks (and multiprocessing's resource tracker: a failed rank's os._exit leaves
         # semaphores it cleans up, and its warning about them would follow the error line)
         warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
-        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings}):
+        exits = ExitWatch(errors, max(run[1].heartbeat_s for run in runs))  # every rank's exit watched
+        quiet_cpp = {} if os.environ.get(DEBUG_ENV) else {"TORCH_CPP_LOG_LEVEL": os.environ.get(CPP_LOG, "FATAL")}
+        with _environment({ERROR_DIR_ENV: errors, "PYTHONWARNINGS": warnings, **quiet_cpp}), exits:
             try:
                 jobs = [(str(path), config) for path, config in runs]
                 environ, streams = dict(os.environ), _LauncherStreams()
@@ -128,7 +137,7 @@ def _environment(values: dict[str, str]):
                 os.environ[name] = value
 
 
-def _shutdown_option() -> dict[str, int]:
+def _shutdown_option() -> dict[str, Any]:  # LaunchConfig keywords (which this torch has)
     """Wait only briefly for ranks to exit once the run has failed (torch's default is 30 s; older torch has no
     such option and keeps its default)."""
     fields = getattr(LaunchConfig, "__dataclass_fields__", {})

@@ -7,6 +7,11 @@ every watchdog polls that one key and, once set, prints one line naming the fail
 peer on the same host is killed by the watchdog that noticed it, so the launcher need not wait for it to exit. A rank
 that finished marks itself done. Process-group timeouts catch the remaining cases (a rank alive but stuck outside
 Python, or a dead rank whose watchers died with it).
+
+Under the local launcher each rank also leaves its pid, a heartbeat file it touches at every beat and, once finished,
+a done file in the launcher's folder (ERROR_DIR_ENV); the launcher's `ExitWatch` kills a rank whose process is still
+there `timeout_s` after its last beat or its done mark (stopped or frozen after its peers left, even after the
+summary), so that the launcher always returns.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ FAILED_KEY = "pipeplan/failed"
 DONE = b"done"
 EXIT_CODE = 17
 WATCHED_PEERS = 4
+GRACE_S = 2.0  # the launcher's ExitWatch waits this much longer than the peers, who name a stopped rank themselves
 ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"  # the local launcher collects each failed rank's one-line message here
 
 
@@ -47,6 +53,72 @@ def record_error(rank: int, message: str, trace: str | None = None) -> None:
     if trace:
         print(f"pipeplan rank {rank}: {trace}", file=sys.stderr, end="", flush=True)
     print(f"pipeplan rank {rank}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _mark(rank: int, kind: str, text: str | None = None) -> None:
+    """Leave `rank_N.KIND` in the launcher's folder (written, or its time updated); nothing under torchrun."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return
+    path = Path(folder, f"rank_{rank}.{kind}")
+    with contextlib.suppress(OSError):  # the launcher cleaning up its folder at the very end
+        if text is not None:
+            path.write_text(text)
+        else:
+            path.touch()
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class ExitWatch:
+    """The local launcher's watch over its ranks' exits (module docstring): a rank whose process is still there
+    `timeout_s` after its last sign of life (a beat, or its done mark) is killed and its error recorded."""
+
+    def __init__(self, folder: str | os.PathLike, timeout_s: float) -> None:
+        self.folder, self.timeout_s = Path(folder), timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pipeplan-exit-watch", daemon=True)
+
+    def __enter__(self) -> ExitWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(0.5, self.timeout_s / 4)):
+            for pid_file in self.folder.glob("rank_*.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    self._check(int(pid_file.stem.removeprefix("rank_")), int(pid_file.read_text()))
+
+    def _check(self, rank: int, pid: int) -> None:
+        marks = [self.folder / f"rank_{rank}.{kind}" for kind in ("pid", "beat", "done")]
+        last = max(path.stat().st_mtime for path in marks if path.exists())
+        if time.time() - last <= self.timeout_s + GRACE_S or not _alive(pid):
+            return
+        done = marks[2].exists()
+        os.kill(pid, signal.SIGKILL)
+        if not (self.folder / f"rank_{rank}.txt").exists():
+            when = " after it finished" if done else ""
+            (self.folder / f"rank_{rank}.txt").write_text(
+                f"stopped or frozen{when} (no sign of life for {self.timeout_s:.0f} s, --heartbeat-timeout); the "
+                "launcher killed it\n"
+            )
 
 
 def _connect(timeout_s: float) -> dist.Store:
@@ -71,6 +143,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         self._store.set(f"{PREFIX}{self.rank}", "0")
         self._store.set(f"{PID_PREFIX}{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        _mark(self.rank, "pid", str(os.getpid()))
         self._thread.start()
         return self
 
@@ -79,6 +152,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
         if done:
+            _mark(self.rank, "done")
             with contextlib.suppress(Exception):  # the store may already be gone at the very end of a run
                 self._store.set(f"{PREFIX}{self.rank}", DONE.decode())
 
@@ -100,6 +174,7 @@ class Watchdog:
             try:
                 self._beat += 1
                 self._store.set(f"{PREFIX}{self.rank}", str(self._beat))
+                _mark(self.rank, "beat")
                 values = self._store.multi_get(keys) if keys else []
                 failed = self._store.check([FAILED_KEY]) and self._store.get(FAILED_KEY).decode()
             except Exception as exc:  # the store (on the launcher or rank 0) is gone

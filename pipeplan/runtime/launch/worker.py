@@ -100,13 +100,13 @@ def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, thread
         first = runs[0][1]
         timeout = timedelta(seconds=first.pg_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        watchdog = Watchdog(rank=rank, world_size=world_size, timeout_s=first.heartbeat_timeout_s).start()
+        watchdog = Watchdog(rank=rank, world_size=world_size, timeout_s=first.heartbeat_s).start()
         results = [
             train(plan, config, rank=rank, device=device, capture_grads=capture_grads, watchdog=watchdog, plan_path=p)
             for plan, (p, config) in zip(plans, runs, strict=True)
         ]
+        dist.barrier()  # still under the heartbeat: a rank stopped before it is noticed by its peers
         watchdog.stop(done=True)
-        dist.barrier()
         dist.destroy_process_group()
         return results
     except PipeplanError as exc:
@@ -128,9 +128,9 @@ def _quiet_termination() -> None:
 def _short(text: str) -> str:
     """First sentence of an exception message, without gloo's `[file.cc:line]` prefix."""
     line = text.splitlines()[0] if text else ""
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).lstrip(" .:")
     sentence = line.split(". ")[0]
-    return sentence[:200]
+    return sentence[:200] or "(no message)"
 
 
 def _fail(rank: int, message: str, watchdog: Watchdog | None, trace: str) -> None:

@@ -32,6 +32,12 @@ from pipeplan.schedules.ops import Op
 Key = tuple[int, int]  # (stage, version) or (stage, update group)
 
 
+def _version_key(o: Op) -> Key:
+    """(stage, weight version) of an op of an asynchronous schedule (`schedules.versions`: each carries one)."""
+    assert o.version is not None, f"{o} carries no weight version"
+    return (o.stage, o.version)
+
+
 class VersionStore:
     """This rank's stages' weight versions over one stream segment (`ops`: this rank's op list)."""
 
@@ -52,7 +58,7 @@ class VersionStore:
         self.capture = capture  # microbatch -> its weight gradients (tests)
         self.params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
         self.slots = {s: _parameter_slots(model.modules[s], self.params[s]) for s in model.modules}
-        self.readers: Counter[Key] = Counter((o.stage, o.version) for o in ops if o.kind == "F")  # type: ignore[misc]
+        self.readers: Counter[Key] = Counter(_version_key(o) for o in ops if o.kind == "F")
         self.pending: Counter[Key] = Counter((o.stage, o.microbatch // update_every) for o in ops if o.kind == "B")
         self.groups = {s: 1 + max(u for (stage, u) in self.pending if stage == s) for s in {o.stage for o in ops}}
         self.made = dict.fromkeys(self.params, 0)
@@ -71,11 +77,11 @@ class VersionStore:
         """Run stage `o.stage` on `args` with the weights of `o.version`: each parameter slot of its submodules
         holds the version's leaf during the call (what `torch.func.functional_call` does, with the slots looked
         up once instead of on every call), and its Parameter again after it."""
-        leaves = self.leaves(o.stage, o.version)  # type: ignore[arg-type]
+        leaves = self.leaves(*_version_key(o))
         slots = self.slots[o.stage]
         try:
             for owner, attr, index in slots:
-                owner._parameters[attr] = leaves[index]  # type: ignore[assignment]
+                owner._parameters[attr] = leaves[index]  # type: ignore[assignment]  # a leaf in a Parameter's slot
             return self.model.modules[o.stage](*args)
         finally:
             params = self.params[o.stage]
@@ -83,24 +89,25 @@ class VersionStore:
                 owner._parameters[attr] = params[index]
 
     def grad_leaves(self, o: Op) -> list[torch.Tensor]:
-        return [leaf for leaf in self.leafsets[(o.stage, o.version)] if leaf.requires_grad]  # type: ignore[index]
+        return [leaf for leaf in self.leafsets[_version_key(o)] if leaf.requires_grad]
 
     def backward_done(self, o: Op, global_microbatch: int) -> None:
         """Microbatch `o.microbatch`'s last backward on its stage ran: take its weight gradients, release its
         version if nothing else reads it, and make every version whose update group is now complete."""
-        stage, group, key = o.stage, o.microbatch // self.update_every, (o.stage, o.version)
+        stage, group, key = o.stage, o.microbatch // self.update_every, _version_key(o)
         summed = self.accumulated.setdefault((stage, group), [None] * len(self.params[stage]))
         names = self.model.stage_params[stage]
-        for index, leaf in enumerate(self.leafsets[key]):  # type: ignore[index]
+        for index, leaf in enumerate(self.leafsets[key]):
             grad, leaf.grad = leaf.grad, None
             if grad is None:
                 continue
             if self.capture is not None:
                 self.capture.setdefault(global_microbatch, {})[names[index]] = grad.detach().cpu().clone()
-            summed[index] = grad if summed[index] is None else summed[index].add_(grad)
-        self.readers[key] -= 1  # type: ignore[index]
-        if not self.readers[key] and key[1] != self.made[stage]:  # type: ignore[index]
-            del self.leafsets[key]  # type: ignore[arg-type]
+            previous = summed[index]
+            summed[index] = grad if previous is None else previous.add_(grad)
+        self.readers[key] -= 1
+        if not self.readers[key] and key[1] != self.made[stage]:
+            del self.leafsets[key]
         self.pending[(stage, group)] -= 1
         while self.made[stage] < self.groups[stage] and not self.pending[(stage, self.made[stage])]:
             self._update(stage)

@@ -86,6 +86,7 @@ class Mailbox:
             work = dist.irecv(
                 buffer, src=peer, tag=self.routing.tags[pending], group=self._groups.get((peer, self.rank))
             )
+            assert work is not None, "irecv returns no Work only to a rank outside the group"
             self._posted[pending] = (buffer, work)
             self._position[peer] += 1
 
@@ -119,6 +120,7 @@ class Mailbox:
             )
         group = self._groups.get((self.rank, message.dst))
         work = dist.isend(payload, dst=message.dst, tag=self.routing.tags[message], group=group)
+        assert work is not None, "isend returns no Work only to a rank outside the group"
         self._sent[message] = (payload, work)
 
     def release_sent(self) -> None:

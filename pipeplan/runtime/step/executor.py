@@ -18,13 +18,22 @@ import contextlib
 import hashlib
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pipeplan.artifact.plan import Plan
 from pipeplan.graph.saved_tensors import SavedTensors, storage_bytes, storage_key
-from pipeplan.graph.split_backward import SplitCache, backward_full, backward_input, backward_weight
+from pipeplan.graph.split_backward import (
+    SplitCache,
+    WeightGradState,
+    backward_full,
+    backward_input,
+    backward_weight,
+)
+from pipeplan.artifact.plan import Plan
 from pipeplan.runtime.step.comm import Mailbox
 from pipeplan.runtime.step.messages import Message, Routing, parse_rank_ops
 from pipeplan.runtime.step.pair_runner import PairRunner
@@ -33,6 +42,12 @@ from pipeplan.runtime.step.stages import PipelineModel
 from pipeplan.schedules.ops import Op
 
 MicroBatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]  # (model inputs, target)
+
+
+class MicroBatches(Protocol):
+    """What a step reads its microbatches from: a dict by microbatch, or an asynchronous segment's stream."""
+
+    def __getitem__(self, microbatch: int, /) -> MicroBatch: ...
 
 
 @dataclass
@@ -83,7 +98,8 @@ class Executor:
         self.pairs = PairRunner(overlap_pairs, device_type=device.type) if paired else None
         self.cuda_events = False  # CUDA --trace: time each op with a pair of CUDA events, read after the step
         self.track_saved = False  # record the peak of held_activation_bytes over the step's ops (a diagnostic)
-        self.autocast = contextlib.nullcontext  # the precision's autocast around each stage forward and the loss
+        # the precision's autocast around each stage forward and the loss
+        self.autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.loss_grad = 1.0  # the loss's seed gradient: fp16 loss scaling's scale
         self.stage_params = {s: [model.params[n] for n in model.stage_params[s]] for s in model.modules}
         self.recompute = {s: plan.stages[s].recompute for s in model.modules}  # none | selective | full
@@ -115,7 +131,7 @@ class Executor:
                         found.append(Message("grad", p, mb, o.stage, consumer, name, src, me))
         return found
 
-    def run_step(self, microbatches: dict[int, MicroBatch], step: int = 0) -> StepRecord:
+    def run_step(self, microbatches: MicroBatches, step: int = 0) -> StepRecord:
         """Run this rank's op list once; `microbatches[m]` holds what its stages need of microbatch m. `step`
         seeds the random ops (dropout) of each forward, see `forward_seed`."""
         self.step = step
@@ -123,7 +139,7 @@ class Executor:
         self._local: dict[tuple, torch.Tensor] = {}  # (consumer stage, value, mb) -> activation
         self._local_grads: dict[tuple, torch.Tensor] = {}  # (producer stage, value, mb, consumer) -> gradient
         self._saved: dict[tuple[int, int], _Saved] = {}
-        self._weight_state: dict[tuple[int, int], tuple[object, SavedTensors]] = {}
+        self._weight_state: dict[tuple[int, int], tuple[WeightGradState, SavedTensors]] = {}
         record = StepRecord()
         start = record.began = time.perf_counter()
         events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -150,6 +166,7 @@ class Executor:
                 if o.kind == "B":
                     self._backward_done(o)
             if self.cuda_events:
+                assert self._start_event is not None, "recorded at each op's start with cuda_events"
                 events.append((str(o), self._start_event, self._event()))
             else:
                 record.op_times.append((str(o), self._began - start, time.perf_counter() - start))
@@ -211,7 +228,7 @@ class Executor:
         self._computing()
         return self._forward_finish(o, args, batch, *self._forward_compute(o, args, batch))
 
-    def _overlapped(self, o: Op, microbatches: dict[int, MicroBatch]) -> torch.Tensor | None:
+    def _overlapped(self, o: Op, microbatches: MicroBatches) -> torch.Tensor | None:
         """An OVERLAP_F_B op: both halves' inputs first (as DualPipe waits for both), then the backward's compute
         on the pair worker's thread while this one runs the forward and sends its outputs; the backward's input
         gradients are sent once it is done. Each half computes what it computes alone (same kernels, same seeds)."""
@@ -308,7 +325,9 @@ class Executor:
         self._computing()
         self._backward_finish(o, saved, self._backward_compute(o, saved, output_grads))
 
-    def _backward_compute(self, o: Op, saved: _Saved, output_grads: dict[str, torch.Tensor]) -> list:
+    def _backward_compute(
+        self, o: Op, saved: _Saved, output_grads: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, ...]:
         """The backward of `o` (B or I) from its output gradients; its input gradients (no communication)."""
         if saved.rerun is not None:  # full recomputation: the forward again, with grad, right before I or B
             args, target = saved.rerun
@@ -334,8 +353,10 @@ class Executor:
         del saved.outputs, saved.loss
         return input_grads
 
-    def _backward_finish(self, o: Op, saved: _Saved, input_grads: list) -> None:
-        by_name = dict(zip(saved.input_names, input_grads, strict=True))
+    def _backward_finish(self, o: Op, saved: _Saved, input_grads: Sequence[torch.Tensor | None]) -> None:
+        grads = [grad for grad in input_grads if grad is not None]
+        assert len(grads) == len(input_grads), "differentiable stage inputs all get a gradient (zeros where unused)"
+        by_name = dict(zip(saved.input_names, grads, strict=True))
         for message in self.routing.sends[(self.rank, o)]:
             self.mailbox.send(message, by_name[message.value])
         for name, grad in by_name.items():

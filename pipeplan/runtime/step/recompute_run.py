@@ -59,7 +59,7 @@ class SelectiveRecompute(TorchFunctionMode):
 def _saves_internals(args: tuple, kwargs: dict) -> bool:
     """Whether this attention call takes the math path (s×s internals saved for backward), not a fused kernel."""
     try:
-        return torch._fused_sdp_choice(*args, **kwargs) == int(SDPBackend.MATH)
+        return torch._fused_sdp_choice(*args, **kwargs) == SDPBackend.MATH.value
     except (RuntimeError, TypeError):  # a call the chooser does not take: recompute it, which is exact anyway
         return True
 

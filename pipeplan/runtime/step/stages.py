@@ -160,6 +160,30 @@ def stage_outputs(traced: TracedModel, stage_nodes: list[tuple[str, ...]]) -> li
     return [*found, last_stage_outputs(traced, stage_nodes[-1])]
 
 
+@dataclass(frozen=True)
+class StageTensors:
+    """A stage's parameters (canonical name -> shape, dtype at run time) and buffers (name -> shape)."""
+
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    buffers: dict[str, tuple[int, ...]]
+
+
+def stage_tensors(plan: Plan, traced: TracedModel, param_dtype: torch.dtype) -> list[StageTensors]:
+    """What each of the plan's stages holds, from the meta trace (floating tensors in the run's `param_dtype`): what
+    a checkpoint of the plan's run must hold."""
+    outputs = stage_outputs(traced, [stage.node_names for stage in plan.stages])
+    canonical = _canonical_names(traced.module)
+    found = []
+    for stage, out in zip(plan.stages, outputs):
+        module = build_stage_module(traced, stage.node_names, outputs=out)
+        params = {
+            canonical[id(p)]: (tuple(p.shape), param_dtype if p.is_floating_point() else p.dtype)
+            for p in module.parameters()
+        }
+        found.append(StageTensors(params, {name: tuple(b.shape) for name, b in module.named_buffers()}))
+    return found
+
+
 def _canonical_names(module: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -237,6 +261,7 @@ def materialize_stages(
         return
     refuse_or_announce_meta_path(spec, rank=rank, needed=needed, available=available, ranks=ranks_here)
     own_tensors = [t for stage in stages for _, t in named_tensors(stage)]
+    assert spec.init_module is not None, "refuse_or_announce_meta_path refuses a factory without init_module"
     materialize(
         traced.module,
         needed=own_tensors,

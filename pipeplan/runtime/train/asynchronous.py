@@ -43,7 +43,8 @@ class StreamBatches:
 
     def __init__(self, trainer: Trainer, batches: Iterator, per_step: int) -> None:
         self.trainer, self.batches, self.per_step = trainer, batches, per_step
-        self.step, self.pieces = -1, {}
+        self.step = -1
+        self.pieces: dict[int, MicroBatch] = {}
 
     def __getitem__(self, local: int) -> MicroBatch:
         step, mb = divmod(local, self.per_step)

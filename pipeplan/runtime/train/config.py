@@ -18,6 +18,9 @@ from pipeplan.runtime.train.metrics import check_tensorboard
 FAULT_ENV = "PIPEPLAN_FAULT"  # e.g. "rank=1,step=2,mode=exit" (mode: exit | hang | stop | diverge | nan)
 HEARTBEAT_ENV = "PIPEPLAN_HEARTBEAT_TIMEOUT"  # seconds; tests shorten it
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+# a rank beats about every second (watchdog.py), and the process group's timeout is twice this: below a second a
+# live rank would be declared dead (1e-9 s timed out the ranks' own store connections)
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 FAULT_MODES = ("exit", "hang", "stop", "diverge", "nan")
 FAULT_FORMAT = "rank=1,step=2,mode=" + "|".join(FAULT_MODES)
 
@@ -125,11 +128,12 @@ class RunConfig:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):
             raise ConfigError(f"--clip-grad-norm must be a finite number > 0, got {self.clip_grad_norm}")
-        if self.heartbeat_timeout_s is None:
-            object.__setattr__(self, "heartbeat_timeout_s", heartbeat_timeout_from_env())
-        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
+        heartbeat = heartbeat_timeout_from_env() if self.heartbeat_timeout_s is None else self.heartbeat_timeout_s
+        object.__setattr__(self, "heartbeat_timeout_s", heartbeat)
+        if not (math.isfinite(heartbeat) and heartbeat >= MIN_HEARTBEAT_TIMEOUT_S):
             raise ConfigError(
-                f"--heartbeat-timeout must be a finite number of seconds > 0, got {self.heartbeat_timeout_s}"
+                f"--heartbeat-timeout must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}, got "
+                f"{heartbeat}"
             )
         self._check_paths()
 
@@ -195,8 +199,14 @@ class RunConfig:
         return plan_precision
 
     @property
+    def heartbeat_s(self) -> float:
+        """`heartbeat_timeout_s` as __post_init__ settled it (None given: $PIPEPLAN_HEARTBEAT_TIMEOUT or 60 s)."""
+        assert self.heartbeat_timeout_s is not None, "RunConfig.__post_init__ settles heartbeat_timeout_s"
+        return self.heartbeat_timeout_s
+
+    @property
     def pg_timeout_s(self) -> float:
-        return self.collective_timeout_s or 2.0 * self.heartbeat_timeout_s
+        return self.collective_timeout_s or 2.0 * self.heartbeat_s
 
     def run_device(self, plan_device: str) -> str:
         """cpu or cuda: --device if given, else the plan's; cuda must be available here (one line if not)."""
@@ -217,8 +227,10 @@ def heartbeat_timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{HEARTBEAT_ENV}={raw!r} must be a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{HEARTBEAT_ENV} must be a finite number of seconds > 0, got {value}")
+    if not (math.isfinite(value) and value >= MIN_HEARTBEAT_TIMEOUT_S):
+        raise ConfigError(
+            f"{HEARTBEAT_ENV} must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}, got {value}"
+        )
     return value
 
 
@@ -227,7 +239,8 @@ class FaultSpec:
     """Make rank `rank` fail at the start of step `step` (0-based): `exit` kills it, `hang` freezes it (Python
     still runs), `stop` sends it SIGSTOP (nothing runs, signals wait), `diverge` nudges its copy of a shared
     (replicated or tied) parameter so the divergence check must catch it, `nan` puts a NaN into one of its
-    gradients after that step's backward passes (the step's non-finite check must catch it)."""
+    gradients after that step's backward passes (the step's non-finite check must catch it). `step` = --steps: after
+    the run's summary, as the ranks shut down."""
 
     rank: int
     step: int

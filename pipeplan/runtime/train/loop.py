@@ -127,6 +127,7 @@ def _run_segments(trainer: Trainer, steps: StepStrategy, result: RunResult, batc
     if config.check_every and checked != config.steps - 1:
         trainer.sync.check_in_sync(config.steps - 1)
     _finish(trainer, result, traced[-TRACE_STEPS:], origin)
+    _maybe_fail(fault, rank, config.steps, watchdog, trainer)  # step = --steps: in the shutdown, after the summary
 
 
 def _finish(trainer: Trainer, result: RunResult, traced: list[TracedStep], origin: float) -> None:
@@ -173,18 +174,18 @@ def _log_steps(trainer: Trainer, result: RunResult, logged: int, metrics: Metric
     index = {step: step - result.first_step for step in range(logged, done)}  # result.losses[index[step]] is step's
     for step, at in index.items() if metrics is not None else ():
         norm = result.grad_norms[at] if len(result.grad_norms) == len(result.losses) else None
-        metrics.write(
-            step_record(
-                step=step,
-                loss=result.losses[at],
-                lr=plan.training.lr * trainer.schedule.factor(step),
-                grad_norm=norm,
-                step_ms=result.step_ms[at],
-                samples=plan.training.global_batch_size,
-                tokens=plan.model.tokens_per_sample,
-                predicted_ms=predicted,
-            )
+        record = step_record(
+            step=step,
+            loss=result.losses[at],
+            lr=plan.training.lr * trainer.schedule.factor(step),
+            grad_norm=norm,
+            step_ms=result.step_ms[at],
+            samples=plan.training.global_batch_size,
+            tokens=plan.model.tokens_per_sample,
+            predicted_ms=predicted,
         )
+        assert metrics is not None  # (the loop runs only with --log)
+        metrics.write(record)
     if config.quiet or not config.log_every:
         return done
     due = [step for step in index if (step + 1) % config.log_every == 0]
@@ -279,15 +280,15 @@ def _log_summary(
     if peaks is None:
         out.print("peak memory: not measured on CPU (CUDA runs report each rank's)", highlight=False)
         return
-    predicted = plan.predicted.peak_memory_bytes
+    predicted_peaks = plan.predicted.peak_memory_bytes
     for rank, peak in enumerate(peaks):
-        expected = predicted[rank] if rank < len(predicted) else 0
+        expected = predicted_peaks[rank] if rank < len(predicted_peaks) else 0
         versus = f" vs predicted {format_gib(expected)} GiB ({peak / expected:.2f}x)" if expected > 0 else ""
         measured = f"rank {rank}: peak memory {format_gib(peak)} GiB (torch.cuda.max_memory_allocated)"
         out.print(measured + versus, highlight=False)
 
 
-def predicted_ms(plan, post_validate: bool) -> float:  # type: ignore[no-untyped-def]
+def predicted_ms(plan: Plan, post_validate: bool) -> float:
     """The plan's predicted step for the setting run: its stored period, or, when --post-validate or
     --no-post-validate differs from the plan's, the period of the other setting (`artifact.timing.plan_step_ms`: the
     search's `predict.predict` again)."""

@@ -72,6 +72,7 @@ class MetricsLog:
         if path is not None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
             try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)  # as every output's folder is made
                 if start:  # the kept lines replace the file at once (temp file, rename): a crash keeps one or other
                     atomic_write_text(path, kept_lines(Path(path), start))
                 self.fd = os.open(path, flags if start else flags | os.O_TRUNC, 0o644)

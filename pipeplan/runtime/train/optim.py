@@ -28,6 +28,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,13 +97,26 @@ def optimizer_factory(
     name: str, spec: ModelSpec, params: dict[str, nn.Parameter], *, lr: float, weight_decay: float, momentum: float
 ) -> MakeOptimizer:
     """How a rank builds its optimizer over the tensors it steps (runtime/step/zero.py hands them over)."""
-    if name == FACTORY:
-        names = {id(p): n for n, p in params.items()}
-        return lambda tensors: spec.optimizer([(names[id(t)], t) for t in tensors], lr, weight_decay)
+    if name == FACTORY:  # (no ZeRO-1: the tensors handed over are the parameters themselves)
+        make = spec.optimizer
+        assert make is not None, "run_optimizer chooses the factory's optimizer only where it has one"
+        named = {id(p): (n, p) for n, p in params.items()}
+        return lambda tensors: make([named[id(t)] for t in tensors], lr, weight_decay)
     if name == "adamw":
         return lambda tensors: torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay)
     momentum = momentum if name == "sgd" else 0.0
     return lambda tensors: torch.optim.SGD(tensors, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def state_keys(name: str, momentum: float | None) -> frozenset[str] | None:
+    """The per-parameter state the optimizer `name` keeps once it has stepped a parameter (what a checkpoint of it
+    holds); None for a factory's optimizer, whose state pipeplan does not know."""
+    if name == FACTORY:
+        return None
+    if name == "adamw":
+        return frozenset({"step", "exp_avg", "exp_avg_sq"})
+    with_momentum = name == "sgd" and (momentum if momentum is not None else SGD_MOMENTUM) != 0
+    return frozenset({"momentum_buffer"}) if with_momentum else frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +175,7 @@ def run_schedule(spec: ModelSpec, config: RunConfig) -> LrSchedule:
 def run_plan(plan: Plan, config: RunConfig) -> Plan:
     """The plan with the run's --seed, --lr and --weight-decay in place of its own (what every rank trains with)."""
     settings = {"seed": config.seed, "lr": config.lr, "weight_decay": config.weight_decay}
-    given = {name: value for name, value in settings.items() if value is not None}
+    given: dict[str, Any] = {name: value for name, value in settings.items() if value is not None}
     return dataclasses.replace(plan, training=dataclasses.replace(plan.training, **given)) if given else plan
 
 

@@ -47,8 +47,8 @@ from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gathe
 from pipeplan.schedules.registry import schedule_info
 
 
-def check_post_validate(plan: Plan, post_validate: bool) -> None:
-    """--post-validate is for schedules that flush the pipeline and step synchronously."""
+def check_post_validate(plan: Plan, post_validate: bool | None) -> None:
+    """--post-validate is for schedules that flush the pipeline and step synchronously (None: not asked for)."""
     if post_validate and schedule_info(plan.schedule).asynchronous:
         raise ConfigError(
             f"--post-validate validates a synchronous step, but schedule {plan.schedule!r} updates weights without a "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch.distributed as dist
 
@@ -39,7 +40,7 @@ def measured_trace(per_rank: list[list[dict]], run: dict | None = None) -> dict:
     """The Chrome trace (with "pipeplan_measured") of every rank's `traced_steps`; `run`: the run's record
     (`plan.measured.run_record`)."""
     zero = min((op[1] for steps in per_rank for step in steps for op in step["ops"]), default=0.0)
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for rank, steps in enumerate(per_rank):
         shifted = [
             {

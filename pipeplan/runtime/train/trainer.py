@@ -7,9 +7,11 @@ The run loop is train.py; the asynchronous step is asynchronous.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,10 +24,10 @@ from pipeplan.runtime.step.executor import Executor, MicroBatch
 from pipeplan.runtime.step.grads import GradientSync
 from pipeplan.runtime.step.messages import build_routing
 from pipeplan.runtime.step.precision_run import LossScaler, apply_param_dtype, apply_wire_dtypes
-from pipeplan.runtime.step.stages import build_pipeline_model
+from pipeplan.runtime.step.stages import StageTensors, build_pipeline_model
 from pipeplan.runtime.step.zero import make_step_optimizer
 from pipeplan.runtime.train.config import RunConfig
-from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule
+from pipeplan.runtime.train.optim import SGD_MOMENTUM, optimizer_factory, run_optimizer, run_schedule, state_keys
 from pipeplan.runtime.train.post_validate import PostValidator, Settled
 from pipeplan.runtime.train.run_notes import RunSource
 from pipeplan.runtime.train.step_checks import GlobalState, apply_verdict, gather_rows, judge, local_row
@@ -42,7 +44,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)  # global mean loss per step run
     step_ms: list[float] = field(default_factory=list)
     first_step: int = 0
-    grads: dict[str, torch.Tensor] | None = None  # after the first step's all-reduce (when asked for)
+    grads: dict[str, torch.Tensor | None] | None = None  # after the first step's all-reduce (when asked for)
     optimizer_state_numel: int = 0  # elements of AdamW state this rank holds at the end (1/d of shared ones: zero=1)
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (None on CPU)
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step run, before clipping
@@ -153,9 +155,10 @@ class Trainer:
             self._settle()
 
     def _settle(self) -> Settled:
-        pending = self.post_validator.pending
-        self.schedule.apply(self.optimizer.optimizer, pending.step)  # a rolled-back step steps again at its own lr
-        settled = self.post_validator.settle(self.scaler)
+        validator = self.post_validator
+        assert validator is not None and validator.pending is not None, "_settle runs with a step pending"
+        self.schedule.apply(self.optimizer.optimizer, validator.pending.step)  # a rolled-back step: again at its lr
+        settled = validator.settle(self.scaler)
         self.last_state = settled.state
         self.settled.append(settled)
         return settled
@@ -193,13 +196,14 @@ class Trainer:
         apply_verdict(verdict, self.optimizer, self.scaler)
         return state
 
-    def grads(self) -> dict[str, torch.Tensor]:
+    def grads(self) -> dict[str, torch.Tensor | None]:
         """Every held parameter's summed gradient (collective under zero=1: every rank calls it)."""
         return self.optimizer.full_grads()
 
     def save(self, step: int) -> None:
         """Pipeline 0's first replica of each stage writes it; rank 0 publishes `latest` once all are written."""
         root = self.config.checkpoint_dir
+        assert root is not None, "a run saves checkpoints only with --checkpoint-dir"
         info = self.plan.ranks[self.rank]
         writes = info.pipeline == 0 and info.stage_replica == 0
         wanted = {n for stage in info.stages for n in self.model.stage_params[stage]} if writes else set()
@@ -226,18 +230,27 @@ class Trainer:
         dist.barrier()
 
     def restore(self) -> int:
-        step = checkpoint.latest_step(self.config.checkpoint_dir)
-        checkpoint.check_complete(self.config.checkpoint_dir, step, len(self.plan.stages))
-        states = {}
+        """Load this rank's stages of the newest checkpoint, each stage file checked whole first (the launcher
+        checked every stage already; a rank under torchrun checks its own)."""
+        root = self.config.checkpoint_dir
+        assert root is not None, "a run resumes only with --checkpoint-dir"
+        step = checkpoint.latest_step(root)
+        checkpoint.check_complete(root, step, len(self.plan.stages))
+        keys = state_keys(self.optimizer_name, self.config.momentum)
+        states: dict[str, dict[str, Any]] = {}
         for stage in self.plan.ranks[self.rank].stages:
+            buffers = dict(self.model.modules[stage].named_buffers())
+            held = StageTensors(
+                {
+                    n: (tuple(self.model.params[n].shape), self.model.params[n].dtype)
+                    for n in self.model.stage_params[stage]
+                },
+                {name: tuple(value.shape) for name, value in buffers.items()},
+            )
+            (expected,) = checkpoint.expected_stages(self.plan, [held], keys, step)
+            expected = dataclasses.replace(expected, fingerprint=self.fingerprint)
             states |= checkpoint.load_stage(
-                self.config.checkpoint_dir,
-                step=step,
-                stage=stage,
-                params=self.model.params,
-                buffers=dict(self.model.modules[stage].named_buffers()),
-                fingerprint=self.fingerprint,
-                partition=checkpoint.partition_key(self.plan),
+                root, stage=stage, expected=expected, params=self.model.params, buffers=buffers
             )
         self.optimizer.load_states(states)
         return step
@@ -247,6 +260,7 @@ def _poison_a_gradient(params: dict[str, torch.nn.Parameter]) -> None:
     """PIPEPLAN_FAULT mode=nan: one element of this rank's first gradient (by name) becomes NaN."""
     name = next(n for n in sorted(params) if params[n].grad is not None)
     grad = params[name].grad
+    assert grad is not None
     grad[(0,) * grad.dim()] = float("nan")
 
 
@@ -295,6 +309,7 @@ class SynchronousSteps:
         for settled, op_times in self.trainer.take_settled():
             self.result.losses.append(settled.state.loss)
             self.result.grad_norms.append(settled.state.grad_norm)
+            assert self.last_end is not None, "run() starts the clock before any step settles"
             self.result.step_ms.append((settled.ended - self.last_end) * 1000.0)
             self.last_end = settled.ended
             traced.append((settled.step, op_times, settled.ended))

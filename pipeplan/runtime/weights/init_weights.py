@@ -14,11 +14,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pipeplan.errors import ConfigError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 SHOWN_KEYS = 3
 
@@ -30,7 +34,7 @@ class WeightFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         self._state: dict[str, torch.Tensor] | None = None
-        self._handles: dict[str, object] = {}  # key -> open safetensors file holding it
+        self._handles: dict[str, safe_open] = {}  # key -> open safetensors file holding it
         if Path(self.path).is_dir():
             shards = sorted(Path(self.path).glob("*.safetensors"))
             if not shards:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,7 +148,8 @@ def replace_tensors(roots: Iterable[nn.Module], new_by_old_id: dict[int, torch.T
         return
     for root in roots:
         for module in root.modules():
-            for store in (module._parameters, module._buffers):
+            stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)  # a Parameter's is one
+            for store in stores:
                 for key, value in store.items():
                     if value is not None and id(value) in new_by_old_id:
                         store[key] = new_by_old_id[id(value)]
@@ -173,8 +175,9 @@ def _initialize(module: nn.Module, name: str, init_module: Callable[[nn.Module],
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(submodule_seed(seed, name))
         with torch.no_grad():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
             init_module(module)
 
 

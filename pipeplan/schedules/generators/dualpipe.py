@@ -22,57 +22,17 @@ what DualPipe's devices h and p-1-h run, one copy of the parameters instead of t
 
 from __future__ import annotations
 
-from collections import deque
-
 from pipeplan.errors import ScheduleError
+from pipeplan.schedules.generators.dualpipev import PairedDevice
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.placement import DIRECTIONS, MIRRORED, stage_devices
 
 
-class _Device:
-    """One device's counters while emitting its ops: per phase its stage, its direction and the next forward and
-    backward microbatch (the k-th of a direction is microbatch DIRECTIONS * k + direction); the deferred Ws."""
-
-    def __init__(self, p: int, device: int) -> None:
-        self.half_rank = min(device, p - 1 - device)
-        first = 0 if device < p // 2 else 1  # the direction reaching this device first: its phase 0
-        self.stage = (self.half_rank, p - 1 - self.half_rank)
-        self.direction = (first, 1 - first)
-        self.fwd = [0, 0]
-        self.bwd = [0, 0]
-        self.deferred_w: deque[Op] = deque()
-        self.ops: list[Op] = []
-
-    def _microbatch(self, phase: int, count: list[int]) -> int:
-        index = count[phase]
-        count[phase] += 1
-        return DIRECTIONS * index + self.direction[phase]
-
-    def forward(self, phase: int) -> None:
-        self.ops.append(Op("F", self.stage[phase], self._microbatch(phase, self.fwd)))
-
-    def backward(self, phase: int, *, split: bool = False) -> None:
-        stage, mb = self.stage[phase], self._microbatch(phase, self.bwd)
-        if split:
-            self.ops.append(Op("I", stage, mb))
-            self.deferred_w.append(Op("W", stage, mb))
-        else:
-            self.ops.append(Op("B", stage, mb))
-
-    def overlapped(self, forward_phase: int) -> None:
-        """One op: the forward of `forward_phase` and the full backward of the other phase, overlapped."""
-        self.forward(forward_phase)
-        self.backward(1 - forward_phase)
-        backward = self.ops.pop()
-        self.ops.append(Op.overlap(self.ops.pop(), backward))
-
-    def weight(self) -> None:
-        self.ops.append(self.deferred_w.popleft())
-
-
 def _device_ops(p: int, device: int, m: int) -> list[Op]:
-    dev = _Device(p, device)
-    n, h, half = p // 2, dev.half_rank, m // 2
+    n, h, half = p // 2, min(device, p - 1 - device), m // 2
+    first = 0 if device < n else 1  # the direction reaching this device first: its phase 0
+    # phase k's j-th microbatch is DIRECTIONS x j + its direction (even ones flow down, odd ones up)
+    dev = PairedDevice((h, p - 1 - h), stride=DIRECTIONS, offsets=(first, 1 - first))
     for _ in range(2 * (n - 1 - h)):  # 1: phase-0 forwards
         dev.forward(0)
     for _ in range(h + 1):  # 2: F0 F1
@@ -92,19 +52,7 @@ def _device_ops(p: int, device: int, m: int) -> list[Op]:
     for _ in range(n - 1 - h):  # 5: B1, F1&B0
         dev.backward(1)
         dev.overlapped(1)
-    split = False
-    for i in range(h + 1):  # 6: B1 B0, the second half split into I + deferred W
-        if i == (h + 1) // 2 and h % 2 == 1:
-            split = True
-        dev.backward(1, split=split)
-        if i == (h + 1) // 2 and h % 2 == 0:
-            split = True
-        dev.backward(0, split=split)
-    for _ in range(n - 1 - h):  # 7: W, I0 (W deferred)
-        dev.weight()
-        dev.backward(0, split=True)
-    while dev.deferred_w:  # 8: drain the deferred weight gradients
-        dev.weight()
+    dev.cooldown(h, n - 1 - h)  # 6-8: B1 B0 (second half split), W I0, drain the Ws
     assert dev.fwd == [half, half] and dev.bwd == [half, half], (dev.fwd, dev.bwd, m)
     return dev.ops
 

@@ -22,43 +22,64 @@ from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 
 
-class _Device:
-    """Counters of one device while emitting its ops (forward/backward microbatch per chunk, deferred Ws)."""
+class PairedDevice:
+    """One device's counters while it emits a DualPipe-family op list (dualpipev here, dualpipe's mirrored one):
+    per phase (a V's chunk, or a direction) its stage and the microbatch of its k-th forward / backward,
+    `stride` x k + `offsets[phase]`; the deferred Ws."""
 
-    def __init__(self, p: int, device: int) -> None:
-        self.stage = v_stages(device, p)
+    def __init__(self, stages: tuple[int, int], stride: int = 1, offsets: tuple[int, int] = (0, 0)) -> None:
+        self.stage, self.stride, self.offsets = stages, stride, offsets
         self.fwd = [0, 0]
         self.bwd = [0, 0]
         self.deferred_w: deque[Op] = deque()
         self.ops: list[Op] = []
 
-    def forward(self, chunk: int) -> None:
-        self.ops.append(Op("F", self.stage[chunk], self.fwd[chunk]))
-        self.fwd[chunk] += 1
+    def _microbatch(self, phase: int, count: list[int]) -> int:
+        index = count[phase]
+        count[phase] += 1
+        return self.stride * index + self.offsets[phase]
 
-    def overlapped(self, forward_chunk: int) -> None:
-        """One fused op: the forward of `forward_chunk` and the full backward of the other chunk, overlapped."""
-        backward_chunk = 1 - forward_chunk
-        self.forward(forward_chunk)
-        self.backward(backward_chunk)
+    def forward(self, phase: int) -> None:
+        self.ops.append(Op("F", self.stage[phase], self._microbatch(phase, self.fwd)))
+
+    def overlapped(self, forward_phase: int) -> None:
+        """One fused op: the forward of `forward_phase` and the full backward of the other phase, overlapped."""
+        self.forward(forward_phase)
+        self.backward(1 - forward_phase)
         backward = self.ops.pop()
         self.ops.append(Op.overlap(self.ops.pop(), backward))
 
-    def backward(self, chunk: int, *, split: bool = False) -> None:
-        stage, mb = self.stage[chunk], self.bwd[chunk]
+    def backward(self, phase: int, *, split: bool = False) -> None:
+        stage, mb = self.stage[phase], self._microbatch(phase, self.bwd)
         if split:
             self.ops.append(Op("I", stage, mb))
             self.deferred_w.append(Op("W", stage, mb))
         else:
             self.ops.append(Op("B", stage, mb))
-        self.bwd[chunk] += 1
 
     def weight(self) -> None:
         self.ops.append(self.deferred_w.popleft())
 
+    def cooldown(self, rank: int, rest: int) -> None:
+        """Phases 6-8: rank + 1 rounds of B1 B0, the second half split into I + deferred W (an odd rank starts the
+        split one B1 earlier); `rest` rounds of W, I0 (W deferred); then the deferred Ws drained."""
+        steps, split = rank + 1, False
+        for i in range(steps):  # 6
+            if i == steps // 2 and rank % 2 == 1:
+                split = True
+            self.backward(1, split=split)
+            if i == steps // 2 and rank % 2 == 0:
+                split = True
+            self.backward(0, split=split)
+        for _ in range(rest):  # 7
+            self.weight()
+            self.backward(0, split=True)
+        while self.deferred_w:  # 8
+            self.weight()
+
 
 def _device_ops(p: int, device: int, m: int) -> list[Op]:
-    dev = _Device(p, device)
+    dev = PairedDevice(v_stages(device, p))
     for _ in range(2 * (p - 1 - device)):  # 1: chunk-0 forwards
         dev.forward(0)
     for _ in range(device + 1):  # 2: F0 F1
@@ -74,20 +95,7 @@ def _device_ops(p: int, device: int, m: int) -> list[Op]:
     for _ in range(p - 1 - device):  # 5: B1, F1&B0
         dev.backward(1)
         dev.overlapped(1)
-    split = False
-    steps = device + 1
-    for i in range(steps):  # 6: B1 B0, the second half split into I + deferred W
-        if i == steps // 2 and device % 2 == 1:
-            split = True
-        dev.backward(1, split=split)
-        if i == steps // 2 and device % 2 == 0:
-            split = True
-        dev.backward(0, split=split)
-    for _ in range(p - 1 - device):  # 7: W, I0 (W deferred)
-        dev.weight()
-        dev.backward(0, split=True)
-    while dev.deferred_w:  # 8: drain the deferred weight gradients
-        dev.weight()
+    dev.cooldown(device, p - 1 - device)  # 6-8: B1 B0 (second half split), W I0, drain the Ws
     assert dev.fwd == [m, m] and dev.bwd == [m, m], (dev.fwd, dev.bwd, m)
     return dev.ops
 

@@ -25,6 +25,7 @@ from pipeplan.schedules.ops import Schedule
 from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.simulate import (
     MemoryCosts,
+    PerStageCosts,
     StageCosts,
     activation_deltas,
     activation_rises,
@@ -42,7 +43,7 @@ def default_limit(num_devices: int, num_microbatches: int, memory: MemoryCosts) 
     return max(min(num_microbatches, num_devices - d) * act[d] + rise[d] for d in range(num_devices))
 
 
-def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: float) -> list[tuple]:  # type: ignore[type-arg]
+def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: float) -> list[tuple]:
     """(generator, forwards device 0 runs after its first backward) for zb-h1, 1f1b and, when its warm-up of
     min(m, 2p-1) forwards on device 0 fits the limit, zb-h2 (0: not counted)."""
     after = max(0, m - p)  # zb-h1 and 1f1b: p-1 warm-up forwards and one more before the first backward
@@ -55,17 +56,17 @@ def _handcrafted(p: int, m: int, delta: dict[str, tuple[float, ...]], limit: flo
 _SIMPLICITY = {one_f_one_b: 0, zb_h1: 1, zb_h2: 2}  # then the heuristic's runs
 
 
-def _device0_bound(costs: StageCosts, m: int, forwards_after: int, *, fused: bool) -> float:
+def _device0_bound(costs: PerStageCosts, m: int, forwards_after: int, *, fused: bool) -> float:
     """A lower bound on the makespan: microbatch 0's forward and backward chain through every stage (with the
     transfers), then device 0's remaining m-1 backwards, m Ws (split) and `forwards_after` forwards."""
     f, i, w = costs.forward_ms, costs.input_grad_ms, costs.weight_grad_ms
     back = costs.backward_ms if fused else i
-    chain = sum(f) + sum(back) + 2 * sum(costs.comm_ms)  # type: ignore[arg-type]
-    rest = (m - 1) * back[0] + (0.0 if fused else m * w[0]) + forwards_after * f[0]  # type: ignore[index]
+    chain = sum(f) + sum(back) + 2 * sum(costs.comm_ms)
+    rest = (m - 1) * back[0] + (0.0 if fused else m * w[0]) + forwards_after * f[0]
     return chain + rest
 
 
-def _candidates(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: float) -> list[tuple]:
+def _candidates(p: int, m: int, costs: PerStageCosts, memory: MemoryCosts, limit: float) -> list[tuple]:
     """(simplicity order, makespan lower bound, Result or generator) of every candidate: 1f1b, zb-h1, zb-h2 where
     they fit, then the heuristic's runs. A heuristic run's makespan is known exactly."""
     delta, rise = activation_deltas(memory, p), activation_rises(memory, p)
@@ -79,7 +80,7 @@ def _candidates(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: f
     return found
 
 
-def _fastest(p: int, m: int, costs: StageCosts, memory: MemoryCosts, limit: float, post_validate: bool):
+def _fastest(p: int, m: int, costs: PerStageCosts, memory: MemoryCosts, limit: float, post_validate: bool):
     """The candidate with the shortest period (`schedules.period.schedule_period`; synchronized: the makespan, then
     the shortest span), then the least activation memory, then the simplest; each checked against the limit
     (recomputation can pass it where a heuristic run had no W left to run first). Synchronized, a candidate whose

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import ScheduleError
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
-from pipeplan.schedules.simulate import StageCosts
+from pipeplan.schedules.simulate import PerStageCosts
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class _Run:
     accumulated idle time and op end times."""
 
     def __init__(
-        self, m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None
+        self, m: int, costs: PerStageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None
     ) -> None:
         p = len(delta["F"])
         self.p, self.m, self.limit = p, m, limit + 1e-9 * max(1.0, abs(limit))
@@ -88,11 +88,11 @@ class _Run:
 
     def put_f(self, j: int) -> None:
         mb = self.f[j]
-        ready = self.tf[j - 1][mb] + self.comm[j - 1] if j else 0.0  # type: ignore[index]
+        ready = self.tf[j - 1][mb] + self.comm[j - 1] if j else 0.0
         start = self._start(j, ready)
         if mb == 0:
             self.first_start[j] = start
-        self.free[j] = self.tf[j][mb] = start + self.cf[j]  # type: ignore[index]
+        self.free[j] = self.tf[j][mb] = start + self.cf[j]
         self.mem[j] += self.df[j]
         self.f[j] += 1
         self.codes[j].append(mb)
@@ -101,14 +101,14 @@ class _Run:
         while self.mem[j] + self.rise_i[j] > self.limit and self.w[j] < self.i[j]:
             self.put_w(j)  # room for what recomputation re-creates while the I runs
         mb = self.i[j]
-        ready = self.ti[j + 1][mb] + self.comm[j] if j + 1 < self.p else 0.0  # type: ignore[index]
-        self.free[j] = self.ti[j][mb] = self._start(j, ready) + self.ci[j]  # type: ignore[index]
+        ready = self.ti[j + 1][mb] + self.comm[j] if j + 1 < self.p else 0.0
+        self.free[j] = self.ti[j][mb] = self._start(j, ready) + self.ci[j]
         self.mem[j] += self.di[j]
         self.i[j] += 1
         self.codes[j].append(self.m + mb)
 
     def put_w(self, j: int) -> None:
-        self.free[j] += self.cw[j]  # type: ignore[index]
+        self.free[j] += self.cw[j]
         self.mem[j] += self.dw[j]
         self.codes[j].append(2 * self.m + self.w[j])
         self.w[j] += 1
@@ -121,7 +121,7 @@ class _Run:
 
     def fill_wait(self, j: int, arrival: float, greedy: bool) -> None:
         """Run pending Ws while they end before `arrival`; then maybe one more (see the module docstring)."""
-        cw = self.cw[j]  # type: ignore[index]
+        cw = self.cw[j]
         while self.w[j] < self.i[j] and self.free[j] + cw <= arrival:
             self.put_w(j)
         if self.w[j] < self.i[j] and self.free[j] < arrival:
@@ -135,16 +135,16 @@ class _Run:
         """Extra forwards per stage before its first I, strictly decreasing along the pipeline."""
         p, last = self.p, self.p - 1
         extra = [0] * p
-        returned = self.tf[last][0] + self.ci[last]  # type: ignore[index]
+        returned = self.tf[last][0] + self.ci[last]
         for j in range(p - 2, -1, -1):
-            mem, t, back = self.mem[j], self.free[j], returned + self.comm[j]  # type: ignore[index]
+            mem, t, back = self.mem[j], self.free[j], returned + self.comm[j]
             while self.f[j] + extra[j] < self.m and mem + self.df[j] <= self.limit:
-                if (t + self.cf[j] > back) if bubble_before_first_i else (t >= back):  # type: ignore[index]
+                if (t + self.cf[j] > back) if bubble_before_first_i else (t >= back):
                     break
                 mem += self.df[j]
-                t += self.cf[j]  # type: ignore[index]
+                t += self.cf[j]
                 extra[j] += 1
-            returned = max(t, back) + self.ci[j]  # type: ignore[index]
+            returned = max(t, back) + self.ci[j]
         for j in range(1, p):
             while 0 < extra[j] >= extra[j - 1] and self.f[j] + extra[j] < self.m:
                 extra[j] -= 1
@@ -161,15 +161,15 @@ class _Run:
     def _keeps_f(self, j: int) -> bool:
         """Whether "prioritize I" keeps this stage's F (it is two or more forwards ahead of the next stage)."""
         k = j + 1
-        next_back = self.free[k] + self.cf[k] + self.ci[k] + self.comm[j]  # type: ignore[index]
+        next_back = self.free[k] + self.cf[k] + self.ci[k] + self.comm[j]
         if self.free[j] >= next_back:
             return False
         forced_w, mem, w = 0.0, self.mem[j] + self.df[j], self.w[j]
         while mem > self.limit and w < self.i[j]:
-            forced_w += self.cw[j]  # type: ignore[index]
+            forced_w += self.cw[j]
             mem += self.dw[j]
             w += 1
-        if self.free[j] + self.cf[j] + forced_w <= next_back:  # type: ignore[index]
+        if self.free[j] + self.cf[j] + forced_w <= next_back:
             return True
         return next_back - self.free[j] > self.max_idle - self.idle[j]
 
@@ -183,11 +183,11 @@ def _round(run: _Run, i: int, opts: Options) -> None:
         if wants[j]:
             run.free_memory_for_f(j)
             if j:
-                run.fill_wait(j, run.tf[j - 1][run.f[j]] + run.comm[j - 1], opts.greedy_w)  # type: ignore[index]
+                run.fill_wait(j, run.tf[j - 1][run.f[j]] + run.comm[j - 1], opts.greedy_w)
             run.put_f(j)
     for j in range(p - 1, -1, -1):
         if j + 1 < p:
-            run.fill_wait(j, run.ti[j + 1][i] + run.comm[j], opts.greedy_w)  # type: ignore[index]
+            run.fill_wait(j, run.ti[j + 1][i] + run.comm[j], opts.greedy_w)
         if j == 0 and run.f[0] == run.m:
             while run.w[0] < run.i[0]:
                 run.put_w(0)
@@ -196,7 +196,7 @@ def _round(run: _Run, i: int, opts: Options) -> None:
 
 def heuristic_run(
     m: int,
-    costs: StageCosts,
+    costs: PerStageCosts,
     delta: dict[str, tuple[float, ...]],
     limit: float,
     opts: Options,
@@ -229,7 +229,7 @@ def heuristic_run(
 
 
 def heuristic_runs(
-    m: int, costs: StageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None = None
+    m: int, costs: PerStageCosts, delta: dict[str, tuple[float, ...]], limit: float, rise_i: tuple | None = None
 ) -> list[Result]:
     """The distinct runs over the 8 option combinations: a combination is skipped when an earlier run never
     consulted the options it differs in (it would repeat that run op for op)."""

@@ -14,6 +14,7 @@ from pipeplan.schedules.period import faster, schedule_period
 from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
 from pipeplan.schedules.simulate import (
     MemoryCosts,
+    PerStageCosts,
     StageCosts,
     activation_deltas,
     fits_limit,
@@ -71,11 +72,11 @@ def zbv_fixed(num_devices: int, num_microbatches: int) -> Schedule:
     return make_schedule("zbv", m, stage_devices(V_SHAPED, p, 2), device_ops)
 
 
-def _fixed_is_optimal(costs: StageCosts, m: int) -> bool:
+def _fixed_is_optimal(costs: PerStageCosts, m: int) -> bool:
     """F = I = W on every stage, no comm and m >= 2p-1: the fixed order ends at (p-1)F + 2m(F+I+W), the earliest
     the last device can (its first input needs p-1 forwards; then it has 2m(F+I+W) of work)."""
-    times = {*costs.forward_ms, *costs.input_grad_ms, *costs.weight_grad_ms}  # type: ignore[misc]
-    return len(times) == 1 and not any(costs.comm_ms) and m >= len(costs.forward_ms) - 1  # type: ignore[arg-type]
+    times = {*costs.forward_ms, *costs.input_grad_ms, *costs.weight_grad_ms}
+    return len(times) == 1 and not any(costs.comm_ms) and m >= len(costs.forward_ms) - 1
 
 
 def zbv(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pipeplan.schedules.ops import Op, Schedule, make_schedule
 from pipeplan.schedules.placement import V_SHAPED, stage_devices, v_stages
-from pipeplan.schedules.simulate import StageCosts
+from pipeplan.schedules.simulate import PerStageCosts
 
 _KINDS = {"F": 0, "I": 1, "W": 2}
 
@@ -36,7 +36,7 @@ class _Abandon(Exception):
 
 class _VRun:
     def __init__(
-        self, p: int, m: int, costs: StageCosts, delta: Deltas, limit: float, allowance: list[float] | None
+        self, p: int, m: int, costs: PerStageCosts, delta: Deltas, limit: float, allowance: list[float] | None
     ) -> None:
         self.p, self.m, self.limit = p, m, limit + 1e-9 * max(1.0, abs(limit))
         self.cost = (costs.forward_ms, costs.input_grad_ms, costs.weight_grad_ms)
@@ -71,7 +71,7 @@ class _VRun:
             raise _Abandon
         if self.device(src) == self.device(s):
             return None
-        return e + self.comm[min(s, src)]  # type: ignore[index]
+        return e + self.comm[min(s, src)]
 
     def put(self, kind: int, s: int) -> None:
         d, mb = self.device(s), self.count[kind][s]
@@ -89,7 +89,7 @@ class _VRun:
             start = arrival
         if not self.ops[d]:
             self.first[d] = start
-        self.free[d] = self.end[kind][s][mb] = start + self.cost[kind][s]  # type: ignore[index]
+        self.free[d] = self.end[kind][s][mb] = start + self.cost[kind][s]
         self.mem[d] += self.delta[kind][s]
         self.count[kind][s] += 1
         self.ops[d].append(Op("FIW"[kind], s, mb))
@@ -106,7 +106,7 @@ class _VRun:
         """Ws before an op whose input arrives at `arrival`."""
         if arrival is None:
             return
-        while self.pending[d] and arrival >= self.free[d] + self.cost[2][self.pending[d][0]]:  # type: ignore[index]
+        while self.pending[d] and arrival >= self.free[d] + self.cost[2][self.pending[d][0]]:
             self.put_w(d)
         if self.pending[d] and arrival - self.free[d] > self.budget(d):
             if option is not None:
@@ -127,10 +127,10 @@ def _warmup(run: _VRun) -> None:
         run.put(0, a(d))
     for d in range(p - 1, -1, -1):
         if d < p - 1:
-            back = run.end[0][b(d + 1)][0] + run.comm[b(d + 1)]  # type: ignore[index]
+            back = run.end[0][b(d + 1)][0] + run.comm[b(d + 1)]
             while (
                 run.mem[d] + run.delta[0][a(d)] * (2 + 2 * d) <= run.limit
-                and run.free[d] + run.cost[0][a(d)] <= back  # type: ignore[index]
+                and run.free[d] + run.cost[0][a(d)] <= back
                 and run.count[0][a(d)] < m - d
             ):
                 for j in range(d + 1):
@@ -200,7 +200,7 @@ class Outcome:
 def greedy_run(
     p: int,
     m: int,
-    costs: StageCosts,
+    costs: PerStageCosts,
     delta: Deltas,
     limit: float,
     fill_f: bool,
@@ -223,7 +223,9 @@ def greedy_run(
     return Outcome(make_schedule("zbv", m, run.placement, run.ops), run.idle, key, frozenset(run.mattered))
 
 
-def _chain(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float, fill_f: bool, fill_i: bool):  # type: ignore[no-untyped-def]
+def _chain(
+    p: int, m: int, costs: PerStageCosts, delta: Deltas, limit: float, fill_f: bool, fill_i: bool
+) -> tuple[list[Candidate], set[str]]:
     """A run, then repeats with its own idle as the allowance while that lowers the largest idle (at most 8):
     the completed runs, and every option any run of the chain consulted."""
     found: list[Candidate] = []
@@ -239,7 +241,7 @@ def _chain(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float, fill_
     return found, mattered
 
 
-def greedy_candidates(p: int, m: int, costs: StageCosts, delta: Deltas, limit: float) -> list[Candidate]:
+def greedy_candidates(p: int, m: int, costs: PerStageCosts, delta: Deltas, limit: float) -> list[Candidate]:
     """Every completed run over the options (fill before F, fill before I), each with its repeats; a combination
     is skipped when an earlier one's runs never consulted the option they differ in (it would repeat them)."""
     found: list[Candidate] = []

@@ -109,8 +109,12 @@ def plan(
     from pipeplan.search.planner import plan as plan_layouts
 
     reference = None if model is None else _model_reference(model, example_batch, loss_fn)
-    in_memory = None if profile is None or isinstance(profile, str | os.PathLike) else profile
-    given = {**options, "profile": Path(profile) if in_memory is None and profile is not None else None}
+    in_memory, path = None, None
+    if isinstance(profile, str | os.PathLike):
+        path = Path(profile)
+    elif profile is not None:
+        in_memory = profile
+    given = {**options, "profile": path}
     request = _options(PlanOptions, "plan", given, model=reference, output=output, json_output=True)
     job = prepare_plan(request, profile=in_memory)
     chosen = plan_layouts(job.source, job.cluster, job.config)

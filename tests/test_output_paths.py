@@ -13,11 +13,11 @@ import pytest
 from helpers.search import synthetic_profile
 from typer.testing import CliRunner
 
+from pipeplan.artifact.manual import manual_plan
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError, OutputError
 from pipeplan.jsonio import atomic_write_text
 from pipeplan.paths import check_output_dir, check_output_file, not_regular
-from pipeplan.artifact.manual import manual_plan
 
 DEV_NULL = "/dev/null"
 

@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.artifact.profile_ref import ProfileRef
+from pipeplan.artifact.schedule_fields import check_schedule_fields
 from pipeplan.cluster import Cluster, DeviceGroups
 from pipeplan.costs import ZERO_STAGES, Numerics, bytes_per_param, numerics
 from pipeplan.costs.overlap import Overlap
 from pipeplan.errors import FormatError, PipeplanError, RunError, ScheduleError, UnknownScheduleError
 from pipeplan.graph.recompute_modes import unknown_recompute
 from pipeplan.jsonio import build_dataclass, fingerprint, read_json, write_json
-from pipeplan.artifact.schedule_fields import check_schedule_fields
 from pipeplan.schedules.ops import Op
 from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info

@@ -110,7 +110,7 @@ def static_split(numerics: Numerics) -> tuple[float, float, float]:
     `fp16-main`, `fp8`: Megatron's layout) hold fp32 gradients and, in the optimizer, an fp32 main copy and fp32
     moments: 2 + 4 + (4 + 4 x states); `fp8` adds its FP8 weight copies to the weights. Cached: the partitioner
     asks for it per candidate stage."""
-    if not numerics.named:
+    if numerics.optimizer_bytes is not None:  # not named: the whole figure
         return 0.0, 0.0, float(numerics.optimizer_bytes)
     mode, states = numerics.precision, numerics.optimizer_states
     weights = float(mode.param_bytes + (FP8_WEIGHT_COPY_BYTES if mode.fp8_linears else 0))

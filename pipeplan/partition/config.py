@@ -104,7 +104,7 @@ class PartitionConfig:
             return self.optimizer_bytes_per_param
         return bytes_per_param(self.numerics, zero=self.zero, group_size=group_size)
 
-    def memory_limit(self, cluster) -> float:  # type: ignore[no-untyped-def]
+    def memory_limit(self, cluster) -> float:
         """The memory screen's limit per device on `cluster` (`memory_limit_bytes`, else its memory)."""
         return float(cluster.memory_per_device if self.memory_limit_bytes is None else self.memory_limit_bytes)
 

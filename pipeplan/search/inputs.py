@@ -8,13 +8,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipeplan.artifact.plan import ModelRef
+from pipeplan.artifact.scripts import PLAN_DIR_FILES
 from pipeplan.cluster import Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
-from pipeplan.artifact.plan import ModelRef
-from pipeplan.artifact.scripts import PLAN_DIR_FILES
-from pipeplan.precision import get_precision, profile_precision
 from pipeplan.precision import profile_precision
 from pipeplan.profiling.consistency import warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile

@@ -11,13 +11,11 @@ import pytest
 from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.artifact.plan import ModelRef, Plan
+from pipeplan.artifact.scripts import describe
 from pipeplan.artifact.timing import plan_schedule, plan_timeline, timeline_rows
 from pipeplan.costs import numerics
 from pipeplan.errors import FormatError, RunError
 from pipeplan.graph.trace import Layer, LayerGraph, TensorInfo
-from pipeplan.artifact.plan import ModelRef, Plan
-from pipeplan.artifact.scripts import describe
-from pipeplan.artifact.timing import plan_schedule, plan_timeline, timeline_rows
 from pipeplan.search.config import SearchConfig
 from pipeplan.search.emit import build_plan
 from pipeplan.search.search import search_plans

@@ -14,9 +14,9 @@ import torch
 from helpers.runtime import TINY_GPT, make_plan
 from typer.testing import CliRunner
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.cli import app
 from pipeplan.errors import FormatError, RunError
-from pipeplan.artifact.plan import Plan
 from pipeplan.runtime.launch import local
 from pipeplan.runtime.launch.local import launch_local
 from pipeplan.runtime.train.config import RunConfig

@@ -15,12 +15,7 @@ from pipeplan.artifact.plan import ModelRef, Plan
 from pipeplan.artifact.summary import summary_dict
 from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
-from pipeplan.artifact.manual import manual_plan
-from pipeplan.artifact.plan import ModelRef, Plan
-from pipeplan.artifact.summary import summary_dict
-from pipeplan.artifact.timing import plan_timeline
 from pipeplan.costs import numerics
-from pipeplan.errors import ConfigError, FormatError, RunError, ScheduleError
 from pipeplan.errors import ConfigError, FormatError, ScheduleError
 from pipeplan.schedules.simulate import stream_step_ms
 from pipeplan.search.candidate import Layout

@@ -11,8 +11,6 @@ from typer.testing import CliRunner
 from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.timing import plan_timeline
 from pipeplan.cli import app
-from pipeplan.artifact.plan import Plan
-from pipeplan.artifact.timing import plan_timeline
 from pipeplan.profiling.profile import Profile
 
 runner = CliRunner()

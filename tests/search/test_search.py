@@ -11,12 +11,8 @@ from helpers.search import make_cluster, synthetic_profile
 
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError, InfeasibleError
-from pipeplan.artifact.asynchronous import searched_schedules
-from pipeplan.schedules.registry import SCHEDULE_NAMES
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 from pipeplan.search.candidate import Evaluation, Rejection
-from pipeplan.search.candidate import Evaluation, Rejection, evaluate
-from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve
 from pipeplan.search.config import PREDICTION_MARGIN, SearchConfig, default_memory_reserve, searched_schedules
 from pipeplan.search.evaluate import evaluate
 from pipeplan.search.scaling import scale_profile

@@ -24,7 +24,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipeplan.artifact.plan import Plan
 from pipeplan.errors import DEBUG_ENV, RunError
-from pipeplan.errors import RunError
 from pipeplan.runtime.launch.prelaunch import check_before_launch
 from pipeplan.runtime.launch.watchdog import ERROR_DIR_ENV, ExitWatch
 from pipeplan.runtime.launch.worker import run_plans

@@ -10,10 +10,8 @@ from __future__ import annotations
 from pipeplan.artifact.plan import Plan
 from pipeplan.console import warn
 from pipeplan.graph.trace import build_module
-from pipeplan.artifact.plan import Plan
 from pipeplan.models.spec import ModelSpec
 from pipeplan.precision import get_precision
-from pipeplan.runtime.step.stages import load_spec
 from pipeplan.runtime.step.stages import load_spec, stage_tensors, trace_for_plan
 from pipeplan.runtime.train.config import RunConfig
 from pipeplan.runtime.train.optim import run_optimizer, state_keys

@@ -33,7 +33,6 @@ from pipeplan.graph.split_backward import (
     backward_input,
     backward_weight,
 )
-from pipeplan.artifact.plan import Plan
 from pipeplan.runtime.step.comm import Mailbox
 from pipeplan.runtime.step.messages import Message, Routing, parse_rank_ops
 from pipeplan.runtime.step.pair_runner import PairRunner

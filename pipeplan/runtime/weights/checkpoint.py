@@ -22,9 +22,7 @@ from torch import nn
 
 from pipeplan.artifact.plan import Plan
 from pipeplan.errors import RunError
-from pipeplan.artifact.plan import Plan
 from pipeplan.jsonio import atomic_write, atomic_write_text
-from pipeplan.jsonio import atomic_write_text
 
 LATEST = "latest"
 PLAN_FILE = "plan.json"

@@ -107,7 +107,7 @@ def profile(tmp_path_factory):
 
 @pytest.mark.parametrize("cp", ["3", "1000"])
 def test_context_parallel_that_cannot_divide_the_devices(profile, cp):
-    assert "must divide the 2 devices" in _line(["plan", "--profile", str(profile), "--context-parallel", cp])
+    assert "must divide the 2 devices" in _line(["plan", "--profile", str(profile), "--parallel", f"cp={cp}"])
 
 
 def test_a_profile_whose_layers_take_no_time(profile, tmp_path):

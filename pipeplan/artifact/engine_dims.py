@@ -42,14 +42,14 @@ def data_parallel(plan: Plan, engine: str) -> DataParallel:
         per_stage = ", ".join(f"stage {s.index}: {s.replicas}" for s in plan.stages)
         raise ConfigError(
             f"this plan replicates its stages different numbers of times ({per_stage}), which {engine} cannot run "
-            "(it places every stage on the same number of ranks); re-plan with --no-replication to export it"
+            "(it places every stage on the same number of ranks); re-plan with --parallel replicate=off to export it"
         )
     replicas = counts[0]
     if m % replicas:
         raise ConfigError(
             f"this plan splits {m} microbatches over {replicas} replicas of every stage, but {engine} gives each "
-            f"data-parallel rank the same number; re-plan with --no-replication or a --global-batch-size giving a "
-            f"multiple of {replicas} microbatches per pipeline"
+            "data-parallel rank the same number; re-plan with --parallel replicate=off or a --global-batch-size "
+            f"giving a multiple of {replicas} microbatches per pipeline"
         )
     notes = ()
     if replicas > 1:
@@ -140,13 +140,13 @@ def _expert_shard(dp: int, cp: int, ep: int, version: str) -> int:
     if version == "0.2" and ep % cp:
         raise ConfigError(
             f"torchtitan 0.2's expert parallelism takes every context-parallel rank (ep % cp == 0), but this plan "
-            f"has ep={ep}, cp={cp}; re-plan with --expert-parallel a multiple of {cp}"
+            f"has ep={ep}, cp={cp}; re-plan with --parallel ep=N, N a multiple of {cp}"
         )
     shard = next((k for k in range(1, dp + 1) if dp % k == 0 and (k * cp) % ep == 0), None)
     if shard is None:
         raise ConfigError(
             f"torchtitan takes the ep={ep} expert ranks from the data-parallel x cp ranks ({dp} x {cp}), which ep "
-            "does not divide; re-plan with an --expert-parallel that divides them"
+            "does not divide; re-plan with a --parallel ep=N that divides them"
         )
     return shard  # (0.3 counts ep x tp ranks in dp_shard x cp x tp: the same condition)
 
@@ -158,6 +158,6 @@ def megatron_expert_problem(plan: Plan, dp: int) -> str | None:
     if ep > 1 and (dp * cp) % ep:
         return (
             f"Megatron-Core takes the ep={ep} expert ranks from the data-parallel x cp ranks ({dp} x {cp}), which ep "
-            "does not divide; re-plan with an --expert-parallel that divides them"
+            "does not divide; re-plan with a --parallel ep=N that divides them"
         )
     return None

@@ -8,17 +8,15 @@ Layout vocabulary:
 - a *rank* is one process/device; it holds one or more stages (chunks: interleaved, zbv, dualpipev) of one pipeline.
 `rank_ops[rank]` is the ordered op list that rank executes (`{stage}{kind}{microbatch}`, microbatches numbered per
 pipeline); which rank handles (stage, microbatch) is read off these lists — they are the single source of truth.
-For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the search simulated (several steps of
-`num_microbatches`, weight versions on the ops, `num_op_microbatches` in all); `run` regenerates the stream its
---steps need from the same generator and checks these lists are that generator's.
+For an asynchronous schedule (pipedream, pipedream-2bw) they are the stream the search simulated (several steps,
+weight versions on the ops, `num_op_microbatches` in all); `run` regenerates its --steps' stream and checks them.
 A plan made from a profile file alone names no FX nodes in its stages: `runnable` is False and executing it must
 start with `require_runnable()`, which raises one clear RunError (`not_runnable_reason`). So does a plan with
 context or expert parallelism (`training.expert_parallel`: a MoE model's routed experts over ep ranks), one
 predicted with gradient or parameter collectives overlapped (`training.overlap`), and one with tensor parallelism
 (`training.tensor_parallel` t > 1, planned analytically by `search.sharding`): there each rank of `ranks` stands for
 a group of t x cp consecutive devices (`TrainingConfig.groups`: group r holds devices r·t·cp .. r·t·cp + t·cp - 1, on
-node r·t·cp // devices_per_node), and the stages' costs, parameters and bytes are one device's of the group.
-"""
+node r·t·cp // devices_per_node), and the stages' costs, parameters and bytes are one device's of the group."""
 
 from __future__ import annotations
 
@@ -333,7 +331,7 @@ def _check_plan(plan: Plan) -> None:
     _check_replicas(plan)
     _check_asynchronous(plan)
     _check_rank_ops(plan)
-    check_schedule_fields(plan)  # the schedule and chunks fields are its op lists' (plan/schedule_fields.py)
+    check_schedule_fields(plan)  # the schedule and chunks fields are its op lists'
 
 
 def _check_asynchronous(plan: Plan) -> None:

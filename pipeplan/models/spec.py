@@ -85,7 +85,8 @@ class ModelSpec:
     - `optimizer(named_parameters, lr, weight_decay)` optionally builds the optimizer over a rank's parameters (a
       list of (whole-model name, parameter), e.g. to exempt norms and biases from weight decay) instead of the
       plan's; `lr` and `weight_decay` are the run's (--lr, --weight-decay, default the plan's). Not with ZeRO-1.
-      The plan counted memory for its own `--optimizer` (plan with the bytes per parameter yours keeps).
+      The plan counted memory for its own optimizer (`plan --precision MODE,OPTIMIZER`: give the bytes per
+      parameter yours keeps).
     - `lr_lambda(step)` optionally gives the learning-rate factor at 0-based `step` (as
       torch.optim.lr_scheduler.LambdaLR's lr_lambda; a function of the step alone, so resuming is exact) instead
       of --lr-schedule / --warmup-steps / --decay-steps.

@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeplan.artifact.measured import MeasuredRun, read_measured, refined_dir
 from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.scripts import PROFILE_FILE
-from pipeplan.artifact.timing import plan_step_ms, plan_timeline
+from pipeplan.artifact.timing import plan_step_ms
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.paths import check_output_dir
 from pipeplan.profiling.profile import Profile
@@ -57,7 +57,7 @@ def refine(options: RefineOptions) -> Refined:
     medians = measured_medians(plan, run)
     refined = refined_profile(plan, profile, medians, run)
     retimed = retimed_plan(plan, refined)
-    refined_ms = plan_step_ms(retimed, plan_timeline(retimed), post_validate=run.record.post_validate)
+    refined_ms = plan_step_ms(retimed, post_validate=run.record.post_validate)
     schedules = options.schedules(plan.schedule)
     new_plan, _ = replan(refined, plan, schedules=schedules, output=output)
     return Refined(

@@ -22,9 +22,10 @@ def replan(
 ) -> tuple[Plan, Timeline]:
     """The plan `pipeplan plan MODEL --profile REFINED` would choose with `plan`'s recorded settings: its model
     (traced again for the stages' FX nodes), cluster, global batch, microbatch size (the refined costs were
-    measured at it), optimizer, precision, overlap and memory reserve; `schedules` (None: every one); pipeline
-    depth, pipelines, cuts, replication, recomputation, ZeRO and post-validation searched again. Writes the plan
-    directory (with the refined profile as its profile.json) when `output` is given."""
+    measured at it), tensor / context / expert parallel sizes, optimizer, precision, overlap and memory reserve;
+    `schedules` (None: every one); pipeline depth, pipelines, cuts, replication, recomputation, ZeRO and
+    post-validation searched again. Writes the plan directory (with the refined profile as its profile.json) when
+    `output` is given."""
     training = plan.training
     config = SearchConfig(
         global_batch_size=training.global_batch_size,
@@ -38,6 +39,12 @@ def replan(
     model = plan.model
     source = PlanInput(profile=profile, model=model, layer_graph=None)
     source = attach_model(source, model.ref, dict(model.options), model.granularity, model.tracer or "auto")
-    planned = PlanConfig(search=config, schedules=schedules, tensor_parallel=1, context_parallel=1, expert_parallel=1)
+    planned = PlanConfig(  # the run's own parallel sizes: its measured costs are per t x cp group and ep split
+        search=config,
+        schedules=schedules,
+        tensor_parallel=training.tensor_parallel,
+        context_parallel=training.context_parallel,
+        expert_parallel=training.expert_parallel,
+    )
     chosen = plan_layouts(source, plan.cluster, planned)
     return chosen, write_plan(chosen, output, source.profile)

@@ -186,14 +186,17 @@ def parse_memory(text: str | None) -> MemoryChoice:
 
 def parse_schedules(text: str, auto: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
     """`--schedule`'s schedules (registry order) and whether the user named them one by one (not auto, all or
-    async: a named asynchronous schedule with ZeRO-1 is refused, not dropped). `auto`: the command's default set."""
+    async: a named asynchronous schedule with ZeRO-1 is refused, not dropped). `auto`: the command's default set,
+    less the asynchronous schedules and those searched only by name (`ScheduleInfo.named_only`: dualpipe)."""
     from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
 
     chosen: set[str] = set()
     named = False
     for word in _words(text) or [AUTO]:
         if word == AUTO:
-            chosen.update(name for name in auto if not schedule_info(name).asynchronous)
+            chosen.update(
+                name for name in auto if not (schedule_info(name).asynchronous or schedule_info(name).named_only)
+            )
         elif word == "all":
             chosen.update(SCHEDULE_NAMES)
         elif word == "async":

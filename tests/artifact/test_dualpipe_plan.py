@@ -97,6 +97,6 @@ def test_every_export_refuses_it_in_one_line(tmp_path, fmt):
 def test_plan_searches_dualpipe_only_by_name():
     """No engine runs dualpipe: `plan`'s auto set leaves it out (a plan it chose alone could not be exported)."""
     profile = synthetic_profile(num_layers=8, cut_bytes=50_000_000, params=1000)
-    config = SearchConfig(global_batch_size=16, precision=PRECISION)
+    config = SearchConfig(global_batch_size=16, numerics=numerics("adamw", PRECISION))
     result = search_plans(profile, make_cluster(4, memory=2**32), config)
     assert result.ranked and not any(e.layout.schedule == "dualpipe" for e in result.ranked)

@@ -114,7 +114,7 @@ def test_replicas_are_data_parallel_ranks_or_refused(tmp_path):
     )
     _accepted_by_megatron(exported, tmp_path)
     uneven = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, replicas=[2, 1])
-    with pytest.raises(ConfigError, match=r"different numbers of times.*re-plan with --no-replication"):
+    with pytest.raises(ConfigError, match=r"different numbers of times.*re-plan with --parallel replicate=off"):
         megatron_export(uneven)
     moe = manual_plan("moe", {"experts": 8}, schedule="1f1b", pipeline_devices=2, num_microbatches=4)
     moe = dataclasses.replace(moe, training=dataclasses.replace(moe.training, expert_parallel=2))

@@ -144,7 +144,8 @@ def test_models_torchtitan_cannot_name_are_refused():
 
 def test_layouts_torchtitan_cannot_place_are_refused():
     uneven = manual_plan("llama", LLAMA, schedule="1f1b", pipeline_devices=2, num_microbatches=4, replicas=[2, 1])
-    with pytest.raises(ConfigError, match=r"different numbers of times \(stage 0: 2, stage 1: 1\).*--no-replication"):
+    needle = r"different numbers of times \(stage 0: 2, stage 1: 1\).*--parallel replicate=off"
+    with pytest.raises(ConfigError, match=needle):
         torchtitan_export(uneven, "/x.csv")
     odd = manual_plan("llama", LLAMA, schedule="1f1b", pipeline_devices=1, num_microbatches=4, replicas=[3])
     with pytest.raises(ConfigError, match="splits 4 microbatches over 3 replicas"):

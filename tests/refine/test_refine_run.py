@@ -31,7 +31,7 @@ def test_profile_plan_run_refine_run(tmp_path):
     profile, folder, trace = tmp_path / "p.json", tmp_path / "plan", tmp_path / "plan" / "measured.json"
     _ok("profile", *MODEL, "-b", "2", "-o", str(profile), *QUICK)
     assert Profile.load(profile).provenance.threads == 1
-    plan_args = ["-n", "2", "-B", "8", "-s", "zb-h1", "-p", "2", "--no-replication", "-o", str(folder)]
+    plan_args = ["-n", "2", "-B", "8", "-s", "zb-h1", "--parallel", "pp=2,replicate=off", "-o", str(folder)]
     _ok("plan", *MODEL, "--profile", str(profile), *plan_args)
     plan = Plan.load(folder / "plan.json")
     assert plan.profile is not None and plan.profile.threads == 1

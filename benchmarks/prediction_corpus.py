@@ -146,7 +146,7 @@ SIMULATE = {
 }
 
 
-SYNCHRONOUS = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-auto,zbv,dualpipev"  # every synchronous schedule
+SYNCHRONOUS = "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-auto,zbv,dualpipev,dualpipe"  # every synchronous schedule
 
 
 def translate(argv: list[str]) -> list[str]:

@@ -104,7 +104,7 @@ def parse_precision(text: str | None) -> tuple[str | None, str]:
     from pipeplan.precision import PRECISIONS
 
     mode, optimizer = None, "adamw"
-    for word in _words(text):
+    for word in _words(text, "--precision"):
         if word in PRECISIONS and mode is None:
             mode = word
         elif word in OPTIMIZER_NAMES and optimizer == "adamw":
@@ -207,14 +207,18 @@ def parse_schedules(text: str, auto: tuple[str, ...]) -> tuple[tuple[str, ...], 
     return tuple(name for name in SCHEDULE_NAMES if name in chosen), named
 
 
-def _words(text: str | None) -> list[str]:
-    return [word.strip().lower() for word in str(text or "").split(",") if word.strip()]
+def _words(text: str | None, flag: str = "") -> list[str]:
+    """The comma-separated words of `text`; a `flag` given as an empty string (or only commas) is refused."""
+    words = [word.strip().lower() for word in str(text or "").split(",") if word.strip()]
+    if flag and text is not None and not words:
+        raise ConfigError(f"{flag} {text!r} gives no value; give one or leave {flag} out")
+    return words
 
 
 def _pairs(text: str | None, flag: str, keys: tuple[str, ...]) -> list[tuple[str, str]]:
     """`key=value` parts of `text` (a bare value is key "" where "" is one of `keys`), each key once."""
     found: dict[str, str] = {}
-    for part in _words(text):
+    for part in _words(text, flag):
         key, sep, value = part.partition("=")
         key, value = (key.strip(), value.strip()) if sep else ("", key.strip())
         if key not in keys or key in found or not value:

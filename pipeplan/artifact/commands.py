@@ -43,8 +43,9 @@ def export(
     on one rank). megatron: Megatron-LM arguments, one flag per line, with a `#` comment for each plan setting
     Megatron cannot express and each stage's module FQNs, and Megatron-Core's config keyword arguments beside it
     (OUT_STEM_mcore.py). torchtitan: a torchtitan 0.2 job config (TOML); torchtitan-0.3: torchtitan 0.3's
-    command-line overrides; both name the stages in torchtitan's model (llama3, deepseek_v3) and point at the plan's
-    CSV schedule written beside them (OUT_STEM.csv). docs/engines.md: from here to a torchrun / SLURM launch.
+    command-line overrides; both name the stages in torchtitan's model (llama3, deepseek_v3; an hf: causal LM:
+    0.3's transformers_modeling_backend; a factory: its own modules) and point at the plan's CSV schedule written
+    beside them (OUT_STEM.csv). docs/engines.md: from here to a torchrun / SLURM launch.
 
     Example: pipeplan export plan/plan.json --format megatron -o megatron.args
 

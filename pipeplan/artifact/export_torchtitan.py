@@ -129,7 +129,7 @@ def torchtitan_export(plan: Plan, csv_path: str, version: str = "0.2") -> Torcht
     if version == "0.2":
         config["activation_checkpoint"] = {"mode": checkpoint}
         config["activation_checkpoint"].update({"selective_ac_option": "op"} if checkpoint == "selective" else {})
-    comments = [target.mapping, _world_line(dims, target.module, version)]
+    comments = [*target.mapping, _world_line(dims, target.module, version)]
     comments += [f"stage {stage.index}: {describe_members(stage, layout.container)}" for stage in layout.stages]
     return TorchtitanExport(
         version=version,

@@ -1,6 +1,7 @@
 """Where the torchtitan versions the export tests check against are installed (`make setup`, Makefile TT_*): 0.2 in
 the virtual environment, 0.3 in `<venv>/torchtitan-0.3`, and what both import beyond pipeplan's environment in
-`<venv>/torchtitan-deps`; and the subprocess that runs torchtitan_check.py with one of them on the path."""
+`<venv>/torchtitan-deps`; and the subprocess that runs torchtitan_check.py (or torchtitan_split.py) with one
+of them on the path."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ VENV = Path(sys.prefix)
 DEPS = VENV / "torchtitan-deps"
 PATHS = {"0.2": (DEPS,), "0.3": (VENV / "torchtitan-0.3", DEPS)}  # searched before the venv's site-packages
 CHECK = Path(__file__).with_name("torchtitan_check.py")
+SPLIT = Path(__file__).with_name("torchtitan_split.py")  # torchtitan's stage builder on the exported FQNs
 
 
 def require(version: str) -> tuple[Path, ...]:
@@ -40,10 +42,11 @@ def environment(version: str) -> dict[str, str]:
     }
 
 
-def run_check(version: str, cases: dict[str, dict]) -> dict[str, dict]:
-    """torchtitan_check.py under torchtitan `version`: {label: what torchtitan read} for each case."""
+def run_check(version: str, cases: dict[str, dict], script: Path = CHECK) -> dict[str, dict]:
+    """`script` (torchtitan_check.py, torchtitan_split.py) under torchtitan `version`: {label: what torchtitan read}
+    for each case."""
     result = subprocess.run(
-        [sys.executable, str(CHECK), version, json.dumps(cases)],
+        [sys.executable, str(script), version, json.dumps(cases)],
         env=environment(version),
         capture_output=True,
         text=True,

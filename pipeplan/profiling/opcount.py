@@ -147,6 +147,11 @@ def op_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out, compute
         reads=_storages(tree_flatten((read, kwargs))[0]),
         writes=_storages(tree_flatten(out)[0]),
         compute_seconds=compute_seconds,
+        extents=tuple(
+            (v.untyped_storage()._cdata, v.untyped_storage().nbytes())
+            for v in tree_flatten(out)[0]
+            if isinstance(v, torch.Tensor)
+        ),
     )
 
 

@@ -108,12 +108,11 @@ def test_dense_hf_and_builtin_agree_at_published_width(family):
 @pytest.mark.parametrize("family", sorted(MOE))
 def test_moe_hf_and_builtin_agree_at_published_width(family):
     """One dense and one MoE block (Mixtral: two MoE blocks): the same parameters (experts and routers included),
-    FLOPs per token and cut bytes; each MoE block saves the same bytes within 2% (transformers' float32 routing
-    weights and float32 router counted as Megatron-Core runs them: profiling/gpu_routing.py; the built-in combines
-    with scatter_add, saving no copy of the expert outputs) and takes the same W. Mixtral's MoE block also takes
-    the same F and F + I + W within 2%; DeepSeek-V3's dense block (MLA) saves the same bytes and takes the same F.
-    (What still differs, DeepSeek-V3's MoE block F and I, is docs/models.md's: transformers' return to token order
-    and MLA's keys built by slice assignment.)"""
+    FLOPs per token and cut bytes; each MoE block saves the same bytes and takes the same F, I and W within 2%
+    (transformers' float32 routing weights and float32 router counted as Megatron-Core runs them:
+    profiling/gpu_routing.py; the built-in combines with scatter_add, saving no copy of the expert outputs; an
+    expanded index or rotary key read once and a key built by slice assignment written once, as a concatenation:
+    profiling/opcount.op_call). DeepSeek-V3's dense block (MLA) alike."""
     (hf_ref, hf_options), (ref, options) = MOE[family]
     hf, builtin = _roles(_profile(hf_ref, hf_options, 2)), _roles(_profile(ref, options, 2))
     assert hf["params"] == builtin["params"]
@@ -123,15 +122,14 @@ def test_moe_hf_and_builtin_agree_at_published_width(family):
     assert experts == [(b.param_count, b.expert_param_count) for b in builtin["blocks"]]
     moe, other = hf["blocks"][-1], builtin["blocks"][-1]
     assert moe.expert_param_count > 0
-    _close(moe.activation_bytes, other.activation_bytes, "MoE block saved bytes")
-    _close(moe.weight_grad_ms, other.weight_grad_ms, "MoE block W")
-    if family == "mixtral":
-        _close(moe.forward_ms, other.forward_ms, "MoE block F")
-        _close(_time([moe]), _time([other]), "MoE block F + I + W")
+    for block, other in zip(hf["blocks"], builtin["blocks"], strict=True):
+        what = "MoE block" if block.expert_param_count else "dense (MLA) block"
+        _close(block.activation_bytes, other.activation_bytes, f"{what} saved bytes")
+        _close(block.forward_ms, other.forward_ms, f"{what} F")
+        _close(block.input_grad_ms, other.input_grad_ms, f"{what} I")
+        _close(block.weight_grad_ms, other.weight_grad_ms, f"{what} W")
     if family == "deepseek_v3":
         dense, other = hf["blocks"][0], builtin["blocks"][0]
-        _close(dense.activation_bytes, other.activation_bytes, "MLA block saved bytes")
-        _close(dense.forward_ms, other.forward_ms, "MLA block F")
         assert dense.replicated_param_count == other.replicated_param_count > 0  # MLA's down-projections
 
 

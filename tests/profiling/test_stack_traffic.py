@@ -113,7 +113,14 @@ def test_an_op_reads_a_broadcast_operand_once_and_not_the_slice_it_overwrites():
     assert sorted(size for _, size in call.reads) == sorted(expected)
     key = torch.empty(tokens, 6)
     part = key[:, :4]
-    written = aten.copy_.default(part, torch.ones(tokens, 4))
-    call = op_call(aten.copy_.default, (part, torch.ones(tokens, 4)), {}, written)
+    nope = torch.ones(tokens, 4)  # (every tensor held: a freed storage's key could be taken again)
+    call = op_call(aten.copy_.default, (part, nope), {}, aten.copy_.default(part, nope))
     assert [size for _, size in call.reads] == [tokens * 4 * 4]  # the source only
     assert [size for _, size in call.writes] == [tokens * 4 * 4]
+    rest, rope = key[:, 4:], torch.ones(tokens, 1).expand(-1, 2)  # the rotary part, one column for all
+    second = op_call(aten.copy_.default, (rest, rope), {}, aten.copy_.default(rest, rope))
+    up = torch.ones(6, 3)
+    matmul = op_call(aten.mm.default, (key, up), {}, product := key @ up)
+    assert product.shape == (tokens, 3)
+    fused = traffic([call, second, matmul], "megatron")
+    assert fused.bytes == tokens * 4 * 4 + tokens * 4 + tokens * 6 * 4  # both parts read, the whole key written

@@ -1,9 +1,9 @@
 """`hf:` models and the built-ins of the same shape agree (issue 35): analytic profiles at published widths (one or
 two blocks: every per-block quantity is the full model's; depth only repeats them) give the same parameters and
 FLOPs per token, and for the dense families the same saved bytes per block, cut bytes and block / head times
-within 2% (the MoE families: saved bytes per MoE block, and Mixtral's block times); `capacity` of Llama-2-7B's
-shape as `hf:llama` and as `llama-7b` chooses the same layout, its step
-within 2%, on 8 and 64 H100."""
+within 2% (the MoE families: saved bytes and F, I, W per block); `capacity` of Llama-2-7B's shape as `hf:llama`
+and as `llama-7b` chooses the same layout, its step within 2%, on 8 and 64 H100, and so does DeepSeek-V3's shape
+(4 blocks) as `hf:deepseek_v3` and as the built-in on 64 H100."""
 
 from __future__ import annotations
 
@@ -150,6 +150,26 @@ def test_capacity_of_llama2_7b_shape_as_hf_matches_the_builtin():
         layout = lambda row: (row.schedule, row.pipeline_devices, row.data_parallel, row.tensor_parallel)  # noqa: E731
         assert layout(hf) == layout(builtin), f"{hf.num_devices} devices"
         _close(hf.step_ms, builtin.step_ms, f"step on {hf.num_devices} devices")
+
+
+@pytest.mark.slow
+def test_capacity_of_deepseek_v3_shape_as_hf_matches_the_builtin():
+    """DeepSeek-V3's shape with 4 blocks (one dense, three MoE: the full 61 is too slow to sweep here), seq 4096,
+    256 sequences, bf16-main, on 64 H100: `capacity` as hf:deepseek_v3 and as the built-in chooses the same layout
+    (benchmarks/bench_hf_agreement.py: ZBV 2x32 with ep=8 for both), its step within 2%."""
+    hardware = load_hardware("h100")
+    config = capacity_config(hardware=hardware, device_counts=(64,), global_batch_size=256, precision="bf16-main")
+    builtin = {**load_model("deepseek-v3").options, "layers": 4, "dense_layers": 1}
+    builtin.pop("seq")  # capacity's --seq
+    rows = []
+    for model, options in (("hf:deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=1)), ("moe", builtin)):
+        fields = {key: str(value) for key, value in options.items()}
+        profile = capacity_profile(model, fields, seq=4096, hardware=hardware, batch_size=1, quiet=True)
+        rows.append(capacity_sweep(profile, config).rows[0])
+    hf, other = rows
+    layout = lambda row: (row.schedule, row.tensor_parallel, row.expert_parallel, row.pipeline_devices)  # noqa: E731
+    assert hf.fits and layout(hf) == layout(other)
+    _close(hf.step_ms, other.step_ms, "DeepSeek-V3 (4 blocks) step on 64 devices")
 
 
 def test_a_user_factory_at_70b_width_agrees_with_the_builtin_whole_and_split():

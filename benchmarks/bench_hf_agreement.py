@@ -2,8 +2,11 @@
 published widths with two blocks (every per-block figure is the full model's; depth only repeats it). For each
 family, the hf: model's figure relative to the built-in's: total parameters, forward FLOPs per token, bytes crossing
 the cut into the blocks, and per block (dense, and the MoE one where there is one) saved bytes and F / I / W times,
-and the final norm and head's F + I + W. Prints a table and writes results/hf_agreement.json; not a test
-(tests/models/test_hf_agreement.py holds the agreement the docs state)."""
+and the final norm and head's F + I + W. Then `capacity` (the search, bf16-main) of DeepSeek-V3's shape with
+CAPACITY_LAYERS blocks (one dense, the rest MoE; the full 61 is too slow to sweep on a 2-core VM) on 64 H100, seq
+4096, 256 sequences, as `hf:deepseek_v3` and as the built-in: the layout each chooses and its step. Prints a table
+and writes results/hf_agreement.json; not a test (tests/models/test_hf_agreement.py holds the agreement the docs
+state)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_agreement.json"
 LAYERS = 2
+CAPACITY_LAYERS = 4  # DeepSeek-V3's capacity comparison: its first block dense, the others MoE
 
 FAMILIES = {  # (hf: model, its fields), (built-in, its options), both at LAYERS blocks
     "llama (Llama-2-7B)": (
@@ -128,6 +132,36 @@ def _figures(ref: str, options: dict | None) -> dict:
     return figures
 
 
+def _capacity(devices: int = 64, batch: int = 256) -> dict:
+    """DeepSeek-V3's shape (CAPACITY_LAYERS blocks) through `capacity` as hf:deepseek_v3 and as the built-in moe
+    with the deepseek-v3 preset's options: each one's chosen layout and step, and the step's difference."""
+    from pipeplan.capacity.inputs import capacity_profile
+    from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep
+    from pipeplan.hardware import load_hardware
+    from pipeplan.models import load_model
+    from pipeplan.search.config import SearchConfig, default_memory_reserve
+
+    hardware = load_hardware("h100")
+    reserve = default_memory_reserve(hardware.memory_bytes)
+    search = SearchConfig(
+        precision="bf16-main", replication=False, global_batch_size=batch, memory_reserve_bytes=reserve
+    )
+    config = CapacityConfig(search=search, hardware=hardware, device_counts=(devices,))
+    builtin = {**load_model("deepseek-v3").options, "layers": CAPACITY_LAYERS, "dense_layers": 1}
+    builtin.pop("seq")  # capacity's --seq
+    hf = dict(num_hidden_layers=CAPACITY_LAYERS, first_k_dense_replace=1)
+    found = {}
+    for tag, model, options in (("hf", "hf:deepseek_v3", hf), ("builtin", "moe", builtin)):
+        fields = {key: str(value) for key, value in options.items()}
+        profile = capacity_profile(model, fields, seq=4096, hardware=hardware, batch_size=1, quiet=True)
+        (row,) = capacity_sweep(profile, config).rows
+        layout = (row.schedule, row.tensor_parallel, row.expert_parallel, row.pipeline_devices, row.data_parallel)
+        found[tag] = dict(layout="{} t={} ep={} {}x{}".format(*layout), step_ms=row.step_ms, mfu=row.mfu)
+    found["step_pct"] = 100 * (found["hf"]["step_ms"] / found["builtin"]["step_ms"] - 1)
+    found.update(devices=devices, global_batch_size=batch, seq=4096, layers=CAPACITY_LAYERS, precision="bf16-main")
+    return found
+
+
 def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     rows = {}
@@ -138,7 +172,16 @@ def main() -> None:
         }
         shown = ", ".join(f"{key} {row['pct']:+.1f}%" for key, row in rows[family].items())
         print(f"{family}: {shown}", flush=True)
+    capacity = _capacity()
+    hf, builtin = capacity["hf"], capacity["builtin"]
+    print(
+        f"capacity deepseek_v3 ({CAPACITY_LAYERS} blocks, 64 H100, 256 x 4096): hf {hf['layout']} "
+        f"{hf['step_ms']:,.1f} ms, built-in {builtin['layout']} {builtin['step_ms']:,.1f} ms "
+        f"({capacity['step_pct']:+.2f}%)",
+        flush=True,
+    )
     record = dict(schema_version=1, machine=platform.node() or "vm", layers=LAYERS, hardware="h100", rows=rows)
+    record["capacity_deepseek_v3"] = capacity
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")

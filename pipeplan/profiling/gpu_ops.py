@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from pipeplan.profiling.gpu_routing import LINEARS, UPCASTS, UpcastLinear, upcast_source, weighted_experts
+from pipeplan.profiling.gpu_routing import LINEARS, UPCASTS, upcast_linear, upcast_source, weighted_experts
 from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 
@@ -310,7 +310,7 @@ class GpuSemantics(TorchFunctionMode):
             return None
         cast = self._upcasts.get(id(weight)) if isinstance(weight, torch.Tensor) else None
         source = cast[1] if cast is not None and cast[0] is weight else weight
-        return UpcastLinear.apply(found[1], x, source, weight)
+        return upcast_linear(found[1], x, source, weight)
 
     def _swiglu(self, a, b) -> torch.Tensor | None:
         """act(gate) * up (either order) as one fused kernel (`_FusedGLU`)."""

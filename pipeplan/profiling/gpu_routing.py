@@ -9,8 +9,9 @@ more memory traffic than the production MoE layers a GPU training run uses, the 
   product back), so the weights are cast to the outputs' dtype first (`weighted_experts`).
 - **A float32 router on 16-bit activations.** A linear whose input is a float32 copy of a 16-bit activation
   (DeepSeek-V3's router: `F.linear(x.float(), w.float())`) runs as Megatron-Core's float32 router gating
-  (`moe_router_dtype=fp32`, RouterGatingLinearFunction): the same float32 matmul, with the 16-bit input saved for
-  backward and cast inside, not a float32 copy of it (`UpcastLinear`).
+  (`moe_router_dtype=fp32`, RouterGatingLinearFunction): Transformer Engine's GEMM of the 16-bit input and weight
+  with a float32 output, the 16-bit input saved for backward and cast inside, not a float32 copy of it; its input
+  and weight gradients float32 GEMMs cast back, in I and W apart (`UpcastLinear`).
 """
 
 from __future__ import annotations
@@ -46,19 +47,55 @@ def upcast_source(value, out) -> torch.Tensor | None:
 
 
 class UpcastLinear(torch.autograd.Function):
-    """x Wᵀ in float32 from the float32 copies the model made (`x32`, `w32`), saving the 16-bit x and W they were
-    made from: Megatron-Core's float32 router gating (module docstring). The copies get no gradient: x and W get
-    theirs directly, as that function computes them."""
+    """x Wᵀ as Megatron-Core's float32 router gating runs it (module docstring; RouterGatingLinearFunction with
+    Transformer Engine's general GEMM): the 16-bit x and W in, float32 logits out, the 16-bit x and W saved — the
+    float32 copies the model made (`x32`, `w32`) are not read (so not written: `stack_traffic`), and get no
+    gradient. Its backward is that function's: float32 GEMMs cast back to x's and W's dtypes, each computed only
+    when the pass wants it (`_wanted`): the input gradient in I, the weight gradient in W, as autograd's own
+    linear splits them."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, x32: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return F.linear(x32, w32)
+        return F.linear(x, weight).to(w32.dtype)  # a 16-bit GEMM with a float32 output (TE writes it in fp32)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight.float()).to(x.dtype)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        grad_x = grad.matmul(weight.float()).to(x.dtype) if _wanted(ctx, 0) else None
+        grad_w = None
+        if _wanted(ctx, 2):
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
         return grad_x, None, grad_w, None
+
+
+def upcast_linear(x: torch.Tensor, x32: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    """`UpcastLinear` with the weight passed through an alias node: a parameter's own node (AccumulateGrad) cannot
+    be asked whether an `autograd.grad` pass runs it, the alias's can (`_wanted`)."""
+    return UpcastLinear.apply(x, x32, _Alias.apply(weight), w32)
+
+
+class _Alias(torch.autograd.Function):
+    """The tensor itself (a view: no copy, no traffic), as a node of its own in the backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wanted(ctx: Any, index: int) -> bool:
+    """Whether this backward pass wants the gradient of input `index`: the engine runs the node it flows to (I runs
+    the input side only, W the weight side only, B both); True when that cannot be asked (a leaf under
+    autograd.grad)."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    try:
+        return node is None or bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True

@@ -125,19 +125,33 @@ def _tensor_bytes(values: Iterable) -> int:
 
 
 def _storages(values: Iterable) -> tuple[tuple[int, int], ...]:
-    """(storage key, bytes) of each tensor in `values` (views share their base's key)."""
+    """(storage key, bytes) of each tensor in `values` (views share their base's key), a broadcast dimension
+    counted once (`_distinct_elements`: an expanded index or rotary key is read from cache, as op_cost counts it)."""
     return tuple(
-        (v.untyped_storage()._cdata, v.numel() * v.element_size()) for v in values if isinstance(v, torch.Tensor)
+        (v.untyped_storage()._cdata, _distinct_elements(v) * v.element_size())
+        for v in values
+        if isinstance(v, torch.Tensor)
     )
+
+
+# ops that overwrite every element of their first argument without reading it: its old values are not read (a key
+# built by slice assignment, `k[..., :d].copy_(k_nope)`, writes its slices once, as a concatenation does)
+_OVERWRITES = frozenset((aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default))
 
 
 def op_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out, compute_seconds: float = 0.0) -> OpTraffic:
     """One op as `profiling.stack_traffic` sees it: a kernel (matmul, attention) or not, what it reads and writes."""
+    read = args[1:] if func in _OVERWRITES and args else args
     return OpTraffic(
         kernel=is_kernel_op(func),
-        reads=_storages(tree_flatten((args, kwargs))[0]),
+        reads=_storages(tree_flatten((read, kwargs))[0]),
         writes=_storages(tree_flatten(out)[0]),
         compute_seconds=compute_seconds,
+        extents=tuple(
+            (v.untyped_storage()._cdata, v.untyped_storage().nbytes())
+            for v in tree_flatten(out)[0]
+            if isinstance(v, torch.Tensor)
+        ),
     )
 
 

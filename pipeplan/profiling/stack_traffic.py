@@ -41,6 +41,7 @@ class OpTraffic:
     reads: tuple[tuple[int, int], ...] = ()
     writes: tuple[tuple[int, int], ...] = ()
     compute_seconds: float = 0.0
+    extents: tuple[tuple[int, int], ...] = ()  # (storage key, its whole bytes) of what it writes: what slices sum to
 
     @property
     def moved(self) -> int:
@@ -113,10 +114,15 @@ def _regions(calls: Sequence[OpTraffic]) -> list[_Region]:
                 origin[key].readers.setdefault(key, set()).add(region.index)
             if origin.get(key) is not region:
                 region.inputs[key] = max(region.inputs.get(key, 0), size)
+        extents = dict(call.extents)
         for key, size in call.writes:
             if origin.get(key) is not region and key in region.inputs:
                 region.made[key] = max(region.made.get(key, 0), size)  # written in place: back to HBM
                 region.readers.setdefault(key, set()).add(("outside", position))
+                continue
+            if origin.get(key) is region and key in extents:  # another slice of a tensor made here (a key built
+                # by slice assignment): the slices add up, to the tensor's whole size at most
+                region.made[key] = min(region.made[key] + size, extents[key])
                 continue
             origin[key] = region
             region.made[key] = max(region.made.get(key, 0), size)

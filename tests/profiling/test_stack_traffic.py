@@ -92,3 +92,35 @@ def test_megatron_precisions_fuse_and_autocast_does_not():
     for name in ("forward", "backward"):
         assert fused.traffic(name).kernels < eager.traffic(name).kernels / 2
         assert fused.traffic(name).bytes < eager.traffic(name).bytes
+
+
+def test_an_op_reads_a_broadcast_operand_once_and_not_the_slice_it_overwrites():
+    """What `op_call` records for stack_traffic: an index expanded over the hidden size (Megatron-Core's and
+    torchtitan's scatter_add combine) is read once per distinct element, as `op_cost` counts it; `copy_` into a
+    slice of a new tensor (a key built by slice assignment, transformers' MLA) writes the slice and does not read
+    its old values — as a concatenation of the parts moves the same bytes."""
+    import torch
+
+    from pipeplan.profiling.opcount import op_call
+
+    aten = torch.ops.aten
+    tokens, hidden = 8, 16
+    out, src = torch.zeros(tokens, hidden), torch.ones(2 * tokens, hidden)
+    index = torch.arange(2 * tokens).remainder(tokens).unsqueeze(-1).expand(-1, hidden)
+    result = aten.scatter_add.default(out, 0, index, src)
+    call = op_call(aten.scatter_add.default, (out, 0, index, src), {}, result)
+    expected = (tokens * hidden * 4, 2 * tokens * 8, 2 * tokens * hidden * 4)  # out, the index once, src
+    assert sorted(size for _, size in call.reads) == sorted(expected)
+    key = torch.empty(tokens, 6)
+    part = key[:, :4]
+    nope = torch.ones(tokens, 4)  # (every tensor held: a freed storage's key could be taken again)
+    call = op_call(aten.copy_.default, (part, nope), {}, aten.copy_.default(part, nope))
+    assert [size for _, size in call.reads] == [tokens * 4 * 4]  # the source only
+    assert [size for _, size in call.writes] == [tokens * 4 * 4]
+    rest, rope = key[:, 4:], torch.ones(tokens, 1).expand(-1, 2)  # the rotary part, one column for all
+    second = op_call(aten.copy_.default, (rest, rope), {}, aten.copy_.default(rest, rope))
+    up = torch.ones(6, 3)
+    matmul = op_call(aten.mm.default, (key, up), {}, product := key @ up)
+    assert product.shape == (tokens, 3)
+    fused = traffic([call, second, matmul], "megatron")
+    assert fused.bytes == tokens * 4 * 4 + tokens * 4 + tokens * 6 * 4  # both parts read, the whole key written

@@ -82,9 +82,10 @@ def stage_optimizer_ms(
 ) -> tuple[float, ...]:
     """Per stage, one of its devices' optimizer update: its parameters (its 1/holders share under ZeRO-1) times the
     bytes an update moves per parameter, at the profile's memory rate (0 when the profile does not know it: a
-    measured profile)."""
+    measured profile, unless `refine` learned the rate from a run: `Provenance.update_bytes_per_s`)."""
     rates = profile.provenance.kernel_rates
-    if rates is None or not numerics.named:
+    bytes_per_s = rates.bytes_per_s if rates is not None else profile.provenance.update_bytes_per_s
+    if not bytes_per_s or not numerics.named:
         return tuple(0.0 for _ in part.stages)
     moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
     times = []
@@ -94,7 +95,7 @@ def stage_optimizer_ms(
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
         count = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
         count = count / shards + experts / float(expert_holders(shards, group.expert_parallel))
-        times.append(optimizer_step_ms(count, moved, rates.bytes_per_s))
+        times.append(optimizer_step_ms(count, moved, bytes_per_s))
     return tuple(times)
 
 

@@ -261,6 +261,9 @@ class Provenance:
     expert_routing: tuple[ExpertRouting, ...] = ()  # per MoE layer, how the sample batch was routed (measured)
     threads: int | None = None  # measured on a CPU: torch's threads (None: analytic, CUDA, older files)
     refined_from: str = ""  # a profile refined from a run (`pipeplan refine`): the run's trace and plan
+    # refined: the bytes/s an optimizer update ran at in that run, learned from its step tails (`refine.job`); what
+    # predict.gradient_sync times updates with where kernel_rates (analytic) does not say (None: updates untimed)
+    update_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -311,6 +314,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if data["provenance"]["update_bytes_per_s"] is None:  # written only when refined: older files, same bytes
+            del data["provenance"]["update_bytes_per_s"]
         return {"schema_version": PROFILE_SCHEMA_VERSION, **data}
 
     def save(self, path: str | os.PathLike) -> None:

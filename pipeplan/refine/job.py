@@ -17,6 +17,7 @@ from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import Medians, measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.options import RefineOptions
 from pipeplan.refine.replan import replan
+from pipeplan.refine.updates import learned_update_rate, with_learned_updates
 from pipeplan.search.scaling import scale_profile
 
 
@@ -56,7 +57,7 @@ def refine(options: RefineOptions) -> Refined:
     check_output_dir(output, "--output")
     medians = measured_medians(plan, run)
     refined = refined_profile(plan, profile, medians, run)
-    retimed = retimed_plan(plan, refined)
+    retimed = with_learned_updates(retimed_plan(plan, refined), refined.provenance.update_bytes_per_s)
     refined_ms = plan_step_ms(retimed, post_validate=run.record.post_validate)
     schedules = options.schedules(plan.schedule)
     new_plan, _ = replan(refined, plan, schedules=schedules, output=output)
@@ -75,8 +76,8 @@ def refine(options: RefineOptions) -> Refined:
 
 def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: MeasuredRun) -> Profile:
     """`profile` at the plan's microbatch size with its layers scaled to the run's medians: what the ranks' ops
-    cost in place, their threads recorded; the whole-model references and spreads of the original measurement no
-    longer apply and are dropped."""
+    cost in place, their threads recorded, the rate its optimizer updates ran at (`updates`); the whole-model
+    references and spreads of the original measurement no longer apply and are dropped."""
     scaled = scale_profile(profile, plan.training.microbatch_size)
     prov = scaled.provenance
     note = f"refined from the run traced in {run.path} (plan {run.record.plan_fingerprint})"
@@ -92,6 +93,7 @@ def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: Measure
             graph_fingerprint=plan.model.fingerprint or prov.graph_fingerprint,  # the graph at this microbatch size
             threads=run.record.threads,
             refined_from=note,
+            update_bytes_per_s=learned_update_rate(plan, run),
             notes=f"{prov.notes}; {note}".strip("; "),
         ),
     )

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.scripts import describe
 from pipeplan.refine.job import Refined
 
@@ -24,7 +25,11 @@ def refined_dict(result: Refined) -> dict[str, Any]:
         "refined_ms": result.refined_ms,
         "threads": record.threads,
         "profile_threads": result.plan.profile.threads if result.plan.profile else None,
-        "step_tail_ms": {"measured": list(result.run.tail_ms), "planned": planned_tails(result)},
+        "step_tail_ms": {
+            "measured": list(result.run.tail_ms),
+            "planned": planned_tails(result.plan),
+            "refined": planned_tails(result.retimed),
+        },
         "ops": [
             {"stage": s, "kind": kind, "planned_ms": planned, "measured_ms": measured, "refined_ms": refined}
             for s, kind, planned, measured, refined in result.rows()
@@ -38,10 +43,10 @@ def refined_dict(result: Refined) -> dict[str, Any]:
     }
 
 
-def planned_tails(result: Refined) -> list[float]:
-    """Per rank, what the plan counts after its last op: its stages' gradient exchange and optimizer update."""
-    stages = result.plan.stages
-    return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) for info in result.plan.ranks]
+def planned_tails(plan: Plan) -> list[float]:
+    """Per rank, what `plan` counts after its last op: its stages' gradient exchange and optimizer update."""
+    stages = plan.stages
+    return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) for info in plan.ranks]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -64,10 +69,11 @@ def render_refined(console: Console, result: Refined) -> None:
     for s, kind, planned, measured, refined in result.rows():
         table.add_row(str(s), kind, f"{planned:.3f}", f"{measured:.3f}", f"{refined:.3f}", _ratio(measured, planned))
     console.print(table)
-    tails = ", ".join(f"{m:.1f} vs {p:.1f}" for m, p in zip(result.run.tail_ms, planned_tails(result)))
+    tails = zip(result.run.tail_ms, planned_tails(result.plan), planned_tails(result.retimed))
     console.print(
-        f"after each rank's last op (gradient exchange, optimizer update, global checks, waits), measured vs planned "
-        f"ms per rank: {tails} (not refined: the simulator's)",
+        "after each rank's last op (gradient exchange, optimizer update, global checks, waits), measured vs planned "
+        f"vs refined ms per rank: {', '.join(f'{m:.1f} vs {p:.1f} vs {r:.1f}' for m, p, r in tails)} (refined: the "
+        "updates at the rate the run's tails imply, refine.updates)",
         highlight=False,
         soft_wrap=True,
     )

@@ -19,9 +19,13 @@ from pipeplan.artifact.scripts import with_profile, write_plan_dir
 from pipeplan.artifact.timing import plan_step_ms, plan_timeline, timeline_rows
 from pipeplan.cli import app
 from pipeplan.costs import LayerArrays, numerics, stage_op_ms
+from pipeplan.costs.optimizer import static_split
+from pipeplan.costs.overlap import optimizer_bytes_per_param
 from pipeplan.errors import FormatError
+from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.job import refined_profile
+from pipeplan.refine.updates import with_learned_updates
 from pipeplan.runtime.train.trace_io import measured_trace
 from pipeplan.schedules.ops import Op
 from pipeplan.search.config import SearchConfig
@@ -236,7 +240,30 @@ def test_trace_round_trip_and_refusals(tmp_path):
 def test_plan_and_profile_fingerprints_survive_their_files(tmp_path):
     plan = _plan("zbv")
     folder = write_plan_dir(plan, timeline_rows(plan, plan_timeline(plan)), tmp_path / "p", _profile_of(plan))
-    from pipeplan.profiling.profile import Profile
 
     assert Plan.load(folder / "plan.json").fingerprint == plan.fingerprint
     assert Profile.load(folder / "profile.json").fingerprint == plan.profile.fingerprint
+
+
+def test_step_tails_teach_the_optimizer_update_rate():
+    """A measured profile times no optimizer update; the run's step tails beyond the plan's gradient exchange do:
+    the refined profile's rate gives the run's own plan those tails again, and times a later plan's updates."""
+    plan = _plan("1f1b")  # 2 stages on 2 ranks
+    left = (3.0, 5.0)  # ms each rank spent after its exchange: its update, as the run measured it
+    exchange = [sum(plan.stages[s].allreduce_ms for s in info.stages) for info in plan.ranks]
+    run = dataclasses.replace(_synthetic_run(plan), tail_ms=tuple(e + x for e, x in zip(exchange, left)))
+    refined = refined_profile(plan, _profile_of(plan), measured_medians(plan, run), run)
+    rate = refined.provenance.update_bytes_per_s
+    numerics = plan.training.numerics
+    moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
+    assert rate == pytest.approx(sum(s.param_count for s in plan.stages) * moved / (sum(left) / 1e3))
+    retimed = with_learned_updates(retimed_plan(plan, refined), rate)
+    assert sum(s.optimizer_ms for s in retimed.stages) == pytest.approx(sum(left))
+    assert "update_bytes_per_s" not in _profile_of(plan).to_dict()["provenance"]  # older files: the same bytes
+    assert Profile.from_dict(refined.to_dict()).provenance.update_bytes_per_s == rate
+    config = SearchConfig(global_batch_size=8, microbatch_sizes=(1,), numerics=numerics, post_validate="off")
+    again = search_plans(refined, make_cluster(2, memory=2**34), config, ("1f1b",)).ranked[0]
+    assert all(ms > 0 for ms in again.stage_optimizer_ms)
+    no_tails = dataclasses.replace(run, tail_ms=tuple(exchange))  # nothing beyond the exchange: nothing learned
+    unrefined = refined_profile(plan, _profile_of(plan), measured_medians(plan, run), no_tails)
+    assert unrefined.provenance.update_bytes_per_s is None

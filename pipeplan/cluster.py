@@ -102,6 +102,13 @@ class Cluster:
                 raise ConfigError(f"{name} must be >= 0")
 
     @property
+    def memory_bytes(self) -> int:
+        """`memory_per_device` where a limit is needed (the search, capacity): a cluster without one is refused."""
+        if self.memory_per_device is None:
+            raise ConfigError("this cluster's memory per device is not known; give it with --memory")
+        return self.memory_per_device
+
+    @property
     def num_nodes(self) -> int:
         return max(1, self.num_devices // self.devices_per_node)
 

@@ -358,8 +358,8 @@ def _check_replicas(plan: Plan) -> None:
     for pipeline in range(plan.training.data_parallel):
         holders: dict[int, list[int]] = {}
         for info in (info for info in plan.ranks if info.pipeline == pipeline):
-            for stage in info.stages:
-                holders.setdefault(stage, []).append(info.stage_replica)
+            for held in info.stages:
+                holders.setdefault(held, []).append(info.stage_replica)
         for stage in plan.stages:
             found = sorted(holders.get(stage.index, []))
             if found != sorted(list(range(stage.replicas)) * copies):
@@ -393,8 +393,8 @@ def _check_rank_ops(plan: Plan) -> None:
                 if op.microbatch >= num_mb:  # (never for a stream: num_op_microbatches counts its highest)
                     raise FormatError(f"plan rank {info.rank} runs op {text} but a step has {num_mb} microbatches")
             pipeline_ops[info.pipeline].extend(parts)
-    for pipeline, ops in enumerate(pipeline_ops):
+    for pipeline, pipeline_parts in enumerate(pipeline_ops):
         try:
-            check_complete(ops, len(plan.stages), num_mb)
+            check_complete(pipeline_parts, len(plan.stages), num_mb)
         except ScheduleError as exc:
             raise FormatError(f"plan pipeline {pipeline}: {exc}") from None

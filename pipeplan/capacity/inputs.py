@@ -137,7 +137,7 @@ def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     return CapacityJob(model=options.model, profile=profile, config=config, plot=plot, layout=pinned)
 
 
-def _capacity_config(  # type: ignore[no-untyped-def]
+def _capacity_config(
     options: CapacityOptions, hardware: Hardware, counts: tuple[int, ...], held, sizes: tuple[int, ...]
 ) -> CapacityConfig:
     """The sweep's CapacityConfig from the options (precision and microbatch sizes decided; the batch until the

@@ -172,7 +172,7 @@ class Screen:
             return f"no layout of the model runs on {cluster.num_devices} device(s) (too many pipeline stages)"
         return (
             f"out of memory: every layout needs at least {format_bytes(self.floor_bytes)} per device, limit "
-            f"{format_bytes(cluster.memory_per_device)}"
+            f"{format_bytes(cluster.memory_bytes)}"
         )
 
 
@@ -190,7 +190,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
             continue
         per_param = config.least_per_param(layout.holders)
         need = spread_static_bytes(params, per_param, layout.pipeline_devices) + reserve
-        if need <= cluster.memory_per_device:
+        if need <= cluster.memory_bytes:
             try:
                 floor_bytes = memory_floor_bytes(
                     layout, scaled[layout.microbatch_size], per_param, recompute=config.recompute != "none"
@@ -199,7 +199,7 @@ def screen_layouts(profile: Profile, cluster: Cluster, config: SearchConfig, sch
             except ScheduleError:
                 continue  # the schedule cannot run this shape; the search rejects it too
         floor = min(floor, need)
-        if need <= cluster.memory_per_device:
+        if need <= cluster.memory_bytes:
             passing.add(layout.schedule)
         else:
             reason = f"needs at least {format_bytes(need)} per device"

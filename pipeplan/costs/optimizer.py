@@ -148,9 +148,9 @@ def expert_holders(group_size, expert_parallel: int):
     return np.maximum(np.asarray(group_size, dtype=np.float64) / expert_parallel, 1.0)
 
 
-def check_zero_stage(zero: int, *, option: str = "--memory zero") -> int:
+def check_zero_stage(zero: int | str, *, option: str = "--memory zero") -> int:
     """`zero` if pipeplan supports that ZeRO stage, else one ConfigError naming the option."""
-    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+    if not isinstance(zero, int) or isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ConfigError(
             f"{option}={zero} is not supported: pipeplan shards optimizer state only (ZeRO-1); use {option}=0 or 1"
         )

@@ -93,8 +93,8 @@ def stage_optimizer_ms(
         copies = 2 if group.mirrored else 1
         shards = stage.replicas * group.data_parallel * group.context_parallel * copies if zero else 1
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
-        count = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
-        count = count / shards + experts / float(expert_holders(shards, group.expert_parallel))
+        dense = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
+        count = dense / shards + experts / float(expert_holders(shards, group.expert_parallel))
         times.append(optimizer_step_ms(count, moved, bytes_per_s))
     return tuple(times)
 

@@ -27,6 +27,11 @@ PAPER_INPUT_GRAD_FREES = 0.5  # Zero Bubble paper: I frees half of a microbatch'
 PerStage = Number | Sequence[Number]
 
 
+def stage_value(value: PerStage, index: int) -> float:
+    """Stage `index`'s value of a per-stage figure (a scalar is every stage's)."""
+    return float(value) if isinstance(value, int | float) else float(value[index])
+
+
 def _broadcast(value: PerStage, length: int, *, option: str) -> tuple[float, ...]:
     if isinstance(value, int | float):
         values = (float(value),) * length

@@ -19,6 +19,7 @@ from pipeplan.errors import FormatError
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.retime import layers_breakdown
 from pipeplan.schedules.registry import schedule_info
+from pipeplan.schedules.simulate import stage_value
 from pipeplan.search.candidate import Evaluation
 from pipeplan.search.rationale import alternatives, memory_choices, rationale
 from pipeplan.search.search import SearchResult
@@ -115,10 +116,10 @@ def _check_graph_matches(profile: Profile, graph: LayerGraph) -> None:
 
 
 def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None) -> tuple[StagePlan, ...]:
-    stage_memory = {}
-    for device, stages in enumerate(chosen.pipeline.device_stages):
-        for stage in stages:
-            stage_memory[stage] = chosen.device_memory_bytes[device]
+    stage_memory: dict[int, float] = {}
+    for device, held in enumerate(chosen.pipeline.device_stages):
+        for index in held:
+            stage_memory[index] = chosen.device_memory_bytes[device]
     plans = []
     for index, stage in enumerate(chosen.partition.stages):
         first, last = stage.first_layer, stage.last_layer
@@ -138,9 +139,9 @@ def _stage_plans(chosen: Evaluation, profile: Profile, graph: LayerGraph | None)
                 param_count=sum(layer.param_count for layer in profile.layers[first : last + 1]),
                 expert_param_count=sum(layer.expert_param_count for layer in profile.layers[first : last + 1]),
                 memory_bytes=int(stage_memory[index]),
-                comm_ms=chosen.costs.comm_ms[index] if index + 1 < len(chosen.partition.stages) else 0.0,
-                activation_bytes=int(chosen.memory.activation_bytes[index]),
-                activation_freed_by_input_grad_bytes=int(chosen.memory.input_grad_freed_bytes[index]),
+                comm_ms=stage_value(chosen.costs.comm_ms, index) if index + 1 < len(chosen.partition.stages) else 0.0,
+                activation_bytes=int(stage_value(chosen.memory.activation_bytes, index)),
+                activation_freed_by_input_grad_bytes=int(stage_value(chosen.memory.input_grad_freed_bytes, index)),
                 allreduce_ms=chosen.stage_allreduce_ms[index],
                 optimizer_ms=chosen.stage_optimizer_ms[index],
                 compute_breakdown=_breakdown(profile, first, last, stage.recompute, chosen.partition.schedule),
@@ -166,10 +167,9 @@ def _recompute_fields(chosen: Evaluation, index: int) -> dict:
     stage, memory = chosen.partition.stages[index], chosen.memory
     if memory.kept_bytes is None:
         return {}
-    rise = memory.recompute_bytes
     return dict(
         recompute=stage.recompute,
         recompute_ms=stage.recompute_ms,
-        kept_bytes=int(memory.kept_bytes[index]),  # type: ignore[index]
-        recompute_bytes=int(rise[index] if isinstance(rise, tuple | list) else rise),
+        kept_bytes=int(stage_value(memory.kept_bytes, index)),
+        recompute_bytes=int(stage_value(memory.recompute_bytes, index)),
     )

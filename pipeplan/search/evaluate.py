@@ -69,11 +69,12 @@ def evaluate(
 ) -> Evaluation | Rejection:
     """Partition, schedule and simulate `layout` (`profile` already scaled to its microbatch size) under `config`
     with the memory options `zero` and `recompute`; peaks are checked against `memory_limit` per device."""
-    options = dict(memory_limit=memory_limit, zero=zero, recompute=recompute)
-    part = partition_layout(layout, profile, cluster, config, **options)
+    part = partition_layout(layout, profile, cluster, config, memory_limit=memory_limit, zero=zero, recompute=recompute)
     if isinstance(part, Rejection):
         return part
-    return evaluate_partition(layout, part, profile, cluster, config, **options)
+    return evaluate_partition(
+        layout, part, profile, cluster, config, memory_limit=memory_limit, zero=zero, recompute=recompute
+    )
 
 
 def evaluate_partition(

@@ -240,7 +240,7 @@ def _sizes(text: str, flag: str, *, single: bool = False) -> tuple[int, ...]:
     return values
 
 
-def search_config(  # type: ignore[no-untyped-def]
+def search_config(
     flags: SearchFlags,
     *,
     numerics,

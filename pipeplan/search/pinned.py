@@ -232,7 +232,7 @@ def _evaluate(profile: Profile, cluster: Cluster, config: SearchConfig, pinned: 
     check_pinned_experts(pinned, profile, cluster)
     scaled = scale_profile(profile, pinned.mbs)
     sharded, groups = split_inputs(scaled, cluster, pinned.tp, pinned.cp, overlap=config.overlap, ep=pinned.ep)
-    usable = config.budget(cluster.memory_per_device).usable
+    usable = config.budget(cluster.memory_bytes).usable
     stages = pinned.pp * pinned.vp
     try:
         if pinned.split == "balanced":  # pipeplan's partitioner picks the cuts (costed with recomputation allowed)

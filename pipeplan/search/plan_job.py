@@ -76,7 +76,7 @@ def prepare_plan(options: PlanOptions, *, profile: Profile | None = None) -> Pla
     return PlanJob(source=source, cluster=cluster, config=config, output=output)
 
 
-def _plan_config(options: PlanOptions, cluster: Cluster, held, sizes: tuple[int, ...]) -> PlanConfig:  # type: ignore[no-untyped-def]
+def _plan_config(options: PlanOptions, cluster: Cluster, held, sizes: tuple[int, ...]) -> PlanConfig:
     """The plan's PlanConfig from its options (the precision and microbatch sizes decided), checked against the
     cluster (pipeline depths, a pinned layout)."""
     names, named = parse_schedules(options.schedule, SYNCHRONOUS)
@@ -87,14 +87,14 @@ def _plan_config(options: PlanOptions, cluster: Cluster, held, sizes: tuple[int,
         numerics=held,
         global_batch_size=batch if batch is not None else DEFAULT_BATCH_PER_DEVICE * cluster.num_devices,
         microbatch_sizes=sizes,
-        memory_bytes=cluster.memory_per_device,  # type: ignore[arg-type]
+        memory_bytes=cluster.memory_bytes,
         schedules=names,
         interleave=PLAN_INTERLEAVE,
         replication=True,
         post_validate=options.post_validate,
     )
     search.check_devices(cluster.num_devices)
-    search.budget(cluster.memory_per_device)  # type: ignore[arg-type]  # a reserve that leaves nothing: one line
+    search.budget(cluster.memory_bytes)  # a reserve that leaves nothing: one line
     pinned = parse_layout(options.layout) if options.layout is not None else None
     if pinned is not None:
         pinned_layout(pinned, search, cluster)
@@ -124,7 +124,7 @@ def _profile_source(options: PlanOptions, profile: Profile | None) -> PlanInput 
     return attach_model(source, options.model, model_options, options.granularity, options.tracer)
 
 
-def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:  # type: ignore[no-untyped-def]
+def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:
     assert options.model is not None  # prepare_plan requires MODEL or a profile
     return ProfileRequest(
         model=options.model,

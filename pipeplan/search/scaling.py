@@ -29,8 +29,8 @@ def _scale_layer(layer: LayerProfile, factor: float, rates: KernelRates | None) 
             activation_freed_by_input_grad_bytes=freed,
             output_bytes=round(layer.output_bytes * factor),
             flops=layer.flops * factor,
-            selective_activation_bytes=min(activation, round(layer.selective_activation_bytes * factor)),
-            full_activation_bytes=round(layer.full_activation_bytes * factor),
+            selective_activation_bytes=min(activation, round(layer.kept_bytes("selective") * factor)),
+            full_activation_bytes=round(layer.kept_bytes("full") * factor),
         )
     return replace(
         layer,
@@ -42,9 +42,9 @@ def _scale_layer(layer: LayerProfile, factor: float, rates: KernelRates | None) 
         activation_freed_by_input_grad_bytes=freed,
         output_bytes=round(layer.output_bytes * factor),
         flops=layer.flops * factor,
-        selective_activation_bytes=min(activation, round(layer.selective_activation_bytes * factor)),
-        full_activation_bytes=round(layer.full_activation_bytes * factor),
-        full_recompute_ms=layer.full_recompute_ms * factor,
+        selective_activation_bytes=min(activation, round(layer.kept_bytes("selective") * factor)),
+        full_activation_bytes=round(layer.kept_bytes("full") * factor),
+        full_recompute_ms=layer.recompute_ms("full") * factor,
         selective_recompute_ms=layer.selective_recompute_ms * factor,
     )
 

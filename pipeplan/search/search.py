@@ -84,7 +84,7 @@ class SearchResult:
     @property
     def budget(self) -> MemoryBudget:
         """A device's memory: physical, the reserve, and the usable rest the candidates' peaks were checked against."""
-        return self.config.budget(self.cluster.memory_per_device)
+        return self.config.budget(self.cluster.memory_bytes)
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -136,18 +136,19 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, config: SearchConfig, s
             p = n // d
             m = config.global_batch_size // (d * b)
             for name in schedules:
-                shape = dict(schedule=name, microbatch_size=b, data_parallel=d, pipeline_devices=p, num_microbatches=m)
-                for layout in _variants(Layout(**shape, **_split_of(config)), config, p):
+                shape = Layout(
+                    schedule=name,
+                    microbatch_size=b,
+                    data_parallel=d,
+                    pipeline_devices=p,
+                    num_microbatches=m,
+                    tensor_parallel=config.tensor_parallel,
+                    context_parallel=config.context_parallel,
+                    expert_parallel=config.expert_parallel,
+                )
+                for layout in _variants(shape, config, p):
                     found.append(_static_rejection(layout, num_layers, per_node, schedules) or layout)
     return found
-
-
-def _split_of(config: SearchConfig) -> dict:
-    return dict(
-        tensor_parallel=config.tensor_parallel,
-        context_parallel=config.context_parallel,
-        expert_parallel=config.expert_parallel,
-    )
 
 
 def _variants(layout: Layout, config: SearchConfig, p: int) -> list[Layout]:
@@ -201,7 +202,7 @@ def search_plans(
         b: split_inputs(scaled, cluster, t, cp, overlap=config.overlap, ep=config.expert_parallel)[0]
         for b, scaled in profiles.items()
     }
-    groups, usable = config.groups.of(cluster), config.budget(cluster.memory_per_device).usable
+    groups, usable = config.groups.of(cluster), config.budget(cluster.memory_bytes).usable
     pending: list[tuple[float, Layout]] = []
     rejected: list[Rejection] = []
     for item in enumerate_layouts(profile.num_layers, groups, config, names):
@@ -290,7 +291,7 @@ def smallest_fitting_memory(
     devices; the partitioner's binary search from the usable memory, with the memory options that save the most:
     recomputation and ZeRO-1 where the search may use them); candidates whose static lower bound already exceeds the
     best found are skipped."""
-    usable = config.budget(cluster.memory_per_device).usable
+    usable = config.budget(cluster.memory_bytes).usable
     memory = sorted((r for r in rejected if r.kind == "memory"), key=lambda r: r.needed_memory_bytes or 0)
     best: int | None = None
     for rejection in memory:
@@ -323,7 +324,7 @@ def infeasible_message(
         if smallest_memory and reserve:
             hint += f" plus the {format_bytes(reserve)} reserve"
         return (
-            f"no plan fits in {format_bytes(cluster.memory_per_device)} per device on {devices}: memory is the "
+            f"no plan fits in {format_bytes(cluster.memory_bytes)} per device on {devices}: memory is the "
             f"binding constraint{hint} (raise --memory or --devices)"
         )
     first = others[0] if others else "no candidate layouts"

@@ -223,7 +223,7 @@ def _shard_layer(
         input_grad_ms=timed.input_grad_ms + (comm.backward_ms if on_input else 0.0),
         weight_grad_ms=timed.weight_grad_ms + (0.0 if on_input else comm.backward_ms),
         backward_ms=timed.backward_ms + comm.backward_ms,
-        full_recompute_ms=timed.full_recompute_ms + comm.forward_ms,
+        full_recompute_ms=timed.recompute_ms("full") + comm.forward_ms,
         activation_bytes=_split(layer.activation_bytes, ranks),
         activation_freed_by_input_grad_bytes=_split(layer.activation_freed_by_input_grad_bytes, ranks),
         param_count=params,
@@ -231,8 +231,8 @@ def _shard_layer(
         output_bytes=_split(layer.output_bytes, ranks),
         flops=layer.flops / ranks,
         peak_memory_bytes=_split(layer.peak_memory_bytes, ranks),
-        selective_activation_bytes=_split(layer.selective_activation_bytes, ranks),
-        full_activation_bytes=_split(layer.full_activation_bytes, ranks),
+        selective_activation_bytes=_split(layer.kept_bytes("selective"), ranks),
+        full_activation_bytes=_split(layer.kept_bytes("full"), ranks),
         expert_param_count=experts,
         replicated_param_count=whole,
     )
@@ -246,7 +246,7 @@ def _divided_times(layer: LayerProfile, ranks: int) -> LayerProfile:
         input_grad_ms=layer.input_grad_ms / ranks,
         weight_grad_ms=layer.weight_grad_ms / ranks,
         backward_ms=layer.backward_ms / ranks,
-        full_recompute_ms=layer.full_recompute_ms / ranks,
+        full_recompute_ms=layer.recompute_ms("full") / ranks,
         selective_recompute_ms=layer.selective_recompute_ms / ranks,
     )
 
@@ -287,7 +287,7 @@ def split_inputs(
     *,
     overlap: Overlap = NO_OVERLAP,
     ep: int = 1,
-):
+) -> tuple[Profile, Cluster]:
     """What the pipeline search runs on: one rank's profile and the cluster of t·cp groups; unchanged for t = cp =
     ep = 1. Refuses what the cluster or model cannot take (`search.stack.check_split`)."""
     from pipeplan.search.stack import check_split

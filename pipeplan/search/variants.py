@@ -99,7 +99,7 @@ def _same_without_zero(plain: Evaluation, layout: Layout, profile: Profile, clus
     the partitioner gives it the same stages."""
     if plain.recomputing or schedule_info(layout.schedule).within_memory_limit:
         return False
-    usable = config.budget(cluster.memory_per_device).usable
+    usable = config.budget(cluster.memory_bytes).usable
     part = partition_layout(layout, profile, cluster, config, memory_limit=usable, zero=1, explain=False)
     return not isinstance(part, Rejection) and (part.stage_ranges, part.replicas) == (
         plain.partition.stage_ranges,
@@ -131,7 +131,7 @@ def _evaluate_with_retries(
 ) -> Evaluation | Rejection:
     """Partition (skip the schedule and simulation when the partition's lower bound is already slower than the best
     plan), evaluate, and re-partition with a tighter screen while the simulated peak is over memory."""
-    usable = config.budget(cluster.memory_per_device).usable
+    usable = config.budget(cluster.memory_bytes).usable
     screen = usable  # the partitioner's budget: the usable memory, then tighter after a peak over it
     for _ in range(MEMORY_RETRIES + 1):
         part = partition_layout(

@@ -301,14 +301,17 @@ def _state_dtype_flags(name: str, flags: list[str], optimizer: dict, notes: list
     """16-bit optimizer state (`_STATE_DTYPES`) as Megatron's precision-aware optimizer flags and kwargs."""
     if name not in _STATE_DTYPES:
         return
+    if not distributed:
+        raise ConfigError(
+            f"optimizer {name}: Megatron's precision-aware optimizer needs its distributed optimizer; plan with "
+            "--memory zero=1 (or --layout ...,zero=1), or use adamw"
+        )
     state_flags, kwargs, note = _STATE_DTYPES[name]
     flags += ["--use-precision-aware-optimizer", *state_flags]
     optimizer.update(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16")
     optimizer.update(kwargs)
     if note:
         notes.append(f"optimizer {name}: {note}")
-    if not distributed:
-        notes.append(f"optimizer {name}: Megatron's precision-aware optimizer needs the distributed one (zero=1)")
 
 
 def _precision_flags(plan: Plan, flags: list[str], transformer: dict, optimizer: dict, notes: list[str]) -> None:

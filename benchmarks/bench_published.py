@@ -150,10 +150,11 @@ def nemo_rows() -> list[Row]:
 
 
 def command(row: Row) -> list[str]:
+    precision = row.precision if row.optimizer == "adamw" else f"{row.precision},{row.optimizer}"
     options = [part for key, value in row.options.items() for part in ("-a", f"{key}={value}")]
     return [
         *(PIPEPLAN, "capacity", row.model, *options, "--hardware", row.hardware, "-B", str(row.batch)),
-        *("--precision", f"{row.precision},{row.optimizer}", "--overlap", row.overlap, "--layout", row.layout),
+        *("--precision", precision, "--overlap", row.overlap, "--layout", row.layout),
         *(("--attention", row.attention) if row.attention != "auto" else ()),
         "--json",
     ]

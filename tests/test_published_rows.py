@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.search.flags import parse_precision
 from pipeplan.search.pinned import parse_layout
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -28,7 +29,9 @@ def test_the_row_set_is_the_issues():
 def test_each_row_is_a_capacity_command_on_its_runs_gpus(row):
     args = bench.command(row)
     assert args[1:3] == ["capacity", row.model] and args[-1] == "--json"
-    assert args[args.index("--layout") + 1] == row.layout and args[args.index("--precision") + 1] == row.precision
+    assert args[args.index("--layout") + 1] == row.layout
+    mode, optimizer = parse_precision(args[args.index("--precision") + 1])
+    assert (mode, optimizer) == (row.precision, row.optimizer)
     size = next(gpus for key, gpus in GPUS.items() if row.name.split(" ")[0].endswith(key) or row.name.startswith(key))
     assert parse_layout(row.layout).devices == size
 
@@ -40,3 +43,9 @@ def test_the_korthikanti_rows_ask_for_the_math_attention_their_runs_used():
             assert args[args.index("--attention") + 1] == "math"
         else:
             assert "--attention" not in args  # auto: FlashAttention, as NeMo runs
+
+
+def test_only_the_recipe_that_states_it_keeps_bf16_optimizer_state():
+    """nemotron/nemotron4-340b-synth.yaml sets optim.dtype bf16 (distributed_fused_adam); the others keep fp32."""
+    stated = {r.name for r in bench.nemo_rows() + bench.korthikanti_rows() if r.optimizer != "adamw"}
+    assert stated == {"Nemotron4-340B@128 bf16"}

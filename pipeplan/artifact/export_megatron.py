@@ -32,7 +32,25 @@ from pipeplan.models.builtins import BUILTINS, builtin_family
 from pipeplan.schedules.registry import schedule_info
 
 ENGINE = "Megatron"
-_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype")  # TransformerConfig fields holding a torch dtype
+_DTYPE_FIELDS = (  # TransformerConfig and OptimizerConfig fields holding a torch dtype
+    "params_dtype",
+    "pipeline_dtype",
+    "main_params_dtype",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+)
+# pipeplan's 16-bit optimizer state (costs.optimizer.MAIN_STATE_BYTES) -> Megatron's precision-aware optimizer:
+# (flags, OptimizerConfig keyword arguments, note). Megatron's --main-params-dtype offers fp32 or fp16, so bf16 main
+# params (NeMo's distributed Adam with optim.dtype bf16) export as fp16 ones: the same 2 bytes per parameter.
+_STATE_DTYPES = {
+    "adamw-bf16moments": (("--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"), {}, ""),
+    "adamw-bf16state": (
+        ("--main-params-dtype fp16", "--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"),
+        {"main_params_dtype": "float16"},
+        "bf16 main params (NeMo distributed Adam, optim.dtype bf16) have no Megatron flag "
+        "(--main-params-dtype: fp32 or fp16): exported as fp16 main params, the same bytes",
+    ),
+}
 _PRECISION_FLAGS = {  # pipeplan precision -> (flags, note when Megatron's mode differs)
     "fp32": ((), ""),
     "bf16-mixed": (
@@ -81,10 +99,7 @@ class MegatronExport:
 
     def render_core(self, args_name: str) -> str:
         """Megatron-Core's keyword arguments as a Python module (the same values as the flags in `args_name`)."""
-        transformer = ", ".join(
-            f"{key!r}: torch.{value}" if key in _DTYPE_FIELDS else f"{key!r}: {value!r}"
-            for key, value in self.transformer.items()
-        )
+        transformer, optimizer = (_render_kwargs(kwargs) for kwargs in (self.transformer, self.optimizer))
         return "\n".join(
             [
                 f'"""pipeplan export --format megatron: Megatron-Core keyword arguments, the values of {args_name}.',
@@ -101,10 +116,17 @@ class MegatronExport:
                 "",
                 f"TRANSFORMER = {{{transformer}}}",
                 f"DDP = {self.ddp!r}",
-                f"OPTIMIZER = {self.optimizer!r}",
+                f"OPTIMIZER = {{{optimizer}}}",
                 "",
             ]
         )
+
+
+def _render_kwargs(kwargs: dict[str, Any]) -> str:
+    """A dict literal's body, dtype fields as torch dtypes."""
+    return ", ".join(
+        f"{key!r}: torch.{value}" if key in _DTYPE_FIELDS else f"{key!r}: {value!r}" for key, value in kwargs.items()
+    )
 
 
 def megatron_export(plan: Plan) -> MegatronExport:
@@ -259,7 +281,8 @@ def _optimizer_flags(plan: Plan, flags: list[str], notes: list[str]) -> tuple[di
         notes.append("--overlap p2p: Megatron overlaps pipeline transfers only for interleaved schedules")
     elif overlap.p2p:
         flags.append("--overlap-p2p-communication")
-    name = {"adamw": "adam", "sgd": "sgd", "sgd-nomomentum": "sgd"}.get(training.optimizer)
+    names = {"adamw": "adam", "adamw-bf16moments": "adam", "adamw-bf16state": "adam", "sgd": "sgd"}
+    name = {**names, "sgd-nomomentum": "sgd"}.get(training.optimizer)
     if name is None:
         notes.append(f"optimizer {training.optimizer} has no Megatron flag")
         return ddp, {"lr": training.lr, "weight_decay": training.weight_decay}
@@ -270,7 +293,25 @@ def _optimizer_flags(plan: Plan, flags: list[str], notes: list[str]) -> tuple[di
     optimizer = {"optimizer": name, "lr": training.lr, "weight_decay": training.weight_decay}
     if ddp.get("use_distributed_optimizer"):
         optimizer["use_distributed_optimizer"] = True
+    _state_dtype_flags(training.optimizer, flags, optimizer, notes, bool(training.zero))
     return ddp, optimizer
+
+
+def _state_dtype_flags(name: str, flags: list[str], optimizer: dict, notes: list[str], distributed: bool) -> None:
+    """16-bit optimizer state (`_STATE_DTYPES`) as Megatron's precision-aware optimizer flags and kwargs."""
+    if name not in _STATE_DTYPES:
+        return
+    if not distributed:
+        raise ConfigError(
+            f"optimizer {name}: Megatron's precision-aware optimizer needs its distributed optimizer; plan with "
+            "--memory zero=1 (or --layout ...,zero=1), or use adamw"
+        )
+    state_flags, kwargs, note = _STATE_DTYPES[name]
+    flags += ["--use-precision-aware-optimizer", *state_flags]
+    optimizer.update(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16")
+    optimizer.update(kwargs)
+    if note:
+        notes.append(f"optimizer {name}: {note}")
 
 
 def _precision_flags(plan: Plan, flags: list[str], transformer: dict, optimizer: dict, notes: list[str]) -> None:

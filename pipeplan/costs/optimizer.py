@@ -17,6 +17,15 @@ check them against:
       fp32 parameters, fp32 gradients       16  ->  8 + 8/d
   The optimizer state is Adam's fp32 moments (8) plus the fp32 main copies the model's own dtypes do not already
   provide. pipeplan's fp32 and bf16-mixed are the last row; bf16 (no master copy, moments in bf16) is 4 + 4/d.
+- Optimizer-state precision, under the main-weight modes only (`MAIN_STATE_BYTES`: main copy, each moment):
+  `adamw` holds an fp32 main copy and fp32 moments (4 + 2 x 4 = 12 B); `adamw-bf16moments` bf16 moments with the
+  fp32 main copy (4 + 2 x 2 = 8 B: Megatron-Core's precision-aware distributed optimizer,
+  `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`, OptimizerConfig
+  exp_avg_dtype / exp_avg_sq_dtype); `adamw-bf16state` the whole state in bf16, main copy included (2 + 2 x 2 =
+  6 B: apex's DistributedFusedAdam as NeMo configures it with `optim.dtype: bf16` — "dtype: floating-point type for
+  optimizer state", and its default `store_params=True` keeps a distributed copy of the parameters in that dtype;
+  Megatron's `--main-params-dtype` offers fp32 or fp16, no bf16, so the Megatron export notes the difference).
+  Under the other modes they are refused in one line (their parameters are the master weights).
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a
 stage's replicas in every data-parallel pipeline), as `pipeplan run --zero 1` executes it (runtime/step/zero.py);
@@ -36,6 +45,9 @@ from pipeplan.errors import ConfigError
 from pipeplan.precision import Precision, get_precision
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors per parameter
+# Under the main-weight modes: bytes of (the main copy, each state tensor) per parameter (sources in the docstring)
+MAIN_STATE_BYTES = {"adamw-bf16moments": (4, 2), "adamw-bf16state": (2, 2)}
+OPTIMIZER_STATES.update({name: 2 for name in MAIN_STATE_BYTES})  # Adam's two moments
 OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
 OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
 ZERO_STAGES = (0, 1)  # 2 (gradients sharded) and 3 (parameters sharded) are not supported
@@ -73,6 +85,12 @@ class Numerics:
         """State tensors per parameter of a named optimizer."""
         return OPTIMIZER_STATES[self.optimizer]
 
+    @property
+    def main_state_bytes(self) -> tuple[int, int]:
+        """Under a main-weight mode: bytes of the optimizer's main copy and of each state tensor per parameter
+        (fp32 both, unless the optimizer names 16-bit state: `MAIN_STATE_BYTES`)."""
+        return MAIN_STATE_BYTES.get(self.optimizer, (4, 4))
+
 
 def numerics(optimizer: str | float, precision: str) -> Numerics:
     """`optimizer` (a name, an alias, or bytes per parameter) and `precision` (a mode's name) checked and resolved:
@@ -93,6 +111,11 @@ def numerics(optimizer: str | float, precision: str) -> Numerics:
         raise ConfigError(
             f"unknown --optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZER_NAMES)} or bytes per parameter"
         )
+    if isinstance(optimizer, str) and optimizer in MAIN_STATE_BYTES and not mode.main_weights:
+        raise ConfigError(
+            f"optimizer {optimizer} sets the dtype of a main-weight optimizer's state; --precision {precision} has "
+            "no main copy: use it with bf16-main, fp16-main, fp8 (or their -bf16grads), or use adamw"
+        )
     if isinstance(optimizer, str):
         return Numerics(mode, optimizer)
     if not math.isfinite(optimizer) or optimizer < 0:
@@ -107,15 +130,17 @@ FP8_WEIGHT_COPY_BYTES = 2  # Transformer Engine's FP8 weight and its transpose (
 def static_split(numerics: Numerics) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer state with any master copy) under `precision`. A
     number as optimizer is the whole figure (counted as optimizer state). Main-weight modes (`bf16-main`,
-    `fp16-main`, `fp8`: Megatron's layout) hold fp32 gradients and, in the optimizer, an fp32 main copy and fp32
-    moments: 2 + 4 + (4 + 4 x states); `fp8` adds its FP8 weight copies to the weights. Cached: the partitioner
-    asks for it per candidate stage."""
+    `fp16-main`, `fp8`: Megatron's layout) hold fp32 gradients and, in the optimizer, a main copy and the moments
+    (`Numerics.main_state_bytes`: fp32 unless the optimizer names 16-bit state): 2 + 4 + (4 + 4 x states) for
+    adamw's fp32 state; `fp8` adds its FP8 weight copies to the weights. Cached: the partitioner asks for it per
+    candidate stage."""
     if numerics.optimizer_bytes is not None:  # not named: the whole figure
         return 0.0, 0.0, float(numerics.optimizer_bytes)
     mode, states = numerics.precision, numerics.optimizer_states
     weights = float(mode.param_bytes + (FP8_WEIGHT_COPY_BYTES if mode.fp8_linears else 0))
     if mode.main_weights:
-        return weights, float(mode.grad_bytes), 4.0 + 4.0 * states
+        main, per_state = numerics.main_state_bytes
+        return weights, float(mode.grad_bytes), float(main + per_state * states)
     return weights, float(mode.grad_bytes), mode.param_bytes * float(states)
 
 

@@ -161,3 +161,33 @@ def test_cli_writes_the_args_file_with_comments(tmp_path):
     assert all(line.startswith("--") for line in flags) and "--pipeline-model-parallel-layout Ettt|tL" in flags
     assert any(line.startswith("# cannot express: schedule gpipe") for line in lines)
     assert "--pipeline-model-parallel-size 2" in result.stdout
+
+
+@pytest.mark.parametrize(("optimizer", "main_params"), [("adamw-bf16moments", None), ("adamw-bf16state", "fp16")])
+def test_optimizer_state_precision_exports_the_precision_aware_optimizer(tmp_path, optimizer, main_params):
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, zero=1, precision="bf16-main")
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, optimizer=optimizer))
+    exported = megatron_export(plan)
+    assert _flag(exported, "--use-precision-aware-optimizer") is True
+    assert _flag(exported, "--exp-avg-dtype") == "bf16" == _flag(exported, "--exp-avg-sq-dtype")
+    assert _flag(exported, "--main-params-dtype") == main_params and _flag(exported, "--optimizer") == "adam"
+    core = exported.render_core("megatron.args")
+    assert "'exp_avg_dtype': torch.bfloat16" in core and "'use_precision_aware_optimizer': True" in core
+    path = tmp_path / "megatron_mcore.py"
+    path.write_text(core)
+    kwargs = runpy.run_path(str(path))
+    # Megatron-Core's OptimizerConfig has these fields (building it needs Transformer Engine's FusedAdam: not here)
+    assert set(kwargs["OPTIMIZER"]) <= {field.name for field in dataclasses.fields(_megatron()[2])}
+    assert kwargs["OPTIMIZER"]["exp_avg_sq_dtype"] == torch.bfloat16
+    if main_params:
+        assert kwargs["OPTIMIZER"]["main_params_dtype"] == torch.float16 and "no Megatron flag" in " ".join(
+            exported.notes
+        )
+
+
+def test_precision_aware_optimizer_without_the_distributed_one_is_refused():
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, precision="bf16-main")
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, optimizer="adamw-bf16moments"))
+    with pytest.raises(ConfigError, match="zero=1") as refused:
+        megatron_export(plan)
+    assert "\n" not in str(refused.value)

@@ -74,3 +74,36 @@ def test_only_zero_stages_0_and_1():
             check_zero_stage(bad)
     with pytest.raises(ConfigError):
         zero_bytes_per_param((4, 4, 8), 2, 3)
+
+
+# Optimizer-state precision under the main-weight modes, by hand: (weights, gradients, optimizer state) per
+# parameter. Main copy + two Adam moments: fp32 + fp32 (12), fp32 + bf16 (Megatron's precision-aware optimizer,
+# --exp-avg-dtype/--exp-avg-sq-dtype bf16: 4 + 2 + 2 = 8), all bf16 (NeMo's distributed Adam, optim.dtype bf16:
+# 2 + 2 + 2 = 6). FP8 adds its 2-byte weight copy; -bf16grads halves the gradient buffer.
+STATE_TABLE = {
+    ("bf16-main", "adamw"): (2, 4, 12),
+    ("bf16-main", "adamw-bf16moments"): (2, 4, 8),
+    ("bf16-main", "adamw-bf16state"): (2, 4, 6),
+    ("bf16-main-bf16grads", "adamw-bf16moments"): (2, 2, 8),
+    ("bf16-main-bf16grads", "adamw-bf16state"): (2, 2, 6),
+    ("fp16-main", "adamw-bf16state"): (2, 4, 6),
+    ("fp8", "adamw-bf16moments"): (4, 4, 8),
+    ("fp8-bf16grads", "adamw-bf16state"): (4, 2, 6),
+}
+
+
+@pytest.mark.parametrize(("precision", "optimizer"), list(STATE_TABLE))
+def test_optimizer_state_precision_bytes_are_the_hand_table(precision, optimizer):
+    weights, gradients, state = STATE_TABLE[(precision, optimizer)]
+    assert static_split(numerics(optimizer, precision)) == (weights, gradients, state)
+    d = np.array([1, 2, 8])  # ZeRO-1 shards only the optimizer state (main copy and moments)
+    np.testing.assert_allclose(
+        zero_bytes_per_param(static_split(numerics(optimizer, precision)), d, 1), weights + gradients + state / d
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+def test_16_bit_optimizer_state_needs_a_main_weight_mode(precision):
+    with pytest.raises(ConfigError, match="no main copy") as refused:
+        numerics("adamw-bf16state", precision)
+    assert "\n" not in str(refused.value)

@@ -206,6 +206,7 @@ class PinnedResult:
             tensor_parallel=self.layout.tensor_parallel,
             context_parallel=self.layout.context_parallel,
             expert_parallel=self.layout.expert_parallel,
+            zero=self.evaluation.zero,  # pinned: the plan's memory lines say so, not "no plan without it fits"
         )
         rejected = () if self.rejection is None else (self.rejection,)
         profiles = {self.layout.microbatch_size: self.profile}

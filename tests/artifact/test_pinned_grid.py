@@ -51,6 +51,9 @@ GRID = [  # (model, --layout)
     ("llama-2-70b", "tp=8,pp=4,vp=2,dp=2,schedule=dualpipev,recompute=selective"),
     ("llama-2-70b", "tp=8,pp=4,dp=2,schedule=pipedream,mbs=2"),
     ("llama-2-70b", "tp=8,pp=4,vp=2,dp=2,blocks=0/3/3/3/3/3/1/0"),
+    ("llama-2-70b", "tp=8,pp=4,dp=2,schedule=dualpipe,recompute=full"),  # megatron refuses it in one line
+    ("llama-2-70b", "tp=8,pp=4,dp=2,schedule=zb-auto,recompute=selective,zero=1"),
+    ("llama-2-70b", "tp=8,pp=4,vp=4,dp=2,recompute=" + "/".join(["none"] * 4 + ["full"] * 4 + ["selective"] * 8)),
     ("llama-3.1-405b", "tp=8,pp=8,vp=2,dp=4,zero=1,recompute=none"),
     ("llama-3.1-405b", "tp=8,cp=2,pp=8,dp=2,recompute=full,zero=1"),
     ("llama-3.1-405b", "tp=8,pp=16,dp=2,recompute=selective,zero=1"),
@@ -119,6 +122,8 @@ def test_a_pinned_layout_plans_writes_shows_and_exports_as_pinned(jobs, model, t
     loaded = Plan.load(tmp_path / "plan.json")
     again = plan_prediction(loaded)
     assert again.step_ms == pytest.approx(written["predicted"]["step_ms"], rel=1e-9)
+    peaks = written["predicted"]["peak_memory_bytes"][: len(again.device_memory_bytes)]
+    assert peaks == pytest.approx(list(again.device_memory_bytes), rel=1e-9)
     shown = runner.invoke(app, ["show", str(tmp_path / "plan.json"), "--json"])
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["predicted"]["step_ms"] == pytest.approx(written["predicted"]["step_ms"], rel=1e-9)

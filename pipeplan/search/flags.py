@@ -53,9 +53,9 @@ OVERLAP_HELP = (
     "collective takes (default 8), e.g. --overlap tensor,sms=16."
 )
 LAYOUT_HELP = (
-    "Exactly this layout (plan: its plan; capacity: predicted), beside the search's choice, e.g. \"tp=2,pp=2,vp=2,"
-    'dp=1,mbs=1,recompute=none" (keys: tp cp ep pp vp dp mbs recompute zero schedule split blocks, e.g. '
-    "blocks=3/4/4/3; tp x cp x pp x dp = the devices)."
+    "Exactly this layout (plan: its plan, no search; capacity: predicted beside the search's choice), e.g. "
+    '"tp=2,pp=2,vp=2,dp=1,mbs=1,recompute=none" (keys: tp cp ep pp vp dp mbs recompute zero schedule split '
+    "blocks, e.g. blocks=3/4/4/3; tp x cp x pp x dp = the devices)."
 )
 HARDWARE_HELP = "A preset (h100, a100-80gb, ...) or FILE.json[:NAME] from `pipeplan calibrate`: links, memory, rates."
 

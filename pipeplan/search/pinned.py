@@ -123,6 +123,14 @@ def _check(layout: PinnedLayout) -> None:
         raise ConfigError(f"--layout schedule={info.name} holds 2 chunks per device in a V: give vp=2")
     if layout.vp > 1 and info.placement not in ("looped", V_SHAPED):
         raise ConfigError(f"--layout vp={layout.vp} needs a looped schedule (interleaved), not {info.name}")
+    if info.placement == "looped" and layout.vp < 2:  # else the partition leaves devices empty
+        raise ConfigError(f"--layout schedule={info.name} loops 2 or more chunks over each device: give vp=2 or more")
+    if info.asynchronous and layout.zero:  # the plan file refuses it: ZeRO-1 cannot keep stashed weight versions
+        raise ConfigError(f"--layout schedule={info.name} is asynchronous and runs without ZeRO-1: give zero=0")
+    if info.asynchronous and set(layout.recompute) != {"none"}:  # a stream keeps every activation (plan file)
+        raise ConfigError(
+            f"--layout schedule={info.name} is asynchronous and runs without recomputation: give recompute=none"
+        )
     if (layout.dp * layout.cp) % layout.ep:
         raise ConfigError(
             f"--layout ep={layout.ep} must divide dp x cp = {layout.dp * layout.cp} (its ranks come from them)"
@@ -206,6 +214,7 @@ class PinnedResult:
             tensor_parallel=self.layout.tensor_parallel,
             context_parallel=self.layout.context_parallel,
             expert_parallel=self.layout.expert_parallel,
+            zero=self.evaluation.zero,  # pinned: the plan's memory lines say so, not "no plan without it fits"
         )
         rejected = () if self.rejection is None else (self.rejection,)
         profiles = {self.layout.microbatch_size: self.profile}

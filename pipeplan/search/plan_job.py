@@ -67,6 +67,8 @@ def prepare_plan(options: PlanOptions, *, profile: Profile | None = None) -> Pla
     else:
         precision = mode or default_precision(options.device)
     sizes = microbatch_candidates(options.microbatch_size, source.profile.provenance.batch_size if source else 1)
+    if options.layout is not None and source is None:  # MODEL profiled at the pinned microbatch size (-b ignored)
+        sizes = (parse_layout(options.layout).mbs,)
     config = _plan_config(options, cluster, numerics(optimizer, precision), sizes)  # checked before profiling
     if source is None:
         source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))

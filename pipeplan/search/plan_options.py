@@ -67,6 +67,7 @@ class PlanOptions(SearchFlags):
         if self.layout is not None:  # its schedule, named as in --schedule: asynchronous allowed, not with its ZeRO-1
             pinned = parse_layout(self.layout)
             searched_schedules((pinned.schedule_name,), allow_async=True, zero=pinned.zero)
+            self._warn_ignored_by_layout()
         parallel = parse_parallel(self.parallel)
         for key, size in (("tp", parallel.tensor), ("cp", parallel.context), ("ep", parallel.expert)):
             if size != AUTO and size > 1 and self.profile is None and self.device != "meta":  # type: ignore[operator]
@@ -74,3 +75,20 @@ class PlanOptions(SearchFlags):
                     f"--parallel {key}={size} plans analytically: profile with --device meta --hardware NAME (or give "
                     "an analytic --profile)"
                 )
+
+    def _warn_ignored_by_layout(self) -> None:
+        """`--layout` plans that layout alone (no search): the flags that only steer the search are ignored."""
+        memory = parse_memory(self.memory)
+        given = (
+            ("--parallel", self.parallel is not None),
+            ("--schedule", self.schedule != AUTO),
+            ("-b/--microbatch-size", self.microbatch_size is not None),
+            ("--memory zero=", memory.zero != AUTO),
+            ("--memory recompute=", memory.recompute != AUTO),
+        )
+        ignored = [flag for flag, on in given if on]
+        if ignored:
+            warn(
+                f"{', '.join(ignored)} ignored: --layout plans exactly its layout, without a search (`pipeplan "
+                "capacity` with the same flags searches beside it)"
+            )

@@ -1,5 +1,6 @@
 """The planner as a library call: `plan(profile, cluster, config) -> Plan` — the search over tensor/context/expert
-parallel sizes (`search.tensor_search`) and layouts, the chosen (or `--layout`-pinned) candidate built into a Plan.
+parallel sizes (`search.tensor_search`) and layouts, the chosen candidate built into a Plan; or a `--layout`-pinned
+candidate alone (no search beside it: `capacity --layout` compares the two).
 Commands and the Python API turn their options into these objects (`search.plan_job.prepare_plan`) and call it."""
 
 from __future__ import annotations
@@ -47,37 +48,34 @@ def plan(
     progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """The plan for `source` (a profile; with its model's graph, a runnable plan) on `cluster`: the search's choice
-    over every tensor-parallel size tried, or the pinned layout beside it."""
+    over every tensor-parallel size tried, or `config.layout` alone (pinned: no search beside it)."""
     source = source if isinstance(source, PlanInput) else profile_input(source)
     profile = source.profile
-    sizes = tensor_parallel_sizes(
-        config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel
-    )
-    tries = search_tensor_parallel(profile, cluster, config.search, sizes, config.schedules, progress=progress)
-    result = chosen_try(tries).result
-    assert result is not None, "search_tensor_parallel raises when no size gives a plan"
-    why = tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
-    if config.layout is not None:  # the pinned layout is the plan; the search's choice is what it is compared with
-        result, why = _pinned_result(profile, cluster, config, result)
+    if config.layout is not None:  # the pinned layout alone (`capacity --layout` sets the search's choice beside it)
+        result, why = _pinned_result(profile, cluster, config)
+    else:
+        sizes = tensor_parallel_sizes(
+            config.tensor_parallel, profile, cluster, config.context_parallel, config.expert_parallel
+        )
+        tries = search_tensor_parallel(profile, cluster, config.search, sizes, config.schedules, progress=progress)
+        found = chosen_try(tries).result
+        assert found is not None, "search_tensor_parallel raises when no size gives a plan"
+        result, why = found, tensor_parallel_reason(tries, lambda r: f"{r.best.samples_per_s:,.2f} samples/s")
     source = graph_at_microbatch(source, result.best.layout.microbatch_size)
     chosen = build_plan(result, model=source.model, layer_graph=source.layer_graph, tensor_parallel_reason=why)
     return with_profile(chosen, profile)  # the profile it was made from (`refine` starts from it)
 
 
-def _pinned_result(
-    profile: Profile, cluster: Cluster, config: PlanConfig, free: SearchResult
-) -> tuple[SearchResult, str]:
-    """The pinned layout as a one-candidate result, and a sentence comparing it with the search's choice."""
+def _pinned_result(profile: Profile, cluster: Cluster, config: PlanConfig) -> tuple[SearchResult, str]:
+    """The pinned layout as a one-candidate result, and the sentence that says it was pinned. The free search is
+    not run beside it (minutes at 100B+ scale): `pipeplan capacity ... --layout` compares the two."""
     assert config.layout is not None
     found = evaluate_pinned(profile, cluster, config.search, config.layout)
     if found.evaluation is None:
         assert found.rejection is not None
         raise InfeasibleError(f"--layout {config.layout.label}: {found.rejection.reason}")
-    pinned = found.evaluation
-    gap = pinned.step_ms / free.best.step_ms - 1.0
-    faster = "faster" if gap < 0 else "slower"
     why = (
-        f"Layout pinned by --layout ({config.layout.label}): {abs(gap):.1%} {faster} than the search's choice "
-        f"{free.best.label_with_replicas} ({free.best.step_ms:,.2f} ms/step)."
+        f"Layout pinned by --layout ({config.layout.label}); the search's own choice was not run beside it "
+        "(`pipeplan capacity` with the same --layout compares the two)."
     )
     return found.as_search_result(config.search), why

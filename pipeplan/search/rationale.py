@@ -104,7 +104,7 @@ def memory_choices(result: SearchResult, chosen: Evaluation) -> tuple[str, ...]:
         if without > limit:
             lines.append(f"{head}: without it needs {format_bytes(without)} of {format_bytes(limit)}")
         elif result.config.zero != "auto":
-            lines.append(f"{head}: as --memory zero=1 asks")
+            lines.append(f"{head}: as asked (--memory zero=1 or --layout zero=1)")
         elif plain:
             gap = plain[0].step_ms / chosen.step_ms - 1.0
             lines.append(f"{head}: {gap:.1%} faster than the best plan without it ({plain[0].layout.label})")

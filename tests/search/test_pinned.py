@@ -44,6 +44,9 @@ def profile():
         ("pp=2,blocks=4", "blocks names 1 stages; pp x vp = 2"),
         ("pp=3,blocks=4/0/4", "only the first stage"),
         ("pp=2,blocks=4/4,split=balanced", "leave out split=balanced"),
+        ("pp=4,schedule=interleaved", "schedule=interleaved loops 2 or more chunks"),  # was: "uses 2 of 4 devices"
+        ("pp=4,schedule=pipedream,zero=1", "schedule=pipedream is asynchronous and runs without ZeRO-1: give zero=0"),
+        ("pp=4,schedule=pipedream-2bw,recompute=full", "runs without recomputation: give recompute=none"),
     ],
 )
 def test_bad_layouts_are_one_line(text, match):

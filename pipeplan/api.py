@@ -20,6 +20,8 @@ import dataclasses
 import importlib
 import os
 import tempfile
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +63,66 @@ def _options(options_type: type, function: str, given: dict[str, Any], **fixed: 
     values = dict(given)
     if isinstance(values.get("assignments"), dict):
         values["assignments"] = [f"{key}={value}" for key, value in values["assignments"].items()]
-    return options_type(**values, **fixed)
+    return options_type(**_checked_values(options_type, function, values), **fixed)
+
+
+_WORDS = {int: "a whole number", float: "a number", str: "text", bool: "True or False", Path: "a path"}
+
+
+def _checked_values(options_type: type, function: str, given: dict[str, Any]) -> dict[str, Any]:
+    """`given` checked against `options_type`'s field types before the options' own checks: a wrong type is one
+    ConfigError line naming the keyword; comma-list options also take a list (joined with commas, as the CLI writes
+    them), text options a whole number (`devices=8`), path options os.PathLike."""
+    hints = typing.get_type_hints(options_type)
+    names = {f.name for f in dataclasses.fields(options_type)}
+    return {
+        name: _checked(function, name, hints[name], value) if name in names else value for name, value in given.items()
+    }
+
+
+def _checked(function: str, name: str, hint: Any, value: Any) -> Any:
+    kinds = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        else (hint,)
+    )
+    if value is None and type(None) in kinds:
+        return value
+    for kind in (kind for kind in kinds if kind is not type(None)):
+        accepted, converted = _accepts(kind, value)
+        if accepted:
+            return converted
+    expected = " or ".join(_describe(kind) for kind in kinds if kind is not type(None))
+    raise ConfigError(f"pipeplan.{function}({name}={value!r}): expected {expected}, got {type(value).__name__}")
+
+
+def _accepts(kind: Any, value: Any) -> tuple[bool, Any]:
+    if typing.get_origin(kind) is list:  # list[str]: a list or tuple of text
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        return ok, list(value) if ok else value
+    if kind is bool:
+        return isinstance(value, bool), value
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool), value
+    if kind is str:
+        if isinstance(value, list | tuple) and all(_plain(v) for v in value):
+            return True, ",".join(str(v) for v in value)
+        return _plain(value), str(value) if _plain(value) else value
+    if kind is Path:
+        return isinstance(value, str | os.PathLike), Path(value) if isinstance(value, str | os.PathLike) else value
+    return True, value  # anything else: the option's own checks
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _describe(kind: Any) -> str:
+    if typing.get_origin(kind) is list:
+        return "a list of text"
+    return _WORDS.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def _model_reference(model: Any, example_batch: Any, loss_fn: Any) -> str:
@@ -113,6 +174,10 @@ def plan(
     if isinstance(profile, str | os.PathLike):
         path = Path(profile)
     elif profile is not None:
+        from pipeplan.profiling.profile import Profile
+
+        if not isinstance(profile, Profile):
+            raise ConfigError(f"pipeplan.plan(profile=...): expected a Profile or a path, got {type(profile).__name__}")
         in_memory = profile
     given = {**options, "profile": path}
     request = _options(PlanOptions, "plan", given, model=reference, output=output, json_output=True)

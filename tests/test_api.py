@@ -91,6 +91,36 @@ def test_errors_are_one_line_pipeplan_errors():
         pipeplan.plan("mlp", assignments=TINY, devices=2, global_batch_size=3, microbatch_size="2")
 
 
+WRONG_TYPES = [  # (function, keyword arguments, the keyword the one line names)
+    ("plan", dict(devices=2.5), "devices=2.5"),
+    ("plan", dict(global_batch_size="x"), "global_batch_size='x'"),
+    ("plan", dict(global_batch_size=True), "global_batch_size=True"),
+    ("plan", dict(assignments=[1, 2]), "assignments=[1, 2]"),
+    ("plan", dict(profile=3), "profile="),
+    ("plan", dict(device=["cpu", 1.5]), "device="),
+    ("simulate", dict(schedule="1f1b", stages="4", microbatches=8), "stages='4'"),
+    ("simulate", dict(schedule="1f1b", stages=4, microbatches=8.5), "microbatches=8.5"),
+    ("profile", dict(batch_size="two"), "batch_size='two'"),
+]
+
+
+@pytest.mark.parametrize(("function", "kwargs", "named"), WRONG_TYPES)
+def test_wrong_argument_types_are_one_line_naming_the_keyword(function, kwargs, named):
+    """The API's argument types checked before the options' own checks (issue 38: no TypeError from inside)."""
+    args = () if function == "simulate" else ("mlp",)
+    with pytest.raises(ConfigError) as caught:
+        getattr(pipeplan, function)(*args, **kwargs)
+    assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_lists_and_counts_are_taken_as_the_cli_writes_them():
+    """A comma-list option takes a list, a text option a whole number: the same plan as the CLI's spelling."""
+    measured = pipeplan.profile("mlp", assignments=TINY)  # once: both plans read the same costs
+    listed = pipeplan.plan(profile=measured, devices=2, global_batch_size=4, schedule=["1f1b", "zb-h1"])
+    written = pipeplan.plan(profile=measured, devices="2", global_batch_size=4, schedule="1f1b,zb-h1")
+    assert listed.schedule == written.schedule and listed.predicted.step_ms == written.predicted.step_ms
+
+
 def test_readme_shows_the_example_verbatim():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)

@@ -229,3 +229,10 @@ def test_a_rotary_models_default_position_cap_follows_the_sequence():
         load_model("hf:llama", {"max_position_embeddings": "1024", "seq_len": "4096"})
     with pytest.raises(ModelError, match=r"seq_len=4096 must lie in \[2, 1024\]"):
         load_model("hf:gpt2", {"seq_len": "4096"})
+
+
+@pytest.mark.parametrize("count", ["2", "2x8"])
+def test_a_device_count_given_to_device_suggests_devices(count):
+    """`plan --device 2` meant `--devices 2`: the one line says so (profile has no --devices: no suggestion)."""
+    assert f"did you mean --devices {count}" in _line(["plan", "gpt", "--device", count])
+    assert "did you mean" not in _line(["profile", "gpt", "--device", count])

@@ -38,6 +38,7 @@ from pipeplan.profiling import rounds
 from pipeplan.profiling.consistency import out_of_bounds_message
 from pipeplan.profiling.measured_times import SPLIT_UNIT, WHOLE_UNIT, TimedProfile
 from pipeplan.profiling.profile import LayerProfile, Profile, Provenance
+from pipeplan.profiling.profile_options import unknown_device
 from pipeplan.profiling.recompute import RecomputeCosts, input_bytes, measured_attention_core
 from pipeplan.profiling.routing import measure_routing
 from pipeplan.profiling.timed_units import LayerUnit, WholeUnit
@@ -63,7 +64,7 @@ class MeasureConfig:
         if self.device == "meta":
             raise ConfigError("measured profiling needs a real device; use --device meta with --hardware (analytic)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+            raise unknown_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
         if self.timer not in TIMERS:

@@ -19,6 +19,7 @@ from pipeplan.profiling.profile_options import (
     DEFAULT_WARMUP,
     ProfileOptions,
     check_attention,
+    unknown_device,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class ProfileRequest:
     def __post_init__(self) -> None:
         kind = self.device.partition(":")[0]
         if kind not in ("cpu", "cuda", "meta"):
-            raise ConfigError(f"--device must be cpu, cuda or meta, got {self.device!r}")
+            raise unknown_device(self.device)
         if kind == "meta" and self.hardware is None:
             raise ConfigError("--device meta profiles analytically and needs --hardware NAME (e.g. --hardware h100)")
         if kind == "cuda":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,7 @@ class ProfileOptions:
     def _check_device(self) -> None:
         device = self.device
         if device not in ("cpu", "cuda", "meta") and not device.startswith("cuda:"):
-            raise ConfigError(f"--device must be cpu, cuda or meta, got {device!r}")
+            raise unknown_device(device)
         if device == "meta" and not self.hardware:
             raise ConfigError("--device meta estimates costs analytically and needs --hardware NAME (e.g. h100)")
         if self.hardware:  # an unknown name is an error even where it is then ignored
@@ -101,3 +102,11 @@ class ProfileOptions:
                 warn("--warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         elif self.hardware or self.hardware_file:
             warn(f"--hardware/--hardware-file are ignored with --device {self.device} (measured)")
+
+
+def unknown_device(device: str, *, count_flag: str = "") -> ConfigError:
+    """--device's one line for a value that is no device; where the command has `count_flag` (plan's --devices), a
+    count (`--device 2`, `2x8`) was meant for it."""
+    meant = count_flag and re.fullmatch(r"\d+(x\d+)?", device.strip())
+    hint = f"; did you mean {count_flag} {device.strip()} (how many devices)?" if meant else ""
+    return ConfigError(f"--device must be cpu, cuda or meta, got {device!r}{hint}")

@@ -10,7 +10,7 @@ from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.graph.tracers import check_tracer
 from pipeplan.options import argument, option
-from pipeplan.profiling.profile_options import check_attention
+from pipeplan.profiling.profile_options import check_attention, unknown_device
 from pipeplan.search.flags import AUTO, SearchFlags, parse_memory, parse_parallel, parse_schedules
 
 DEFAULT_OUTPUT = "plan"
@@ -59,6 +59,8 @@ class PlanOptions(SearchFlags):
             if ignored:
                 warn(f"{', '.join(ignored)} ignored: --profile plans with the file's costs")
         check_tracer(self.tracer)
+        if self.device.partition(":")[0] not in ("cpu", "cuda", "meta"):
+            raise unknown_device(self.device, count_flag="--devices")
         if self.profile is None:
             check_attention(self.attention, self.device)
         names, named = parse_schedules(self.schedule, ())

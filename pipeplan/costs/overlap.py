@@ -121,6 +121,12 @@ def optimizer_bytes_per_param(split: tuple[float, float, float], weights_are_mas
     return 2.0 * state + gradients + (2.0 if weights_are_master else 1.0) * weights
 
 
+def update_bytes_per_param(numerics: Numerics) -> float:
+    """`optimizer_bytes_per_param` under `numerics` (its static split; the weights are the master copy unless the
+    mode keeps a main copy): what an update moves per parameter it owns."""
+    return optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
+
+
 def eager_update_ms(update_ms: Sequence[float], numerics: Numerics) -> list[float]:
     """Per device, a post-validated step's update (`run --post-validate`: runtime/train/post_validate.StepUndo): the
     undo copy of its weights and optimizer state (read and written once, 2 x (weights + state) bytes per parameter)
@@ -128,7 +134,7 @@ def eager_update_ms(update_ms: Sequence[float], numerics: Numerics) -> list[floa
     time `update_ms` scaled by their bytes (0 stays 0: a profile that does not know the memory rate)."""
     split = static_split(numerics)
     weights, _, state = split
-    moved = optimizer_bytes_per_param(split, not numerics.precision.main_weights)
+    moved = update_bytes_per_param(numerics)
     scale = 1.0 + 2.0 * (weights + state) / moved if moved > 0 else 1.0
     return [ms * scale for ms in update_ms]
 

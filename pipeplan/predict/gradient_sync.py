@@ -25,9 +25,8 @@ from pipeplan.costs import (
     expert_holders,
     gradient_sync_ms,
     stages_per_device,
-    static_split,
 )
-from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
+from pipeplan.costs.overlap import optimizer_step_ms, update_bytes_per_param
 from pipeplan.partition.result import Partition
 from pipeplan.profiling.profile import Profile
 
@@ -87,7 +86,7 @@ def stage_optimizer_ms(
     bytes_per_s = rates.bytes_per_s if rates is not None else profile.provenance.update_bytes_per_s
     if not bytes_per_s or not numerics.named:
         return tuple(0.0 for _ in part.stages)
-    moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
+    moved = update_bytes_per_param(numerics)
     times = []
     for stage in part.stages:
         copies = 2 if group.mirrored else 1

@@ -1,7 +1,7 @@
 """What a run's step tails teach: after each rank's last op come its stages' gradient exchange and optimizer update
 (and the waits around them). A measured profile does not time updates (no memory rate); the run did. The part of
 each rank's tail the plan's gradient exchange does not explain is taken as its update, and the bytes its stages'
-updates move (`costs.overlap.optimizer_bytes_per_param` per parameter updated on one device) over that time give
+updates move (`costs.overlap.update_bytes_per_param` per parameter updated on one device) over that time give
 the rate updates ran at: `Provenance.update_bytes_per_s`, which `predict.gradient_sync.stage_optimizer_ms` times
 every later update with (the re-plan's too), and which times the run's own plan again here."""
 
@@ -11,15 +11,14 @@ from dataclasses import replace
 
 from pipeplan.artifact.measured import MeasuredRun
 from pipeplan.artifact.plan import Plan, StagePlan
-from pipeplan.costs.optimizer import static_split
-from pipeplan.costs.overlap import optimizer_bytes_per_param, optimizer_step_ms
+from pipeplan.costs.overlap import optimizer_step_ms, update_bytes_per_param
 
 
 def _moved_per_param(plan: Plan) -> float:
     numerics = plan.training.numerics
     if not numerics.named:
         return 0.0
-    return optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
+    return update_bytes_per_param(numerics)
 
 
 def _updated_params(plan: Plan, stage: StagePlan) -> float:

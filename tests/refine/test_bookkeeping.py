@@ -19,8 +19,7 @@ from pipeplan.artifact.scripts import with_profile, write_plan_dir
 from pipeplan.artifact.timing import plan_step_ms, plan_timeline, timeline_rows
 from pipeplan.cli import app
 from pipeplan.costs import LayerArrays, numerics, stage_op_ms
-from pipeplan.costs.optimizer import static_split
-from pipeplan.costs.overlap import optimizer_bytes_per_param
+from pipeplan.costs.overlap import update_bytes_per_param
 from pipeplan.errors import FormatError
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians, refined_layers, retimed_plan
@@ -255,7 +254,7 @@ def test_step_tails_teach_the_optimizer_update_rate():
     refined = refined_profile(plan, _profile_of(plan), measured_medians(plan, run), run)
     rate = refined.provenance.update_bytes_per_s
     numerics = plan.training.numerics
-    moved = optimizer_bytes_per_param(static_split(numerics), not numerics.precision.main_weights)
+    moved = update_bytes_per_param(numerics)
     assert rate == pytest.approx(sum(s.param_count for s in plan.stages) * moved / (sum(left) / 1e3))
     retimed = with_learned_updates(retimed_plan(plan, refined), rate)
     assert sum(s.optimizer_ms for s in retimed.stages) == pytest.approx(sum(left))

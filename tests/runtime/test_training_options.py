@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.costs import numerics
-from pipeplan.costs.optimizer import OPTIMIZER_STATES
+from pipeplan.costs.optimizer import MAIN_STATE_BYTES, OPTIMIZER_STATES
 from pipeplan.errors import ConfigError, ModelError
 from pipeplan.models import load_model
 from pipeplan.runtime.train.config import OPTIMIZERS, RunConfig
@@ -59,7 +59,7 @@ def test_schedule_factors_match_torch_schedulers(schedule, warmup, decay):
 
 
 def test_run_names_the_optimizers_the_planner_counts_with_their_state():
-    assert set(OPTIMIZERS) == set(OPTIMIZER_STATES)
+    assert set(OPTIMIZERS) == set(OPTIMIZER_STATES) - set(MAIN_STATE_BYTES)  # 16-bit state: engines only
     for name in OPTIMIZERS:
         param = torch.nn.Parameter(torch.ones(3))
         make = optimizer_factory(name, None, {"w": param}, lr=0.1, weight_decay=0.0, momentum=0.9)
@@ -68,6 +68,16 @@ def test_run_names_the_optimizers_the_planner_counts_with_their_state():
         optimizer.step()
         tensors = [v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         assert len(tensors) == OPTIMIZER_STATES[name], name
+
+
+def test_a_plan_with_16_bit_optimizer_state_is_refused_by_run(plan):
+    """adamw-bf16state / -bf16moments are what Megatron's precision-aware optimizer keeps; the runtime keeps fp32."""
+    _, base = plan
+    spec = load_model(TEXT, TINY_TEXT)
+    for name in MAIN_STATE_BYTES:
+        sixteen = _with(base, optimizer=name, precision="bf16-main")
+        with pytest.raises(ConfigError, match=f"16 bits \\({name}\\).*--format megatron"):
+            run_optimizer(sixteen, spec, optimizer=None, momentum=None)
 
 
 def _with(plan, **training):
@@ -105,7 +115,7 @@ def test_a_factory_optimizer_and_schedule_exclude_the_flags_that_would_be_ignore
     ]:
         with pytest.raises(ConfigError, match=f"drop {flag}"):
             check_training(base, own, config)
-    with pytest.raises(ConfigError, match="re-plan with --zero 0"):
+    with pytest.raises(ConfigError, match="re-plan with --memory zero=0"):
         check_training(_with(base, zero=1), own, RunConfig())
 
 

@@ -121,7 +121,7 @@ class FlatBucket:
         if len(dtypes) > 1 or len(devices) > 1:
             raise RunError(
                 f"ZeRO-1 needs the parameters shared by ranks {list(ranks)} in one dtype on one device, found "
-                f"{sorted(map(str, dtypes))}; re-plan with --zero 0"
+                f"{sorted(map(str, dtypes))}; re-plan with --memory zero=0"
             )
         self.ranks, self.group, self.names, self.params = ranks, group, names, params
         self.numels = [p.numel() for p in params]

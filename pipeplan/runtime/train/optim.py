@@ -66,14 +66,20 @@ def run_optimizer(plan: Plan, spec: ModelSpec, *, optimizer: str | None, momentu
         if plan.training.zero:
             raise ConfigError(
                 f"model {spec.name!r} supplies its own optimizer, which steps whole parameters; ZeRO-1 steps flat "
-                "shards of them: re-plan with --zero 0"
+                "shards of them: re-plan with --memory zero=0"
             )
         return FACTORY
+    if plan.training.numerics.named and plan.training.numerics.main_state_bytes != (4, 4):
+        raise ConfigError(
+            f"the plan keeps the optimizer's state in 16 bits ({planned}), which pipeplan's runtime does not run (its "
+            "AdamW keeps fp32 state): export it for Megatron-LM (`pipeplan export --format megatron`) or re-plan with "
+            "--precision MODE,adamw"
+        )
     if planned in OPTIMIZERS:
         if optimizer is not None and optimizer != planned:
             raise ConfigError(
-                f"--optimizer {optimizer} but the plan counted memory for {planned}; re-run `pipeplan plan --optimizer "
-                f"{optimizer}` or drop --optimizer"
+                f"--optimizer {optimizer} but the plan counted memory for {planned}; re-plan with `--precision "
+                f"MODE,{optimizer}` or drop --optimizer"
             )
         name = planned
     elif optimizer is None:
@@ -86,7 +92,7 @@ def run_optimizer(plan: Plan, spec: ModelSpec, *, optimizer: str | None, momentu
         if plan.training.unplanned_optimizer_bytes(name) > 1e-9:
             raise ConfigError(
                 f"--optimizer {name} needs more than the {planned} bytes per parameter the plan counted under "
-                f"{plan.training.precision}; re-run `pipeplan plan --optimizer {name}` or pick a lighter optimizer"
+                f"{plan.training.precision}; re-plan with `--precision MODE,{name}` or pick a lighter optimizer"
             )
     if momentum is not None and name != "sgd":
         raise ConfigError(f"--momentum applies to --optimizer sgd only, and this run steps {name}; drop --momentum")

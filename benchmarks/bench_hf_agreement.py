@@ -1,8 +1,9 @@
-"""`hf:` models against the built-ins of the same shape (issue 35): analytic profiles (h100, bf16-main, batch 1) at
-published widths with two blocks (every per-block figure is the full model's; depth only repeats it). For each
-family, the hf: model's figure relative to the built-in's: total parameters, forward FLOPs per token, bytes crossing
-the cut into the blocks, and per block (dense, and the MoE one where there is one) saved bytes and F / I / W times,
-and the final norm and head's F + I + W. Then `capacity` (the search, bf16-main) of DeepSeek-V3's shape with
+"""`hf:` models against the built-ins of the same shape (issue 35), through the CLI as a user types it: analytic
+profiles (`pipeplan profile MODEL --device meta --hardware h100 --precision bf16-main -b 1`) at published widths with
+two blocks (every per-block figure is the full model's; depth only repeats it). For each family, the hf: model's
+figure relative to the built-in's: total parameters, forward FLOPs per token, bytes crossing the cut into the blocks,
+and per block (dense, and the MoE one where there is one) saved bytes and F / I / W times, and the final norm and
+head's F + I + W. Then `pipeplan capacity ... --json` (the search, bf16-main) of DeepSeek-V3's shape with
 CAPACITY_LAYERS blocks (one dense, the rest MoE; the full 61 is too slow to sweep on a 2-core VM) on 64 H100, seq
 4096, 256 sequences, as `hf:deepseek_v3` and as the built-in: the layout each chooses and its step. Prints a table
 and writes results/hf_agreement.json; not a test (tests/models/test_hf_agreement.py holds the agreement the docs
@@ -13,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from arguments import parse_args
@@ -101,21 +105,37 @@ FAMILIES = {  # (hf: model, its fields), (built-in, its options), both at LAYERS
 }
 
 
-def _spec(ref: str, options: dict | None):
+PIPEPLAN = shutil.which("pipeplan", path=str(Path(sys.executable).parent)) or "pipeplan"
+
+
+def _model_args(ref: str, options: dict | None) -> list[str]:
+    """`MODEL -a key=value ...` as a user types it: a built-in preset's own options with LAYERS blocks."""
     from pipeplan.models import load_model
 
     if options is None or (not ref.startswith("hf:") and ref not in ("llama", "gpt")):  # a built-in preset
         preset = load_model(ref)
         ref = "moe" if preset.name == "moe" else preset.name
         options = {**preset.options, "layers": LAYERS, **(options or {})}
-    return load_model(ref, {key: str(value) for key, value in options.items()})
+    return [ref, *(part for key, value in options.items() for part in ("-a", f"{key}={value}"))]
 
 
-def _figures(ref: str, options: dict | None) -> dict:
-    from pipeplan.profiling.analytic import profile_analytic
+def _cli(*args: str) -> str:
+    """One pipeplan command's stdout; a failure stops the benchmark with the command's own last line."""
+    done = subprocess.run([PIPEPLAN, *args], capture_output=True, text=True)
+    if done.returncode:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        raise SystemExit(f"pipeplan {' '.join(args)}: {last}")
+    return done.stdout
+
+
+def _figures(ref: str, options: dict | None, folder: Path) -> dict:
+    from pipeplan.profiling.profile import Profile
     from pipeplan.search.stack import transformer_layers
 
-    profile = profile_analytic(_spec(ref, options), batch_size=1, hardware="h100", precision="bf16-main")
+    path = folder / f"{ref.replace(':', '_')}.json"
+    meta = ("--device", "meta", "--hardware", "h100", "--precision", "bf16-main", "-b", "1", "-o", str(path))
+    _cli("profile", *_model_args(ref, options), *meta)
+    profile = Profile.load(path)
     roles = transformer_layers(profile)
     layers = profile.layers
     first, last = layers[roles.first_block], layers[roles.end_block - 1]
@@ -133,30 +153,22 @@ def _figures(ref: str, options: dict | None) -> dict:
 
 
 def _capacity(devices: int = 64, batch: int = 256) -> dict:
-    """DeepSeek-V3's shape (CAPACITY_LAYERS blocks) through `capacity` as hf:deepseek_v3 and as the built-in moe
-    with the deepseek-v3 preset's options: each one's chosen layout and step, and the step's difference."""
-    from pipeplan.capacity.inputs import capacity_profile
-    from pipeplan.capacity.sweep import CapacityConfig, capacity_sweep
-    from pipeplan.hardware import load_hardware
+    """DeepSeek-V3's shape (CAPACITY_LAYERS blocks) through `pipeplan capacity ... --json` as hf:deepseek_v3 and as
+    the built-in moe with the deepseek-v3 preset's options: each one's chosen layout and step, and the difference."""
     from pipeplan.models import load_model
-    from pipeplan.search.config import SearchConfig, default_memory_reserve
 
-    hardware = load_hardware("h100")
-    reserve = default_memory_reserve(hardware.memory_bytes)
-    search = SearchConfig(
-        precision="bf16-main", replication=False, global_batch_size=batch, memory_reserve_bytes=reserve
-    )
-    config = CapacityConfig(search=search, hardware=hardware, device_counts=(devices,))
     builtin = {**load_model("deepseek-v3").options, "layers": CAPACITY_LAYERS, "dense_layers": 1}
     builtin.pop("seq")  # capacity's --seq
     hf = dict(num_hidden_layers=CAPACITY_LAYERS, first_k_dense_replace=1)
+    cluster = ("--seq", "4096", "--hardware", "h100", "--devices", str(devices), "-B", str(batch))
     found = {}
     for tag, model, options in (("hf", "hf:deepseek_v3", hf), ("builtin", "moe", builtin)):
-        fields = {key: str(value) for key, value in options.items()}
-        profile = capacity_profile(model, fields, seq=4096, hardware=hardware, batch_size=1, quiet=True)
-        (row,) = capacity_sweep(profile, config).rows
-        layout = (row.schedule, row.tensor_parallel, row.expert_parallel, row.pipeline_devices, row.data_parallel)
-        found[tag] = dict(layout="{} t={} ep={} {}x{}".format(*layout), step_ms=row.step_ms, mfu=row.mfu)
+        model_args = [model, *(part for key, value in options.items() for part in ("-a", f"{key}={value}"))]
+        report = json.loads(_cli("capacity", *model_args, *cluster, "--precision", "bf16-main", "--json"))
+        (row,) = report["rows"]
+        layout = (row["schedule"], row["tensor_parallel"], row["expert_parallel"])
+        layout += (row["pipeline_devices"], row["data_parallel"])
+        found[tag] = dict(layout="{} t={} ep={} {}x{}".format(*layout), step_ms=row["step_ms"], mfu=row["mfu"])
     found["step_pct"] = 100 * (found["hf"]["step_ms"] / found["builtin"]["step_ms"] - 1)
     found.update(devices=devices, global_batch_size=batch, seq=4096, layers=CAPACITY_LAYERS, precision="bf16-main")
     return found
@@ -165,13 +177,14 @@ def _capacity(devices: int = 64, batch: int = 256) -> dict:
 def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     rows = {}
-    for family, ((hf_ref, hf_options), (ref, options)) in FAMILIES.items():
-        hf, builtin = _figures(hf_ref, hf_options), _figures(ref, options)
-        rows[family] = {
-            key: dict(hf=hf[key], builtin=builtin[key], pct=100 * (hf[key] / builtin[key] - 1)) for key in hf
-        }
-        shown = ", ".join(f"{key} {row['pct']:+.1f}%" for key, row in rows[family].items())
-        print(f"{family}: {shown}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hf_agreement-") as folder:
+        for family, ((hf_ref, hf_options), (ref, options)) in FAMILIES.items():
+            hf, builtin = _figures(hf_ref, hf_options, Path(folder)), _figures(ref, options, Path(folder))
+            rows[family] = {
+                key: dict(hf=hf[key], builtin=builtin[key], pct=100 * (hf[key] / builtin[key] - 1)) for key in hf
+            }
+            shown = ", ".join(f"{key} {row['pct']:+.1f}%" for key, row in rows[family].items())
+            print(f"{family}: {shown}", flush=True)
     capacity = _capacity()
     hf, builtin = capacity["hf"], capacity["builtin"]
     print(

@@ -44,7 +44,7 @@ format: $(STAMP)
 	$(BIN)/ruff format pipeplan tests benchmarks examples
 
 test: $(STAMP) $(TT_STAMP) lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30  # the slowest tests listed: the suite aims at 10 minutes on 2 cores
 
 # everything but the tests marked slow: the multi-process runs (gloo ranks) and a few long ones
 test-fast: $(STAMP) $(TT_STAMP) lint

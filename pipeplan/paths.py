@@ -51,7 +51,7 @@ def check_replaceable(path: Path | str, option: str) -> None:
         )
 
 
-def _check_common(path: Path | str | None, option: str) -> Path:
+def _check_common(path: str | os.PathLike[str] | None, option: str) -> Path:
     if path is None or str(path).strip() == "":
         raise ConfigError(f"{option} needs a path; got an empty one")
     target = Path(path).expanduser()
@@ -71,7 +71,7 @@ def _check_parent(target: Path, option: str) -> None:
         raise ConfigError(f"{option} {str(target)!r}: no permission to write in {str(existing)!r}")
 
 
-def check_output_file(path: Path | str | None, option: str) -> Path:
+def check_output_file(path: str | os.PathLike[str] | None, option: str) -> Path:
     """A file pipeplan will write: not a directory, under a directory it can create and write in."""
     target = _check_common(path, option)
     if target.is_dir():
@@ -83,7 +83,7 @@ def check_output_file(path: Path | str | None, option: str) -> Path:
     return target
 
 
-def check_output_dir(path: Path | str | None, option: str, files: tuple[str, ...] = ()) -> Path:
+def check_output_dir(path: str | os.PathLike[str] | None, option: str, files: tuple[str, ...] = ()) -> Path:
     """A directory pipeplan will create (or write `files` into): not a file, creatable and writable, and none of
     `files` already there as something other than a regular file."""
     target = _check_common(path, option)

@@ -51,7 +51,7 @@ def data_parallel(plan: Plan, engine: str) -> DataParallel:
             "data-parallel rank the same number; re-plan with --parallel replicate=off or a --global-batch-size "
             f"giving a multiple of {replicas} microbatches per pipeline"
         )
-    notes = ()
+    notes: tuple[str, ...] = ()
     if replicas > 1:
         notes = (
             f"every stage has {replicas} replicas: exported as data parallelism over {pipelines} pipeline(s) x "

@@ -210,8 +210,9 @@ def _expert_count(plan: Plan) -> int | None:
     if builtin_family(ref) != "moe":
         return None
     builtin = BUILTINS[ref]
-    if "experts" in options or "experts" in (builtin.preset or {}):
-        return int(options.get("experts", (builtin.preset or {}).get("experts")))
+    given = options.get("experts", (builtin.preset or {}).get("experts"))
+    if given is not None:
+        return int(given)
     import inspect  # the factory's default: imports the model (torch), only for an ep plan of the default shape
 
     return int(inspect.signature(builtin.factory).parameters["experts"].default)

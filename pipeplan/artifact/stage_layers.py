@@ -62,8 +62,10 @@ def block_layout(plan: Plan, engine: str) -> BlockLayout:
     container = containers.most_common(1)[0][0]
     positions = [i for i, name in enumerate(names) if block_of(name, container) is not None]
     first, last = positions[0], positions[-1]
-    blocks = sorted({block_of(names[i], container) for i in positions})
-    stages, seen, offset = [], set(), 0
+    blocks = sorted({b for i in positions if (b := block_of(names[i], container)) is not None})
+    stages: list[StageMembers] = []
+    seen: set[int] = set()
+    offset = 0
     for stage in plan.stages:
         layers = stage.layer_names
         where = range(offset, offset + len(layers))
@@ -71,7 +73,8 @@ def block_layout(plan: Plan, engine: str) -> BlockLayout:
         starts = tuple(b for b in dict.fromkeys(own) if b is not None and b not in seen)
         seen.update(b for b in own if b is not None)
         following = names[offset + len(layers)] if offset + len(layers) < len(names) else ""
-        split = own[-1] is not None and block_of(following, container) == own[-1]
+        last_block = own[-1]
+        split = last_block is not None and block_of(following, container) == last_block
         stages.append(
             StageMembers(
                 index=stage.index,
@@ -80,7 +83,7 @@ def block_layout(plan: Plan, engine: str) -> BlockLayout:
                 before=tuple(n for i, n in zip(where, layers) if i < first),
                 after=tuple(n for i, n in zip(where, layers) if i > last),
                 between=tuple(n for i, n, b in zip(where, layers, own) if first < i < last and b is None),
-                split_blocks=(own[-1],) if split else (),
+                split_blocks=(last_block,) if split and last_block is not None else (),
             )
         )
         offset += len(layers)

@@ -76,7 +76,7 @@ def _row_cells(row: CapacityRow) -> list[str]:
         more = f"fits on {row.needed_devices}" if row.needed_devices else "no swept count fits"
         return [count, "[red]does not fit[/]", *[""] * (len(HEADERS) - 3), "; ".join(p for p in (need, more) if p)]
     mem = row.memory
-    assert mem is not None and row.tokens_per_s is not None and row.mfu is not None
+    assert mem is not None and row.step_ms is not None and row.tokens_per_s is not None and row.mfu is not None
     return [
         count,
         f"{row.schedule} {row.pipeline_devices}x{row.data_parallel} m={row.num_microbatches} b={row.microbatch_size}",

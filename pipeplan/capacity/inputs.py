@@ -105,7 +105,11 @@ class CapacityJob:
 def prepare_capacity(options: CapacityOptions) -> CapacityJob:
     """Check the sweep before profiling, profile, then fill in the default global batch (it needs the profile)."""
     pinned = parse_layout(options.layout) if options.layout is not None else None
-    counts = parse_device_counts(options.devices) if options.devices is not None else (pinned.devices,)
+    if options.devices is not None:
+        counts = parse_device_counts(options.devices)
+    else:
+        assert pinned is not None, "CapacityOptions requires --devices or --layout"
+        counts = (pinned.devices,)
     if pinned is not None and counts != (pinned.devices,):
         raise ConfigError(f"--layout uses {pinned.devices} devices; drop --devices or give --devices {pinned.devices}")
     hardware = resolve_hardware(options.hardware)

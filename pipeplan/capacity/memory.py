@@ -97,7 +97,7 @@ def memory_floor_bytes(layout: Layout, profile: Profile, per_param: float, *, re
     static = np.concatenate([[0.0], np.cumsum(static_bytes([la.param_count for la in profile.layers], per_param))])
     if recompute:
         inflight = np.ones_like(inflight)
-    kept = [float(la.selective_activation_bytes if recompute else la.activation_bytes) for la in profile.layers]
+    kept = [float(la.kept_bytes("selective" if recompute else "none")) for la in profile.layers]
     active = np.concatenate([[0.0], np.cumsum(kept)])
     if len(inflight) > profile.num_layers:
         return math.inf

@@ -12,9 +12,11 @@ from pipeplan.jsonio import atomic_write
 from pipeplan.units import GIB
 
 
-def _fitting(rows) -> tuple[list[int], list[CapacityRow]]:
-    fits = [row for row in rows if row.fits]
-    return [row.num_devices for row in fits], fits
+def _fitting(rows: tuple[CapacityRow, ...]) -> tuple[list[int], list[float], list[float]]:
+    """The fitting rows' device counts, MFU (%) and peak memory per device (GiB)."""
+    fits = [(row.num_devices, row.mfu, row.memory) for row in rows if row.fits]
+    points = [(n, mfu, memory) for n, mfu, memory in fits if mfu is not None and memory is not None]
+    return [n for n, _, _ in points], [100 * mfu for _, mfu, _ in points], [m.total / GIB for _, _, m in points]
 
 
 def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:
@@ -25,14 +27,14 @@ def plot_capacity(report: CapacityReport, path: str | os.PathLike) -> None:
 
     fig, (mfu, memory, schedules) = plt.subplots(1, 3, figsize=(17, 4.5))
     for t, rows in report.per_tensor_parallel.items():
-        counts, fits = _fitting(rows)
-        if fits:
-            mfu.plot(counts, [100 * row.mfu for row in fits], marker="o", label=f"t={t}")
-            memory.plot(counts, [row.memory.total / GIB for row in fits], marker="o", label=f"t={t}")
+        counts, mfus, peaks = _fitting(rows)
+        if counts:
+            mfu.plot(counts, mfus, marker="o", label=f"t={t}")
+            memory.plot(counts, peaks, marker="o", label=f"t={t}")
     for name, rows in report.per_schedule.items():
-        counts, fits = _fitting(rows)
-        if fits:
-            schedules.plot(counts, [100 * row.mfu for row in fits], marker="o", label=name)
+        counts, mfus, _ = _fitting(rows)
+        if counts:
+            schedules.plot(counts, mfus, marker="o", label=name)
     memory.axhline(report.memory_per_device / GIB, color="black", linestyle="--", linewidth=1, label="device memory")
     labels = ((mfu, "MFU (%)"), (memory, "peak memory per device (GiB)"), (schedules, "MFU (%)"))
     for axis, label in labels:

@@ -171,6 +171,7 @@ def target_answer(
             message=message,
         )
     row = next(r for r in rows if r.num_devices == n)
+    assert row.tokens_per_s is not None, "answer_devices picks a fitting row"
     days_needed = target / row.tokens_per_s / SECONDS_PER_DAY
     extended = " (beyond the listed counts)" if row.extended else ""
     message = f"{head}: {n} devices{extended} reach {row.tokens_per_s:,.0f} tokens/s, {days_needed:.1f} days"

@@ -105,19 +105,32 @@ class CapacityConfig:
         object.__setattr__(self, "schedules", searched_schedules(self.schedules, allow_async=allow_async, named=False))
         if (self.target_tokens is None) != (self.days is None):
             raise ConfigError("--target-tokens and --days go together; give both or neither")
-        if self.target_tokens is not None and not (self.target_tokens > 0 and self.days > 0):
+        if self.target is not None and not (self.target[0] > 0 and self.target[1] > 0):
             raise ConfigError("--target-tokens and --days must be positive")
         if self.max_devices is None:
             object.__setattr__(self, "max_devices", 16 * self.device_counts[-1])
-        if self.max_devices < self.device_counts[-1]:
+        if self.device_limit < self.device_counts[-1]:
             raise ConfigError(f"max_devices ({self.max_devices}) must be >= the largest --devices count")
         self.search.budget(self.hardware.memory_bytes)  # a reserve that leaves nothing: one line
 
     @property
-    def tokens_per_s_needed(self) -> float | None:
-        if self.target_tokens is None:
+    def target(self) -> tuple[float, float] | None:
+        """(tokens, days) when both are given (__post_init__ refuses one without the other)."""
+        if self.target_tokens is None or self.days is None:
             return None
-        return self.target_tokens / (self.days * SECONDS_PER_DAY)
+        return self.target_tokens, self.days
+
+    @property
+    def device_limit(self) -> int:
+        """max_devices (__post_init__ sets its default, 16 x the largest listed count)."""
+        return self.max_devices if self.max_devices is not None else 16 * self.device_counts[-1]
+
+    @property
+    def tokens_per_s_needed(self) -> float | None:
+        if self.target is None:
+            return None
+        tokens, days = self.target
+        return tokens / (days * SECONDS_PER_DAY)
 
 
 def default_global_batch(tokens_per_sample: int, microbatch_sizes: tuple[int, ...]) -> int:
@@ -157,8 +170,9 @@ def capacity_sweep(
     rows = sweep.all_rows()
     rows = tuple(_with_needed_devices(row, rows) for row in rows)
     answer = None
-    if needed is not None:
-        answer = target_answer(rows, target_tokens=config.target_tokens, days=config.days, tokens_per_s_needed=needed)
+    if needed is not None and config.target is not None:
+        tokens, days = config.target
+        answer = target_answer(rows, target_tokens=tokens, days=days, tokens_per_s_needed=needed)
     return CapacityReport(
         model=model or profile.provenance.model,
         hardware=config.hardware.name,
@@ -206,7 +220,7 @@ class _Sweep:
         n = self.config.device_counts[-1] * 2
         layouts = self.config.search.global_batch_size * self.profile.num_layers
         layouts *= max(TENSOR_PARALLEL_SIZES) * max(CONTEXT_PARALLEL_SIZES)
-        limit = min(self.config.max_devices, layouts)
+        limit = min(self.config.device_limit, layouts)
         while n <= limit:
             if progress is not None:
                 progress(0, 1, f"{n} devices (extending)")
@@ -271,7 +285,10 @@ def family_label(t: int, cp: int, ep: int = 1) -> str:
 
 
 def _faster(row: CapacityRow, other: CapacityRow) -> bool:
-    return row.fits and (not other.fits or row.step_ms < other.step_ms)
+    """A row that fits (has a step) and is faster than `other` or `other` does not fit."""
+    if row.step_ms is None:
+        return False
+    return other.step_ms is None or row.step_ms < other.step_ms
 
 
 def _plan_split(

@@ -73,34 +73,55 @@ class PinnedLayout:
 
 def parse_layout(text: str) -> PinnedLayout:
     """`key=value` pairs joined by commas (module docstring); one ConfigError line naming the bad part."""
-    values: dict[str, object] = {}
+    counts: dict[str, int] = {}
+    texts: dict[str, str] = {}
+    recompute: tuple[str, ...] | None = None
+    blocks: tuple[int, ...] | None = None
+    seen: set[str] = set()
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, sep, value = part.partition("=")
         key, value = key.strip().lower(), value.strip()
         if not sep or key not in KEYS:
             raise ConfigError(f"--layout part {part!r} must be key=value with key one of {', '.join(KEYS)}")
-        if key in values:  # the last would win silently
+        if key in seen:  # the last would win silently
             raise ConfigError(f"--layout gives {key} twice ({part!r}); give each key once")
+        seen.add(key)
         if key == "recompute":
-            modes = tuple(m.strip() for m in value.split("/"))
-            bad = [m for m in modes if m not in RECOMPUTE_MODES]
-            if bad:
-                raise ConfigError(f"--layout recompute={bad[0]!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-            values[key] = modes
+            recompute = _recompute_modes(value)
         elif key in ("schedule", "split"):
-            values[key] = value
+            texts[key] = value
         elif key == "blocks":
-            values[key] = _block_counts(value)
+            blocks = _block_counts(value)
         else:
-            try:
-                values[key] = int(value)
-            except ValueError:
-                raise ConfigError(f"--layout {key}={value!r} must be a whole number") from None
-            if values[key] < (0 if key == "zero" else 1):
-                raise ConfigError(f"--layout {key} must be >= {0 if key == 'zero' else 1}, got {value}")
-    layout = PinnedLayout(**values)
+            counts[key] = _count(key, value)
+    default = PinnedLayout()
+    layout = PinnedLayout(
+        **{key: counts.get(key, getattr(default, key)) for key in ("tp", "cp", "ep", "pp", "vp", "dp", "mbs", "zero")},
+        recompute=recompute or default.recompute,
+        schedule=texts.get("schedule"),
+        split=texts.get("split", default.split),
+        blocks=blocks,
+    )
     _check(layout)
     return layout
+
+
+def _recompute_modes(value: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in value.split("/"))
+    bad = [m for m in modes if m not in RECOMPUTE_MODES]
+    if bad:
+        raise ConfigError(f"--layout recompute={bad[0]!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    return modes
+
+
+def _count(key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"--layout {key}={value!r} must be a whole number") from None
+    if number < (0 if key == "zero" else 1):
+        raise ConfigError(f"--layout {key} must be >= {0 if key == 'zero' else 1}, got {value}")
+    return number
 
 
 def _block_counts(value: str) -> tuple[int, ...]:

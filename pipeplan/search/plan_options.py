@@ -51,8 +51,12 @@ class PlanOptions(SearchFlags):
             raise ConfigError(f"--post-validate must be one of {choices}, got {self.post_validate!r}")
         if self.profile is not None:
             without_model = self.model is None
-            flags = ("-a", self.assignments), ("--granularity", self.granularity), ("--device", self.device != "cpu")
-            flags += (("--attention", self.attention != "auto"),)
+            flags: tuple[tuple[str, object], ...] = (
+                ("-a", self.assignments),
+                ("--granularity", self.granularity),
+                ("--device", self.device != "cpu"),
+                ("--attention", self.attention != "auto"),
+            )
             ignored = [
                 flag for flag, given in flags if given and (without_model or flag in ("--device", "--attention"))
             ]

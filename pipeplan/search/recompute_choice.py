@@ -31,7 +31,13 @@ from pipeplan.partition.result import Partition
 from pipeplan.predict.memory import with_recompute_bytes
 from pipeplan.profiling.profile import Profile
 from pipeplan.schedules.ops import Op
-from pipeplan.schedules.simulate import MemoryCosts, activation_deltas, activation_rises, device_activation_peak
+from pipeplan.schedules.simulate import (
+    MemoryCosts,
+    activation_deltas,
+    activation_rises,
+    device_activation_peak,
+    stage_value,
+)
 from pipeplan.units import format_bytes
 
 
@@ -130,7 +136,6 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
     if memory.kept_bytes is None:
         return []
     ops = [[Op.parse(text) for text in row] for row in device_ops]
-    static = memory.static_bytes if isinstance(memory.static_bytes, tuple | list) else (memory.static_bytes,) * len(ops)
     lines = []
     for stage, mode in enumerate(modes):
         if mode == "none":
@@ -138,7 +143,7 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
         without = _without_recompute(memory, stage, len(modes))
         delta, rises = activation_deltas(without, len(modes)), activation_rises(without, len(modes))
         holders = [d for d, row in enumerate(ops) if any(h.stage == stage for o in row for h in o.parts)]
-        need = max(static[d] + device_activation_peak(ops[d], delta, rises) for d in holders)
+        need = max(stage_value(memory.static_bytes, d) + device_activation_peak(ops[d], delta, rises) for d in holders)
         lines.append(
             f"stage {stage} recomputes ({mode}): without it needs {format_bytes(need)} of {format_bytes(limit)}"
         )

@@ -83,7 +83,7 @@ def tensor_parallel_sizes(
     expert = parse_tensor_parallel(expert, option="--parallel ep")
     analytic = profile.provenance.source == "analytic"
     for value, option in ((request, "--parallel tp"), (context, "--parallel cp")):
-        if value != AUTO and value > 1 and not analytic:
+        if isinstance(value, int) and value > 1 and not analytic:
             raise ConfigError(
                 f"{option}={value} plans analytically: give an analytic profile (--device meta --hardware NAME); "
                 f"this one is {profile.provenance.source}"
@@ -134,8 +134,9 @@ def _sizes(request: str | int, auto: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _problem(profile: Profile, t: int, cp: int, cluster: Cluster) -> str | None:
-    kw = dict(devices_per_node=cluster.devices_per_node, num_devices=cluster.num_devices)
-    problem = tensor_parallel_problem(profile, t, **kw) or context_parallel_problem(profile, t, cp, **kw)
+    per_node, devices = cluster.devices_per_node, cluster.num_devices
+    problem = tensor_parallel_problem(profile, t, devices_per_node=per_node, num_devices=devices)
+    problem = problem or context_parallel_problem(profile, t, cp, devices_per_node=per_node, num_devices=devices)
     if problem is None and t * cp > 1:
         problem = stack_problem(profile)
     return problem
@@ -230,13 +231,15 @@ def tensor_parallel_reason(tries: tuple[TensorParallelTry, ...], score: Callable
     if len(tries) < 2:
         return ""
     chosen = chosen_try(tries)
+    if chosen.result is None:  # no size gave a plan: nothing was chosen
+        return ""
     others = sorted((item for item in tries if item.result is not None and item is not chosen), key=lambda i: i.step_ms)
     head = f"{chosen.label}: {score(chosen.result)}"
     if others:
         runner = others[0]
         tie = runner.step_ms <= chosen.step_ms * (1.0 + PREDICTION_MARGIN) and _group_key(runner) > _group_key(chosen)
         note = " (within the prediction margin: the smaller group is preferred)" if tie else ""
-        compared = [f"{score(item.result)} at {item.label}" for item in others]
+        compared = [f"{score(item.result)} at {item.label}" for item in others if item.result is not None]
         head += f" vs {compared[0]}{note}" + "".join(f", {text}" for text in compared[1:])
     failed = [item for item in tries if item.result is None]
     memory = [item for item in failed if item.searched and "memory" in item.reason]

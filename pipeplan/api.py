@@ -1,6 +1,7 @@
 """The Python API: the whole chain (profile -> plan -> simulate -> run) as functions, for a notebook or a training
 script. Each takes the keyword arguments of its CLI command, named as the fields of the command's options dataclass
-(`--global-batch-size` -> `global_batch_size`, `-a layers=2` -> `assignments=["layers=2"]` or `{"layers": 2}`), with
+(`--global-batch-size` -> `global_batch_size`, `-a layers=2` -> `assignments=["layers=2"]` or `{"layers": 2}`) or as
+its flags (`log=` for `--log`: `options.flag_keywords`), with
 the same defaults and the same checks: the dataclass is the one declaration (`ProfileOptions`, `PlanOptions`,
 `SimulateOptions`, `RunOptions`), and the CLI commands call the same library functions. Errors are the same
 one-line `PipeplanError` subclasses.
@@ -16,9 +17,11 @@ reference, so it needs a built-in name, `file.py:factory` or `pkg.mod:factory`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import os
+import sys
 import tempfile
 import types
 import typing
@@ -52,32 +55,39 @@ def __getattr__(name: str) -> Any:
 
 
 def _options(options_type: type, function: str, given: dict[str, Any], **fixed: Any):
-    """`options_type` built from the keyword arguments `given` (unknown names: one ConfigError line listing the
-    known ones) and `fixed` (what the API sets itself)."""
+    """`options_type` built from the keyword arguments `given`, each named as its field or its CLI flag (`log=` or
+    `log_path=`; unknown names: one ConfigError line listing the known ones) and checked against the field's type
+    (`_checked`), and `fixed` (what the API sets itself)."""
+    from pipeplan.options import flag_keywords
+
     names = [f.name for f in dataclasses.fields(options_type) if f.init and f.name not in _RENDER_ONLY]
-    unknown = sorted(set(given) - set(names))
+    aliases = {k: field for k, field in flag_keywords(options_type).items() if field in names}
+    flag_of = {field: keyword for keyword, field in reversed(aliases.items())}  # a field's first flag
+    unknown = sorted(set(given) - set(names) - set(aliases))
     if unknown:
-        raise ConfigError(
-            f"pipeplan.{function}() got unknown option(s) {', '.join(unknown)}; options: {', '.join(names)}"
-        )
-    values = dict(given)
-    if isinstance(values.get("assignments"), dict):
-        values["assignments"] = [f"{key}={value}" for key, value in values["assignments"].items()]
-    return options_type(**_checked_values(options_type, function, values), **fixed)
+        known = ", ".join(f"{n} ({flag_of[n]})" if n in flag_of else n for n in names)
+        raise ConfigError(f"pipeplan.{function}() got unknown option(s) {', '.join(unknown)}; options: {known}")
+    hints = typing.get_type_hints(options_type)
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        field = aliases.get(name, name)
+        if field in values:
+            raise ConfigError(f"pipeplan.{function}() got {field}= and {flag_of[field]}= (the same option): give one")
+        if field == "assignments" and isinstance(value, dict):
+            value = [f"{key}={item}" for key, item in value.items()]
+        values[field] = _checked(function, name, hints[field], value)
+    missing = [
+        f.name
+        for f in dataclasses.fields(options_type)
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name not in values and f.name not in fixed
+    ]
+    if missing:
+        raise ConfigError(f"pipeplan.{function}() needs {' and '.join(f'{name}=' for name in missing)}")
+    return options_type(**values, **fixed)
 
 
 _WORDS = {int: "a whole number", float: "a number", str: "text", bool: "True or False", Path: "a path"}
-
-
-def _checked_values(options_type: type, function: str, given: dict[str, Any]) -> dict[str, Any]:
-    """`given` checked against `options_type`'s field types before the options' own checks: a wrong type is one
-    ConfigError line naming the keyword; comma-list options also take a list (joined with commas, as the CLI writes
-    them), text options a whole number (`devices=8`), path options os.PathLike."""
-    hints = typing.get_type_hints(options_type)
-    names = {f.name for f in dataclasses.fields(options_type)}
-    return {
-        name: _checked(function, name, hints[name], value) if name in names else value for name, value in given.items()
-    }
 
 
 def _checked(function: str, name: str, hint: Any, value: Any) -> Any:
@@ -207,6 +217,7 @@ def run(plan: Plan | str | os.PathLike, **options: Any) -> list[RunResult]:
     from pipeplan.runtime.launch.local import launch_local
     from pipeplan.runtime.launch.run_options import RunOptions
 
+    _check_main_guard()
     loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
     if loaded.model.ref.startswith(OBJECT_PREFIX):
         raise RunError(
@@ -221,3 +232,38 @@ def run(plan: Plan | str | os.PathLike, **options: Any) -> list[RunResult]:
             path = Path(plan)
         run_options = _options(RunOptions, "run", options, plan=path)
         return launch_local(run_options.plan, run_options, threads=run_options.threads)
+
+
+def _check_main_guard() -> None:
+    """`run` starts its ranks through multiprocessing (forkserver or spawn), which re-imports the main script in each
+    rank: a call at the script's top level, not under `if __name__ == "__main__":`, would run again in every rank
+    and fail there with two tracebacks. Refuse it here, before any rank starts, naming the line."""
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return  # an interactive session or `python -c`, or no call from the script's top level
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    guards = [node for node in tree.body if isinstance(node, ast.If) and _is_main_test(node.test)]
+    guarded = any(node.body[0].lineno <= line <= (node.body[-1].end_lineno or 0) for node in guards)
+    if not guarded:
+        raise RunError(
+            f"pipeplan.run() is called at the top level of {Path(path).name} (line {line}): its ranks re-import the "
+            'script and would run it again; put the call under `if __name__ == "__main__":`'
+        )
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"` (either order)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+        isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
+    )

@@ -79,3 +79,15 @@ def parse_options(options_type: type[Options], argv: Sequence[str] | None, *, pr
             return parsed[0]
         raise
     raise AssertionError("click's standalone main always exits")
+
+
+def flag_keywords(options_type: type) -> dict[str, str]:
+    """{keyword: field} for the long flags that name an option otherwise than its field (`--log` -> `log` for
+    `log_path`, `--arg` -> `arg` for `assignments`): the Python API takes either name."""
+    keywords = {}
+    for field in dataclasses.fields(options_type):
+        parameter = field.metadata.get(_PARAMETER)
+        flags = [flag for decl in getattr(parameter, "param_decls", None) or () for flag in decl.split("/")]
+        longs = [flag[2:].replace("-", "_") for flag in flags if flag.startswith("--") and not flag.startswith("--no-")]
+        keywords.update({keyword: field.name for keyword in longs if keyword != field.name})
+    return keywords

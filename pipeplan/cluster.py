@@ -8,12 +8,29 @@ partitioner calls it on whole DP columns, the planner on one boundary, with the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pipeplan.errors import ConfigError
 from pipeplan.units import format_bytes
+
+CPU_DEFAULT_DEVICES = 2  # a CPU plan's ranks when --devices is not given (a GPU machine: its GPUs)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS says, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads_per_rank(ranks: int) -> int:
+    """The CPU threads each of `ranks` processes on this machine runs with: the usable cores shared among them, at
+    least one each. A CPU run's ranks run with it (the ranks the launcher started here), and a CPU profile measures
+    with it (the ranks of the plan it is made for; `pipeplan profile` alone: CPU_DEFAULT_DEVICES), so that the
+    profile's op costs are those of the run's ranks, not of a process that had every core to itself."""
+    return max(1, usable_cores() // max(1, ranks))
+
 
 MAX_DEVICES = 16_384  # a plan holds one op list per rank: planning 16k devices takes seconds, 100k minutes
 

@@ -89,13 +89,22 @@ def stage_optimizer_ms(
     moved = update_bytes_per_param(numerics)
     times = []
     for stage in part.stages:
-        copies = 2 if group.mirrored else 1
-        shards = stage.replicas * group.data_parallel * group.context_parallel * copies if zero else 1
         experts = stage_expert_count(profile, stage.first_layer, stage.last_layer) if group.expert_parallel > 1 else 0
-        dense = stage_param_count(profile, stage.first_layer, stage.last_layer) - experts
-        count = dense / shards + experts / float(expert_holders(shards, group.expert_parallel))
+        params = stage_param_count(profile, stage.first_layer, stage.last_layer)
+        count = updated_params(params, experts, replicas=stage.replicas, zero=zero, group=group)
         times.append(optimizer_step_ms(count, moved, bytes_per_s))
     return tuple(times)
+
+
+def updated_params(params: int, experts: int, *, replicas: int, zero: int, group: SyncGroup) -> float:
+    """Parameters one device holding a stage updates: all of the stage's `params` (of which `experts` are routed
+    experts), or under ZeRO-1 its share: the dense ones over every holder (its replicas in every pipeline, the cp
+    ranks, dualpipe's mirrored copy), the experts over the holders of the same expert (`expert_holders`)."""
+    if not zero:
+        return float(params)
+    shards = replicas * group.data_parallel * group.context_parallel * (2 if group.mirrored else 1)
+    experts = experts if group.expert_parallel > 1 else 0
+    return (params - experts) / shards + experts / float(expert_holders(shards, group.expert_parallel))
 
 
 def allreduce_step_ms(part: Partition, per_stage_ms: tuple[float, ...]) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from pipeplan.cluster import cpu_threads_per_rank
 from pipeplan.console import warn
 from pipeplan.profiling.profile import LayerProfile, PassSpread, Profile
 
@@ -219,3 +220,15 @@ def warn_if_out_of_bounds(profile: Profile, where: str) -> None:
     message = out_of_bounds_message(profile)
     if message:
         warn(f"{where}: {message} (plans from it predict with these times)")
+
+
+def warn_if_other_threads(profile: Profile, ranks: int) -> None:
+    """One warning when a CPU profile was measured with another thread count than each of `ranks` ranks on this
+    machine will run with (cluster.cpu_threads_per_rank): its op costs are then not the run's."""
+    threads, share = profile.provenance.threads, cpu_threads_per_rank(ranks)
+    if profile.provenance.device == "cpu" and threads is not None and threads != share:
+        warn(
+            f"the profile was measured with {threads} CPU thread(s); each of this plan's {ranks} rank(s) on this "
+            f"machine will run with {share}, so its op costs are not the run's: profile again with --threads "
+            f"{share}, or refine the plan from its first run (pipeplan refine)"
+        )

@@ -5,9 +5,12 @@ command)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeplan.cluster import CPU_DEFAULT_DEVICES, cpu_threads_per_rank
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
@@ -44,6 +47,7 @@ class ProfileRequest:
     timer: str = DEFAULT_TIMER
     preset_overridable: tuple[str, ...] = ()  # preset options the request may replace (capacity's --seq)
     attention: str = "auto"  # analytic profiles: what each SDPA call runs as (profile_options.ATTENTION_MODES)
+    threads: int | None = None  # CPU threads measured with (cluster.cpu_threads_per_rank; None: torch's current)
 
     def __post_init__(self) -> None:
         kind = self.device.partition(":")[0]
@@ -87,24 +91,40 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         return profile, spec
     from pipeplan.profiling.measure import profile_model
 
-    profile = profile_model(
-        spec,
-        device=request.device,
-        warmup=request.warmup,
-        repeats=request.repeats,
-        model_options=dict(request.options),
-        timer=request.timer,
-        **common,
-    )
+    with _torch_threads(request.threads):
+        profile = profile_model(
+            spec,
+            device=request.device,
+            warmup=request.warmup,
+            repeats=request.repeats,
+            model_options=dict(request.options),
+            timer=request.timer,
+            **common,
+        )
     return profile, spec
 
 
-def profile_from_options(options: ProfileOptions) -> Profile:
-    """The Profile `pipeplan profile` prints, written to --output when given."""
-    if options.threads is not None and options.device != "meta":
-        import torch
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `threads` for the block, then put back (the Python API's caller keeps its own)."""
+    import torch
 
-        torch.set_num_threads(options.threads)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def profile_from_options(options: ProfileOptions) -> Profile:
+    """The Profile `pipeplan profile` prints, written to --output when given. A CPU profile measures with --threads,
+    by default a CPU_DEFAULT_DEVICES-rank run's share of the cores (cluster.cpu_threads_per_rank): the threads
+    each rank of a plan with the default device count runs with."""
+    threads = options.threads
+    if threads is None and options.device == "cpu":
+        threads = cpu_threads_per_rank(CPU_DEFAULT_DEVICES)
     request = ProfileRequest(
         model=options.model,
         options=parse_assignments(options.assignments),
@@ -119,6 +139,7 @@ def profile_from_options(options: ProfileOptions) -> Profile:
         repeats=options.repeats,
         timer=options.timer,
         attention=options.attention,
+        threads=threads,
     )
     profile, _ = profile_request(request)
     if options.output is not None:

@@ -54,7 +54,11 @@ class ProfileOptions:
     repeats: int = option(
         DEFAULT_REPEATS, "--repeats", help="Timed rounds; the median is kept, checked from 3 up (e.g. --repeats 9)."
     )
-    threads: int | None = option(None, "--threads", help="CPU threads torch may use (default: torch's choice).")
+    threads: int | None = option(
+        None,
+        "--threads",
+        help="CPU threads to measure with (default on CPU: each rank's share of the cores in a 2-rank run).",
+    )
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
     attention: str = option("auto", "--attention", help=ATTENTION_HELP)

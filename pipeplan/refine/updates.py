@@ -12,6 +12,9 @@ from dataclasses import replace
 from pipeplan.artifact.measured import MeasuredRun
 from pipeplan.artifact.plan import Plan, StagePlan
 from pipeplan.costs.overlap import optimizer_step_ms, update_bytes_per_param
+from pipeplan.predict.gradient_sync import SyncGroup, updated_params
+from pipeplan.schedules.placement import stage_copies
+from pipeplan.schedules.registry import schedule_info
 
 
 def _moved_per_param(plan: Plan) -> float:
@@ -22,10 +25,17 @@ def _moved_per_param(plan: Plan) -> float:
 
 
 def _updated_params(plan: Plan, stage: StagePlan) -> float:
-    """Parameters one device holding `stage` updates (its ZeRO-1 share: over its replicas in every pipeline)."""
-    if not plan.training.zero:
-        return float(stage.param_count)
-    return stage.param_count / (stage.replicas * plan.training.data_parallel * plan.training.context_parallel)
+    """Parameters one device holding `stage` updates (`predict.gradient_sync.updated_params`, as predicted)."""
+    training = plan.training
+    group = SyncGroup(
+        data_parallel=training.data_parallel,
+        context_parallel=training.context_parallel,
+        expert_parallel=training.expert_parallel,
+        mirrored=stage_copies(schedule_info(plan.schedule).placement) > 1,
+    )
+    return updated_params(
+        stage.param_count, stage.expert_param_count, replicas=stage.replicas, zero=training.zero, group=group
+    )
 
 
 def learned_update_rate(plan: Plan, run: MeasuredRun) -> float | None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipeplan.artifact.plan import ModelRef
 from pipeplan.artifact.scripts import PLAN_DIR_FILES
-from pipeplan.cluster import Cluster
+from pipeplan.cluster import CPU_DEFAULT_DEVICES, Cluster
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import Hardware, cluster_for
 from pipeplan.paths import check_output_dir
@@ -21,8 +21,6 @@ from pipeplan.units import parse_int_list
 
 if TYPE_CHECKING:
     from pipeplan.graph.trace import LayerGraph
-
-CPU_DEFAULT_DEVICES = 2
 
 
 def default_devices() -> int:

@@ -10,13 +10,13 @@ from pathlib import Path
 from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.scripts import write_plan_dir
 from pipeplan.artifact.timing import plan_steps_timeline, timeline_rows
-from pipeplan.cluster import Cluster
+from pipeplan.cluster import Cluster, cpu_threads_per_rank
 from pipeplan.costs import numerics
 from pipeplan.errors import ConfigError
 from pipeplan.hardware import resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import default_precision
-from pipeplan.profiling.consistency import warn_if_out_of_bounds
+from pipeplan.profiling.consistency import warn_if_other_threads, warn_if_out_of_bounds
 from pipeplan.profiling.profile import Profile
 from pipeplan.profiling.profile_job import ProfileRequest
 from pipeplan.schedules.registry import SCHEDULE_NAMES, schedule_info
@@ -71,7 +71,10 @@ def prepare_plan(options: PlanOptions, *, profile: Profile | None = None) -> Pla
         sizes = (parse_layout(options.layout).mbs,)
     config = _plan_config(options, cluster, numerics(optimizer, precision), sizes)  # checked before profiling
     if source is None:
-        source = profile_model_input(_profile_request(options, hardware, min(sizes), precision))
+        threads = cpu_threads_per_rank(_local_ranks(cluster))  # as each of this plan's ranks here will run
+        source = profile_model_input(_profile_request(options, hardware, min(sizes), precision, threads))
+    else:
+        warn_if_other_threads(source.profile, _local_ranks(cluster))
     if config.layout is not None:
         check_pinned_experts(config.layout, source.profile, cluster)
     output = Path(options.output) if options.output is not None else None
@@ -126,7 +129,12 @@ def _profile_source(options: PlanOptions, profile: Profile | None) -> PlanInput 
     return attach_model(source, options.model, model_options, options.granularity, options.tracer)
 
 
-def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str) -> ProfileRequest:
+def _local_ranks(cluster: Cluster) -> int:
+    """The plan's ranks on one machine (a CPU plan runs on this one)."""
+    return min(cluster.num_devices, cluster.devices_per_node)
+
+
+def _profile_request(options: PlanOptions, hardware, batch_size: int, precision: str, threads: int) -> ProfileRequest:
     assert options.model is not None  # prepare_plan requires MODEL or a profile
     return ProfileRequest(
         model=options.model,
@@ -139,6 +147,7 @@ def _profile_request(options: PlanOptions, hardware, batch_size: int, precision:
         progress=not options.json_output,
         tracer=options.tracer,
         attention=options.attention,
+        threads=threads,
     )
 
 

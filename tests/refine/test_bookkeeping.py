@@ -21,6 +21,7 @@ from pipeplan.cli import app
 from pipeplan.costs import LayerArrays, numerics, stage_op_ms
 from pipeplan.costs.overlap import update_bytes_per_param
 from pipeplan.errors import FormatError
+from pipeplan.predict.gradient_sync import SyncGroup, updated_params
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.job import refined_profile
@@ -266,3 +267,22 @@ def test_step_tails_teach_the_optimizer_update_rate():
     no_tails = dataclasses.replace(run, tail_ms=tuple(exchange))  # nothing beyond the exchange: nothing learned
     unrefined = refined_profile(plan, _profile_of(plan), measured_medians(plan, run), no_tails)
     assert unrefined.provenance.update_bytes_per_s is None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
+def test_refine_times_updates_with_the_searchs_own_share(schedule):
+    """One rule for the parameters a device updates (predict.gradient_sync.updated_params): under ZeRO-1 a
+    stage's dense parameters over every holder (replicas, pipelines, cp ranks, dualpipe's mirrored copy), routed
+    experts over the holders of the same expert; refine's learned rate times a plan's updates with it."""
+    group = SyncGroup(data_parallel=2, context_parallel=1, expert_parallel=2, mirrored=True)
+    assert updated_params(1000, 200, replicas=2, zero=1, group=group) == pytest.approx(800 / 8 + 200 / 4)
+    assert updated_params(1000, 200, replicas=2, zero=0, group=group) == 1000.0
+    plan = _plan(schedule)
+    zero = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero=1))
+    rate = 1e9
+    retimed = with_learned_updates(zero, rate)
+    mirrored = schedule == "dualpipe"  # each stage also on device P-1-d
+    moved = update_bytes_per_param(plan.training.numerics)
+    for stage in retimed.stages:
+        holders = stage.replicas * plan.training.data_parallel * (2 if mirrored else 1)
+        assert stage.optimizer_ms == pytest.approx(stage.param_count / holders * moved / rate * 1e3)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.artifact.plan import Plan
+from pipeplan.cluster import cpu_threads_per_rank
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.options import parse_options
 from pipeplan.runtime.launch.run_options import RunOptions
@@ -55,8 +56,7 @@ def _device(name: str) -> tuple[str, torch.device]:
 def default_cpu_threads() -> int:
     """Threads per CPU rank when --threads is not given: this machine's usable cores shared by the ranks the
     launcher started on it (LOCAL_WORLD_SIZE), so that the ranks do not oversubscribe the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def run_worker(plan_path: str, config: RunConfig, capture_grads: bool = False, threads: int | None = None) -> RunResult:

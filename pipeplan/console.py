@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-out = Console()
-err = Console(stderr=True)
+# emoji=False: rich would turn `:name:` into an emoji, and model references say `hf:llama:` (a llama appeared)
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
 
 
 _warned: set[str] = set()  # messages printed with once=True in this process

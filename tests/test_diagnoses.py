@@ -236,3 +236,10 @@ def test_a_device_count_given_to_device_suggests_devices(count):
     """`plan --device 2` meant `--devices 2`: the one line says so (profile has no --devices: no suggestion)."""
     assert f"did you mean --devices {count}" in _line(["plan", "gpt", "--device", count])
     assert "did you mean" not in _line(["profile", "gpt", "--device", count])
+
+
+def test_a_model_reference_is_printed_as_typed_not_as_an_emoji():
+    """rich turns `:llama:` into an emoji; `hf:llama: ...` in an error line must read as typed."""
+    argv = ["plan", "hf:llama", "-a", "num_attention_heads=4", "-a", "num_key_value_heads=3", "--devices", "2"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1 and "hf:llama: num_key_value_heads=3" in result.output, result.output

@@ -131,7 +131,7 @@ def render_report(report: CapacityReport) -> None:
         table.add_column(header, justify="left" if left else "right", no_wrap=header != "binds", min_width=4)
     for row in report.rows:
         table.add_row(*_with_ep(_row_cells(row), row, moe))
-    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))  # pipes: the whole table
+    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180), emoji=False)  # pipes: the whole table
     wide.print(table)
     from pipeplan.schedules.registry import schedule_info
 
@@ -162,7 +162,7 @@ def render_pinned(report: PinnedReport) -> None:
         table.add_column(header, justify="left" if header in LEFT or not header else "right", no_wrap=header != "binds")
     table.add_row("pinned", *_with_ep(_row_cells(report.row), report.row, moe))
     table.add_row("planner", *_with_ep(_row_cells(report.free), report.free, moe))
-    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180))
+    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180), emoji=False)
     wide.print(table)
     out.print(f"pinned: {report.layout.label}", highlight=False)
     if report.device_memory_bytes:

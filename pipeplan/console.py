@@ -18,6 +18,12 @@ out = Console(emoji=False)
 err = Console(stderr=True, emoji=False)
 
 
+def wide(console: Console, width: int = 180) -> Console:
+    """`console` for a wide table: a terminal as it is, or, into a pipe or file, at least `width` columns (the whole
+    table, not wrapped to the default 80)."""
+    return console if console.is_terminal else Console(file=console.file, width=max(console.width, width), emoji=False)
+
+
 _warned: set[str] = set()  # messages printed with once=True in this process
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.table import Table
 
 from pipeplan.capacity.options import CapacityOptions
-from pipeplan.console import out, print_json, progress_task
+from pipeplan.console import out, print_json, progress_task, wide
 from pipeplan.options import command
 from pipeplan.units import format_bytes, format_count, format_gib, format_ms
 
@@ -131,8 +130,7 @@ def render_report(report: CapacityReport) -> None:
         table.add_column(header, justify="left" if left else "right", no_wrap=header != "binds", min_width=4)
     for row in report.rows:
         table.add_row(*_with_ep(_row_cells(row), row, moe))
-    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180), emoji=False)  # pipes: the whole table
-    wide.print(table)
+    wide(out).print(table)  # a pipe gets the whole table
     from pipeplan.schedules.registry import schedule_info
 
     stash = any(row.schedule and schedule_info(row.schedule).asynchronous for row in report.rows)
@@ -162,8 +160,7 @@ def render_pinned(report: PinnedReport) -> None:
         table.add_column(header, justify="left" if header in LEFT or not header else "right", no_wrap=header != "binds")
     table.add_row("pinned", *_with_ep(_row_cells(report.row), report.row, moe))
     table.add_row("planner", *_with_ep(_row_cells(report.free), report.free, moe))
-    wide = out if out.is_terminal else Console(file=out.file, width=max(out.width, 180), emoji=False)
-    wide.print(table)
+    wide(out).print(table)  # a pipe gets the whole table
     out.print(f"pinned: {report.layout.label}", highlight=False)
     if report.device_memory_bytes:
         peaks = ", ".join(format_gib(b, digits=1) for b in report.device_memory_bytes)

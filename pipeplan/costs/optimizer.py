@@ -24,7 +24,7 @@ check them against:
   exp_avg_dtype / exp_avg_sq_dtype); `adamw-bf16state` the whole state in bf16, main copy included (2 + 2 x 2 =
   6 B: apex's DistributedFusedAdam as NeMo configures it with `optim.dtype: bf16` — "dtype: floating-point type for
   optimizer state", and its default `store_params=True` keeps a distributed copy of the parameters in that dtype;
-  Megatron's `--main-params-dtype` offers fp32 or fp16, no bf16, so the Megatron export notes the difference).
+  Megatron's `--main-params-dtype` offers fp32 or fp16, no bf16, so the Megatron export refuses it).
   Under the other modes they are refused in one line (their parameters are the master weights).
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a

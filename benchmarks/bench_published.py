@@ -21,7 +21,7 @@ Sources (each row's layout, batch, precision and overlap are the run's own; what
   are approximated by the built-in llama's RMSNorm and full rotary (`-a mlp=relu2`: its squared-ReLU MLP).
 
 Run: .venv/bin/python benchmarks/bench_published.py [--source korthikanti|nemo] [--rows NAME,...]
-(about 2 minutes per row on a 2-core machine; --rows runs a subset and writes nothing).
+(7 s to 2 minutes per row on a 2-core machine, about 10 minutes in all; --rows runs a subset and writes nothing).
 """
 
 from __future__ import annotations

@@ -40,17 +40,16 @@ _DTYPE_FIELDS = (  # TransformerConfig and OptimizerConfig fields holding a torc
     "exp_avg_sq_dtype",
 )
 # pipeplan's 16-bit optimizer state (costs.optimizer.MAIN_STATE_BYTES) -> Megatron's precision-aware optimizer:
-# (flags, OptimizerConfig keyword arguments, note). Megatron's --main-params-dtype offers fp32 or fp16, so bf16 main
-# params (NeMo's distributed Adam with optim.dtype bf16) export as fp16 ones: the same 2 bytes per parameter.
-_STATE_DTYPES = {
-    "adamw-bf16moments": (("--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"), {}, ""),
-    "adamw-bf16state": (
-        ("--main-params-dtype fp16", "--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"),
-        {"main_params_dtype": "float16"},
-        "bf16 main params (NeMo distributed Adam, optim.dtype bf16) have no Megatron flag "
-        "(--main-params-dtype: fp32 or fp16): exported as fp16 main params, the same bytes",
-    ),
+# (flags, OptimizerConfig keyword arguments). adamw-bf16state (NeMo's distributed Adam with optim.dtype bf16) keeps
+# bf16 main params, which Megatron cannot hold (--main-params-dtype: fp32 or fp16): `_BF16_MAIN_PARAMS` refuses it
+# rather than export fp16 main params, another format with another range.
+_STATE_DTYPES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "adamw-bf16moments": (("--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"), {}),
 }
+_BF16_MAIN_PARAMS = (
+    "optimizer adamw-bf16state keeps bf16 main params, which Megatron has no flag for (--main-params-dtype: fp32 "
+    "or fp16); plan with --precision MODE,adamw-bf16moments (fp32 main params, bf16 moments) to export to Megatron"
+)
 _PRECISION_FLAGS = {  # pipeplan precision -> (flags, note when Megatron's mode differs)
     "fp32": ((), ""),
     "bf16-mixed": (
@@ -294,12 +293,15 @@ def _optimizer_flags(plan: Plan, flags: list[str], notes: list[str]) -> tuple[di
     optimizer = {"optimizer": name, "lr": training.lr, "weight_decay": training.weight_decay}
     if ddp.get("use_distributed_optimizer"):
         optimizer["use_distributed_optimizer"] = True
-    _state_dtype_flags(training.optimizer, flags, optimizer, notes, bool(training.zero))
+    _state_dtype_flags(training.optimizer, flags, optimizer, bool(training.zero))
     return ddp, optimizer
 
 
-def _state_dtype_flags(name: str, flags: list[str], optimizer: dict, notes: list[str], distributed: bool) -> None:
-    """16-bit optimizer state (`_STATE_DTYPES`) as Megatron's precision-aware optimizer flags and kwargs."""
+def _state_dtype_flags(name: str, flags: list[str], optimizer: dict, distributed: bool) -> None:
+    """16-bit optimizer state (`_STATE_DTYPES`) as Megatron's precision-aware optimizer flags and kwargs; bf16 main
+    params refused (`_BF16_MAIN_PARAMS`)."""
+    if name == "adamw-bf16state":
+        raise ConfigError(_BF16_MAIN_PARAMS)
     if name not in _STATE_DTYPES:
         return
     if not distributed:
@@ -307,12 +309,10 @@ def _state_dtype_flags(name: str, flags: list[str], optimizer: dict, notes: list
             f"optimizer {name}: Megatron's precision-aware optimizer needs its distributed optimizer; plan with "
             "--memory zero=1 (or --layout ...,zero=1), or use adamw"
         )
-    state_flags, kwargs, note = _STATE_DTYPES[name]
+    state_flags, kwargs = _STATE_DTYPES[name]
     flags += ["--use-precision-aware-optimizer", *state_flags]
     optimizer.update(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16")
     optimizer.update(kwargs)
-    if note:
-        notes.append(f"optimizer {name}: {note}")
 
 
 def _precision_flags(plan: Plan, flags: list[str], transformer: dict, optimizer: dict, notes: list[str]) -> None:

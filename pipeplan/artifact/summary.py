@@ -238,6 +238,9 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
             f" of {format_bytes(p.memory_limit_bytes)} ({format_bytes(plan.cluster.memory_per_device)} less a "
             f"{format_bytes(p.memory_reserve_bytes)} reserve)"
         )
+    text.append("\nOptimizer: ", style="bold")
+    sharded = ", sharded by ZeRO-1 over each stage's holders" if plan.training.zero else ""
+    text.append(f"{plan.training.numerics.state_layout}{sharded}")
     text.append("\nCompute: ", style="bold")
     text.append(_compute_words(plan))
     stale = _staleness(plan)

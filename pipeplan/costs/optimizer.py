@@ -24,7 +24,7 @@ check them against:
   exp_avg_dtype / exp_avg_sq_dtype); `adamw-bf16state` the whole state in bf16, main copy included (2 + 2 x 2 =
   6 B: apex's DistributedFusedAdam as NeMo configures it with `optim.dtype: bf16` — "dtype: floating-point type for
   optimizer state", and its default `store_params=True` keeps a distributed copy of the parameters in that dtype;
-  Megatron's `--main-params-dtype` offers fp32 or fp16, no bf16, so the Megatron export notes the difference).
+  Megatron's `--main-params-dtype` offers fp32 or fp16, no bf16, so the Megatron export refuses it).
   Under the other modes they are refused in one line (their parameters are the master weights).
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over the devices holding the same parameters (a
@@ -48,6 +48,8 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # state tensors 
 # Under the main-weight modes: bytes of (the main copy, each state tensor) per parameter (sources in the docstring)
 MAIN_STATE_BYTES = {"adamw-bf16moments": (4, 2), "adamw-bf16state": (2, 2)}
 OPTIMIZER_STATES.update({name: 2 for name in MAIN_STATE_BYTES})  # Adam's two moments
+_MAIN_DTYPES = {4: "fp32", 2: "bf16"}  # a main-weight optimizer's state: bytes per element -> its dtype
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 OPTIMIZER_ALIASES = {"adamw-fp32": ("adamw", "fp32"), "adamw-bf16": ("adamw", "bf16-mixed")}
 OPTIMIZER_NAMES = (*OPTIMIZER_STATES, *OPTIMIZER_ALIASES)
 ZERO_STAGES = (0, 1)  # 2 (gradients sharded) and 3 (parameters sharded) are not supported
@@ -90,6 +92,22 @@ class Numerics:
         """Under a main-weight mode: bytes of the optimizer's main copy and of each state tensor per parameter
         (fp32 both, unless the optimizer names 16-bit state: `MAIN_STATE_BYTES`)."""
         return MAIN_STATE_BYTES.get(self.optimizer, (4, 4))
+
+    @property
+    def state_layout(self) -> str:
+        """The optimizer and what its state holds per parameter, in words (what `show` prints), from the figures
+        `static_split` counts: e.g. `adamw-bf16state (bf16 main copy + 2 bf16 moments: 6 B/param)`."""
+        if not self.named:
+            return f"{self.optimizer_bytes:g} B/param of static memory (given as a number)"
+        states = self.optimizer_states
+        kind = {0: "", 1: "momentum"}.get(states, "moments")
+        if self.precision.main_weights:
+            main, per_state = self.main_state_bytes
+            held = [f"{_MAIN_DTYPES[main]} main copy"] + [f"{states} {_MAIN_DTYPES[per_state]} {kind}"] * bool(states)
+            return f"{self.optimizer} ({' + '.join(held)}: {main + per_state * states} B/param)"
+        dtype = _DTYPE_NAMES.get(self.precision.param_dtype_name, self.precision.param_dtype_name)
+        held = [f"{states} {dtype} {kind}"] * bool(states) + [f"the {dtype} weights as master copy"]
+        return f"{self.optimizer} ({', '.join(held)}: {self.precision.param_bytes * states} B/param)"
 
 
 def numerics(optimizer: str | float, precision: str) -> Numerics:

@@ -33,8 +33,18 @@ class TensorParallelComm:
     regather: tuple[Collective, ...] = ()  # backward: sequence-parallel inputs gathered again for the wgrads
 
 
+FP8_GATHER_FRACTION = 0.5  # an FP8 all-gather moves 1 byte per element where the 16-bit one moves 2
+
+
 def tensor_parallel_comm_per_layer(
-    *, seq: int, batch: int, hidden: int, tensor_parallel: int, sequence_parallel: bool, bytes_per_element: int = 2
+    *,
+    seq: int,
+    batch: int,
+    hidden: int,
+    tensor_parallel: int,
+    sequence_parallel: bool,
+    bytes_per_element: int = 2,
+    fp8_gathers: bool = False,
 ) -> TensorParallelComm:
     """Megatron tensor parallelism's collectives in one transformer layer (Korthikanti et al. §4.2.2; Shoeybi et
     al., "Megatron-LM", 2019, §3): without sequence parallelism 2 all-reduces in the forward (after the attention
@@ -44,7 +54,14 @@ def tensor_parallel_comm_per_layer(
     a ring all-reduce is a reduce-scatter followed by an all-gather, so both cost the same bandwidth. With sequence
     parallelism Megatron also all-gathers each column-parallel Linear's sequence-sharded input again in the
     backward for its weight gradient (Korthikanti §4.2.2: "an extra all-gather ... overlapped with gradient
-    computation"): 2 per layer, `regather`. No collectives for t = 1."""
+    computation"): 2 per layer, `regather`. No collectives for t = 1.
+
+    `fp8_gathers` (an FP8 recipe, 16-bit activations): Transformer Engine casts a column-parallel linear's
+    sequence-parallel input to FP8 before gathering it and keeps that FP8 copy, which the backward gathers again
+    (transformer_engine/pytorch/module/linear.py, `_Linear`: `cast_to_fp8` then `gather_along_first_dim` in the
+    forward, the saved FP8 `inputmat` gathered in the backward; layernorm_linear.py gathers its FP8 `ln_out`), so
+    the forward all-gathers and the re-gathers move half the bytes; reduce-scatters (16-bit outputs) and the
+    backward's all-gathers of output gradients stay 16-bit."""
     _check_positive(seq=seq, batch=batch, hidden=hidden, tensor_parallel=tensor_parallel)
     _check_positive(bytes_per_element=bytes_per_element)
     if tensor_parallel == 1:
@@ -52,7 +69,9 @@ def tensor_parallel_comm_per_layer(
     message = seq * batch * hidden * bytes_per_element
     one_pass: tuple[Collective, ...]
     if sequence_parallel:
+        gathered = int(message * FP8_GATHER_FRACTION) if fp8_gathers else message
         one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
-        return TensorParallelComm(forward=one_pass, backward=one_pass, regather=(Collective("all-gather", 2, message),))
+        forward = (Collective("all-gather", 2, gathered), one_pass[1])
+        return TensorParallelComm(forward=forward, backward=one_pass, regather=(Collective("all-gather", 2, gathered),))
     one_pass = (Collective("all-reduce", 2, message),)
     return TensorParallelComm(forward=one_pass, backward=one_pass)

@@ -306,6 +306,7 @@ def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: Anal
             input_needs_grad=needs,
             loss=loss,
             autocast_dtype=autocast_dtype,
+            fp8_linears=config.fp8_linears,
         )
         recompute = analytic_recompute(
             stage,

@@ -27,6 +27,8 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
   and recompute silu in the backward: `_FusedGLU`; GeGLU (`gelu(gate) * up`, Gemma's MLP) likewise (Transformer
   Engine's geglu, Megatron's bias_geglu).
 - MoE routing written for eager PyTorch (weighting in the experts' dtype, a float32 router): `gpu_routing`.
+- Under an FP8 recipe (`fp8_linears`), each linear with a parameter weight is recorded (`fp8_saved.Fp8Linears`):
+  Transformer Engine saves its input's FP8 copy, not the 16-bit input (`fp8_saved.fp8_saved_split`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeplan.profiling.fp8_saved import Fp8Linears
 from pipeplan.profiling.gpu_routing import LINEARS, UPCASTS, upcast_linear, upcast_source, weighted_experts
 from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
@@ -254,12 +257,14 @@ _GLU_ACTIVATIONS = (F.silu, aten.silu.default, F.gelu, aten.gelu.default)  # act
 class GpuSemantics(TorchFunctionMode):
     """Torch-function mode that swaps dropout, attention, RMSNorm and SwiGLU for their CUDA equivalents (module
     docstring), seeing both the torch functions an fx graph calls and the ATen ops an exported graph calls.
-    `attention`: one of ATTENTION_MODES; `kernels_used` counts the SDPA calls by the kernel they ran as."""
+    `attention`: one of ATTENTION_MODES; `kernels_used` counts the SDPA calls by the kernel they ran as;
+    `fp8_linears`: where the linears an FP8 recipe runs are recorded (None: not an FP8 run)."""
 
-    def __init__(self, *, attention: str = "auto") -> None:
+    def __init__(self, *, attention: str = "auto", fp8_linears: Fp8Linears | None = None) -> None:
         super().__init__()
         assert attention in ATTENTION_MODES, attention
         self.attention = attention
+        self.fp8_linears = fp8_linears
         self.kernels_used: Counter[str] = Counter()
         self._gates: dict[int, tuple] = {}  # id(activation output) -> (output, gate, the activation)
         self._expert_outputs: dict[int, torch.Tensor] = {}  # id -> a grouped expert matmul's output
@@ -301,7 +306,20 @@ class GpuSemantics(TorchFunctionMode):
             upcast = self._upcast_linear(*args)
             if upcast is not None:
                 return upcast
+        if func in LINEARS and self.fp8_linears is not None:
+            return self._fp8_linear(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _fp8_linear(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A linear run as it is, recorded when its weight is a parameter (a leaf that wants a gradient)."""
+        assert self.fp8_linears is not None
+        out = func(*args, **kwargs)
+        bound = {**dict(zip(("input", "weight"), args, strict=False)), **kwargs}
+        x, weight = bound.get("input"), bound.get("weight")
+        parameter = isinstance(weight, torch.Tensor) and weight.requires_grad and weight.grad_fn is None
+        if parameter and isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor):
+            self.fp8_linears.record(x, out)
+        return out
 
     def _upcast_linear(self, x, weight) -> torch.Tensor | None:
         """A linear of a float32 copy of a 16-bit activation as a float32 router runs it (`gpu_routing`)."""

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from pipeplan.graph.saved_tensors import SavedTensors, saved_split, storage_key
+from pipeplan.graph.saved_tensors import SavedSplit, SavedTensors, saved_split, storage_key
 from pipeplan.graph.split_backward import analyze, backward_full, backward_input
 from pipeplan.profiling.cuda_autocast import gpu_forward
+from pipeplan.profiling.fp8_saved import Fp8Linears, fp8_saved_split
 from pipeplan.profiling.gpu_ops import GpuSemantics
 from pipeplan.profiling.kernels import Kernel
 from pipeplan.profiling.opcount import OpRecorder, OpTotals, Roofline
@@ -123,6 +124,16 @@ def _record(
     return recorder.totals, keep
 
 
+def _saved(saved: SavedTensors, weight_grad_nodes, exclude: list, *, fp8: Fp8Linears | None, roots) -> SavedSplit:
+    """What the layer saves for backward, split by what I frees (`saved_split`), as an FP8 run keeps it when `fp8`
+    recorded its linears (`fp8_saved`)."""
+    split = saved_split(saved, weight_grad_nodes, exclude=exclude)
+    if fp8 is None:
+        return split
+    held = saved.storage_bytes(exclude=exclude)
+    return fp8_saved_split(split, held, linears=fp8, roots=roots, weight_grad_nodes=weight_grad_nodes)
+
+
 def count_layer(
     module: nn.Module,
     inputs: Sequence,
@@ -132,19 +143,20 @@ def count_layer(
     input_needs_grad: Sequence[bool] | None = None,
     loss: Callable[[tuple], torch.Tensor] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    fp8_linears: bool = False,
 ) -> LayerCounts:
     """Run `module(*inputs)` forward and backward on meta tensors and count it (see the module docstring).
 
     `loss(outputs)` makes the backward start from that scalar (the last pipeline stage); otherwise from every
     floating-point output, with gradients shaped like them. `autocast_dtype`: the forward (and loss) under CUDA's
-    autocast to it (`cuda_autocast`; None: none).
+    autocast to it (`cuda_autocast`; None: none). `fp8_linears`: an FP8 recipe's saved bytes (`fp8_saved`).
     """
     needs = list(input_needs_grad) if input_needs_grad is not None else [True] * len(inputs)
     leaves = [_leaf_input(value, need) for value, need in zip(inputs, needs)]
     params = _unique_parameters(module)
     saved = SavedTensors()
     tracing = OpRecorder(roofline, trace_kernels=True, params=params)
-    semantics = GpuSemantics(attention=attention)
+    semantics = GpuSemantics(attention=attention, fp8_linears=(fp8 := Fp8Linears() if fp8_linears else None))
     with gpu_forward(semantics, autocast_dtype), tracing as forward, saved:
         outputs = module(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -153,7 +165,7 @@ def count_layer(
     grad_inputs = [leaf for leaf in leaves if _requires_grad(leaf)]
     weights = [p for p in params if p.requires_grad]
     info = analyze(roots, grad_inputs, weights)
-    split = saved_split(saved, info.weight_grad_nodes, exclude=[*params, *module.buffers()])
+    split = _saved(saved, info.weight_grad_nodes, [*params, *module.buffers()], fp8=fp8, roots=roots)
     forward_keep = frozenset(saved.storage_bytes(exclude=[*params, *module.buffers()])) | {
         storage_key(o) for o in outputs if isinstance(o, torch.Tensor)
     }

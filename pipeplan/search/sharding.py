@@ -21,7 +21,8 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   boundary sends each rank's shard: cut bytes / t·cp.
 - Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.tensor_parallel.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
-  backward on I (W when the layer has no input gradient); the wgrad re-gathers overlap the input-gradient matmuls
+  backward on I (W when the layer has no input gradient); under an FP8 recipe the forward all-gathers and the
+  re-gathers move FP8 inputs (`fp8_gathers`); the wgrad re-gathers overlap the input-gradient matmuls
   (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
   Megatron-Core) each collective hides behind its layer's linears at the rank's shape, pipelined in t chunks, at
   a cost (`costs.overlap.overlapped_ms`): exposed max(comm - matmul time, comm / t), plus the matmul time its
@@ -101,8 +102,15 @@ def block_comm(
     """A block's collectives on one rank (module docstring), exposed parts only; with `overlap.tensor` what
     overlapping costs (`costs.overlap.overlapped_ms`: `overlap.comm_sms` SMs taken while a collective runs, the
     linears run as t chunks of their tokens)."""
+    fp8 = rates is not None and rates.fp8_flops_per_s is not None  # an FP8 recipe: FP8 gathers
     comm = tensor_parallel_comm_per_layer(
-        seq=1, batch=1, hidden=hidden_bytes, tensor_parallel=t, sequence_parallel=True, bytes_per_element=1
+        seq=1,
+        batch=1,
+        hidden=hidden_bytes,
+        tensor_parallel=t,
+        sequence_parallel=True,
+        bytes_per_element=1,
+        fp8_gathers=fp8,
     )  # the formula's message is s·b·h elements x bytes: the profiled hidden-state bytes, passed whole
     forward = _collectives_ms(comm.forward, t, links.tensor, cp)
     backward = _collectives_ms(comm.backward, t, links.tensor, cp)

@@ -163,14 +163,13 @@ def test_cli_writes_the_args_file_with_comments(tmp_path):
     assert "--pipeline-model-parallel-size 2" in result.stdout
 
 
-@pytest.mark.parametrize(("optimizer", "main_params"), [("adamw-bf16moments", None), ("adamw-bf16state", "fp16")])
-def test_optimizer_state_precision_exports_the_precision_aware_optimizer(tmp_path, optimizer, main_params):
+def test_optimizer_state_precision_exports_the_precision_aware_optimizer(tmp_path):
     plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, zero=1, precision="bf16-main")
-    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, optimizer=optimizer))
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, optimizer="adamw-bf16moments"))
     exported = megatron_export(plan)
     assert _flag(exported, "--use-precision-aware-optimizer") is True
     assert _flag(exported, "--exp-avg-dtype") == "bf16" == _flag(exported, "--exp-avg-sq-dtype")
-    assert _flag(exported, "--main-params-dtype") == main_params and _flag(exported, "--optimizer") == "adam"
+    assert _flag(exported, "--main-params-dtype") is None and _flag(exported, "--optimizer") == "adam"
     core = exported.render_core("megatron.args")
     assert "'exp_avg_dtype': torch.bfloat16" in core and "'use_precision_aware_optimizer': True" in core
     path = tmp_path / "megatron_mcore.py"
@@ -179,10 +178,21 @@ def test_optimizer_state_precision_exports_the_precision_aware_optimizer(tmp_pat
     # Megatron-Core's OptimizerConfig has these fields (building it needs Transformer Engine's FusedAdam: not here)
     assert set(kwargs["OPTIMIZER"]) <= {field.name for field in dataclasses.fields(_megatron()[2])}
     assert kwargs["OPTIMIZER"]["exp_avg_sq_dtype"] == torch.bfloat16
-    if main_params:
-        assert kwargs["OPTIMIZER"]["main_params_dtype"] == torch.float16 and "no Megatron flag" in " ".join(
-            exported.notes
-        )
+    assert "main_params_dtype" not in kwargs["OPTIMIZER"]
+
+
+def test_bf16_main_params_are_refused_not_exported_as_fp16(tmp_path):
+    """adamw-bf16state keeps bf16 main params; Megatron's --main-params-dtype takes fp32 or fp16 only: one line
+    naming the optimizer to plan with instead, and nothing written (the CLI's exit 1)."""
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4, zero=1, precision="bf16-main")
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, optimizer="adamw-bf16state"))
+    with pytest.raises(ConfigError, match="adamw-bf16moments") as refused:
+        megatron_export(plan)
+    assert "\n" not in str(refused.value)
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "megatron.args"
+    result = runner.invoke(app, ["export", str(tmp_path / "plan.json"), "-f", "megatron", "-o", str(out)])
+    assert result.exit_code == 1 and "bf16 main params" in result.output and not out.exists()
 
 
 def test_precision_aware_optimizer_without_the_distributed_one_is_refused():

@@ -88,3 +88,37 @@ def test_sequence_parallel_moves_as_many_bytes_as_all_reduces():
     with_sp = volume(tensor_parallel_comm_per_layer(**shape, sequence_parallel=True))
     assert with_sp == volume(tensor_parallel_comm_per_layer(**shape, sequence_parallel=False))
     assert with_sp == 4 * 2 * (t - 1) / t * 50_331_648  # 4 all-reduces' worth per layer
+
+
+def test_fp8_recipes_gather_fp8_inputs():
+    """Transformer Engine casts a column-parallel linear's sequence-parallel input to FP8 before its all-gather and
+    gathers that saved FP8 copy again for the weight gradient (1 byte per element); the reduce-scatters of 16-bit
+    outputs and the backward's all-gathers of 16-bit output gradients keep their bytes."""
+    message = 2048 * 1 * 12288 * 2
+    shape = dict(seq=2048, batch=1, hidden=12288, tensor_parallel=8, sequence_parallel=True)
+    bf16 = tensor_parallel_comm_per_layer(**shape)
+    fp8 = tensor_parallel_comm_per_layer(**shape, fp8_gathers=True)
+    assert fp8.forward == (Collective("all-gather", 2, message // 2), Collective("reduce-scatter", 2, message))
+    assert fp8.regather == (Collective("all-gather", 2, message // 2),) and bf16.regather[0].message_bytes == message
+    assert fp8.backward == bf16.backward
+
+
+def test_fp8_profiles_split_with_fp8_gathers():
+    """Through the tensor-parallel split: an fp8 profile's block moves fewer collective bytes than the bf16-main
+    profile of the same model (its forward all-gathers at half), the reduce-scatter side unchanged."""
+    from pipeplan.costs.overlap import Overlap
+    from pipeplan.hardware import cluster_for
+    from pipeplan.models import load_model
+    from pipeplan.profiling.analytic import profile_analytic
+    from pipeplan.search import sharding
+
+    options = dict(layers=1, hidden=1024, heads=8, kv_heads=8, intermediate=4096, seq=1024, vocab=512)
+    spec = load_model("llama", {k: str(v) for k, v in options.items()})
+    comms = {}
+    for precision in ("bf16-main", "fp8"):
+        profile = profile_analytic(spec, batch_size=1, hardware="h100", precision=precision)
+        links = sharding.group_links(cluster_for("h100", 8), 8, 1)
+        block = next(i for i, layer in enumerate(profile.layers) if layer.name.startswith("blocks."))
+        comms[precision] = sharding.layer_comms(profile, 8, 1, links, Overlap())[block]
+    assert comms["fp8"].forward_ms < comms["bf16-main"].forward_ms
+    assert comms["fp8"].backward_ms < comms["bf16-main"].backward_ms  # the re-gathers beyond the matmuls

@@ -82,7 +82,7 @@ K_RUNS = {
 LLAMA3 = dict(vocab=128256, seq=8192)
 L8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, **LLAMA3)
 L70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, **LLAMA3)
-L405B = dict(layers=126, hidden=16384, heads=128, kv_heads=16, intermediate=53248, **LLAMA3)
+L405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248, **LLAMA3)
 GPT3 = dict(layers=96, hidden=12288, heads=96, **GPT)
 N15B = dict(layers=32, hidden=6144, heads=48, kv_heads=8, intermediate=24576, vocab=256000, seq=4096, mlp="relu2")
 N340B = dict(layers=96, hidden=18432, heads=96, kv_heads=8, intermediate=73728, vocab=256000, seq=4096, mlp="relu2")
@@ -90,6 +90,11 @@ N340B = dict(layers=96, hidden=18432, heads=96, kv_heads=8, intermediate=73728, 
 # `optim: {name: distributed_fused_adam, dtype: bf16}` (apex DistributedFusedAdam: the state, main copy included, in
 # bf16); the other recipes keep the fp32 default (nemotron4-15b: mcore_distributed_optim).
 NEMO_OPTIMIZER_STATE = {"Nemotron4-340B@128": "adamw-bf16state"}
+# Attention kernels where a recipe's launch script chooses them: the GPT-3 175B script (DGX Cloud benchmarking
+# recipes, NeMo 24.05 container, the one these GPT-3 rows ran; GSW 24.11's llm/nemo-megatron launch.sh) exports
+# NVTE_FUSED_ATTN=0, which turns Transformer Engine's cuDNN attention off: it runs flash-attn's FlashAttention-2
+# (`--attention flash2`); the Llama and Nemotron recipes keep Transformer Engine's default (cuDNN on Hopper).
+NEMO_ATTENTION = {"GPT3-175B@128": "flash2", "GPT3-175B@2048": "flash2"}
 ALL, NO_P2P, NO_TP = "all", "tensor,grad-reduce,param-gather", "grad-reduce,param-gather"
 
 
@@ -145,7 +150,8 @@ def nemo_rows() -> list[Row]:
             if measured is not None:
                 label = f"{name} {precision.split('-')[0]}"
                 row = Row("nemo", label, model, options, "h100", layout, batch, precision, overlap, measured, note)
-                rows.append(replace(row, optimizer=NEMO_OPTIMIZER_STATE.get(name, row.optimizer)))
+                optimizer = NEMO_OPTIMIZER_STATE.get(name, row.optimizer)
+                rows.append(replace(row, optimizer=optimizer, attention=NEMO_ATTENTION.get(name, row.attention)))
     return rows
 
 

@@ -11,7 +11,7 @@ GPU exists and the nearest documented figure stands in. What the efficiencies me
   `fp8_matmul_efficiency` of the FP8 peak where measured);
   `profiling.kernels` adds tile and wave quantization over `sm_count` SMs (AMD: compute units) on top, so small and
   skinny matmuls come out below it. `attention_efficiency`: the same for FlashAttention's thread blocks (None: as
-  matmuls).
+  matmuls); `flash2_attention_efficiency`: FlashAttention-2's, where the GPU's usual kernel is a later one (Hopper).
 - `memory_efficiency`: the fraction of HBM bandwidth a streaming kernel reaches (STREAM-like copy / datasheet).
 - `nvlink_efficiency`, `network_efficiency`: collectives' achieved bus bandwidth / the link's datasheet bandwidth
   (`cluster_for` multiplies them in). `nvlink_gb_per_s` is the intra-node fabric whatever its name (MI300X:
@@ -64,6 +64,7 @@ _FILE_FIELDS: dict[str, tuple[str, float]] = {
     "matmul_efficiency": ("matmul_efficiency", 1.0),
     "memory_efficiency": ("memory_efficiency", 1.0),
     "attention_efficiency": ("attention_efficiency", 1.0),
+    "flash2_attention_efficiency": ("flash2_attention_efficiency", 1.0),
     "nvlink_efficiency": ("nvlink_efficiency", 1.0),
     "network_efficiency": ("network_efficiency", 1.0),
     "sm_count": ("sm_count", 1.0),
@@ -108,6 +109,9 @@ class Hardware:
     matmul_efficiency: float = 0.6  # fraction of peak a full wave of large matmul tiles reaches (profiling.kernels)
     memory_efficiency: float = 0.75  # fraction of HBM bandwidth a memory-bound kernel reaches
     attention_efficiency: float | None = None  # fraction of peak FlashAttention reaches (None: matmul_efficiency)
+    # FlashAttention-2's fraction where `attention_efficiency` is a later kernel's (Hopper: FlashAttention-3 / cuDNN);
+    # what `--attention flash2` times (None: attention_efficiency)
+    flash2_attention_efficiency: float | None = None
     nvlink_efficiency: float = 1.0  # fraction of the intra-node link's bandwidth collectives reach (bus bandwidth)
     network_efficiency: float = 1.0  # the same for the inter-node network
     sm_count: int | None = None  # streaming multiprocessors (compute units): tile and wave quantization
@@ -156,7 +160,7 @@ class Hardware:
         for attr in ("matmul_efficiency", "memory_efficiency", "nvlink_efficiency", "network_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1], got {getattr(self, attr)!r}")
-        for attr in ("attention_efficiency", "fp8_matmul_efficiency"):
+        for attr in ("attention_efficiency", "flash2_attention_efficiency", "fp8_matmul_efficiency"):
             if getattr(self, attr) is not None and not 0 < getattr(self, attr) <= 1:
                 raise ConfigError(f"hardware {self.name!r}: {attr} must lie in (0, 1]")
         if self.sm_count is not None and self.sm_count != int(self.sm_count):
@@ -206,9 +210,11 @@ class Hardware:
             return measured
         return self.peak_flops(dtype) * (efficiency or self.matmul_efficiency) * self.clock_ratio
 
-    def attention_flops_per_s(self, dtype: torch.dtype) -> float:
-        """FlashAttention's rate the analytic model uses: peak x attention efficiency x `clock_ratio`."""
-        return self.peak_flops(dtype) * self.attention_fraction * self.clock_ratio
+    def attention_flops_per_s(self, dtype: torch.dtype, *, flash2: bool = False) -> float:
+        """FlashAttention's rate the analytic model uses: peak x attention efficiency x `clock_ratio`; `flash2`:
+        FlashAttention-2's kernels (`flash2_attention_efficiency` where the preset gives one)."""
+        fraction = (flash2 and self.flash2_attention_efficiency) or self.attention_fraction
+        return self.peak_flops(dtype) * fraction * self.clock_ratio
 
     def fp8_matmul_flops_per_s(self, efficiency: float | None = None) -> float | None:
         """FP8 linears' full-wave rate: the FP8 peak x `efficiency` when one is given (an explicit override), else

@@ -111,7 +111,7 @@ class AnalyticConfig:
             flops_per_s=matmul,
             bytes_per_s=hardware.memory_bytes_per_s(self.memory_efficiency),
             launch_s=hardware.kernel_launch_s,
-            attention_flops_per_s=hardware.attention_flops_per_s(self.torch_dtype),
+            attention_flops_per_s=hardware.attention_flops_per_s(self.torch_dtype, flash2=self.attention == "flash2"),
             sm_count=hardware.sm_count,
             fp8_flops_per_s=hardware.fp8_matmul_flops_per_s(self.matmul_efficiency) if self.fp8_linears else None,
             gemm_overhead_s=hardware.gemm_overhead_s,
@@ -183,7 +183,8 @@ def profile_analytic(
     and the values crossing cuts have the dtypes a CUDA run gives them.
 
     `attention` (ATTENTION_MODES): each scaled_dot_product_attention call as a GPU runs it (auto; flash: the same,
-    refusing attention written by hand) or the math path (math); the provenance records what ran.
+    refusing attention written by hand; flash2: as flash, at the hardware's FlashAttention-2 rate) or the math path
+    (math); the provenance records what ran.
 
     `hardware` is a preset name or a Hardware (e.g. from `load_hardware(name, hardware_file=...)`); `model_ref` and
     `model_options` are recorded in the provenance (default: the spec's name and options).
@@ -286,9 +287,9 @@ def _profile_layers(
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
             )
             bar.advance(task)
-    if by_hand and config.attention == "flash":
+    if by_hand and config.attention in ("flash", "flash2"):
         raise ConfigError(
-            f"--attention flash: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which runs as "
+            f"--attention {config.attention}: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which runs as "
             "written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
         )
     return layers, attention_summary(kernels, bool(by_hand))

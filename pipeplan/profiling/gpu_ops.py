@@ -7,7 +7,8 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
   Megatron's 34·s·b·h). `GpuSemantics` routes dropout to `aten.native_dropout`, which saves the bool mask.
 - `F.scaled_dot_product_attention` (and `aten.scaled_dot_product_attention`, what an exported graph calls) takes
   the math path. `GpuSemantics(attention=...)` runs each call as the kernel PyTorch dispatches it to on a GPU:
-  * `auto` / `flash`: without a mask, FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, which has meta
+  * `auto` / `flash` / `flash2` (flash2: the same kernel, counted as `flash2`, which the analytic profile times at
+    the hardware's FlashAttention-2 rate): without a mask, FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, which has meta
     kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it,
     so `out.transpose(1, 2)` is free) and the float32 logsumexp, no s² tensors; grouped-query attention
     (`enable_gqa`) runs natively: only the key/value heads are saved. With a mask (FlashAttention takes none), the
@@ -47,7 +48,7 @@ from pipeplan.profiling.kernel_tracer import is_grouped_mm
 from pipeplan.profiling.profile_options import ATTENTION_MODES
 
 aten = torch.ops.aten
-KERNEL_NAMES = ("flash", "memory-efficient", "math")  # GpuSemantics.kernels_used keys
+KERNEL_NAMES = ("flash", "flash2", "memory-efficient", "math")  # GpuSemantics.kernels_used keys
 
 
 def gpu_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -352,7 +353,7 @@ class GpuSemantics(TorchFunctionMode):
             four_d=q.dim() == 4, masked=mask is not None, grouped=grouped, same_dims=q.shape[-1] == v.shape[-1]
         )
         kernel = _sdpa_kernel(self.attention, **shape)
-        self.kernels_used[kernel] += 1
+        self.kernels_used["flash2" if kernel == "flash" and self.attention == "flash2" else kernel] += 1
         dropout, scale = bound["dropout_p"], bound["scale"]
         if kernel == "flash":
             return _FlashAttention.apply(q, k, v, dropout, bound["is_causal"], scale)

@@ -20,10 +20,11 @@ PRECISION_HELP = (
     "cpu, bf16-mixed on cuda, bf16-main on meta), e.g. --precision bf16-mixed."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
-ATTENTION_MODES = ("auto", "flash", "math")  # what an analytic profile runs each scaled_dot_product_attention as
+ATTENTION_MODES = ("auto", "flash", "flash2", "math")  # what an analytic profile runs each scaled_dot_product_attention as
 ATTENTION_HELP = (
     "Analytic profiles: auto (what the model and device run: FlashAttention, or memory-efficient attention with a "
-    "mask), flash (the same; refuses attention written by hand) or math (unfused softmax), e.g. --attention math."
+    "mask), flash (the same; refuses attention written by hand), flash2 (as flash, timed as FlashAttention-2: e.g. "
+    "Transformer Engine with NVTE_FUSED_ATTN=0 on an H100) or math (unfused softmax), e.g. --attention math."
 )
 DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"
 

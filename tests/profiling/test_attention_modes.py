@@ -16,9 +16,12 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.errors import ConfigError
+from pipeplan.hardware import load_hardware
 from pipeplan.models import load_model
 from pipeplan.models.spec import ModelSpec
 from pipeplan.profiling.analytic import profile_analytic
+from pipeplan.profiling.kernels import kernel_seconds
+from pipeplan.profiling.retime import pass_breakdown
 
 runner = CliRunner()
 SEQ, HEADS, HEAD = 32, 4, 8
@@ -108,6 +111,27 @@ def test_math_keeps_the_scores_and_flash_refuses_attention_written_by_hand():
         _profile("fast", masked=False)
 
 
+def test_flash2_is_the_same_kernel_timed_at_flashattention_2s_rate():
+    """`--attention flash2`: the FlashAttention call of `flash`, recorded as flash2, its kernels at the preset's
+    flash2_attention_efficiency (H100: 0.31 against FlashAttention-3's 0.58); the matmuls and the bytes unchanged.
+    Where a preset gives no FlashAttention-2 figure (A100: FlashAttention-2 is its attention_efficiency), the same."""
+    flash, flash2 = _profile("flash", masked=False), _profile("flash2", masked=False)
+    assert flash2.provenance.attention == "flash2" and "--attention flash2" in flash2.provenance.notes
+    assert [la.activation_bytes for la in flash2.layers] == [la.activation_bytes for la in flash.layers]
+    rates, rates2 = flash.provenance.kernel_rates, flash2.provenance.kernel_rates
+    assert rates2.attention_flops_per_s / rates.attention_flops_per_s == pytest.approx(0.31 / 0.58)
+    assert rates2.gemm_flops_per_s == rates.gemm_flops_per_s
+    for name in ("forward", "input_grad"):
+        part = pass_breakdown(flash.layers[1].work, rates, name)
+        part2 = pass_breakdown(flash2.layers[1].work, rates2, name)
+        assert part2.attention > part.attention > 0 and part2.gemm == pytest.approx(part.gemm)
+    for kernel in _core(flash):  # each kernel's work (beyond its launch) at 0.58 / 0.31 of the time
+        work, work2 = (kernel_seconds(kernel, r) - r.gemm_overhead_s for r in (rates, rates2))
+        assert work2 == pytest.approx(work * 0.58 / 0.31)
+    a100 = load_hardware("a100-80gb")
+    assert a100.attention_flops_per_s(torch.bfloat16, flash2=True) == a100.attention_flops_per_s(torch.bfloat16)
+
+
 def test_attention_is_recorded_in_the_plan_and_shown(tmp_path):
     out = tmp_path / "plan"
     args = ["plan", *GPT, "--device", "meta", "--hardware", "h100", "-n", "2", "-B", "4", "--attention", "math"]
@@ -127,4 +151,4 @@ def test_measured_profiles_refuse_the_option():
     line = one_error_line(runner.invoke(app, ["plan", *GPT, "--attention", "flash", "-n", "2"]))
     assert "--attention flash is for analytic profiles" in line
     line = one_error_line(runner.invoke(app, ["capacity", *GPT, "--hardware", "h100", "-n", "8", "--attention", "x"]))
-    assert "--attention must be one of auto, flash, math" in line
+    assert "--attention must be one of auto, flash, flash2, math" in line

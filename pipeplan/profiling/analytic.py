@@ -289,8 +289,8 @@ def _profile_layers(
             bar.advance(task)
     if by_hand and config.attention in ("flash", "flash2"):
         raise ConfigError(
-            f"--attention {config.attention}: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which runs as "
-            "written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
+            f"--attention {config.attention}: layer {by_hand[0]!r} computes attention by hand (softmax(QKᵀ)V), which "
+            "runs as written (the math path); call F.scaled_dot_product_attention in the model, or drop --attention"
         )
     return layers, attention_summary(kernels, bool(by_hand))
 

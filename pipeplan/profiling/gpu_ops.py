@@ -8,8 +8,8 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
 - `F.scaled_dot_product_attention` (and `aten.scaled_dot_product_attention`, what an exported graph calls) takes
   the math path. `GpuSemantics(attention=...)` runs each call as the kernel PyTorch dispatches it to on a GPU:
   * `auto` / `flash` / `flash2` (flash2: the same kernel, counted as `flash2`, which the analytic profile times at
-    the hardware's FlashAttention-2 rate): without a mask, FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, which has meta
-    kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it,
+    the hardware's FlashAttention-2 rate): without a mask, FlashAttention-2
+    (`aten._scaled_dot_product_flash_attention`, which has meta kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it,
     so `out.transpose(1, 2)` is free) and the float32 logsumexp, no s² tensors; grouped-query attention
     (`enable_gqa`) runs natively: only the key/value heads are saved. With a mask (FlashAttention takes none), the
     memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`): no s² tensor of its own either, but

@@ -20,7 +20,8 @@ PRECISION_HELP = (
     "cpu, bf16-mixed on cuda, bf16-main on meta), e.g. --precision bf16-mixed."
 )
 TRACER_HELP = "fx, export (torch.export) or auto: fx, else export (e.g. --tracer export)."
-ATTENTION_MODES = ("auto", "flash", "flash2", "math")  # what an analytic profile runs each scaled_dot_product_attention as
+# what an analytic profile runs each scaled_dot_product_attention as
+ATTENTION_MODES = ("auto", "flash", "flash2", "math")
 ATTENTION_HELP = (
     "Analytic profiles: auto (what the model and device run: FlashAttention, or memory-efficient attention with a "
     "mask), flash (the same; refuses attention written by hand), flash2 (as flash, timed as FlashAttention-2: e.g. "

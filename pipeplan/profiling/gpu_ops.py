@@ -7,16 +7,16 @@ On CPU and meta tensors PyTorch takes fallback paths a GPU run does not take:
   Megatron's 34·s·b·h). `GpuSemantics` routes dropout to `aten.native_dropout`, which saves the bool mask.
 - `F.scaled_dot_product_attention` (and `aten.scaled_dot_product_attention`, what an exported graph calls) takes
   the math path. `GpuSemantics(attention=...)` runs each call as the kernel PyTorch dispatches it to on a GPU:
-  * `auto` / `flash` / `flash2` (flash2: the same kernel, counted as `flash2`, which the analytic profile times at
-    the hardware's FlashAttention-2 rate): without a mask, FlashAttention-2
-    (`aten._scaled_dot_product_flash_attention`, which has meta kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel returns it,
-    so `out.transpose(1, 2)` is free) and the float32 logsumexp, no s² tensors; grouped-query attention
+  * `auto` / `flash` / `flash2` (flash2: the same kernel, counted as `flash2`, which the analytic profile times at the
+    hardware's FlashAttention-2 rate): without a mask, FlashAttention-2 (`aten._scaled_dot_product_flash_attention`,
+    which has meta kernels and FLOP formulas): saves q, k, v, the output (laid out (b, s, heads, d) as the CUDA kernel
+    returns it, so `out.transpose(1, 2)` is free) and the float32 logsumexp, no s² tensors; grouped-query attention
     (`enable_gqa`) runs natively: only the key/value heads are saved. With a mask (FlashAttention takes none), the
-    memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`): no s² tensor of its own either, but
-    the whole score matrix is computed (the mask is not exploited) and the mask, turned into an additive bias in
-    q's dtype when it is boolean (as SDPA does before dispatching), is saved with q, k, v and the output; so is a
-    call whose values have a head size other than the queries' (MLA: 192 / 128), which FlashAttention-2 does not
-    take (causal, without a mask: half the scores);
+    memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`): no s² tensor of its own either, but the
+    whole score matrix is computed (the mask is not exploited) and the mask, turned into an additive bias in q's dtype
+    when it is boolean (as SDPA does before dispatching), is saved with q, k, v and the output; so is a call whose
+    values have a head size other than the queries' (MLA: 192 / 128), which FlashAttention-2 does not take (causal,
+    without a mask: half the scores);
   * `math`: the Megatron-style math path: the scores matmul, softmax (saves its output, 2·a·s²·b bytes), dropout
     (1-byte mask, a·s²·b) and the matmul with v (saves the dropped probabilities, 2·a·s²·b) -- the 5·a·s²·b term
     of Korthikanti et al. (2022).

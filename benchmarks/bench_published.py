@@ -82,8 +82,13 @@ K_RUNS = {
 LLAMA3 = dict(vocab=128256, seq=8192)
 L8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, **LLAMA3)
 L70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, **LLAMA3)
-L405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248, **LLAMA3)
-GPT3 = dict(layers=96, hidden=12288, heads=96, **GPT)
+# 405B as the recipe ran it (NeMo Framework Launcher conf/training/llama/llama3_1_405b.yaml, the config its launch
+# script reads: num_query_groups 16, where the released model has 8; the recipe README: "Llama3.1 405B uses the
+# GPT2BPETokenizer as a proxy" on mock data, so 50,257 tokens padded to a multiple of 128 x TP 8: 51,200)
+L405B = dict(layers=126, hidden=16384, heads=128, kv_heads=16, intermediate=53248, vocab=51200, seq=8192)
+# NeMo's GPT-3 175B as the recipe ran it (nemo_megatron/gpt3_175b_hydra.yaml): dropout 0.1, tied embeddings, the
+# GPT2BPETokenizer's 50,257 tokens padded to a multiple of 128 x TP 4: 50,688
+GPT3 = dict(layers=96, hidden=12288, heads=96, **{**GPT, "vocab": 50688})
 N15B = dict(layers=32, hidden=6144, heads=48, kv_heads=8, intermediate=24576, vocab=256000, seq=4096, mlp="relu2")
 N340B = dict(layers=96, hidden=18432, heads=96, kv_heads=8, intermediate=73728, vocab=256000, seq=4096, mlp="relu2")
 # Optimizer-state precision where a recipe's YAML states it: nemotron/nemotron4-340b-synth.yaml sets

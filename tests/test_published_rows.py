@@ -1,6 +1,6 @@
 """benchmarks/bench_published.py's row set, without running it (each row is a `pipeplan capacity` subprocess of
 about two minutes): Korthikanti et al.'s Table 5 (8 rows) and the DGX Cloud NeMo H100 rows (11), each a command a
-user types whose layout parses and spans the run's own GPU count; the Korthikanti rows with `--attention math`."""
+user types whose layout parses and spans the run's own GPU count; each with the attention its run used."""
 
 from __future__ import annotations
 
@@ -36,13 +36,17 @@ def test_each_row_is_a_capacity_command_on_its_runs_gpus(row):
     assert parse_layout(row.layout).devices == size
 
 
-def test_the_korthikanti_rows_ask_for_the_math_attention_their_runs_used():
+def test_each_row_asks_for_the_attention_its_run_used():
+    """Korthikanti: Megatron's math attention (2022); NeMo's GPT-3 recipe: FlashAttention-2 (its launch script turns
+    cuDNN attention off, NVTE_FUSED_ATTN=0); the Llama and Nemotron recipes: auto (cuDNN's, FlashAttention-3 level)."""
     for row in bench.korthikanti_rows() + bench.nemo_rows():
         args = bench.command(row)
         if row.source == "korthikanti":
             assert args[args.index("--attention") + 1] == "math"
+        elif row.name.startswith("GPT3"):
+            assert args[args.index("--attention") + 1] == "flash2"
         else:
-            assert "--attention" not in args  # auto: FlashAttention, as NeMo runs
+            assert "--attention" not in args
 
 
 def test_only_the_recipe_that_states_it_keeps_bf16_optimizer_state():

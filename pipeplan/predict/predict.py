@@ -108,7 +108,7 @@ def predict(
     timer when already made (`simulate_step`, `StepInputs.steps`)."""
     first = simulate_step(inputs) if timeline is None else timeline
     timer = inputs.steps() if steps is None and not schedule_info(inputs.schedule).asynchronous else steps
-    found = period(inputs.schedule, first, timer, inputs.sync(post_validate=post_validate), post_validate=post_validate)  # type: ignore[arg-type]
+    found = period(inputs.schedule, first, timer, inputs.sync(post_validate=post_validate), post_validate=post_validate)
     peaks = first.peak_memory_bytes
     if post_validate:
         undo = undo_copy_bytes(inputs.param_counts, inputs.pipeline.device_stages, inputs.numerics)

@@ -55,11 +55,15 @@ def updates_per_step(name: str, num_microbatches: int) -> int:
     return num_microbatches // schedule_info(name).update_every(num_microbatches)
 
 
-def period(name: str, timeline: Timeline, steps: LayoutSteps, sync: StepSync, *, post_validate: bool = False) -> Period:
+def period(
+    name: str, timeline: Timeline, steps: LayoutSteps | None, sync: StepSync, *, post_validate: bool = False
+) -> Period:
     """The period of a simulated step or stream (module docstring). Synchronous: `timeline` is the first step,
     `steps` times the others; the next step starts after the global check or, `post_validate`d, after the device's
-    own end. Asynchronous: the steady state, each update paying the slowest device's exchange and update."""
+    own end. Asynchronous (`steps` unused): the steady state, each update paying the slowest device's exchange and
+    update."""
     if not schedule_info(name).asynchronous:
+        assert steps is not None, "a synchronous schedule's period needs its step timer"
         first = ([list(row) for row in timeline.starts], [list(row) for row in timeline.ends])
         steady = steady_state(steps.schedule, steps.timer, sync.step_end(), post_validate=post_validate, first=first)
         return Period(steady.period_ms, steady.bubble_rate())

@@ -76,7 +76,7 @@ class PlanOptions(SearchFlags):
             self._warn_ignored_by_layout()
         parallel = parse_parallel(self.parallel)
         for key, size in (("tp", parallel.tensor), ("cp", parallel.context), ("ep", parallel.expert)):
-            if size != AUTO and size > 1 and self.profile is None and self.device != "meta":  # type: ignore[operator]
+            if isinstance(size, int) and size > 1 and self.profile is None and self.device != "meta":
                 raise ConfigError(
                     f"--parallel {key}={size} plans analytically: profile with --device meta --hardware NAME (or give "
                     "an analytic --profile)"

@@ -152,10 +152,11 @@ def recompute_reasons(memory: MemoryCosts, modes: Sequence[str], device_ops, lim
 
 def _without_recompute(memory: MemoryCosts, stage: int, num_stages: int) -> MemoryCosts:
     """`memory` with `stage` keeping all its saved bytes (mode none)."""
-    kept = list(memory.kept_bytes)  # type: ignore[arg-type]
+    held = memory.activation_bytes if memory.kept_bytes is None else memory.kept_bytes
+    kept = [stage_value(held, s) for s in range(num_stages)]
     rise = list(activation_rises(memory, num_stages)["B"])  # the re-created bytes (B's rise is exactly them)
-    freed = list(memory.input_grad_freed_bytes)  # type: ignore[arg-type]
-    kept[stage], rise[stage] = memory.activation_bytes[stage], 0.0  # type: ignore[index]
+    freed = [stage_value(memory.input_grad_freed_bytes, s) for s in range(num_stages)]
+    kept[stage], rise[stage] = stage_value(memory.activation_bytes, stage), 0.0
     if stage == 0:
         freed[0] = 0.0  # the model's first stage frees nothing at I without recomputation (stage_freed_bytes)
     return replace(memory, kept_bytes=tuple(kept), recompute_bytes=tuple(rise), input_grad_freed_bytes=tuple(freed))

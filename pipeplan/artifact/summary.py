@@ -10,6 +10,7 @@ from rich.text import Text
 
 from pipeplan.artifact.plan import Plan
 from pipeplan.artifact.scripts import describe
+from pipeplan.console import wide
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.schedules.render import gantt
 from pipeplan.schedules.simulate import Timeline
@@ -255,8 +256,11 @@ def _headline(plan: Plan, timeline: Timeline | None = None) -> Text:
 
 
 def render_summary(console: Console, plan: Plan, *, timeline: Timeline | None = None) -> None:
-    """The summary; `timeline`: the predicted steps to draw (`plan.timing.plan_steps_timeline`)."""
-    parts: list[Any] = [_headline(plan, timeline), _stage_table(plan), _alternatives_table(plan)]
+    """The summary; `timeline`: the predicted steps to draw (`plan.timing.plan_steps_timeline`). Into a pipe or a
+    file (a job's log) the tables print whole (`console.wide`), not cut to 80 columns."""
+    console.print(_headline(plan, timeline))
+    wide(console).print(Group(_stage_table(plan), _alternatives_table(plan)))
+    parts: list[Any] = []
     if plan.rationale:
         parts.append(Text("Why: ", style="bold") + Text(plan.rationale))
     if timeline is not None:

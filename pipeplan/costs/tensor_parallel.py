@@ -59,9 +59,10 @@ def tensor_parallel_comm_per_layer(
     `fp8_gathers` (an FP8 recipe, 16-bit activations): Transformer Engine casts a column-parallel linear's
     sequence-parallel input to FP8 before gathering it and keeps that FP8 copy, which the backward gathers again
     (transformer_engine/pytorch/module/linear.py, `_Linear`: `cast_to_fp8` then `gather_along_first_dim` in the
-    forward, the saved FP8 `inputmat` gathered in the backward; layernorm_linear.py gathers its FP8 `ln_out`), so
-    the forward all-gathers and the re-gathers move half the bytes; reduce-scatters (16-bit outputs) and the
-    backward's all-gathers of output gradients stay 16-bit."""
+    forward, the saved FP8 `inputmat` gathered in the backward; layernorm_linear.py gathers its FP8 `ln_out`), and
+    a row-parallel linear's output gradient is cast to FP8 before the backward gathers it (module/base.py,
+    `grad_output_preprocess`, "FP8 case with gather": `cast_to_fp8` then `gather_along_first_dim`, or the FP8
+    userbuffer), so every all-gather moves half the bytes; the reduce-scatters (16-bit GEMM outputs) keep theirs."""
     _check_positive(seq=seq, batch=batch, hidden=hidden, tensor_parallel=tensor_parallel)
     _check_positive(bytes_per_element=bytes_per_element)
     if tensor_parallel == 1:
@@ -70,8 +71,8 @@ def tensor_parallel_comm_per_layer(
     one_pass: tuple[Collective, ...]
     if sequence_parallel:
         gathered = int(message * FP8_GATHER_FRACTION) if fp8_gathers else message
-        one_pass = (Collective("all-gather", 2, message), Collective("reduce-scatter", 2, message))
-        forward = (Collective("all-gather", 2, gathered), one_pass[1])
-        return TensorParallelComm(forward=forward, backward=one_pass, regather=(Collective("all-gather", 2, gathered),))
+        one_pass = (Collective("all-gather", 2, gathered), Collective("reduce-scatter", 2, message))
+        regather = (Collective("all-gather", 2, gathered),)
+        return TensorParallelComm(forward=one_pass, backward=one_pass, regather=regather)
     one_pass = (Collective("all-reduce", 2, message),)
     return TensorParallelComm(forward=one_pass, backward=one_pass)

@@ -21,9 +21,9 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   boundary sends each rank's shard: cut bytes / t·cp.
 - Communication (`layer_comms`): per block the tensor-parallel collectives of `costs.tensor_parallel.
   tensor_parallel_comm_per_layer` with sequence parallelism, each message the rank's s/cp positions; forward on F,
-  backward on I (W when the layer has no input gradient); under an FP8 recipe the forward all-gathers and the
-  re-gathers move FP8 inputs (`fp8_gathers`); the wgrad re-gathers overlap the input-gradient matmuls
-  (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
+  backward on I (W when the layer has no input gradient); under an FP8 recipe every all-gather moves FP8
+  (inputs, their re-gathers and output gradients: `fp8_gathers`); the wgrad re-gathers overlap the input-gradient
+  matmuls (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
   Megatron-Core) each collective hides behind its layer's linears at the rank's shape, pipelined in t chunks, at
   a cost (`costs.overlap.overlapped_ms`): exposed max(comm - matmul time, comm / t), plus the matmul time its
   `Overlap.comm_sms` SMs take while it runs, plus what running the linears as t chunks of their tokens costs (the

@@ -92,15 +92,16 @@ def test_sequence_parallel_moves_as_many_bytes_as_all_reduces():
 
 def test_fp8_recipes_gather_fp8_inputs():
     """Transformer Engine casts a column-parallel linear's sequence-parallel input to FP8 before its all-gather and
-    gathers that saved FP8 copy again for the weight gradient (1 byte per element); the reduce-scatters of 16-bit
-    outputs and the backward's all-gathers of 16-bit output gradients keep their bytes."""
+    gathers that saved FP8 copy again for the weight gradient, and casts a row-parallel linear's output gradient to
+    FP8 before the backward gathers it (1 byte per element); the reduce-scatters of 16-bit outputs keep their
+    bytes."""
     message = 2048 * 1 * 12288 * 2
     shape = dict(seq=2048, batch=1, hidden=12288, tensor_parallel=8, sequence_parallel=True)
     bf16 = tensor_parallel_comm_per_layer(**shape)
     fp8 = tensor_parallel_comm_per_layer(**shape, fp8_gathers=True)
     assert fp8.forward == (Collective("all-gather", 2, message // 2), Collective("reduce-scatter", 2, message))
     assert fp8.regather == (Collective("all-gather", 2, message // 2),) and bf16.regather[0].message_bytes == message
-    assert fp8.backward == bf16.backward
+    assert fp8.backward == fp8.forward and bf16.backward == bf16.forward
 
 
 def test_fp8_profiles_split_with_fp8_gathers():

@@ -43,12 +43,15 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix pipeplan tests benchmarks examples
 	$(BIN)/ruff format pipeplan tests benchmarks examples
 
+# two pytest workers (pytest-xdist), one test file each at a time (module fixtures built once); the suite also runs
+# without them (plain `pytest`), only slower: a test never depends on another's worker
+XDIST := -n 2 --dist loadfile
 test: $(STAMP) $(TT_STAMP) lint
-	$(BIN)/python -m pytest --durations=30  # the slowest tests listed: the suite aims at 10 minutes on 2 cores
+	$(BIN)/python -m pytest $(XDIST) --durations=30  # the slowest tests listed: the suite aims at 10 minutes on 2 cores
 
 # everything but the tests marked slow: the multi-process runs (gloo ranks) and a few long ones
 test-fast: $(STAMP) $(TT_STAMP) lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -33,6 +33,7 @@ FROZEN: dict[str, set[str]] = {
     "profile": {
         "--arg",
         "--attention",
+        "--concurrent",
         "--device",
         "--granularity",
         "--hardware",

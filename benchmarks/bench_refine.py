@@ -2,14 +2,16 @@
     pipeplan profile gpt -b 2 --concurrent 2 -o gpt.json                   (as the tour: beside a sibling rank)
     [pipeplan calibrate --device cpu -o hw.json]                           (--calibrate: this machine's gloo links)
     pipeplan plan gpt --profile gpt.json -n 2 -B 8 -s NAME -o DIR [--hardware hw.json:cpu]
-    pipeplan run DIR/plan.json --steps S --trace DIR/measured.json         (before: measured / predicted)
-    pipeplan refine DIR/measured.json -o DIR-refined                        (the run's plan timed again: refined)
+    pipeplan run DIR/plan.json --steps S --trace DIR/measured-0.json       (before: measured / predicted; x2)
+    pipeplan refine DIR/measured-0.json --with DIR/measured-1.json -o DIR-refined   (the runs pooled)
     pipeplan run DIR-refined/plan.json --steps S --trace ...               (after: measured / predicted)
-for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. Each schedule's plan and
-refined plan are run `--alternations` times each (default 2), alternating, before, after, before, after: the
-machine's load drifts over minutes, and alternating gives both plans the same drift. The measured and predicted
-steps are read from each run's trace (`run --trace` records the summary's figures). The noise floor is the
-same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs' measured steps.
+for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
+`--learn-from` times (default 2) and refine pools those runs; then the refined plan runs `--alternations` times
+(default 2), alternating with more runs of the plan (after, before, after): the machine's load drifts over minutes,
+and alternating gives both plans the same drift. Before and after are medians over every run of the plan and of the
+refined plan. The measured and predicted steps are read from each run's trace (`run --trace` records the summary's
+figures). The noise floor is the same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs'
+measured steps.
 `--busy` keeps a busy-loop process on one core for the whole benchmark (another job on a 2-core machine).
 
 Targets (issue 37, "Done when"): measured / predicted within 0.85-1.15 before, 0.95-1.05 after one refine round
@@ -37,7 +39,8 @@ BEFORE, AFTER = (0.85, 1.15), (0.95, 1.05)
 def _options(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (profile, plan, run, refine, run); default 3")
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
-    parser.add_argument("--alternations", type=int, default=2, help="runs of each plan, alternating (default 2)")
+    parser.add_argument("--learn-from", type=int, default=2, help="runs refine pools (--with); default 2")
+    parser.add_argument("--alternations", type=int, default=2, help="runs of the refined plan (default 2)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--busy", action="store_true", help="a busy-loop process on one core throughout")
     parser.add_argument("--concurrent", type=int, default=2, help="profile --concurrent N (default 2: the tour's)")
@@ -79,21 +82,26 @@ def _run(plan_dir: Path, steps: int, index: int) -> dict:
 
 
 def _schedule(folder: Path, name: str, profile: Path, hardware: tuple[str, ...], args) -> dict:
-    """plan -> run -> refine, then the plan and the refined plan run alternately; every run's figures."""
+    """plan -> `--learn-from` runs -> refine from them pooled, then the refined plan and the plan run alternately
+    (after, before, after, ...: `--alternations` runs of the refined plan); every run's figures."""
     plan, refined = folder / name, folder / f"{name}-refined"
     _cli("plan", "gpt", "--profile", str(profile), "-n", "2", "-B", "8", "-s", name, "-o", str(plan), *hardware)
-    before = [_run(plan, args.steps, 0)]
+    before = [_run(plan, args.steps, index) for index in range(args.learn_from)]
     refine_json = folder / f"{name}-refine.json"
+    pooled = [arg for index in range(1, args.learn_from) for arg in ("--with", str(plan / f"measured-{index}.json"))]
     with refine_json.open("w") as sink:  # --json: the refined prediction of the run's own plan
-        _cli("refine", str(plan / "measured-0.json"), "-o", str(refined), "--json", stdout=sink)
+        _cli("refine", str(plan / "measured-0.json"), *pooled, "-o", str(refined), "--json", stdout=sink)
     refine = json.loads(refine_json.read_text())
-    after = [_run(refined, args.steps, 0)]
-    for index in range(1, args.alternations):
-        before.append(_run(plan, args.steps, index))
+    after = []
+    for index in range(args.alternations):
         after.append(_run(refined, args.steps, index))
+        if index + 1 < args.alternations:
+            before.append(_run(plan, args.steps, args.learn_from + index))
     return {
         "before": before,
-        "refined_ms": refine["refined_ms"],  # the first run's own plan timed with the refined profile
+        "learned_from": args.learn_from,  # the first runs of "before", pooled by refine (--with)
+        "refined_ms": refine["refined_ms"],  # the run's own plan timed with the refined profile
+        "refine_measured_ms": refine["measured_ms"],  # the median of the pooled runs' measured steps
         "new_plan": refine["new_plan"]["description"],
         "after": after,
     }
@@ -130,7 +138,7 @@ def _summary(rounds: list[dict], schedules: list[str]) -> dict:
         entries = [r[name] for r in rounds]
         before = statistics.median(_ratio(run) for e in entries for run in e["before"])
         after = statistics.median(_ratio(run) for e in entries for run in e["after"])
-        refined = statistics.median(e["before"][0]["measured_ms"] / e["refined_ms"] for e in entries)
+        refined = statistics.median(e["refine_measured_ms"] / e["refined_ms"] for e in entries)
         noise = statistics.median(_spread(e[kind]) for e in entries for kind in ("before", "after"))
         medians[name] = {
             "before": before,
@@ -147,7 +155,7 @@ def _table(medians: dict, args):
     from rich.table import Table
 
     busy = " (busy core)" if args.busy else ""
-    title = f"measured / predicted, medians over {args.repeats} round(s) x {args.alternations} run(s){busy}"
+    title = f"measured / predicted, medians over {args.repeats} round(s) of every run{busy}"
     table = Table(title=title)
     for column in ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05", "noise"):
         table.add_column(column)
@@ -185,7 +193,16 @@ def main(args) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {
         key: getattr(args, key)
-        for key in ("repeats", "steps", "alternations", "busy", "concurrent", "profile_threads", "calibrate")
+        for key in (
+            "repeats",
+            "steps",
+            "learn_from",
+            "alternations",
+            "busy",
+            "concurrent",
+            "profile_threads",
+            "calibrate",
+        )
     }
     settings["cores"] = os.cpu_count()
     output.write_text(json.dumps({"settings": settings, "medians": medians, "rounds": rounds}, indent=2) + "\n")

@@ -200,11 +200,16 @@ def under_concurrency(profile: Profile, concurrent: int, ratio: float, update_ra
         )
         for layer in profile.layers
     )
-    wholes = ("whole_forward_ms", "whole_backward_ms", "whole_split_backward_ms")
+
+    def scaled(ms: float | None) -> float | None:
+        return None if ms is None else ms * ratio
+
     return replace(
         profile,
         layers=layers,
-        **{name: None if getattr(profile, name) is None else getattr(profile, name) * ratio for name in wholes},
+        whole_forward_ms=scaled(profile.whole_forward_ms),
+        whole_backward_ms=scaled(profile.whole_backward_ms),
+        whole_split_backward_ms=scaled(profile.whole_split_backward_ms),
         provenance=replace(
             profile.provenance, concurrent=concurrent, wall_over_cpu=ratio, update_bytes_per_s=update_rate
         ),

@@ -88,7 +88,8 @@ def test_cli_profile_beside_a_sibling(tmp_path, capsys):
 @pytest.mark.slow  # starts a sibling process
 def test_a_sibling_that_cannot_build_the_model_is_one_line():
     model = SiblingModel(model="no-such-model", threads=1)
-    with pytest.raises(
-        ConfigError, match=r"--concurrent: a sibling process could not build the model .*--concurrent 1"
-    ), sibling_load(model, 1):
+    with (
+        pytest.raises(ConfigError, match=r"--concurrent: a sibling process could not build the model .*--concurrent 1"),
+        sibling_load(model, 1),
+    ):
         pass

@@ -14,7 +14,7 @@ def profile(options: ProfileOptions) -> None:
 
     Example: pipeplan profile gpt -a layers=4 -a hidden=256 --batch-size 4 -o p.json
     Example: pipeplan profile gpt --precision bf16-mixed -o p-bf16.json
-    Example: pipeplan profile gpt -b 2 --concurrent 2 -o p-2ranks.json   (beside a sibling, as 2 ranks run)
+    Example: pipeplan profile gpt -b 2 --concurrent 2 -o p-2ranks.json  # beside a sibling, as 2 ranks run
     Example: pipeplan profile hf:llama-3-8b --device meta --hardware h100 --attention math -o p-math.json
     """
     from pipeplan.profiling.profile_job import profile_from_options  # torch: imported when the command runs

@@ -64,8 +64,8 @@ class ProfileOptions:
     concurrent: int = option(
         1,
         "--concurrent",
-        help="CPU: measure beside N-1 sibling processes running the model, as N ranks share this machine in a run "
-        "(e.g. --concurrent 2).",
+        help="CPU: measure beside N-1 sibling processes running the model, as N ranks share this machine in a run: "
+        "layers in CPU time x the wall / CPU time measured there (e.g. --concurrent 2).",
     )
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
@@ -85,6 +85,8 @@ class ProfileOptions:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if self.concurrent < 1:
             raise ConfigError(f"--concurrent must be >= 1, got {self.concurrent}")
+        if self.concurrent > 1 and self.device.startswith("cuda"):
+            raise ConfigError("--concurrent measures beside sibling CPU processes; drop it with --device cuda")
         self._warn_ignored()
 
     @property

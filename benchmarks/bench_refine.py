@@ -1,15 +1,22 @@
 """Plans that learn from their runs (issue 37): the README tour's model through the CLI, per schedule,
-    pipeplan profile gpt -b 2 -o gpt.json                                   (as the tour: torch's default threads)
-    pipeplan plan gpt --profile gpt.json -n 2 -B 8 -s NAME -o DIR
-    pipeplan run DIR/plan.json --steps S --trace DIR/measured.json         (before: measured / predicted)
-    pipeplan refine DIR/measured.json -o DIR-refined                        (the run's plan timed again: refined)
+    pipeplan profile gpt -b 2 --concurrent 2 -o gpt.json                   (as the tour: beside a sibling rank)
+    [pipeplan calibrate --device cpu -o hw.json]                           (--calibrate: this machine's gloo links)
+    pipeplan plan gpt --profile gpt.json -n 2 -B 8 -s NAME -o DIR [--hardware hw.json:cpu]
+    pipeplan run DIR/plan.json --steps S --trace DIR/measured-0.json       (before: measured / predicted; x2)
+    pipeplan refine DIR/measured-0.json --with DIR/measured-1.json -o DIR-refined   (the runs pooled)
     pipeplan run DIR-refined/plan.json --steps S --trace ...               (after: measured / predicted)
-for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The measured and
-predicted steps are read from each run's trace (`run --trace` records the summary's figures). `--busy` keeps a
-busy-loop process on one core for the whole benchmark (another job on a 2-core machine).
+for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
+`--learn-from` times (default 2) and refine pools those runs; then the refined plan runs `--alternations` times
+(default 2), alternating with more runs of the plan (after, before, after): the machine's load drifts over minutes,
+and alternating gives both plans the same drift. Before and after are medians over every run of the plan and of the
+refined plan. The measured and predicted steps are read from each run's trace (`run --trace` records the summary's
+figures). The noise floor is the same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs'
+measured steps.
+`--busy` keeps a busy-loop process on one core for the whole benchmark (another job on a 2-core machine).
 
 Targets (issue 37, "Done when"): measured / predicted within 0.85-1.15 before, 0.95-1.05 after one refine round
-(medians over the rounds). Prints a table and writes results/refine.json (every round's figures and the medians).
+(medians over the rounds' runs). Prints a table and writes results/refine.json (every run's figures, the load
+average at each round's start, and the medians).
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ BEFORE, AFTER = (0.85, 1.15), (0.95, 1.05)
 
 def _options(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (profile, plan, run, refine, run); default 3")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
+    parser.add_argument("--learn-from", type=int, default=2, help="runs refine pools (--with); default 2")
+    parser.add_argument("--alternations", type=int, default=2, help="runs of the refined plan (default 2)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--busy", action="store_true", help="a busy-loop process on one core throughout")
-    parser.add_argument("--profile-threads", type=int, help="profile with --threads N (default: as the tour, none)")
+    parser.add_argument("--concurrent", type=int, default=2, help="profile --concurrent N (default 2: the tour's)")
+    parser.add_argument("--profile-threads", type=int, help="profile with --threads N (default: the tour's, none)")
+    parser.add_argument("--calibrate", action="store_true", help="plan with this machine's calibrated links")
     parser.add_argument("--keep", metavar="DIR", help="keep every profile, plan and trace under DIR")
     parser.add_argument("--output", default="results/refine.json", help="results file (default: %(default)s)")
 
@@ -45,15 +56,16 @@ if __name__ == "__main__":  # first of all: --help answers before anything is ru
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cli(*args: str) -> None:
+def _cli(*args: str, stdout=None) -> None:
     """One pipeplan command, as a user types it (this interpreter's pipeplan); its output passes through."""
-    done = subprocess.run([sys.executable, "-m", "pipeplan", *args], cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "pipeplan", *args], cwd=ROOT, stdout=stdout)
     if done.returncode != 0:
         raise SystemExit(f"pipeplan {' '.join(args)} failed (exit {done.returncode})")
 
 
 def _record(trace: Path) -> dict:
-    return json.loads(trace.read_text())["pipeplan_measured"]["run"]
+    run = json.loads(trace.read_text())["pipeplan_measured"]["run"]
+    return {"measured_ms": run["measured_ms"], "predicted_ms": run["predicted_ms"]}
 
 
 def _busy_loop() -> None:  # pragma: no cover - a child process spinning until terminated
@@ -63,29 +75,51 @@ def _busy_loop() -> None:  # pragma: no cover - a child process spinning until t
         pass
 
 
-def _round(folder: Path, schedules: list[str], steps: int, threads: int | None) -> dict:
-    """One round: profile, then per schedule plan -> run -> refine -> run; each run's (measured, predicted)."""
+def _run(plan_dir: Path, steps: int, index: int) -> dict:
+    trace = plan_dir / f"measured-{index}.json"
+    _cli("run", str(plan_dir / "plan.json"), "--steps", str(steps), "--trace", str(trace), "--quiet")
+    return _record(trace)
+
+
+def _schedule(folder: Path, name: str, profile: Path, hardware: tuple[str, ...], args) -> dict:
+    """plan -> `--learn-from` runs -> refine from them pooled, then the refined plan and the plan run alternately
+    (after, before, after, ...: `--alternations` runs of the refined plan); every run's figures."""
+    plan, refined = folder / name, folder / f"{name}-refined"
+    _cli("plan", "gpt", "--profile", str(profile), "-n", "2", "-B", "8", "-s", name, "-o", str(plan), *hardware)
+    before = [_run(plan, args.steps, index) for index in range(args.learn_from)]
+    refine_json = folder / f"{name}-refine.json"
+    pooled = [arg for index in range(1, args.learn_from) for arg in ("--with", str(plan / f"measured-{index}.json"))]
+    with refine_json.open("w") as sink:  # --json: the refined prediction of the run's own plan
+        _cli("refine", str(plan / "measured-0.json"), *pooled, "-o", str(refined), "--json", stdout=sink)
+    refine = json.loads(refine_json.read_text())
+    after = []
+    for index in range(args.alternations):
+        after.append(_run(refined, args.steps, index))
+        if index + 1 < args.alternations:
+            before.append(_run(plan, args.steps, args.learn_from + index))
+    return {
+        "before": before,
+        "learned_from": args.learn_from,  # the first runs of "before", pooled by refine (--with)
+        "refined_ms": refine["refined_ms"],  # the run's own plan timed with the refined profile
+        "refine_measured_ms": refine["measured_ms"],  # the median of the pooled runs' measured steps
+        "new_plan": refine["new_plan"]["description"],
+        "after": after,
+    }
+
+
+def _round(folder: Path, schedules: list[str], args) -> dict:
+    """One round: profile (and calibrate), then every schedule."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     profile = folder / "gpt.json"
-    _cli("profile", "gpt", "-b", "2", "-o", str(profile), *(("--threads", str(threads)) if threads else ()))
-    found = {}
+    threads = ("--threads", str(args.profile_threads)) if args.profile_threads else ()
+    _cli("profile", "gpt", "-b", "2", "-o", str(profile), "--concurrent", str(args.concurrent), *threads)
+    hardware: tuple[str, ...] = ()
+    if args.calibrate:
+        _cli("calibrate", "--device", "cpu", "-o", str(folder / "hw.json"))
+        hardware = ("--hardware", f"{folder / 'hw.json'}:cpu")
+    found: dict = {"load_average_1min": load}
     for name in schedules:
-        plan, refined = folder / name, folder / f"{name}-refined"
-        _cli("plan", "gpt", "--profile", str(profile), "-n", "2", "-B", "8", "-s", name, "-o", str(plan))
-        _cli("run", str(plan / "plan.json"), "--steps", str(steps), "--trace", str(plan / "measured.json"), "--quiet")
-        refine_json = folder / f"{name}-refine.json"
-        with refine_json.open("w") as sink:  # --json: the refined prediction of the run's own plan
-            args = ["refine", str(plan / "measured.json"), "-o", str(refined), "--json"]
-            if subprocess.run([sys.executable, "-m", "pipeplan", *args], cwd=ROOT, stdout=sink).returncode != 0:
-                raise SystemExit(f"pipeplan refine for {name} failed")
-        again = refined / "measured.json"
-        _cli("run", str(refined / "plan.json"), "--steps", str(steps), "--trace", str(again), "--quiet")
-        before, after, refine = _record(plan / "measured.json"), _record(again), json.loads(refine_json.read_text())
-        found[name] = {
-            "before": {"measured_ms": before["measured_ms"], "predicted_ms": before["predicted_ms"]},
-            "refined_ms": refine["refined_ms"],  # the run's own plan timed with the refined profile
-            "new_plan": refine["new_plan"]["description"],
-            "after": {"measured_ms": after["measured_ms"], "predicted_ms": after["predicted_ms"]},
-        }
+        found[name] = _schedule(folder, name, profile, hardware, args)
     return found
 
 
@@ -93,45 +127,37 @@ def _ratio(entry: dict) -> float:
     return entry["measured_ms"] / entry["predicted_ms"]
 
 
+def _spread(runs: list[dict]) -> float:
+    steps = [run["measured_ms"] for run in runs]
+    return (max(steps) - min(steps)) / statistics.median(steps) if len(steps) > 1 else 0.0
+
+
 def _summary(rounds: list[dict], schedules: list[str]) -> dict:
     medians = {}
     for name in schedules:
-        before = statistics.median(_ratio(r[name]["before"]) for r in rounds)
-        after = statistics.median(_ratio(r[name]["after"]) for r in rounds)
-        refined = statistics.median(r[name]["before"]["measured_ms"] / r[name]["refined_ms"] for r in rounds)
+        entries = [r[name] for r in rounds]
+        before = statistics.median(_ratio(run) for e in entries for run in e["before"])
+        after = statistics.median(_ratio(run) for e in entries for run in e["after"])
+        refined = statistics.median(e["refine_measured_ms"] / e["refined_ms"] for e in entries)
+        noise = statistics.median(_spread(e[kind]) for e in entries for kind in ("before", "after"))
         medians[name] = {
             "before": before,
             "before_within": BEFORE[0] <= before <= BEFORE[1],
             "measured_over_refined": refined,
             "after": after,
             "after_within": AFTER[0] <= after <= AFTER[1],
+            "same_plan_spread": noise,
         }
     return medians
 
 
-def main(args) -> None:
-    from rich.console import Console
+def _table(medians: dict, args):
     from rich.table import Table
 
-    schedules = [s for s in args.schedules.split(",") if s]
-    busy = multiprocessing.Process(target=_busy_loop, daemon=True) if args.busy else None
-    if busy is not None:
-        busy.start()
-    try:
-        with tempfile.TemporaryDirectory() as scratch:
-            base = Path(args.keep or scratch)
-            rounds = [
-                _round(base / f"round{i}", schedules, args.steps, args.profile_threads) for i in range(args.repeats)
-            ]
-    finally:
-        if busy is not None:
-            busy.terminate()
-            busy.join()
-    medians = _summary(rounds, schedules)
-    table = Table(
-        title=f"measured / predicted, medians over {args.repeats} round(s){' (busy core)' if args.busy else ''}"
-    )
-    for column in ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05"):
+    busy = " (busy core)" if args.busy else ""
+    title = f"measured / predicted, medians over {args.repeats} round(s) of every run{busy}"
+    table = Table(title=title)
+    for column in ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05", "noise"):
         table.add_column(column)
     for name, row in medians.items():
         table.add_row(
@@ -141,11 +167,44 @@ def main(args) -> None:
             f"{row['measured_over_refined']:.2f}",
             f"{row['after']:.2f}",
             "yes" if row["after_within"] else "no",
+            f"{row['same_plan_spread']:.0%}",
         )
-    Console().print(table)
+    return table
+
+
+def main(args) -> None:
+    from rich.console import Console
+
+    schedules = [s for s in args.schedules.split(",") if s]
+    busy = multiprocessing.Process(target=_busy_loop, daemon=True) if args.busy else None
+    if busy is not None:
+        busy.start()
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            base = Path(args.keep or scratch)
+            rounds = [_round(base / f"round{i}", schedules, args) for i in range(args.repeats)]
+    finally:
+        if busy is not None:
+            busy.terminate()
+            busy.join()
+    medians = _summary(rounds, schedules)
+    Console().print(_table(medians, args))
     output = ROOT / "benchmarks" / args.output if not Path(args.output).is_absolute() else Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"repeats": args.repeats, "steps": args.steps, "busy": args.busy, "cores": os.cpu_count()}
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "repeats",
+            "steps",
+            "learn_from",
+            "alternations",
+            "busy",
+            "concurrent",
+            "profile_threads",
+            "calibrate",
+        )
+    }
+    settings["cores"] = os.cpu_count()
     output.write_text(json.dumps({"settings": settings, "medians": medians, "rounds": rounds}, indent=2) + "\n")
     print(f"wrote {output}")
 

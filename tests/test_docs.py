@@ -7,8 +7,9 @@ repository root. They run in this process through typer's CliRunner, with one to
 machine; no documented result depends on the thread count).
 
 A command is left out only visibly: inside a ```console-no-test block, or with a `# not run by the doc test:
-<reason>` comment on its line. Commands that start processes (`run`, `calibrate`) run in the `slow` test, with the
-commands whose files they read; the others, and whatever does not read a slow command's files, in the quick one.
+<reason>` comment on its line. Commands that start processes (`run`, `calibrate`, `profile --concurrent N`) run in
+the `slow` test, with the commands whose files they read; the others, and whatever does not read a slow command's
+files, in the quick one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ class DocCommand:
 
     @property
     def multi_process(self) -> bool:
-        return self.argv[0] in MULTI_PROCESS if self.argv else False
+        """`run`, `calibrate`, and a profile beside sibling processes (`--concurrent N`, N > 1)."""
+        if not self.argv:
+            return False
+        concurrent = [value for flag, value in zip(self.argv, self.argv[1:]) if flag == "--concurrent"]
+        return self.argv[0] in MULTI_PROCESS or any(value != "1" for value in concurrent)
 
     def writes(self) -> set[str]:
         """The paths it writes, as given on its command line."""

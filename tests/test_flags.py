@@ -33,6 +33,7 @@ FROZEN: dict[str, set[str]] = {
     "profile": {
         "--arg",
         "--attention",
+        "--concurrent",
         "--device",
         "--granularity",
         "--hardware",
@@ -97,7 +98,7 @@ FROZEN: dict[str, set[str]] = {
     },
     "export-weights": {"--force", "--output", "--plan", "--shard-gb", "--step"},
     "capacity": SHARED | {"--days", "--devices", "--devices-per-node", "--plot", "--seq", "--target-tokens"},
-    "refine": {"--json", "--output", "--plan", "--profile", "--schedule"},
+    "refine": {"--json", "--output", "--plan", "--profile", "--schedule", "--with"},
     "calibrate": {"--device", "--dtype", "--json", "--name", "--output", "--quick"},
 }
 MAX_PLAN_OPTIONS = 19

@@ -264,6 +264,10 @@ class Provenance:
     # refined: the bytes/s an optimizer update ran at in that run, learned from its step tails (`refine.job`); what
     # predict.gradient_sync times updates with where kernel_rates (analytic) does not say (None: updates untimed)
     update_bytes_per_s: float | None = None
+    # measured on a CPU with --concurrent N: N processes side by side (this one and N - 1 siblings running the model's
+    # training step, profiling/siblings.py), as N ranks share the machine in a run (None: measured alone)
+    concurrent: int | None = None
+    wall_over_cpu: float | None = None  # --concurrent: the times are CPU times x this measured ratio (siblings.py)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -314,8 +318,13 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["provenance"]["update_bytes_per_s"] is None:  # written only when refined: older files, same bytes
-            del data["provenance"]["update_bytes_per_s"]
+        for optional in (
+            "update_bytes_per_s",
+            "concurrent",
+            "wall_over_cpu",
+        ):  # written only when set: older files, same bytes
+            if data["provenance"][optional] is None:
+                del data["provenance"][optional]
         return {"schema_version": PROFILE_SCHEMA_VERSION, **data}
 
     def save(self, path: str | os.PathLike) -> None:

@@ -24,6 +24,7 @@ from pipeplan.profiling.profile_options import (
     check_attention,
     unknown_device,
 )
+from pipeplan.profiling.siblings import SiblingModel, sibling_load, under_concurrency, update_bytes_per_s, wall_over_cpu
 
 if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
@@ -48,6 +49,7 @@ class ProfileRequest:
     preset_overridable: tuple[str, ...] = ()  # preset options the request may replace (capacity's --seq)
     attention: str = "auto"  # analytic profiles: what each SDPA call runs as (profile_options.ATTENTION_MODES)
     threads: int | None = None  # CPU threads measured with (cluster.cpu_threads_per_rank; None: torch's current)
+    concurrent: int = 1  # CPU: processes measuring side by side, as a run's ranks share the machine (siblings.py)
 
     def __post_init__(self) -> None:
         kind = self.device.partition(":")[0]
@@ -62,6 +64,10 @@ class ProfileRequest:
                 raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
         check_device_precision(self.precision, kind)
         check_attention(self.attention, kind)
+        if self.concurrent < 1:
+            raise ConfigError(f"--concurrent must be >= 1, got {self.concurrent}")
+        if self.concurrent > 1 and kind != "cpu":
+            raise ConfigError(f"--concurrent measures beside sibling CPU processes; drop it with --device {kind}")
 
 
 def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:
@@ -91,17 +97,33 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         return profile, spec
     from pipeplan.profiling.measure import profile_model
 
-    with _torch_threads(request.threads):
+    concurrent = request.concurrent > 1
+    with _torch_threads(request.threads), sibling_load(_sibling_model(request), request.concurrent - 1):
         profile = profile_model(
             spec,
             device=request.device,
             warmup=request.warmup,
             repeats=request.repeats,
             model_options=dict(request.options),
-            timer=request.timer,
+            timer="cpu" if concurrent else request.timer,  # CPU time x the measured wall / CPU ratio: siblings.py
             **common,
         )
+        if concurrent:  # beside the siblings still: the wall / CPU ratio and the update rate (siblings.py)
+            model = _sibling_model(request)
+            profile = under_concurrency(profile, request.concurrent, wall_over_cpu(model), update_bytes_per_s(model))
     return profile, spec
+
+
+def _sibling_model(request: ProfileRequest) -> SiblingModel:
+    import torch
+
+    return SiblingModel(
+        model=request.model,
+        options=dict(request.options),
+        batch_size=request.batch_size,
+        precision=request.precision,
+        threads=request.threads or torch.get_num_threads(),
+    )
 
 
 @contextmanager
@@ -140,6 +162,7 @@ def profile_from_options(options: ProfileOptions) -> Profile:
         timer=options.timer,
         attention=options.attention,
         threads=threads,
+        concurrent=options.concurrent if options.device == "cpu" else 1,
     )
     profile, _ = profile_request(request)
     if options.output is not None:

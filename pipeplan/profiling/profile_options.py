@@ -61,6 +61,12 @@ class ProfileOptions:
         "--threads",
         help="CPU threads to measure with (default on CPU: each rank's share of the cores in a 2-rank run).",
     )
+    concurrent: int = option(
+        1,
+        "--concurrent",
+        help="CPU: measure beside N-1 sibling processes running the model, as N ranks share this machine in a run: "
+        "layers in CPU time x the wall / CPU time measured there (e.g. --concurrent 2).",
+    )
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)
     attention: str = option("auto", "--attention", help=ATTENTION_HELP)
@@ -77,6 +83,10 @@ class ProfileOptions:
         check_attention(self.attention, self.device)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if self.concurrent < 1:
+            raise ConfigError(f"--concurrent must be >= 1, got {self.concurrent}")
+        if self.concurrent > 1 and self.device.startswith("cuda"):
+            raise ConfigError("--concurrent measures beside sibling CPU processes; drop it with --device cuda")
         self._warn_ignored()
 
     @property
@@ -102,8 +112,8 @@ class ProfileOptions:
 
     def _warn_ignored(self) -> None:
         if self.device == "meta":
-            if self.threads is not None:
-                warn("--threads is ignored with --device meta (nothing is run)")
+            if self.threads is not None or self.concurrent != 1:
+                warn("--threads/--concurrent are ignored with --device meta (nothing is run)")
             if (self.warmup, self.repeats, self.timer) != (DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER):
                 warn("--warmup/--repeats/--timer are ignored with --device meta (nothing is run)")
         elif self.hardware or self.hardware_file:

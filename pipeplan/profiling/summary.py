@@ -60,6 +60,23 @@ def options_line(profile: Profile) -> str | None:
     return "model built with: " + ", ".join(f"{key}={value}" for key, value in options.items())
 
 
+def measured_with_line(profile: Profile) -> str | None:
+    """A CPU profile's threads and whether sibling processes ran beside it (`--concurrent`, siblings.py)."""
+    source = profile.provenance
+    if source.threads is None:
+        return None
+    line = f"measured with {source.threads} CPU thread(s)"
+    if source.concurrent:
+        siblings = source.concurrent - 1
+        ratio = (
+            f"; CPU times x {source.wall_over_cpu:.2f}, the wall / CPU time measured" if source.wall_over_cpu else ""
+        )
+        return (
+            f"{line}, beside {siblings} sibling process(es) running the model (--concurrent {source.concurrent}){ratio}"
+        )
+    return f"{line}, alone (no --concurrent)"
+
+
 def routing_lines(profile: Profile) -> list[str]:
     """How each mixture-of-experts layer routed the profiled batch, and which modules ran eagerly."""
     source = profile.provenance

@@ -19,6 +19,7 @@ def refine(options: RefineOptions) -> None:
 
     Example: pipeplan refine plan/measured.json -o plan-refined
     Example: pipeplan refine measured.json --plan plan/plan.json --schedule auto -o plan-auto
+    Example: pipeplan refine plan/run1.json --with plan/run2.json -o plan-refined  # two runs pooled
     """
     from pipeplan.refine.job import refine as refine_plan  # the search: imported when it runs
     from pipeplan.refine.report import refined_dict, render_refined

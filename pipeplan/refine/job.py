@@ -16,6 +16,7 @@ from pipeplan.paths import check_output_dir
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import Medians, measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.options import RefineOptions
+from pipeplan.refine.pool import pooled
 from pipeplan.refine.replan import replan
 from pipeplan.refine.updates import learned_update_rate, with_learned_updates
 from pipeplan.search.scaling import scale_profile
@@ -47,7 +48,7 @@ class Refined:
 
 def refine(options: RefineOptions) -> Refined:
     """The whole `pipeplan refine` (module docstring)."""
-    run = read_measured(options.trace)
+    run = pooled([read_measured(path) for path in (options.trace, *(options.pooled_with or ()))])
     plan_path = _plan_path(options, run)
     plan = _checked_plan(plan_path, run)
     profile = _checked_profile(options.profile or plan_path.parent / PROFILE_FILE, plan, given=bool(options.profile))

@@ -20,6 +20,11 @@ OUTPUT_HELP = "Directory for the refined plan and its profile (default: the run'
 @dataclass(frozen=True, kw_only=True)
 class RefineOptions:
     trace: Path = argument(help="The measured trace `pipeplan run PLAN --trace FILE` wrote.")
+    pooled_with: list[Path] | None = option(
+        None,
+        "--with",
+        help="Another trace of the same plan (repeatable): the medians over every run's steps (e.g. --with run2.json).",
+    )
     output: str | None = option(None, "--output", "-o", help=OUTPUT_HELP)
     plan: Path | None = option(None, "--plan", help="The plan.json the run ran (default: the one its trace names).")
     profile: Path | None = option(

@@ -235,6 +235,9 @@ def test_trace_round_trip_and_refusals(tmp_path):
     assert "--trace" in one_error_line(runner.invoke(app, ["refine", str(tmp_path / "old.json")]))
     # the run's own plan directory as the output
     assert "plan directory" in one_error_line(runner.invoke(app, ["refine", str(trace), "-o", str(folder)]))
+    # --with: another plan's trace pooled with this one's
+    line = one_error_line(runner.invoke(app, ["refine", str(trace), "--with", str(foreign), "-o", str(tmp_path / "o")]))
+    assert "ran another plan" in line and "--with" in line
 
 
 def test_plan_and_profile_fingerprints_survive_their_files(tmp_path):

@@ -1,0 +1,216 @@
+"""Measuring under a run's concurrency: sibling processes that keep the CPU as busy as a run's other ranks do.
+
+A CPU profile measured by one process sees the machine's other work, but not the N - 1 other ranks that share its
+cores in a run of N ranks on this machine (each running the same model's layers with the same threads). On a
+2-core machine two ranks and one other busy process make three runnable threads on two cores, and every op a rank
+runs costs what it costs under that contention, which a profile measured alone does not see. `--concurrent N`
+(`sibling_load`) starts N - 1 processes that each build the same model (from the profile's model reference and
+options: what a rank builds), set the same thread count and run its whole training step (forward with the loss,
+backward) over and over on the sample batch until the measurement ends; the profile is timed while they run.
+
+Under that load the operating system time-slices the cores: a thread gets a share of a core, in slices of a few
+milliseconds, so a short op either runs whole (and its median shows no contention at all) or waits a whole slice,
+while a stage's ops, many layers long, wait in proportion. Medians of wall-clock samples of single layers therefore
+miss the contention a stage meets. What is measured instead, beside the siblings:
+- every layer's passes in process CPU time (`--timer cpu`): the work on a core, with the siblings' cache and
+  memory traffic in it, without the waits for a core;
+- the wall-clock over CPU time of the model's whole training step, summed over `SHARE_STEPS` steps
+  (`wall_over_cpu`): 1 / the share of a core each thread got (with T threads per process: T / their share);
+and every time in the profile is the CPU time x that ratio: what the work costs in wall-clock when N ranks share
+the machine, averaged over the time slices. The profile records N (`provenance.concurrent`) and the ratio
+(`provenance.wall_over_cpu`).
+
+A rank also updates its parameters every step, and a measured profile otherwise knows no rate to time that with.
+Beside the siblings, `update_bytes_per_s` times torch's AdamW (the runtime's `adamw`) stepping the model's fp32
+parameters, in wall-clock: the bytes it moves per parameter (`ADAMW_FP32_BYTES`: the parameter, its gradient and
+both moments read, the parameter and the moments written, 4 bytes each; the same count as
+`costs.overlap.optimizer_bytes_per_param` for fp32 AdamW, which tests/profiling/test_siblings.py checks) over the
+time gives `provenance.update_bytes_per_s`, which `predict.gradient_sync.stage_optimizer_ms` times a plan's updates
+with (as it does a refined profile's).
+
+A sibling is busy all the time, a rank only while it has ops to run (not in its pipeline bubble, not while it
+waits for a transfer): the contention measured is that of the ranks' busy phases, an upper bound on a run's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipeplan.errors import ConfigError
+from pipeplan.profiling.profile import Profile
+
+SHARE_STEPS = 30  # training steps timed for the wall / CPU ratio (about 0.5 s for a small model)
+UPDATE_STEPS = 20  # AdamW steps timed for the update rate
+ADAMW_FP32_BYTES = 4 * (
+    4 + 3
+)  # fp32 AdamW per parameter: p, grad, exp_avg, exp_avg_sq read; p and both moments written
+READY_TIMEOUT_S = 300.0  # a sibling imports torch and builds the model once: minutes at most on a loaded machine
+STOP_TIMEOUT_S = 10.0  # a sibling finishes its current step after the stop flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiblingModel:
+    """What a sibling builds and runs: the model as `load_model` rebuilds it, the microbatch, the threads."""
+
+    model: str
+    options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
+    precision: str = "fp32"
+    threads: int = 1
+
+
+def _sibling(model: SiblingModel, ready, stop) -> None:  # pragma: no cover - runs in a child process
+    """Build `model` and run its training step until `stop` is set; report "ready" (or the error line) first."""
+    try:
+        import torch
+
+        torch.set_num_threads(model.threads)
+        step = _training_step(model)
+    except Exception as exc:  # the user's model: its own error is the line the parent prints
+        ready.put(f"{type(exc).__name__}: {exc}")
+        return
+    ready.put("ready")
+    while not stop.is_set():
+        step()
+
+
+def _training_step(model: SiblingModel) -> Callable[[], None]:
+    """`model` built on the CPU in its precision, and one training step of it on its sample batch (forward with
+    the loss under the precision's autocast, backward), as a function."""
+    import torch
+
+    from pipeplan.models.registry import load_model
+    from pipeplan.precision import get_precision
+
+    spec = load_model(model.model, model.options)
+    module = spec.build()
+    module.train()
+    mode = get_precision(model.precision)
+    if mode.param_dtype != torch.float32:
+        module.to(mode.param_dtype)
+    sample, target = spec.sample_batch(model.batch_size, generator=torch.Generator().manual_seed(1))
+    low = mode.param_dtype if mode.param_dtype != torch.float32 else None
+    inputs = tuple(t.to(low) if low is not None and t.is_floating_point() else t for t in sample)
+
+    def step() -> None:
+        with mode.autocast("cpu"):
+            loss = spec.loss_fn(module(*inputs), target)
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+
+    return step
+
+
+@contextmanager
+def sibling_load(model: SiblingModel, count: int) -> Iterator[None]:
+    """`count` sibling processes running `model`'s training step from before the block until after it; a sibling
+    that cannot build the model is refused in one line naming --concurrent."""
+    if count <= 0:
+        yield
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process whose torch threads already ran
+    ready, stop = context.Queue(), context.Event()
+    children = [context.Process(target=_sibling, args=(model, ready, stop), daemon=True) for _ in range(count)]
+    for child in children:
+        child.start()
+    try:
+        for _ in children:
+            _wait_ready(ready)
+        yield
+    finally:
+        stop.set()
+        for child in children:
+            child.join(STOP_TIMEOUT_S)
+            if child.is_alive():
+                child.terminate()
+                child.join()
+
+
+def _wait_ready(ready) -> None:
+    try:
+        answer = ready.get(timeout=READY_TIMEOUT_S)
+    except queue.Empty:
+        raise ConfigError(
+            f"--concurrent: a sibling process did not build the model within {READY_TIMEOUT_S:.0f} s; "
+            "profile with --concurrent 1"
+        ) from None
+    if answer != "ready":
+        raise ConfigError(
+            f"--concurrent: a sibling process could not build the model ({answer}); profile with --concurrent 1"
+        )
+
+
+def wall_over_cpu(model: SiblingModel, steps: int = SHARE_STEPS) -> float:
+    """Wall-clock over process CPU time of `model`'s training step (built here as the siblings build it), summed
+    over `steps` steps after two untimed ones: 1 / the share of a core this process's threads got (module
+    docstring); at least 1 (a process does not get more than its own threads' time)."""
+    import time
+
+    step = _training_step(model)
+    for _ in range(2):
+        step()
+    wall = cpu = 0.0
+    for _ in range(steps):
+        began_wall, began_cpu = time.perf_counter(), time.process_time()
+        step()
+        wall += time.perf_counter() - began_wall
+        cpu += time.process_time() - began_cpu
+    return max(1.0, wall / cpu) if cpu > 0 else 1.0
+
+
+def update_bytes_per_s(model: SiblingModel, steps: int = UPDATE_STEPS) -> float | None:
+    """Bytes/s of torch's AdamW stepping `model`'s parameters (fp32 only: None otherwise), in wall-clock over
+    `steps` steps after two untimed ones (module docstring)."""
+    import time
+
+    import torch
+
+    from pipeplan.models.registry import load_model
+
+    if model.precision != "fp32":
+        return None
+    params = [p for p in load_model(model.model, model.options).build().parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    for _ in range(2):
+        optimizer.step()
+    began = time.perf_counter()
+    for _ in range(steps):
+        optimizer.step()
+    seconds = time.perf_counter() - began
+    count = sum(p.numel() for p in params)
+    return count * ADAMW_FP32_BYTES * steps / seconds if seconds > 0 and count else None
+
+
+def under_concurrency(profile: Profile, concurrent: int, ratio: float, update_rate: float | None) -> Profile:
+    """`profile` (its times CPU times measured beside `concurrent` - 1 siblings) with every time x `ratio` (the
+    measured wall / CPU time), both recorded in its provenance with the measured `update_rate` (bytes/s)."""
+    times = ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "selective_recompute_ms")
+    layers = tuple(
+        replace(
+            layer,
+            **{name: getattr(layer, name) * ratio for name in times},
+            full_recompute_ms=None if layer.full_recompute_ms is None else layer.full_recompute_ms * ratio,
+        )
+        for layer in profile.layers
+    )
+
+    def scaled(ms: float | None) -> float | None:
+        return None if ms is None else ms * ratio
+
+    return replace(
+        profile,
+        layers=layers,
+        whole_forward_ms=scaled(profile.whole_forward_ms),
+        whole_backward_ms=scaled(profile.whole_backward_ms),
+        whole_split_backward_ms=scaled(profile.whole_split_backward_ms),
+        provenance=replace(
+            profile.provenance, concurrent=concurrent, wall_over_cpu=ratio, update_bytes_per_s=update_rate
+        ),
+    )

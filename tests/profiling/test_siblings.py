@@ -1,0 +1,95 @@
+"""`profile --concurrent N` (issue 37): a CPU profile measured beside N - 1 sibling processes running the model, as
+N ranks share the machine in a run: layers timed in CPU time, scaled by the wall / CPU ratio measured beside the
+siblings, an AdamW update rate measured there too; all recorded in the provenance and the summary. Checked: the
+bookkeeping (what is scaled, what is recorded, what is refused), not timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pipeplan
+from pipeplan.costs.optimizer import numerics, static_split
+from pipeplan.costs.overlap import optimizer_bytes_per_param, update_bytes_per_param
+from pipeplan.errors import ConfigError
+from pipeplan.profiling.siblings import ADAMW_FP32_BYTES, SiblingModel, sibling_load, under_concurrency
+
+TINY = {"layers": 2, "hidden": 8}
+
+
+def test_adamw_bytes_are_the_cost_models():
+    fp32_adamw = numerics("adamw", "fp32")
+    assert (
+        ADAMW_FP32_BYTES
+        == update_bytes_per_param(fp32_adamw)
+        == optimizer_bytes_per_param(static_split(fp32_adamw), True)
+    )
+
+
+def test_every_time_is_scaled_and_the_conditions_recorded():
+    profile = pipeplan.profile("mlp", assignments=TINY, repeats=3, threads=1)
+    scaled = under_concurrency(profile, 2, 1.5, 2e9)
+    for before, after in zip(profile.layers, scaled.layers, strict=True):
+        for name in ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "selective_recompute_ms"):
+            assert getattr(after, name) == pytest.approx(getattr(before, name) * 1.5)
+        full = before.forward_ms if before.full_recompute_ms is None else before.full_recompute_ms
+        assert (after.full_recompute_ms or after.forward_ms) == pytest.approx(full * 1.5)
+        assert (after.param_count, after.activation_bytes) == (before.param_count, before.activation_bytes)
+    assert scaled.whole_forward_ms == pytest.approx(profile.whole_forward_ms * 1.5)
+    prov = scaled.provenance
+    assert (prov.concurrent, prov.wall_over_cpu, prov.update_bytes_per_s) == (2, 1.5, 2e9)
+    assert pipeplan.Profile.from_dict(json.loads(json.dumps(scaled.to_dict()))).provenance == prov
+    assert "concurrent" not in profile.to_dict()["provenance"]  # alone: the file is as before
+
+
+@pytest.mark.parametrize("flags", [{"concurrent": 0}, {"concurrent": 2, "device": "meta", "hardware": "h100"}])
+def test_concurrent_refused_or_ignored_in_one_line(flags, console_warnings):
+    if flags["concurrent"] == 0:
+        with pytest.raises(ConfigError, match="--concurrent must be >= 1"):
+            pipeplan.profile("mlp", assignments=TINY, **flags)
+        return
+    pipeplan.profile("mlp", assignments=TINY, **flags)
+    assert any("--concurrent are ignored with --device meta" in w for w in console_warnings())
+
+
+@pytest.mark.slow  # starts a sibling process (imports torch)
+def test_cli_profile_beside_a_sibling(tmp_path, capsys):
+    from pipeplan.cli import app
+
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as done:
+        app(
+            [
+                "profile",
+                "mlp",
+                "-a",
+                "layers=2",
+                "-a",
+                "hidden=8",
+                "--repeats",
+                "3",
+                "--concurrent",
+                "2",
+                "--threads",
+                "1",
+                "-o",
+                str(out),
+            ]
+        )
+    assert done.value.code in (0, None)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "beside 1 sibling process(es) running the model (--concurrent 2)" in printed
+    prov = json.loads(out.read_text())["provenance"]
+    assert prov["concurrent"] == 2 and prov["wall_over_cpu"] >= 1.0 and prov["update_bytes_per_s"] > 0
+    assert "timer=cpu" in prov["notes"]  # layers in CPU time, then x the measured ratio
+
+
+@pytest.mark.slow  # starts a sibling process
+def test_a_sibling_that_cannot_build_the_model_is_one_line():
+    model = SiblingModel(model="no-such-model", threads=1)
+    with (
+        pytest.raises(ConfigError, match=r"--concurrent: a sibling process could not build the model .*--concurrent 1"),
+        sibling_load(model, 1),
+    ):
+        pass

@@ -221,9 +221,14 @@ def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:
     fields: dict[str, Any] = {"attention_efficiency": preset.attention_fraction}
     if preset.peak_fp8_flops is not None:
         fields["peak_fp8_tflops"] = preset.peak_fp8_flops / 1e12
+    if preset.flash2_attention_efficiency is not None:  # what --attention flash2 times
+        fields["flash2_attention_efficiency"] = preset.flash2_attention_efficiency
     if preset.fp8_matmul_efficiency is not None:
         fields["fp8_matmul_efficiency"] = preset.fp8_matmul_efficiency
-    notes.append(f"attention_efficiency and the FP8 peak and efficiency: preset {preset.name!r}'s (not measured here)")
+    notes.append(
+        f"attention_efficiency (and FlashAttention-2's), the FP8 peak and efficiency: preset {preset.name!r}'s "
+        "(not measured here)"
+    )
     return fields
 
 

@@ -159,6 +159,7 @@ def test_a_known_gpu_keeps_datasheet_peaks_and_fits_the_full_wave_efficiency(tmp
     assert f"tf32 alone {380 / 494.7:.3f}" in spec.sources
     # what calibrate does not measure is the preset's, and the file says so
     assert spec.attention_efficiency == h100.attention_efficiency and spec.peak_fp8_flops == h100.peak_fp8_flops
+    assert spec.flash2_attention_efficiency == h100.flash2_attention_efficiency == 0.31  # --attention flash2's rate
     # one GPU: the links are the h100 preset's (with its efficiencies), and the file says they were not measured
     assert spec.nvlink_bandwidth == h100.nvlink_bandwidth and spec.network_bandwidth == h100.network_bandwidth
     assert spec.nvlink_efficiency == h100.nvlink_efficiency and spec.network_efficiency == h100.network_efficiency

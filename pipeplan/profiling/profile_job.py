@@ -22,6 +22,7 @@ from pipeplan.profiling.profile_options import (
     DEFAULT_WARMUP,
     ProfileOptions,
     check_attention,
+    check_concurrent,
     unknown_device,
 )
 from pipeplan.profiling.siblings import SiblingModel, sibling_load, under_concurrency, update_bytes_per_s, wall_over_cpu
@@ -64,10 +65,7 @@ class ProfileRequest:
                 raise ConfigError("--device cuda requested but CUDA is not available here; use --device cpu")
         check_device_precision(self.precision, kind)
         check_attention(self.attention, kind)
-        if self.concurrent < 1:
-            raise ConfigError(f"--concurrent must be >= 1, got {self.concurrent}")
-        if self.concurrent > 1 and kind != "cpu":
-            raise ConfigError(f"--concurrent measures beside sibling CPU processes; drop it with --device {kind}")
+        check_concurrent(self.concurrent, kind)
 
 
 def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, ModelSpec]:
@@ -97,8 +95,8 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         return profile, spec
     from pipeplan.profiling.measure import profile_model
 
-    concurrent = request.concurrent > 1
-    with _torch_threads(request.threads), sibling_load(_sibling_model(request), request.concurrent - 1):
+    concurrent, model = request.concurrent > 1, _sibling_model(request)
+    with _torch_threads(request.threads), sibling_load(model, request.concurrent - 1):
         profile = profile_model(
             spec,
             device=request.device,
@@ -109,7 +107,6 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
             **common,
         )
         if concurrent:  # beside the siblings still: the wall / CPU ratio and the update rate (siblings.py)
-            model = _sibling_model(request)
             profile = under_concurrency(profile, request.concurrent, wall_over_cpu(model), update_bytes_per_s(model))
     return profile, spec
 

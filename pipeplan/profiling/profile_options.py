@@ -30,6 +30,15 @@ ATTENTION_HELP = (
 DEFAULT_WARMUP, DEFAULT_REPEATS, DEFAULT_TIMER = 2, 5, "wall"
 
 
+def check_concurrent(concurrent: int, kind: str) -> None:
+    """One line refusing --concurrent below 1, or above 1 where nothing runs on this machine's CPU (kind: the
+    device kind the profile measures on)."""
+    if concurrent < 1:
+        raise ConfigError(f"--concurrent must be >= 1, got {concurrent}")
+    if concurrent > 1 and kind != "cpu":
+        raise ConfigError(f"--concurrent measures beside sibling CPU processes; drop it with --device {kind}")
+
+
 def check_attention(mode: str, device: str) -> None:
     """One line refusing an unknown --attention, or one given where nothing is analytic (a measured profile runs the
     attention the model and device run)."""
@@ -83,10 +92,8 @@ class ProfileOptions:
         check_attention(self.attention, self.device)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
-        if self.concurrent < 1:
-            raise ConfigError(f"--concurrent must be >= 1, got {self.concurrent}")
-        if self.concurrent > 1 and self.device.startswith("cuda"):
-            raise ConfigError("--concurrent measures beside sibling CPU processes; drop it with --device cuda")
+        kind = self.device.partition(":")[0]
+        check_concurrent(self.concurrent, "cpu" if kind == "meta" else kind)  # meta: ignored (_warn_ignored)
         self._warn_ignored()
 
     @property

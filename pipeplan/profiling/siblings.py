@@ -46,9 +46,8 @@ from pipeplan.profiling.profile import Profile
 
 SHARE_STEPS = 30  # training steps timed for the wall / CPU ratio (about 0.5 s for a small model)
 UPDATE_STEPS = 20  # AdamW steps timed for the update rate
-ADAMW_FP32_BYTES = 4 * (
-    4 + 3
-)  # fp32 AdamW per parameter: p, grad, exp_avg, exp_avg_sq read; p and both moments written
+# fp32 AdamW per parameter: p, grad, exp_avg, exp_avg_sq read; p and both moments written (4 bytes each)
+ADAMW_FP32_BYTES = 4 * (4 + 3)
 READY_TIMEOUT_S = 300.0  # a sibling imports torch and builds the model once: minutes at most on a loaded machine
 STOP_TIMEOUT_S = 10.0  # a sibling finishes its current step after the stop flag
 

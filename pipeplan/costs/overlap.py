@@ -7,8 +7,9 @@ and `DistributedDataParallelConfig`: every overlap off; NeMo and Megatron-LM's b
 - `tensor`: tensor-parallel collectives pipelined with the linears they feed (`tp_comm_overlap`: Transformer
   Engine's userbuffers); used by `search.sharding`. Not free (`overlapped_ms`): while a collective runs it
   occupies `comm_sms` SMs (userbuffers' `num_sm`), which the matmuls beside it lose, and the linear runs as
-  chunks (TE splits it into t ring-exchange steps, or num_splits pipeline steps) that quantize and launch on
-  their own; `--overlap tensor,sms=N` sets the SMs (default `COMM_SMS`);
+  chunks (TE splits it into t ring-exchange steps, t / 2 with `aggregate`, or num_splits pipeline steps) that
+  quantize and launch on their own; `--overlap tensor,sms=N` sets the SMs (default `COMM_SMS`), `chunks=N` the
+  chunks (default t: TE's ring exchange);
 - `p2p`: pipeline sends and receives run beside compute (`overlap_p2p_comm`); off, a stage's device is busy for
   each transfer it sends (`blocking_transfers`);
 - `grad_reduce`: each stage's gradient reduction (all-reduce, or the distributed optimizer's reduce-scatter)
@@ -45,20 +46,25 @@ class Overlap:
     grad_reduce: bool = False
     param_gather: bool = False
     comm_sms: int = COMM_SMS  # SMs an overlapped tensor-parallel collective takes from the matmuls beside it
+    chunks: int = 0  # pieces an overlapped linear runs as (0: t, TE's ring exchange without aggregation)
 
     @classmethod
     def parse(cls, text: str) -> Overlap:
         """`none`, `all`, or names from OVERLAP_OPTIONS joined by commas, optionally with `sms=N` (the SMs an
-        overlapped tensor-parallel collective occupies) (the --overlap option)."""
+        overlapped tensor-parallel collective occupies) and `chunks=N` (the pieces an overlapped linear runs as)
+        (the --overlap option)."""
         from pipeplan.errors import ConfigError
 
         parts = [part.strip().lower() for part in text.split(",") if part.strip()]
         choices = ", ".join(name.replace("_", "-") for name in OVERLAP_OPTIONS)
         if not parts:
             raise ConfigError(f"--overlap needs a value: none, all, or a comma list of {choices}")
-        sms = [part for part in parts if part.startswith("sms=")]
-        parts = [part for part in parts if not part.startswith("sms=")]
-        found = cls(comm_sms=_comm_sms(sms[-1]) if sms else COMM_SMS)
+        settings = {key: [p for p in parts if p.startswith(f"{key}=")] for key in ("sms", "chunks")}
+        parts = [part for part in parts if not part.startswith(("sms=", "chunks="))]
+        found = cls(
+            comm_sms=_count(settings["sms"][-1], "SMs, e.g. sms=8", least=0) if settings["sms"] else COMM_SMS,
+            chunks=_count(settings["chunks"][-1], "chunks, e.g. chunks=4", least=1) if settings["chunks"] else 0,
+        )
         if parts in ([], ["none"]):
             return found
         if parts == ["all"]:
@@ -66,22 +72,27 @@ class Overlap:
         names = [part.replace("-", "_") for part in parts]
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
-            raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N)")
+            raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N, chunks=N)")
         return replace(found, **{name: True for name in names})
 
     @property
     def label(self) -> str:
         names = [name.replace("_", "-") for name in OVERLAP_OPTIONS if getattr(self, name)]
         sms = [f"sms={self.comm_sms}"] if self.tensor and self.comm_sms != COMM_SMS else []
-        return ",".join(names + sms) if names else "none"
+        chunks = [f"chunks={self.chunks}"] if self.tensor and self.chunks else []
+        return ",".join(names + sms + chunks) if names else "none"
+
+    def tensor_chunks(self, t: int) -> int:
+        """The pieces an overlapped linear of a t-way tensor-parallel group runs as: `chunks`, or t."""
+        return self.chunks or t
 
 
-def _comm_sms(text: str) -> int:
+def _count(text: str, what: str, *, least: int) -> int:
     from pipeplan.errors import ConfigError
 
-    value = text.removeprefix("sms=")
-    if not value.isdigit():
-        raise ConfigError(f"--overlap {text!r}: sms= takes a whole number of SMs, e.g. sms=8")
+    key, _, value = text.partition("=")
+    if not value.isdigit() or int(value) < least:
+        raise ConfigError(f"--overlap {text!r}: {key}= takes a whole number of {what} (at least {least})")
     return int(value)
 
 

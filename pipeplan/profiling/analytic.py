@@ -35,7 +35,7 @@ calibrate` measured.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -270,7 +270,7 @@ def _profile_layers(
             if key is not None and key in counted:
                 counts, recompute = counted[key]
             else:
-                counts, recompute = _count(layer.name, stage, inputs, needs, loss, config, autocast_dtype)
+                counts, recompute = _count(layer.name, stage, inputs, needs, loss, config, autocast_dtype, last)
                 if key is not None:
                     counted[key] = (counts, recompute)
             env.update(zip(stage.outputs, counts.outputs))
@@ -282,6 +282,8 @@ def _profile_layers(
                 stack=config.stack,
                 selective=recompute.selective_traffic(config.stack),
             )
+            if last:  # the LM head: not an FP8 linear (Kernel.fp8)
+                work = replace(work, kernels=tuple(replace(k, fp8=False) for k in work.kernels))
             kept = recompute.byte_fields(counts.saved_bytes)
             layers.append(
                 layer_profile(layer.name, layer.module_path, counts, work, config.roofline.kernel_rates, **kept)
@@ -295,9 +297,9 @@ def _profile_layers(
     return layers, attention_summary(kernels, bool(by_hand))
 
 
-def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: AnalyticConfig, autocast_dtype):
+def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: AnalyticConfig, autocast_dtype, head: bool):
     """(LayerCounts, AnalyticRecompute) of one layer run on the meta device (under CUDA's autocast to
-    `autocast_dtype`, None: none)."""
+    `autocast_dtype`, None: none); the `head` (the last layer) keeps its linears out of an FP8 recipe."""
     try:
         counts = count_layer(
             stage,
@@ -307,7 +309,7 @@ def _count(name: str, stage, inputs: list, needs: list[bool], loss, config: Anal
             input_needs_grad=needs,
             loss=loss,
             autocast_dtype=autocast_dtype,
-            fp8_linears=config.fp8_linears,
+            fp8_linears=config.fp8_linears and not head,
         )
         recompute = analytic_recompute(
             stage,

@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 from torch.utils._pytree import tree_flatten
 
+from pipeplan.graph.saved_tensors import storage_key
 from pipeplan.profiling.kernels import Kernel
 
 aten = torch.ops.aten
@@ -134,6 +135,14 @@ class KernelTracer:
         self.kernels: list[Kernel] = []
         self.expert_params: dict[int, torch.Tensor] = {}  # stacked expert weights (a grouped matmul's operand)
         self._repeated: dict[int, tuple[torch.Tensor, int]] = {}  # heads repeated for grouped-query attention
+        self._inputs: dict[tuple, torch.Tensor] = {}  # the linears' activation operands: (source, offset, elements)
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}  # a cast's storage -> its source's (and the copy)
+
+    def _source(self, tensor: torch.Tensor) -> int:
+        """The storage whose values `tensor` holds: its own, or, for a cast copy (autocast casts a linear's input
+        for each linear), its source's. Linears reading one source read one input (`Kernel.shared_input`)."""
+        storage = storage_key(tensor)
+        return self._copies[storage][0] if storage in self._copies else storage
 
     def _is_param(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._params
@@ -149,7 +158,7 @@ class KernelTracer:
     @property
     def duplicated_params(self) -> int:
         """Elements of the weights of linears found duplicated (each tensor-parallel rank holds them whole)."""
-        found = {self._weights[i].untyped_storage()._cdata: self._weights[i].numel() for i in self._duplicated}
+        found = {storage_key(self._weights[i]): self._weights[i].numel() for i in self._duplicated}
         return sum(found.values())
 
     def _mark(self, outputs, origins: frozenset[int], feature: int | None = None) -> None:
@@ -198,6 +207,8 @@ class KernelTracer:
             for tensor in outputs:
                 self._params[id(tensor)] = tensor
             return None
+        if func in _CASTS and inputs and outputs:  # a copy in another dtype holds the same values
+            self._copies[storage_key(outputs[0])] = (self._source(inputs[0]), outputs[0])
         if _reduces_last_dim(func, args) and self._feature.get(id(args[0])) in self._active:
             self._duplicate(self._feature[id(args[0])])
         # indices (integer tensors) are not features: they split nothing
@@ -240,6 +251,7 @@ class KernelTracer:
         experts = batched and weight_b and b.dim() == 3  # a grouped matmul over stacked expert weights
         if experts:
             self.expert_params[id(b)] = b
+        key = (self._source(activation), activation.storage_offset(), activation.numel())
         kernel = Kernel(
             kind="gemm",
             tp=tp,
@@ -248,8 +260,10 @@ class KernelTracer:
             weight=True,
             input_grad=activation.requires_grad,
             experts=experts,
+            shared_input=key in self._inputs,
             **common,
         )
+        self._inputs.setdefault(key, activation)
         return self._emit(kernel, b if weight_b else a)
 
     def _grouped(self, args: tuple) -> int:

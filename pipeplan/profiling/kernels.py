@@ -67,7 +67,8 @@ DIMS = {"m": "m", "n": "n", "k": "k", "b": "batch"}  # tag letter -> attribute
 @dataclass(frozen=True, kw_only=True)
 class Kernel:
     """One matmul or attention call of a layer (see the module docstring); `fp8`: a linear's matmul that an FP8
-    recipe runs in FP8 (attention, embedding and others stay in 16 bits)."""
+    recipe runs in FP8 (attention and the embedding stay in 16 bits, and so does the LM head: Megatron-Core's output
+    layer is a plain ColumnParallelLinear, not a Transformer Engine module; torchtitan's float8 skips `output`)."""
 
     kind: str  # "gemm" or "attention"
     m: int
@@ -86,6 +87,9 @@ class Kernel:
     experts: bool = False  # a grouped matmul over `batch` experts' stacked weights (expert parallelism splits it)
     accumulates: bool = False  # a linear's weight gradient (added into the gradient buffer under the Megatron stack)
     kv_share: float = 1.0  # attention: key/value heads over query heads (grouped-query attention: < 1)
+    output_grad: bool = False  # a linear's input gradient: its m x k operand is the output's gradient
+    shared_input: bool = False  # a linear reading the input an earlier linear of its layer read (q, k, v; gate, up)
+    fp8: bool = True  # a linear an FP8 recipe runs in FP8 (False: the LM head, kept in 16 bits)
 
     def __post_init__(self) -> None:
         assert self.kind in ("gemm", "attention"), self.kind
@@ -132,6 +136,7 @@ def backward_kernels(kernel: Kernel) -> dict[str, list[Kernel]]:
     # C (m x n) = A (m x k) B (k x n): dA = dC Bᵀ is m x n times n x k, dB = Aᵀ dC is k x m times m x n
     grad_a = _renamed(kernel, m=kernel.m, n=kernel.k, k=kernel.n, names={"m": "m", "n": "k", "k": "n"})
     grad_b = _renamed(kernel, m=kernel.k, n=kernel.n, k=kernel.m, names={"m": "k", "n": "n", "k": "m"})
+    grad_a = replace(grad_a, output_grad=kernel.weight)
     grad_b = replace(grad_b, accumulates=kernel.weight)
     if not kernel.weight:  # both operands are activations (attention's matmuls): two input gradients
         return {"input_grad": [grad_a, grad_b] if kernel.input_grad else [], "weight_grad": []}
@@ -175,10 +180,9 @@ class KernelRates:
 
 def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
     """One kernel's time (module docstring). Under FP8 (`rates.fp8_flops_per_s`, precision fp8) a linear's matmul
-    runs at the FP8 rate on 1-byte operands, after Transformer Engine quantizes its activation operand (m x k: read
-    in 16 bits, written in 8: a memory-bound cast kernel of 3 bytes per element; the weights' cast is kept for the
-    step and not counted per matmul)."""
-    fp8_rate = rates.fp8_flops_per_s if kernel.weight else None
+    runs at the FP8 rate on 1-byte operands, beside the memory-bound kernels in which Transformer Engine quantizes
+    its activation operand (`fp8_cast_bytes`; the weights' cast is kept for the step and not counted per matmul)."""
+    fp8_rate = rates.fp8_flops_per_s if kernel.weight and kernel.fp8 else None
     fp8 = fp8_rate is not None
     if kernel.kind == "attention":
         work = _attention_seconds(kernel, rates)
@@ -186,10 +190,28 @@ def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
         work = _gemm_seconds(kernel, rates.gemm_flops_per_s if fp8_rate is None else fp8_rate, rates)
     memory = replace(kernel, element_bytes=1 if fp8 else kernel.element_bytes).bytes / rates.bytes_per_s
     memory += _accumulated(kernel, rates) * kernel.batch * kernel.m * kernel.n / rates.bytes_per_s
-    cast = 3.0 * kernel.batch * kernel.m * kernel.k / rates.bytes_per_s if fp8 else 0.0
+    cast = fp8_cast_bytes(kernel) * kernel.batch * kernel.m * kernel.k / rates.bytes_per_s if fp8 else 0.0
     if not rates.sm_count:
         return max(work, memory, rates.launch_s) + cast
     return max(work, memory) + rates.gemm_overhead_s + cast
+
+
+def fp8_cast_bytes(kernel: Kernel) -> float:
+    """Bytes per element of a linear's m x k operand that Transformer Engine's FP8 casts move for its matmul (TE
+    1.x `Linear`, `LayerNormLinear`, `LayerNormMLP`): a forward's input is cast (read in 16 bits, written in 8: 3),
+    but a column-parallel linear's input comes from the norm before it, whose kernel writes FP8 itself (0; with
+    sequence parallelism the FP8 copy is what is gathered); an input gradient's operand, the output's gradient, is
+    cast and transposed in one kernel (read 2, write 1 + 1: 4) whose transposed copy the weight gradient uses; a
+    weight gradient's operand, the saved FP8 input, is transposed (read 1, write 1: 2). Linears that read one
+    input (`shared_input`: q, k and v; a gated MLP's gate and up) are one linear there (fused QKV, fc1): its input
+    is cast and transposed once."""
+    if kernel.output_grad:
+        return 4.0
+    if kernel.shared_input:
+        return 0.0
+    if kernel.accumulates:
+        return 2.0
+    return 0.0 if kernel.tp in ("n", "m") and not kernel.experts else 3.0
 
 
 def _accumulated(kernel: Kernel, rates: KernelRates) -> int:

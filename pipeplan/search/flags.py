@@ -50,7 +50,8 @@ SCHEDULE_HELP = (
 OVERLAP_HELP = (
     "Communication overlap as Megatron-Core runs it: none (its default), all, or a list of tensor, p2p, "
     "grad-reduce, param-gather, e.g. --overlap grad-reduce,p2p; sms=N: the SMs an overlapped tensor-parallel "
-    "collective takes (default 8), e.g. --overlap tensor,sms=16."
+    "collective takes (default 8), e.g. --overlap tensor,sms=16; chunks=N: the matmuls an overlapped linear runs "
+    "as (default t: Transformer Engine's ring exchange; t/2 with its aggregate option), e.g. --overlap all,chunks=4."
 )
 LAYOUT_HELP = (
     "Exactly this layout (plan: its plan, no search; capacity: predicted beside the search's choice), e.g. "

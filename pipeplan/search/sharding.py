@@ -24,9 +24,10 @@ Megatron-Core context parallelism (ring attention over cp ranks with load-balanc
   backward on I (W when the layer has no input gradient); under an FP8 recipe every all-gather moves FP8
   (inputs, their re-gathers and output gradients: `fp8_gathers`); the wgrad re-gathers overlap the input-gradient
   matmuls (only what exceeds them is exposed). With `--overlap tensor` (Megatron's tp_comm_overlap, off by default as in
-  Megatron-Core) each collective hides behind its layer's linears at the rank's shape, pipelined in t chunks, at
-  a cost (`costs.overlap.overlapped_ms`): exposed max(comm - matmul time, comm / t), plus the matmul time its
-  `Overlap.comm_sms` SMs take while it runs, plus what running the linears as t chunks of their tokens costs (the
+  Megatron-Core) each collective hides behind its layer's linears at the rank's shape, pipelined in c chunks
+  (`Overlap.tensor_chunks`: t, or `chunks=N`), at a cost (`costs.overlap.overlapped_ms`): exposed max(comm - matmul
+  time, comm / c), plus the matmul time its `Overlap.comm_sms` SMs take while it runs, plus what running the
+  linears as c chunks of their tokens costs (the
   forward's, and the input gradients of row-parallel ones: Transformer Engine's ring-exchange overlap). Context
   parallelism's ring sends each rank's K and V chunk cp - 1 times forward and K, V, dK, dV backward over the
   context-parallel link, overlapped with attention (exposed: what exceeds attention's time).
@@ -101,7 +102,7 @@ def block_comm(
 ) -> LayerComm:
     """A block's collectives on one rank (module docstring), exposed parts only; with `overlap.tensor` what
     overlapping costs (`costs.overlap.overlapped_ms`: `overlap.comm_sms` SMs taken while a collective runs, the
-    linears run as t chunks of their tokens)."""
+    linears run as `overlap.tensor_chunks(t)` chunks of their tokens)."""
     fp8 = rates is not None and rates.fp8_flops_per_s is not None  # an FP8 recipe: FP8 gathers
     comm = tensor_parallel_comm_per_layer(
         seq=1,
@@ -125,11 +126,14 @@ def block_comm(
             matmul[name] = kernels_seconds([k for k in kernels if k.weight], rates) * 1e3
             attention[name] = kernels_seconds([k for k in kernels if k.kind == "attention" or k.core], rates) * 1e3
             chunked = [k for k in kernels if k.weight and (name == "forward" or k.tp == "n")]
-            split[name] = _chunks_ms(chunked, t, rates)
+            split[name] = _chunks_ms(chunked, overlap.tensor_chunks(t), rates)
     if overlap.tensor:
         share = overlap.comm_sms / rates.sm_count if rates is not None and rates.sm_count else 0.0
-        forward = overlapped_ms(forward, matmul["forward"], chunks=t, sm_share=share, split_ms=split["forward"])
-        backward = overlapped_ms(backward, matmul["input_grad"], chunks=t, sm_share=share, split_ms=split["input_grad"])
+        pieces = overlap.tensor_chunks(t)
+        forward = overlapped_ms(forward, matmul["forward"], chunks=pieces, sm_share=share, split_ms=split["forward"])
+        backward = overlapped_ms(
+            backward, matmul["input_grad"], chunks=pieces, sm_share=share, split_ms=split["input_grad"]
+        )
     backward += max(regather - matmul["input_grad"], 0.0)
     ring = context_ring_ms(layer, cp, links.context, t)
     forward += max(ring - attention["forward"], 0.0)

@@ -35,6 +35,15 @@ def test_overlap_options_parse_and_default_to_megatron_core_s_none():
     assert Overlap.parse(Overlap.parse("all,sms=2").label) == Overlap.parse("all,sms=2")
     with pytest.raises(ConfigError, match="sms= takes a whole number"):
         Overlap.parse("tensor,sms=many")
+    assert Overlap.parse("tensor,sms=0").comm_sms == 0  # a collective on the copy engines takes no SM
+    # chunks=N: the matmuls an overlapped linear runs as (default t: Transformer Engine's ring exchange)
+    assert Overlap.parse("tensor,chunks=4") == Overlap(tensor=True, chunks=4)
+    assert Overlap.parse("all,chunks=4").label == "tensor,p2p,grad-reduce,param-gather,chunks=4"
+    assert Overlap.parse(Overlap.parse("all,chunks=4").label) == Overlap.parse("all,chunks=4")
+    assert Overlap().tensor_chunks(8) == 8 and Overlap(chunks=4).tensor_chunks(8) == 4
+    for bad in ("chunks=0", "chunks=two"):
+        with pytest.raises(ConfigError, match="chunks= takes a whole number of chunks"):
+            Overlap.parse(f"tensor,{bad}")
 
 
 def test_an_overlapped_collective_hides_but_takes_sms_and_chunks_from_the_matmuls():

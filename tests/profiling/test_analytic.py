@@ -281,6 +281,9 @@ def test_llama_profile_with_grouped_query_attention():
     assert block.flops == linear_flops + 4 * s * s * h // 2  # causal: FlashAttention skips the masked half
     assert block.param_count == 2 * h + h * (h + 2 * kv + h) + 3 * h * 512
     assert 0 < block.activation_freed_by_input_grad_bytes < block.activation_bytes
+    # q, k and v read one input, as gate and up do: the FP8 recipe casts it once (profiling.kernels.fp8_cast_bytes)
+    linears = [k for k in block.work.kernels if k.weight]
+    assert [k.shared_input for k in linears] == [False, True, True, False, False, True, False]
 
 
 def test_large_model_profile_fits_time_and_memory_budget():

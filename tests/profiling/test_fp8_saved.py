@@ -66,3 +66,19 @@ def test_profile_records_the_fp8_saved_bytes(precision):
     block = next(layer for layer in profile.layers if layer.name.startswith("blocks."))
     reference = _counts(_meta(lambda: LlamaBlock(HIDDEN, HEADS, KV_HEADS, FFN, 1e-5, 10000.0)), precision == "fp8")
     assert block.activation_bytes == reference.saved_bytes
+
+
+def test_the_lm_head_stays_out_of_fp8():
+    """Megatron-Core's output layer is not a Transformer Engine module (torchtitan's float8 skips `output` too): an
+    fp8 profile times and keeps the head as bf16-main's does, while its blocks run FP8."""
+    from pipeplan.models import load_model
+
+    options = dict(layers=1, hidden=1024, heads=8, kv_heads=2, intermediate=2816, seq=512, vocab=32000)
+    spec = load_model("llama", {k: str(v) for k, v in options.items()})
+    fp8, bf16 = (profile_analytic(spec, batch_size=2, hardware="h100", precision=p) for p in ("fp8", "bf16-main"))
+    head, head16 = fp8.layers[-1], bf16.layers[-1]
+    assert [k.fp8 for k in head.work.kernels if k.weight] == [False]
+    assert all(k.fp8 for k in fp8.layers[1].work.kernels if k.weight)
+    assert head.forward_ms == pytest.approx(head16.forward_ms) and head.backward_ms == pytest.approx(head16.backward_ms)
+    assert head.activation_bytes == head16.activation_bytes
+    assert fp8.layers[1].forward_ms < bf16.layers[1].forward_ms

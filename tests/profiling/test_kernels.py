@@ -1,5 +1,5 @@
 """Kernels by shape: tile and wave quantization, operand reuse, small-K, split-K and stream-K, the per-kernel
-overhead, FlashAttention's thread blocks, the FP8 cast, the backward kernels, the rank shapes tensor and context
+overhead, FlashAttention's thread blocks, the FP8 casts, the backward kernels, the rank shapes tensor and context
 parallelism give — and the model against a published table of measured H100 matmuls."""
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from pipeplan.hardware import load_hardware
-from pipeplan.profiling.kernels import Kernel, KernelRates, backward_kernels, kernel_seconds, pass_kernels
+from pipeplan.profiling.kernels import (
+    Kernel,
+    KernelRates,
+    backward_kernels,
+    fp8_cast_bytes,
+    kernel_seconds,
+    pass_kernels,
+)
 
 PEAK = 312e12  # A100 bf16 dense (datasheet)
 RATES = KernelRates(gemm_flops_per_s=PEAK, attention_flops_per_s=PEAK, bytes_per_s=2e12, sm_count=108)
@@ -165,12 +172,30 @@ def test_attention_counts_the_causal_half_and_its_backward_is_two_and_a_half_for
     assert (ring.m, ring.n) == (2048, 4096) and ring.flops == pytest.approx(attention.flops / 2)
 
 
-def test_fp8_runs_linears_at_the_fp8_rate_after_casting_their_activation():
+def test_fp8_runs_linears_at_the_fp8_rate_beside_transformer_engines_casts():
     fp8 = KernelRates(
         gemm_flops_per_s=PEAK, attention_flops_per_s=PEAK, bytes_per_s=2e12, sm_count=None, fp8_flops_per_s=2 * PEAK
     )
-    kernel = _linear()
-    cast = 3.0 * kernel.m * kernel.k / 2e12  # read 2 bytes, write 1 per element of the activation operand
-    assert kernel_seconds(kernel, fp8) == pytest.approx(kernel.flops / (2 * PEAK) + cast)
+
+    def cast_s(kernel, per_element):  # bytes per element of the kernel's m x k operand
+        return per_element * kernel.m * kernel.k / 2e12
+
+    column, row = _linear(), _linear(tp="k")
+    # a column-parallel linear's input is the norm's FP8 output (the norm kernel casts it): no cast of its own
+    assert kernel_seconds(column, fp8) == pytest.approx(column.flops / (2 * PEAK))
+    assert fp8_cast_bytes(column) == 0 and fp8_cast_bytes(row) == 3  # read 2 bytes, write 1
+    assert kernel_seconds(row, fp8) == pytest.approx(row.flops / (2 * PEAK) + cast_s(row, 3))
+    for forward in (column, row):
+        (dgrad,) = backward_kernels(forward)["input_grad"]
+        (wgrad,) = backward_kernels(forward)["weight_grad"]
+        assert dgrad.output_grad and not wgrad.output_grad
+        assert fp8_cast_bytes(dgrad) == 4  # the output gradient cast and transposed in one kernel: read 2, write 2
+        assert fp8_cast_bytes(wgrad) == 2  # the saved FP8 input transposed: read 1, write 1
+        assert kernel_seconds(dgrad, fp8) == pytest.approx(dgrad.flops / (2 * PEAK) + cast_s(dgrad, 4))
+    # k and v read the input q read (one fused QKV linear in Transformer Engine): cast and transposed once
+    shared = _linear(tp="k", shared_input=True)
+    (shared_wgrad,) = backward_kernels(shared)["weight_grad"]
+    (shared_dgrad,) = backward_kernels(shared)["input_grad"]
+    assert fp8_cast_bytes(shared) == fp8_cast_bytes(shared_wgrad) == 0 and fp8_cast_bytes(shared_dgrad) == 4
     scores = Kernel(kind="gemm", m=2048, n=2048, k=128, batch=64)  # not a linear: stays in 16 bits, no cast
     assert kernel_seconds(scores, fp8) == pytest.approx(max(scores.flops / PEAK, scores.bytes / 2e12))

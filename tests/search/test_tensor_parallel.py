@@ -122,6 +122,11 @@ def test_overlapping_tensor_parallel_collectives_costs_what_their_sms_and_chunks
     assert times[0].forward_ms < times[8].forward_ms < times[64].forward_ms  # more SMs taken, slower matmuls
     assert times[8].forward_ms < exposed.forward_ms  # still mostly hidden
     assert times[8].input_grad_ms < exposed.input_grad_ms and times[8].weight_grad_ms == exposed.weight_grad_ms
+    # `chunks=N` (Transformer Engine's aggregated ring exchange, pipelined num_splits): fewer, larger matmuls
+    # quantize and launch less, but more of the collective waits for its first chunk; one chunk hides nothing
+    pieces = {n: split_profile(profile, t, 1, links, overlap=Overlap(tensor=True, chunks=n)).layers[1] for n in (1, 4)}
+    assert pieces[4] == split_profile(profile, t, 1, links, overlap=Overlap(tensor=True)).layers[1]  # t = 4 chunks
+    assert pieces[1].forward_ms > exposed.forward_ms  # as one chunk it waits for all of it, and takes SMs too
 
 
 def test_one_is_the_profile_itself_and_rounding_never_undercounts():

@@ -65,14 +65,13 @@ class Overlap:
             comm_sms=_count(settings["sms"][-1], "SMs, e.g. sms=8", least=0) if settings["sms"] else COMM_SMS,
             chunks=_count(settings["chunks"][-1], "chunks, e.g. chunks=4", least=1) if settings["chunks"] else 0,
         )
-        if parts in ([], ["none"]):
-            return found
-        if parts == ["all"]:
-            return replace(found, **{name: True for name in OVERLAP_OPTIONS})
-        names = [part.replace("-", "_") for part in parts]
+        names = {"all": list(OVERLAP_OPTIONS), "none": []}.get(",".join(parts), [p.replace("-", "_") for p in parts])
         bad = [name for name in names if name not in OVERLAP_OPTIONS]
         if bad:
             raise ConfigError(f"--overlap {bad[0]!r} is not one of none, all, {choices} (or sms=N, chunks=N)")
+        given = [key for key, values in settings.items() if values]
+        if given and "tensor" not in names:
+            raise ConfigError(f"--overlap {given[0]}= sets how overlapped tensor-parallel collectives run: add tensor")
         return replace(found, **{name: True for name in names})
 
     @property

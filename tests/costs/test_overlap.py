@@ -41,6 +41,8 @@ def test_overlap_options_parse_and_default_to_megatron_core_s_none():
     assert Overlap.parse("all,chunks=4").label == "tensor,p2p,grad-reduce,param-gather,chunks=4"
     assert Overlap.parse(Overlap.parse("all,chunks=4").label) == Overlap.parse("all,chunks=4")
     assert Overlap().tensor_chunks(8) == 8 and Overlap(chunks=4).tensor_chunks(8) == 4
+    with pytest.raises(ConfigError, match="chunks= sets how overlapped tensor-parallel collectives run: add tensor"):
+        Overlap.parse("grad-reduce,chunks=4")  # would be ignored: refused
     for bad in ("chunks=0", "chunks=two"):
         with pytest.raises(ConfigError, match="chunks= takes a whole number of chunks"):
             Overlap.parse(f"tensor,{bad}")

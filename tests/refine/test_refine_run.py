@@ -36,13 +36,34 @@ def test_profile_plan_run_refine_run(tmp_path):
     plan = Plan.load(folder / "plan.json")
     assert plan.profile is not None and plan.profile.threads == 1
     assert Profile.load(folder / "profile.json").fingerprint == plan.profile.fingerprint
-    _ok("run", str(folder / "plan.json"), "--steps", "4", "--trace", str(trace), "--threads", "1", "--quiet")
+    synchronized = ["--no-post-validate"]  # each step checked before its update: its tail's parts are marked
+    _ok(
+        "run",
+        str(folder / "plan.json"),
+        "--steps",
+        "4",
+        "--trace",
+        str(trace),
+        "--threads",
+        "1",
+        "--quiet",
+        *synchronized,
+    )
     run = read_measured(trace)
     assert run.record.plan == str((folder / "plan.json").resolve())
     assert run.record.plan_fingerprint == plan.fingerprint and run.record.threads == 1
     assert run.record.measured_ms > 0 and run.record.predicted_ms == pytest.approx(plan.predicted.step_ms)
 
+    data = json.loads(trace.read_text())["pipeplan_measured"]["ranks"]
+    for entry in data:  # each step's tail marked in order: last op's end <= exchange's end <= checks' end <= end
+        for traced in entry["steps"]:
+            exchanged, checked = traced["marks_ms"]
+            assert max(op[2] for op in traced["ops"]) <= exchanged <= checked <= traced["end_ms"]
+    assert len(run.tail_parts_ms) == 2 and all(min(parts) >= 0 for parts in run.tail_parts_ms)
     result = json.loads(_ok("refine", str(trace), "-o", str(tmp_path / "refined"), "--json"))
+    assert [row["measured"] for row in result["step_tail_ms"]["parts"]] == [
+        dict(zip(("exchange", "checks", "update"), parts)) for parts in run.tail_parts_ms
+    ]
     medians = measured_medians(plan, run)
     assert (
         {(op["stage"], op["kind"]) for op in result["ops"]} == set(medians) == {(s, k) for s in (0, 1) for k in "FIW"}

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from pipeplan.artifact.measured import read_measured
 from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_step_ms
 from pipeplan.cli import app
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians
@@ -52,7 +53,8 @@ def test_profile_plan_run_refine_run(tmp_path):
     run = read_measured(trace)
     assert run.record.plan == str((folder / "plan.json").resolve())
     assert run.record.plan_fingerprint == plan.fingerprint and run.record.threads == 1
-    assert run.record.measured_ms > 0 and run.record.predicted_ms == pytest.approx(plan.predicted.step_ms)
+    synchronized_ms = plan_step_ms(plan, post_validate=False)  # the prediction for the setting run
+    assert run.record.measured_ms > 0 and run.record.predicted_ms == pytest.approx(synchronized_ms)
 
     data = json.loads(trace.read_text())["pipeplan_measured"]["ranks"]
     for entry in data:  # each step's tail marked in order: last op's end <= exchange's end <= checks' end <= end

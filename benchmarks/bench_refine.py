@@ -7,8 +7,9 @@
     pipeplan run DIR-refined/plan.json --steps S --trace ...               (after: measured / predicted)
 for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
 `--learn-from` times (default 2) and refine pools those runs; then the refined plan runs `--alternations` times
-(default 2), alternating with more runs of the plan (after, before, after): the machine's load drifts over minutes,
-and alternating gives both plans the same drift. Before and after are medians over every run of the plan and of the
+(default 3), alternating with more runs of the plan (after, before, after, before, after), each `--steps` long
+(default 8: short runs, more of them): the machine's load drifts over minutes, and alternating gives both plans the
+same drift. Before and after are medians over every run of the plan and of the
 refined plan. The measured and predicted steps are read from each run's trace (`run --trace` records the summary's
 figures). The noise floor is the same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs'
 measured steps.
@@ -38,9 +39,9 @@ BEFORE, AFTER = (0.85, 1.15), (0.95, 1.05)
 
 def _options(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (profile, plan, run, refine, run); default 3")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--learn-from", type=int, default=2, help="runs refine pools (--with); default 2")
-    parser.add_argument("--alternations", type=int, default=2, help="runs of the refined plan (default 2)")
+    parser.add_argument("--alternations", type=int, default=3, help="runs of the refined plan (default 3)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--busy", action="store_true", help="a busy-loop process on one core throughout")
     parser.add_argument("--concurrent", type=int, default=2, help="profile --concurrent N (default 2: the tour's)")
@@ -92,6 +93,8 @@ def _schedule(folder: Path, name: str, profile: Path, hardware: tuple[str, ...],
     with refine_json.open("w") as sink:  # --json: the refined prediction of the run's own plan
         _cli("refine", str(plan / "measured-0.json"), *pooled, "-o", str(refined), "--json", stdout=sink)
     refine = json.loads(refine_json.read_text())
+    learned = json.loads((refined / "profile.json").read_text())["provenance"]
+    ops = refine["ops"]
     after = []
     for index in range(args.alternations):
         after.append(_run(refined, args.steps, index))
@@ -103,6 +106,11 @@ def _schedule(folder: Path, name: str, profile: Path, hardware: tuple[str, ...],
         "refined_ms": refine["refined_ms"],  # the run's own plan timed with the refined profile
         "refine_measured_ms": refine["measured_ms"],  # the median of the pooled runs' measured steps
         "new_plan": refine["new_plan"]["description"],
+        # what the pooled runs showed beside the plan: every op's median over its planned time (summed over the
+        # (stage, kind) ops), the per-op term refine learned, each rank's step tail measured vs planned
+        "ops_measured_over_planned": sum(o["measured_ms"] for o in ops) / sum(o["planned_ms"] for o in ops),
+        "op_overhead_ms": learned.get("op_overhead_ms"),
+        "step_tail_ms": {key: refine["step_tail_ms"][key] for key in ("measured", "planned")},
         "after": after,
     }
 
@@ -140,6 +148,7 @@ def _summary(rounds: list[dict], schedules: list[str]) -> dict:
         after = statistics.median(_ratio(run) for e in entries for run in e["after"])
         refined = statistics.median(e["refine_measured_ms"] / e["refined_ms"] for e in entries)
         noise = statistics.median(_spread(e[kind]) for e in entries for kind in ("before", "after"))
+        tails = [sum(e["step_tail_ms"]["measured"]) / sum(e["step_tail_ms"]["planned"]) for e in entries]
         medians[name] = {
             "before": before,
             "before_within": BEFORE[0] <= before <= BEFORE[1],
@@ -147,6 +156,9 @@ def _summary(rounds: list[dict], schedules: list[str]) -> dict:
             "after": after,
             "after_within": AFTER[0] <= after <= AFTER[1],
             "same_plan_spread": noise,
+            "ops_measured_over_planned": statistics.median(e["ops_measured_over_planned"] for e in entries),
+            "op_overhead_ms": statistics.median(e["op_overhead_ms"] or 0.0 for e in entries),
+            "tail_measured_over_planned": statistics.median(tails),
         }
     return medians
 
@@ -157,7 +169,8 @@ def _table(medians: dict, args):
     busy = " (busy core)" if args.busy else ""
     title = f"measured / predicted, medians over {args.repeats} round(s) of every run{busy}"
     table = Table(title=title)
-    for column in ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05", "noise"):
+    columns = ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05", "noise")
+    for column in (*columns, "ops m/p", "tails m/p", "per-op ms"):
         table.add_column(column)
     for name, row in medians.items():
         table.add_row(
@@ -168,6 +181,9 @@ def _table(medians: dict, args):
             f"{row['after']:.2f}",
             "yes" if row["after_within"] else "no",
             f"{row['same_plan_spread']:.0%}",
+            f"{row['ops_measured_over_planned']:.2f}",
+            f"{row['tail_measured_over_planned']:.2f}",
+            f"{row['op_overhead_ms']:.2f}",
         )
     return table
 

@@ -83,6 +83,8 @@ class MeasuredRun:
     ops: tuple[TracedOp, ...]
     steps: tuple[int, ...]  # the traced steps (every rank traces the same)
     tail_ms: tuple[float, ...] = ()  # per rank, the median time from its last op to its step's end (`step_tails`)
+    # per rank, that tail's parts (`tail_parts`): its gradient exchange, global checks and update (() if not traced)
+    tail_parts_ms: tuple[tuple[float, float, float], ...] = ()
 
 
 def read_measured(path: str | os.PathLike) -> MeasuredRun:
@@ -108,10 +110,10 @@ def read_measured(path: str | os.PathLike) -> MeasuredRun:
         raise FormatError(f"{where} holds no traced op; run at least one step with --trace")
     steps = tuple(sorted({o.step for o in ops}))
     try:
-        tails = step_tails(measured["ranks"])
+        tails, parts = step_tails(measured["ranks"]), tail_parts(measured["ranks"])
     except (KeyError, TypeError, ValueError):
-        raise FormatError(f"{where}: ranks[].steps[] must hold end_ms and ops") from None
-    return MeasuredRun(path=str(path), record=record, ops=ops, steps=steps, tail_ms=tails)
+        raise FormatError(f"{where}: ranks[].steps[] must hold end_ms and ops (and marks_ms: two times)") from None
+    return MeasuredRun(path=str(path), record=record, ops=ops, steps=steps, tail_ms=tails, tail_parts_ms=parts)
 
 
 def warm_up_step(steps: tuple[int, ...]) -> int | None:
@@ -129,6 +131,31 @@ def step_tails(ranks: list) -> tuple[float, ...]:
         gaps = [step["end_ms"] - max(op[2] for op in step["ops"]) for step in steps if step["step"] != warm]
         tails.append(statistics.median(gaps) if gaps else 0.0)
     return tuple(tails)
+
+
+def tail_parts(ranks: list) -> tuple[tuple[float, float, float], ...]:
+    """Per rank, the medians over its traced steps (the warm-up left out) of its tail's parts, from its `marks_ms`:
+    the gradient exchange (last op's end to the exchange's end), the global checks (to the all-gather's end: the
+    gradient-norm row and the wait for every rank) and the optimizer update (to the step's end). () when a step
+    has no marks (post-validated or asynchronous runs, older traces)."""
+    parts: list[tuple[float, float, float]] = []
+    for entry in ranks:
+        steps = [step for step in entry["steps"] if step["ops"]]
+        warm = warm_up_step(tuple(step["step"] for step in steps))
+        rows = []
+        for step in steps:
+            if step["step"] == warm:
+                continue
+            if len(step.get("marks_ms") or ()) != 2:
+                return ()
+            exchanged, checked = (float(t) for t in step["marks_ms"])
+            last = max(op[2] for op in step["ops"])
+            rows.append((exchanged - last, checked - exchanged, step["end_ms"] - checked))
+        if not rows:
+            return ()
+        exchange, checks, update = (statistics.median(row[i] for row in rows) for i in range(3))
+        parts.append((exchange, checks, update))
+    return tuple(parts)
 
 
 def _traced_ops(ranks: list, where: str):

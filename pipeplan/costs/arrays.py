@@ -41,6 +41,7 @@ class LayerArrays:
     regrowth: np.ndarray  # per item: the most one of its layers re-creates when re-run
     expert_param_count: np.ndarray  # of param_count: routed-expert weights
     reversed_order: bool = False
+    op_ms: float = 0.0  # what every op costs beyond its layers' work (`Provenance.op_overhead_ms`; costs.stage)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerArrays:
@@ -71,6 +72,7 @@ class LayerArrays:
             internals=np.asarray([la.activation_bytes - la.kept_bytes("selective") for la in layers], dtype=float),
             inputs=prefix(list(entering)),
             regrowth=np.maximum(np.asarray([la.activation_bytes for la in layers], dtype=float) - entering, 0.0),
+            op_ms=profile.provenance.op_overhead_ms or 0.0,
         )
 
     @property
@@ -90,6 +92,7 @@ class LayerArrays:
             entering=self.entering[b[:-1]],
             internals=np.maximum.reduceat(self.internals, b[:-1]),
             regrowth=np.maximum.reduceat(self.regrowth, b[:-1]),
+            op_ms=self.op_ms,
         )
 
     def reversed(self) -> LayerArrays:
@@ -103,6 +106,7 @@ class LayerArrays:
             internals=self.internals[::-1].copy(),
             regrowth=self.regrowth[::-1].copy(),
             reversed_order=not self.reversed_order,
+            op_ms=self.op_ms,
         )
 
     _SUMS = (

@@ -45,13 +45,12 @@ def backward_op_ms(input_grad_or_backward, recompute_ms):
 def stage_grad_ms(arrays: LayerArrays, first: int, last: int, recompute_ms: float) -> tuple[float, float]:
     """A stage's I and W op times per microbatch, I with its recomputation (`backward_op_ms`). The model's first
     stage has no input gradient to compute (its inputs are the model's own): at run time its I only recomputes and
-    W runs the whole backward (graph/split_backward.py), so I = the recomputation and W = its layers' I + W.
-    The stage's compute (F + I + W) is the same either way."""
-    input_grad = float(arrays.span("input_grad", first, last))
-    weight_grad = float(arrays.span("weight_grad", first, last))
+    W runs the whole backward in one pass (graph/split_backward.py: every output is weight side), so I = the
+    recomputation and W = its layers' fused backward B (not their I + W: two passes per layer as profiled)."""
     if arrays.first_in_model(first, last):
-        return float(backward_op_ms(0.0, recompute_ms)), input_grad + weight_grad
-    return float(backward_op_ms(input_grad, recompute_ms)), weight_grad
+        return float(backward_op_ms(0.0, recompute_ms)), float(arrays.span("backward", first, last))
+    input_grad = float(arrays.span("input_grad", first, last))
+    return float(backward_op_ms(input_grad, recompute_ms)), float(arrays.span("weight_grad", first, last))
 
 
 @dataclass(frozen=True)
@@ -68,25 +67,37 @@ class StageOpMs:
 
 def stage_op_ms(arrays: LayerArrays, first: int, last: int, recompute: str) -> StageOpMs:
     """The op times of stage [first..last] under recomputation mode `recompute`: what the partitioner gives each
-    stage, the plan stores and `refine` times again from a refined profile."""
+    stage, the plan stores and `refine` times again from a refined profile. Each op (F, I, W, B) also costs
+    `arrays.op_ms` once (a refined profile's per-op term: what an op costs beyond its layers' work, whatever layers
+    the stage groups); recomputation runs inside I or B and adds none."""
     added = float(stage_recompute_ms(arrays, recompute, first, last))
     input_grad, weight_grad = stage_grad_ms(arrays, first, last, added)
+    per_op = arrays.op_ms
     return StageOpMs(
-        forward=float(arrays.span("forward", first, last)),
-        input_grad=input_grad,
-        weight_grad=weight_grad,
-        backward=float(backward_op_ms(arrays.span("backward", first, last), added)),
+        forward=float(arrays.span("forward", first, last)) + per_op,
+        input_grad=input_grad + per_op,
+        weight_grad=weight_grad + per_op,
+        backward=float(backward_op_ms(arrays.span("backward", first, last), added)) + per_op,
         recompute=added,
     )
 
 
 def span_compute_ms(arrays: LayerArrays, config: CostOptions, first: np.ndarray | int, last: int) -> np.ndarray:
-    """`compute_ms` of items first..last (vectorized over `first`); PipeDream's model always uses F + B."""
+    """`compute_ms` of items first..last (vectorized over `first`), each op's `arrays.op_ms` included (3 ops under
+    a split backward, 2 else): the sum of `stage_op_ms`'s F, I and W (or F and B) without recomputation.
+    PipeDream's model always uses F + B."""
     split = config.splits_backward and config.cost_model == "pipeplan"
-    names = ("forward", "input_grad", "weight_grad", "backward")
-    used = ("forward", "input_grad", "weight_grad") if split else ("forward", "backward")
-    spans = (arrays.span(name, first, last) if name in used else None for name in names)  # only what is summed
-    return compute_ms(*spans, split_backward=split)
+    forward = arrays.span("forward", first, last)
+    if not split:
+        return compute_ms(forward, None, None, arrays.span("backward", first, last), split_backward=False) + (
+            2 * arrays.op_ms
+        )
+    grads = np.where(
+        arrays.first_in_model(first, last),  # the model's first stage: W runs the fused backward (stage_grad_ms)
+        arrays.span("backward", first, last),
+        arrays.span("input_grad", first, last) + arrays.span("weight_grad", first, last),
+    )
+    return compute_ms(forward, grads, 0.0, None, split_backward=True) + 3 * arrays.op_ms
 
 
 def exposed_transfer_ms(in_ms, out_ms, replicas):

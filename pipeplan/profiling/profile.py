@@ -268,6 +268,10 @@ class Provenance:
     # training step, profiling/siblings.py), as N ranks share the machine in a run (None: measured alone)
     concurrent: int | None = None
     wall_over_cpu: float | None = None  # --concurrent: the times are CPU times x this measured ratio (siblings.py)
+    # refined: what each F / I / W / B op cost beyond its layers' work in that run (ms; the executor's bookkeeping,
+    # sends, the trace's timing), learned by `refine` (bookkeeping.op_overhead_ms) and counted once per op by
+    # costs.stage_op_ms, whatever layers a stage groups (None: not learned, 0)
+    op_overhead_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -322,6 +326,7 @@ class Profile:
             "update_bytes_per_s",
             "concurrent",
             "wall_over_cpu",
+            "op_overhead_ms",
         ):  # written only when set: older files, same bytes
             if data["provenance"][optional] is None:
                 del data["provenance"][optional]

@@ -8,15 +8,23 @@ every rank running it (a replicated stage's replicas and every data-parallel pip
 every traced step except the run's first (warm-up). An overlapped F&B pair (dualpipev) is one op for two
 stages and cannot be split: it is left out, and its stages' F and B are taken from their unpaired ops.
 
+Each op costs its layers' work plus a term paid once per op whatever its size (the executor's bookkeeping, the
+sends it starts, the trace's own timing): `op_overhead_ms`, the intercept of the measured medians against the
+work the profile gives each (stage, kind) op (least squares over every measured one; a model's first stage's I
+without recomputation does no work, so it measures the term alone), at least 0 and at most the smallest median.
+It is stored in the refined profile (`Provenance.op_overhead_ms`) and `costs.stage_op_ms` counts it once per op,
+so a re-plan that groups the layers into other stages (or chunks) counts it per op again, not per layer.
+
 Then each stage's layers are scaled, pass by pass, so that the stage's op times (`costs.stage_op_ms`, the one
 formula the partitioner and the plan use) become the measured medians, keeping the profile's proportions between
-the stage's layers:
-- F: every layer's forward x (measured F / the stage's F);
+the stage's layers; each factor is (measured - the per-op term) / the op's work:
+- F: every layer's forward;
 - split backward (I and W ops), a stage after the first: I = the layers' I + recomputation, so both scale by
-  measured I / planned I; W by measured W / planned W. The model's first stage computes no input gradient: its I
-  only recomputes (scaled to measured I when it recomputes) and its W runs the layers' I + W, which scale by
-  measured W / planned W; without recomputation its I does no work, and what it measured is added to W;
-- fused backward (B ops): every layer's I, W, B and recomputation x (measured B / planned B);
+  I's factor; W by W's. The model's first stage computes no input gradient: its I only recomputes (scaled to
+  measured I when it recomputes; without recomputation it is the per-op term alone) and its W runs the whole
+  backward in one pass, costed as the layers' fused B (`costs.stage_grad_ms`): the layers' B, I and W scale by
+  W's factor;
+- fused backward (B ops): every layer's I, W, B and recomputation by B's factor;
 - what the schedule did not run follows: B (under a split backward) by the layers' I + W, recomputation modes the
   stage did not use by the forward's factor.
 Communication is not touched: transfers stay the simulator's (the cut bytes over the links).
@@ -83,30 +91,47 @@ class StageFactors:
     recompute: float = 1.0  # the stage's own recomputation mode's time
 
 
-def _ratio(measured: float | None, planned: float) -> float | None:
-    return measured / planned if measured is not None and planned > 0 else None
+def _ratio(measured: float | None, planned: float, per_op: float) -> float | None:
+    return max(measured - per_op, 0.0) / planned if measured is not None and planned > 0 else None
 
 
-def stage_factors(ops: StageOpMs, sums: tuple[float, float], measured: dict[str, float], first: bool) -> StageFactors:
-    """The factors that make stage `ops` (planned; `sums`: its layers' I and W without recomputation) the
-    `measured` medians by kind (F, I, W, B: those the schedule ran)."""
-    forward = _ratio(measured.get("F"), ops.forward) or 1.0
+def _known(factor: float | None, otherwise: float = 1.0) -> float:
+    return otherwise if factor is None else factor
+
+
+def stage_factors(
+    ops: StageOpMs, sums: tuple[float, float], measured: dict[str, float], first: bool, per_op: float = 0.0
+) -> StageFactors:
+    """The factors that make stage `ops` (its work as planned, no per-op term; `sums`: its layers' I and W without
+    recomputation) the `measured` medians by kind (F, I, W, B: those the schedule ran) once `per_op` is added."""
+    forward = _known(_ratio(measured.get("F"), ops.forward, per_op))
     if "B" in measured:  # a fused backward: everything behind B scales alike
-        factor = _ratio(measured["B"], ops.backward) or 1.0
+        factor = _known(_ratio(measured["B"], ops.backward, per_op))
         return StageFactors(forward, factor, factor, factor, factor)
-    input_grad = weight_grad = recompute = None
-    if first:  # I = the recomputation only, W = the layers' I + W
-        busy = measured.get("I") if ops.recompute > 0 else None
-        recompute = _ratio(busy, ops.recompute)
-        idle = measured.get("I", 0.0) if ops.recompute == 0 else 0.0  # a no-op I's time goes to W
-        input_grad = weight_grad = _ratio(measured.get("W", 0.0) + idle if "W" in measured else None, ops.weight_grad)
-    else:
-        input_grad = recompute = _ratio(measured.get("I"), ops.input_grad)
-        weight_grad = _ratio(measured.get("W"), ops.weight_grad)
-    input_grad, weight_grad = input_grad or 1.0, weight_grad or 1.0
+    if first:  # I = the recomputation only, W = the layers' fused backward in one pass
+        recompute = _ratio(measured.get("I"), ops.recompute, per_op) if ops.recompute > 0 else None
+        whole = _known(_ratio(measured.get("W"), ops.weight_grad, per_op))
+        return StageFactors(forward, whole, whole, whole, _known(recompute, forward))
+    found = _ratio(measured.get("I"), ops.input_grad, per_op)
+    input_grad, weight_grad = _known(found), _known(_ratio(measured.get("W"), ops.weight_grad, per_op))
     grads = sums[0] + sums[1]
     backward = (input_grad * sums[0] + weight_grad * sums[1]) / grads if grads > 0 else 1.0
-    return StageFactors(forward, input_grad, weight_grad, backward, recompute or forward)
+    return StageFactors(forward, input_grad, weight_grad, backward, _known(found, forward))
+
+
+def op_overhead_ms(points: list[tuple[float, float]]) -> float:
+    """The per-op term (module docstring): the least-squares intercept of measured against planned work over
+    `points` (work, measured median), kept within [0, the smallest median]; 0 when the works do not differ (no
+    line to fit) or the fit's slope is not positive."""
+    if len({work for work, _ in points}) < 2:
+        return 0.0
+    mean_w = statistics.fmean(work for work, _ in points)
+    mean_m = statistics.fmean(ms for _, ms in points)
+    var = sum((work - mean_w) ** 2 for work, _ in points)
+    slope = sum((work - mean_w) * (ms - mean_m) for work, ms in points) / var
+    if slope <= 0:
+        return 0.0
+    return min(max(mean_m - slope * mean_w, 0.0), min(ms for _, ms in points))
 
 
 def _scaled_layer(layer: LayerProfile, factors: StageFactors, mode: str) -> LayerProfile:
@@ -126,17 +151,35 @@ def _scaled_layer(layer: LayerProfile, factors: StageFactors, mode: str) -> Laye
     )
 
 
-def refined_layers(plan: Plan, profile: Profile, medians: Medians) -> tuple[LayerProfile, ...]:
-    """`profile`'s layers (at the plan's microbatch size) scaled stage by stage to the measured medians."""
-    scaled = scale_profile(profile, plan.training.microbatch_size)
-    arrays = LayerArrays.from_profile(scaled)
-    layers = list(scaled.layers)
+_WORK = {"F": "forward", "I": "input_grad", "W": "weight_grad", "B": "backward"}
+
+
+def _work_arrays(profile: Profile, plan: Plan) -> LayerArrays:
+    """`profile` at the plan's microbatch size as the cost formula reads it, without any per-op term: the work."""
+    return replace(LayerArrays.from_profile(scale_profile(profile, plan.training.microbatch_size)), op_ms=0.0)
+
+
+def learned_op_overhead(plan: Plan, profile: Profile, medians: Medians) -> float:
+    """`op_overhead_ms` over every measured (stage, kind): the work `profile` gives it against its median."""
+    arrays = _work_arrays(profile, plan)
+    points = []
+    for stage in plan.stages:
+        ops = stage_op_ms(arrays, stage.first_layer, stage.last_layer, stage.recompute)
+        points += [(getattr(ops, _WORK[k]), ms) for (s, k), ms in medians.items() if s == stage.index]
+    return op_overhead_ms(points)
+
+
+def refined_layers(plan: Plan, profile: Profile, medians: Medians, per_op: float = 0.0) -> tuple[LayerProfile, ...]:
+    """`profile`'s layers (at the plan's microbatch size) scaled stage by stage to the measured medians, each op's
+    `per_op` term taken off first."""
+    arrays = _work_arrays(profile, plan)
+    layers = list(scale_profile(profile, plan.training.microbatch_size).layers)
     for stage in plan.stages:
         a, b = stage.first_layer, stage.last_layer
         ops = stage_op_ms(arrays, a, b, stage.recompute)
         sums = (float(arrays.span("input_grad", a, b)), float(arrays.span("weight_grad", a, b)))
         measured = {kind: ms for (s, kind), ms in medians.items() if s == stage.index}
-        factors = stage_factors(ops, sums, measured, first=a == 0)
+        factors = stage_factors(ops, sums, measured, first=bool(arrays.first_in_model(a, b)), per_op=per_op)
         layers[a : b + 1] = [_scaled_layer(layer, factors, stage.recompute) for layer in layers[a : b + 1]]
     return tuple(layers)
 

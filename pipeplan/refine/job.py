@@ -14,7 +14,7 @@ from pipeplan.artifact.timing import plan_step_ms
 from pipeplan.errors import ConfigError, FormatError
 from pipeplan.paths import check_output_dir
 from pipeplan.profiling.profile import Profile
-from pipeplan.refine.bookkeeping import Medians, measured_medians, refined_layers, retimed_plan
+from pipeplan.refine.bookkeeping import Medians, learned_op_overhead, measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.options import RefineOptions
 from pipeplan.refine.pool import pooled
 from pipeplan.refine.replan import replan
@@ -77,14 +77,16 @@ def refine(options: RefineOptions) -> Refined:
 
 def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: MeasuredRun) -> Profile:
     """`profile` at the plan's microbatch size with its layers scaled to the run's medians: what the ranks' ops
-    cost in place, their threads recorded, the rate its optimizer updates ran at (`updates`); the whole-model
+    cost in place, their threads recorded, what each op cost beyond its work (`bookkeeping.op_overhead_ms`), the rate
+    its optimizer updates ran at (`updates`); the whole-model
     references and spreads of the original measurement no longer apply and are dropped."""
     scaled = scale_profile(profile, plan.training.microbatch_size)
     prov = scaled.provenance
+    per_op = learned_op_overhead(plan, profile, medians)
     note = f"refined from the run traced in {run.path} (plan {run.record.plan_fingerprint})"
     return replace(
         scaled,
-        layers=refined_layers(plan, profile, medians),
+        layers=refined_layers(plan, profile, medians, per_op),
         whole_forward_ms=None,
         whole_backward_ms=None,
         whole_split_backward_ms=None,
@@ -95,6 +97,7 @@ def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: Measure
             threads=run.record.threads,
             refined_from=note,
             update_bytes_per_s=learned_update_rate(plan, run),
+            op_overhead_ms=per_op,
             notes=f"{prov.notes}; {note}".strip("; "),
         ),
     )

@@ -40,10 +40,20 @@ def pooled(runs: list[MeasuredRun]) -> MeasuredRun:
         offset += len(kept)
     tails = tuple(statistics.median(run.tail_ms[rank] for run in runs) for rank in range(len(first.tail_ms)))
     measured = statistics.median(run.record.measured_ms for run in runs)
+    traced = all(len(run.tail_parts_ms) == len(first.tail_ms) for run in runs)  # every run marked its tails' parts
+    parts = tuple(
+        (
+            statistics.median(run.tail_parts_ms[rank][0] for run in runs),
+            statistics.median(run.tail_parts_ms[rank][1] for run in runs),
+            statistics.median(run.tail_parts_ms[rank][2] for run in runs),
+        )
+        for rank in range(len(first.tail_ms) if traced else 0)
+    )
     return MeasuredRun(
         path=" + ".join(run.path for run in runs),
         record=replace(first.record, measured_ms=measured),
         ops=tuple(ops),
         steps=tuple(steps),
         tail_ms=tails,
+        tail_parts_ms=parts,
     )

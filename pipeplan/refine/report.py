@@ -29,6 +29,7 @@ def refined_dict(result: Refined) -> dict[str, Any]:
             "measured": list(result.run.tail_ms),
             "planned": planned_tails(result.plan),
             "refined": planned_tails(result.retimed),
+            "parts": tail_parts(result),
         },
         "ops": [
             {"stage": s, "kind": kind, "planned_ms": planned, "measured_ms": measured, "refined_ms": refined}
@@ -47,6 +48,22 @@ def planned_tails(plan: Plan) -> list[float]:
     """Per rank, what `plan` counts after its last op: its stages' gradient exchange and optimizer update."""
     stages = plan.stages
     return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) for info in plan.ranks]
+
+
+def tail_parts(result: Refined) -> list[dict[str, dict[str, float]]]:
+    """Per rank, its tail's parts as the run measured them (`MeasuredRun.tail_parts_ms`: the gradient exchange, the
+    global checks with the waits in them, the update) beside what the plan counts for each (no checks); [] when the
+    trace has no parts."""
+    stages = result.plan.stages
+    rows = []
+    for info, (exchange, checks, update) in zip(result.plan.ranks, result.run.tail_parts_ms):
+        planned = {
+            "exchange": sum(stages[s].allreduce_ms for s in info.stages),
+            "checks": 0.0,
+            "update": sum(stages[s].optimizer_ms for s in info.stages),
+        }
+        rows.append({"measured": {"exchange": exchange, "checks": checks, "update": update}, "planned": planned})
+    return rows
 
 
 def _ratio(a: float, b: float) -> str:
@@ -77,6 +94,15 @@ def render_refined(console: Console, result: Refined) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    parts = tail_parts(result)
+    if parts:
+        ranks = [", ".join(f"{k} {r['measured'][k]:.1f} vs {r['planned'][k]:.1f}" for k in r["planned"]) for r in parts]
+        console.print(
+            f"the tails' parts, measured vs planned ms per rank: {'; '.join(ranks)} (checks: the gradient-norm row "
+            "and the all-gather where each rank waits for the others)",
+            highlight=False,
+            soft_wrap=True,
+        )
     new = result.new_plan
     console.print(f"re-planned: {describe(new)}: predicted {new.predicted.step_ms:.2f} ms/step", highlight=False)
     console.print(

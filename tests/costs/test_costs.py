@@ -137,13 +137,14 @@ def _arrays() -> LayerArrays:
 
 def test_stage_grad_ms_moves_the_first_stages_input_gradient_to_w():
     """A stage's I (with its recomputation) and W; the model's first stage has no input gradient, so its I only
-    recomputes and W runs its layers' I + W — in model order and in reversed (V second half) order alike."""
-    arrays = _arrays()  # I = 0, 0.5, 1, 1.5; W = 2 each
+    recomputes and W runs its layers' whole backward in one pass (their fused B, not I + W) — in model order and in
+    reversed (V second half) order alike."""
+    arrays = _arrays()  # I = 0, 0.5, 1, 1.5; W = 2 each; B = 2.5, 3.5, 4.5, 5.5
     assert stage_grad_ms(arrays, 1, 2, 0.25) == (1.5 + 0.25, 4.0)
-    assert stage_grad_ms(arrays, 0, 2, 0.25) == (0.25, 1.5 + 6.0)
+    assert stage_grad_ms(arrays, 0, 2, 0.25) == (0.25, 2.5 + 3.5 + 4.5)
     back = arrays.reversed()  # item k is layer 3 - k: the model's first layer is the last item
     assert stage_grad_ms(back, 0, 1, 0.0) == (2.5, 4.0)
-    assert stage_grad_ms(back, 2, 3, 0.0) == (0.0, 0.5 + 4.0)
+    assert stage_grad_ms(back, 2, 3, 0.0) == (0.0, 3.5 + 2.5)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -163,7 +164,7 @@ def test_stage_cost_model_agrees_with_the_scalar_formulas(schedule):
             f = sum(1.0 + i for i in layers)
             i_w = sum(0.5 * i + 2.0 for i in layers)
             b = sum(2.5 + i for i in layers)
-            compute = f + (i_w if schedule == "zb-h1" else b)
+            compute = f + (i_w if schedule == "zb-h1" and a > 0 else b)  # the first stage: W is one backward
             assert float(span_compute_ms(arrays, config, a, last)) == pytest.approx(compute, rel=1e-12)
             params = sum(400 * (i + 2) for i in layers)
             for r in replicas:

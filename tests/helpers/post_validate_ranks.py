@@ -70,7 +70,7 @@ def _run_case(case: Case, rank: int) -> Outcome:
 
 
 def _record(outcome: Outcome, trainer: Trainer) -> None:
-    for settled, _ in trainer.take_settled():
+    for settled, *_ in trainer.take_settled():
         outcome.losses.append(settled.state.loss)
         outcome.grad_norms.append(settled.state.grad_norm)
 

@@ -70,6 +70,7 @@ def stage_time(profile, cluster, config, stages, s, r, same_node_in, same_node_o
             if b < profile.num_layers - 1:
                 t = max(t, 2 * profile.cut_bytes[b] / (bw * r) * 1000)
         return t
+    split = split and a > 0  # the model's first stage: its W runs the whole backward in one pass (the layers' B)
     compute = sum(la.forward_ms + (la.input_grad_ms + la.weight_grad_ms if split else la.backward_ms) for la in layers)
     params = sum(la.param_bytes for la in layers)
     reduce = cluster.allreduce_s(params, r, same_node=True) * 1000

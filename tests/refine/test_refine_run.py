@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from pipeplan.artifact.measured import read_measured
 from pipeplan.artifact.plan import Plan
+from pipeplan.artifact.timing import plan_step_ms
 from pipeplan.cli import app
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians
@@ -36,28 +37,50 @@ def test_profile_plan_run_refine_run(tmp_path):
     plan = Plan.load(folder / "plan.json")
     assert plan.profile is not None and plan.profile.threads == 1
     assert Profile.load(folder / "profile.json").fingerprint == plan.profile.fingerprint
-    _ok("run", str(folder / "plan.json"), "--steps", "4", "--trace", str(trace), "--threads", "1", "--quiet")
+    synchronized = ["--no-post-validate"]  # each step checked before its update: its tail's parts are marked
+    _ok(
+        "run",
+        str(folder / "plan.json"),
+        "--steps",
+        "4",
+        "--trace",
+        str(trace),
+        "--threads",
+        "1",
+        "--quiet",
+        *synchronized,
+    )
     run = read_measured(trace)
     assert run.record.plan == str((folder / "plan.json").resolve())
     assert run.record.plan_fingerprint == plan.fingerprint and run.record.threads == 1
-    assert run.record.measured_ms > 0 and run.record.predicted_ms == pytest.approx(plan.predicted.step_ms)
+    synchronized_ms = plan_step_ms(plan, post_validate=False)  # the prediction for the setting run
+    assert run.record.measured_ms > 0 and run.record.predicted_ms == pytest.approx(synchronized_ms)
 
+    data = json.loads(trace.read_text())["pipeplan_measured"]["ranks"]
+    for entry in data:  # each step's tail marked in order: last op's end <= exchange's end <= checks' end <= end
+        for traced in entry["steps"]:
+            exchanged, checked = traced["marks_ms"]
+            assert max(op[2] for op in traced["ops"]) <= exchanged <= checked <= traced["end_ms"]
+    assert len(run.tail_parts_ms) == 2 and all(min(parts) >= 0 for parts in run.tail_parts_ms)
     result = json.loads(_ok("refine", str(trace), "-o", str(tmp_path / "refined"), "--json"))
+    assert [row["measured"] for row in result["step_tail_ms"]["parts"]] == [
+        dict(zip(("exchange", "checks", "update"), parts)) for parts in run.tail_parts_ms
+    ]
     medians = measured_medians(plan, run)
     assert (
         {(op["stage"], op["kind"]) for op in result["ops"]} == set(medians) == {(s, k) for s in (0, 1) for k in "FIW"}
     )
+    refined = Profile.load(tmp_path / "refined" / "profile.json")
+    per_op = refined.provenance.op_overhead_ms  # the intercept of the medians against the ops' planned work
+    assert per_op is not None and 0.0 <= per_op <= min(medians.values())
     for op in result["ops"]:  # the run's own plan timed with the refined profile: the measured medians
-        if op["stage"] != 0 or op["kind"] == "F":  # the first stage's I does no planned work: it goes to its W
+        if op["stage"] != 0 or op["kind"] != "I":  # the first stage's I does no work: it costs the per-op term
             assert op["refined_ms"] == pytest.approx(op["measured_ms"], rel=1e-9)
-    first = {op["kind"]: op for op in result["ops"] if op["stage"] == 0}
-    assert first["I"]["refined_ms"] + first["W"]["refined_ms"] == pytest.approx(
-        first["I"]["measured_ms"] + first["W"]["measured_ms"], rel=1e-9
-    )
+        else:
+            assert op["refined_ms"] == pytest.approx(per_op, rel=1e-9)
     assert result["predicted_ms"] == run.record.predicted_ms and result["refined_ms"] > 0
     refined_dir = tmp_path / "refined"
     new = Plan.load(refined_dir / "plan.json")
-    refined = Profile.load(refined_dir / "profile.json")
     assert new.runnable and new.schedule == "zb-h1" and new.profile.fingerprint == refined.fingerprint
     assert refined.provenance.refined_from and refined.provenance.threads == 1
     # a second round: the refined plan runs, and its trace names it

@@ -219,7 +219,7 @@ class AsynchronousSteps:
         last = (end - first - 1) * plan.training.num_microbatches
         at = record.began
         ops = [(name, at + a, at + b) for name, a, b in record.op_times if Op.parse(name).microbatch >= last]
-        return [(end - 1, ops, times[-1])]
+        return [(end - 1, ops, times[-1], ())]
 
     def settle(self) -> list[TracedStep]:
         """A segment ends drained and checked: nothing is pending."""

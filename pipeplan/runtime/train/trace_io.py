@@ -8,7 +8,9 @@ args), so the two overlay in Perfetto, plus the same times as plain numbers unde
 Every rank's times are on its own time.perf_counter(), started at the same instant (train.py takes the origin right
 after a barrier) and shifted so that the earliest traced op starts at 0 ms; a step's `end_ms` is when its optimizer
 step ended on that rank (with --post-validate, a step rolled back ends when the verdict's step was taken; a step run
-again keeps the times of its last run). "pipeplan_measured" also holds "run": which plan the ranks ran and how
+again keeps the times of its last run); a synchronized step's `marks_ms` say when its gradient exchange and its
+global checks (the gradient-norm row and the all-gather every rank waits in) ended: its tail after the last op is
+exchange, checks, then the optimizer update. "pipeplan_measured" also holds "run": which plan the ranks ran and how
 (`plan.measured.RunRecord`: the plan's path and fingerprint, its profile's, the threads per rank, the measured and
 predicted step), what `pipeplan refine` checks and reads."""
 
@@ -26,14 +28,21 @@ from pipeplan.schedules.render import timeline_to_chrome_trace
 CLOCK = "ms on each rank's clock, taken together after a barrier at the start of the run; 0 = the first traced op"
 
 
-def traced_steps(traced: list[tuple[int, list[tuple[str, float, float]], float]], origin: float) -> list[dict]:
-    """One rank's (step, [(op, start_s, end_s)], end_s) as {"step", "end_ms", "ops": [[op, start_ms, end_ms]]}, in
-    ms since `origin` (seconds on the same clock)."""
+def traced_steps(traced: list[tuple[int, list[tuple[str, float, float]], float, tuple]], origin: float) -> list[dict]:
+    """One rank's (step, [(op, start_s, end_s)], end_s, marks_s) as {"step", "end_ms", "ops": [[op, start_ms,
+    end_ms]]} and, for a synchronized step, "marks_ms": [when its gradient exchange ended, when its global checks
+    ended], in ms since `origin` (seconds on the same clock)."""
 
     def ms(t: float) -> float:
         return (t - origin) * 1000.0
 
-    return [{"step": s, "end_ms": ms(end), "ops": [[op, ms(a), ms(b)] for op, a, b in ops]} for s, ops, end in traced]
+    steps = []
+    for s, ops, end, marks in traced:
+        entry = {"step": s, "end_ms": ms(end), "ops": [[op, ms(a), ms(b)] for op, a, b in ops]}
+        if marks:
+            entry["marks_ms"] = [ms(t) for t in marks]
+        steps.append(entry)
+    return steps
 
 
 def measured_trace(per_rank: list[list[dict]], run: dict | None = None) -> dict:
@@ -47,6 +56,7 @@ def measured_trace(per_rank: list[list[dict]], run: dict | None = None) -> dict:
                 "step": step["step"],
                 "end_ms": step["end_ms"] - zero,
                 "ops": [[op, a - zero, b - zero] for op, a, b in step["ops"]],
+                **({"marks_ms": [t - zero for t in step["marks_ms"]]} if step.get("marks_ms") else {}),
             }
             for step in steps
         ]

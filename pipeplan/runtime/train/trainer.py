@@ -35,7 +35,9 @@ from pipeplan.runtime.weights import checkpoint
 from pipeplan.schedules.registry import schedule_info
 
 OpTimes = list[tuple[str, float, float]]  # (op, start, end) of one step's ops on this rank, time.perf_counter() s
-TracedStep = tuple[int, OpTimes, float]  # (step, its op times, when its optimizer step ended): trace_io.write_trace
+# (step, its op times, when its optimizer step ended, when its gradient exchange and its global checks ended (a
+# synchronized step; () otherwise)): trace_io.write_trace
+TracedStep = tuple[int, OpTimes, float, tuple[float, ...]]
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Trainer:
         self.last_state: GlobalState | None = None  # the last settled step's global loss and gradient norm
         self.settled: list[Settled] = []  # steps whose verdict is known, until `take_settled`
         self._op_times: dict[int, OpTimes] = {}  # step -> the op times of its last run
+        self._tail_marks: dict[int, list[float]] = {}  # step -> when its exchange and its global checks ended
 
     def one_step(self, step: int, shard: MicroBatch) -> tuple[float, OpTimes]:
         """Run one training step and settle it before returning (no overlap with the next step); returns (global
@@ -129,7 +132,7 @@ class Trainer:
         the weights as before it (fp16: every rank skips the step)."""
         self.run_step(step, shard)
         self.settle()
-        ((settled, op_times),) = self.take_settled()
+        ((settled, op_times, _),) = self.take_settled()
         return settled.state.loss, op_times
 
     def run_step(self, step: int, shard: MicroBatch) -> None:
@@ -163,9 +166,10 @@ class Trainer:
         self.settled.append(settled)
         return settled
 
-    def take_settled(self) -> list[tuple[Settled, OpTimes]]:
-        """The steps settled since the last call, in order, each with its op times."""
-        taken = [(s, self._op_times.pop(s.step)) for s in self.settled]
+    def take_settled(self) -> list[tuple[Settled, OpTimes, tuple[float, ...]]]:
+        """The steps settled since the last call, in order, each with its op times and its tail's marks (when its
+        gradient exchange and its global checks ended: a synchronized step's; () otherwise)."""
+        taken = [(s, self._op_times.pop(s.step), tuple(self._tail_marks.pop(s.step, ()))) for s in self.settled]
         self.settled = []
         return taken
 
@@ -181,6 +185,7 @@ class Trainer:
         if self.inject_nan_at == step:
             _poison_a_gradient(self.model.params)
         self.optimizer.reduce_gradients()
+        self._tail_marks[step] = [time.perf_counter()]
         return record
 
     def _local_row(self, record) -> torch.Tensor:
@@ -192,6 +197,7 @@ class Trainer:
     def _synchronized_update(self, step: int, row: torch.Tensor) -> GlobalState:
         """Wait for every rank's row (one all-gather), then step as the global state says (step_checks.py)."""
         state = GlobalState.from_table(gather_rows(row))  # only output-stage ranks add a loss, pre-scaled
+        self._tail_marks[step].append(time.perf_counter())
         verdict = judge(state, step=step, max_norm=self.config.clip_grad_norm, loss_scaling=self.scaler is not None)
         apply_verdict(verdict, self.optimizer, self.scaler)
         return state
@@ -305,12 +311,12 @@ class SynchronousSteps:
     def _record(self) -> list[TracedStep]:
         """Each settled step's loss, gradient norm and time: the interval since the step before ended on this rank
         (the first one's since the run began), so that steps overlapping under --post-validate count the period."""
-        traced = []
-        for settled, op_times in self.trainer.take_settled():
+        traced: list[TracedStep] = []
+        for settled, op_times, marks in self.trainer.take_settled():
             self.result.losses.append(settled.state.loss)
             self.result.grad_norms.append(settled.state.grad_norm)
             assert self.last_end is not None, "run() starts the clock before any step settles"
             self.result.step_ms.append((settled.ended - self.last_end) * 1000.0)
             self.last_end = settled.ended
-            traced.append((settled.step, op_times, settled.ended))
+            traced.append((settled.step, op_times, settled.ended, marks if len(marks) == 2 else ()))
         return traced

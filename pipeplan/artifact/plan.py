@@ -79,6 +79,7 @@ class TrainingConfig:
     overlap: str = "none"  # communication overlap the step was predicted with (costs.overlap.Overlap.label)
     post_validate: bool = False  # the step is the period of post-validated steps: `run` post-validates (older: off)
     attention: str = ""  # analytic plans: what attention the costs assume (the profile's: flash, math, ...)
+    step_checks_ms: float = 0.0  # a synchronized step's global checks (a profile refined from a run; predict.predict)
 
     def __post_init__(self) -> None:
         from pipeplan.precision import PRECISIONS
@@ -109,8 +110,7 @@ class TrainingConfig:
 
     @property
     def numerics(self) -> Numerics:
-        """The precision and optimizer the plan was counted for (an optimizer recorded as bytes per parameter: that
-        figure)."""
+        """The precision and optimizer the plan was counted for (an optimizer given as bytes per parameter: it)."""
         try:
             return numerics(float(self.optimizer), self.precision)
         except ValueError:
@@ -127,8 +127,7 @@ class TrainingConfig:
         return DeviceGroups(tensor_parallel=self.tensor_parallel, context_parallel=self.context_parallel)
 
     def unplanned_optimizer_bytes(self, name: str) -> float:
-        """Bytes per parameter (weights + gradients + state, unsharded) that optimizer `name` needs under this plan's
-        precision beyond what the plan counted (0 when it fits its accounting)."""
+        """Bytes per parameter (weights, gradients, state) optimizer `name` needs beyond what the plan counted."""
         return max(0.0, bytes_per_param(numerics(name, self.precision)) - self.optimizer_bytes_per_param)
 
 
@@ -149,8 +148,7 @@ class StagePlan:
     comm_ms: float = 0.0  # transfer to the next stage as simulated (activations forward, gradients backward)
     activation_bytes: int = 0  # saved for backward per microbatch (what F adds to its device's memory)
     activation_freed_by_input_grad_bytes: int = 0  # the part of it I frees (W frees the rest, B all)
-    allreduce_ms: float = 0.0  # predicted gradient all-reduce over the stage's replicas in all pipelines (ZeRO-1:
-    # its reduce-scatter + all-gather)
+    allreduce_ms: float = 0.0  # its gradients' all-reduce over all its holders (ZeRO-1: reduce-scatter + all-gather)
     recompute: str = "none"  # activation recomputation the runtime applies to this stage (pipeplan.recompute)
     recompute_ms: float = 0.0  # what recomputation adds per microbatch, included in input_grad_ms / backward_ms
     kept_bytes: int | None = None  # held from F to I or B under `recompute` (None: activation_bytes)
@@ -271,7 +269,9 @@ class Plan:
             raise RunError(reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": PLAN_SCHEMA_VERSION, **asdict(self)}
+        data = asdict(self)  # training.step_checks_ms written only when learned: older plans keep their fingerprint
+        data["training"] = {k: v for k, v in data["training"].items() if k != "step_checks_ms" or v}
+        return {"schema_version": PLAN_SCHEMA_VERSION, **data}
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())

@@ -90,6 +90,7 @@ def plan_inputs(plan: Plan) -> StepInputs:
         stage_optimizer_ms=tuple(s.optimizer_ms for s in plan.stages),
         numerics=plan.training.numerics,
         overlap=plan.training.overlap_options,
+        step_checks_ms=plan.training.step_checks_ms,
     )
 
 

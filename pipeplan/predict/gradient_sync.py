@@ -57,7 +57,8 @@ def stage_allreduce_ms(
     profile: Profile, cluster: Cluster, part: Partition, group: SyncGroup, *, numerics: Numerics, zero: int = 0
 ) -> tuple[float, ...]:
     """Per stage, the ring all-reduce of its gradients over its holders (pipeline k's device d is global rank k x P
-    + d; see the module docstring), or ZeRO-1's reduce-scatter + all-gather (`costs.gradient_sync_ms`)."""
+    + d; see the module docstring), or ZeRO-1's reduce-scatter + all-gather (`costs.gradient_sync_ms`), at the
+    exchange efficiency a refined profile learned from its run (`exchange_efficiency`)."""
     mode = numerics.precision
     times = []
     for stage in part.stages:
@@ -72,8 +73,19 @@ def stage_allreduce_ms(
         time = gradient_sync_ms(dense * mode.grad_bytes, dense * mode.param_bytes, size, link, zero)
         ep_size = int(expert_holders(size, group.expert_parallel))  # the expert data-parallel group
         time += gradient_sync_ms(experts * mode.grad_bytes, experts * mode.param_bytes, ep_size, link, zero)
-        times.append(time)
+        times.append(time / exchange_efficiency(profile))
     return tuple(times)
+
+
+def exchange_efficiency(profile: Profile) -> float:
+    """How fast gradient exchanges ran in the run `profile` was refined from, over the link model's time for them
+    (`Provenance.exchange_efficiency`, `refine.updates`); 1 when not learned."""
+    return profile.provenance.exchange_efficiency or 1.0
+
+
+def step_checks_ms(profile: Profile) -> float:
+    """A synchronized step's global checks, learned from a run (`Provenance.step_checks_ms`); 0 when not learned."""
+    return profile.provenance.step_checks_ms or 0.0
 
 
 def stage_optimizer_ms(

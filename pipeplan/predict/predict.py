@@ -42,6 +42,7 @@ class StepInputs:
     stage_optimizer_ms: tuple[float, ...]
     numerics: Numerics
     overlap: Overlap = Overlap()
+    step_checks_ms: float = 0.0  # a synchronized step's global checks, on every device (`Provenance.step_checks_ms`)
 
     @property
     def timed_costs(self) -> StageCosts:
@@ -54,11 +55,14 @@ class StepInputs:
 
     def sync(self, *, post_validate: bool) -> StepSync:
         """What ends each device's step: its stages' exchanges and its optimizer update (post-validated: with the
-        undo copy's reads and writes, `costs.overlap.eager_update_ms`)."""
+        undo copy's reads and writes, `costs.overlap.eager_update_ms`; synchronized: after the global checks,
+        `step_checks_ms`, which a post-validated step settles during the next one and an asynchronous one has not)."""
         stages = self.pipeline.device_stages
         updates = per_device(self.stage_optimizer_ms, stages)
         if post_validate:
             updates = tuple(eager_update_ms(updates, self.numerics))
+        elif self.step_checks_ms and not schedule_info(self.schedule).asynchronous:
+            updates = tuple(ms + self.step_checks_ms for ms in updates)
         return StepSync(
             device_stages=stages,
             stage_sync_ms=self.stage_sync_ms,

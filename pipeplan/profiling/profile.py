@@ -272,6 +272,12 @@ class Provenance:
     # sends, the trace's timing), learned by `refine` (bookkeeping.op_overhead_ms) and counted once per op by
     # costs.stage_op_ms, whatever layers a stage groups (None: not learned, 0)
     op_overhead_ms: float | None = None
+    # refined from a synchronized run's step tails (`refine.updates`): the gradient exchange's measured speed over
+    # the plan's (the calibrated link's) time for it, which predict.gradient_sync.stage_allreduce_ms divides every
+    # exchange by; and the global checks' fixed cost per step (the gradient-norm row and the all-gather), which a
+    # synchronized step end counts on every device (predict.StepInputs.step_checks_ms). None: not learned
+    exchange_efficiency: float | None = None
+    step_checks_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -327,6 +333,8 @@ class Profile:
             "concurrent",
             "wall_over_cpu",
             "op_overhead_ms",
+            "exchange_efficiency",
+            "step_checks_ms",
         ):  # written only when set: older files, same bytes
             if data["provenance"][optional] is None:
                 del data["provenance"][optional]

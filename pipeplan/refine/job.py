@@ -18,7 +18,7 @@ from pipeplan.refine.bookkeeping import Medians, learned_op_overhead, measured_m
 from pipeplan.refine.options import RefineOptions
 from pipeplan.refine.pool import pooled
 from pipeplan.refine.replan import replan
-from pipeplan.refine.updates import learned_update_rate, with_learned_updates
+from pipeplan.refine.updates import LearnedTail, learned_tail, with_learned_tail
 from pipeplan.search.scaling import scale_profile
 
 
@@ -58,7 +58,7 @@ def refine(options: RefineOptions) -> Refined:
     check_output_dir(output, "--output")
     medians = measured_medians(plan, run)
     refined = refined_profile(plan, profile, medians, run)
-    retimed = with_learned_updates(retimed_plan(plan, refined), refined.provenance.update_bytes_per_s)
+    retimed = with_learned_tail(retimed_plan(plan, refined), learned(refined), profile.provenance.exchange_efficiency)
     refined_ms = plan_step_ms(retimed, post_validate=run.record.post_validate)
     schedules = options.schedules(plan.schedule)
     new_plan, _ = replan(refined, plan, schedules=schedules, output=output)
@@ -77,12 +77,13 @@ def refine(options: RefineOptions) -> Refined:
 
 def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: MeasuredRun) -> Profile:
     """`profile` at the plan's microbatch size with its layers scaled to the run's medians: what the ranks' ops
-    cost in place, their threads recorded, what each op cost beyond its work (`bookkeeping.op_overhead_ms`), the rate
-    its optimizer updates ran at (`updates`); the whole-model
+    cost in place, their threads recorded, what each op cost beyond its work (`bookkeeping.op_overhead_ms`), what
+    its step tails' parts teach (`updates`: the exchange's efficiency, the checks, the update rate); the whole-model
     references and spreads of the original measurement no longer apply and are dropped."""
     scaled = scale_profile(profile, plan.training.microbatch_size)
     prov = scaled.provenance
     per_op = learned_op_overhead(plan, profile, medians)
+    tail = learned_tail(plan, run, prov.exchange_efficiency)
     note = f"refined from the run traced in {run.path} (plan {run.record.plan_fingerprint})"
     return replace(
         scaled,
@@ -96,11 +97,20 @@ def refined_profile(plan: Plan, profile: Profile, medians: Medians, run: Measure
             graph_fingerprint=plan.model.fingerprint or prov.graph_fingerprint,  # the graph at this microbatch size
             threads=run.record.threads,
             refined_from=note,
-            update_bytes_per_s=learned_update_rate(plan, run),
+            # what this run did not teach (no marks: post-validated) stays as the profile had it
+            update_bytes_per_s=tail.update_bytes_per_s or prov.update_bytes_per_s,
+            exchange_efficiency=tail.exchange_efficiency or prov.exchange_efficiency,
+            step_checks_ms=prov.step_checks_ms if tail.step_checks_ms is None else tail.step_checks_ms,
             op_overhead_ms=per_op,
             notes=f"{prov.notes}; {note}".strip("; "),
         ),
     )
+
+
+def learned(profile: Profile) -> LearnedTail:
+    """The tail's parts a refined profile records (`refine.updates`)."""
+    prov = profile.provenance
+    return LearnedTail(prov.update_bytes_per_s, prov.exchange_efficiency, prov.step_checks_ms)
 
 
 def _plan_path(options: RefineOptions, run: MeasuredRun) -> Path:

@@ -27,10 +27,11 @@ def refined_dict(result: Refined) -> dict[str, Any]:
         "profile_threads": result.plan.profile.threads if result.plan.profile else None,
         "step_tail_ms": {
             "measured": list(result.run.tail_ms),
-            "planned": planned_tails(result.plan),
-            "refined": planned_tails(result.retimed),
+            "planned": planned_tails(result.plan, synchronized=not record.post_validate),
+            "refined": planned_tails(result.retimed, synchronized=not record.post_validate),
             "parts": tail_parts(result),
         },
+        "learned": learned_dict(result),
         "ops": [
             {"stage": s, "kind": kind, "planned_ms": planned, "measured_ms": measured, "refined_ms": refined}
             for s, kind, planned, measured, refined in result.rows()
@@ -44,26 +45,47 @@ def refined_dict(result: Refined) -> dict[str, Any]:
     }
 
 
-def planned_tails(plan: Plan) -> list[float]:
-    """Per rank, what `plan` counts after its last op: its stages' gradient exchange and optimizer update."""
-    stages = plan.stages
-    return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) for info in plan.ranks]
+def learned_dict(result: Refined) -> dict[str, float | None]:
+    """What the refined profile learned beyond the layers (`refine.updates`, `bookkeeping.op_overhead_ms`)."""
+    prov = result.profile.provenance
+    return {
+        "op_overhead_ms": prov.op_overhead_ms,
+        "exchange_efficiency": prov.exchange_efficiency,
+        "step_checks_ms": prov.step_checks_ms,
+        "update_bytes_per_s": prov.update_bytes_per_s,
+    }
+
+
+def planned_tails(plan: Plan, *, synchronized: bool = True) -> list[float]:
+    """Per rank, what `plan` counts after its last op: its stages' gradient exchange and optimizer update, and a
+    synchronized step's global checks."""
+    stages, checks = plan.stages, plan.training.step_checks_ms if synchronized else 0.0
+    return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) + checks for info in plan.ranks]
 
 
 def tail_parts(result: Refined) -> list[dict[str, dict[str, float]]]:
     """Per rank, its tail's parts as the run measured them (`MeasuredRun.tail_parts_ms`: the gradient exchange, the
-    global checks with the waits in them, the update) beside what the plan counts for each (no checks); [] when the
-    trace has no parts."""
-    stages = result.plan.stages
+    global checks with the waits in them, the update) beside what the plan counts for each and what the run's plan
+    counts with what was learned (`Refined.retimed`); [] when the trace has no parts."""
     rows = []
     for info, (exchange, checks, update) in zip(result.plan.ranks, result.run.tail_parts_ms):
-        planned = {
-            "exchange": sum(stages[s].allreduce_ms for s in info.stages),
-            "checks": 0.0,
-            "update": sum(stages[s].optimizer_ms for s in info.stages),
-        }
-        rows.append({"measured": {"exchange": exchange, "checks": checks, "update": update}, "planned": planned})
+        rows.append(
+            {
+                "measured": {"exchange": exchange, "checks": checks, "update": update},
+                "planned": _counted(result.plan, info.stages),
+                "refined": _counted(result.retimed, info.stages),
+            }
+        )
     return rows
+
+
+def _counted(plan: Plan, held: tuple[int, ...]) -> dict[str, float]:
+    stages = plan.stages
+    return {
+        "exchange": sum(stages[s].allreduce_ms for s in held),
+        "checks": plan.training.step_checks_ms,
+        "update": sum(stages[s].optimizer_ms for s in held),
+    }
 
 
 def _ratio(a: float, b: float) -> str:
@@ -86,23 +108,7 @@ def render_refined(console: Console, result: Refined) -> None:
     for s, kind, planned, measured, refined in result.rows():
         table.add_row(str(s), kind, f"{planned:.3f}", f"{measured:.3f}", f"{refined:.3f}", _ratio(measured, planned))
     console.print(table)
-    tails = zip(result.run.tail_ms, planned_tails(result.plan), planned_tails(result.retimed))
-    console.print(
-        "after each rank's last op (gradient exchange, optimizer update, global checks, waits), measured vs planned "
-        f"vs refined ms per rank: {', '.join(f'{m:.1f} vs {p:.1f} vs {r:.1f}' for m, p, r in tails)} (refined: the "
-        "updates at the rate the run's tails imply, refine.updates)",
-        highlight=False,
-        soft_wrap=True,
-    )
-    parts = tail_parts(result)
-    if parts:
-        ranks = [", ".join(f"{k} {r['measured'][k]:.1f} vs {r['planned'][k]:.1f}" for k in r["planned"]) for r in parts]
-        console.print(
-            f"the tails' parts, measured vs planned ms per rank: {'; '.join(ranks)} (checks: the gradient-norm row "
-            "and the all-gather where each rank waits for the others)",
-            highlight=False,
-            soft_wrap=True,
-        )
+    _render_tails(console, result)
     new = result.new_plan
     console.print(f"re-planned: {describe(new)}: predicted {new.predicted.step_ms:.2f} ms/step", highlight=False)
     console.print(
@@ -111,3 +117,45 @@ def render_refined(console: Console, result: Refined) -> None:
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _render_tails(console: Console, result: Refined) -> None:
+    """The ranks' step tails (and their parts) measured vs planned vs refined, and what refine learned of them."""
+    synced = not result.run.record.post_validate
+    planned = planned_tails(result.plan, synchronized=synced)
+    tails = zip(result.run.tail_ms, planned, planned_tails(result.retimed, synchronized=synced))
+    console.print(
+        "after each rank's last op (gradient exchange, global checks, optimizer update, waits), measured vs planned "
+        f"vs refined ms per rank: {', '.join(f'{m:.1f} vs {p:.1f} vs {r:.1f}' for m, p, r in tails)} (refined: "
+        "the run's plan with what its tails taught, refine.updates)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    parts = tail_parts(result)
+    if parts:
+        cells = [
+            ", ".join(
+                f"{k} {r['measured'][k]:.1f} vs {r['planned'][k]:.1f} vs {r['refined'][k]:.1f}" for k in r["planned"]
+            )
+            for r in parts
+        ]
+        console.print(
+            f"the tails' parts, measured vs planned vs refined ms per rank: {'; '.join(cells)} (checks: the "
+            "gradient-norm row and the all-gather where each rank waits for the others)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    learned = learned_dict(result)
+    shown = {
+        "per-op term": _shown(learned["op_overhead_ms"], "{:.2f} ms"),
+        "gradient exchange at": _shown(learned["exchange_efficiency"], "{:.2f}x the link model's speed"),
+        "global checks": _shown(learned["step_checks_ms"], "{:.2f} ms per synchronized step"),
+        "updates at": _shown(learned["update_bytes_per_s"] and learned["update_bytes_per_s"] / 1e9, "{:.2f} GB/s"),
+    }
+    console.print(
+        "learned: " + "; ".join(f"{name} {text}" for name, text in shown.items()), highlight=False, soft_wrap=True
+    )
+
+
+def _shown(value: float | None, form: str) -> str:
+    return "not learned" if value is None else form.format(value)

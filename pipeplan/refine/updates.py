@@ -1,20 +1,45 @@
-"""What a run's step tails teach: after each rank's last op come its stages' gradient exchange and optimizer update
-(and the waits around them). A measured profile does not time updates (no memory rate); the run did. The part of
-each rank's tail the plan's gradient exchange does not explain is taken as its update, and the bytes its stages'
-updates move (`costs.overlap.update_bytes_per_param` per parameter updated on one device) over that time give
-the rate updates ran at: `Provenance.update_bytes_per_s`, which `predict.gradient_sync.stage_optimizer_ms` times
-every later update with (the re-plan's too), and which times the run's own plan again here."""
+"""What a run's step tails teach. After each rank's last op come its stages' gradient exchange, the global checks
+(the gradient-norm row and the all-gather every rank waits in) and its optimizer update; a synchronized run's
+trace marks where each ends (`MeasuredRun.tail_parts_ms`), and each part is learned on its own, so that a re-plan
+with another data-parallel layout or stage count counts each by its own rule (`LearnedTail`):
+
+- the exchange: its speed against the link model's (`costs.gradient_sync_ms` over the plan's links at efficiency 1):
+  the ranks' summed planned exchanges over their summed measured ones (bytes-weighted: each rank's planned time is
+  its bytes over the link), `Provenance.exchange_efficiency`, by which `predict.gradient_sync.stage_allreduce_ms`
+  divides every later exchange (a re-plan's exchange follows its own bytes and group size at that speed); ranks
+  with nothing to exchange are left out;
+- the checks: a fixed cost per synchronized step, the smallest of the ranks' medians (the rank that reaches the
+  all-gather last waits for nobody: the others' longer checks are the wait for it, which the simulated step end
+  already has), `Provenance.step_checks_ms`, which every device of a synchronized step counts before its update
+  (`predict.StepInputs.step_checks_ms`); one run of one world size cannot show a per-rank-count term, so none is
+  fitted;
+- the update: the bytes the rank's stages' updates move (`costs.overlap.update_bytes_per_param` per parameter
+  updated on one device) over its measured update part: a rate, `Provenance.update_bytes_per_s`, which
+  `predict.gradient_sync.stage_optimizer_ms` times every later update with.
+
+A trace without marks (a post-validated run: its checks settle during the next step; older traces) teaches the
+update alone, as what each tail leaves after the plan's exchange; under post-validation that part is the eager
+update with its undo copy (`costs.overlap.eager_update_ms`), so the rate is taken over those bytes."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipeplan.artifact.measured import MeasuredRun
 from pipeplan.artifact.plan import Plan, StagePlan
-from pipeplan.costs.overlap import optimizer_step_ms, update_bytes_per_param
+from pipeplan.costs.overlap import eager_update_ms, optimizer_step_ms, update_bytes_per_param
 from pipeplan.predict.gradient_sync import SyncGroup, updated_params
 from pipeplan.schedules.placement import stage_copies
 from pipeplan.schedules.registry import schedule_info
+
+
+@dataclass(frozen=True)
+class LearnedTail:
+    """What a run's step tails teach (module docstring); None: not learned from this run."""
+
+    update_bytes_per_s: float | None = None
+    exchange_efficiency: float | None = None
+    step_checks_ms: float | None = None
 
 
 def _moved_per_param(plan: Plan) -> float:
@@ -38,31 +63,73 @@ def _updated_params(plan: Plan, stage: StagePlan) -> float:
     )
 
 
-def learned_update_rate(plan: Plan, run: MeasuredRun) -> float | None:
-    """Bytes/s of the run's optimizer updates: over the ranks, the bytes their stages' updates move over the part of
-    their median step tails (`run.tail_ms`) the plan's gradient exchange leaves. None when nothing is left or the
-    optimizer is given as bytes per parameter (no update to time)."""
+def learned_tail(plan: Plan, run: MeasuredRun, prior_efficiency: float | None = None) -> LearnedTail:
+    """The tail's parts learned from `run` of `plan` (module docstring); `prior_efficiency`: the exchange efficiency
+    the plan's exchanges were already timed with (a plan made from a refined profile), None: the link model's."""
+    if len(run.tail_ms) != len(plan.ranks):
+        return LearnedTail()
+    if len(run.tail_parts_ms) != len(plan.ranks):
+        return LearnedTail(update_bytes_per_s=_rate_from_tails(plan, run))
+    exchanged = [part[0] for part in run.tail_parts_ms]
+    updated = [part[2] for part in run.tail_parts_ms]
+    return LearnedTail(
+        update_bytes_per_s=_update_rate(plan, updated),
+        exchange_efficiency=_exchange_efficiency(plan, exchanged, prior_efficiency or 1.0),
+        step_checks_ms=min(part[1] for part in run.tail_parts_ms),
+    )
+
+
+def _rank_exchange_ms(plan: Plan) -> list[float]:
+    return [sum(plan.stages[s].allreduce_ms for s in info.stages) for info in plan.ranks]
+
+
+def _exchange_efficiency(plan: Plan, measured: list[float], prior: float) -> float | None:
+    """The link model's exchange time over the measured one, summed over the ranks that exchange."""
+    pairs = [(planned * prior, ms) for planned, ms in zip(_rank_exchange_ms(plan), measured) if planned > 0]
+    modelled, took = sum(p for p, _ in pairs), sum(ms for _, ms in pairs)
+    return modelled / took if modelled > 0 and took > 0 else None
+
+
+def _update_rate(plan: Plan, update_ms: list[float]) -> float | None:
+    """Bytes/s: the bytes the ranks' updates move over their measured update times (ranks that update)."""
     moved = _moved_per_param(plan)
-    if moved <= 0 or len(run.tail_ms) != len(plan.ranks):
+    if moved <= 0:
         return None
     total_bytes = total_s = 0.0
-    for info, tail in zip(plan.ranks, run.tail_ms):
-        stages = [plan.stages[s] for s in info.stages]
-        left_ms = tail - sum(stage.allreduce_ms for stage in stages)
-        params = sum(_updated_params(plan, stage) for stage in stages)
-        if left_ms > 0 and params > 0:
+    for info, ms in zip(plan.ranks, update_ms):
+        params = sum(_updated_params(plan, plan.stages[s]) for s in info.stages)
+        if ms > 0 and params > 0:
             total_bytes += params * moved
-            total_s += left_ms / 1e3
+            total_s += ms / 1e3
     return total_bytes / total_s if total_s > 0 else None
 
 
-def with_learned_updates(plan: Plan, bytes_per_s: float | None) -> Plan:
-    """`plan` with every stage's optimizer update timed at `bytes_per_s` (unchanged when None)."""
-    if not bytes_per_s:
-        return plan
+def _rate_from_tails(plan: Plan, run: MeasuredRun) -> float | None:
+    """Without marks: the part of each rank's median tail the plan's exchange leaves, taken as its update (eager,
+    with the undo copy, when the run post-validated); None when nothing is left or no update is timed."""
+    left = [tail - exchange for tail, exchange in zip(run.tail_ms, _rank_exchange_ms(plan))]
+    if run.record.post_validate:
+        scale = eager_update_ms([1.0], plan.training.numerics)[0]
+        left = [ms / scale for ms in left]
+    return _update_rate(plan, left)
+
+
+def with_learned_tail(plan: Plan, learned: LearnedTail, prior_efficiency: float | None = None) -> Plan:
+    """`plan` with its updates at the learned rate, its exchanges at the learned efficiency (they were timed at
+    `prior_efficiency`) and its synchronized steps' checks; what was not learned stays as planned."""
     moved = _moved_per_param(plan)
+    ratio = (prior_efficiency or 1.0) / learned.exchange_efficiency if learned.exchange_efficiency else 1.0
     stages = tuple(
-        replace(stage, optimizer_ms=optimizer_step_ms(_updated_params(plan, stage), moved, bytes_per_s))
+        replace(
+            stage,
+            allreduce_ms=stage.allreduce_ms * ratio,
+            optimizer_ms=(
+                optimizer_step_ms(_updated_params(plan, stage), moved, learned.update_bytes_per_s)
+                if learned.update_bytes_per_s
+                else stage.optimizer_ms
+            ),
+        )
         for stage in plan.stages
     )
-    return replace(plan, stages=stages)
+    checks = plan.training.step_checks_ms if learned.step_checks_ms is None else learned.step_checks_ms
+    return replace(plan, stages=stages, training=replace(plan.training, step_checks_ms=checks))

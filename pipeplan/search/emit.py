@@ -62,6 +62,7 @@ def build_plan(
         expert_parallel=result.config.expert_parallel,
         overlap=result.config.overlap.label,
         post_validate=chosen.post_validate,
+        step_checks_ms=chosen.inputs.step_checks_ms,
     )
     pipe, tokens = chosen.pipeline, model.tokens_per_sample
     world = pipe.num_devices * layout.data_parallel

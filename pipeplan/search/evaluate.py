@@ -23,12 +23,13 @@ replaces each stage's gradient all-reduce by a reduce-scatter + all-gather (`cos
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from pipeplan.cluster import Cluster
 from pipeplan.costs import transfer_ms
 from pipeplan.errors import ScheduleError
 from pipeplan.partition.result import Partition
-from pipeplan.predict.gradient_sync import SyncGroup, stage_allreduce_ms, stage_optimizer_ms
+from pipeplan.predict.gradient_sync import SyncGroup, stage_allreduce_ms, stage_optimizer_ms, step_checks_ms
 from pipeplan.predict.layout import PipelineLayout, pipeline_layout
 from pipeplan.predict.memory import (
     StaticRule,
@@ -135,8 +136,9 @@ def evaluate_partition(
 
 def _step_end(
     layout: Layout, part: Partition, profile: Profile, cluster: Cluster, config: SearchConfig, zero: int
-) -> dict[str, tuple[float, ...]]:
-    """Per stage, its gradient exchange over its holders and its optimizer update (`predict.gradient_sync`)."""
+) -> dict[str, Any]:
+    """Per stage, its gradient exchange over its holders and its optimizer update, and the global checks a
+    synchronized step ends with (`predict.gradient_sync`)."""
     group = SyncGroup(
         data_parallel=layout.data_parallel,
         context_parallel=layout.context_parallel,
@@ -147,6 +149,7 @@ def _step_end(
     return dict(
         stage_sync_ms=stage_allreduce_ms(profile, cluster, part, group, numerics=numerics, zero=zero),
         stage_optimizer_ms=stage_optimizer_ms(part, profile, numerics=numerics, zero=zero, group=group),
+        step_checks_ms=step_checks_ms(profile),
     )
 
 

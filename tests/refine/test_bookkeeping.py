@@ -25,7 +25,7 @@ from pipeplan.predict.gradient_sync import SyncGroup, updated_params
 from pipeplan.profiling.profile import Profile
 from pipeplan.refine.bookkeeping import measured_medians, refined_layers, retimed_plan
 from pipeplan.refine.job import refined_profile
-from pipeplan.refine.updates import with_learned_updates
+from pipeplan.refine.updates import LearnedTail, with_learned_tail
 from pipeplan.runtime.train.trace_io import measured_trace
 from pipeplan.schedules.ops import Op
 from pipeplan.search.config import SearchConfig
@@ -260,7 +260,7 @@ def test_step_tails_teach_the_optimizer_update_rate():
     numerics = plan.training.numerics
     moved = update_bytes_per_param(numerics)
     assert rate == pytest.approx(sum(s.param_count for s in plan.stages) * moved / (sum(left) / 1e3))
-    retimed = with_learned_updates(retimed_plan(plan, refined), rate)
+    retimed = with_learned_tail(retimed_plan(plan, refined), LearnedTail(update_bytes_per_s=rate))
     assert sum(s.optimizer_ms for s in retimed.stages) == pytest.approx(sum(left))
     assert "update_bytes_per_s" not in _profile_of(plan).to_dict()["provenance"]  # older files: the same bytes
     assert Profile.from_dict(refined.to_dict()).provenance.update_bytes_per_s == rate
@@ -283,7 +283,7 @@ def test_refine_times_updates_with_the_searchs_own_share(schedule):
     plan = _plan(schedule)
     zero = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero=1))
     rate = 1e9
-    retimed = with_learned_updates(zero, rate)
+    retimed = with_learned_tail(zero, LearnedTail(update_bytes_per_s=rate))
     mirrored = schedule == "dualpipe"  # each stage also on device P-1-d
     moved = update_bytes_per_param(plan.training.numerics)
     for stage in retimed.stages:

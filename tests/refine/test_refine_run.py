@@ -83,6 +83,11 @@ def test_profile_plan_run_refine_run(tmp_path):
     new = Plan.load(refined_dir / "plan.json")
     assert new.runnable and new.schedule == "zb-h1" and new.profile.fingerprint == refined.fingerprint
     assert refined.provenance.refined_from and refined.provenance.threads == 1
+    # the tail's parts learned on their own: the checks (the rank that waited least), no exchange (one pipeline)
+    checks = min(parts[1] for parts in run.tail_parts_ms)
+    assert refined.provenance.step_checks_ms == pytest.approx(checks) == result["learned"]["step_checks_ms"]
+    assert refined.provenance.exchange_efficiency is None and result["learned"]["exchange_efficiency"] is None
+    assert new.training.step_checks_ms == pytest.approx(checks)
     # a second round: the refined plan runs, and its trace names it
     again = tmp_path / "again.json"
     _ok("run", str(refined_dir / "plan.json"), "--steps", "2", "--trace", str(again), "--threads", "1", "--quiet")

@@ -110,7 +110,10 @@ def _schedule(folder: Path, name: str, profile: Path, hardware: tuple[str, ...],
         # (stage, kind) ops), the per-op term refine learned, each rank's step tail measured vs planned
         "ops_measured_over_planned": sum(o["measured_ms"] for o in ops) / sum(o["planned_ms"] for o in ops),
         "op_overhead_ms": learned.get("op_overhead_ms"),
-        "step_tail_ms": {key: refine["step_tail_ms"][key] for key in ("measured", "planned")},
+        # the tail's parts refine learned (refine/updates.py; absent: not learned, e.g. a post-validated run)
+        "exchange_efficiency": learned.get("exchange_efficiency"),
+        "step_checks_ms": learned.get("step_checks_ms"),
+        "step_tail_ms": {key: refine["step_tail_ms"][key] for key in ("measured", "planned", "refined", "parts")},
         "after": after,
     }
 
@@ -159,8 +162,16 @@ def _summary(rounds: list[dict], schedules: list[str]) -> dict:
             "ops_measured_over_planned": statistics.median(e["ops_measured_over_planned"] for e in entries),
             "op_overhead_ms": statistics.median(e["op_overhead_ms"] or 0.0 for e in entries),
             "tail_measured_over_planned": statistics.median(tails),
+            "exchange_efficiency": _median_of(e.get("exchange_efficiency") for e in entries),
+            "step_checks_ms": _median_of(e.get("step_checks_ms") for e in entries),
         }
     return medians
+
+
+def _median_of(values) -> float | None:
+    """The median of the rounds' learned figures (None where a round learned none: no marks)."""
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
 
 
 def _table(medians: dict, args):
@@ -170,7 +181,7 @@ def _table(medians: dict, args):
     title = f"measured / predicted, medians over {args.repeats} round(s) of every run{busy}"
     table = Table(title=title)
     columns = ("schedule", "before", "0.85-1.15", "measured / refined", "after refine", "0.95-1.05", "noise")
-    for column in (*columns, "ops m/p", "tails m/p", "per-op ms"):
+    for column in (*columns, "ops m/p", "tails m/p", "per-op ms", "exchange eff", "checks ms"):
         table.add_column(column)
     for name, row in medians.items():
         table.add_row(
@@ -184,6 +195,8 @@ def _table(medians: dict, args):
             f"{row['ops_measured_over_planned']:.2f}",
             f"{row['tail_measured_over_planned']:.2f}",
             f"{row['op_overhead_ms']:.2f}",
+            "-" if row["exchange_efficiency"] is None else f"{row['exchange_efficiency']:.2f}",
+            "-" if row["step_checks_ms"] is None else f"{row['step_checks_ms']:.2f}",
         )
     return table
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.artifact.plan import ModelRef, Plan, Predicted, StagePlan, TrainingConfig, run_device_for
 from pipeplan.artifact.ranks import rank_infos
@@ -61,8 +61,7 @@ def build_plan(
         context_parallel=result.config.context_parallel,
         expert_parallel=result.config.expert_parallel,
         overlap=result.config.overlap.label,
-        post_validate=chosen.post_validate,
-        step_checks_ms=chosen.inputs.step_checks_ms,
+        **_step_settings(chosen),
     )
     pipe, tokens = chosen.pipeline, model.tokens_per_sample
     world = pipe.num_devices * layout.data_parallel
@@ -90,6 +89,11 @@ def build_plan(
         pipeplan_version=VERSION,
         torch_version=torch_version(),
     )
+
+
+def _step_settings(chosen: Evaluation) -> dict[str, Any]:
+    """How the chosen step ends: post-validated or not, and a synchronized step's global checks (learned by refine)."""
+    return {"post_validate": chosen.post_validate, "step_checks_ms": chosen.inputs.step_checks_ms}
 
 
 def torch_version() -> str:

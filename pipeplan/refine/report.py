@@ -59,8 +59,7 @@ def learned_dict(result: Refined) -> dict[str, float | None]:
 def planned_tails(plan: Plan, *, synchronized: bool = True) -> list[float]:
     """Per rank, what `plan` counts after its last op: its stages' gradient exchange and optimizer update, and a
     synchronized step's global checks."""
-    stages, checks = plan.stages, plan.training.step_checks_ms if synchronized else 0.0
-    return [sum(stages[s].allreduce_ms + stages[s].optimizer_ms for s in info.stages) + checks for info in plan.ranks]
+    return [sum(_counted(plan, info.stages, synchronized=synchronized).values()) for info in plan.ranks]
 
 
 def tail_parts(result: Refined) -> list[dict[str, dict[str, float]]]:
@@ -79,11 +78,12 @@ def tail_parts(result: Refined) -> list[dict[str, dict[str, float]]]:
     return rows
 
 
-def _counted(plan: Plan, held: tuple[int, ...]) -> dict[str, float]:
+def _counted(plan: Plan, held: tuple[int, ...], *, synchronized: bool = True) -> dict[str, float]:
+    """What `plan` counts for each part of the tail of a rank holding stages `held`."""
     stages = plan.stages
     return {
         "exchange": sum(stages[s].allreduce_ms for s in held),
-        "checks": plan.training.step_checks_ms,
+        "checks": plan.training.step_checks_ms if synchronized else 0.0,
         "update": sum(stages[s].optimizer_ms for s in held),
     }
 

@@ -120,16 +120,16 @@ def block_comm(
     matmul = {name: 0.0 for name in ("forward", "input_grad")}
     attention = {name: 0.0 for name in ("forward", "input_grad")}
     split = {name: 0.0 for name in ("forward", "input_grad")}
+    pieces = overlap.tensor_chunks(t)
     if work is not None and rates is not None:
         for name in matmul:
             kernels = pass_kernels(work.kernels, name)
             matmul[name] = kernels_seconds([k for k in kernels if k.weight], rates) * 1e3
             attention[name] = kernels_seconds([k for k in kernels if k.kind == "attention" or k.core], rates) * 1e3
             chunked = [k for k in kernels if k.weight and (name == "forward" or k.tp == "n")]
-            split[name] = _chunks_ms(chunked, overlap.tensor_chunks(t), rates)
+            split[name] = _chunks_ms(chunked, pieces, rates)
     if overlap.tensor:
         share = overlap.comm_sms / rates.sm_count if rates is not None and rates.sm_count else 0.0
-        pieces = overlap.tensor_chunks(t)
         forward = overlapped_ms(forward, matmul["forward"], chunks=pieces, sm_share=share, split_ms=split["forward"])
         backward = overlapped_ms(
             backward, matmul["input_grad"], chunks=pieces, sm_share=share, split_ms=split["input_grad"]

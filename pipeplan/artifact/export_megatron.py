@@ -277,6 +277,12 @@ def _optimizer_flags(plan: Plan, flags: list[str], notes: list[str]) -> tuple[di
         ddp["overlap_param_gather"] = True
     if overlap.tensor:
         flags.append("--tp-comm-overlap")
+        settings = [part for part in training.overlap.split(",") if "=" in part]  # sms=, chunks= (Overlap.label)
+        if settings:
+            notes.append(
+                f"--overlap {','.join(settings)}: Megatron takes Transformer Engine's userbuffers settings (num_sm, "
+                "aggregate, num_splits) from the YAML file of --tp-comm-overlap-cfg, which this export does not write"
+            )
     if overlap.p2p and plan.chunks == 1:
         notes.append("--overlap p2p: Megatron overlaps pipeline transfers only for interleaved schedules")
     elif overlap.p2p:

@@ -105,6 +105,17 @@ def test_sharded_zero_overlap_precision_and_what_megatron_cannot_express(tmp_pat
     assert exported.members[0].startswith("world size 8 GPUs: tp 2 x cp 2 x pp 2 x dp 1")
 
 
+def test_userbuffers_settings_are_noted_not_dropped():
+    """`--overlap tensor,chunks=N,sms=N` shaped the prediction: the export says Megatron takes them from a file."""
+    plan = manual_plan("gpt", schedule="1f1b", pipeline_devices=2, num_microbatches=4)
+    for overlap, noted in (("tensor", False), ("tensor,chunks=4", True), ("all,sms=16", True)):
+        training = dataclasses.replace(plan.training, tensor_parallel=2, overlap=overlap)
+        cluster = dataclasses.replace(plan.cluster, num_devices=4, devices_per_node=4)
+        exported = megatron_export(dataclasses.replace(plan, training=training, cluster=cluster))
+        assert _flag(exported, "--tp-comm-overlap") is True
+        assert ("--tp-comm-overlap-cfg" in " ".join(exported.notes)) == noted, overlap
+
+
 def test_replicas_are_data_parallel_ranks_or_refused(tmp_path):
     replicated = manual_plan("gpt", schedule="1f1b", pipeline_devices=1, num_microbatches=6, replicas=[3])
     exported = megatron_export(replicated)

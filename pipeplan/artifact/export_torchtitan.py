@@ -118,6 +118,11 @@ def torchtitan_export(plan: Plan, csv_path: str, version: str = "0.2") -> Torcht
     train.update(precision)
     if note:
         notes.append(f"--precision {training.precision}: {note}")
+    if training.overlap != "none":
+        notes.append(
+            f"--overlap {training.overlap}: the plan's step was predicted with it; torchtitan's overlap is its own "
+            "(FSDP's prefetching; asynchronous tensor parallelism under torch.compile), not set by this export"
+        )
     if version == "0.3" and (dims.pp > 1 or dims.ep > 1):
         train["disable_cuda_graphs"] = True  # 0.3 refuses CUDA graphs with pp (and with ep's default dispatcher)
     checkpoint = _checkpointing(plan, notes)

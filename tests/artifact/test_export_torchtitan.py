@@ -172,6 +172,11 @@ def test_what_torchtitan_cannot_express_is_noted():
         assert (parallelism["data_parallel_shard_degree"], parallelism["fsdp_reshard_after_forward"]) == (2, "never")
         notes = " | ".join(exported.notes)
         assert "ZeRO-1" in notes and "differs per stage" in notes and "selective" in notes, version
+        assert "--overlap" not in notes  # the plan predicted none
+    overlapped = dataclasses.replace(plan, training=dataclasses.replace(plan.training, overlap="grad-reduce,p2p"))
+    assert "--overlap grad-reduce,p2p: the plan's step was predicted with it" in " ".join(
+        torchtitan_export(overlapped, "/x.csv", "0.2").notes
+    )
     assert exported.activation_checkpoint == "selective" and exported.render().endswith(
         "activation-checkpoint:selective\n"
     )

@@ -25,7 +25,14 @@ from pipeplan.profiling.profile_options import (
     check_concurrent,
     unknown_device,
 )
-from pipeplan.profiling.siblings import SiblingModel, sibling_load, under_concurrency, update_bytes_per_s, wall_over_cpu
+from pipeplan.profiling.siblings import (
+    SiblingModel,
+    sibling_load,
+    slowest_share,
+    under_concurrency,
+    update_bytes_per_s,
+    wall_over_cpu,
+)
 
 if TYPE_CHECKING:
     from pipeplan.models.spec import ModelSpec
@@ -96,7 +103,7 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
     from pipeplan.profiling.measure import profile_model
 
     concurrent, model = request.concurrent > 1, _sibling_model(request)
-    with _torch_threads(request.threads), sibling_load(model, request.concurrent - 1):
+    with _torch_threads(request.threads), sibling_load(model, request.concurrent - 1) as shares:
         profile = profile_model(
             spec,
             device=request.device,
@@ -106,8 +113,10 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
             timer="cpu" if concurrent else request.timer,  # CPU time x the measured wall / CPU ratio: siblings.py
             **common,
         )
-        if concurrent:  # beside the siblings still: the wall / CPU ratio and the update rate (siblings.py)
-            profile = under_concurrency(profile, request.concurrent, wall_over_cpu(model), update_bytes_per_s(model))
+        if concurrent:  # beside the siblings still: this process's wall / CPU ratio and the update rate
+            own, update_rate = wall_over_cpu(model), update_bytes_per_s(model)
+    if concurrent:  # x the slowest process's ratio, the siblings' reported as they stopped (siblings.py)
+        profile = under_concurrency(profile, request.concurrent, slowest_share(own, shares.ratios), update_rate)
     return profile, spec
 
 

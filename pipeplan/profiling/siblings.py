@@ -14,11 +14,14 @@ while a stage's ops, many layers long, wait in proportion. Medians of wall-clock
 miss the contention a stage meets. What is measured instead, beside the siblings:
 - every layer's passes in process CPU time (`--timer cpu`): the work on a core, with the siblings' cache and
   memory traffic in it, without the waits for a core;
-- the wall-clock over CPU time of the model's whole training step, summed over `SHARE_STEPS` steps
-  (`wall_over_cpu`): 1 / the share of a core each thread got (with T threads per process: T / their share);
-and every time in the profile is the CPU time x that ratio: what the work costs in wall-clock when N ranks share
-the machine, averaged over the time slices. The profile records N (`provenance.concurrent`) and the ratio
-(`provenance.wall_over_cpu`).
+- the wall-clock over CPU time of the model's whole training step (`wall_over_cpu`): 1 / the share of a core the
+  process's threads got (with T threads per process: T / their share), for this process over `SHARE_STEPS` steps
+  after the layers, and for every sibling over all the steps it ran during the measurement (`SiblingShares`);
+and every time in the profile is the CPU time x the largest of those ratios (`slowest_share`): the processes do not
+get equal shares (with one other busy process on a 2-core machine, the scheduler leaves one process alone on a
+core and two sharing the other, for seconds at a time), and a synchronized run goes at its slowest rank's pace,
+so the slowest process's share is what a run's step meets, whichever process the layers were timed in. The profile
+records N (`provenance.concurrent`) and the ratio (`provenance.wall_over_cpu`).
 
 A rank also updates its parameters every step, and a measured profile otherwise knows no rate to time that with.
 Beside the siblings, `update_bytes_per_s` times torch's AdamW (the runtime's `adamw`) stepping the model's fp32
@@ -63,8 +66,11 @@ class SiblingModel:
     threads: int = 1
 
 
-def _sibling(model: SiblingModel, ready, stop) -> None:  # pragma: no cover - runs in a child process
-    """Build `model` and run its training step until `stop` is set; report "ready" (or the error line) first."""
+def _sibling(model: SiblingModel, ready, stop, shares) -> None:  # pragma: no cover - runs in a child process
+    """Build `model` and run its training step until `stop` is set; report "ready" (or the error line) first, and
+    at the end its steps' summed wall-clock and CPU time on `shares`."""
+    import time
+
     try:
         import torch
 
@@ -74,8 +80,20 @@ def _sibling(model: SiblingModel, ready, stop) -> None:  # pragma: no cover - ru
         ready.put(f"{type(exc).__name__}: {exc}")
         return
     ready.put("ready")
+    wall = cpu = 0.0
     while not stop.is_set():
+        began_wall, began_cpu = time.perf_counter(), time.process_time()
         step()
+        wall += time.perf_counter() - began_wall
+        cpu += time.process_time() - began_cpu
+    shares.put((wall, cpu))
+
+
+@dataclass
+class SiblingShares:
+    """The siblings' wall / CPU ratios over the steps each ran (module docstring), filled when the load stops."""
+
+    ratios: list[float] = field(default_factory=list)
 
 
 def _training_step(model: SiblingModel) -> Callable[[], None]:
@@ -106,28 +124,53 @@ def _training_step(model: SiblingModel) -> Callable[[], None]:
 
 
 @contextmanager
-def sibling_load(model: SiblingModel, count: int) -> Iterator[None]:
+def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
     """`count` sibling processes running `model`'s training step from before the block until after it; a sibling
-    that cannot build the model is refused in one line naming --concurrent."""
+    that cannot build the model is refused in one line naming --concurrent. Yields the siblings' shares, filled
+    once they stopped (after the block)."""
+    shares = SiblingShares()
     if count <= 0:
-        yield
+        yield shares
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process whose torch threads already ran
-    ready, stop = context.Queue(), context.Event()
-    children = [context.Process(target=_sibling, args=(model, ready, stop), daemon=True) for _ in range(count)]
+    ready, stop, reported = context.Queue(), context.Event(), context.Queue()
+    children = [
+        context.Process(target=_sibling, args=(model, ready, stop, reported), daemon=True) for _ in range(count)
+    ]
     for child in children:
         child.start()
     try:
         for _ in children:
             _wait_ready(ready)
-        yield
+        yield shares
     finally:
         stop.set()
+        shares.ratios += _reported_ratios(reported, count)
         for child in children:
             child.join(STOP_TIMEOUT_S)
             if child.is_alive():
                 child.terminate()
                 child.join()
+
+
+def _reported_ratios(reported, count: int) -> list[float]:
+    """The wall / CPU ratios the stopping siblings report (one that stepped nothing or does not answer in time:
+    none)."""
+    ratios = []
+    for _ in range(count):
+        try:
+            wall, cpu = reported.get(timeout=STOP_TIMEOUT_S)
+        except queue.Empty:
+            break
+        if cpu > 0:
+            ratios.append(wall / cpu)
+    return ratios
+
+
+def slowest_share(own: float, siblings: list[float]) -> float:
+    """The ratio every CPU time is multiplied by: the largest of this process's and the siblings' wall / CPU
+    ratios (module docstring), at least 1."""
+    return max(1.0, own, *siblings)
 
 
 def _wait_ready(ready) -> None:

@@ -69,7 +69,9 @@ def measured_with_line(profile: Profile) -> str | None:
     if source.concurrent:
         siblings = source.concurrent - 1
         ratio = (
-            f"; CPU times x {source.wall_over_cpu:.2f}, the wall / CPU time measured" if source.wall_over_cpu else ""
+            f"; CPU times x {source.wall_over_cpu:.2f}, the slowest process's wall / CPU time"
+            if source.wall_over_cpu
+            else ""
         )
         return (
             f"{line}, beside {siblings} sibling process(es) running the model (--concurrent {source.concurrent}){ratio}"

@@ -6,6 +6,7 @@ bookkeeping (what is scaled, what is recorded, what is refused), not timings."""
 from __future__ import annotations
 
 import json
+import queue
 
 import pytest
 
@@ -13,7 +14,15 @@ import pipeplan
 from pipeplan.costs.optimizer import numerics, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, update_bytes_per_param
 from pipeplan.errors import ConfigError
-from pipeplan.profiling.siblings import ADAMW_FP32_BYTES, SiblingModel, sibling_load, under_concurrency
+from pipeplan.profiling import profile_job
+from pipeplan.profiling.siblings import (
+    ADAMW_FP32_BYTES,
+    SiblingModel,
+    _reported_ratios,
+    sibling_load,
+    slowest_share,
+    under_concurrency,
+)
 
 TINY = {"layers": 2, "hidden": 8}
 
@@ -43,6 +52,17 @@ def test_every_time_is_scaled_and_the_conditions_recorded():
     assert "concurrent" not in profile.to_dict()["provenance"]  # alone: the file is as before
 
 
+def test_the_slowest_process_share_scales_the_profile():
+    """A synchronized run goes at its slowest rank's pace: the largest of the processes' wall / CPU ratios."""
+    assert slowest_share(1.2, [1.6, 1.1]) == 1.6
+    assert slowest_share(1.7, [1.6]) == 1.7
+    assert slowest_share(0.8, []) == 1.0  # never below one: a process gets at most its own threads' time
+    reported: queue.Queue = queue.Queue()
+    for wall_cpu in ((3.0, 2.0), (1.0, 0.0), (4.0, 2.0)):  # a sibling that stepped nothing reports no ratio
+        reported.put(wall_cpu)
+    assert _reported_ratios(reported, 3) == [1.5, 2.0]
+
+
 @pytest.mark.parametrize("flags", [{"concurrent": 0}, {"concurrent": 2, "device": "meta", "hardware": "h100"}])
 def test_concurrent_refused_or_ignored_in_one_line(flags, console_warnings):
     if flags["concurrent"] == 0:
@@ -54,8 +74,16 @@ def test_concurrent_refused_or_ignored_in_one_line(flags, console_warnings):
 
 
 @pytest.mark.slow  # starts a sibling process (imports torch)
-def test_cli_profile_beside_a_sibling(tmp_path, capsys):
+def test_cli_profile_beside_a_sibling(tmp_path, capsys, monkeypatch):
     from pipeplan.cli import app
+
+    shares: list = []
+
+    def recorded(own: float, siblings: list[float]) -> float:
+        shares.append((own, list(siblings)))
+        return slowest_share(own, siblings)
+
+    monkeypatch.setattr(profile_job, "slowest_share", recorded)
 
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit) as done:
@@ -81,7 +109,9 @@ def test_cli_profile_beside_a_sibling(tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     assert "beside 1 sibling process(es) running the model (--concurrent 2)" in printed
     prov = json.loads(out.read_text())["provenance"]
-    assert prov["concurrent"] == 2 and prov["wall_over_cpu"] >= 1.0 and prov["update_bytes_per_s"] > 0
+    assert prov["concurrent"] == 2 and prov["update_bytes_per_s"] > 0
+    ((own, siblings),) = shares  # the sibling reported its steps' ratio as it stopped; the slowest one scales
+    assert len(siblings) == 1 and siblings[0] > 0 and prov["wall_over_cpu"] == max(1.0, own, *siblings)
     assert "timer=cpu" in prov["notes"]  # layers in CPU time, then x the measured ratio
 
 

@@ -5,8 +5,13 @@ their own, placed on ranks as the plan's rank map says, V or looped), and the pl
 [first_layer..last_layer]. Every op is checked against the plan (the rank holds the stage; a synchronous step's ops
 are the rank's op list in order) before any is counted. Per (stage, kind) the measured cost is the median over
 every rank running it (a replicated stage's replicas and every data-parallel pipeline run the same full op) and
-every traced step except the run's first (warm-up). An overlapped F&B pair (dualpipev) is one op for two
-stages and cannot be split: it is left out, and its stages' F and B are taken from their unpaired ops.
+every traced step except the run's first (warm-up), scaled to what the ranks' steps cost: by the median over the
+rank's steps of the step's op time over its ops' medians summed (the median over the ranks running it). On a
+time-sliced CPU a short op either runs whole or waits a whole slice for a core, so its median leaves the waits out
+while every step pays them: on this 2-core VM the ops' medians summed were 0.78-1.06 of a rank's median step's op
+time (a zbv step of twelve ops 0.81), and the run's plan timed with them predicted its own run 3-16% fast. An
+overlapped F&B pair (dualpipev) is one op for two stages and cannot be split: it is left out (of the factor too),
+and its stages' F and B are taken from their unpaired ops.
 
 Each op costs its layers' work plus a term paid once per op whatever its size (the executor's bookkeeping, the
 sends it starts, the trace's own timing): `op_overhead_ms`, the intercept of the measured medians against the
@@ -35,7 +40,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from pipeplan.artifact.measured import MeasuredRun, warm_up_step
+from pipeplan.artifact.measured import MeasuredRun, TracedOp, warm_up_step
 from pipeplan.artifact.plan import Plan, StagePlan
 from pipeplan.costs import LayerArrays, StageOpMs, stage_op_ms
 from pipeplan.errors import FormatError
@@ -47,14 +52,36 @@ Medians = dict[tuple[int, str], float]  # (stage, kind) -> median measured ms
 
 
 def measured_medians(plan: Plan, run: MeasuredRun) -> Medians:
-    """Per (stage, kind), the median measured op time (module docstring); ops checked against `plan` first."""
+    """Per (stage, kind), the median measured op time scaled to its ranks' median step (module docstring); ops
+    checked against `plan` first."""
     _check_ops(plan, run)
     warm = warm_up_step(run.steps)
+    kept = [traced for traced in run.ops if traced.step != warm and traced.op.halves is None]
     samples: dict[tuple[int, str], list[float]] = {}
-    for traced in run.ops:
-        if traced.step != warm and traced.op.halves is None:
-            samples.setdefault((traced.op.stage, traced.op.kind), []).append(traced.ms)
-    return {key: statistics.median(values) for key, values in samples.items()}
+    ranks: dict[tuple[int, str], set[int]] = {}
+    for traced in kept:
+        samples.setdefault((traced.op.stage, traced.op.kind), []).append(traced.ms)
+        ranks.setdefault((traced.op.stage, traced.op.kind), set()).add(traced.rank)
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    factor = _step_factors(kept, medians)
+    return {key: ms * statistics.median(factor[rank] for rank in ranks[key]) for key, ms in medians.items()}
+
+
+def _step_factors(kept: list[TracedOp], medians: Medians) -> dict[int, float]:
+    """Per rank, the median over its steps of the step's op time over the sum of its ops' medians: what a step
+    costs beyond the ops' medians (an op that waits for a core waits a whole time slice, which the median of a
+    short op's samples leaves out; module docstring)."""
+    took: dict[tuple[int, int], float] = {}  # (rank, step) -> its ops' measured time
+    typical: dict[tuple[int, int], float] = {}  # (rank, step) -> its ops' medians summed
+    for traced in kept:
+        at = (traced.rank, traced.step)
+        took[at] = took.get(at, 0.0) + traced.ms
+        typical[at] = typical.get(at, 0.0) + medians[(traced.op.stage, traced.op.kind)]
+    ratios: dict[int, list[float]] = {}
+    for (rank, step), ms in took.items():
+        if typical[(rank, step)] > 0:
+            ratios.setdefault(rank, []).append(ms / typical[(rank, step)])
+    return {rank: statistics.median(ratios[rank]) if rank in ratios else 1.0 for rank, _ in took}
 
 
 def _check_ops(plan: Plan, run: MeasuredRun) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 from helpers.cli import one_error_line
@@ -175,6 +176,33 @@ def test_overlapped_pairs_are_left_out():
     medians = measured_medians(plan, run)
     for (stage, kind), ms in medians.items():  # from the unpaired ops only: a pair's time is two stages'
         assert ms == pytest.approx(_true_ms(plan, stage, kind), rel=1e-12)
+
+
+@pytest.mark.parametrize("case", ["1f1b", "zbv", "interleaved"])
+def test_medians_are_scaled_to_the_median_step(case):
+    """Time slices: in every step one op per rank (a different one each step) waits 6 ms for a core. No op's
+    median shows the wait, every step pays it: the medians are scaled so that each rank's op list sums to its
+    median step's op time (each stage on one rank here; replicas take the median of their ranks' factors)."""
+    plan = _plan(**CASES[case])
+    clean = _synthetic_run(plan, lambda p, s, k: _true_ms(p, s, k) + 1.0)  # each op at least 1 ms
+    waited, index = [], {}
+    for traced in clean.ops:
+        at = (traced.rank, traced.step)
+        index[at] = index.get(at, -1) + 1
+        wait = 6.0 if traced.step > 0 and index[at] == traced.step % len(plan.rank_ops[traced.rank]) else 0.0
+        waited.append(dataclasses.replace(traced, ms=traced.ms + wait))
+    run = dataclasses.replace(clean, ops=tuple(waited))
+    scaled = measured_medians(plan, run)
+    samples: dict = {}
+    for traced in run.ops:
+        if traced.step > 0:
+            samples.setdefault((traced.op.stage, traced.op.kind), []).append(traced.ms)
+    for rank, names in enumerate(plan.rank_ops):
+        keys = [(Op.parse(text).stage, Op.parse(text).kind) for text in names]
+        steps = [sum(o.ms for o in run.ops if (o.rank, o.step) == (rank, step)) for step in run.steps[1:]]
+        assert sum(scaled[key] for key in keys) == pytest.approx(statistics.median(steps), rel=1e-9)
+        factors = {round(scaled[key] / statistics.median(samples[key]), 9) for key in keys}
+        assert len(factors) == 1 and factors.pop() > 1.0  # one factor per rank: the medians' proportions kept
 
 
 def test_a_trace_of_other_ops_is_refused():

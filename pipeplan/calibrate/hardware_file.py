@@ -18,8 +18,12 @@ How the measured figures map in (the analytic model then uses them; see `Hardwar
   preset's peak raises the peak (efficiency 1.0), and `sources` says so.
 - links: on a recognized GPU with 2+ GPUs, `nvlink_gb_per_s` stays the datasheet's and `nvlink_efficiency` is the
   measured nccl all-reduce bus bandwidth / it (capped at 1: NVLink SHARP reports more than the wire);
-  `intra_node_latency_us` is measured. On another GPU the measured point-to-point bandwidth is `nvlink_gb_per_s`
-  (efficiency 1.0); on a CPU the local gloo figures (also used for the inter-node fields: one machine). Whatever was
+  `intra_node_latency_us` is measured. On another GPU the measured point-to-point bandwidth is `nvlink_gb_per_s`,
+  on a CPU the local gloo figures (also used for the inter-node fields: one machine), and there the efficiency is
+  the measured all-reduce bus bandwidth / that point-to-point figure (capped at 1): what collectives reach of the
+  link, as on a known GPU (gloo on a CPU sums on the cores it shares with the ranks: 0.36 of its point-to-point
+  speed on a 2-core VM with a busy core; `cluster_for` multiplies it in, so transfers between stages are timed at
+  it too, as on a GPU; at the sizes of a CPU run's activations their latency dominates). Whatever was
   not measured (all links with one GPU; the network on a GPU node) is copied from the nearest preset with its
   efficiency, named in `sources`.
 - `calibration` keeps every raw measurement (and, on a GPU, each shape's fitted full-wave rate); the loader reads
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeplan.calibrate.fit import KernelTerms, full_wave_flops_per_s
-from pipeplan.calibrate.spec import Calibration
+from pipeplan.calibrate.spec import Calibration, LinkResult
 from pipeplan.errors import ConfigError, FormatError, OutputError
 from pipeplan.hardware import HARDWARE_SCHEMA_VERSION, Hardware, hardware_presets, validate_hardware_data
 from pipeplan.jsonio import read_json, write_json
@@ -189,14 +193,14 @@ def _link_fields(cal: Calibration, fallback: Hardware, matched: bool, notes: lis
     latency = link.latency_s * 1e6
     if cal.device == "cpu":
         notes.append(f"links: {link.backend} between {link.ranks} local processes, also used for the inter-node fields")
-        bandwidth = link.p2p_bytes_per_s / 1e9
+        bandwidth, efficiency = link.p2p_bytes_per_s / 1e9, _p2p_efficiency(link, notes)
         return {
             "nvlink_gb_per_s": bandwidth,
             "network_gb_per_s": bandwidth,
             "intra_node_latency_us": latency,
             "inter_node_latency_us": latency,
-            "nvlink_efficiency": 1.0,
-            "network_efficiency": 1.0,
+            "nvlink_efficiency": efficiency,
+            "network_efficiency": efficiency,
         }
     notes.append(f"links: {link.backend} over {link.ranks} GPUs, network NOT measured: copied from {fallback.name!r}")
     if not matched:  # no datasheet link bandwidth: the measured point-to-point figure is the link
@@ -204,7 +208,7 @@ def _link_fields(cal: Calibration, fallback: Hardware, matched: bool, notes: lis
             **copied,
             "nvlink_gb_per_s": link.p2p_bytes_per_s / 1e9,
             "intra_node_latency_us": latency,
-            "nvlink_efficiency": 1.0,
+            "nvlink_efficiency": _p2p_efficiency(link, notes),
         }
     fraction = link.allreduce_bus_bytes_per_s / fallback.nvlink_bandwidth
     notes.append(
@@ -214,6 +218,17 @@ def _link_fields(cal: Calibration, fallback: Hardware, matched: bool, notes: lis
         + (" (above the wire: NVLink SHARP; capped at 1)" if fraction > 1 else "")
     )
     return {**copied, "intra_node_latency_us": latency, "nvlink_efficiency": min(fraction, 1.0)}
+
+
+def _p2p_efficiency(link: LinkResult, notes: list[str]) -> float:
+    """Where the measured point-to-point bandwidth is the link: the efficiency is what collectives reach of it (the
+    measured all-reduce bus bandwidth / it, capped at 1), as a datasheet link's is of the datasheet figure."""
+    fraction = link.allreduce_bus_bytes_per_s / link.p2p_bytes_per_s
+    notes.append(
+        f"link efficiency {min(fraction, 1.0):.3f}: measured all-reduce bus bandwidth "
+        f"{link.allreduce_bus_bytes_per_s / 1e9:.2f} GB/s / the point-to-point {link.p2p_bytes_per_s / 1e9:.2f} GB/s"
+    )
+    return min(fraction, 1.0)
 
 
 def _preset_only_fields(preset: Hardware, notes: list[str]) -> dict[str, Any]:

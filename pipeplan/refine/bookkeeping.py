@@ -48,7 +48,7 @@ from pipeplan.profiling.profile import LayerProfile, Profile
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.scaling import scale_profile
 
-Medians = dict[tuple[int, str], float]  # (stage, kind) -> median measured ms
+Medians = dict[tuple[int, str], float]  # (stage, kind) -> median measured ms, scaled to its ranks' median step
 
 
 def measured_medians(plan: Plan, run: MeasuredRun) -> Medians:

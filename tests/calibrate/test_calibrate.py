@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -50,7 +51,10 @@ def test_cpu_calibration_loads_through_the_hardware_file_loader(cpu_file):
     assert spec.kernel_launch_s == pytest.approx(raw["kernel_launch_us"] * 1e-6) and spec.kernel_launch_s > 0
     assert spec.nvlink_bandwidth == pytest.approx(raw["links"]["p2p_gb_per_s"] * 1e9)
     assert spec.intra_node_latency_s == pytest.approx(raw["links"]["latency_us"] * 1e-6)
-    assert spec.nvlink_efficiency == spec.network_efficiency == 1.0  # the measurement is the link
+    # the measurement is the link; collectives reach the measured all-reduce's share of it (at most all)
+    fraction = min(raw["links"]["allreduce_bus_gb_per_s"] / raw["links"]["p2p_gb_per_s"], 1.0)
+    assert spec.nvlink_efficiency == spec.network_efficiency == pytest.approx(fraction)
+    assert "link efficiency" in spec.sources
     assert "gloo" in spec.sources and "measured" in spec.sources
     # a CPU has no SMs: no quantization, so the measured median rates stand (today's behaviour)
     assert spec.sm_count is None and raw["sm_count"] is None and "matmul_fit" not in raw
@@ -237,7 +241,13 @@ def test_nvlink_sharp_above_the_wire_caps_the_efficiency_and_an_unknown_gpu_keep
     (tmp_path / "other").mkdir()
     other = _synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0, links=sharp, sm_count=114)
     spec = _load(tmp_path / "other", hardware_entry(other))
-    assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.nvlink_efficiency == 1.0
+    assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.nvlink_efficiency == 1.0  # 480 / 380, capped
+    (tmp_path / "slower").mkdir()
+    slower = dataclasses.replace(sharp, allreduce_bus_bytes_per_s=190e9)
+    other = _synthetic("NVIDIA H100 PCIe", 40.0, bf16=400.0, tf32=200.0, links=slower, sm_count=114)
+    spec = _load(tmp_path / "slower", hardware_entry(other))
+    assert spec.nvlink_bandwidth == pytest.approx(380e9) and spec.nvlink_efficiency == pytest.approx(0.5)
+    assert "link efficiency 0.500" in spec.sources
 
 
 def test_calibrated_hardware_round_trips_through_its_file_entry(tmp_path):

@@ -81,7 +81,7 @@ def test_plan_with_the_calibrated_file_uses_its_memory_and_links(cpu_file, tmp_p
     cluster = json.loads((tmp_path / "plan" / "plan.json").read_text())["cluster"]
     spec = load_hardware("mycpu", hardware_file=cpu_file)
     assert cluster["hardware"] == "mycpu" and cluster["memory_per_device"] == spec.memory_bytes
-    assert cluster["intra_node_bandwidth"] == pytest.approx(spec.nvlink_bandwidth)
+    assert cluster["intra_node_bandwidth"] == pytest.approx(spec.nvlink_bandwidth * spec.nvlink_efficiency)
     alone = _run("plan", *GPT, "--device", "meta", "--hardware", cpu_file, "--devices", "2", "-o", tmp_path / "p2")
     assert alone.exit_code == 0, alone.output  # the file's one entry
     assert json.loads((tmp_path / "p2" / "plan.json").read_text())["cluster"] == cluster

@@ -2,14 +2,14 @@
     pipeplan profile gpt -b 2 --concurrent 2 -o gpt.json                   (as the tour: beside a sibling rank)
     [pipeplan calibrate --device cpu -o hw.json]                           (--calibrate: this machine's gloo links)
     pipeplan plan gpt --profile gpt.json -n 2 -B 8 -s NAME -o DIR [--hardware hw.json:cpu]
-    pipeplan run DIR/plan.json --steps S --trace DIR/measured-0.json       (before: measured / predicted; x2)
+    pipeplan run DIR/plan.json --steps S --trace DIR/measured-0.json       (before: measured / predicted; x3)
     pipeplan refine DIR/measured-0.json --with DIR/measured-1.json -o DIR-refined   (the runs pooled)
     pipeplan run DIR-refined/plan.json --steps S --trace ...               (after: measured / predicted)
 for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
-`--learn-from` times (default 2) and refine pools those runs; then the refined plan runs `--alternations` times
+`--learn-from` times (default 3) and refine pools those runs; then the refined plan runs `--alternations` times
 (default 3), alternating with more runs of the plan (after, before, after, before, after), each `--steps` long
-(default 8: short runs, more of them): the machine's load drifts over minutes, and alternating gives both plans the
-same drift. Before and after are medians over every run of the plan and of the
+(default 16; a trace keeps the last 8): the machine's load drifts over minutes, and alternating gives both plans
+the same drift. Before and after are medians over every run of the plan and of the
 refined plan. The measured and predicted steps are read from each run's trace (`run --trace` records the summary's
 figures). The noise floor is the same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs'
 measured steps.
@@ -39,8 +39,8 @@ BEFORE, AFTER = (0.85, 1.15), (0.95, 1.05)
 
 def _options(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (profile, plan, run, refine, run); default 3")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
-    parser.add_argument("--learn-from", type=int, default=2, help="runs refine pools (--with); default 2")
+    parser.add_argument("--steps", type=int, default=16, help="training steps per run (default 16)")
+    parser.add_argument("--learn-from", type=int, default=3, help="runs refine pools (--with); default 3")
     parser.add_argument("--alternations", type=int, default=3, help="runs of the refined plan (default 3)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--busy", action="store_true", help="a busy-loop process on one core throughout")

@@ -27,11 +27,11 @@ from pipeplan.profiling.profile_options import (
 )
 from pipeplan.profiling.siblings import (
     SiblingModel,
+    own_step_times,
     sibling_load,
     slowest_share,
     under_concurrency,
     update_bytes_per_s,
-    wall_over_cpu,
 )
 
 if TYPE_CHECKING:
@@ -113,10 +113,12 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
             timer="cpu" if concurrent else request.timer,  # CPU time x the measured wall / CPU ratio: siblings.py
             **common,
         )
-        if concurrent:  # beside the siblings still: this process's wall / CPU ratio and the update rate
-            own, update_rate = wall_over_cpu(model), update_bytes_per_s(model)
-    if concurrent:  # x the slowest process's ratio, the siblings' reported as they stopped (siblings.py)
-        profile = under_concurrency(profile, request.concurrent, slowest_share(own, shares.ratios), update_rate)
+        if concurrent:  # beside the siblings still: this process's time per training step and the update rate
+            own, update_rate = own_step_times(model), update_bytes_per_s(model)
+    if (
+        concurrent
+    ):  # x the slowest process's wall per step over own CPU per step, the siblings' reported as they stopped
+        profile = under_concurrency(profile, request.concurrent, slowest_share(own, shares.step_walls_s), update_rate)
     return profile, spec
 
 

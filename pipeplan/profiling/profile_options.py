@@ -74,7 +74,7 @@ class ProfileOptions:
         1,
         "--concurrent",
         help="CPU: measure beside N-1 sibling processes running the model, as N ranks share this machine in a run: "
-        "layers in CPU time x the slowest process's wall / CPU time measured there (e.g. --concurrent 2).",
+        "layers in CPU time x the slowest process's wall-clock / this one's CPU time per step (e.g. --concurrent 2).",
     )
     timer: str = option(DEFAULT_TIMER, "--timer", help="wall, or cpu: process CPU time (steady on a busy CPU).")
     precision: str | None = option(None, "--precision", help=PRECISION_HELP)

@@ -14,14 +14,16 @@ while a stage's ops, many layers long, wait in proportion. Medians of wall-clock
 miss the contention a stage meets. What is measured instead, beside the siblings:
 - every layer's passes in process CPU time (`--timer cpu`): the work on a core, with the siblings' cache and
   memory traffic in it, without the waits for a core;
-- the wall-clock over CPU time of the model's whole training step (`wall_over_cpu`): 1 / the share of a core the
-  process's threads got (with T threads per process: T / their share), for this process over `SHARE_STEPS` steps
-  after the layers, and for every sibling over all the steps it ran during the measurement (`SiblingShares`);
-and every time in the profile is the CPU time x the largest of those ratios (`slowest_share`): the processes do not
-get equal shares (with one other busy process on a 2-core machine, the scheduler leaves one process alone on a
-core and two sharing the other, for seconds at a time), and a synchronized run goes at its slowest rank's pace,
-so the slowest process's share is what a run's step meets, whichever process the layers were timed in. The profile
-records N (`provenance.concurrent`) and the ratio (`provenance.wall_over_cpu`).
+- the model's whole training step (the same step every sibling runs): this process's CPU time per step, over
+  `SHARE_STEPS` steps after the layers (`own_step_times`), and the wall-clock per step of every process, this one's
+  over those steps and each sibling's over all the steps it ran during the measurement (`SiblingShares`);
+and every time in the profile is the CPU time x the slowest process's wall-clock per step over this process's CPU
+time per step (`slowest_share`; `provenance.wall_over_cpu`): what the same work costs the slowest of the N
+processes in wall-clock. The processes do not fare alike: with one other busy process on a 2-core machine the
+scheduler leaves one process alone on a core and two sharing the other, for seconds at a time (the process
+sharing a core gets half of it, and its CPU time for the same work need not be the other's), and a synchronized
+run goes at its slowest rank's pace, so the slowest process's time for the work is what a run's step meets,
+whichever process the layers were timed in. The profile records N (`provenance.concurrent`) and the ratio.
 
 A rank also updates its parameters every step, and a measured profile otherwise knows no rate to time that with.
 Beside the siblings, `update_bytes_per_s` times torch's AdamW (the runtime's `adamw`) stepping the model's fp32
@@ -68,7 +70,7 @@ class SiblingModel:
 
 def _sibling(model: SiblingModel, ready, stop, shares) -> None:  # pragma: no cover - runs in a child process
     """Build `model` and run its training step until `stop` is set; report "ready" (or the error line) first, and
-    at the end its steps' summed wall-clock and CPU time on `shares`."""
+    at the end its steps' summed wall-clock and their count on `shares`."""
     import time
 
     try:
@@ -80,20 +82,20 @@ def _sibling(model: SiblingModel, ready, stop, shares) -> None:  # pragma: no co
         ready.put(f"{type(exc).__name__}: {exc}")
         return
     ready.put("ready")
-    wall = cpu = 0.0
+    wall, steps = 0.0, 0
     while not stop.is_set():
-        began_wall, began_cpu = time.perf_counter(), time.process_time()
+        began = time.perf_counter()
         step()
-        wall += time.perf_counter() - began_wall
-        cpu += time.process_time() - began_cpu
-    shares.put((wall, cpu))
+        wall, steps = wall + time.perf_counter() - began, steps + 1
+    shares.put((wall, steps))
 
 
 @dataclass
 class SiblingShares:
-    """The siblings' wall / CPU ratios over the steps each ran (module docstring), filled when the load stops."""
+    """Each sibling's wall-clock per training step over the steps it ran (module docstring), filled when the load
+    stops."""
 
-    ratios: list[float] = field(default_factory=list)
+    step_walls_s: list[float] = field(default_factory=list)
 
 
 def _training_step(model: SiblingModel) -> Callable[[], None]:
@@ -145,7 +147,7 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
         yield shares
     finally:
         stop.set()
-        shares.ratios += _reported_ratios(reported, count)
+        shares.step_walls_s += _reported_step_walls(reported, count)
         for child in children:
             child.join(STOP_TIMEOUT_S)
             if child.is_alive():
@@ -153,24 +155,25 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
                 child.join()
 
 
-def _reported_ratios(reported, count: int) -> list[float]:
-    """The wall / CPU ratios the stopping siblings report (one that stepped nothing or does not answer in time:
+def _reported_step_walls(reported, count: int) -> list[float]:
+    """The wall-clock per step the stopping siblings report (one that stepped nothing or does not answer in time:
     none)."""
-    ratios = []
+    walls = []
     for _ in range(count):
         try:
-            wall, cpu = reported.get(timeout=STOP_TIMEOUT_S)
+            wall, steps = reported.get(timeout=STOP_TIMEOUT_S)
         except queue.Empty:
             break
-        if cpu > 0:
-            ratios.append(wall / cpu)
-    return ratios
+        if steps > 0:
+            walls.append(wall / steps)
+    return walls
 
 
-def slowest_share(own: float, siblings: list[float]) -> float:
-    """The ratio every CPU time is multiplied by: the largest of this process's and the siblings' wall / CPU
-    ratios (module docstring), at least 1."""
-    return max(1.0, own, *siblings)
+def slowest_share(own: tuple[float, float], sibling_walls_s: list[float]) -> float:
+    """The ratio every CPU time is multiplied by: the slowest process's wall-clock per training step (this one's or
+    a sibling's) over this process's CPU time per step, `own` = (wall, CPU) per step (module docstring); at least 1."""
+    wall, cpu = own
+    return max(1.0, max([wall, *sibling_walls_s]) / cpu) if cpu > 0 else 1.0
 
 
 def _wait_ready(ready) -> None:
@@ -187,10 +190,9 @@ def _wait_ready(ready) -> None:
         )
 
 
-def wall_over_cpu(model: SiblingModel, steps: int = SHARE_STEPS) -> float:
-    """Wall-clock over process CPU time of `model`'s training step (built here as the siblings build it), summed
-    over `steps` steps after two untimed ones: 1 / the share of a core this process's threads got (module
-    docstring); at least 1 (a process does not get more than its own threads' time)."""
+def own_step_times(model: SiblingModel, steps: int = SHARE_STEPS) -> tuple[float, float]:
+    """Wall-clock and process CPU time per step of `model`'s training step (built here as the siblings build it),
+    over `steps` steps after two untimed ones (module docstring)."""
     import time
 
     step = _training_step(model)
@@ -202,7 +204,7 @@ def wall_over_cpu(model: SiblingModel, steps: int = SHARE_STEPS) -> float:
         step()
         wall += time.perf_counter() - began_wall
         cpu += time.process_time() - began_cpu
-    return max(1.0, wall / cpu) if cpu > 0 else 1.0
+    return wall / steps, cpu / steps
 
 
 def update_bytes_per_s(model: SiblingModel, steps: int = UPDATE_STEPS) -> float | None:

@@ -69,7 +69,7 @@ def measured_with_line(profile: Profile) -> str | None:
     if source.concurrent:
         siblings = source.concurrent - 1
         ratio = (
-            f"; CPU times x {source.wall_over_cpu:.2f}, the slowest process's wall / CPU time"
+            f"; CPU times x {source.wall_over_cpu:.2f}, the slowest process's wall-clock / this one's CPU time per step"
             if source.wall_over_cpu
             else ""
         )

@@ -18,7 +18,7 @@ from pipeplan.profiling import profile_job
 from pipeplan.profiling.siblings import (
     ADAMW_FP32_BYTES,
     SiblingModel,
-    _reported_ratios,
+    _reported_step_walls,
     sibling_load,
     slowest_share,
     under_concurrency,
@@ -52,15 +52,17 @@ def test_every_time_is_scaled_and_the_conditions_recorded():
     assert "concurrent" not in profile.to_dict()["provenance"]  # alone: the file is as before
 
 
-def test_the_slowest_process_share_scales_the_profile():
-    """A synchronized run goes at its slowest rank's pace: the largest of the processes' wall / CPU ratios."""
-    assert slowest_share(1.2, [1.6, 1.1]) == 1.6
-    assert slowest_share(1.7, [1.6]) == 1.7
-    assert slowest_share(0.8, []) == 1.0  # never below one: a process gets at most its own threads' time
+def test_the_slowest_process_time_for_the_work_scales_the_profile():
+    """A synchronized run goes at its slowest rank's pace: the slowest process's wall-clock per training step (this
+    one's or a sibling's) over this process's CPU time per step, never below one."""
+    assert slowest_share((0.012, 0.010), [0.016, 0.011]) == pytest.approx(1.6)  # a sibling shared a core
+    assert slowest_share((0.020, 0.010), [0.016]) == pytest.approx(2.0)  # this process did
+    assert slowest_share((0.008, 0.010), []) == 1.0  # never below one
+    assert slowest_share((0.010, 0.0), [0.02]) == 1.0  # no CPU time measured: nothing to scale by
     reported: queue.Queue = queue.Queue()
-    for wall_cpu in ((3.0, 2.0), (1.0, 0.0), (4.0, 2.0)):  # a sibling that stepped nothing reports no ratio
-        reported.put(wall_cpu)
-    assert _reported_ratios(reported, 3) == [1.5, 2.0]
+    for wall_steps in ((3.0, 200), (1.0, 0), (4.0, 100)):  # a sibling that stepped nothing reports no time
+        reported.put(wall_steps)
+    assert _reported_step_walls(reported, 3) == [0.015, 0.04]
 
 
 @pytest.mark.parametrize("flags", [{"concurrent": 0}, {"concurrent": 2, "device": "meta", "hardware": "h100"}])
@@ -79,7 +81,7 @@ def test_cli_profile_beside_a_sibling(tmp_path, capsys, monkeypatch):
 
     shares: list = []
 
-    def recorded(own: float, siblings: list[float]) -> float:
+    def recorded(own: tuple[float, float], siblings: list[float]) -> float:
         shares.append((own, list(siblings)))
         return slowest_share(own, siblings)
 
@@ -110,8 +112,9 @@ def test_cli_profile_beside_a_sibling(tmp_path, capsys, monkeypatch):
     assert "beside 1 sibling process(es) running the model (--concurrent 2)" in printed
     prov = json.loads(out.read_text())["provenance"]
     assert prov["concurrent"] == 2 and prov["update_bytes_per_s"] > 0
-    ((own, siblings),) = shares  # the sibling reported its steps' ratio as it stopped; the slowest one scales
-    assert len(siblings) == 1 and siblings[0] > 0 and prov["wall_over_cpu"] == max(1.0, own, *siblings)
+    (((wall, cpu), siblings),) = shares  # the sibling reported its time per step as it stopped; the slowest scales
+    assert len(siblings) == 1 and siblings[0] > 0 and wall > 0 and cpu > 0
+    assert prov["wall_over_cpu"] == pytest.approx(max(1.0, max([wall, *siblings]) / cpu))
     assert "timer=cpu" in prov["notes"]  # layers in CPU time, then x the measured ratio
 
 

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.profiling.profile import Profile
 
@@ -145,9 +146,15 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
         for _ in children:
             _wait_ready(ready)
         yield shares
+        stop.set()  # (a refused or failed block does not wait for reports)
+        shares.step_walls_s += _reported_step_walls(reported, count)
+        if len(shares.step_walls_s) < count:
+            warn(
+                f"--concurrent: {count - len(shares.step_walls_s)} of {count} sibling process(es) reported no step "
+                "time; the profile is scaled by the slowest of the others"
+            )
     finally:
         stop.set()
-        shares.step_walls_s += _reported_step_walls(reported, count)
         for child in children:
             child.join(STOP_TIMEOUT_S)
             if child.is_alive():

@@ -3,7 +3,7 @@
 trace marks where each ends (`MeasuredRun.tail_parts_ms`), and each part is learned on its own, so that a re-plan
 with another data-parallel layout or stage count counts each by its own rule (`LearnedTail`):
 
-- the exchange: its speed against the link model's (`costs.gradient_sync_ms` over the plan's links at efficiency 1):
+- the exchange: its speed against the link model's (`costs.gradient_sync_ms` over the plan's links, nothing learned):
   the ranks' summed planned exchanges over their summed measured ones (bytes-weighted: each rank's planned time is
   its bytes over the link), `Provenance.exchange_efficiency`, by which `predict.gradient_sync.stage_allreduce_ms`
   divides every later exchange (a re-plan's exchange follows its own bytes and group size at that speed); ranks

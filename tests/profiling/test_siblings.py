@@ -126,3 +126,14 @@ def test_a_sibling_that_cannot_build_the_model_is_one_line():
         sibling_load(model, 1),
     ):
         pass
+
+
+@pytest.mark.slow  # starts a sibling process
+def test_a_sibling_that_reports_no_step_time_is_warned_of(monkeypatch, console_warnings):
+    from pipeplan.profiling import siblings
+
+    monkeypatch.setattr(siblings, "_reported_step_walls", lambda reported, count: [])
+    with sibling_load(SiblingModel(model="mlp", options=TINY, threads=1), 1) as shares:
+        pass
+    assert shares.step_walls_s == []
+    assert any("1 of 1 sibling process(es) reported no step time" in w for w in console_warnings())

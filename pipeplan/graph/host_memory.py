@@ -43,19 +43,21 @@ def _sample_bytes(spec: ModelSpec) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def check_fits_host(spec: ModelSpec, *, batch_size: int, device: str) -> None:
-    """Weights + gradients + the batch's inputs must fit the device's free memory (a lower bound of what measuring
-    needs: activations come on top)."""
+def check_fits_host(spec: ModelSpec, *, batch_size: int, device: str, processes: int = 1) -> None:
+    """Weights + gradients + the batch's inputs, in each of `processes` processes (`profile --concurrent N`: the
+    profile's and its siblings'), must fit the device's free memory (a lower bound of what measuring needs:
+    activations come on top)."""
     free = available_bytes(device)
     if free is None:
         return
     with torch.device("meta"):
         module = spec.build()
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    needed = 2 * weights + batch_size * _sample_bytes(spec)
+    needed = processes * (2 * weights + batch_size * _sample_bytes(spec))
     if needed > free:
+        each = f" in each of --concurrent {processes} processes" if processes > 1 else ""
         raise ConfigError(
             f"measuring {spec.name} at --batch-size {batch_size} needs at least {format_bytes(needed)} (weights, "
-            f"gradients, inputs) but {device} has {format_bytes(free)} free; use smaller options or batch, or "
+            f"gradients, inputs{each}) but {device} has {format_bytes(free)} free; use smaller options or batch, or "
             "estimate it with --device meta --hardware NAME"
         )

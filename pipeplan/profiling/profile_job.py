@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeplan.cluster import CPU_DEFAULT_DEVICES, cpu_threads_per_rank
 from pipeplan.errors import ConfigError
+from pipeplan.graph.host_memory import check_fits_host
 from pipeplan.hardware import Hardware, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import check_device_precision
@@ -103,6 +104,8 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
     from pipeplan.profiling.measure import profile_model
 
     concurrent, model = request.concurrent > 1, _sibling_model(request)
+    if concurrent:  # before any sibling builds the model: every process holds it
+        check_fits_host(spec, batch_size=request.batch_size, device=request.device, processes=request.concurrent)
     with _torch_threads(request.threads), sibling_load(model, request.concurrent - 1) as shares:
         profile = profile_model(
             spec,
@@ -115,9 +118,7 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
         )
         if concurrent:  # beside the siblings still: this process's time per training step and the update rate
             own, update_rate = own_step_times(model), update_bytes_per_s(model)
-    if (
-        concurrent
-    ):  # x the slowest process's wall per step over own CPU per step, the siblings' reported as they stopped
+    if concurrent:  # x the slowest process's wall per step / this one's CPU per step (siblings.py)
         profile = under_concurrency(profile, request.concurrent, slowest_share(own, shares.step_walls_s), update_rate)
     return profile, spec
 

@@ -75,6 +75,24 @@ def test_concurrent_refused_or_ignored_in_one_line(flags, console_warnings):
     assert any("--concurrent are ignored with --device meta" in w for w in console_warnings())
 
 
+def test_a_model_that_does_not_fit_once_per_process_is_refused_before_any_sibling_starts(monkeypatch):
+    """Every sibling builds the model too: --concurrent N needs N copies of the weights, gradients and inputs, and
+    is refused in one line before a sibling could build a model the machine cannot hold."""
+    from pipeplan.graph.host_memory import HOST_MEMORY_ENV
+    from pipeplan.models.registry import load_model
+    from pipeplan.profiling import siblings
+
+    def no_sibling(*args, **kwargs):
+        raise AssertionError("a sibling was started")
+
+    monkeypatch.setattr(siblings, "sibling_load", no_sibling)
+    monkeypatch.setattr(profile_job, "sibling_load", no_sibling)
+    one = 2 * sum(p.numel() * 4 for p in load_model("mlp", TINY).build().parameters())
+    monkeypatch.setenv(HOST_MEMORY_ENV, str(one * 2))  # room for one process, not for three
+    with pytest.raises(ConfigError, match=r"inputs in each of --concurrent 3 processes\) but cpu has"):
+        pipeplan.profile("mlp", assignments=TINY, concurrent=3, threads=1)
+
+
 @pytest.mark.slow  # starts a sibling process (imports torch)
 def test_cli_profile_beside_a_sibling(tmp_path, capsys, monkeypatch):
     from pipeplan.cli import app

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from pipeplan.cluster import CPU_DEFAULT_DEVICES, cpu_threads_per_rank
 from pipeplan.errors import ConfigError
-from pipeplan.graph.host_memory import check_fits_host
 from pipeplan.hardware import Hardware, resolve_hardware
 from pipeplan.models.assignments import parse_assignments
 from pipeplan.precision import check_device_precision
@@ -101,6 +100,7 @@ def profile_request(request: ProfileRequest, *, check=None) -> tuple[Profile, Mo
             spec, hardware=request.hardware, model_options=given, attention=request.attention, **common
         )
         return profile, spec
+    from pipeplan.graph.host_memory import check_fits_host  # (torch: imported only when measuring)
     from pipeplan.profiling.measure import profile_model
 
     concurrent, model = request.concurrent > 1, _sibling_model(request)

@@ -8,6 +8,7 @@ partitioner calls it on whole DP columns, the planner on one boundary, with the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 
@@ -30,6 +31,35 @@ def cpu_threads_per_rank(ranks: int) -> int:
     with it (the ranks of the plan it is made for; `pipeplan profile` alone: CPU_DEFAULT_DEVICES), so that the
     profile's op costs are those of the run's ranks, not of a process that had every core to itself."""
     return max(1, usable_cores() // max(1, ranks))
+
+
+def cpu_core_blocks(ranks: int, threads: int) -> list[frozenset[int]] | None:
+    """The cores each of `ranks` processes on this machine is pinned to, running `threads` threads each: the
+    usable cores in order, cut into `ranks` blocks of cpu_threads_per_rank(ranks); None (the OS places them) where
+    the OS sets no affinity, there are fewer cores than ranks or `threads` outnumber a block. On a busy machine the
+    scheduler otherwise moves a rank between cores as it likes, and one run of a plan differs from the next by where
+    its ranks happened to land (a CPU profile's siblings are pinned the same way: profiling/siblings.py)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    size = len(cores) // max(1, ranks)
+    if ranks < 1 or size < 1 or threads > size:
+        return None
+    return [frozenset(cores[rank * size : (rank + 1) * size]) for rank in range(ranks)]
+
+
+def pin_process(cores: frozenset[int]) -> frozenset[int]:
+    """Every thread of this process (torch's pool included) pinned to `cores`; returns the cores it could run on
+    before, to pin it back."""
+    before = frozenset(os.sched_getaffinity(0))
+    try:
+        threads = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread, which the threads it starts inherit
+        threads = [0]
+    for thread in threads:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread, cores)
+    return before
 
 
 MAX_DEVICES = 16_384  # a plan holds one op list per rank: planning 16k devices takes seconds, 100k minutes

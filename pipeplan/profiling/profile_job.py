@@ -151,11 +151,11 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
 
 def profile_from_options(options: ProfileOptions) -> Profile:
     """The Profile `pipeplan profile` prints, written to --output when given. A CPU profile measures with --threads,
-    by default a CPU_DEFAULT_DEVICES-rank run's share of the cores (cluster.cpu_threads_per_rank): the threads
-    each rank of a plan with the default device count runs with."""
+    by default a CPU_DEFAULT_DEVICES-rank run's share of the cores (cluster.cpu_threads_per_rank), or with
+    --concurrent N an N-rank run's: the threads each rank of such a plan runs with."""
     threads = options.threads
     if threads is None and options.device == "cpu":
-        threads = cpu_threads_per_rank(CPU_DEFAULT_DEVICES)
+        threads = cpu_threads_per_rank(options.concurrent if options.concurrent > 1 else CPU_DEFAULT_DEVICES)
     request = ProfileRequest(
         model=options.model,
         options=parse_assignments(options.assignments),

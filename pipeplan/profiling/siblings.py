@@ -19,11 +19,12 @@ miss the contention a stage meets. What is measured instead, beside the siblings
   over those steps and each sibling's over all the steps it ran during the measurement (`SiblingShares`);
 and every time in the profile is the CPU time x the slowest process's wall-clock per step over this process's CPU
 time per step (`slowest_share`; `provenance.wall_over_cpu`): what the same work costs the slowest of the N
-processes in wall-clock. The processes do not fare alike: with one other busy process on a 2-core machine the
-scheduler leaves one process alone on a core and two sharing the other, for seconds at a time (the process
-sharing a core gets half of it, and its CPU time for the same work need not be the other's), and a synchronized
-run goes at its slowest rank's pace, so the slowest process's time for the work is what a run's step meets,
-whichever process the layers were timed in. The profile records N (`provenance.concurrent`) and the ratio.
+processes in wall-clock. The processes do not fare alike: each is pinned to its own block of cores as a run's
+ranks are (`cluster.cpu_core_blocks`: this process the first, sibling i the (i+1)-th), so one of them may share
+its core with the machine's other work for the whole measurement (with one other busy process on a 2-core
+machine, it gets half a core) while another has a core to itself, as in the run one rank does; and a
+synchronized run goes at its slowest rank's pace, so the slowest process's time for the work is what a run's step
+meets, whichever process the layers were timed in. The profile records N (`provenance.concurrent`) and the ratio.
 
 A rank also updates its parameters every step, and a measured profile otherwise knows no rate to time that with.
 Beside the siblings, `update_bytes_per_s` times torch's AdamW (the runtime's `adamw`) stepping the model's fp32
@@ -46,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipeplan.cluster import cpu_core_blocks, pin_process
 from pipeplan.console import warn
 from pipeplan.errors import ConfigError
 from pipeplan.profiling.profile import Profile
@@ -69,11 +71,14 @@ class SiblingModel:
     threads: int = 1
 
 
-def _sibling(model: SiblingModel, ready, stop, shares) -> None:  # pragma: no cover - runs in a child process
-    """Build `model` and run its training step until `stop` is set; report "ready" (or the error line) first, and
-    at the end its steps' summed wall-clock and their count on `shares`."""
+def _sibling(model: SiblingModel, cores, ready, stop, shares) -> None:  # pragma: no cover - a child process
+    """Build `model` and run its training step until `stop` is set, pinned to `cores` (None: where the OS puts
+    it); report "ready" (or the error line) first, and at the end its steps' summed wall-clock and their count on
+    `shares`."""
     import time
 
+    if cores is not None:
+        pin_process(cores)
     try:
         import torch
 
@@ -137,11 +142,15 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process whose torch threads already ran
     ready, stop, reported = context.Queue(), context.Event(), context.Queue()
+    blocks: list[frozenset[int] | None] = [None] * (count + 1)  # this process: the first block
+    blocks = list(cpu_core_blocks(count + 1, model.threads) or blocks)
     children = [
-        context.Process(target=_sibling, args=(model, ready, stop, reported), daemon=True) for _ in range(count)
+        context.Process(target=_sibling, args=(model, cores, ready, stop, reported), daemon=True)
+        for cores in blocks[1:]
     ]
     for child in children:
         child.start()
+    before = pin_process(blocks[0]) if blocks[0] is not None else None
     try:
         for _ in children:
             _wait_ready(ready)
@@ -154,6 +163,8 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
                 "time; the profile is scaled by the slowest of the others"
             )
     finally:
+        if before is not None:
+            pin_process(before)
         stop.set()
         for child in children:
             child.join(STOP_TIMEOUT_S)

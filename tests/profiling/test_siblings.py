@@ -6,11 +6,13 @@ bookkeeping (what is scaled, what is recorded, what is refused), not timings."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 
 import pytest
 
 import pipeplan
+from pipeplan.cluster import cpu_core_blocks
 from pipeplan.costs.optimizer import numerics, static_split
 from pipeplan.costs.overlap import optimizer_bytes_per_param, update_bytes_per_param
 from pipeplan.errors import ConfigError
@@ -25,6 +27,10 @@ from pipeplan.profiling.siblings import (
 )
 
 TINY = {"layers": 2, "hidden": 8}
+
+
+def _affinity() -> set[int] | None:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 def test_adamw_bytes_are_the_cost_models():
@@ -147,11 +153,14 @@ def test_a_sibling_that_cannot_build_the_model_is_one_line():
 
 
 @pytest.mark.slow  # starts a sibling process
-def test_a_sibling_that_reports_no_step_time_is_warned_of(monkeypatch, console_warnings):
+def test_this_process_measures_on_its_block_and_a_silent_sibling_is_warned_of(monkeypatch, console_warnings):
     from pipeplan.profiling import siblings
 
     monkeypatch.setattr(siblings, "_reported_step_walls", lambda reported, count: [])
+    machine, blocks = _affinity(), cpu_core_blocks(2, 1)
     with sibling_load(SiblingModel(model="mlp", options=TINY, threads=1), 1) as shares:
-        pass
+        # this process measures on the first block of cores, as a 2-rank run's rank 0 runs (the sibling: rank 1's)
+        assert _affinity() == (set(blocks[0]) if blocks else machine)
+    assert _affinity() == machine  # given back
     assert shares.step_walls_s == []
     assert any("1 of 1 sibling process(es) reported no step time" in w for w in console_warnings())

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.artifact.plan import Plan
-from pipeplan.cluster import cpu_threads_per_rank
+from pipeplan.cluster import cpu_core_blocks, cpu_threads_per_rank, pin_process
 from pipeplan.errors import PipeplanError, RunError
 from pipeplan.options import parse_options
 from pipeplan.runtime.launch.run_options import RunOptions
@@ -57,6 +57,15 @@ def default_cpu_threads() -> int:
     """Threads per CPU rank when --threads is not given: this machine's usable cores shared by the ranks the
     launcher started on it (LOCAL_WORLD_SIZE), so that the ranks do not oversubscribe the cores."""
     return cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _pin_local_rank(threads: int) -> None:
+    """This CPU rank pinned to its block of this machine's cores (cluster.cpu_core_blocks: LOCAL_RANK's of
+    LOCAL_WORLD_SIZE), where the ranks' threads fit in blocks of their own."""
+    blocks = cpu_core_blocks(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), threads)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if blocks is not None and local_rank < len(blocks):
+        pin_process(blocks[local_rank])
 
 
 def run_worker(plan_path: str, config: RunConfig, capture_grads: bool = False, threads: int | None = None) -> RunResult:
@@ -96,7 +105,10 @@ def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, thread
             raise RunError("plans run together in one launch must all run on the same device")
         backend, device = _device(devices.pop())
         if threads or device.type == "cpu":
-            torch.set_num_threads(threads or default_cpu_threads())
+            threads = threads or default_cpu_threads()
+            if device.type == "cpu":
+                _pin_local_rank(threads)
+            torch.set_num_threads(threads)
         first = runs[0][1]
         timeout = timedelta(seconds=first.pg_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

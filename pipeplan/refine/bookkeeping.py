@@ -3,13 +3,15 @@
 Each traced op names its global stage (`{stage}{kind}{mb}`; interleaved, zbv and dualpipev chunks are stages of
 their own, placed on ranks as the plan's rank map says, V or looped), and the plan's stage holds layers
 [first_layer..last_layer]. Every op is checked against the plan (the rank holds the stage; a synchronous step's ops
-are the rank's op list in order) before any is counted. Per (stage, kind) the measured cost is the median over
-every rank running it (a replicated stage's replicas and every data-parallel pipeline run the same full op) and
-every traced step except the run's first (warm-up), scaled to what the ranks' steps cost: by the median over the
-rank's steps of the step's op time over its ops' medians summed (the median over the ranks running it). On a
-time-sliced CPU a short op either runs whole or waits a whole slice for a core, so its median leaves the waits out
-while every step pays them: on this 2-core VM the ops' medians summed were 0.78-1.06 of a rank's median step's op
-time (a zbv step of twelve ops 0.81), and the run's plan timed with them predicted its own run 3-16% fast. An
+are the rank's op list in order) before any is counted. Per (stage, kind) the measured cost is, for each rank
+running it, the median over every traced step except the run's first (warm-up), scaled to what the rank's steps
+cost: by the median over its steps of the step's op time over its ops' medians summed. On a time-sliced CPU a
+short op either runs whole or waits a whole slice for a core, so its median leaves the waits out while every step
+pays them: on this 2-core VM the ops' medians summed were 0.78-1.06 of a rank's median step's op time (a zbv step
+of twelve ops 0.81), and the run's plan timed with them predicted its own run 3-16% fast. A replicated stage's
+replicas and every data-parallel pipeline run the same op, and a synchronized step waits for the slowest of them:
+the stage's cost is the slowest rank's (with CPU ranks pinned to cores, one replica may share its core with other
+work for the whole run at twice the others' op times, and a median over all replicas' samples was their mean). An
 overlapped F&B pair (dualpipev) is one op for two stages and cannot be split: it is left out (of the factor too),
 and its stages' F and B are taken from their unpaired ops.
 
@@ -48,26 +50,27 @@ from pipeplan.profiling.profile import LayerProfile, Profile
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.search.scaling import scale_profile
 
-Medians = dict[tuple[int, str], float]  # (stage, kind) -> median measured ms, scaled to its ranks' median step
+Medians = dict[tuple[int, str], float]  # (stage, kind) -> its slowest rank's median ms, scaled to its median step
 
 
 def measured_medians(plan: Plan, run: MeasuredRun) -> Medians:
-    """Per (stage, kind), the median measured op time scaled to its ranks' median step (module docstring); ops
-    checked against `plan` first."""
+    """Per (stage, kind), the slowest of the ranks running it: each rank's median op time scaled to its median
+    step (module docstring); ops checked against `plan` first."""
     _check_ops(plan, run)
     warm = warm_up_step(run.steps)
     kept = [traced for traced in run.ops if traced.step != warm and traced.op.halves is None]
-    samples: dict[tuple[int, str], list[float]] = {}
-    ranks: dict[tuple[int, str], set[int]] = {}
+    samples: dict[tuple[int, int, str], list[float]] = {}  # (rank, stage, kind) -> its op times
     for traced in kept:
-        samples.setdefault((traced.op.stage, traced.op.kind), []).append(traced.ms)
-        ranks.setdefault((traced.op.stage, traced.op.kind), set()).add(traced.rank)
-    medians = {key: statistics.median(values) for key, values in samples.items()}
-    factor = _step_factors(kept, medians)
-    return {key: ms * statistics.median(factor[rank] for rank in ranks[key]) for key, ms in medians.items()}
+        samples.setdefault((traced.rank, traced.op.stage, traced.op.kind), []).append(traced.ms)
+    per_rank = {key: statistics.median(values) for key, values in samples.items()}
+    factor = _step_factors(kept, per_rank)
+    medians: Medians = {}
+    for (rank, stage, kind), ms in per_rank.items():
+        medians[(stage, kind)] = max(medians.get((stage, kind), 0.0), ms * factor[rank])
+    return medians
 
 
-def _step_factors(kept: list[TracedOp], medians: Medians) -> dict[int, float]:
+def _step_factors(kept: list[TracedOp], per_rank: dict[tuple[int, int, str], float]) -> dict[int, float]:
     """Per rank, the median over its steps of the step's op time over the sum of its ops' medians: what a step
     costs beyond the ops' medians (an op that waits for a core waits a whole time slice, which the median of a
     short op's samples leaves out; module docstring)."""
@@ -76,7 +79,7 @@ def _step_factors(kept: list[TracedOp], medians: Medians) -> dict[int, float]:
     for traced in kept:
         at = (traced.rank, traced.step)
         took[at] = took.get(at, 0.0) + traced.ms
-        typical[at] = typical.get(at, 0.0) + medians[(traced.op.stage, traced.op.kind)]
+        typical[at] = typical.get(at, 0.0) + per_rank[(traced.rank, traced.op.stage, traced.op.kind)]
     ratios: dict[int, list[float]] = {}
     for (rank, step), ms in took.items():
         if typical[(rank, step)] > 0:

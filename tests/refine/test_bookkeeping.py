@@ -205,6 +205,25 @@ def test_medians_are_scaled_to_the_median_step(case):
         assert len(factors) == 1 and factors.pop() > 1.0  # one factor per rank: the medians' proportions kept
 
 
+@pytest.mark.parametrize("case", ["replicated", "data-parallel"])
+def test_a_replicated_stage_costs_its_slowest_replica(case):
+    """Replicas run the same op and a synchronized step waits for the slowest: with one rank's ops 2x the others'
+    (a CPU rank pinned to the core another process keeps busy), every stage it holds costs what its ops cost there,
+    not the median over the replicas' samples; the other stages keep their own ranks' medians."""
+    plan = _plan(**CASES["replicated"]) if case == "replicated" else _plan("1f1b", devices=4, depth=2)
+    holders = {s.index: [r for r, info in enumerate(plan.ranks) if s.index in info.stages] for s in plan.stages}
+    slow = next(holder[0] for holder in holders.values() if len(holder) > 1)  # a rank holding a replicated stage
+    clean = _synthetic_run(plan)
+    run = dataclasses.replace(
+        clean, ops=tuple(dataclasses.replace(o, ms=o.ms * (2.0 if o.rank == slow else 1.0)) for o in clean.ops)
+    )
+    medians = measured_medians(plan, run)
+    held = set(plan.ranks[slow].stages)
+    assert case == "replicated" or len(held) < len(plan.stages)  # data-parallel: the other stage runs elsewhere
+    for (stage, kind), ms in medians.items():
+        assert ms == pytest.approx(_true_ms(plan, stage, kind) * (2.0 if stage in held else 1.0), rel=1e-12)
+
+
 def test_a_trace_of_other_ops_is_refused():
     plan = _plan("1f1b")
     run = _synthetic_run(plan)

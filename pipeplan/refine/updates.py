@@ -4,18 +4,21 @@ trace marks where each ends (`MeasuredRun.tail_parts_ms`), and each part is lear
 with another data-parallel layout or stage count counts each by its own rule (`LearnedTail`):
 
 - the exchange: its speed against the link model's (`costs.gradient_sync_ms` over the plan's links, nothing learned):
-  the ranks' summed planned exchanges over their summed measured ones (bytes-weighted: each rank's planned time is
-  its bytes over the link), `Provenance.exchange_efficiency`, by which `predict.gradient_sync.stage_allreduce_ms`
-  divides every later exchange (a re-plan's exchange follows its own bytes and group size at that speed); ranks
-  with nothing to exchange are left out;
+  the largest over the ranks of the planned exchange over the measured one, `Provenance.exchange_efficiency`, by
+  which `predict.gradient_sync.stage_allreduce_ms` divides every later exchange (a re-plan's exchange follows its
+  own bytes and group size at that speed); ranks with nothing to exchange are left out. A rank that finished its
+  ops first waits in the exchange for its replicas to arrive, and the replica that arrived last (the slowest, whose
+  ops the stage is costed with: `bookkeeping.measured_medians`) waits for nobody: its exchange is the exchange, and
+  the others' excess is the skew between replicas, which the simulated step has in the slowest replica's ops;
 - the checks: a fixed cost per synchronized step, the smallest of the ranks' medians (the rank that reaches the
   all-gather last waits for nobody: the others' longer checks are the wait for it, which the simulated step end
   already has), `Provenance.step_checks_ms`, which every device of a synchronized step counts before its update
   (`predict.StepInputs.step_checks_ms`); one run of one world size cannot show a per-rank-count term, so none is
   fitted;
 - the update: the bytes the rank's stages' updates move (`costs.overlap.update_bytes_per_param` per parameter
-  updated on one device) over its measured update part: a rate, `Provenance.update_bytes_per_s`, which
-  `predict.gradient_sync.stage_optimizer_ms` times every later update with.
+  updated on one device) over its measured update part: a rate per rank, and the slowest rank's is
+  `Provenance.update_bytes_per_s`, which `predict.gradient_sync.stage_optimizer_ms` times every later update with
+  (a synchronized step goes at its slowest rank's pace, as its ops do).
 
 A trace without marks (a post-validated run: its checks settle during the next step; older traces) teaches the
 update alone, as what each tail leaves after the plan's exchange; under post-validation that part is the eager
@@ -84,24 +87,23 @@ def _rank_exchange_ms(plan: Plan) -> list[float]:
 
 
 def _exchange_efficiency(plan: Plan, measured: list[float], prior: float) -> float | None:
-    """The link model's exchange time over the measured one, summed over the ranks that exchange."""
-    pairs = [(planned * prior, ms) for planned, ms in zip(_rank_exchange_ms(plan), measured) if planned > 0]
-    modelled, took = sum(p for p, _ in pairs), sum(ms for _, ms in pairs)
-    return modelled / took if modelled > 0 and took > 0 else None
+    """The link model's exchange time over the measured one, the largest over the ranks that exchange (module
+    docstring: the replica that arrived last waited for nobody)."""
+    ratios = [planned * prior / ms for planned, ms in zip(_rank_exchange_ms(plan), measured) if planned > 0 and ms > 0]
+    return max(ratios) if ratios else None
 
 
 def _update_rate(plan: Plan, update_ms: list[float]) -> float | None:
-    """Bytes/s: the bytes the ranks' updates move over their measured update times (ranks that update)."""
+    """Bytes/s: the slowest over the ranks that update of the bytes its update moves over its measured time."""
     moved = _moved_per_param(plan)
     if moved <= 0:
         return None
-    total_bytes = total_s = 0.0
+    rates = []
     for info, ms in zip(plan.ranks, update_ms):
         params = sum(_updated_params(plan, plan.stages[s]) for s in info.stages)
         if ms > 0 and params > 0:
-            total_bytes += params * moved
-            total_s += ms / 1e3
-    return total_bytes / total_s if total_s > 0 else None
+            rates.append(params * moved / (ms / 1e3))
+    return min(rates) if rates else None
 
 
 def _rate_from_tails(plan: Plan, run: MeasuredRun) -> float | None:

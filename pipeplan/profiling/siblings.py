@@ -142,8 +142,8 @@ def sibling_load(model: SiblingModel, count: int) -> Iterator[SiblingShares]:
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process whose torch threads already ran
     ready, stop, reported = context.Queue(), context.Event(), context.Queue()
-    blocks: list[frozenset[int] | None] = [None] * (count + 1)  # this process: the first block
-    blocks = list(cpu_core_blocks(count + 1, model.threads) or blocks)
+    pinned = cpu_core_blocks(count + 1, model.threads)  # this process: the first block, sibling i the (i+1)-th
+    blocks: list[frozenset[int] | None] = list(pinned) if pinned else [None] * (count + 1)
     children = [
         context.Process(target=_sibling, args=(model, cores, ready, stop, reported), daemon=True)
         for cores in blocks[1:]

@@ -28,11 +28,12 @@ meets, whichever process the layers were timed in. The profile records N (`prove
 
 A rank also updates its parameters every step, and a measured profile otherwise knows no rate to time that with.
 Beside the siblings, `update_bytes_per_s` times torch's AdamW (the runtime's `adamw`) stepping the model's fp32
-parameters, in wall-clock: the bytes it moves per parameter (`ADAMW_FP32_BYTES`: the parameter, its gradient and
-both moments read, the parameter and the moments written, 4 bytes each; the same count as
-`costs.overlap.optimizer_bytes_per_param` for fp32 AdamW, which tests/profiling/test_siblings.py checks) over the
-time gives `provenance.update_bytes_per_s`, which `predict.gradient_sync.stage_optimizer_ms` times a plan's updates
-with (as it does a refined profile's).
+parameters, in process CPU time as the layers are, and its time is multiplied by the same ratio (the slowest
+process's pace, whichever block of cores this process measured on): the bytes it moves per parameter
+(`ADAMW_FP32_BYTES`: the parameter, its gradient and both moments read, the parameter and the moments written, 4
+bytes each; the same count as `costs.overlap.optimizer_bytes_per_param` for fp32 AdamW, which
+tests/profiling/test_siblings.py checks) over that time gives `provenance.update_bytes_per_s`, which
+`predict.gradient_sync.stage_optimizer_ms` times a plan's updates with (as it does a refined profile's).
 
 A sibling is busy all the time, a rank only while it has ops to run (not in its pipeline bubble, not while it
 waits for a transfer): the contention measured is that of the ranks' busy phases, an upper bound on a run's.
@@ -226,8 +227,8 @@ def own_step_times(model: SiblingModel, steps: int = SHARE_STEPS) -> tuple[float
 
 
 def update_bytes_per_s(model: SiblingModel, steps: int = UPDATE_STEPS) -> float | None:
-    """Bytes/s of torch's AdamW stepping `model`'s parameters (fp32 only: None otherwise), in wall-clock over
-    `steps` steps after two untimed ones (module docstring)."""
+    """Bytes/s of torch's AdamW stepping `model`'s parameters (fp32 only: None otherwise), in process CPU time
+    over `steps` steps after two untimed ones (module docstring)."""
     import time
 
     import torch
@@ -242,17 +243,18 @@ def update_bytes_per_s(model: SiblingModel, steps: int = UPDATE_STEPS) -> float 
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     for _ in range(2):
         optimizer.step()
-    began = time.perf_counter()
+    began = time.process_time()
     for _ in range(steps):
         optimizer.step()
-    seconds = time.perf_counter() - began
+    seconds = time.process_time() - began
     count = sum(p.numel() for p in params)
     return count * ADAMW_FP32_BYTES * steps / seconds if seconds > 0 and count else None
 
 
 def under_concurrency(profile: Profile, concurrent: int, ratio: float, update_rate: float | None) -> Profile:
     """`profile` (its times CPU times measured beside `concurrent` - 1 siblings) with every time x `ratio` (the
-    measured wall / CPU time), both recorded in its provenance with the measured `update_rate` (bytes/s)."""
+    slowest process's wall-clock over this one's CPU time per step), the AdamW update's too (`update_rate`, bytes
+    per CPU second, / `ratio`), all recorded in its provenance."""
     times = ("forward_ms", "input_grad_ms", "weight_grad_ms", "backward_ms", "selective_recompute_ms")
     layers = tuple(
         replace(
@@ -273,6 +275,9 @@ def under_concurrency(profile: Profile, concurrent: int, ratio: float, update_ra
         whole_backward_ms=scaled(profile.whole_backward_ms),
         whole_split_backward_ms=scaled(profile.whole_split_backward_ms),
         provenance=replace(
-            profile.provenance, concurrent=concurrent, wall_over_cpu=ratio, update_bytes_per_s=update_rate
+            profile.provenance,
+            concurrent=concurrent,
+            wall_over_cpu=ratio,
+            update_bytes_per_s=None if update_rate is None else update_rate / ratio,
         ),
     )

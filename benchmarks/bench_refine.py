@@ -8,11 +8,11 @@
 for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
 `--learn-from` times (default 3) and refine pools those runs; then the refined plan runs `--alternations` times
 (default 3), alternating with more runs of the plan (after, before, after, before, after), each `--steps` long
-(default 16; a trace keeps the last 8): the machine's load drifts over minutes, and alternating gives both plans
-the same drift. Before and after are medians over every run of the plan and of the
-refined plan. The measured and predicted steps are read from each run's trace (`run --trace` records the summary's
-figures). The noise floor is the same-plan run-to-run spread: per plan, (largest - smallest) / median of its runs'
-measured steps.
+(default 16; the trace keeps every step, `--trace-steps`, so refine learns from the steps the measured median is
+taken over): the machine's load drifts over minutes, and alternating gives both plans the same drift. Before and
+after are medians over every run of the plan and of the refined plan. The measured and predicted steps are read from
+each run's trace (`run --trace` records the summary's figures). The noise floor is the same-plan run-to-run spread:
+per plan, (largest - smallest) / median of its runs' measured steps.
 `--busy` keeps a busy-loop process on one core for the whole benchmark (another job on a 2-core machine).
 
 Targets (issue 37, "Done when"): measured / predicted within 0.85-1.15 before, 0.95-1.05 after one refine round
@@ -78,7 +78,17 @@ def _busy_loop() -> None:  # pragma: no cover - a child process spinning until t
 
 def _run(plan_dir: Path, steps: int, index: int) -> dict:
     trace = plan_dir / f"measured-{index}.json"
-    _cli("run", str(plan_dir / "plan.json"), "--steps", str(steps), "--trace", str(trace), "--quiet")
+    _cli(
+        "run",
+        str(plan_dir / "plan.json"),
+        "--steps",
+        str(steps),
+        "--trace",
+        str(trace),
+        "--trace-steps",
+        str(steps),
+        "--quiet",
+    )
     return _record(trace)
 
 

@@ -1,23 +1,26 @@
 """A CPU profile measures with the threads the run's ranks will use (issue 37: a profile taken with every core and
 ranks running one thread each disagree by the thread count): `pipeplan profile` alone at a CPU_DEFAULT_DEVICES-rank
 run's share of the cores, `plan MODEL` at its own ranks' share, `plan --profile` warns when the file's threads are
-not its ranks' share. The policy is `cluster.cpu_threads_per_rank`, which the run's ranks use too. A machine of 8
-cores is pretended (the affinity); what is checked is the threads recorded and the warnings, not timings."""
+not its ranks' share. The policy is `cluster.cpu_threads_per_rank`, which the run's ranks use too; and each CPU
+rank is pinned to a block of cores of its own (`cluster.cpu_core_blocks`). A machine of 8 cores is pretended (the
+affinity) where the rule is checked; what is checked is the threads and cores recorded and the warnings, not
+timings."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from helpers.runtime import make_plan
 
 import pipeplan
 from pipeplan.cluster import CPU_DEFAULT_DEVICES, cpu_core_blocks, cpu_threads_per_rank, pin_process
 from pipeplan.runtime.launch import worker
+from pipeplan.runtime.launch.local import launch_local
+from pipeplan.runtime.train.config import RunConfig
 
 TINY = {"layers": 2, "hidden": 8}
 
@@ -67,25 +70,21 @@ def test_cpu_ranks_get_blocks_of_cores_of_their_own(eight_cores):
     assert cpu_core_blocks(2, 5) is None and cpu_core_blocks(9, 1) is None
 
 
-def _affinity_of_a_rank(local_rank: int, local_world_size: int, threads: int) -> set[int]:
-    """The cores a rank's process runs on once the worker pinned it (a process of its own: pinning is for good)."""
-    code = (
-        "import os; from pipeplan.runtime.launch.worker import _pin_local_rank; "
-        f"_pin_local_rank({threads}); print(sorted(os.sched_getaffinity(0)))"
-    )
-    env = {**os.environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return set(json.loads(done.stdout))
-
-
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the OS sets no affinity")
-@pytest.mark.slow  # a process importing torch per rank
-def test_a_cpu_rank_is_pinned_to_its_block():
-    machine = set(os.sched_getaffinity(0))
+@pytest.mark.slow  # two ranks
+@pytest.mark.timeout(300)
+def test_a_runs_cpu_ranks_are_pinned_to_their_blocks_and_its_trace_keeps_the_steps_asked(tmp_path):
+    path, _ = make_plan(tmp_path, "mlp", "mlp", TINY, schedule="1f1b", pipeline_devices=2)
+    trace = tmp_path / "measured.json"
+    config = RunConfig(steps=3, trace_path=str(trace), trace_steps=2, quiet=True, heartbeat_timeout_s=30.0)
+    results = launch_local(path, config, threads=1)
+    for rank in json.loads(trace.read_text())["pipeplan_measured"]["ranks"]:  # --trace-steps 2: the last two
+        assert [step["step"] for step in rank["steps"]] == [1, 2]
     blocks = cpu_core_blocks(2, 1)
-    for rank in (0, 1):
-        assert _affinity_of_a_rank(rank, 2, 1) == (set(blocks[rank]) if blocks else machine)
-    assert _affinity_of_a_rank(0, 2, len(machine) + 1) == machine  # threads that fit no block: left to the OS
+    machine = tuple(sorted(os.sched_getaffinity(0)))
+    expected = [tuple(sorted(block)) for block in blocks] if blocks else [machine, machine]  # 1 core: the OS's
+    assert [result.cores for result in results] == expected
+    assert tuple(sorted(os.sched_getaffinity(0))) == machine  # the launching process is left as it was
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the OS sets no affinity")

@@ -41,6 +41,8 @@ def _argvs(tmp_path) -> list[list[str]]:
         "3",
         "--trace",
         str(tmp_path / "t.json"),
+        "--trace-steps",
+        "4",
         "--checkpoint-dir",
         str(tmp_path / "ck"),
         "--checkpoint-every",
@@ -108,6 +110,7 @@ def test_every_flag_reaches_the_ranks_config(tmp_path):
     assert changed == {
         "steps",
         "trace_path",
+        "trace_steps",
         "checkpoint_dir",
         "checkpoint_every",
         "lr",

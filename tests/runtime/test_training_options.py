@@ -128,6 +128,7 @@ def test_a_factory_optimizer_and_schedule_exclude_the_flags_that_would_be_ignore
         (dict(warmup_steps=-1), "--warmup-steps must be >= 0"),
         (dict(momentum=-0.1), "--momentum must be a finite number >= 0"),
         (dict(seed=-1), "--seed must be >= 0"),
+        (dict(trace_steps=0), "--trace-steps must be >= 1"),
     ],
 )
 def test_bad_training_options_are_one_line(options, message):

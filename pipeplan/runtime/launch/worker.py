@@ -3,10 +3,10 @@
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m pipeplan.runtime.launch.worker DIR/plan.json [OPTIONS]
 
-OPTIONS are `pipeplan run`'s (pipeplan.runtime.launch.run_options.RunOptions): --steps, --trace, --checkpoint-dir,
---checkpoint-every, --resume, --init-from, --optimizer, --lr, --lr-schedule, --warmup-steps, --decay-steps,
---weight-decay, --momentum, --seed, --log, --tensorboard, --heartbeat-timeout, --device, --precision, --threads,
---check-every, --quiet, --clip-grad-norm, --post-validate, --overlap-pairs.
+OPTIONS are `pipeplan run`'s (pipeplan.runtime.launch.run_options.RunOptions): --steps, --trace, --trace-steps,
+--checkpoint-dir, --checkpoint-every, --resume, --init-from, --optimizer, --lr, --lr-schedule, --warmup-steps,
+--decay-steps, --weight-decay, --momentum, --seed, --log, --tensorboard, --heartbeat-timeout, --device,
+--precision, --threads, --check-every, --quiet, --clip-grad-norm, --post-validate, --overlap-pairs.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them); runs on
 the plan's device unless --device says otherwise: gloo on CPU, nccl on CUDA with one device per rank
@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -120,7 +121,8 @@ def _run_plans(runs: list[tuple[str, RunConfig]], *, capture_grads: bool, thread
         dist.barrier()  # still under the heartbeat: a rank stopped before it is noticed by its peers
         watchdog.stop(done=True)
         dist.destroy_process_group()
-        return results
+        cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None
+        return [replace(result, cores=cores) for result in results]
     except PipeplanError as exc:
         _fail(rank, str(exc), watchdog, traceback.format_exc())
     except Exception as exc:  # a peer vanished mid-transfer, a CUDA error, a bug: still one line per rank

@@ -54,6 +54,10 @@ LOG_HELP = (
     "predicted step (--resume appends)."
 )
 TENSORBOARD_HELP = "Also write the log's scalars as TensorBoard event files in this directory (needs tensorboard)."
+TRACE_STEPS_HELP = (
+    "Steps --trace keeps, the last ones (default 8): what `pipeplan refine` learns from; more where the machine's "
+    "speed drifts during a run."
+)
 PRECISION_HELP = (
     "fp32, bf16-mixed, fp16-mixed (CUDA) or bf16; must be the plan's (default), e.g. --precision bf16-mixed."
 )
@@ -66,7 +70,8 @@ class RunConfig:
     benchmarks change. Paths are checked and the heartbeat timeout resolved here, wherever the values come from."""
 
     steps: int = option(10, "--steps", help="Training steps (total, counting resumed ones).")
-    trace_path: str | None = option(None, "--trace", help="Write the measured Chrome trace of the last step here.")
+    trace_path: str | None = option(None, "--trace", help="Write the measured Chrome trace of the last steps here.")
+    trace_steps: int = option(8, "--trace-steps", help=TRACE_STEPS_HELP)
     checkpoint_dir: str | None = option(None, "--checkpoint-dir", help="Save per-stage checkpoints here.")
     checkpoint_every: int = option(0, "--checkpoint-every", help="Steps between checkpoints (0: at the end).")
     resume: bool = option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir.")
@@ -108,6 +113,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.trace_steps < 1:
+            raise ConfigError(f"--trace-steps must be >= 1, got {self.trace_steps}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         self._check_training()

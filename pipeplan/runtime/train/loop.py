@@ -1,7 +1,7 @@
 """The training loop each rank runs (inside an initialized process group), one for every schedule: build the rank's
 trainer (trainer.py), then run the steps as segments through the schedule's step strategy and, between segments,
 inject the test faults, log on rank 0, compare shared weights across ranks and write checkpoints; at the end write
-the measured trace (the last TRACE_STEPS steps on one clock per rank) and the summary.
+the measured trace (the last --trace-steps steps on one clock per rank) and the summary.
 
 A step strategy says what a segment of steps is and does (`StepStrategy`): a synchronous schedule runs one step per
 segment and checks every step globally (trainer.SynchronousSteps); an asynchronous one runs a stream of steps
@@ -37,8 +37,6 @@ from pipeplan.runtime.train.trace_io import write_trace
 from pipeplan.runtime.train.trainer import RunResult, SynchronousSteps, TracedStep, Trainer
 from pipeplan.schedules.registry import schedule_info
 from pipeplan.units import format_gib
-
-TRACE_STEPS = 8  # --trace keeps this many last steps
 
 
 class StepStrategy(Protocol):
@@ -121,12 +119,12 @@ def _run_segments(trainer: Trainer, steps: StepStrategy, result: RunResult, batc
             trainer.sync.check_in_sync(checked := end - 1)
         if save:
             trainer.save(end)
-        del traced[:-TRACE_STEPS]
+        del traced[: -config.trace_steps]
     traced += steps.settle()
     _log_steps(trainer, result, logged, metrics)
     if config.check_every and checked != config.steps - 1:
         trainer.sync.check_in_sync(config.steps - 1)
-    _finish(trainer, result, traced[-TRACE_STEPS:], origin)
+    _finish(trainer, result, traced[-config.trace_steps :], origin)
     _maybe_fail(fault, rank, config.steps, watchdog, trainer)  # step = --steps: in the shutdown, after the summary
 
 

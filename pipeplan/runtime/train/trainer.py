@@ -55,6 +55,7 @@ class RunResult:
     pairs: str | None = None  # how this rank ran its overlapped F&B pairs (overlap.PairRunner.describe), if any
     microbatch_grads: dict[int, dict[str, torch.Tensor]] | None = None  # async runs: per microbatch (when asked)
     saved_peak_bytes: int | None = None  # with RunConfig.track_saved: the most activation bytes held (executor's)
+    cores: tuple[int, ...] | None = None  # the CPU cores the rank's process could run on (pinned: its block)
 
 
 def microbatches_for(

@@ -8,7 +8,7 @@
 for 1f1b, zb-h1, zbv and interleaved, each round (`--repeats`, default 3) profiling again. The plan runs
 `--learn-from` times (default 3) and refine pools those runs; then the refined plan runs `--alternations` times
 (default 3), alternating with more runs of the plan (after, before, after, before, after), each `--steps` long
-(default 16; the trace keeps every step, `--trace-steps`, so refine learns from the steps the measured median is
+(default 64; the trace keeps every step, `--trace-steps`, so refine learns from the steps the measured median is
 taken over): the machine's load drifts over minutes, and alternating gives both plans the same drift. Before and
 after are medians over every run of the plan and of the refined plan. The measured and predicted steps are read from
 each run's trace (`run --trace` records the summary's figures). The noise floor is the same-plan run-to-run spread:
@@ -39,7 +39,7 @@ BEFORE, AFTER = (0.85, 1.15), (0.95, 1.05)
 
 def _options(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (profile, plan, run, refine, run); default 3")
-    parser.add_argument("--steps", type=int, default=16, help="training steps per run (default 16)")
+    parser.add_argument("--steps", type=int, default=64, help="training steps per run (default 64)")
     parser.add_argument("--learn-from", type=int, default=3, help="runs refine pools (--with); default 3")
     parser.add_argument("--alternations", type=int, default=3, help="runs of the refined plan (default 3)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)")

@@ -190,9 +190,11 @@ def _reported_step_walls(reported, count: int) -> list[float]:
 
 def slowest_share(own: tuple[float, float], sibling_walls_s: list[float]) -> float:
     """The ratio every CPU time is multiplied by: the slowest process's wall-clock per training step (this one's or
-    a sibling's) over this process's CPU time per step, `own` = (wall, CPU) per step (module docstring); at least 1."""
+    a sibling's) over this process's CPU time per step, `own` = (wall, CPU) per step (module docstring). Below 1
+    where this process's threads ran in parallel (its CPU time sums theirs): the layers' CPU times are then brought
+    back to wall-clock the same way."""
     wall, cpu = own
-    return max(1.0, max([wall, *sibling_walls_s]) / cpu) if cpu > 0 else 1.0
+    return max([wall, *sibling_walls_s]) / cpu if cpu > 0 else 1.0
 
 
 def _wait_ready(ready) -> None:

@@ -93,6 +93,7 @@ FROZEN: dict[str, set[str]] = {
         "--tensorboard",
         "--threads",
         "--trace",
+        "--trace-steps",
         "--warmup-steps",
         "--weight-decay",
     },

@@ -21,8 +21,9 @@ with another data-parallel layout or stage count counts each by its own rule (`L
   (a synchronized step goes at its slowest rank's pace, as its ops do).
 
 A trace without marks (a post-validated run: its checks settle during the next step; older traces) teaches the
-update alone, as what each tail leaves after the plan's exchange; under post-validation that part is the eager
-update with its undo copy (`costs.overlap.eager_update_ms`), so the rate is taken over those bytes."""
+update alone, as what each tail leaves after the plan's exchange, at the fastest rank's rate (that part holds the
+waits in the exchange too, and the replica that arrived last waited least); under post-validation that part is
+the eager update with its undo copy (`costs.overlap.eager_update_ms`), so the rate is taken over those bytes."""
 
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def _exchange_efficiency(plan: Plan, measured: list[float], prior: float) -> flo
     return max(ratios) if ratios else None
 
 
-def _update_rate(plan: Plan, update_ms: list[float]) -> float | None:
-    """Bytes/s: the slowest over the ranks that update of the bytes its update moves over its measured time."""
+def _update_rate(plan: Plan, update_ms: list[float], pick=min) -> float | None:
+    """Bytes/s: `pick` (the slowest: min) over the ranks that update of the bytes its update moves over its
+    measured time."""
     moved = _moved_per_param(plan)
     if moved <= 0:
         return None
@@ -103,17 +105,19 @@ def _update_rate(plan: Plan, update_ms: list[float]) -> float | None:
         params = sum(_updated_params(plan, plan.stages[s]) for s in info.stages)
         if ms > 0 and params > 0:
             rates.append(params * moved / (ms / 1e3))
-    return min(rates) if rates else None
+    return pick(rates) if rates else None
 
 
 def _rate_from_tails(plan: Plan, run: MeasuredRun) -> float | None:
     """Without marks: the part of each rank's median tail the plan's exchange leaves, taken as its update (eager,
-    with the undo copy, when the run post-validated); None when nothing is left or no update is timed."""
+    with the undo copy, when the run post-validated); None when nothing is left or no update is timed. That part
+    also holds the rank's wait in the exchange for its slowest replica (whose ops the stage is costed with): the
+    fastest rate is the rank's that waited least, the replica that arrived last."""
     left = [tail - exchange for tail, exchange in zip(run.tail_ms, _rank_exchange_ms(plan))]
     if run.record.post_validate:
         scale = eager_update_ms([1.0], plan.training.numerics)[0]
         left = [ms / scale for ms in left]
-    return _update_rate(plan, left)
+    return _update_rate(plan, left, pick=max)
 
 
 def with_learned_tail(plan: Plan, learned: LearnedTail, prior_efficiency: float | None = None) -> Plan:
